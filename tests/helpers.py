@@ -1,0 +1,34 @@
+"""Small builders shared by the tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from zephon_collate import SampleBatch, SampleMeta, SampleRecord
+
+BOS, EOS, PAD = 1, 2, 0
+
+
+def record(payload: Any, index: int = 0, padding: int | None = None, **meta: Any) -> SampleRecord:
+    """A record with sample_id (0, 0, index) and, when given, a ``_padding_length`` tag."""
+    tags = {} if padding is None else {"_padding_length": padding}
+    fields = {"lane_id": 0, "chunk_id": 0, "tags": tags, **meta}
+    return SampleRecord(SampleMeta((0, 0, index), **fields), payload)
+
+
+def batch(*payloads: Any, paddings: list[int | None] | None = None) -> SampleBatch:
+    """A batch of records built from payloads, with optional per-record padding lengths."""
+    paddings = paddings or [None] * len(payloads)
+    return SampleBatch([record(p, i, pad) for i, (p, pad) in enumerate(zip(payloads, paddings, strict=True))])
+
+
+def as_lists(value: Any) -> Any:
+    """Tensors and arrays to nested lists, dict values too, for comparisons."""
+    if isinstance(value, dict):
+        return {key: as_lists(item) for key, item in value.items()}
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return value.tolist()
+    return value

@@ -1,0 +1,181 @@
+"""Pure tensor kernels behind the transforms.
+
+Each function takes tensors and returns new tensors; none writes into its
+inputs, none loops over tokens in Python, and none synchronises with the device
+except :func:`cu_seqlens_rows` / :func:`cu_seqlens_flat` when they are not given
+a fixed boundary count (their output size then depends on the data).
+
+Shapes: ``B`` rows of ``S`` tokens; per-token fields are ``[B, S]`` or
+``[B, S, ...]`` for non-scalar tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "align_mask",
+    "cu_seqlens_flat",
+    "cu_seqlens_rows",
+    "eos_label_mask",
+    "mask_labels",
+    "sequence_positions",
+    "shift_tokens",
+    "trailing_mask",
+    "valid_label_mask",
+]
+
+
+def shift_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split ``[B, S, ...]`` tokens into next-token ``(inputs, labels)``.
+
+    Returns views: ``inputs = tokens[:, :-1]`` and ``labels = tokens[:, 1:]``.
+
+    Example:
+        >>> inputs, labels = shift_tokens(torch.tensor([[5, 6, 7]]))
+        >>> inputs.tolist(), labels.tolist()
+        ([[5, 6]], [[6, 7]])
+    """
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def trailing_mask(padding_length: torch.Tensor, length: int) -> torch.Tensor:
+    """Boolean ``[B, length]`` mask, True on the last ``padding_length[b]`` entries of row ``b``.
+
+    Example:
+        >>> trailing_mask(torch.tensor([0, 2]), 4).tolist()
+        [[False, False, False, False], [False, False, True, True]]
+    """
+    index = torch.arange(length, device=padding_length.device)
+    return index >= (length - padding_length).unsqueeze(1)
+
+
+def align_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """View a ``[B, S]`` mask with trailing singleton dims so it broadcasts against ``like``."""
+    return mask.reshape(*mask.shape, *([1] * (like.dim() - mask.dim())))
+
+
+def mask_labels(labels: torch.Tensor, mask: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Return ``labels`` with ``ignore_index`` wherever the ``[B, S]`` ``mask`` is True.
+
+    Example:
+        >>> mask_labels(torch.tensor([[4, 5, 6]]), torch.tensor([[False, True, False]]), -100).tolist()
+        [[4, -100, 6]]
+    """
+    fill = torch.full((), ignore_index, dtype=labels.dtype, device=labels.device)
+    return torch.where(align_mask(mask, labels), fill, labels)
+
+
+def valid_label_mask(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Float32 mask, 1.0 where ``labels != ignore_index`` and 0.0 elsewhere.
+
+    Example:
+        >>> valid_label_mask(torch.tensor([[4, -100, 6]]), -100).tolist()
+        [[1.0, 0.0, 1.0]]
+    """
+    return torch.ne(
+        labels, ignore_index, out=torch.empty(labels.shape, dtype=torch.float32, device=labels.device)
+    )
+
+
+def eos_label_mask(inputs: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """True where the input token is EOS: the prediction made *from* EOS.
+
+    Example:
+        >>> eos_label_mask(torch.tensor([[1, 10, 2, 1, 11]]), 2).tolist()
+        [[False, False, True, False, False]]
+    """
+    return inputs == eos_token_id
+
+
+def sequence_positions(like: torch.Tensor) -> torch.Tensor:
+    """Positions ``[0, 1, ..., S-1]`` in every row of ``like`` (``[B, S, ...]``), in its dtype and device.
+
+    Example:
+        >>> sequence_positions(torch.zeros(2, 3, dtype=torch.int32)).tolist()
+        [[0, 1, 2], [0, 1, 2]]
+    """
+    rows, length = like.shape[0], like.shape[1]
+    return torch.arange(length, dtype=like.dtype, device=like.device).expand(rows, length).contiguous()
+
+
+def _segment_lengths_max(boundaries: torch.Tensor) -> torch.Tensor:
+    return boundaries.diff(dim=-1, prepend=boundaries[..., :1]).amax(dim=-1)
+
+
+def cu_seqlens_rows(
+    positions: torch.Tensor, num_boundaries: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row segment boundaries from segment-restarting ``[B, S]`` positions.
+
+    A row's boundaries are the indices where its positions are zero, then its
+    length ``S``; rows are padded with ``S`` to ``K`` columns. ``K`` is the
+    largest boundary count in the batch, which depends on the data: finding it
+    reads one number back from the device. Pass ``num_boundaries`` to fix ``K``
+    instead (no sync, static shape); a row needing more boundaries than that
+    fails a device-side assertion.
+
+    Returns:
+        ``(cu_seqlens [B, K] int32, max_seqlen [B] int32)``, the maximum being
+        each row's longest segment.
+
+    Example:
+        >>> cu, top = cu_seqlens_rows(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]))
+        >>> cu.tolist(), top.tolist()
+        ([[0, 3, 5], [0, 5, 5]], [3, 5])
+    """
+    rows, length = positions.shape
+    is_start = positions == 0
+    index = torch.arange(length, device=positions.device)
+    rank = is_start.cumsum(dim=1) - 1
+    if num_boundaries is None:
+        num_boundaries = int(rank[:, -1].amax()) + 2 if rows and length else 1
+    else:
+        torch._assert_async(
+            (rank[:, -1] + 2 <= num_boundaries).all() if length else torch.tensor(True),
+            "cu_seqlens: a row has more segments than num_boundaries - 1",
+        )
+        rank = rank.clamp(max=num_boundaries)
+    slot = torch.where(is_start, rank, num_boundaries)
+    boundaries = torch.full((rows, num_boundaries + 1), length, dtype=torch.int64, device=positions.device)
+    # Non-starts land in the spare column num_boundaries, dropped below.
+    boundaries = boundaries.scatter(1, slot, index.expand(rows, length))
+    boundaries = boundaries[:, :num_boundaries].to(torch.int32)
+    return boundaries, _segment_lengths_max(boundaries)
+
+
+def cu_seqlens_flat(
+    positions: torch.Tensor, num_boundaries: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One cumulative boundary sequence across all ``B * S`` tokens of ``[B, S]`` positions.
+
+    Row ``b``'s boundaries are offset by ``b * S``; the sequence ends at ``B * S``.
+    Its length depends on the data (one read back from the device), unless
+    ``num_boundaries`` fixes it: it is then padded with ``B * S``.
+
+    Returns:
+        ``(cu_seqlens [N] int32, max_seqlen [] int32)``.
+
+    Example:
+        >>> cu, top = cu_seqlens_flat(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]))
+        >>> cu.tolist(), int(top)
+        ([0, 3, 5, 10], 5)
+    """
+    flat_starts = (positions == 0).reshape(-1)
+    total = flat_starts.numel()
+    if num_boundaries is None:
+        starts = flat_starts.nonzero().squeeze(1)
+        end = torch.full((1,), total, dtype=starts.dtype, device=starts.device)
+        boundaries = torch.cat([starts, end]).to(torch.int32)
+    else:
+        torch._assert_async(
+            flat_starts.sum() + 1 <= num_boundaries,
+            "cu_seqlens: the batch has more segments than num_boundaries - 1",
+        )
+        index = torch.arange(total, device=positions.device)
+        slot = torch.where(flat_starts, flat_starts.cumsum(0) - 1, num_boundaries)
+        slot = slot.clamp(max=num_boundaries)
+        boundaries = torch.full((num_boundaries + 1,), total, dtype=torch.int64, device=positions.device)
+        boundaries = boundaries.scatter(0, slot, index)
+        boundaries = boundaries[:num_boundaries].to(torch.int32)
+    return boundaries, _segment_lengths_max(boundaries)

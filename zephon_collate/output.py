@@ -1,0 +1,164 @@
+"""The output stage of to_training: key order, renaming, exclusion, flattening, containers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from zephon_collate.options import TrainingOptions
+from zephon_collate.types import SampleRecord
+
+__all__ = ["assemble_outputs", "empty_outputs", "merge_row_outputs", "output_keys"]
+
+NOT_PER_TOKEN = ("ids", "texts", "num_valid_tokens", "cu_seqlens", "max_seqlen")
+
+
+def emitted_keys(options: TrainingOptions, stacked_keys: Sequence[str] | None) -> list[str]:
+    """The fields a call emits, in the reference page's order (``None``: an empty batch)."""
+    empty = stacked_keys is None
+    has = set(stacked_keys or ())
+    keys = ["ids", "texts", "input_ids"]
+    keys += ["labels"] if options.return_labels else []
+    if options.position_mode == "sequence" or (not empty and "positions" in has):
+        keys.append("positions")
+    keys += list(options.data_fields)
+    if empty and "positions" in options.extra_fields and "positions" not in keys:
+        keys.append("positions")
+    keys += ["num_valid_tokens"] if options.return_num_valid_tokens else []
+    raw_mask = not options.return_labels and (
+        "loss_mask" in has or (empty and "loss_mask" in options.extra_fields)
+    )
+    keys += ["loss_mask"] if options.return_loss_mask or raw_mask else []
+    keys += ["cu_seqlens", "max_seqlen"] if options.return_cu_seqlens else []
+    keys += ["padding_mask"] if options.return_padding_mask else []
+    return keys
+
+
+def rename_and_exclude(
+    keys: Sequence[str], options: TrainingOptions, *, empty: bool
+) -> list[tuple[str, str]]:
+    """``(emitted_key, final_name)`` pairs after renaming then exclusion.
+
+    Raises:
+        ValueError: if a rename source is not emitted (nonempty batches only), or
+            two fields end with the same name.
+    """
+    renames = dict(options.rename_fields)
+    if not empty:
+        for source in renames:
+            if source not in keys:
+                raise ValueError(
+                    f"to_training: rename_fields names {source!r}, which this call does not emit "
+                    f"(it emits {list(keys)})"
+                )
+    finals = [(key, renames.get(key, key)) for key in keys]
+    seen: dict[str, str] = {}
+    for key, name in finals:
+        if name in seen:
+            raise ValueError(
+                f"to_training: rename_fields gives {seen[name]!r} and {key!r} the same name {name!r}; "
+                "final names must be unique"
+            )
+        seen[name] = key
+    excluded = set(options.exclude_fields)
+    return [(key, name) for key, name in finals if name not in excluded]
+
+
+def output_keys(
+    records: Sequence[SampleRecord], options: TrainingOptions, stacked_keys: Sequence[str]
+) -> list[tuple[str, str]]:
+    """Emitted keys of a nonempty batch with their final names."""
+    return rename_and_exclude(emitted_keys(options, stacked_keys), options, empty=False)
+
+
+def empty_outputs(options: TrainingOptions) -> dict[str, Any]:
+    """What to_training returns for an empty batch."""
+    values: dict[str, Any] = {"num_valid_tokens": 0}
+    if options.return_cu_seqlens and options.flatten:
+        values.update(cu_seqlens=[0], max_seqlen=0)
+    pairs = rename_and_exclude(emitted_keys(options, None), options, empty=True)
+    return {name: values.get(key, []) for key, name in pairs}
+
+
+def _ids_and_texts(records: Sequence[SampleRecord], key: str) -> list[Any]:
+    if key == "ids":
+        return [r.meta.sample_id for r in records]
+    return [r.payload.get("text") if isinstance(r.payload, Mapping) else None for r in records]
+
+
+def _convert(tensor: torch.Tensor, kind: str) -> Any:
+    if kind == "torch":
+        return tensor.contiguous()
+    if kind == "numpy":
+        return tensor.detach().cpu().numpy()
+    return tensor.tolist()
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1, *tensor.shape[2:]) if tensor.dim() >= 2 else tensor
+
+
+def assemble_outputs(
+    records: Sequence[SampleRecord],
+    options: TrainingOptions,
+    td: TensorDictBase,
+    pairs: list[tuple[str, str]],
+) -> dict[str, Any]:
+    """Build the output dict of a stacked batch from the chain's TensorDict."""
+    kind = options.output.kind
+    out: dict[str, Any] = {}
+    for key, name in pairs:
+        if key in ("ids", "texts"):
+            out[name] = _ids_and_texts(records, key)
+        elif key == "num_valid_tokens":
+            out[name] = int(td.get(key).sum())
+        elif key == "max_seqlen" and options.flatten:
+            out[name] = int(td.get(key))
+        elif key in NOT_PER_TOKEN or not options.flatten:
+            out[name] = _convert(td.get(key), kind)
+        else:
+            out[name] = _convert(_flat(td.get(key)), kind)
+    return out
+
+
+def _pad_rows(rows: list[list[int]]) -> list[list[int]]:
+    width = max(len(row) for row in rows)
+    return [row + [row[-1]] * (width - len(row)) for row in rows]
+
+
+def _join_boundaries(rows: list[list[int]]) -> list[int]:
+    joined: list[int] = []
+    total = 0
+    for row in rows:
+        joined += [start + total for start in row[:-1]]
+        total += row[-1]
+    return [*joined, total]
+
+
+def merge_row_outputs(
+    records: Sequence[SampleRecord],
+    options: TrainingOptions,
+    tds: list[TensorDictBase],
+    pairs: list[tuple[str, str]],
+) -> dict[str, Any]:
+    """List output for rows of unequal length, each run through the chain as a batch of one."""
+    out: dict[str, Any] = {}
+    for key, name in pairs:
+        if key in ("ids", "texts"):
+            out[name] = _ids_and_texts(records, key)
+            continue
+        rows = [td.get(key).tolist() for td in tds]
+        if key == "num_valid_tokens":
+            out[name] = sum(sum(row) for row in rows)
+        elif key == "cu_seqlens":
+            out[name] = _join_boundaries(rows) if options.flatten else _pad_rows([row[0] for row in rows])
+        elif key == "max_seqlen":
+            out[name] = max(rows) if options.flatten else [row[0] for row in rows]
+        elif options.flatten:
+            out[name] = [item for row in rows for item in row[0]]
+        else:
+            out[name] = [row[0] for row in rows]
+    return out

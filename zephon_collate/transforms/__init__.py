@@ -1,0 +1,20 @@
+"""Composable TensorDict transforms that turn a stacked batch into training tensors."""
+
+from zephon_collate.transforms.base import Chain, Transform
+from zephon_collate.transforms.cu_seqlens import CuSeqlens
+from zephon_collate.transforms.eos_mask import EosMask
+from zephon_collate.transforms.loss_mask import LossMask
+from zephon_collate.transforms.padding_mask import PaddingMask
+from zephon_collate.transforms.positions import Positions
+from zephon_collate.transforms.token_shift import TokenShift
+
+__all__ = [
+    "Chain",
+    "CuSeqlens",
+    "EosMask",
+    "LossMask",
+    "PaddingMask",
+    "Positions",
+    "TokenShift",
+    "Transform",
+]

@@ -1,0 +1,87 @@
+"""CuSeqlens: varlen-attention segment boundaries from segment-restarting positions."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+
+from zephon_collate.functional import cu_seqlens_flat, cu_seqlens_rows
+from zephon_collate.transforms.base import Transform, _check_key
+
+__all__ = ["CuSeqlens"]
+
+
+class CuSeqlens(Transform):
+    """Cumulative segment boundaries (``cu_seqlens``) and longest segments (``max_seqlen``).
+
+    A segment starts wherever ``positions`` is zero. Per row (``flatten=False``)
+    the boundaries are the start indices then the row length, padded with the
+    row length to ``K`` columns: ``[B, K]`` int32, maxima ``[B]`` int32.
+    Flattened, they are one sequence over all ``B * S`` tokens ending at
+    ``B * S`` (``[N]`` int32; maximum ``[]`` int32), and the output TensorDict
+    has ``batch_size=[]``.
+
+    **Data-dependent shape.** ``K`` (or ``N``) is the number of segments in the
+    data, so computing it reads a value back from the device and a compiled
+    graph cannot fix the shape. That is why this step sits at the end of a
+    chain. Pass ``num_boundaries`` for a static shape instead: boundaries are
+    padded to exactly that count with the row length (flattened: the total
+    length) as filler, no read-back happens, and a batch with more segments
+    fails a device-side assertion.
+
+    Positions must be those of the payload (segment-restarting), aligned with
+    the tokens; place this before ``Positions("sequence")``.
+
+    Parameters:
+        positions_key: the ``[B, S]`` positions (default ``"positions"``).
+        flatten: one sequence across the batch instead of one per row.
+        num_boundaries: fixed boundary count, or ``None`` for the data's.
+        out_key: where to write boundaries (default ``"cu_seqlens"``).
+        max_key: where to write maxima (default ``"max_seqlen"``).
+
+    Raises:
+        ValueError: if ``num_boundaries`` is not an int >= 1.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict(positions=torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]), batch_size=[2])
+        >>> out = CuSeqlens()(td)
+        >>> out["cu_seqlens"].tolist(), out["max_seqlen"].tolist()
+        ([[0, 3, 5], [0, 5, 5]], [3, 5])
+        >>> CuSeqlens(flatten=True)(td)["cu_seqlens"].tolist()
+        [0, 3, 5, 10]
+        >>> CuSeqlens(flatten=True, num_boundaries=6)(td)["cu_seqlens"].tolist()
+        [0, 3, 5, 10, 10, 10]
+    """
+
+    def __init__(
+        self,
+        positions_key: str = "positions",
+        flatten: bool = False,
+        num_boundaries: int | None = None,
+        out_key: str = "cu_seqlens",
+        max_key: str = "max_seqlen",
+    ) -> None:
+        super().__init__()
+        if num_boundaries is not None and (
+            not isinstance(num_boundaries, int) or isinstance(num_boundaries, bool) or num_boundaries < 1
+        ):
+            raise ValueError(f"CuSeqlens: num_boundaries must be an int >= 1 or None, got {num_boundaries!r}")
+        if not isinstance(flatten, bool):
+            raise TypeError(f"CuSeqlens: flatten must be a bool, got {flatten!r}")
+        self.positions_key = _check_key("CuSeqlens", "positions_key", positions_key)
+        self.out_key = _check_key("CuSeqlens", "out_key", out_key)
+        self.max_key = _check_key("CuSeqlens", "max_key", max_key)
+        self.flatten = flatten
+        self.num_boundaries = num_boundaries
+        self.in_keys = [positions_key]
+        self.out_keys = [out_key, max_key]
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        positions = td.get(self.positions_key)
+        kernel = cu_seqlens_flat if self.flatten else cu_seqlens_rows
+        boundaries, longest = kernel(positions, self.num_boundaries)
+        out = td.copy()
+        if self.flatten:
+            out.batch_size = torch.Size([])
+        return out.update({self.out_key: boundaries, self.max_key: longest})

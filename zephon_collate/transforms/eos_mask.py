@@ -1,0 +1,63 @@
+"""EosMask: drop the predictions made from EOS tokens."""
+
+from __future__ import annotations
+
+from tensordict import TensorDictBase
+
+from zephon_collate.functional import eos_label_mask, mask_labels
+from zephon_collate.transforms.base import Transform, _check_key
+from zephon_collate.validation import check_eos_token_id, check_ignore_index
+
+__all__ = ["EosMask"]
+
+
+class EosMask(Transform):
+    """Set ``labels`` to ``ignore_index`` wherever the input token equals ``eos_token_id``.
+
+    For packed ``[BOS, A, EOS, BOS, B, EOS]`` this masks the EOS -> BOS
+    prediction, not A -> EOS or B -> EOS. Matching is by token id, not by
+    document boundary: if BOS and EOS share an id, the prediction after BOS
+    (the first content token) is masked too. Run it after :class:`TokenShift`.
+
+    Parameters:
+        eos_token_id: the EOS id, a nonnegative int.
+        ignore_index: the loss-ignore sentinel (default -100).
+        inputs_key: the input tokens (default ``"input_ids"``).
+        labels_key: the labels (default ``"labels"``).
+
+    Raises:
+        ValueError: if ``eos_token_id`` is not a nonnegative int.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> BOS, A, EOS, B = 1, 10, 2, 11
+        >>> td = TensorDict(
+        ...     input_ids=torch.tensor([[BOS, A, EOS, BOS, B]]),
+        ...     labels=torch.tensor([[A, EOS, BOS, B, EOS]]),
+        ...     batch_size=[1],
+        ... )
+        >>> EosMask(eos_token_id=EOS)(td)["labels"].tolist()
+        [[10, 2, -100, 11, 2]]
+    """
+
+    def __init__(
+        self,
+        eos_token_id: int,
+        ignore_index: int = -100,
+        inputs_key: str = "input_ids",
+        labels_key: str = "labels",
+    ) -> None:
+        super().__init__()
+        self.eos_token_id = check_eos_token_id(eos_token_id, owner="EosMask")
+        self.ignore_index = check_ignore_index(ignore_index, owner="EosMask")
+        self.inputs_key = _check_key("EosMask", "inputs_key", inputs_key)
+        self.labels_key = _check_key("EosMask", "labels_key", labels_key)
+        self.in_keys = [inputs_key, labels_key]
+        self.out_keys = [labels_key]
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        from_eos = eos_label_mask(td.get(self.inputs_key), self.eos_token_id)
+        return td.replace(
+            {self.labels_key: mask_labels(td.get(self.labels_key), from_eos, self.ignore_index)}
+        )

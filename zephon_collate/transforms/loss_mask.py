@@ -1,0 +1,93 @@
+"""LossMask: supervision and padding masking of labels, the final loss mask and counts."""
+
+from __future__ import annotations
+
+from tensordict import TensorDictBase
+
+from zephon_collate.functional import mask_labels, trailing_mask
+from zephon_collate.transforms.base import Transform, _check_key
+from zephon_collate.validation import check_ignore_index
+
+__all__ = ["LossMask"]
+
+
+def _optional_key(name: str, value: str | None) -> str | None:
+    return None if value is None else _check_key("LossMask", name, value)
+
+
+class LossMask(Transform):
+    """Mask unsupervised and padding labels, then emit the label-aligned loss mask and counts.
+
+    Labels whose label-aligned supervision mask is 0 (``supervision_key``, the
+    payload ``loss_mask`` cut ``[:, 1:]`` by :class:`TokenShift`) and each
+    row's last ``padding_length[b]`` labels become ``ignore_index``. Then, from
+    the labels as they stand (so run it after :class:`EosMask`):
+    ``out_key`` gets ``(labels != ignore_index)`` as float32 and ``count_key``
+    the per-row count of such labels (``[B]``, int64; sum it for the batch).
+    The supervision mask is consumed: it is dropped from the output unless
+    ``out_key`` overwrites it. Set any key to ``None`` to skip that part.
+
+    Note that a real label equal to ``ignore_index`` counts as ignored.
+
+    Parameters:
+        ignore_index: the loss-ignore sentinel (default -100).
+        supervision_key: label-aligned 0/1 mask to apply (default ``"loss_mask"``).
+        padding_length_key: ``[B]`` trailing pad counts (default ``"padding_length"``).
+        labels_key: the labels (default ``"labels"``).
+        out_key: where to write the float32 loss mask (default ``"loss_mask"``).
+        count_key: where to write per-row valid-label counts (default ``"num_valid_tokens"``).
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict(
+        ...     labels=torch.tensor([[11, 12, 13, 0]]),
+        ...     loss_mask=torch.tensor([[0, 1, 1, 1]]),
+        ...     padding_length=torch.tensor([1]),
+        ...     batch_size=[1],
+        ... )
+        >>> out = LossMask()(td)
+        >>> out["labels"].tolist(), out["loss_mask"].tolist(), out["num_valid_tokens"].tolist()
+        ([[-100, 12, 13, -100]], [[0.0, 1.0, 1.0, 0.0]], [2])
+    """
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        supervision_key: str | None = "loss_mask",
+        padding_length_key: str | None = "padding_length",
+        labels_key: str = "labels",
+        out_key: str | None = "loss_mask",
+        count_key: str | None = "num_valid_tokens",
+    ) -> None:
+        super().__init__()
+        self.ignore_index = check_ignore_index(ignore_index, owner="LossMask")
+        self.supervision_key = _optional_key("supervision_key", supervision_key)
+        self.padding_length_key = _optional_key("padding_length_key", padding_length_key)
+        self.labels_key = _check_key("LossMask", "labels_key", labels_key)
+        self.out_key = _optional_key("out_key", out_key)
+        self.count_key = _optional_key("count_key", count_key)
+        reads = [labels_key, supervision_key, padding_length_key]
+        self.in_keys = [key for key in reads if key is not None]
+        self.out_keys = [key for key in (labels_key, out_key, count_key) if key is not None]
+        if supervision_key is not None and supervision_key not in self.out_keys:
+            self.dropped_keys = (supervision_key,)
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        labels = td.get(self.labels_key)
+        drop = None
+        if self.supervision_key is not None:
+            drop = td.get(self.supervision_key) == 0
+        if self.padding_length_key is not None:
+            padding = trailing_mask(td.get(self.padding_length_key), labels.shape[1])
+            drop = padding if drop is None else drop | padding
+        if drop is not None:
+            labels = mask_labels(labels, drop, self.ignore_index)
+        updates = {self.labels_key: labels}
+        valid = labels != self.ignore_index
+        if self.out_key is not None:
+            updates[self.out_key] = valid.float()
+        if self.count_key is not None:
+            updates[self.count_key] = valid.reshape(valid.shape[0], -1).sum(dim=1)
+        out = td.replace(updates)
+        return out.exclude(*self.dropped_keys) if self.dropped_keys else out

@@ -1,0 +1,54 @@
+"""PaddingMask: where each row's trailing padding lies."""
+
+from __future__ import annotations
+
+from tensordict import TensorDictBase
+
+from zephon_collate.functional import trailing_mask
+from zephon_collate.transforms.base import Transform, _check_key
+
+__all__ = ["PaddingMask"]
+
+
+class PaddingMask(Transform):
+    """Boolean ``[B, S]`` mask, True on the last ``padding_length[b]`` tokens of row ``b``.
+
+    Reads the per-row pad counts (``[B]``, e.g. ``meta.padding_length``, 0 for
+    none) and the token field for ``S``. Place it *before* :class:`TokenShift`
+    and list ``"padding_mask"`` in the shift's ``input_keys``: the mask is then
+    computed on the whole row and cut to the input alignment, as the reference
+    page defines it. It never infers padding from token ids.
+
+    Parameters:
+        padding_length_key: the ``[B]`` pad counts (default ``"padding_length"``).
+        like_key: the token field giving ``S`` (default ``"input_ids"``).
+        out_key: where to write the mask (default ``"padding_mask"``).
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict(
+        ...     input_ids=torch.tensor([[5, 6, 7, 0], [5, 6, 7, 8]]),
+        ...     padding_length=torch.tensor([1, 0]),
+        ...     batch_size=[2],
+        ... )
+        >>> PaddingMask()(td)["padding_mask"].tolist()
+        [[False, False, False, True], [False, False, False, False]]
+    """
+
+    def __init__(
+        self,
+        padding_length_key: str = "padding_length",
+        like_key: str = "input_ids",
+        out_key: str = "padding_mask",
+    ) -> None:
+        super().__init__()
+        self.padding_length_key = _check_key("PaddingMask", "padding_length_key", padding_length_key)
+        self.like_key = _check_key("PaddingMask", "like_key", like_key)
+        self.out_key = _check_key("PaddingMask", "out_key", out_key)
+        self.in_keys = [padding_length_key, like_key]
+        self.out_keys = [out_key]
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        length = td.get(self.like_key).shape[1]
+        return td.replace({self.out_key: trailing_mask(td.get(self.padding_length_key), length)})

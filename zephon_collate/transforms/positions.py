@@ -1,0 +1,64 @@
+"""Positions: the model's position ids."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from tensordict import TensorDictBase
+
+from zephon_collate.functional import sequence_positions
+from zephon_collate.transforms.base import Transform, _check_key
+from zephon_collate.validation import check_position_mode
+
+__all__ = ["Positions"]
+
+
+class Positions(Transform):
+    """Emit model positions: keep the payload's, or number each row ``0 .. S-1``.
+
+    ``mode="preserve"`` forwards ``out_key`` unchanged (payload positions that
+    restart at zero per packed segment; it does not itself prevent attention
+    across documents). ``mode="sequence"`` writes ``[0, 1, ..., S-1]`` in every
+    row, in the dtype and device of ``like_key``, whether or not payload
+    positions exist. Place it after :class:`TokenShift` and after
+    :class:`CuSeqlens`, which needs the payload's segment-restarting positions.
+
+    Parameters:
+        mode: ``"preserve"`` or ``"sequence"``.
+        like_key: the token field giving shape, dtype and device (default ``"input_ids"``).
+        out_key: the positions key (default ``"positions"``).
+
+    Raises:
+        ValueError: if ``mode`` is unknown.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict(
+        ...     input_ids=torch.tensor([[1, 10, 2, 1, 11, 2]]),
+        ...     positions=torch.tensor([[0, 1, 2, 0, 1, 2]]),
+        ...     batch_size=[1],
+        ... )
+        >>> Positions("preserve")(td)["positions"].tolist()
+        [[0, 1, 2, 0, 1, 2]]
+        >>> Positions("sequence")(td)["positions"].tolist()
+        [[0, 1, 2, 3, 4, 5]]
+    """
+
+    def __init__(
+        self,
+        mode: Literal["preserve", "sequence"] = "sequence",
+        like_key: str = "input_ids",
+        out_key: str = "positions",
+    ) -> None:
+        super().__init__()
+        self.mode = check_position_mode(mode)
+        self.like_key = _check_key("Positions", "like_key", like_key)
+        self.out_key = _check_key("Positions", "out_key", out_key)
+        self.in_keys = [out_key] if self.mode == "preserve" else [like_key]
+        self.out_keys = [out_key]
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        if self.mode == "preserve":
+            return td.copy()
+        return td.replace({self.out_key: sequence_positions(td.get(self.like_key))})

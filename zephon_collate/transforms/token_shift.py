@@ -1,0 +1,70 @@
+"""TokenShift: next-token inputs and labels."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tensordict import TensorDictBase
+
+from zephon_collate.functional import shift_tokens
+from zephon_collate.transforms.base import Transform, _check_key, _check_keys
+
+__all__ = ["TokenShift"]
+
+
+class TokenShift(Transform):
+    """Cut ``[B, S]`` tokens into ``[B, S-1]`` inputs and next-token labels.
+
+    ``tokens_key`` becomes ``tokens[:, :-1]`` and ``labels_key`` becomes
+    ``tokens[:, 1:]``. Each of ``input_keys`` (positions, padding mask, extra
+    fields) is cut like the inputs, ``[:, :-1]``; each of ``label_keys`` (a
+    supervision mask) is cut like the labels, ``[:, 1:]``. Outputs are views.
+
+    Parameters:
+        tokens_key: the token field (default ``"input_ids"``).
+        labels_key: where to write labels (default ``"labels"``).
+        input_keys: per-token fields to keep aligned with the inputs.
+        label_keys: per-token fields to align with the labels.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict(
+        ...     input_ids=torch.tensor([[1, 10, 2, 1, 11, 2]]),
+        ...     positions=torch.tensor([[0, 1, 2, 0, 1, 2]]),
+        ...     batch_size=[1],
+        ... )
+        >>> out = TokenShift(input_keys=("positions",))(td)
+        >>> out["input_ids"].tolist(), out["labels"].tolist(), out["positions"].tolist()
+        ([[1, 10, 2, 1, 11]], [[10, 2, 1, 11, 2]], [[0, 1, 2, 0, 1]])
+    """
+
+    def __init__(
+        self,
+        tokens_key: str = "input_ids",
+        labels_key: str = "labels",
+        input_keys: Sequence[str] = (),
+        label_keys: Sequence[str] = (),
+    ) -> None:
+        super().__init__()
+        self.tokens_key = _check_key("TokenShift", "tokens_key", tokens_key)
+        self.labels_key = _check_key("TokenShift", "labels_key", labels_key)
+        self.input_keys = _check_keys("TokenShift", "input_keys", input_keys)
+        self.label_keys = _check_keys("TokenShift", "label_keys", label_keys)
+        aligned = (*self.input_keys, *self.label_keys)
+        if len({tokens_key, labels_key, *aligned}) != 2 + len(aligned):
+            raise ValueError(
+                f"TokenShift: keys must be distinct, got tokens_key={tokens_key!r}, "
+                f"labels_key={labels_key!r}, input_keys={self.input_keys}, label_keys={self.label_keys}"
+            )
+        self.in_keys = [tokens_key, *aligned]
+        self.out_keys = [tokens_key, labels_key, *aligned]
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        inputs, labels = shift_tokens(td.get(self.tokens_key))
+        updates = {self.tokens_key: inputs, self.labels_key: labels}
+        for key in self.input_keys:
+            updates[key] = td.get(key)[:, :-1]
+        for key in self.label_keys:
+            updates[key] = td.get(key)[:, 1:]
+        return td.replace(updates)

@@ -1,0 +1,131 @@
+"""Argument checks shared by to_training, the transforms and the collator.
+
+Each check raises a ``ValueError``/``TypeError`` that names the argument, the
+value received and what is expected, or returns the normalised value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+__all__ = [
+    "OutputKind",
+    "check_eos_token_id",
+    "check_ignore_index",
+    "check_position_mode",
+    "resolve_dtype",
+]
+
+POSITION_MODES = ("preserve", "sequence")
+_INTEGER_TORCH_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_eos_token_id(value: object, *, owner: str = "to_training") -> int:
+    """Return ``value`` as an int if it is a nonnegative integer (not a bool), else raise ``ValueError``."""
+    if not _is_int(value) or value < 0:  # type: ignore[operator]
+        raise ValueError(f"{owner}: eos_token_id must be a nonnegative int, got {value!r}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def check_ignore_index(value: object, *, owner: str = "to_training") -> int:
+    """Return ``value`` as an int, or raise ``TypeError`` if it is not an integer (bools excluded)."""
+    if not _is_int(value):
+        raise TypeError(f"{owner}: ignore_index must be an int, got {value!r}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def check_position_mode(value: object) -> Literal["preserve", "sequence"]:
+    """Return ``value`` if it is ``"preserve"`` or ``"sequence"``, else raise ``ValueError``."""
+    if value not in POSITION_MODES:
+        raise ValueError(f"position_mode must be 'preserve' or 'sequence', got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def check_bool(name: str, value: object) -> bool:
+    """Return ``value`` if it is a bool, else raise ``TypeError``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"to_training: {name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def check_field_names(name: str, value: object) -> tuple[str, ...]:
+    """Return a sequence of field names as a tuple; a bare str or a non-str item raises ``TypeError``."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(
+            f"to_training: {name} must be a sequence of field names, not the string {value!r}; "
+            f"write ({value!r},)"
+        )
+    if not isinstance(value, (Sequence, set, frozenset)):
+        raise TypeError(f"to_training: {name} must be a sequence of field names, got {value!r}")
+    names = tuple(value)
+    for item in names:
+        if not isinstance(item, str):
+            raise TypeError(f"to_training: {name} must hold str field names, got {item!r}")
+    return names
+
+
+def check_rename_fields(value: object) -> dict[str, str]:
+    """Return ``rename_fields`` as a dict of str to str (``None`` gives ``{}``)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"to_training: rename_fields must be a mapping {{emitted_key: new_key}}, got {value!r}"
+        )
+    for source, target in value.items():
+        if not isinstance(source, str) or not isinstance(target, str):
+            raise TypeError(f"to_training: rename_fields must map str to str, got {source!r}: {target!r}")
+    return dict(value)
+
+
+@dataclass(frozen=True)
+class OutputKind:
+    """The container kind to_training returns, and the torch dtype it computes in.
+
+    ``kind`` is ``"torch"``, ``"numpy"`` or ``"list"``; ``numpy_dtype`` is set for NumPy output.
+    """
+
+    kind: Literal["torch", "numpy", "list"]
+    torch_dtype: torch.dtype
+    numpy_dtype: np.dtype | None = None
+
+
+def resolve_dtype(dtype: Any) -> OutputKind:
+    """Interpret ``dtype``: ``"auto"`` (torch.long), a torch dtype, a NumPy dtype, or ``None`` (lists).
+
+    Only signed integer dtypes (8 to 64 bits) hold token ids and ``ignore_index``.
+
+    Raises:
+        TypeError: if ``dtype`` is none of these.
+        ValueError: if it is not a signed integer dtype.
+    """
+    if isinstance(dtype, str) and dtype == "auto":
+        return OutputKind("torch", torch.long)
+    if dtype is None:
+        return OutputKind("list", torch.long)
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _INTEGER_TORCH_DTYPES:
+            raise ValueError(
+                f"to_training: dtype must be a signed integer dtype such as torch.long, got {dtype}"
+            )
+        return OutputKind("torch", dtype)
+    try:
+        numpy_dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(
+            f"to_training: dtype must be 'auto', None, a torch dtype or a NumPy dtype, got {dtype!r}"
+        ) from None
+    if numpy_dtype.kind != "i":
+        raise ValueError(
+            f"to_training: dtype must be a signed integer dtype such as np.int64, got {numpy_dtype}"
+        )
+    return OutputKind("numpy", torch.from_numpy(np.empty(0, numpy_dtype)).dtype, numpy_dtype)
