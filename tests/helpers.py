@@ -32,3 +32,25 @@ def as_lists(value: Any) -> Any:
     if isinstance(value, (torch.Tensor, np.ndarray)):
         return value.tolist()
     return value
+
+
+class PackedRecords(torch.utils.data.Dataset):
+    """A map-style dataset of packed records (two documents and padding per row), for DataLoader tests."""
+
+    def __init__(self, size: int = 24, length: int = 16) -> None:
+        self.size, self.length = size, length
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        generator = torch.Generator().manual_seed(index)
+        first = int(torch.randint(2, self.length // 2, (1,), generator=generator))
+        second = int(torch.randint(2, self.length - first, (1,), generator=generator))
+        padding = self.length - first - second
+        tokens = torch.randint(3, 50, (self.length,), generator=generator)
+        tokens[-padding:] = PAD if padding else tokens[-padding:]
+        positions = torch.cat([torch.arange(first), torch.arange(second), torch.arange(padding)])
+        mask = (torch.arange(self.length) >= 1).long()
+        payload = {"input_ids": tokens, "positions": positions, "loss_mask": mask}
+        return record(payload, index, padding)

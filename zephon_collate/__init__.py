@@ -7,7 +7,10 @@ training tensors by a chain of transforms (:mod:`zephon_collate.transforms`);
 
 from zephon_collate import functional
 from zephon_collate.batch import stack_batch
+from zephon_collate.collator import Collator, StackedBatch
 from zephon_collate.options import TrainingOptions
+from zephon_collate.packing import pack_flat
+from zephon_collate.packing_stream import FlatPacker
 from zephon_collate.training import to_training
 from zephon_collate.transforms import (
     Chain,
@@ -43,11 +46,13 @@ __all__ = [
     "Chain",
     "ChunkId",
     "ChunkOffset",
+    "Collator",
     "ComponentId",
     "ContributorRef",
     "CuSeqlens",
     "DatasetId",
     "EosMask",
+    "FlatPacker",
     "LaneId",
     "LineageIndex",
     "LocalSampleId",
@@ -61,11 +66,13 @@ __all__ = [
     "SamplePayloadArray",
     "SampleRecord",
     "ShardId",
+    "StackedBatch",
     "TokenShift",
     "TrainingOptions",
     "Transform",
     "__version__",
     "functional",
+    "pack_flat",
     "stack_batch",
     "to_training",
 ]

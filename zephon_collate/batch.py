@@ -7,6 +7,7 @@ into a payload: stacking copies.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
@@ -69,20 +70,23 @@ def resolve_tokens_field(records: Sequence[SampleRecord], tokens_field: str) -> 
 
 
 def _numpy_row(value: Any, where: str, name: str) -> np.ndarray:
+    if isinstance(value, (list, tuple)):
+        try:  # the fast, exact path for a flat sequence of ints
+            return np.frombuffer(array.array("q", value), dtype=np.int64)
+        except (TypeError, OverflowError):
+            pass  # floats, bools, nested rows, ids beyond int64: let NumPy tell which
     try:
-        array = np.array(value)
+        row = np.array(value)
     except ValueError:
         raise ValueError(
             f"{where}: field {name!r} is a ragged nested sequence; give equal-length rows"
         ) from None
-    if array.size == 0 and array.dtype.kind == "f" and not isinstance(value, np.ndarray):
-        return array.astype(np.int64)  # an empty list reads as float64
-    if array.dtype.kind == "O":
+    if row.dtype.kind == "O":
         raise ValueError(
             f"{where}: field {name!r} holds values that are not numbers or do not fit in int64; "
             "give integers in the int64 range"
         )
-    return array
+    return row
 
 
 def to_row(value: Any, where: str, name: str, kind: Kind) -> Row:
@@ -305,7 +309,7 @@ def stack_columns(
     }
     if padding_lengths is not None:
         data[PADDING_LENGTH] = torch.tensor(padding_lengths, dtype=torch.int64, device=device)
-    return TensorDict(data, batch_size=[len(columns.records)], device=None)
+    return TensorDict(data, batch_size=[len(columns.records)], device=device)
 
 
 def stack_batch(

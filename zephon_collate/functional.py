@@ -15,6 +15,7 @@ import torch
 
 __all__ = [
     "align_mask",
+    "as_float",
     "cu_seqlens_flat",
     "cu_seqlens_rows",
     "eos_label_mask",
@@ -22,7 +23,6 @@ __all__ = [
     "sequence_positions",
     "shift_tokens",
     "trailing_mask",
-    "valid_label_mask",
 ]
 
 
@@ -66,16 +66,17 @@ def mask_labels(labels: torch.Tensor, mask: torch.Tensor, ignore_index: int) -> 
     return torch.where(align_mask(mask, labels), fill, labels)
 
 
-def valid_label_mask(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Float32 mask, 1.0 where ``labels != ignore_index`` and 0.0 elsewhere.
+def as_float(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean mask as float32 1.0/0.0.
+
+    Casts through uint8 (the same bytes): on CPU that cast is vectorised and
+    several times faster than bool -> float32.
 
     Example:
-        >>> valid_label_mask(torch.tensor([[4, -100, 6]]), -100).tolist()
-        [[1.0, 0.0, 1.0]]
+        >>> as_float(torch.tensor([True, False])).tolist()
+        [1.0, 0.0]
     """
-    return torch.ne(
-        labels, ignore_index, out=torch.empty(labels.shape, dtype=torch.float32, device=labels.device)
-    )
+    return mask.view(torch.uint8).to(torch.float32)
 
 
 def eos_label_mask(inputs: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -125,7 +126,7 @@ def cu_seqlens_rows(
         ([[0, 3, 5], [0, 5, 5]], [3, 5])
     """
     rows, length = positions.shape
-    is_start = positions == 0
+    is_start = positions.logical_not()
     index = torch.arange(length, device=positions.device)
     rank = is_start.cumsum(dim=1) - 1
     if num_boundaries is None:
@@ -161,7 +162,7 @@ def cu_seqlens_flat(
         >>> cu.tolist(), int(top)
         ([0, 3, 5, 10], 5)
     """
-    flat_starts = (positions == 0).reshape(-1)
+    flat_starts = positions.logical_not().reshape(-1)
     total = flat_starts.numel()
     if num_boundaries is None:
         starts = flat_starts.nonzero().squeeze(1)

@@ -190,15 +190,17 @@ class TrainingOptions:
     def needs_padding_lengths(self) -> bool:
         return self.return_labels or self.return_padding_mask
 
-    def build_chain(self, keys: Sequence[str]) -> Chain:
+    def build_chain(self, keys: Sequence[str], num_boundaries: int | None = None) -> Chain:
         """The transform chain for a stacked batch holding ``keys`` (cached: chains are stateless).
 
         ``PaddingMask -> TokenShift -> EosMask -> LossMask -> CuSeqlens -> Positions``,
-        each only when asked for.
+        each only when asked for. ``num_boundaries`` gives ``CuSeqlens`` a static shape.
+        ``Positions("sequence")`` comes after ``CuSeqlens`` because it overwrites the
+        payload positions that ``CuSeqlens`` reads.
         """
-        return _cached_chain(self, tuple(keys))
+        return _cached_chain(self, tuple(keys), num_boundaries)
 
-    def _build_chain(self, keys: Sequence[str]) -> Chain:
+    def _build_chain(self, keys: Sequence[str], num_boundaries: int | None) -> Chain:
         has_loss_mask = "loss_mask" in keys
         transforms: list[Any] = []
         if self.return_padding_mask:
@@ -220,12 +222,12 @@ class TrainingOptions:
                 )
             )
         if self.return_cu_seqlens:
-            transforms.append(CuSeqlens(flatten=self.flatten))
+            transforms.append(CuSeqlens(flatten=self.flatten, num_boundaries=num_boundaries))
         if self.position_mode == "sequence":
             transforms.append(Positions("sequence"))
         return Chain(*transforms, input_keys=keys)
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_chain(options: TrainingOptions, keys: tuple[str, ...]) -> Chain:
-    return options._build_chain(keys)
+def _cached_chain(options: TrainingOptions, keys: tuple[str, ...], num_boundaries: int | None) -> Chain:
+    return options._build_chain(keys, num_boundaries)

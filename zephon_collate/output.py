@@ -106,17 +106,24 @@ def assemble_outputs(
     options: TrainingOptions,
     td: TensorDictBase,
     pairs: list[tuple[str, str]],
+    *,
+    python_scalars: bool = True,
 ) -> dict[str, Any]:
-    """Build the output dict of a stacked batch from the chain's TensorDict."""
+    """Build the output dict of a stacked batch from the chain's TensorDict.
+
+    ``python_scalars=False`` keeps ``num_valid_tokens`` and a flattened
+    ``max_seqlen`` as 0-d tensors (no device sync).
+    """
+    scalar = int if python_scalars else (lambda tensor: tensor)
     kind = options.output.kind
     out: dict[str, Any] = {}
     for key, name in pairs:
         if key in ("ids", "texts"):
             out[name] = _ids_and_texts(records, key)
         elif key == "num_valid_tokens":
-            out[name] = int(td.get(key).sum())
+            out[name] = scalar(td.get(key).sum())
         elif key == "max_seqlen" and options.flatten:
-            out[name] = int(td.get(key))
+            out[name] = scalar(td.get(key))
         elif key in NOT_PER_TOKEN or not options.flatten:
             out[name] = _convert(td.get(key), kind)
         else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tensordict import TensorDictBase
 
-from zephon_collate.functional import mask_labels, trailing_mask
+from zephon_collate.functional import as_float, mask_labels, trailing_mask
 from zephon_collate.transforms.base import Transform, _check_key
 from zephon_collate.validation import check_ignore_index
 
@@ -77,7 +77,7 @@ class LossMask(Transform):
         labels = td.get(self.labels_key)
         drop = None
         if self.supervision_key is not None:
-            drop = td.get(self.supervision_key) == 0
+            drop = td.get(self.supervision_key).logical_not()
         if self.padding_length_key is not None:
             padding = trailing_mask(td.get(self.padding_length_key), labels.shape[1])
             drop = padding if drop is None else drop | padding
@@ -86,7 +86,7 @@ class LossMask(Transform):
         updates = {self.labels_key: labels}
         valid = labels != self.ignore_index
         if self.out_key is not None:
-            updates[self.out_key] = valid.float()
+            updates[self.out_key] = as_float(valid)
         if self.count_key is not None:
             updates[self.count_key] = valid.reshape(valid.shape[0], -1).sum(dim=1)
         out = td.replace(updates)

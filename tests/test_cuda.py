@@ -1,0 +1,76 @@
+"""CUDA: every output on the requested device and equal to the CPU's. Skipped without a CUDA device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import EOS, PackedRecords, as_lists
+
+from zephon_collate import Collator, SampleBatch, SampleRecord
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+OPTIONS = {
+    "return_labels": True,
+    "return_loss_mask": True,
+    "return_num_valid_tokens": True,
+    "return_cu_seqlens": True,
+    "return_padding_mask": True,
+    "eos_mask_loss": True,
+    "eos_token_id": EOS,
+}
+
+
+def cpu_records(rows=4, length=32):
+    data = PackedRecords(rows, length)
+    return [data[i] for i in range(rows)]
+
+
+def on_cuda(record):
+    payload = {key: value.cuda() for key, value in record.payload.items()}
+    return SampleRecord(record.meta, payload)
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+@pytest.mark.parametrize("position_mode", ["preserve", "sequence"])
+def test_to_training_on_cuda_payloads(flatten, position_mode):
+    records = cpu_records()
+    expected = SampleBatch(records).to_training(flatten=flatten, position_mode=position_mode, **OPTIONS)
+    got = SampleBatch([on_cuda(r) for r in records]).to_training(
+        flatten=flatten, position_mode=position_mode, **OPTIONS
+    )
+    for key, value in got.items():
+        if isinstance(value, torch.Tensor):
+            assert value.device.type == "cuda", key
+            assert value.dtype == expected[key].dtype, key
+    assert as_lists(got) == as_lists(expected)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_collator_finishes_on_cuda(compile):
+    records = cpu_records()
+    collator = Collator(device="cuda", compile=compile, **OPTIONS)
+    stacked = collator.stack(records).pin_memory()
+    assert stacked.td["input_ids"].is_pinned()
+    got = collator.finish(stacked)
+    assert all(v.device.type == "cuda" for v in got.values() if isinstance(v, torch.Tensor))
+    assert as_lists(got) == as_lists(SampleBatch(records).to_training(**OPTIONS))
+
+
+def test_static_shape_chain_in_cuda_graph():
+    records = cpu_records()
+    collator = Collator(device="cuda", num_boundaries=8, python_scalars=False, **OPTIONS)
+    td = collator.stack(records).td.cuda()
+    chain = collator.chain_for(tuple(td.keys()))
+    static_in = td.clone()
+    chain(static_in)  # warm-up on the side stream is not needed for these ops
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = chain(static_in)
+    graph.replay()
+    eager = chain(td)
+    for key, value in eager.items():
+        assert torch.equal(static_out[key], value), key

@@ -1,0 +1,226 @@
+"""Collator: to_training as a DataLoader ``collate_fn``, with the device work in the main process.
+
+The split fast pipelines use:
+
+- **Workers** call :meth:`Collator.stack`: read, check and stack the records
+  into a CPU TensorDict (:class:`StackedBatch`). No CUDA call happens there.
+- ``DataLoader(pin_memory=True)`` pins the stacked tensors in the main
+  process's pinning thread (:meth:`StackedBatch.pin_memory`).
+- **The main process** calls :meth:`Collator.finish`: copy to the device with
+  ``non_blocking=True`` and run the transform chain there, compiled with
+  ``torch.compile`` when asked.
+
+``Collator(...)(samples)`` does both in one call, for ``num_workers=0`` or CPU
+training.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from zephon_collate.batch import is_array_payload
+from zephon_collate.options import TrainingOptions
+from zephon_collate.output import assemble_outputs, empty_outputs, output_keys
+from zephon_collate.training import read_batch, stack, training_outputs
+from zephon_collate.transforms import Chain, CuSeqlens
+from zephon_collate.types import SampleMeta, SampleRecord
+
+__all__ = ["Collator", "StackedBatch", "as_records"]
+
+
+def as_records(samples: Sequence[Any]) -> list[SampleRecord]:
+    """Records as given, or plain payloads (dicts or token arrays) wrapped in records.
+
+    A plain payload gets ``SampleMeta(sample_id=(0, 0, i), lane_id=0, chunk_id=0,
+    chunk_offset=i)``, ``i`` being its place in the batch, and no tags (so no
+    padding): what Hugging Face datasets and ``transformers.Trainer`` hand over.
+
+    Raises:
+        TypeError: if ``samples`` is not a sequence, or an item is neither a record,
+            a dict nor a token array.
+    """
+    if isinstance(samples, (str, bytes, Mapping)) or not isinstance(samples, Sequence):
+        raise TypeError(f"Collator: expected a list of samples, got {type(samples).__name__}")
+    records = []
+    for index, sample in enumerate(samples):
+        if isinstance(sample, SampleRecord):
+            records.append(sample)
+        elif isinstance(sample, Mapping) or is_array_payload(sample):
+            records.append(SampleRecord(SampleMeta((0, 0, index), 0, 0, index), sample))
+        else:
+            raise TypeError(
+                f"Collator: sample {index} must be a SampleRecord, a payload dict or a token array, "
+                f"got {type(sample).__name__}"
+            )
+    return records
+
+
+@dataclass(frozen=True)
+class StackedBatch:
+    """A worker's output: the stacked CPU TensorDict and the per-record lists.
+
+    ``td`` is ``None`` for an empty batch. ``pin_memory`` and ``to`` return new
+    batches, so a DataLoader with ``pin_memory=True`` pins it.
+    """
+
+    td: TensorDictBase | None
+    records: tuple[SampleRecord, ...]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def pin_memory(self, device: str | torch.device | None = None) -> StackedBatch:
+        """Pin the tensors in page-locked memory (called by the DataLoader's pinning thread)."""
+        if self.td is None:
+            return self
+        pinned = self.td.pin_memory() if device is None else self.td.pin_memory(device=device)
+        return StackedBatch(pinned, self.records)
+
+    def to(self, device: str | torch.device, non_blocking: bool = False) -> StackedBatch:
+        """Move the tensors to ``device``."""
+        if self.td is None:
+            return self
+        return StackedBatch(self.td.to(device, non_blocking=non_blocking), self.records)
+
+
+class Collator:
+    """A ``collate_fn`` that runs :meth:`SampleBatch.to_training` on what a DataLoader hands it.
+
+    Parameters:
+        device: where :meth:`finish` runs the chain (``None``: where the data is).
+        compile: run the chain through ``torch.compile`` (dynamic shapes, full
+            graph), so varying batch sizes and lengths do not recompile.
+        num_boundaries: give ``cu_seqlens`` a static shape: each row's boundaries
+            (or the flattened sequence) padded to exactly this many, with the row
+            (or total) length as filler. The whole chain is then one graph (CUDA
+            graph friendly); more segments than that fail a device-side assertion.
+        python_scalars: return ``num_valid_tokens`` (and a flattened
+            ``max_seqlen``) as Python ints, as the reference page does; ``False``
+            keeps them as 0-d tensors on the device, which avoids a device sync.
+        **options: :meth:`SampleBatch.to_training`'s keyword arguments, checked now.
+
+    Raises:
+        TypeError, ValueError: for bad ``options``, as ``to_training`` raises them;
+            ``ValueError`` if ``device`` or ``compile`` is combined with non-torch output.
+
+    Example:
+        >>> collate = Collator(return_labels=True, return_num_valid_tokens=True)
+        >>> out = collate([{"input_ids": [1, 10, 2]}, {"input_ids": [1, 11, 2]}])
+        >>> out["labels"].tolist(), out["num_valid_tokens"]
+        ([[10, 2], [11, 2]], 4)
+    """
+
+    def __init__(
+        self,
+        *,
+        device: str | torch.device | None = None,
+        compile: bool = False,
+        num_boundaries: int | None = None,
+        python_scalars: bool = True,
+        **options: Any,
+    ) -> None:
+        self.options = TrainingOptions.create(**options)
+        self.device = None if device is None else torch.device(device)
+        self.compile = bool(compile)
+        self.num_boundaries = num_boundaries
+        self.python_scalars = bool(python_scalars)
+        if num_boundaries is not None:
+            CuSeqlens(num_boundaries=num_boundaries)  # validates the count
+        if (self.device is not None or self.compile) and self.options.output.kind != "torch":
+            raise ValueError(
+                "Collator: device and compile need torch output; pass dtype='auto' or a torch dtype"
+            )
+        self._chains: dict[tuple[str, ...], Any] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_chains"] = {}
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (
+            f"Collator(device={self.device}, compile={self.compile}, "
+            f"num_boundaries={self.num_boundaries}, options={self.options})"
+        )
+
+    def __call__(self, samples: Sequence[Any]) -> dict[str, Any]:
+        """Collate in one step: :meth:`stack` then :meth:`finish`."""
+        if self.device is None and not self.compile and self.num_boundaries is None and self.python_scalars:
+            return training_outputs(as_records(samples), self.options)
+        return self.finish(self.stack(samples))
+
+    def stack(self, samples: Sequence[Any]) -> StackedBatch:
+        """Worker side: read, check and stack the samples into a CPU TensorDict.
+
+        Every data error is raised here, naming the record and the field.
+        """
+        records = tuple(as_records(samples))
+        if not records:
+            return StackedBatch(None, records)
+        return StackedBatch(stack(read_batch(records, self.options), self.options), records)
+
+    def finish(self, stacked: StackedBatch) -> dict[str, Any]:
+        """Main-process side: move to ``device`` (``non_blocking``), run the chain, build the outputs."""
+        if stacked.td is None:
+            return empty_outputs(self.options)
+        td = stacked.td
+        if self.device is not None and td.device != self.device:
+            td = td.to(self.device, non_blocking=True)
+        keys = output_keys(stacked.records, self.options, list(td.keys()))
+        result = self.chain_for(tuple(td.keys()))(td)
+        return assemble_outputs(
+            stacked.records, self.options, result, keys, python_scalars=self.python_scalars
+        )
+
+    def chain_for(self, keys: tuple[str, ...]) -> Any:
+        """The (compiled, when asked) chain for a stacked batch with ``keys``; cached."""
+        chain = self._chains.get(keys)
+        if chain is None:
+            with self._lock:
+                chain = self._chains.get(keys) or self._build(keys)
+                self._chains[keys] = chain
+        return chain
+
+    def _build(self, keys: tuple[str, ...]) -> Any:
+        chain = self.options.build_chain(keys, num_boundaries=self.num_boundaries)
+        if not self.compile:
+            return chain
+        # A cu_seqlens step whose size depends on the data stays eager: compile what precedes it.
+        split = next(
+            (
+                i
+                for i, t in enumerate(chain.transforms)
+                if isinstance(t, CuSeqlens) and t.num_boundaries is None
+            ),
+            len(chain.transforms),
+        )
+        head = Chain(*chain.transforms[:split])
+        compiled = torch.compile(head, dynamic=True, fullgraph=True)
+        tail = list(chain.transforms[split:])
+        return _CompiledChain(compiled, tail) if tail else compiled
+
+
+class _CompiledChain:
+    """A compiled head followed by the eager, data-dependent tail of a chain."""
+
+    def __init__(self, head: Any, tail: list[Any]) -> None:
+        self.head = head
+        self.tail = tail
+
+    def __call__(self, td: TensorDictBase) -> TensorDictBase:
+        td = self.head(td)
+        for transform in self.tail:
+            td = transform(td)
+        return td
