@@ -19,9 +19,11 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import EOS, compare, packed_rows, to_records  # noqa: E402
+import contextlib
 
-from zephon_collate import Collator  # noqa: E402
+from common import EOS, compare, packed_rows, to_records
+
+from zephon_collate import Collator
 
 OPTIONS = {
     "return_labels": True,
@@ -98,10 +100,8 @@ def main() -> None:
         "zephon Collator (all of to_training)": (records, Collator(**OPTIONS)),
         "default_collate + hand shifting": (payloads, shift_collate),
     }
-    try:
+    with contextlib.suppress(ImportError):
         loaders["transformers DataCollatorWithFlattening"] = (documents, hf_collate())
-    except ImportError:
-        pass
     print(
         f"DataLoader, {args.rows} packed rows of 8,193 tokens, batch 8, {args.epochs} epochs after warm-up\n"
     )
