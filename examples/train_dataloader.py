@@ -65,12 +65,8 @@ class TinyLM(nn.Module):
         same_doc = segment.unsqueeze(2) == segment.unsqueeze(1)
         causal = torch.ones_like(same_doc[0]).tril()
         mask = (same_doc & causal).unsqueeze(1)
-        x = (
-            x
-            + F.scaled_dot_product_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), attn_mask=mask)[
-                :, 0
-            ]
-        )
+        heads = [t.unsqueeze(1) for t in (q, k, v)]  # one attention head
+        x = x + F.scaled_dot_product_attention(*heads, attn_mask=mask)[:, 0]
         return self.head(x + self.mlp(x))
 
 
