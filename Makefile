@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test,dev]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test,dev,demo]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -5,12 +5,17 @@ training tensors by a chain of transforms (:mod:`zephon_collate.transforms`);
 :meth:`SampleBatch.to_training` is the one-call entry point.
 """
 
-from zephon_collate import functional
+from zephon_collate import attention, functional
+from zephon_collate.attention import check_no_leakage
 from zephon_collate.batch import stack_batch
 from zephon_collate.collator import Collator, StackedBatch
+from zephon_collate.context_parallel import ContextParallelShard, gather_context_parallel
+from zephon_collate.distributed import global_num_valid_tokens, normalize_loss
+from zephon_collate.inspect_batch import batch_warnings, render_batch, render_batch_png
 from zephon_collate.options import TrainingOptions
 from zephon_collate.packing import pack_flat
 from zephon_collate.packing_stream import FlatPacker
+from zephon_collate.resumable import PackedStream
 from zephon_collate.training import to_training
 from zephon_collate.transforms import (
     Chain,
@@ -19,6 +24,7 @@ from zephon_collate.transforms import (
     LossMask,
     PaddingMask,
     Positions,
+    SegmentIds,
     TokenShift,
     Transform,
 )
@@ -48,6 +54,7 @@ __all__ = [
     "ChunkOffset",
     "Collator",
     "ComponentId",
+    "ContextParallelShard",
     "ContributorRef",
     "CuSeqlens",
     "DatasetId",
@@ -57,6 +64,7 @@ __all__ = [
     "LineageIndex",
     "LocalSampleId",
     "LossMask",
+    "PackedStream",
     "PaddingMask",
     "Positions",
     "SampleBatch",
@@ -65,14 +73,23 @@ __all__ = [
     "SamplePayload",
     "SamplePayloadArray",
     "SampleRecord",
+    "SegmentIds",
     "ShardId",
     "StackedBatch",
     "TokenShift",
     "TrainingOptions",
     "Transform",
     "__version__",
+    "attention",
+    "batch_warnings",
+    "check_no_leakage",
     "functional",
+    "gather_context_parallel",
+    "global_num_valid_tokens",
+    "normalize_loss",
     "pack_flat",
+    "render_batch",
+    "render_batch_png",
     "stack_batch",
     "to_training",
 ]

@@ -8,7 +8,8 @@ into a payload: stacking copies.
 from __future__ import annotations
 
 import array
-from collections.abc import Mapping, Sequence
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
@@ -17,12 +18,22 @@ import torch
 from tensordict import TensorDict
 
 from zephon_collate.types import SampleBatch, SampleRecord
+from zephon_collate.validation import check_field_names
 
-__all__ = ["TOKEN_FIELD_CANDIDATES", "Columns", "read_columns", "stack_batch", "stack_columns"]
+__all__ = [
+    "TOKEN_FIELD_CANDIDATES",
+    "Columns",
+    "as_record_tuple",
+    "read_columns",
+    "stack_batch",
+    "stack_columns",
+]
 
 TOKEN_FIELD_CANDIDATES = ("input_ids", "tokens", "token_ids", "ids")
 TOKENS = "input_ids"
 PADDING_LENGTH = "padding_length"
+
+INT64_MAX = 2**63 - 1
 
 Row: TypeAlias = "np.ndarray | torch.Tensor"
 Kind = Literal["ids", "values"]  # ids: integer only; values: bool, integer or float
@@ -37,9 +48,38 @@ def is_array_payload(payload: object) -> bool:
     return isinstance(payload, (list, tuple, np.ndarray, torch.Tensor))
 
 
-def check_payloads(records: Sequence[SampleRecord]) -> None:
-    """Raise ``TypeError`` for the first payload that is neither a dict nor an array."""
+def as_record_tuple(batch: object, owner: str) -> tuple[SampleRecord, ...]:
+    """The records of a :class:`SampleBatch` or of a sequence of :class:`SampleRecord`.
+
+    Raises:
+        TypeError: for anything else (plain payload dicts included: the Collator wraps those).
+    """
+    if isinstance(batch, SampleBatch):
+        return batch.records
+    if isinstance(batch, (str, bytes, Mapping)) or not isinstance(batch, Iterable):
+        raise TypeError(
+            f"{owner}: expected a SampleBatch or a list of SampleRecord, got {type(batch).__name__}"
+        )
+    records = tuple(batch)
     for index, record in enumerate(records):
+        if not isinstance(record, SampleRecord):
+            raise TypeError(
+                f"{owner}: item {index} must be a SampleRecord, got {type(record).__name__}; wrap plain "
+                "payloads in SampleRecord(meta, payload), or use Collator, which accepts them"
+            )
+    return records
+
+
+def check_payloads(records: Sequence[SampleRecord]) -> None:
+    """Raise for the first sentinel record (``ValueError``) or non-dict, non-array payload (``TypeError``)."""
+    for index, record in enumerate(records):
+        if record.meta.is_sentinel:
+            tag = "tombstone" if record.meta.tombstone else "flush sentinel"
+            raise ValueError(
+                f"{describe(records, index)}: is a {tag}, a control record that carries no training data; "
+                "drop sentinels before collating (pack_flat and FlatPacker consume them), e.g. "
+                "[r for r in records if not r.meta.is_sentinel]"
+            )
         payload = record.payload
         if not isinstance(payload, Mapping) and not is_array_payload(payload):
             raise TypeError(
@@ -70,33 +110,75 @@ def resolve_tokens_field(records: Sequence[SampleRecord], tokens_field: str) -> 
 
 
 def _numpy_row(value: Any, where: str, name: str) -> np.ndarray:
-    if isinstance(value, (list, tuple)):
+    """A NumPy array of ``value``; a list or tuple gets the dtype NumPy infers for it (all bools: bool)."""
+    if isinstance(value, (list, tuple)) and not (value and isinstance(value[0], bool)):
         try:  # the fast, exact path for a flat sequence of ints
             return np.frombuffer(array.array("q", value), dtype=np.int64)
-        except (TypeError, OverflowError):
-            pass  # floats, bools, nested rows, ids beyond int64: let NumPy tell which
+        except (TypeError, OverflowError, RuntimeError, NotImplementedError):
+            pass  # floats, bools, nested rows, ids beyond int64, device tensors: let NumPy tell which
     try:
         row = np.array(value)
     except ValueError:
         raise ValueError(
             f"{where}: field {name!r} is a ragged nested sequence; give equal-length rows"
         ) from None
+    except (TypeError, RuntimeError, NotImplementedError):  # e.g. a list of tensors on a device
+        raise TypeError(
+            f"{where}: field {name!r} holds items that cannot be read as plain numbers; give a list of "
+            "numbers, or one array or tensor"
+        ) from None
     if row.dtype.kind == "O":
-        raise ValueError(
-            f"{where}: field {name!r} holds values that are not numbers or do not fit in int64; "
-            "give integers in the int64 range"
+        if not isinstance(value, np.ndarray) and all(
+            isinstance(item, numbers.Integral) and not isinstance(item, bool) for item in row.flat
+        ):
+            raise ValueError(
+                f"{where}: field {name!r} holds integers that do not fit in int64; "
+                "give integers from -2**63 to 2**63 - 1"
+            )
+        raise TypeError(
+            f"{where}: field {name!r} holds Python objects that are not numbers (dtype object); "
+            "give numbers only"
         )
+    if row.dtype.kind == "u" and row.dtype.itemsize > 1:  # uint16/32/64: torch supports little on them
+        if row.dtype.itemsize == 8 and row.size and row.max() > INT64_MAX:
+            raise ValueError(
+                f"{where}: field {name!r} holds values beyond int64 (dtype {row.dtype}); "
+                "give values up to 2**63 - 1"
+            )
+        row = row.astype(np.int64)
     return row
+
+
+def _tensor_row(value: torch.Tensor, where: str, name: str) -> torch.Tensor:
+    """``value`` itself, or an exact int64 copy of a uint16/32/64 tensor."""
+    if value.layout != torch.strided or value.is_nested or value.is_quantized:
+        kind = "nested" if value.is_nested else "quantized" if value.is_quantized else str(value.layout)
+        raise TypeError(
+            f"{where}: field {name!r} is a {kind} tensor; give a plain dense tensor "
+            "(.to_dense(), .dequantize())"
+        )
+    if value.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        if value.dtype == torch.uint64:
+            as_signed = value.view(torch.int64)  # values beyond int64 read as negative
+            if as_signed.device.type != "meta" and bool((as_signed < 0).any()):
+                raise ValueError(
+                    f"{where}: field {name!r} holds values beyond int64 (dtype {value.dtype}); "
+                    "give values up to 2**63 - 1"
+                )
+            return as_signed
+        return value.to(torch.int64)
+    return value
 
 
 def to_row(value: Any, where: str, name: str, kind: Kind) -> Row:
     """Check one payload value and return it as an array or tensor, without copying tensors."""
     if isinstance(value, torch.Tensor):
-        row: Row = value
+        row: Row = _tensor_row(value, where, name)
         bad = value.dtype.is_complex or (
             kind == "ids" and (value.dtype.is_floating_point or value.dtype == torch.bool)
         )
         dtype_name = str(value.dtype)
+        empty_float = value.dtype.is_floating_point and value.numel() == 0
     elif isinstance(value, (np.ndarray, list, tuple, int, float, np.generic)) and not isinstance(
         value, (str, bytes)
     ):
@@ -104,12 +186,15 @@ def to_row(value: Any, where: str, name: str, kind: Kind) -> Row:
         allowed = "iu" if kind == "ids" else "biuf"
         bad = row.dtype.kind not in allowed
         dtype_name = str(row.dtype)
+        empty_float = row.dtype.kind == "f" and row.size == 0
     else:
         raise TypeError(
             f"{where}: field {name!r} must be a list, tuple, NumPy array or torch tensor of numbers, "
             f"got {type(value).__name__}"
         )
-    if bad:
+    if bad and empty_float:  # torch.tensor([]) and np.array([]) are float: an empty row holds no float
+        row = row.astype(np.int64) if isinstance(row, np.ndarray) else row.to(torch.int64)
+    elif bad:
         expected = "integer token ids" if kind == "ids" else "bool, integer or float values"
         raise TypeError(f"{where}: field {name!r} has dtype {dtype_name}; it must hold {expected}")
     if kind == "ids" and row.ndim == 0:
@@ -241,6 +326,11 @@ def _common_device(columns: Columns) -> torch.device:
                     f"{describe(columns.records, index)}: field {name!r} is on {here} while record 0's "
                     f"tokens are on {device}; put all payload data on one device"
                 )
+    if device is not None and device.type == "meta":
+        raise ValueError(
+            "the payload tensors are on the 'meta' device, which holds no data; give tensors with data "
+            "(on the CPU or an accelerator)"
+        )
     return device or torch.device("cpu")
 
 
@@ -270,6 +360,8 @@ def _check_cast(stacked: torch.Tensor, dtype: torch.dtype, name: str, columns: C
 def stack_rows(columns: Columns, name: str, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
     """Stack one field's rows into a ``[B, ...]`` tensor of ``dtype`` (``None``: keep the rows' dtype)."""
     rows = columns.rows[name]
+    if not rows:  # an empty batch
+        return torch.empty((0, 0), dtype=dtype or torch.long, device=device)
     first = tuple(rows[0].shape)
     for index, row in enumerate(rows):
         if tuple(row.shape) != first:
@@ -335,10 +427,16 @@ def stack_batch(
         dtype: integer dtype for every stacked field.
         pin_memory: pin the stacked CPU tensors (for ``non_blocking`` copies to CUDA).
 
+    An empty batch gives ``batch_size=[0]``, ``"input_ids"`` and each listed
+    extra field of shape ``[0, 0]``.
+
     Raises:
-        TypeError: for a payload that is neither a dict nor an array, or values of a wrong type.
-        ValueError: for a missing or partial field, unequal row lengths, a bad
-            ``meta.padding_length``, or values ``dtype`` cannot hold.
+        TypeError: for an argument of the wrong type, a batch that is not records, a
+            payload that is neither a dict nor an array, or values of a wrong type.
+        ValueError: for a ``dtype`` that is not a signed integer dtype, ``pin_memory``
+            without an accelerator, a sentinel record, a missing or partial field,
+            unequal row lengths, a bad ``meta.padding_length``, or values ``dtype``
+            cannot hold.
 
     Example:
         >>> from zephon_collate import SampleBatch, SampleMeta, SampleRecord
@@ -348,7 +446,19 @@ def stack_batch(
         >>> sorted(td.keys()), td["input_ids"].tolist(), td["padding_length"].tolist()
         (['input_ids', 'padding_length', 'positions'], [[5, 6, 0]], [1])
     """
-    records = batch.records if isinstance(batch, SampleBatch) else tuple(batch)
-    columns = read_columns(records, tokens_field=tokens_field, required=tuple(extra_fields))
+    owner = "stack_batch"
+    if not isinstance(tokens_field, str) or not tokens_field:
+        raise TypeError(f"{owner}: tokens_field must be a field name or 'auto', got {tokens_field!r}")
+    extras = check_field_names("extra_fields", extra_fields, owner=owner)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{owner}: dtype must be a torch dtype such as torch.long, got {dtype!r}")
+    if dtype not in (torch.int8, torch.int16, torch.int32, torch.int64):
+        raise ValueError(f"{owner}: dtype must be a signed integer dtype such as torch.long, got {dtype}")
+    if not isinstance(pin_memory, (bool, np.bool_)):
+        raise TypeError(f"{owner}: pin_memory must be a bool, got {pin_memory!r}")
+    if pin_memory and not torch.accelerator.is_available():
+        raise ValueError(f"{owner}: pin_memory=True needs an accelerator, and none is available here")
+    records = as_record_tuple(batch, owner)
+    columns = read_columns(records, tokens_field=tokens_field, required=extras)
     td = stack_columns(columns, dtype, padding_lengths=check_padding_lengths(columns))
     return td.pin_memory() if pin_memory else td

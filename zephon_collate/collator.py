@@ -16,6 +16,8 @@ training.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,14 +26,84 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from zephon_collate.batch import is_array_payload
+from zephon_collate.batch import describe, is_array_payload
 from zephon_collate.options import TrainingOptions
 from zephon_collate.output import assemble_outputs, empty_outputs, output_keys
-from zephon_collate.training import read_batch, stack, training_outputs
+from zephon_collate.training import _stackable, read_batch, stack, training_outputs
 from zephon_collate.transforms import Chain, CuSeqlens
 from zephon_collate.types import SampleMeta, SampleRecord
+from zephon_collate.validation import check_bool
 
 __all__ = ["Collator", "StackedBatch", "as_records"]
+
+OPTION_NAMES = tuple(inspect.signature(TrainingOptions.create).parameters)
+
+
+def _check_option_names(options: Mapping[str, Any]) -> None:
+    """``TypeError`` naming an unknown to_training option, with the closest known name."""
+    for name in options:
+        if name not in OPTION_NAMES:
+            close = difflib.get_close_matches(name, OPTION_NAMES, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known options: {', '.join(OPTION_NAMES)}"
+            raise TypeError(f"Collator: unknown option {name!r}{hint}")
+
+
+def _check_device(device: object) -> torch.device | None:
+    """``device`` as a ``torch.device`` this process can use, or ``None``."""
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(
+            f"Collator: device must be None, a str such as 'cuda' or a torch.device, got {device!r}"
+        )
+    try:
+        checked = torch.device(device)
+    except RuntimeError:
+        raise ValueError(
+            f"Collator: device {device!r} is not a device name such as 'cpu' or 'cuda:0'"
+        ) from None
+    if checked.type == "meta":
+        raise ValueError("Collator: device 'meta' holds no data; pass 'cpu', an accelerator or None")
+    if checked.type != "cpu":
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is None or accelerator.type != checked.type:
+            raise ValueError(
+                f"Collator: device {str(checked)!r} is not available here (accelerator: {accelerator})"
+            )
+        if checked.index is not None and checked.index >= torch.accelerator.device_count():
+            raise ValueError(
+                f"Collator: device {str(checked)!r} does not exist: this machine has "
+                f"{torch.accelerator.device_count()} {checked.type} device(s)"
+            )
+    return checked
+
+
+def _check_boundary_count(
+    stacked: TensorDictBase, records: Sequence[SampleRecord], options: Any, limit: int
+) -> None:
+    """``ValueError`` naming the first record whose segments do not fit a static ``num_boundaries``.
+
+    Runs on the worker's CPU tensors, so the device-side assertion of :class:`CuSeqlens` never fires.
+    """
+    positions = stacked.get("positions")
+    if options.return_labels:
+        positions = positions[:, :-1]
+    if not positions.numel():
+        return
+    needed = (positions == 0).sum(dim=1) + 1  # boundaries per row: the starts, then the end
+    if options.flatten:
+        total = int(needed.sum()) - len(needed) + 1
+        if total > limit:
+            raise ValueError(
+                f"Collator: the batch has {total - 1} segments, more than num_boundaries - 1 = {limit - 1}; "
+                "raise num_boundaries, or send fewer segments per batch"
+            )
+    elif bool((needed > limit).any()):
+        index = int((needed > limit).nonzero()[0, 0])
+        raise ValueError(
+            f"{describe(records, index)}: has {int(needed[index]) - 1} segments, more than "
+            f"num_boundaries - 1 = {limit - 1}; raise num_boundaries, or pack fewer documents per row"
+        )
 
 
 def as_records(samples: Sequence[Any]) -> list[SampleRecord]:
@@ -106,8 +178,11 @@ class Collator:
         **options: :meth:`SampleBatch.to_training`'s keyword arguments, checked now.
 
     Raises:
-        TypeError, ValueError: for bad ``options``, as ``to_training`` raises them;
-            ``ValueError`` if ``device`` or ``compile`` is combined with non-torch output.
+        TypeError, ValueError: for bad ``options``, as ``to_training`` raises them, or an
+            unknown option name (``TypeError``, with the closest known name);
+            ``TypeError`` for a non-bool ``compile``/``python_scalars``; ``ValueError``
+            for a ``device`` this process cannot use, or if ``device`` or ``compile``
+            is combined with non-torch output.
 
     Example:
         >>> collate = Collator(return_labels=True, return_num_valid_tokens=True)
@@ -125,13 +200,14 @@ class Collator:
         python_scalars: bool = True,
         **options: Any,
     ) -> None:
+        _check_option_names(options)
         self.options = TrainingOptions.create(**options)
-        self.device = None if device is None else torch.device(device)
-        self.compile = bool(compile)
-        self.num_boundaries = num_boundaries
-        self.python_scalars = bool(python_scalars)
+        self.device = _check_device(device)
+        self.compile = check_bool("compile", compile, owner="Collator")
+        self.python_scalars = check_bool("python_scalars", python_scalars, owner="Collator")
         if num_boundaries is not None:
-            CuSeqlens(num_boundaries=num_boundaries)  # validates the count
+            num_boundaries = CuSeqlens(num_boundaries=num_boundaries).num_boundaries  # validates the count
+        self.num_boundaries = num_boundaries
         if (self.device is not None or self.compile) and self.options.output.kind != "torch":
             raise ValueError(
                 "Collator: device and compile need torch output; pass dtype='auto' or a torch dtype"
@@ -164,15 +240,33 @@ class Collator:
     def stack(self, samples: Sequence[Any]) -> StackedBatch:
         """Worker side: read, check and stack the samples into a CPU TensorDict.
 
-        Every data error is raised here, naming the record and the field.
+        Every data error is raised here, naming the record and the field (with
+        ``num_boundaries``, also a row with more segments than that allows).
+        Rows must have equal lengths, whatever ``dtype`` is: ragged rows with
+        ``dtype=None`` work through ``Collator(...)(samples)`` only.
         """
         records = tuple(as_records(samples))
         if not records:
             return StackedBatch(None, records)
-        return StackedBatch(stack(read_batch(records, self.options), self.options), records)
+        columns = read_batch(records, self.options)
+        if self.options.output.kind == "list" and not _stackable(columns):
+            raise ValueError(
+                "Collator.stack: rows of unequal length cannot be stacked into one TensorDict, even for "
+                "dtype=None (lists); call the collator itself (Collator(...)(samples)), which returns "
+                "ragged lists, or pad or pack the rows (pack_flat)"
+            )
+        td = stack(columns, self.options)
+        if self.num_boundaries is not None and self.options.return_cu_seqlens:
+            _check_boundary_count(td, records, self.options, self.num_boundaries)
+        return StackedBatch(td, records)
 
     def finish(self, stacked: StackedBatch) -> dict[str, Any]:
         """Main-process side: move to ``device`` (``non_blocking``), run the chain, build the outputs."""
+        if not isinstance(stacked, StackedBatch):
+            raise TypeError(
+                f"Collator.finish: expected the StackedBatch that Collator.stack returns, got "
+                f"{type(stacked).__name__}"
+            )
         if stacked.td is None:
             return empty_outputs(self.options)
         td = stacked.td

@@ -26,6 +26,17 @@ __all__ = [
 ]
 
 
+def _check_tensor(kernel: str, name: str, value: object, min_dim: int = 0, max_dim: int = 64) -> torch.Tensor:
+    """``value``, if a tensor (else ``TypeError``) of ``min_dim`` to ``max_dim`` dims (else ValueError)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{kernel}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if not min_dim <= value.dim() <= max_dim:
+        raise ValueError(
+            f"{kernel}: {name} has shape {tuple(value.shape)}; it needs {min_dim} to {max_dim} dims"
+        )
+    return value
+
+
 def shift_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Split ``[B, S, ...]`` tokens into next-token ``(inputs, labels)``.
 
@@ -36,6 +47,7 @@ def shift_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         >>> inputs.tolist(), labels.tolist()
         ([[5, 6]], [[6, 7]])
     """
+    _check_tensor("shift_tokens", "tokens", tokens, 2)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -46,6 +58,7 @@ def trailing_mask(padding_length: torch.Tensor, length: int) -> torch.Tensor:
         >>> trailing_mask(torch.tensor([0, 2]), 4).tolist()
         [[False, False, False, False], [False, False, True, True]]
     """
+    _check_tensor("trailing_mask", "padding_length", padding_length, 1, 1)
     index = torch.arange(length, device=padding_length.device)
     return index >= (length - padding_length).unsqueeze(1)
 
@@ -62,6 +75,8 @@ def mask_labels(labels: torch.Tensor, mask: torch.Tensor, ignore_index: int) -> 
         >>> mask_labels(torch.tensor([[4, 5, 6]]), torch.tensor([[False, True, False]]), -100).tolist()
         [[4, -100, 6]]
     """
+    _check_tensor("mask_labels", "labels", labels)
+    _check_tensor("mask_labels", "mask", mask, 0, labels.dim())
     fill = torch.full((), ignore_index, dtype=labels.dtype, device=labels.device)
     return torch.where(align_mask(mask, labels), fill, labels)
 
@@ -76,6 +91,8 @@ def as_float(mask: torch.Tensor) -> torch.Tensor:
         >>> as_float(torch.tensor([True, False])).tolist()
         [1.0, 0.0]
     """
+    if _check_tensor("as_float", "mask", mask).dtype != torch.bool:
+        raise TypeError(f"as_float: mask must be a bool tensor, got {mask.dtype}")
     return mask.view(torch.uint8).to(torch.float32)
 
 
@@ -86,7 +103,7 @@ def eos_label_mask(inputs: torch.Tensor, eos_token_id: int) -> torch.Tensor:
         >>> eos_label_mask(torch.tensor([[1, 10, 2, 1, 11]]), 2).tolist()
         [[False, False, True, False, False]]
     """
-    return inputs == eos_token_id
+    return _check_tensor("eos_label_mask", "inputs", inputs) == eos_token_id
 
 
 def sequence_positions(like: torch.Tensor) -> torch.Tensor:
@@ -96,7 +113,9 @@ def sequence_positions(like: torch.Tensor) -> torch.Tensor:
         >>> sequence_positions(torch.zeros(2, 3, dtype=torch.int32)).tolist()
         [[0, 1, 2], [0, 1, 2]]
     """
-    rows, length = like.shape[0], like.shape[1]
+    rows, length = _check_tensor("sequence_positions", "like", like, 2).shape[:2]
+    if like.dtype == torch.bool or like.dtype.is_complex:
+        raise TypeError(f"sequence_positions: like must hold integer or float values, got {like.dtype}")
     return torch.arange(length, dtype=like.dtype, device=like.device).expand(rows, length).contiguous()
 
 
@@ -125,24 +144,40 @@ def cu_seqlens_rows(
         >>> cu.tolist(), top.tolist()
         ([[0, 3, 5], [0, 5, 5]], [3, 5])
     """
-    rows, length = positions.shape
-    is_start = positions.logical_not()
-    index = torch.arange(length, device=positions.device)
-    rank = is_start.cumsum(dim=1) - 1
+    is_start = _check_tensor("cu_seqlens_rows", "positions", positions, 2, 2).logical_not()
     if num_boundaries is None:
-        num_boundaries = int(rank[:, -1].amax()) + 2 if rows and length else 1
+        boundaries = _row_boundaries_from_starts(is_start)
     else:
+        boundaries = _row_boundaries_static(is_start, num_boundaries)
+    return boundaries, _segment_lengths_max(boundaries)
+
+
+def _row_boundaries_from_starts(is_start: torch.Tensor) -> torch.Tensor:
+    """Start indices per row, then the row length, padded to the batch's largest count (reads it back)."""
+    rows, length = is_start.shape
+    counts = is_start.sum(dim=1)
+    width = int(counts.amax()) + 1 if rows and length else 1
+    row, column = is_start.nonzero(as_tuple=True)
+    first_of_row = counts.cumsum(dim=0) - counts
+    rank = torch.arange(row.numel(), device=row.device) - first_of_row[row]
+    boundaries = torch.full((rows, width), length, dtype=torch.int32, device=is_start.device)
+    return boundaries.index_put((row, rank), column.to(torch.int32))
+
+
+def _row_boundaries_static(is_start: torch.Tensor, num_boundaries: int) -> torch.Tensor:
+    """Like :func:`_row_boundaries_from_starts` with a fixed width: no read-back, a device-side check."""
+    rows, length = is_start.shape
+    rank = is_start.cumsum(dim=1) - 1
+    if length:
         torch._assert_async(
-            (rank[:, -1] + 2 <= num_boundaries).all() if length else torch.tensor(True),
+            (rank[:, -1] + 2 <= num_boundaries).all(),
             "cu_seqlens: a row has more segments than num_boundaries - 1",
         )
-        rank = rank.clamp(max=num_boundaries)
-    slot = torch.where(is_start, rank, num_boundaries)
-    boundaries = torch.full((rows, num_boundaries + 1), length, dtype=torch.int64, device=positions.device)
-    # Non-starts land in the spare column num_boundaries, dropped below.
-    boundaries = boundaries.scatter(1, slot, index.expand(rows, length))
-    boundaries = boundaries[:, :num_boundaries].to(torch.int32)
-    return boundaries, _segment_lengths_max(boundaries)
+    # Non-starts (and overflowing starts) land in the spare column num_boundaries, dropped below.
+    slot = torch.where(is_start, rank, num_boundaries).clamp(max=num_boundaries)
+    index = torch.arange(length, device=is_start.device).expand(rows, length)
+    boundaries = torch.full((rows, num_boundaries + 1), length, dtype=torch.int64, device=is_start.device)
+    return boundaries.scatter(1, slot, index)[:, :num_boundaries].to(torch.int32)
 
 
 def cu_seqlens_flat(
@@ -162,7 +197,7 @@ def cu_seqlens_flat(
         >>> cu.tolist(), int(top)
         ([0, 3, 5, 10], 5)
     """
-    flat_starts = positions.logical_not().reshape(-1)
+    flat_starts = _check_tensor("cu_seqlens_flat", "positions", positions, 2, 2).logical_not().reshape(-1)
     total = flat_starts.numel()
     if num_boundaries is None:
         starts = flat_starts.nonzero().squeeze(1)

@@ -92,8 +92,8 @@ def _ids_and_texts(records: Sequence[SampleRecord], key: str) -> list[Any]:
 def _convert(tensor: torch.Tensor, kind: str) -> Any:
     if kind == "torch":
         return tensor.contiguous()
-    if kind == "numpy":
-        return tensor.detach().cpu().numpy()
+    if kind == "numpy":  # contiguous first: a view of the stacked batch would keep all of it alive
+        return tensor.detach().cpu().contiguous().numpy()
     return tensor.tolist()
 
 

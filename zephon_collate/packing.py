@@ -29,19 +29,23 @@ STRATEGIES = ("greedy", "best_fit")
 OVERFLOWS = ("split", "truncate")
 LOSS_MASK = "loss_mask"
 POSITIONS = "positions"
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 
 
 def _where(index: int, record: SampleRecord) -> str:
     return f"record {index} (sample_id {record.meta.sample_id})"
 
 
-def _check_int(owner: str, name: str, value: object, minimum: int) -> int:
+def _check_int(owner: str, name: str, value: object, minimum: int, maximum: int = INT64_MAX) -> int:
     if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
         raise TypeError(
             f"{owner}: {name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})"
         )
     if value < minimum:
         raise ValueError(f"{owner}: {name} must be an int >= {minimum}, got {value!r}")
+    if value > maximum:
+        raise ValueError(f"{owner}: {name} must be an int <= {maximum}, got {value!r}")
     return int(value)
 
 
@@ -62,7 +66,7 @@ class PackOptions:
     def create(cls, owner: str, **options: Any) -> PackOptions:
         """Check every option, raising ``TypeError``/``ValueError`` that names it and says what to pass."""
         checked = dict(options)
-        checked["seq_len"] = _check_int(owner, "seq_len", options["seq_len"], 1)
+        checked["seq_len"] = _check_int(owner, "seq_len", options["seq_len"], 1, INT32_MAX)  # int32 offsets
         checked["pad_token_id"] = _check_int(owner, "pad_token_id", options["pad_token_id"], 0)
         if options["buffer_size"] is not None or owner != "pack_flat":
             checked["buffer_size"] = _check_int(owner, "buffer_size", options["buffer_size"], 1)
@@ -92,8 +96,12 @@ class PackOptions:
 
 
 def _as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
-    """A 1-D NumPy view of a payload value (int64 for token ids); never copies an ndarray."""
+    """A 1-D NumPy view of a payload value (token ids: int64, >= 0); never copies an int64 ndarray."""
     if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.is_nested or value.is_quantized or value.is_meta:
+            kinds = {"meta": value.is_meta, "nested": value.is_nested, "quantized": value.is_quantized}
+            kind = next((k for k, hit in kinds.items() if hit), str(value.layout))
+            raise TypeError(f"{where}: field {name!r} is a {kind} tensor; give a dense tensor with data")
         tensor = value.detach().cpu()
         array = (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
     elif isinstance(value, np.ndarray):
@@ -104,6 +112,11 @@ def _as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
         except ValueError:
             raise ValueError(
                 f"{where}: field {name!r} is a ragged nested sequence; give a flat sequence"
+            ) from None
+        except (TypeError, RuntimeError, NotImplementedError):  # e.g. a list of tensors on a device
+            raise TypeError(
+                f"{where}: field {name!r} holds items that cannot be read as plain numbers; give a list "
+                "of numbers, or one array or tensor"
             ) from None
         if array.size == 0:
             array = array.astype(np.int64)  # [] reads as float64
@@ -116,6 +129,10 @@ def _as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
         raise ValueError(
             f"{where}: field {name!r} must be 1-D (one entry per token), got shape {array.shape}"
         )
+    if ids and array.dtype.kind == "O" and all(isinstance(v, numbers.Integral) for v in array):
+        raise ValueError(f"{where}: field {name!r} holds token ids beyond int64; give ids up to 2**63 - 1")
+    if ids and array.dtype.kind == "f" and array.size == 0:  # torch.tensor([]), np.array([]): no float in it
+        array = array.astype(np.int64)
     if ids and array.dtype.kind not in "iu":
         raise TypeError(
             f"{where}: field {name!r} has dtype {array.dtype}; token ids must be integers "
@@ -125,7 +142,25 @@ def _as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
         raise TypeError(
             f"{where}: field {name!r} has dtype {array.dtype}; it must hold bool, integer or float values"
         )
-    return array.astype(np.int64, copy=False) if ids else array
+    if not ids:
+        return array
+    if array.size and array.dtype == np.uint64 and array.max() > INT64_MAX:
+        raise ValueError(f"{where}: field {name!r} holds token ids beyond int64; give ids up to 2**63 - 1")
+    array = array.astype(np.int64, copy=False)
+    if array.size and array.min() < 0:
+        raise ValueError(
+            f"{where}: field {name!r} holds a negative token id ({array.min()}); ids must be >= 0"
+        )
+    return array
+
+
+def _check_loss_mask(values: np.ndarray, where: str) -> None:
+    """``ValueError`` unless a packed ``loss_mask`` holds only 0 and 1 (NaN included)."""
+    if values.dtype.kind != "b" and values.size and not np.isin(values, (0, 1)).all():
+        raise ValueError(
+            f"{where}: field 'loss_mask' must hold only 0 and 1 (or booleans): 1 for supervised tokens, "
+            "0 for the rest"
+        )
 
 
 def candidate_fields(payload: Mapping[Any, Any], tokens_name: str, length: int, where: str) -> list[str]:
@@ -208,6 +243,8 @@ class Reader:
                     f"(fields {self.fields}); give every record this field, or pass fields=(...) without it"
                 )
             values[field_name] = _as_array(payload[field_name], where, field_name, ids=False)
+            if field_name == LOSS_MASK:
+                _check_loss_mask(values[field_name], where)
             if len(values[field_name]) != tokens.size:
                 raise ValueError(
                     f"{where}: field {field_name!r} has {len(values[field_name])} entries but the token row "

@@ -286,6 +286,10 @@ class FlatPacker:
         Rows already closed (from a restored state) come first. Each record
         is validated when it is read.
         """
+        if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Iterable):
+            raise TypeError(
+                f"FlatPacker.pack: records must be an iterable of SampleRecord, got {type(records).__name__}"
+            )
         yield from self._drain()
         for record in records:
             if not isinstance(record, SampleRecord):
@@ -357,16 +361,30 @@ class FlatPacker:
                 f"FlatPacker.load_state_dict: not a version-{STATE_VERSION} FlatPacker state "
                 f"(missing keys {missing}, version {state.get('version')!r})"
             )
+        if not isinstance(state["options"], Mapping):
+            raise ValueError(
+                "FlatPacker.load_state_dict: the state is corrupt (its options are not a dict); "
+                "restore a state_dict() saved by FlatPacker, unchanged"
+            )
         saved, mine = dict(state["options"]), vars(self.options)
         differ = sorted(key for key in mine.keys() | saved.keys() if saved.get(key) != mine.get(key))
         if differ:
             detail = ", ".join(f"{key}: saved {saved.get(key)!r}, here {mine.get(key)!r}" for key in differ)
             raise ValueError(f"FlatPacker.load_state_dict: the state was saved with other options ({detail})")
+        try:
+            tokens_name = state["tokens_field"]
+            fields = None if state["fields"] is None else tuple(state["fields"])
+            consumed, emitted = int(state["records_consumed"]), int(state["rows_emitted"])
+            pending = [_piece_from_state(piece) for piece in state["pending"]]
+            ready = deque([_piece_from_state(piece) for piece in row] for row in state["ready"])
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ValueError(
+                f"FlatPacker.load_state_dict: the state is corrupt ({type(error).__name__}: {error}); "
+                "restore a state_dict() saved by FlatPacker, unchanged"
+            ) from None
         self._reset()
-        self._reader.tokens_name = state["tokens_field"]
-        self._reader.fields = None if state["fields"] is None else tuple(state["fields"])
-        self._consumed, self._emitted = int(state["records_consumed"]), int(state["rows_emitted"])
+        self._reader.tokens_name, self._reader.fields = tokens_name, fields
+        self._consumed, self._emitted = consumed, emitted
         engine = self._engine
-        engine.pending = [_piece_from_state(piece) for piece in state["pending"]]
+        engine.pending, engine.ready = pending, ready
         engine.used = sum(piece.tokens.size for piece in engine.pending)
-        engine.ready = deque([_piece_from_state(piece) for piece in row] for row in state["ready"])

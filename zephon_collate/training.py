@@ -17,6 +17,7 @@ from tensordict import TensorDictBase
 from zephon_collate.batch import (
     TOKENS,
     Columns,
+    as_record_tuple,
     check_padding_lengths,
     describe,
     read_columns,
@@ -172,8 +173,7 @@ def to_training(
         eos_token_id=eos_token_id,
         position_mode=position_mode,
     )
-    records = batch.records if isinstance(batch, SampleBatch) else tuple(batch)
-    return training_outputs(records, options)
+    return training_outputs(as_record_tuple(batch, "to_training"), options)
 
 
 def training_outputs(records: Sequence[SampleRecord], options: TrainingOptions) -> dict[str, Any]:

@@ -22,6 +22,7 @@ __all__ = [
 ]
 
 POSITION_MODES = ("preserve", "sequence")
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _INTEGER_TORCH_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 
 
@@ -30,16 +31,19 @@ def _is_int(value: object) -> bool:
 
 
 def check_eos_token_id(value: object, *, owner: str = "to_training") -> int:
-    """Return ``value`` as an int if it is a nonnegative integer (not a bool), else raise ``ValueError``."""
-    if not _is_int(value) or value < 0:  # type: ignore[operator]
-        raise ValueError(f"{owner}: eos_token_id must be a nonnegative int, got {value!r}")
+    """Return ``value`` as an int if it is an int (not a bool) in ``[0, 2**63)``; else ``ValueError``."""
+    if not _is_int(value) or not 0 <= value <= INT64_MAX:  # type: ignore[operator]
+        raise ValueError(f"{owner}: eos_token_id must be a nonnegative int below 2**63, got {value!r}")
     return int(value)  # type: ignore[call-overload]
 
 
 def check_ignore_index(value: object, *, owner: str = "to_training") -> int:
-    """Return ``value`` as an int, or raise ``TypeError`` if it is not an integer (bools excluded)."""
+    """Return ``value`` as an int: ``TypeError`` if it is not an integer (bools excluded), ``ValueError``
+    if it is outside int64."""
     if not _is_int(value):
         raise TypeError(f"{owner}: ignore_index must be an int, got {value!r}")
+    if not INT64_MIN <= value <= INT64_MAX:  # type: ignore[operator]
+        raise ValueError(f"{owner}: ignore_index must fit in int64, got {value!r}")
     return int(value)  # type: ignore[call-overload]
 
 
@@ -50,26 +54,25 @@ def check_position_mode(value: object) -> Literal["preserve", "sequence"]:
     return value  # type: ignore[return-value]
 
 
-def check_bool(name: str, value: object) -> bool:
+def check_bool(name: str, value: object, *, owner: str = "to_training") -> bool:
     """Return ``value`` if it is a bool, else raise ``TypeError``."""
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"to_training: {name} must be a bool, got {value!r}")
+        raise TypeError(f"{owner}: {name} must be a bool, got {value!r}")
     return bool(value)
 
 
-def check_field_names(name: str, value: object) -> tuple[str, ...]:
+def check_field_names(name: str, value: object, *, owner: str = "to_training") -> tuple[str, ...]:
     """Return a sequence of field names as a tuple; a bare str or a non-str item raises ``TypeError``."""
     if isinstance(value, (str, bytes)):
         raise TypeError(
-            f"to_training: {name} must be a sequence of field names, not the string {value!r}; "
-            f"write ({value!r},)"
+            f"{owner}: {name} must be a sequence of field names, not the string {value!r}; write ({value!r},)"
         )
     if not isinstance(value, (Sequence, set, frozenset)):
-        raise TypeError(f"to_training: {name} must be a sequence of field names, got {value!r}")
+        raise TypeError(f"{owner}: {name} must be a sequence of field names, got {value!r}")
     names = tuple(value)
     for item in names:
         if not isinstance(item, str):
-            raise TypeError(f"to_training: {name} must hold str field names, got {item!r}")
+            raise TypeError(f"{owner}: {name} must hold str field names, got {item!r}")
     return names
 
 

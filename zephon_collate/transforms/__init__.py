@@ -6,6 +6,7 @@ from zephon_collate.transforms.eos_mask import EosMask
 from zephon_collate.transforms.loss_mask import LossMask
 from zephon_collate.transforms.padding_mask import PaddingMask
 from zephon_collate.transforms.positions import Positions
+from zephon_collate.transforms.segment_ids import SegmentIds
 from zephon_collate.transforms.token_shift import TokenShift
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "LossMask",
     "PaddingMask",
     "Positions",
+    "SegmentIds",
     "TokenShift",
     "Transform",
 ]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
+import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from torch import nn
@@ -22,9 +24,31 @@ class Transform(TensorDictModuleBase):
     the same transform runs on any device and under ``torch.compile``.
     Being a :class:`tensordict.nn.TensorDictModuleBase`, a transform also fits
     in a :class:`tensordict.nn.TensorDictSequential`.
+
+    Calling a transform checks its input first: anything but a TensorDict
+    raises ``TypeError``, a TensorDict lacking one of ``in_keys`` raises
+    ``ValueError`` naming it. Built-in transforms also check the shapes they
+    rely on (``ValueError``); they never read values (that would synchronise
+    with the device): :func:`~zephon_collate.training.to_training` checks those.
     """
 
     dropped_keys: tuple[str, ...] = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            td = args[0]
+            if not isinstance(td, TensorDictBase):
+                raise TypeError(
+                    f"{type(self).__name__}: expects a TensorDict (e.g. batch.to_tensordict()), got "
+                    f"{type(td).__name__}"
+                )
+            missing = [key for key in self.in_keys if key not in td]
+            if missing:
+                raise ValueError(
+                    f"{type(self).__name__} needs {missing[0]!r}, which the TensorDict lacks "
+                    f"(it holds {sorted(td.keys())})"
+                )
+        return super().__call__(*args, **kwargs)
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -42,7 +66,37 @@ def _check_key(owner: str, name: str, value: object) -> str:
 def _check_keys(owner: str, name: str, value: Iterable[str]) -> tuple[str, ...]:
     if isinstance(value, str):
         raise TypeError(f"{owner}: {name} must be a sequence of keys, not the str {value!r}")
+    if not isinstance(value, Iterable):
+        raise TypeError(f"{owner}: {name} must be a sequence of keys, got {value!r}")
     return tuple(_check_key(owner, name, key) for key in value)
+
+
+def _check_rank(
+    owner: str, key: str, tensor: torch.Tensor, layout: str, min_dim: int, max_dim: int = 64
+) -> None:
+    """``ValueError`` unless ``tensor`` has ``min_dim`` to ``max_dim`` dimensions (``layout`` names them)."""
+    if not min_dim <= tensor.dim() <= max_dim:
+        raise ValueError(f"{owner}: {key!r} must be {layout}, got shape {tuple(tensor.shape)}")
+
+
+def _check_ignore_fits(owner: str, ignore_index: int, key: str, labels: torch.Tensor) -> None:
+    """``ValueError`` if integer ``labels`` cannot hold ``ignore_index`` (it would wrap around)."""
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        return
+    info = torch.iinfo(labels.dtype)
+    if not info.min <= ignore_index <= info.max:
+        raise ValueError(f"{owner}: ignore_index {ignore_index} does not fit {key!r} of dtype {labels.dtype}")
+
+
+def _check_leading(
+    owner: str, key: str, tensor: torch.Tensor, like_key: str, like: torch.Tensor, dims: int
+) -> None:
+    """``ValueError`` unless the first ``dims`` sizes of ``tensor`` equal those of ``like``."""
+    if tensor.shape[:dims] != like.shape[:dims]:
+        raise ValueError(
+            f"{owner}: {key!r} has shape {tuple(tensor.shape)}, which does not match {like_key!r} "
+            f"{tuple(like.shape)} in its first {dims} dims; per-token fields must align one to one"
+        )
 
 
 class Chain(Transform):
@@ -79,7 +133,7 @@ class Chain(Transform):
     def __init__(self, *transforms: TensorDictModuleBase, input_keys: Sequence[str] | None = None) -> None:
         super().__init__()
         for index, transform in enumerate(transforms):
-            if not callable(transform) or not self.is_tdmodule_compatible(transform):
+            if not isinstance(transform, nn.Module) or not self.is_tdmodule_compatible(transform):
                 raise TypeError(
                     f"Chain: item {index} ({transform!r}) is not a transform with in_keys and out_keys"
                 )

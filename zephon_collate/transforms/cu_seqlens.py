@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import numbers
+
+import numpy as np
 import torch
 from tensordict import TensorDictBase
 
 from zephon_collate.functional import cu_seqlens_flat, cu_seqlens_rows
-from zephon_collate.transforms.base import Transform, _check_key
+from zephon_collate.transforms.base import Transform, _check_key, _check_rank
+
+INT32_MAX = 2**31 - 1
 
 __all__ = ["CuSeqlens"]
 
@@ -40,7 +45,9 @@ class CuSeqlens(Transform):
         max_key: where to write maxima (default ``"max_seqlen"``).
 
     Raises:
-        ValueError: if ``num_boundaries`` is not an int >= 1.
+        TypeError: if ``num_boundaries`` is not an int or ``None``, or ``flatten`` not a bool.
+        ValueError: if ``num_boundaries`` is below 1; when called, if positions are not
+            ``[B, S]`` or hold more tokens than int32 boundaries can count.
 
     Example:
         >>> from tensordict import TensorDict
@@ -63,10 +70,18 @@ class CuSeqlens(Transform):
         max_key: str = "max_seqlen",
     ) -> None:
         super().__init__()
-        if num_boundaries is not None and (
-            not isinstance(num_boundaries, int) or isinstance(num_boundaries, bool) or num_boundaries < 1
-        ):
-            raise ValueError(f"CuSeqlens: num_boundaries must be an int >= 1 or None, got {num_boundaries!r}")
+        if num_boundaries is not None:
+            if not isinstance(num_boundaries, numbers.Integral) or isinstance(
+                num_boundaries, (bool, np.bool_)
+            ):
+                raise TypeError(
+                    f"CuSeqlens: num_boundaries must be an int >= 1 or None, got {num_boundaries!r}"
+                )
+            if num_boundaries < 1:
+                raise ValueError(
+                    f"CuSeqlens: num_boundaries must be an int >= 1 or None, got {num_boundaries!r}"
+                )
+            num_boundaries = int(num_boundaries)
         if not isinstance(flatten, bool):
             raise TypeError(f"CuSeqlens: flatten must be a bool, got {flatten!r}")
         self.positions_key = _check_key("CuSeqlens", "positions_key", positions_key)
@@ -79,6 +94,12 @@ class CuSeqlens(Transform):
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         positions = td.get(self.positions_key)
+        _check_rank("CuSeqlens", self.positions_key, positions, "[B, S] positions", 2, 2)
+        if positions.numel() > INT32_MAX:
+            raise ValueError(
+                f"CuSeqlens: {tuple(positions.shape)} positions overflow the int32 boundaries; "
+                "use smaller batches"
+            )
         kernel = cu_seqlens_flat if self.flatten else cu_seqlens_rows
         boundaries, longest = kernel(positions, self.num_boundaries)
         out = td.copy()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tensordict import TensorDictBase
 
 from zephon_collate.functional import eos_label_mask, mask_labels
-from zephon_collate.transforms.base import Transform, _check_key
+from zephon_collate.transforms.base import Transform, _check_ignore_fits, _check_key, _check_leading
 from zephon_collate.validation import check_eos_token_id, check_ignore_index
 
 __all__ = ["EosMask"]
@@ -57,7 +57,10 @@ class EosMask(Transform):
         self.out_keys = [labels_key]
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        from_eos = eos_label_mask(td.get(self.inputs_key), self.eos_token_id)
-        return td.replace(
-            {self.labels_key: mask_labels(td.get(self.labels_key), from_eos, self.ignore_index)}
+        inputs, labels = td.get(self.inputs_key), td.get(self.labels_key)
+        _check_leading(
+            "EosMask", self.labels_key, labels, self.inputs_key, inputs, max(inputs.dim(), labels.dim())
         )
+        _check_ignore_fits("EosMask", self.ignore_index, self.labels_key, labels)
+        from_eos = eos_label_mask(inputs, self.eos_token_id)
+        return td.replace({self.labels_key: mask_labels(labels, from_eos, self.ignore_index)})

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from tensordict import TensorDictBase
 
-from zephon_collate.functional import as_float, mask_labels, trailing_mask
-from zephon_collate.transforms.base import Transform, _check_key
+from zephon_collate.functional import align_mask, as_float, mask_labels, trailing_mask
+from zephon_collate.transforms.base import (
+    Transform,
+    _check_ignore_fits,
+    _check_key,
+    _check_leading,
+    _check_rank,
+)
 from zephon_collate.validation import check_ignore_index
 
 __all__ = ["LossMask"]
@@ -75,12 +81,22 @@ class LossMask(Transform):
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         labels = td.get(self.labels_key)
+        _check_rank("LossMask", self.labels_key, labels, "[B, S] or [B, S, ...] labels", 2)
+        _check_ignore_fits("LossMask", self.ignore_index, self.labels_key, labels)
         drop = None
         if self.supervision_key is not None:
-            drop = td.get(self.supervision_key).logical_not()
+            supervision = td.get(self.supervision_key)
+            _check_rank("LossMask", self.supervision_key, supervision, "a [B, S, ...] mask", 2, labels.dim())
+            _check_leading(
+                "LossMask", self.supervision_key, supervision, self.labels_key, labels, supervision.dim()
+            )
+            drop = supervision.logical_not()
         if self.padding_length_key is not None:
-            padding = trailing_mask(td.get(self.padding_length_key), labels.shape[1])
-            drop = padding if drop is None else drop | padding
+            counts = td.get(self.padding_length_key)
+            _check_rank("LossMask", self.padding_length_key, counts, "[B] pad counts", 1, 1)
+            _check_leading("LossMask", self.padding_length_key, counts, self.labels_key, labels, 1)
+            padding = trailing_mask(counts, labels.shape[1])
+            drop = padding if drop is None else drop | align_mask(padding, drop)  # [B, S] over [B, S, ...]
         if drop is not None:
             labels = mask_labels(labels, drop, self.ignore_index)
         updates = {self.labels_key: labels}
@@ -88,6 +104,6 @@ class LossMask(Transform):
         if self.out_key is not None:
             updates[self.out_key] = as_float(valid)
         if self.count_key is not None:
-            updates[self.count_key] = valid.reshape(valid.shape[0], -1).sum(dim=1)
+            updates[self.count_key] = valid.flatten(1).sum(dim=1)  # flatten, not reshape: B = 0 works
         out = td.replace(updates)
         return out.exclude(*self.dropped_keys) if self.dropped_keys else out

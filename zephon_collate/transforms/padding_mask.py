@@ -5,7 +5,7 @@ from __future__ import annotations
 from tensordict import TensorDictBase
 
 from zephon_collate.functional import trailing_mask
-from zephon_collate.transforms.base import Transform, _check_key
+from zephon_collate.transforms.base import Transform, _check_key, _check_leading, _check_rank
 
 __all__ = ["PaddingMask"]
 
@@ -50,5 +50,8 @@ class PaddingMask(Transform):
         self.out_keys = [out_key]
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        length = td.get(self.like_key).shape[1]
-        return td.replace({self.out_key: trailing_mask(td.get(self.padding_length_key), length)})
+        like, padding = td.get(self.like_key), td.get(self.padding_length_key)
+        _check_rank("PaddingMask", self.like_key, like, "[B, S] or [B, S, ...]", 2)
+        _check_rank("PaddingMask", self.padding_length_key, padding, "[B] pad counts", 1, 1)
+        _check_leading("PaddingMask", self.padding_length_key, padding, self.like_key, like, 1)
+        return td.replace({self.out_key: trailing_mask(padding, like.shape[1])})

@@ -7,7 +7,7 @@ from typing import Literal
 from tensordict import TensorDictBase
 
 from zephon_collate.functional import sequence_positions
-from zephon_collate.transforms.base import Transform, _check_key
+from zephon_collate.transforms.base import Transform, _check_key, _check_rank
 from zephon_collate.validation import check_position_mode
 
 __all__ = ["Positions"]
@@ -61,4 +61,6 @@ class Positions(Transform):
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         if self.mode == "preserve":
             return td.copy()
-        return td.replace({self.out_key: sequence_positions(td.get(self.like_key))})
+        like = td.get(self.like_key)
+        _check_rank("Positions", self.like_key, like, "[B, S] or [B, S, ...]", 2)
+        return td.replace({self.out_key: sequence_positions(like)})

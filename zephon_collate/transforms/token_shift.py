@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from tensordict import TensorDictBase
 
 from zephon_collate.functional import shift_tokens
-from zephon_collate.transforms.base import Transform, _check_key, _check_keys
+from zephon_collate.transforms.base import Transform, _check_key, _check_keys, _check_leading, _check_rank
 
 __all__ = ["TokenShift"]
 
@@ -61,7 +61,11 @@ class TokenShift(Transform):
         self.out_keys = [tokens_key, labels_key, *aligned]
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        inputs, labels = shift_tokens(td.get(self.tokens_key))
+        tokens = td.get(self.tokens_key)
+        _check_rank("TokenShift", self.tokens_key, tokens, "[B, S] or [B, S, ...] tokens", 2)
+        for key in (*self.input_keys, *self.label_keys):
+            _check_leading("TokenShift", key, td.get(key), self.tokens_key, tokens, 2)
+        inputs, labels = shift_tokens(tokens)
         updates = {self.tokens_key: inputs, self.labels_key: labels}
         for key in self.input_keys:
             updates[key] = td.get(key)[:, :-1]

@@ -1,0 +1,364 @@
+"""The batch inspector: exact plain rendering, the warnings, colours, the PNG and `show`."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from zephon_collate import SampleBatch, SampleMeta, SampleRecord, pack_flat
+from zephon_collate.__main__ import main
+from zephon_collate.demo.corpus import CHAT, Document, to_records
+from zephon_collate.demo.tokenizer import EOS, PAD, ByteTokenizer
+from zephon_collate.inspect_batch import (
+    batch_rows,
+    batch_warnings,
+    render_batch,
+    render_batch_png,
+    token_text,
+)
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+# Two packed rows of 8 tokens, as the quickstart builds them, after
+# to_training(return_labels, loss mask, cu_seqlens, padding mask, eos_mask_loss, EOS=2).
+LITERAL = {
+    "ids": [(0, 0, 0), (0, 0, 1)],
+    "input_ids": torch.tensor([[1, 10, 2, 1, 11, 12, 2], [1, 20, 21, 22, 2, 0, 0]]),
+    "labels": torch.tensor([[10, 2, -100, 11, 12, 2, -100], [-100, 21, 22, 2, -100, -100, -100]]),
+    "positions": torch.tensor([[0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 0, 1]]),
+    "loss_mask": torch.tensor([[1.0, 1, 0, 1, 1, 1, 0], [0.0, 1, 1, 1, 0, 0, 0]]),
+    "cu_seqlens": torch.tensor([[0, 3, 7], [0, 5, 7]], dtype=torch.int32),
+    "padding_mask": torch.tensor([[False] * 7, [False] * 5 + [True] * 2]),
+}
+
+LITERAL_LINES = [
+    "batch: 2 rows x 7 tokens; 8 of 14 labels supervised (57%); 2 of 14 tokens padding (14%)",
+    "",
+    "row 0 (sample (0, 0, 0)): 7 tokens, 2 segments, 0 padding (0%), 5 supervised (71%)",
+    "  pos   |0  1  2|0  1  2  3",
+    "  in    |1  10 2|1  11 12 2",
+    "  label |10 2  -|11 12 2  -",
+    "  mask  |+  +  .|+  +  +  .",
+    "",
+    "row 1 (sample (0, 0, 1)): 7 tokens, 2 segments, 2 padding (29%), 3 supervised (43%)",
+    "  pos   |0 1  2  3  4|0 1",
+    "  in    |1 20 21 22 2|0 0",
+    "  label |- 21 22 2  -|- -",
+    "  mask  |. +  +  +  .|_ _",
+    "",
+    "legend: | starts a segment; mask + supervised, . ignored, _ padding, ! supervised padding",
+    "warnings: none",
+]
+
+OPTIONS = {
+    "return_labels": True,
+    "return_loss_mask": True,
+    "return_cu_seqlens": True,
+    "return_padding_mask": True,
+}
+
+
+def quickstart(**options):
+    """The quickstart's two rows, through to_training with ``options`` (OPTIONS by default)."""
+    rows = [
+        ([1, 10, 2, 1, 11, 12, 2, 0], [0, 1, 2, 0, 1, 2, 3, 0], [1, 1, 1, 1, 1, 1, 1, 0], 1),
+        ([1, 20, 21, 22, 2, 0, 0, 0], [0, 1, 2, 3, 4, 0, 1, 2], [0, 0, 1, 1, 1, 0, 0, 0], 3),
+    ]
+    records = [
+        SampleRecord(
+            SampleMeta((0, 0, i), 0, 7, i, tags={"_padding_length": pad}),
+            {"input_ids": ids, "positions": pos, "loss_mask": mask},
+        )
+        for i, (ids, pos, mask, pad) in enumerate(rows)
+    ]
+    return SampleBatch(records).to_training(
+        **(options or {**OPTIONS, "eos_mask_loss": True, "eos_token_id": 2})
+    )
+
+
+def chat_batch():
+    """One chat example (prompt 'Hi\\n', response 'ok') packed into a row of 9 tokens, collated."""
+    records = to_records([Document(CHAT, prompt="Hi\n", response="ok")])
+    rows = pack_flat(records, 9, pad_token_id=PAD)
+    return SampleBatch(rows).to_training(**OPTIONS, eos_mask_loss=True, eos_token_id=EOS)
+
+
+def test_literal_batch_renders_exactly():
+    assert render_batch(LITERAL).splitlines() == LITERAL_LINES
+
+
+def test_to_training_output_renders_like_the_literal():
+    assert render_batch(quickstart()) == render_batch(LITERAL)
+
+
+def test_chat_example_with_byte_tokenizer_renders_exactly():
+    text = render_batch(chat_batch(), ByteTokenizer())
+    assert text.splitlines()[:8] == [
+        "batch: 1 row x 8 tokens; 3 of 8 labels supervised (38%); 1 of 8 tokens padding (12%)",
+        "",
+        "row 0 (sample (1, 0, 0)): 8 tokens, 2 segments, 1 padding (12%), 3 supervised (38%)",
+        "  pos   |0     1 2 3  4 5     6    |0",
+        "  in    |<bos> H i \\n o k     <eos>|<pad>",
+        "  label |-     - - o  k <eos> -    |-",
+        "  mask  |.     . . +  + +     .    |_",
+        "",
+    ]
+    assert text.endswith("warnings: none")
+
+
+def test_rows_wrap_at_width_and_keep_their_columns():
+    text = render_batch(LITERAL, width=22)
+    row0 = text.split("\n\n")[1].splitlines()
+    assert row0 == [
+        "row 0 (sample (0, 0, 0)): 7 tokens, 2 segments, 0 padding (0%), 5 supervised (71%)",
+        "  pos   |0  1  2|0  1",
+        "  in    |1  10 2|1  11",
+        "  label |10 2  -|11 12",
+        "  mask  |+  +  .|+  +",
+    ]
+    assert text.split("\n\n")[2].splitlines() == [
+        "  pos    2  3",
+        "  in     12 2",
+        "  label  2  -",
+        "  mask   +  .",
+    ]
+
+
+def test_max_rows_and_max_tokens_cut_the_view_not_the_summary():
+    text = render_batch(LITERAL, max_rows=1, max_tokens=3)
+    assert "  in    |1  10 2" in text
+    assert "  ... 4 more tokens" in text
+    assert "... 1 more rows" in text
+    assert "row 1" not in text
+    assert text.startswith("batch: 2 rows x 7 tokens")
+
+
+def test_long_trailing_padding_is_collapsed():
+    batch = {"input_ids": [[1, 5, 2, 0, 0, 0, 0, 0, 0]], "padding_mask": [[False] * 3 + [True] * 6]}
+    assert render_batch(batch).splitlines()[3:6] == [
+        "  in    |1 5 2 0 0 0 0",
+        "  mask  |      _ _ _ _",
+        "  ... 2 more padding tokens",
+    ]
+    assert "more padding" not in render_batch(batch, collapse_padding=None)
+
+
+def test_color_adds_ansi_codes_only():
+    colored = render_batch(LITERAL, color=True)
+    assert "\x1b[32m" in colored and "\x1b[1;35m|" in colored
+    assert ANSI.sub("", colored) == render_batch(LITERAL)
+    assert "\x1b[" not in render_batch(LITERAL)
+
+
+def test_token_text_escapes_and_tokenizers():
+    tok = ByteTokenizer()
+    assert [token_text(tok, i) for i in tok.encode(" \n\t\ra")] == ["␣", "\\n", "\\t", "\\r", "a"]
+    assert token_text(tok, 0x80 + 3) == "\\x80"
+    assert token_text(None, 42) == "42"
+    assert token_text(lambda i: f"tok{i}", 7) == "tok7"
+    assert token_text(lambda i: "x" * 40, 7) == "x" * 15 + "~"
+
+    class HuggingFaceLike:
+        def decode(self, ids):
+            return " the" if ids == [5] else "<|end|>"
+
+    assert token_text(HuggingFaceLike(), 5) == "␣the"
+    assert token_text(HuggingFaceLike(), 6) == "<|end|>"
+
+
+def test_flattened_batch_is_one_row():
+    flat = quickstart(**OPTIONS, flatten=True, eos_mask_loss=True, eos_token_id=2)
+    (row,) = batch_rows(flat)
+    assert len(row.input_ids) == 14
+    assert row.starts == [0, 3, 7, 12]
+    assert batch_warnings(flat) == []
+    assert render_batch(flat).startswith("batch: 1 row x 14 tokens")
+
+
+def test_batch_without_labels_shows_the_raw_mask():
+    raw = {"input_ids": [[1, 5, 2]], "loss_mask": [[0, 1, 1]]}
+    lines = render_batch(raw).splitlines()
+    assert lines[0] == "batch: 1 row x 3 tokens; 2 of 3 tokens supervised (67%); 0 of 3 tokens padding (0%)"
+    assert lines[3:5] == ["  in    |1 5 2", "  mask  |. + +"]
+
+
+# ---- warnings -------------------------------------------------------------------------------
+
+
+def test_no_warning_for_a_clean_batch():
+    assert batch_warnings(LITERAL) == []
+    assert batch_warnings(chat_batch()) == []
+
+
+def test_all_zero_loss_mask_is_flagged_for_the_batch():
+    batch = dict(LITERAL, labels=torch.full((2, 7), -100), loss_mask=torch.zeros(2, 7))
+    warnings = batch_warnings(batch)
+    assert warnings[0].startswith("batch: no supervised token in any row")
+    assert not any("row 0: no supervised" in w for w in warnings)
+    assert "warnings (" in render_batch(batch)
+
+
+def test_a_row_without_supervised_tokens_is_flagged():
+    labels = LITERAL["labels"].clone()
+    labels[1] = -100
+    batch = dict(LITERAL, labels=labels, loss_mask=(labels != -100).float())
+    assert batch_warnings(batch) == [
+        "row 1: no supervised token: its loss mask is all zero (every label is ignored), so it adds "
+        "nothing to the loss; check the chat template's assistant mask"
+    ]
+
+
+def test_mostly_padding_row_is_flagged():
+    padding = torch.tensor([[False] * 7, [False] * 3 + [True] * 4])
+    batch = dict(LITERAL, padding_mask=padding)
+    assert (
+        "row 1: 4 of 7 tokens (57%) are padding: pack more documents per row, or shorten seq_len"
+        in batch_warnings(batch)
+    )
+    assert not any("padding:" in w for w in batch_warnings(LITERAL))  # 2 of 7 is fine
+
+
+def test_padding_from_pad_token_id_without_padding_mask():
+    batch = {key: value for key, value in LITERAL.items() if key != "padding_mask"}
+    assert [row.num_padding for row in batch_rows(batch)] == [0, 0]
+    assert [row.num_padding for row in batch_rows(batch, pad_token_id=0)] == [0, 2]
+
+
+def test_positions_that_disagree_with_cu_seqlens_are_flagged():
+    batch = quickstart(**OPTIONS, position_mode="sequence", eos_mask_loss=True, eos_token_id=2)
+    warnings = batch_warnings(batch)
+    assert warnings[0] == (
+        "row 0: positions restart at 0 at tokens [0] but cu_seqlens starts segments at [0, 3]: the "
+        "model's positions and its attention boundaries disagree (position_mode='sequence' does this on purpose)"
+    )
+    assert warnings[1].startswith(
+        "row 1: positions restart at 0 at tokens [0] but cu_seqlens starts segments at [0, 5]"
+    )
+
+
+def test_positions_that_skip_are_flagged():
+    batch = dict(LITERAL, positions=torch.tensor([[0, 1, 2, 0, 1, 3, 4], [0, 1, 2, 3, 4, 0, 1]]))
+    warnings = batch_warnings(batch)
+    assert (
+        "row 0: positions do not count up by one inside a segment at 1 tokens (first: token 5, 1 -> 3)"
+        in warnings
+    )
+
+
+def test_supervised_padding_is_flagged_and_marked():
+    labels = LITERAL["labels"].clone()
+    labels[1, 6] = 7
+    batch = dict(LITERAL, labels=labels, loss_mask=(labels != -100).float())
+    assert "row 1: 1 padding tokens have supervised labels; they train on padding" in batch_warnings(batch)
+    assert "  mask  |. +  +  +  .|_ !" in render_batch(batch)
+
+
+def test_labels_across_a_segment_boundary_are_flagged():
+    batch = quickstart(**OPTIONS)  # no eos_mask_loss: EOS -> next BOS stays supervised
+    (warning,) = batch_warnings(batch)
+    assert warning.startswith("row 0: 1 supervised labels cross a segment boundary (first: token 2 -> 3)")
+    assert "eos_mask_loss=True" in warning
+
+
+def test_loss_mask_that_disagrees_with_labels_is_flagged():
+    batch = dict(LITERAL, loss_mask=torch.ones(2, 7))
+    warnings = batch_warnings(batch)
+    assert "row 0: loss_mask and labels disagree at 2 tokens" in warnings[0]
+    assert "row 1: loss_mask and labels disagree at 4 tokens" in warnings[1]
+
+
+def test_bad_batches_raise():
+    with pytest.raises(KeyError, match="no 'input_ids'"):
+        render_batch({"labels": [[1]]})
+    with pytest.raises(ValueError, match="field 'labels' has rows of lengths"):
+        render_batch({"input_ids": [[1, 2]], "labels": [[1]]})
+
+
+# ---- PNG ------------------------------------------------------------------------------------
+
+
+def test_png_is_written(tmp_path):
+    path = render_batch_png(chat_batch(), tmp_path / "sub" / "batch.png", ByteTokenizer(), title="chat")
+    data = path.read_bytes()
+    assert path == tmp_path / "sub" / "batch.png"
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert 1_000 < len(data) < 300_000
+
+
+def test_png_of_a_batch_with_warnings(tmp_path):
+    batch = dict(LITERAL, labels=torch.full((2, 7), -100), loss_mask=torch.zeros(2, 7))
+    path = render_batch_png(batch, tmp_path / "bad.png", max_tokens=5, tokens_per_line=3)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+
+def test_show_jsonl_text_records(tmp_path, capsys):
+    path = tmp_path / "records.jsonl"
+    lines = [{"text": "x = 1\n"}, {"prompt": "Say hi.\n", "response": "hi"}, {"text": "y = 2\n"}]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    assert main(["show", str(path), "--seq-len", "24", "--no-color", "--png", str(tmp_path / "r.png")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("batch: 2 rows x 24 tokens;")
+    assert "  in    |<bos> x ␣ = ␣ 1  \\n    <eos>|<bos> S a y ␣ h i . \\n h i     <eos>|<pad>" in out
+    assert (
+        "  mask  |+     + + + + +  +     .    |.     . . . . . . . +  + +     .    |_     _     _     _"
+        in out
+    )
+    assert "\x1b[" not in out
+    assert "  in    |<bos> y ␣ = ␣ 2  \\n    <eos>|<pad> <pad> <pad> <pad>\n" in out  # 16 padding tokens:
+    assert "  ... 12 more padding tokens\n" in out  # the first 4 shown
+    assert f"wrote {tmp_path / 'r.png'}" in out
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_show_jsonl_token_records_unpacked(tmp_path, capsys):
+    path = tmp_path / "tokens.jsonl"
+    rows = [{"input_ids": [1, 5, 6, 2], "loss_mask": [0, 0, 1, 1]}, {"input_ids": [1, 7, 2]}]
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    assert main(["show", str(path), "--no-color"]) == 2  # mixed masks: the packer's error, in one line
+    assert (
+        "show: error: record 0 (sample_id (0, 0, 0)) has a 'loss_mask' but record 1"
+        in capsys.readouterr().err
+    )
+    rows[1]["loss_mask"] = [0, 0, 0]
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    assert main(["show", str(path), "--no-pack", "--eos-id", "2", "--no-color"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[2:6] == [  # ids (no tokenizer), no positions (no pos line)
+        "row 0 (sample (0, 0, 0)): 3 tokens, 1 segment, 0 padding (0%), 2 supervised (67%)",
+        "  in    |1 5 6",
+        "  label |- 6 2",
+        "  mask  |. + +",
+    ]
+    assert "row 1: no supervised token" in out
+
+
+def test_show_reports_bad_input_in_one_line(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert main(["show", str(empty)]) == 2
+    assert capsys.readouterr().err == f"python -m zephon_collate show: error: {empty} holds no records\n"
+    assert main(["show", str(tmp_path / "missing.pt")]) == 2
+    assert "No such file" in capsys.readouterr().err
+
+
+def test_show_saved_batch(tmp_path, capsys):
+    path = tmp_path / "batch.pt"
+    torch.save(LITERAL, path)
+    assert main(["show", str(path), "--no-color", "--width", "100"]) == 0
+    assert capsys.readouterr().out.splitlines() == LITERAL_LINES
+
+
+def test_show_demo_batch(capsys):
+    assert (
+        main(["show", "--demo-batch", "--seq-len", "48", "--batch-size", "2", "--no-color", "--rows", "1"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.startswith("batch: 2 rows x 48 tokens;")
+    assert "row 0" in out and "... 1 more rows" in out

@@ -1,0 +1,415 @@
+"""Context-parallel sharding of a packed batch: the load-balanced THD layout of Megatron/TransformerEngine.
+
+With context parallelism (CP) the tokens of every sequence are spread over
+``cp_size`` ranks. Under causal attention the last tokens of a sequence attend
+to many more keys than the first, so each document is cut into ``2 * cp_size``
+equal chunks and rank ``r`` takes chunks ``r`` and ``2 * cp_size - 1 - r``: every
+rank gets one cheap and one expensive chunk. Each document is first padded to
+a multiple of ``2 * cp_size`` (padding tokens carry ``ignore_index`` labels).
+
+The batch is laid out as THD: the rows are concatenated into one token stream
+and every document (a segment of the packer, found from ``positions == 0`` or
+from ``cu_seqlens``) is a sequence of it. Each rank receives
+
+* its shard of every per-token field (``[T_padded / cp_size, ...]``),
+  ``positions`` included (padding continues each document's numbering);
+* ``cu_seqlens`` (real document boundaries) and ``cu_seqlens_padded`` (the
+  padded ones), both *global*, int32, as TransformerEngine's THD attention with
+  context parallelism expects (``cu_seqlens_q``/``cu_seqlens_q_padded``);
+  ``cu_seqlens_padded // cp_size`` gives the boundaries of the local shard;
+* ``max_seqlen``: the longest *padded* document (an upper bound for both);
+* ``num_valid_tokens``: the local count of labels unequal to ``ignore_index``
+  (the local counts of the CP ranks add up to the batch's count);
+* ``cp_padding_mask``: True on the tokens this sharding added.
+
+Labels must be made before sharding (a shard's last token is predicted from
+the next token, which another rank may hold): run this after the collator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from zephon_collate.functional import align_mask
+from zephon_collate.transforms.base import Transform, _check_key, _check_keys
+from zephon_collate.validation import check_ignore_index
+
+__all__ = ["ContextParallelShard", "cp_partition_index", "gather_context_parallel"]
+
+INT32_MAX = 2**31 - 1
+METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "num_valid_tokens")
+
+
+def _check_cp(owner: str, cp_size: object, cp_rank: object) -> tuple[int, int]:
+    for name, value in (("cp_size", cp_size), ("cp_rank", cp_rank)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{owner}: {name} must be an int, got {value!r}")
+    if cp_size < 1:  # type: ignore[operator]
+        raise ValueError(f"{owner}: cp_size must be >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:  # type: ignore[operator]
+        raise ValueError(f"{owner}: cp_rank must be in [0, {cp_size}), got {cp_rank}")
+    return cp_size, cp_rank  # type: ignore[return-value]
+
+
+def _partition(
+    cu_padded: torch.Tensor, cp_size: int, cp_rank: int, total: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index into the padded stream, document of each local token)`` for ``cp_rank``.
+
+    ``total`` is ``cu_padded[-1]`` when the caller has read it already.
+    """
+    padded = cu_padded.diff()
+    local = padded // cp_size
+    chunk = padded // (2 * cp_size)
+    starts = cu_padded[:-1]
+    if total is None:
+        total = int(cu_padded[-1])  # the output size depends on the data: one read-back
+    total_local = total // cp_size
+    device = cu_padded.device
+    doc = torch.repeat_interleave(torch.arange(padded.numel(), device=device), local, output_size=total_local)
+    offset = torch.arange(total_local, device=device) - (starts // cp_size)[doc]  # in [0, 2 * chunk)
+    size = chunk[doc]
+    second = offset >= size
+    which = torch.where(second, 2 * cp_size - 1 - cp_rank, cp_rank)
+    return starts[doc] + which * size + offset - second * size, doc
+
+
+def cp_partition_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Indices into the padded THD token stream that CP rank ``cp_rank`` holds, in its local order.
+
+    For every document (``cu_seqlens_padded[d] .. cu_seqlens_padded[d + 1]``, a
+    multiple of ``2 * cp_size`` long) cut into ``2 * cp_size`` chunks: chunk
+    ``cp_rank`` then chunk ``2 * cp_size - 1 - cp_rank``. The same as
+    TransformerEngine's ``thd_get_partitioned_indices``. The size depends on
+    the data: one value is read back from the device.
+
+    Raises:
+        TypeError, ValueError: if ``cp_size``/``cp_rank`` are not ints with
+            ``0 <= cp_rank < cp_size``, or the boundaries are not a 1-D, nondecreasing
+            sequence from 0 whose steps are multiples of ``2 * cp_size``.
+
+    Example:
+        >>> cp_partition_index(torch.tensor([0, 8, 12]), cp_size=2, cp_rank=0).tolist()
+        [0, 1, 6, 7, 8, 11]
+        >>> cp_partition_index(torch.tensor([0, 8, 12]), cp_size=2, cp_rank=1).tolist()
+        [2, 3, 4, 5, 9, 10]
+    """
+    cp_size, cp_rank = _check_cp("cp_partition_index", cp_size, cp_rank)
+    cu = torch.as_tensor(cu_seqlens_padded).to(torch.int64)
+    steps = cu.diff() if cu.dim() == 1 else cu
+    if (
+        cu.dim() != 1
+        or not cu.numel()
+        or not bool((cu[0] == 0) & (steps >= 0).all() & (steps % (2 * cp_size) == 0).all())
+    ):
+        raise ValueError(
+            "cp_partition_index: cu_seqlens_padded must be 1-D, start at 0 and grow by multiples of "
+            f"2 * cp_size = {2 * cp_size}, got {cu_seqlens_padded.tolist()}"
+        )
+    return _partition(cu, cp_size, cp_rank)[0]
+
+
+def _document_lengths(positions: torch.Tensor, boundaries: torch.Tensor | None) -> torch.Tensor:
+    """Lengths (> 0) of the documents of the flattened token stream, in order."""
+    total = positions.numel()
+    device = positions.device
+    end = torch.full((1,), total, dtype=torch.int64, device=device)
+    if boundaries is None:
+        column = torch.arange(positions.shape[-1], device=device)
+        starts = (positions == 0) | (column == 0)  # a row always starts a document
+        bounds = torch.cat([starts.reshape(-1).nonzero().squeeze(1), end])
+    else:
+        cu = boundaries.to(device=device, dtype=torch.int64)
+        rows = positions.shape[0] if positions.dim() == 2 else 1
+        length = positions.shape[-1] if positions.dim() == 2 else total
+        if cu.dim() == 2 and positions.dim() == 2 and cu.shape[0] == rows:
+            limit = length
+            offsets = torch.arange(rows, device=device).unsqueeze(1) * length
+        elif cu.dim() == 1:
+            limit, offsets = total, torch.zeros((), dtype=torch.int64, device=device)
+        else:
+            raise ValueError(
+                f"ContextParallelShard: cu_seqlens of shape {list(cu.shape)} fits neither the rows "
+                f"({list(positions.shape)}) nor the flattened stream; give [B, K] or [K] boundaries"
+            )
+        valid = cu.numel() > 0 and bool(
+            (cu[..., 0] == 0).all() & (cu.diff(dim=-1) >= 0).all() & (cu <= limit).all()
+        )
+        if not valid:
+            raise ValueError(
+                "ContextParallelShard: cu_seqlens must start at 0 and be nondecreasing within the "
+                f"sequence length {limit}, got {cu.tolist()}"
+            )
+        bounds = torch.cat([(cu + offsets).reshape(-1), end])
+    lengths = bounds.diff()
+    return lengths[lengths > 0]
+
+
+class ContextParallelShard(Transform):
+    """Split every per-token field of a batch into CP rank ``cp_rank``'s load-balanced THD shard.
+
+    The rows (``[B, S, ...]`` fields, or ``[N, ...]`` once flattened) are
+    concatenated into one stream of ``T`` tokens whose documents start where
+    ``positions`` is 0 (and at every row start), or, when the input holds
+    ``cu_seqlens_key`` (``[B, K]`` per row or ``[K]`` flattened, as
+    :class:`~zephon_collate.transforms.CuSeqlens` writes them), at those
+    boundaries: use that with ``position_mode="sequence"``. Each document is
+    padded to a multiple of ``2 * cp_size`` and cut into ``2 * cp_size``
+    chunks; this rank keeps chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank``
+    of every document, in document order (see :func:`cp_partition_index`).
+
+    Per-token fields are the entries whose leading dims equal those of
+    ``positions`` (or ``keys``, when given); the output holds them, sharded, as
+    ``[T_local, ...]``, plus the metadata of the module docstring (the
+    boundaries ``cu_seqlens``/``cu_seqlens_padded`` are global, int32). Other
+    entries (per-row counts, ``padding_length``, the old boundaries) describe
+    rows that no longer exist and are not carried over. Added tokens get
+    ``pad_token_id`` in ``tokens_key``, ``ignore_index`` in ``labels_key``,
+    continued numbering in ``positions``, True in ``padding_mask``, and 0
+    elsewhere (``fill_values`` overrides any of these but positions).
+
+    Labels must exist before sharding (:class:`TokenShift` runs on whole rows),
+    so place this last. Its output size depends on the data, so it reads values
+    back from the device (like ``CuSeqlens`` without ``num_boundaries``).
+
+    Parameters:
+        cp_size: the context-parallel world size, an int >= 1.
+        cp_rank: this rank's index in the CP group, ``0 <= cp_rank < cp_size``.
+        pad_token_id: the token of added padding (default 0).
+        ignore_index: the label of added padding and of ignored labels (default -100).
+        keys: the per-token fields to shard, or ``None`` for all of them.
+        tokens_key, labels_key, positions_key: the fields so named (positions are required).
+        cu_seqlens_key: boundaries to read when present, and where to write the real ones.
+        padded_key, max_key, count_key, added_key: where to write ``cu_seqlens_padded``,
+            ``max_seqlen``, the local ``num_valid_tokens`` and the added-padding mask.
+        fill_values: ``{key: value}`` for added tokens, overriding the defaults above.
+
+    Raises:
+        TypeError, ValueError: for a bad ``cp_size``/``cp_rank``/key at construction; when
+            called, for positions that are not 1-D or 2-D, a listed key that is missing or
+            not per-token, or boundaries that do not fit the tokens.
+
+    Example:
+        One row: document A (tokens 11-15, 5 tokens) then B (21-23, 3 tokens),
+        over ``cp_size=2``: A is padded to 8 (chunks of 2), B to 4 (chunks of 1).
+
+        >>> td = TensorDict(
+        ...     input_ids=torch.tensor([[11, 12, 13, 14, 15, 21, 22, 23]]),
+        ...     labels=torch.tensor([[12, 13, 14, 15, -100, 22, 23, -100]]),
+        ...     positions=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]]),
+        ...     batch_size=[1],
+        ... )
+        >>> rank0, rank1 = (ContextParallelShard(cp_size=2, cp_rank=r)(td) for r in (0, 1))
+        >>> rank0["input_ids"].tolist(), rank1["input_ids"].tolist()
+        ([11, 12, 0, 0, 21, 0], [13, 14, 15, 0, 22, 23])
+        >>> rank0["labels"].tolist(), rank1["labels"].tolist()
+        ([12, 13, -100, -100, 22, -100], [14, 15, -100, -100, 23, -100])
+        >>> rank0["positions"].tolist(), rank1["positions"].tolist()
+        ([0, 1, 6, 7, 0, 3], [2, 3, 4, 5, 1, 2])
+        >>> rank0["cu_seqlens"].tolist(), rank0["cu_seqlens_padded"].tolist(), int(rank0["max_seqlen"])
+        ([0, 5, 8], [0, 8, 12], 8)
+        >>> int(rank0["num_valid_tokens"]) + int(rank1["num_valid_tokens"])  # 6 labels, split 3 + 3
+        6
+        >>> gather_context_parallel([rank0, rank1])["input_ids"].tolist()  # back to the stream
+        [11, 12, 13, 14, 15, 21, 22, 23]
+    """
+
+    def __init__(
+        self,
+        cp_size: int,
+        cp_rank: int,
+        *,
+        pad_token_id: int = 0,
+        ignore_index: int = -100,
+        keys: Sequence[str] | None = None,
+        tokens_key: str = "input_ids",
+        labels_key: str = "labels",
+        positions_key: str = "positions",
+        cu_seqlens_key: str = "cu_seqlens",
+        padded_key: str = "cu_seqlens_padded",
+        max_key: str = "max_seqlen",
+        count_key: str = "num_valid_tokens",
+        added_key: str = "cp_padding_mask",
+        fill_values: Mapping[str, int | float | bool] | None = None,
+    ) -> None:
+        super().__init__()
+        owner = "ContextParallelShard"
+        self.cp_size, self.cp_rank = _check_cp(owner, cp_size, cp_rank)
+        if not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool) or pad_token_id < 0:
+            raise ValueError(f"{owner}: pad_token_id must be an int >= 0, got {pad_token_id!r}")
+        self.pad_token_id = pad_token_id
+        self.ignore_index = check_ignore_index(ignore_index, owner=owner)
+        self.keys = None if keys is None else _check_keys(owner, "keys", keys)
+        self.tokens_key = _check_key(owner, "tokens_key", tokens_key)
+        self.labels_key = _check_key(owner, "labels_key", labels_key)
+        self.positions_key = _check_key(owner, "positions_key", positions_key)
+        self.cu_seqlens_key = _check_key(owner, "cu_seqlens_key", cu_seqlens_key)
+        self.padded_key = _check_key(owner, "padded_key", padded_key)
+        self.max_key = _check_key(owner, "max_key", max_key)
+        self.count_key = _check_key(owner, "count_key", count_key)
+        self.added_key = _check_key(owner, "added_key", added_key)
+        written = (cu_seqlens_key, padded_key, max_key, count_key, added_key)
+        if len(set(written)) != len(written) or set(written) & {tokens_key, labels_key, positions_key}:
+            raise ValueError(f"{owner}: output keys must be distinct from each other and the fields")
+        if self.keys is not None and set(self.keys) & set(written):
+            raise ValueError(f"{owner}: keys may not list the metadata keys {list(written)}")
+        defaults: dict[str, int | float | bool] = {
+            tokens_key: pad_token_id,
+            labels_key: self.ignore_index,
+            "padding_mask": True,
+        }
+        if fill_values is not None and not isinstance(fill_values, Mapping):
+            raise TypeError(f"{owner}: fill_values must be a dict of key -> value, got {fill_values!r}")
+        self.fill_values = {**defaults, **dict(fill_values or {})}
+        self.in_keys = [positions_key, *(k for k in (self.keys or ()) if k != positions_key)]
+        self.out_keys = [*(self.keys or ()), positions_key, *written]
+
+    def extra_repr(self) -> str:
+        return f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, " + super().extra_repr()
+
+    def _token_keys(self, td: TensorDictBase, shape: torch.Size) -> list[str]:
+        metadata = {self.cu_seqlens_key, self.padded_key, self.max_key, self.count_key, self.added_key}
+        if self.keys is None:
+            return [
+                key
+                for key, value in td.items()
+                if isinstance(value, torch.Tensor)
+                and key not in metadata
+                and value.shape[: len(shape)] == shape
+            ]
+        for key in self.keys:
+            if key not in td:
+                raise ValueError(
+                    f"ContextParallelShard: the TensorDict lacks {key!r} (it holds {sorted(td.keys())})"
+                )
+            if td.get(key).shape[: len(shape)] != shape:
+                raise ValueError(
+                    f"ContextParallelShard: {key!r} has shape {list(td.get(key).shape)}, not per-token "
+                    f"like {self.positions_key!r} ({list(shape)})"
+                )
+        return [*self.keys, *([] if self.positions_key in self.keys else [self.positions_key])]
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        positions = td.get(self.positions_key)
+        if positions.dim() not in (1, 2):
+            raise ValueError(
+                f"ContextParallelShard: {self.positions_key!r} must be [B, S] or [N], "
+                f"got shape {list(positions.shape)}"
+            )
+        shape, total, device = positions.shape, positions.numel(), positions.device
+        boundaries = td.get(self.cu_seqlens_key) if self.cu_seqlens_key in td else None
+        lengths = _document_lengths(positions, boundaries)
+        multiple = 2 * self.cp_size
+        padded = (lengths + multiple - 1) // multiple * multiple
+        zero = torch.zeros(1, dtype=torch.int64, device=device)
+        cu = torch.cat([zero, lengths.cumsum(0)])
+        cu_padded = torch.cat([zero, padded.cumsum(0)])
+        total_padded = int(cu_padded[-1])  # the output size depends on the data: one read-back
+        if total_padded > INT32_MAX:
+            raise ValueError(
+                f"ContextParallelShard: {total_padded} padded tokens exceed what int32 boundaries can count"
+            )
+        index, doc = _partition(cu_padded, self.cp_size, self.cp_rank, total_padded)
+        offset = index - cu_padded[:-1][doc]  # within the padded document
+        length = lengths[doc]
+        real = offset < length
+        within = torch.minimum(offset, length - 1)  # added tokens read the document's last one
+        source = cu[:-1][doc] + within
+        updates: dict[str, torch.Tensor] = {}
+        for key in self._token_keys(td, shape):
+            value = td.get(key)
+            picked = value.reshape(total, *value.shape[len(shape) :]).index_select(0, source)
+            if key == self.positions_key:
+                updates[key] = picked + (offset - within).to(picked.dtype)  # numbering continues
+                continue
+            fill = torch.tensor(self.fill_values.get(key, 0), device=picked.device).to(picked.dtype)
+            updates[key] = torch.where(align_mask(real, picked), picked, fill)
+        updates[self.cu_seqlens_key] = cu.to(torch.int32)
+        updates[self.padded_key] = cu_padded.to(torch.int32)
+        longest = padded.amax() if padded.numel() else torch.zeros((), dtype=torch.int64, device=device)
+        updates[self.max_key] = longest.to(torch.int32)
+        if self.labels_key in updates:
+            updates[self.count_key] = (updates[self.labels_key] != self.ignore_index).sum()
+        updates[self.added_key] = real.logical_not()
+        return TensorDict(updates, batch_size=[], device=td.device)
+
+    def shard(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """Shard a :class:`Collator` / ``to_training`` output dict (torch output).
+
+        Tensors go through :meth:`forward`; other values (``ids``, ``texts``) are
+        kept as they are, and a Python ``num_valid_tokens``/``max_seqlen`` is
+        replaced by the shard's.
+
+        Example:
+            >>> from zephon_collate import Collator
+            >>> collate = Collator(return_labels=True, return_num_valid_tokens=True)
+            >>> batch = collate([{"input_ids": [1, 10, 11, 12, 2], "positions": [0, 1, 2, 3, 4]}])
+            >>> out = ContextParallelShard(cp_size=2, cp_rank=1).shard(batch)
+            >>> out["ids"], out["input_ids"].tolist(), out["labels"].tolist(), int(out["num_valid_tokens"])
+            ([(0, 0, 0)], [10, 11], [11, 12], 2)
+        """
+        tensors = {key: value for key, value in batch.items() if isinstance(value, torch.Tensor)}
+        result = self(TensorDict(tensors, batch_size=[]))
+        out = {key: value for key, value in batch.items() if key not in tensors}
+        out.update(result.items())
+        return out
+
+
+def gather_context_parallel(
+    shards: Sequence[TensorDictBase | Mapping[str, Any]],
+    *,
+    padded_key: str = "cu_seqlens_padded",
+    added_key: str = "cp_padding_mask",
+    metadata_keys: Sequence[str] = METADATA_KEYS,
+    drop_padding: bool = True,
+) -> TensorDict:
+    """Reassemble the THD token stream from the shards of every CP rank (rank order): the inverse of
+    :class:`ContextParallelShard`.
+
+    Per-token entries (first dim = the shard length, not in ``metadata_keys``)
+    are put back in stream order; with ``drop_padding`` the added tokens are
+    removed (and ``added_key`` with them), giving the batch's flattened fields.
+    Use it on gathered model outputs too (logits, per-token losses) alongside
+    the shards' ``added_key``.
+
+    Raises:
+        ValueError: if ``shards`` is empty or the shards disagree on their boundaries.
+
+    Example:
+        >>> td = TensorDict(positions=torch.tensor([0, 1, 2, 0]), batch_size=[])
+        >>> shards = [ContextParallelShard(2, r)(td) for r in range(2)]
+        >>> [s["positions"].tolist() for s in shards]
+        [[0, 3, 0, 3], [1, 2, 1, 2]]
+        >>> gather_context_parallel(shards)["positions"].tolist()
+        [0, 1, 2, 0]
+    """
+    if not shards:
+        raise ValueError("gather_context_parallel: no shards given")
+    cp_size = len(shards)
+    cu_padded = torch.as_tensor(shards[0][padded_key]).to(torch.int64)
+    for rank, shard in enumerate(shards[1:], 1):
+        if not torch.equal(torch.as_tensor(shard[padded_key]).to(cu_padded), cu_padded):
+            raise ValueError(f"gather_context_parallel: shard {rank} has other boundaries than shard 0")
+    total = int(cu_padded[-1])
+    local = total // cp_size
+    skip = set(metadata_keys) | {padded_key}
+    keys = [
+        key
+        for key, value in shards[0].items()
+        if isinstance(value, torch.Tensor) and key not in skip and value.dim() and value.shape[0] == local
+    ]
+    order = torch.cat([_partition(cu_padded, cp_size, rank)[0] for rank in range(cp_size)])
+    out: dict[str, torch.Tensor] = {}
+    for key in keys:
+        values = torch.cat([torch.as_tensor(shard[key]) for shard in shards])
+        order = order.to(values.device)
+        stream = torch.empty((total, *values.shape[1:]), dtype=values.dtype, device=values.device)
+        out[key] = stream.index_copy(0, order, values)
+    if drop_padding and added_key in out:
+        keep = out.pop(added_key).logical_not()
+        out = {key: value[keep] for key, value in out.items()}
+    return TensorDict(out, batch_size=[])

@@ -1,0 +1,309 @@
+"""PackedStream: packed rows from a record source, as an IterableDataset that resumes mid-epoch.
+
+:class:`PackedStream` runs a :class:`~zephon_collate.packing_stream.FlatPacker`
+over the records of its shard (one per data-parallel rank and DataLoader
+worker) and is its own iterator, with ``state_dict``/``load_state_dict``. That
+is the protocol of torchdata's ``StatefulDataLoader``, which saves the state of
+every worker's stream with its own position; in one process (``num_workers=0``)
+the stream's own ``state_dict`` works with torch's plain ``DataLoader`` too.
+
+The state holds the packer's state (its open row or best-fit buffer, closed
+rows not yet yielded and ``records_consumed``, where the source resumes) and
+the :meth:`~zephon_collate.types.SampleCursor.as_key` of the last record read,
+which the resumed stream checks against the source. It is made of dicts,
+lists, tuples, ints, strings and tensors only, so
+``torch.save``/``torch.load(weights_only=True)`` keep it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import IterableDataset, get_worker_info
+
+from zephon_collate.packing_stream import FlatPacker
+from zephon_collate.types import SampleRecord
+
+__all__ = ["PackedStream"]
+
+STATE_VERSION = 1
+
+Source = Callable[[int, int, int], Iterable[SampleRecord]] | Any
+
+
+def _saveable(value: Any) -> Any:
+    """NumPy data as tensors (dtype kept), so ``torch.load(weights_only=True)`` accepts the state."""
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value).copy())
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Mapping):
+        return {key: _saveable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_saveable(item) for item in value)
+    return value
+
+
+def _restored(value: Any) -> Any:
+    """The inverse of :func:`_saveable`: tensors back to NumPy arrays."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if isinstance(value, Mapping):
+        return {key: _restored(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_restored(item) for item in value)
+    return value
+
+
+def _key(value: Any) -> Any:
+    """A cursor key with lists (as read back from JSON) turned into tuples, for comparisons."""
+    return tuple(_key(item) for item in value) if isinstance(value, (list, tuple)) else value
+
+
+class PackedStream(IterableDataset):
+    """Rows of ``seq_len`` tokens packed from a record source, resumable mid-epoch.
+
+    Sharding: shard ``rank * num_workers + worker_id`` of
+    ``world_size * num_workers`` (rank and world size from ``torch.distributed``
+    when initialised, unless given; workers from ``get_worker_info()``). Each
+    shard is packed on its own, in order, by a fresh :class:`FlatPacker`
+    (``seq_len``, ``pad_token_id`` and ``packer_options`` are its options).
+
+    ``source`` is either
+
+    * a sequence of :class:`SampleRecord` (anything with ``__len__`` and
+      ``__getitem__``, e.g. a map-style dataset): the shard reads indices
+      ``shard, shard + num_shards, ...``; a resume seeks there directly; or
+    * a callable ``source(shard, num_shards, epoch)`` returning an iterable of
+      this shard's records, the same ones in the same order for the same
+      arguments: a resume reads and skips the records already consumed.
+
+    Each ``iter(stream)`` starts the epoch over, except the first one after
+    :meth:`load_state_dict`, which continues from the loaded state.
+    :meth:`state_dict` is the position of the latest iterator: run one at a time.
+
+    Parameters:
+        source: the records, as above.
+        seq_len, pad_token_id, **packer_options: the :class:`FlatPacker` options.
+        rank, world_size: this data-parallel rank and the number of ranks
+            (default: torch.distributed's, or 0 and 1).
+
+    Raises:
+        TypeError, ValueError: for bad packer options (at construction), a source of
+            neither kind, or a bad ``rank``/``world_size``.
+
+    Example:
+        >>> from zephon_collate import SampleMeta
+        >>> docs = [SampleRecord(SampleMeta((0, 0, i), 0, 0, i), [i + 1] * 3) for i in range(5)]
+        >>> stream = PackedStream(docs, seq_len=4, pad_token_id=0)
+        >>> rows = iter(stream)
+        >>> next(rows).payload["input_ids"].tolist()
+        [1, 1, 1, 0]
+        >>> state = stream.state_dict()  # after one row
+        >>> state["last_cursor"]  # the cursor key of the last record read
+        (0, 1, (), (0, 0, 1))
+        >>> [row.payload["input_ids"].tolist() for row in rows]
+        [[2, 2, 2, 0], [3, 3, 3, 0], [4, 4, 4, 0], [5, 5, 5, 0]]
+        >>> resumed = PackedStream(docs, seq_len=4, pad_token_id=0)
+        >>> resumed.load_state_dict(state)
+        >>> [row.payload["input_ids"].tolist() for row in resumed]
+        [[2, 2, 2, 0], [3, 3, 3, 0], [4, 4, 4, 0], [5, 5, 5, 0]]
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        seq_len: int,
+        *,
+        pad_token_id: int,
+        rank: int | None = None,
+        world_size: int | None = None,
+        **packer_options: Any,
+    ) -> None:
+        super().__init__()
+        self.packer_options = {"seq_len": seq_len, "pad_token_id": pad_token_id, **packer_options}
+        FlatPacker(**self.packer_options)  # checks the options now
+        if not callable(source) and not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+            raise TypeError(
+                "PackedStream: source must be a sequence of SampleRecord or a callable "
+                f"(shard, num_shards, epoch) -> records, got {type(source).__name__}"
+            )
+        if (rank is None) != (world_size is None):
+            raise ValueError("PackedStream: give both rank and world_size, or neither")
+        if world_size is not None:
+            for name, value in (("rank", rank), ("world_size", world_size)):
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise TypeError(f"PackedStream: {name} must be an int, got {value!r}")
+            if world_size < 1 or not 0 <= rank < world_size:  # type: ignore[operator]
+                raise ValueError(
+                    f"PackedStream: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}"
+                )
+        self.source = source
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self._pending: dict[str, Any] | None = None
+        self._latest: _Iterator | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_latest"] = None  # a running generator does not pickle (DataLoader workers get copies)
+        return state
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch passed to a callable source (as for ``DistributedSampler.set_epoch``).
+
+        A loaded state's epoch takes precedence for the iteration it resumes.
+        """
+        self.epoch = int(epoch)
+
+    def shard(self) -> tuple[int, int]:
+        """``(shard, num_shards)`` of the calling process (and DataLoader worker)."""
+        if self.world_size is not None:
+            rank, world = self.rank, self.world_size
+        elif dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world = 0, 1
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return rank * workers + worker, world * workers  # type: ignore[operator]
+
+    def __iter__(self) -> Iterator[SampleRecord]:
+        state, self._pending = self._pending, None
+        self._latest = _Iterator(self, state)
+        return self._latest
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of the latest iterator: ``version``, ``epoch``, ``shard``, ``num_shards``,
+        ``packer`` (the packer's state with arrays as tensors; ``None`` before the first row) and
+        ``last_cursor`` (the ``as_key()`` of the last record read; ``None`` before any).
+
+        Take it between rows. Before any iteration it is a loaded state not yet used, or the start.
+        """
+        if self._pending is not None:
+            return dict(self._pending)
+        if self._latest is not None:
+            return self._latest.state_dict()
+        shard, num_shards = self.shard()
+        return _state(self.epoch, shard, num_shards, None, None)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (a :meth:`state_dict`) at the next ``iter()``.
+
+        Raises:
+            TypeError: if ``state`` is not a mapping.
+            ValueError: if it is not a PackedStream state of this version; when iterating, if it
+                comes from another shard, its packer options differ, or the source changed.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"PackedStream.load_state_dict: state must be a dict, got {type(state).__name__}")
+        keys = ("version", "epoch", "shard", "num_shards", "packer", "last_cursor")
+        missing = [key for key in keys if key not in state]
+        if missing or state["version"] != STATE_VERSION:
+            raise ValueError(
+                f"PackedStream.load_state_dict: not a version-{STATE_VERSION} PackedStream state "
+                f"(missing keys {missing}, version {state.get('version')!r})"
+            )
+        self._pending = dict(state)
+        self._latest = None
+
+
+def _state(epoch: int, shard: int, num_shards: int, packer: Any, cursor: Any) -> dict[str, Any]:
+    return {
+        "version": STATE_VERSION,
+        "epoch": epoch,
+        "shard": shard,
+        "num_shards": num_shards,
+        "packer": packer,
+        "last_cursor": cursor,
+    }
+
+
+class _Iterator:
+    """One pass of a :class:`PackedStream` over its shard; starts reading on the first ``next()``."""
+
+    def __init__(self, stream: PackedStream, state: dict[str, Any] | None) -> None:
+        self.stream = stream
+        self.state = state
+        self.rows: Iterator[SampleRecord] | None = None
+        self.packer: FlatPacker | None = None
+        self.last_cursor: Any = None
+        self.epoch = stream.epoch if state is None else int(state["epoch"])
+
+    def __iter__(self) -> _Iterator:
+        return self
+
+    def __next__(self) -> SampleRecord:
+        if self.rows is None:
+            self.rows = self._start()
+        return next(self.rows)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.packer is None and self.state is not None:
+            return dict(self.state)
+        shard, num_shards = self.stream.shard()
+        packer = None if self.packer is None else _saveable(self.packer.state_dict())
+        return _state(self.epoch, shard, num_shards, packer, self.last_cursor)
+
+    def _start(self) -> Iterator[SampleRecord]:
+        shard, num_shards = self.stream.shard()
+        packer = FlatPacker(**self.stream.packer_options)
+        start = 0
+        state = self.state
+        if state is not None:
+            if state["shard"] is not None and (state["shard"], state["num_shards"]) != (shard, num_shards):
+                raise ValueError(
+                    f"PackedStream: the state was saved by shard {state['shard']} of {state['num_shards']} "
+                    f"(rank x DataLoader worker), this is shard {shard} of {num_shards}; resume with the "
+                    "same world size and num_workers"
+                )
+            if state["packer"] is not None:
+                packer.load_state_dict(_restored(state["packer"]))
+                start, self.last_cursor = packer.records_consumed, _key(state["last_cursor"])
+        self.packer = packer
+        records = self._records(shard, num_shards, start, self.last_cursor)
+        return packer.pack(self._tracked(records))
+
+    def _records(self, shard: int, num_shards: int, start: int, expected: Any) -> Iterator[SampleRecord]:
+        """This shard's records from ``start`` on, after checking (eagerly) the one before it."""
+        source = self.stream.source
+        if callable(source):
+            records = iter(source(shard, num_shards, self.epoch))
+            for position in range(start):
+                record = next(records, None)
+                if record is None:
+                    raise ValueError(
+                        f"PackedStream: the source of shard {shard} ended after {position} records, but the "
+                        f"state had consumed {start}; the source changed since the state was saved"
+                    )
+                if position == start - 1:
+                    _check(record, expected, position, shard)
+            return records
+        indices = range(shard, len(source), num_shards)
+        if start:
+            if start > len(indices):
+                raise ValueError(
+                    f"PackedStream: shard {shard} has {len(indices)} records, but the state had consumed "
+                    f"{start}; the source changed since the state was saved"
+                )
+            _check(source[indices[start - 1]], expected, start - 1, shard)
+        return (source[index] for index in indices[start:])
+
+    def _tracked(self, records: Iterable[SampleRecord]) -> Iterator[SampleRecord]:
+        for record in records:
+            if isinstance(record, SampleRecord):
+                self.last_cursor = record.meta.as_cursor_key()
+            yield record  # the packer names a record that is not a SampleRecord
+
+
+def _check(record: Any, expected: Any, position: int, shard: int) -> None:
+    found = record.meta.as_cursor_key() if isinstance(record, SampleRecord) else None
+    if expected is not None and found != expected:
+        raise ValueError(
+            f"PackedStream: record {position} of shard {shard} has cursor {found}, but the state was "
+            f"saved after cursor {expected}; the source changed since the state was saved"
+        )
