@@ -28,7 +28,7 @@ from tensordict import TensorDictBase
 
 from zephon_collate.batch import describe, is_array_payload
 from zephon_collate.options import TrainingOptions
-from zephon_collate.output import assemble_outputs, empty_outputs, output_keys
+from zephon_collate.output import assemble_outputs, empty_outputs, ids_and_texts, output_keys
 from zephon_collate.training import _stackable, read_batch, stack, training_outputs
 from zephon_collate.transforms import Chain, CuSeqlens
 from zephon_collate.types import SampleMeta, SampleRecord
@@ -137,28 +137,32 @@ def as_records(samples: Sequence[Any]) -> list[SampleRecord]:
 class StackedBatch:
     """A worker's output: the stacked CPU TensorDict and the per-record lists.
 
-    ``td`` is ``None`` for an empty batch. ``pin_memory`` and ``to`` return new
-    batches, so a DataLoader with ``pin_memory=True`` pins it.
+    ``td`` is ``None`` for an empty batch; ``per_record`` holds the ``"ids"``
+    and ``"texts"`` outputs and ``metas`` each record's metadata (the payloads
+    stay in the worker: only the stacked tensors cross to the main process).
+    ``pin_memory`` and ``to`` return new batches, so a DataLoader with
+    ``pin_memory=True`` pins it.
     """
 
     td: TensorDictBase | None
-    records: tuple[SampleRecord, ...]
+    per_record: dict[str, list[Any]]
+    metas: tuple[SampleMeta, ...] = ()
 
     def __len__(self) -> int:
-        return len(self.records)
+        return len(self.per_record["ids"])
 
     def pin_memory(self, device: str | torch.device | None = None) -> StackedBatch:
         """Pin the tensors in page-locked memory (called by the DataLoader's pinning thread)."""
         if self.td is None:
             return self
         pinned = self.td.pin_memory() if device is None else self.td.pin_memory(device=device)
-        return StackedBatch(pinned, self.records)
+        return StackedBatch(pinned, self.per_record, self.metas)
 
     def to(self, device: str | torch.device, non_blocking: bool = False) -> StackedBatch:
         """Move the tensors to ``device``."""
         if self.td is None:
             return self
-        return StackedBatch(self.td.to(device, non_blocking=non_blocking), self.records)
+        return StackedBatch(self.td.to(device, non_blocking=non_blocking), self.per_record, self.metas)
 
 
 class Collator:
@@ -247,7 +251,7 @@ class Collator:
         """
         records = tuple(as_records(samples))
         if not records:
-            return StackedBatch(None, records)
+            return StackedBatch(None, ids_and_texts(records))
         columns = read_batch(records, self.options)
         if self.options.output.kind == "list" and not _stackable(columns):
             raise ValueError(
@@ -258,7 +262,7 @@ class Collator:
         td = stack(columns, self.options)
         if self.num_boundaries is not None and self.options.return_cu_seqlens:
             _check_boundary_count(td, records, self.options, self.num_boundaries)
-        return StackedBatch(td, records)
+        return StackedBatch(td, ids_and_texts(records), tuple(r.meta for r in records))
 
     def finish(self, stacked: StackedBatch) -> dict[str, Any]:
         """Main-process side: move to ``device`` (``non_blocking``), run the chain, build the outputs."""
@@ -272,10 +276,10 @@ class Collator:
         td = stacked.td
         if self.device is not None and td.device != self.device:
             td = td.to(self.device, non_blocking=True)
-        keys = output_keys(stacked.records, self.options, list(td.keys()))
+        keys = output_keys(self.options, list(td.keys()))
         result = self.chain_for(tuple(td.keys()))(td)
         return assemble_outputs(
-            stacked.records, self.options, result, keys, python_scalars=self.python_scalars
+            stacked.per_record, self.options, result, keys, python_scalars=self.python_scalars
         )
 
     def chain_for(self, keys: tuple[str, ...]) -> Any:

@@ -11,7 +11,7 @@ from tensordict import TensorDictBase
 from zephon_collate.options import TrainingOptions
 from zephon_collate.types import SampleRecord
 
-__all__ = ["assemble_outputs", "empty_outputs", "merge_row_outputs", "output_keys"]
+__all__ = ["assemble_outputs", "empty_outputs", "ids_and_texts", "merge_row_outputs", "output_keys"]
 
 NOT_PER_TOKEN = ("ids", "texts", "num_valid_tokens", "cu_seqlens", "max_seqlen")
 
@@ -67,9 +67,7 @@ def rename_and_exclude(
     return [(key, name) for key, name in finals if name not in excluded]
 
 
-def output_keys(
-    records: Sequence[SampleRecord], options: TrainingOptions, stacked_keys: Sequence[str]
-) -> list[tuple[str, str]]:
+def output_keys(options: TrainingOptions, stacked_keys: Sequence[str]) -> list[tuple[str, str]]:
     """Emitted keys of a nonempty batch with their final names."""
     return rename_and_exclude(emitted_keys(options, stacked_keys), options, empty=False)
 
@@ -83,10 +81,12 @@ def empty_outputs(options: TrainingOptions) -> dict[str, Any]:
     return {name: values.get(key, []) for key, name in pairs}
 
 
-def _ids_and_texts(records: Sequence[SampleRecord], key: str) -> list[Any]:
-    if key == "ids":
-        return [r.meta.sample_id for r in records]
-    return [r.payload.get("text") if isinstance(r.payload, Mapping) else None for r in records]
+def ids_and_texts(records: Sequence[SampleRecord]) -> dict[str, list[Any]]:
+    """The per-record outputs: ``"ids"`` (sample ids), ``"texts"`` (a dict payload's ``"text"`` or None)."""
+    return {
+        "ids": [r.meta.sample_id for r in records],
+        "texts": [r.payload.get("text") if isinstance(r.payload, Mapping) else None for r in records],
+    }
 
 
 def _convert(tensor: torch.Tensor, kind: str) -> Any:
@@ -102,14 +102,14 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def assemble_outputs(
-    records: Sequence[SampleRecord],
+    per_record: dict[str, list[Any]],
     options: TrainingOptions,
     td: TensorDictBase,
     pairs: list[tuple[str, str]],
     *,
     python_scalars: bool = True,
 ) -> dict[str, Any]:
-    """Build the output dict of a stacked batch from the chain's TensorDict.
+    """Build the output dict of a stacked batch from the chain's TensorDict and :func:`ids_and_texts`.
 
     ``python_scalars=False`` keeps ``num_valid_tokens`` and a flattened
     ``max_seqlen`` as 0-d tensors (no device sync).
@@ -118,8 +118,8 @@ def assemble_outputs(
     kind = options.output.kind
     out: dict[str, Any] = {}
     for key, name in pairs:
-        if key in ("ids", "texts"):
-            out[name] = _ids_and_texts(records, key)
+        if key in per_record:
+            out[name] = per_record[key]
         elif key == "num_valid_tokens":
             out[name] = scalar(td.get(key).sum())
         elif key == "max_seqlen" and options.flatten:
@@ -146,7 +146,7 @@ def _join_boundaries(rows: list[list[int]]) -> list[int]:
 
 
 def merge_row_outputs(
-    records: Sequence[SampleRecord],
+    per_record: dict[str, list[Any]],
     options: TrainingOptions,
     tds: list[TensorDictBase],
     pairs: list[tuple[str, str]],
@@ -154,8 +154,8 @@ def merge_row_outputs(
     """List output for rows of unequal length, each run through the chain as a batch of one."""
     out: dict[str, Any] = {}
     for key, name in pairs:
-        if key in ("ids", "texts"):
-            out[name] = _ids_and_texts(records, key)
+        if key in per_record:
+            out[name] = per_record[key]
             continue
         rows = [td.get(key).tolist() for td in tds]
         if key == "num_valid_tokens":

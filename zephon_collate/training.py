@@ -24,7 +24,13 @@ from zephon_collate.batch import (
     stack_columns,
 )
 from zephon_collate.options import TrainingOptions
-from zephon_collate.output import assemble_outputs, empty_outputs, merge_row_outputs, output_keys
+from zephon_collate.output import (
+    assemble_outputs,
+    empty_outputs,
+    ids_and_texts,
+    merge_row_outputs,
+    output_keys,
+)
 from zephon_collate.types import SampleBatch, SampleRecord
 
 __all__ = ["run_chain", "to_training"]
@@ -188,8 +194,9 @@ def training_outputs(records: Sequence[SampleRecord], options: TrainingOptions) 
             row.rows = {name: rows[index : index + 1] for name, rows in columns.rows.items()}
             row.padding_lengths = columns.padding_lengths[index : index + 1]
             per_row.append(stack(row, options))
-        keys = output_keys(records, options, list(per_row[0].keys()))
-        return merge_row_outputs(records, options, [run_chain(td, options) for td in per_row], keys)
+        keys = output_keys(options, list(per_row[0].keys()))
+        tds = [run_chain(td, options) for td in per_row]
+        return merge_row_outputs(ids_and_texts(records), options, tds, keys)
     td = stack(columns, options)
-    keys = output_keys(records, options, list(td.keys()))
-    return assemble_outputs(records, options, run_chain(td, options), keys)
+    keys = output_keys(options, list(td.keys()))
+    return assemble_outputs(ids_and_texts(records), options, run_chain(td, options), keys)

@@ -353,8 +353,8 @@ def _run(config: DemoConfig, device: torch.device, log: Any) -> DemoResult:
     train_start = time.perf_counter()
     for step in range(1, config.steps + 1):
         stacked = next(batches)
-        for record in stacked.records:
-            for component, count in (record.meta.component_token_counts or {}).items():
+        for meta in stacked.metas:
+            for component, count in (meta.component_token_counts or {}).items():
                 result.component_tokens[component] = result.component_tokens.get(component, 0) + count
         batch = collator.finish(stacked)
         with autocast():
