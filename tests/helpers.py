@@ -11,6 +11,17 @@ from zephon_collate import SampleBatch, SampleMeta, SampleRecord
 
 BOS, EOS, PAD = 1, 2, 0
 
+# Every to_training output at once: the options most tests of the collator use.
+FULL_OPTIONS = {
+    "return_labels": True,
+    "return_loss_mask": True,
+    "return_num_valid_tokens": True,
+    "return_cu_seqlens": True,
+    "return_padding_mask": True,
+    "eos_mask_loss": True,
+    "eos_token_id": EOS,
+}
+
 
 def record(payload: Any, index: int = 0, padding: int | None = None, **meta: Any) -> SampleRecord:
     """A record with sample_id (0, 0, index) and, when given, a ``_padding_length`` tag."""
@@ -54,3 +65,24 @@ class PackedRecords(torch.utils.data.Dataset):
         mask = (torch.arange(self.length) >= 1).long()
         payload = {"input_ids": tokens, "positions": positions, "loss_mask": mask}
         return record(payload, index, padding)
+
+
+def snapshot(td):
+    """Each tensor of a TensorDict, cloned, with its version counter."""
+    return {key: (value.clone(), value._version) for key, value in td.items()}
+
+
+def assert_unchanged(td, before):
+    """The TensorDict holds the same keys, values and tensor versions as in ``before``."""
+    assert set(td.keys()) == set(before)
+    for key, (value, version) in before.items():
+        assert torch.equal(td.get(key), value) and td.get(key)._version == version, key
+
+
+def run_checked(transform, td):
+    """Run a transform, checking it returns a new TensorDict and leaves its input untouched."""
+    before = snapshot(td)
+    out = transform(td)
+    assert out is not td
+    assert_unchanged(td, before)
+    return out

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run_checked
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -197,24 +198,6 @@ def test_segment_ids_empty_rows():
 
 
 # -- the SegmentIds transform ----------------------------------------------------------------------------
-
-
-def snapshot(td):
-    return {key: (value.clone(), value._version) for key, value in td.items()}
-
-
-def assert_unchanged(td, before):
-    assert set(td.keys()) == set(before)
-    for key, (value, version) in before.items():
-        assert torch.equal(td.get(key), value) and td.get(key)._version == version, key
-
-
-def run_checked(transform, td):
-    before = snapshot(td)
-    out = transform(td)
-    assert out is not td
-    assert_unchanged(td, before)
-    return out
 
 
 def example_td():

@@ -7,20 +7,12 @@ import threading
 
 import pytest
 import torch
-from helpers import EOS, PackedRecords, as_lists, batch
+from helpers import FULL_OPTIONS, PackedRecords, as_lists, batch
 from torch.utils.data import DataLoader
 
 from zephon_collate import Collator, SampleBatch, StackedBatch
 
-OPTIONS = {
-    "return_labels": True,
-    "return_loss_mask": True,
-    "return_num_valid_tokens": True,
-    "return_cu_seqlens": True,
-    "return_padding_mask": True,
-    "eos_mask_loss": True,
-    "eos_token_id": EOS,
-}
+OPTIONS = FULL_OPTIONS
 
 
 def expected(records):

@@ -4,23 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import EOS, PackedRecords, as_lists
+from helpers import EOS, FULL_OPTIONS, PackedRecords, as_lists
 from tensordict import TensorDict
 
 from zephon_collate import Collator, CuSeqlens, EosMask, LossMask, PaddingMask, Positions, TokenShift
 
 pytestmark = pytest.mark.compile
 
-OPTIONS = {
-    "return_labels": True,
-    "return_loss_mask": True,
-    "return_num_valid_tokens": True,
-    "return_cu_seqlens": True,
-    "return_padding_mask": True,
-    "eos_mask_loss": True,
-    "eos_token_id": EOS,
-    "position_mode": "sequence",
-}
+OPTIONS = {**FULL_OPTIONS, "position_mode": "sequence"}
 SHAPES = [(4, 16), (3, 40), (6, 24), (2, 64), (5, 33)]
 
 

@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import EOS, PAD, PackedRecords, record
+from helpers import FULL_OPTIONS, PAD, PackedRecords, record
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import segment_positions
@@ -20,15 +20,7 @@ from tensordict import TensorDict
 from zephon_collate import Chain, Collator, LossMask, TokenShift, context_parallel
 from zephon_collate.context_parallel import ContextParallelShard, cp_partition_index, gather_context_parallel
 
-OPTIONS = {
-    "return_labels": True,
-    "return_loss_mask": True,
-    "return_num_valid_tokens": True,
-    "return_cu_seqlens": True,
-    "return_padding_mask": True,
-    "eos_mask_loss": True,
-    "eos_token_id": EOS,
-}
+OPTIONS = FULL_OPTIONS
 PER_TOKEN = ("input_ids", "labels", "positions", "loss_mask", "padding_mask")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import EOS, PackedRecords, as_lists
+from helpers import FULL_OPTIONS, PackedRecords, as_lists
 
 from zephon_collate import Collator, SampleBatch, SampleRecord
 
@@ -13,15 +13,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-OPTIONS = {
-    "return_labels": True,
-    "return_loss_mask": True,
-    "return_num_valid_tokens": True,
-    "return_cu_seqlens": True,
-    "return_padding_mask": True,
-    "eos_mask_loss": True,
-    "eos_token_id": EOS,
-}
+OPTIONS = FULL_OPTIONS
 
 
 def cpu_records(rows=4, length=32):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import BOS, EOS
+from helpers import BOS, EOS, run_checked
 from tensordict import TensorDict
 from tensordict.nn import TensorDictSequential
 
@@ -14,24 +14,6 @@ from zephon_collate import Chain, CuSeqlens, EosMask, LossMask, PaddingMask, Pos
 def td_of(**fields):
     tensors = {key: torch.as_tensor(value) for key, value in fields.items()}
     return TensorDict(tensors, batch_size=[next(iter(tensors.values())).shape[0]])
-
-
-def snapshot(td):
-    return {key: (value.clone(), value._version) for key, value in td.items()}
-
-
-def assert_unchanged(td, before):
-    assert set(td.keys()) == set(before)
-    for key, (value, version) in before.items():
-        assert torch.equal(td.get(key), value) and td.get(key)._version == version, key
-
-
-def run_checked(transform, td):
-    before = snapshot(td)
-    out = transform(td)
-    assert out is not td
-    assert_unchanged(td, before)
-    return out
 
 
 def test_token_shift_keys_and_example():
