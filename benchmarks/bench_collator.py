@@ -21,19 +21,11 @@ from torch.utils.data._utils.collate import default_collate
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import contextlib
 
-from common import EOS, compare, packed_rows, to_records
+from common import FULL_OPTIONS, compare, packed_rows, to_records
 
 from zephon_collate import Collator
 
-OPTIONS = {
-    "return_labels": True,
-    "return_loss_mask": True,
-    "return_padding_mask": True,
-    "eos_mask_loss": True,
-    "eos_token_id": EOS,
-    "return_cu_seqlens": True,
-    "return_num_valid_tokens": True,
-}
+OPTIONS = FULL_OPTIONS
 
 
 class Items(Dataset):

@@ -17,19 +17,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import EOS, compare, output_bytes, packed_rows, peak_rss_growth, to_records
+from common import FULL_OPTIONS, compare, output_bytes, packed_rows, peak_rss_growth, to_records
 
 from zephon_collate import SampleBatch
 
-OPTIONS = {
-    "return_labels": True,
-    "return_loss_mask": True,
-    "return_padding_mask": True,
-    "eos_mask_loss": True,
-    "eos_token_id": EOS,
-    "return_cu_seqlens": True,
-    "return_num_valid_tokens": True,
-}
+OPTIONS = FULL_OPTIONS
 
 
 def hf_collator(rows):

@@ -14,6 +14,17 @@ from zephon_collate import SampleMeta, SampleRecord
 
 BOS, EOS, PAD = 1, 2, 0
 
+# The benchmarks' workload: every to_training output at once.
+FULL_OPTIONS = {
+    "return_labels": True,
+    "return_loss_mask": True,
+    "return_padding_mask": True,
+    "eos_mask_loss": True,
+    "eos_token_id": EOS,
+    "return_cu_seqlens": True,
+    "return_num_valid_tokens": True,
+}
+
 
 def packed_rows(rows: int = 8, length: int = 8193, seed: int = 0) -> list[dict[str, Any]]:
     """Packed rows as NumPy fields: BOS ... EOS documents, trailing padding as its own segment.

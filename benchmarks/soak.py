@@ -41,19 +41,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import BOS, EOS, FULL_OPTIONS, PAD
 
 from zephon_collate import Collator, SampleBatch, SampleMeta, SampleRecord
 
-BOS, EOS, PAD = 1, 2, 0
-OPTIONS = {
-    "return_labels": True,
-    "return_loss_mask": True,
-    "return_num_valid_tokens": True,
-    "return_cu_seqlens": True,
-    "return_padding_mask": True,
-    "eos_mask_loss": True,
-    "eos_token_id": EOS,
-}
+OPTIONS = FULL_OPTIONS
 
 
 class PackedRows(Dataset):

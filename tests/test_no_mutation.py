@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from helpers import EOS, PackedRecords, as_lists, record
+from helpers import EOS, FULL_OPTIONS, PackedRecords, as_lists, record
 from test_invariants import assert_unchanged, snapshot
 
 from zephon_collate import (
@@ -37,16 +37,7 @@ from zephon_collate import (
 )
 from zephon_collate.types import ContributorRef
 
-EVERYTHING = {
-    "return_labels": True,
-    "return_loss_mask": True,
-    "return_num_valid_tokens": True,
-    "return_cu_seqlens": True,
-    "return_padding_mask": True,
-    "eos_mask_loss": True,
-    "eos_token_id": EOS,
-    "extra_fields": ["weights"],
-}
+EVERYTHING = {**FULL_OPTIONS, "extra_fields": ["weights"]}
 OPTION_SETS = [
     {},
     EVERYTHING,
