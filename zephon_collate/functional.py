@@ -5,6 +5,10 @@ inputs, none loops over tokens in Python, and none synchronises with the device
 except :func:`cu_seqlens_rows` / :func:`cu_seqlens_flat` when they are not given
 a fixed boundary count (their output size then depends on the data).
 
+On CPU tensors in eager mode the comparison-heavy kernels run their NumPy
+twins (:mod:`zephon_collate.numpy_kernels`): same results, several times
+faster there. On other devices and under ``torch.compile`` they run in torch.
+
 Shapes: ``B`` rows of ``S`` tokens; per-token fields are ``[B, S]`` or
 ``[B, S, ...]`` for non-scalar tokens.
 """
@@ -13,8 +17,11 @@ from __future__ import annotations
 
 import torch
 
+from zephon_collate import numpy_kernels
+
 __all__ = [
     "align_mask",
+    "apply_loss_mask",
     "as_float",
     "cu_seqlens_flat",
     "cu_seqlens_rows",
@@ -59,6 +66,8 @@ def trailing_mask(padding_length: torch.Tensor, length: int) -> torch.Tensor:
         [[False, False, False, False], [False, False, True, True]]
     """
     _check_tensor("trailing_mask", "padding_length", padding_length, 1, 1)
+    if numpy_kernels.applies(padding_length):
+        return numpy_kernels.trailing_mask(padding_length, length)
     index = torch.arange(length, device=padding_length.device)
     return index >= (length - padding_length).unsqueeze(1)
 
@@ -77,6 +86,8 @@ def mask_labels(labels: torch.Tensor, mask: torch.Tensor, ignore_index: int) -> 
     """
     _check_tensor("mask_labels", "labels", labels)
     _check_tensor("mask_labels", "mask", mask, 0, labels.dim())
+    if numpy_kernels.applies(labels, mask):
+        return numpy_kernels.mask_labels(labels, mask, ignore_index)
     fill = torch.full((), ignore_index, dtype=labels.dtype, device=labels.device)
     return torch.where(align_mask(mask, labels), fill, labels)
 
@@ -103,7 +114,47 @@ def eos_label_mask(inputs: torch.Tensor, eos_token_id: int) -> torch.Tensor:
         >>> eos_label_mask(torch.tensor([[1, 10, 2, 1, 11]]), 2).tolist()
         [[False, False, True, False, False]]
     """
-    return _check_tensor("eos_label_mask", "inputs", inputs) == eos_token_id
+    if numpy_kernels.applies(_check_tensor("eos_label_mask", "inputs", inputs)):
+        return numpy_kernels.eos_label_mask(inputs, eos_token_id)
+    return inputs == eos_token_id
+
+
+def apply_loss_mask(
+    labels: torch.Tensor,
+    supervision: torch.Tensor | None,
+    padding_length: torch.Tensor | None,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mask unsupervised and padding labels; return ``(labels, loss_mask, counts)``.
+
+    ``labels`` ``[B, S, ...]`` become ``ignore_index`` where the label-aligned
+    ``supervision`` mask (``[B, S, ...]``, any dtype) is 0 and on each row's last
+    ``padding_length[b]`` positions (either may be ``None``). ``loss_mask`` is
+    ``labels != ignore_index`` as float32 and ``counts`` (``[B]`` int64) its
+    per-row number of ones.
+
+    Example:
+        >>> labels, loss_mask, counts = apply_loss_mask(
+        ...     torch.tensor([[11, 12, 13, 0]]), torch.tensor([[0, 1, 1, 1]]), torch.tensor([1]), -100
+        ... )
+        >>> labels.tolist(), loss_mask.tolist(), counts.tolist()
+        ([[-100, 12, 13, -100]], [[0.0, 1.0, 1.0, 0.0]], [2])
+    """
+    _check_tensor("apply_loss_mask", "labels", labels, 2)
+    given = [t for t in (supervision, padding_length) if t is not None]
+    for name, tensor in (("supervision", supervision), ("padding_length", padding_length)):
+        if tensor is not None:
+            _check_tensor("apply_loss_mask", name, tensor, 1, labels.dim())
+    if numpy_kernels.applies(labels, *given):
+        return numpy_kernels.apply_loss_mask(labels, supervision, padding_length, ignore_index)
+    drop = None if supervision is None else supervision.logical_not()
+    if padding_length is not None:
+        padding = trailing_mask(padding_length, labels.shape[1])
+        drop = padding if drop is None else drop | align_mask(padding, drop)  # [B, S] over [B, S, ...]
+    if drop is not None:
+        labels = mask_labels(labels, drop, ignore_index)
+    valid = labels != ignore_index
+    return labels, as_float(valid), valid.flatten(1).sum(dim=1)  # flatten, not reshape: B = 0 works
 
 
 def sequence_positions(like: torch.Tensor) -> torch.Tensor:
@@ -144,7 +195,10 @@ def cu_seqlens_rows(
         >>> cu.tolist(), top.tolist()
         ([[0, 3, 5], [0, 5, 5]], [3, 5])
     """
-    is_start = _check_tensor("cu_seqlens_rows", "positions", positions, 2, 2).logical_not()
+    _check_tensor("cu_seqlens_rows", "positions", positions, 2, 2)
+    if num_boundaries is None and numpy_kernels.applies(positions):
+        return numpy_kernels.cu_seqlens_rows(positions)
+    is_start = positions.logical_not()
     if num_boundaries is None:
         boundaries = _row_boundaries_from_starts(is_start)
     else:
@@ -197,7 +251,10 @@ def cu_seqlens_flat(
         >>> cu.tolist(), int(top)
         ([0, 3, 5, 10], 5)
     """
-    flat_starts = _check_tensor("cu_seqlens_flat", "positions", positions, 2, 2).logical_not().reshape(-1)
+    _check_tensor("cu_seqlens_flat", "positions", positions, 2, 2)
+    if num_boundaries is None and numpy_kernels.applies(positions):
+        return numpy_kernels.cu_seqlens_flat(positions)
+    flat_starts = positions.logical_not().reshape(-1)
     total = flat_starts.numel()
     if num_boundaries is None:
         starts = flat_starts.nonzero().squeeze(1)

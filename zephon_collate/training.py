@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 from tensordict import TensorDictBase
 
+from zephon_collate import numpy_kernels
 from zephon_collate.batch import (
     TOKENS,
     Columns,
@@ -42,20 +43,29 @@ def _first_bad_row(bad: torch.Tensor) -> int:
     return int(bad.reshape(bad.shape[0], -1).any(dim=1).nonzero()[0, 0])
 
 
+def _smallest(values: torch.Tensor) -> float:
+    """The smallest value of a non-empty tensor (read back to the host)."""
+    if numpy_kernels.applies(values):
+        return values.numpy().min().item()
+    return values.min().item()
+
+
 def _outside_zero_one(mask: torch.Tensor) -> bool:
+    """True if a non-empty, non-bool mask holds a value other than 0 and 1."""
+    if mask.is_floating_point():
+        return bool(((mask != 0) & (mask != 1)).any())
+    if numpy_kernels.applies(mask):  # one pass: as unsigned, 0 and 1 are the only values <= 1
+        array = mask.numpy()
+        return bool(array.view(array.dtype.str.replace("i", "u")).max() > 1)
     low, high = torch.aminmax(mask)
-    return (
-        bool(low < 0)
-        or bool(high > 1)
-        or bool(mask.is_floating_point() and ((mask != 0) & (mask != 1)).any())
-    )
+    return bool(low < 0) or bool(high > 1)
 
 
 def check_values(td: TensorDictBase, columns: Columns, options: TrainingOptions) -> None:
     """Data errors that need the values: negative ids, non-0/1 supervision masks, cu_seqlens positions."""
     records = columns.records
     tokens = td.get(TOKENS)
-    if tokens.numel() and int(tokens.min()) < 0:
+    if tokens.numel() and _smallest(tokens) < 0:
         index = _first_bad_row(tokens < 0)
         raise ValueError(f"{describe(records, index)}: token ids must be >= 0, found a negative id")
     if options.return_labels and "loss_mask" in td:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tensordict import TensorDictBase
 
-from zephon_collate.functional import align_mask, as_float, mask_labels, trailing_mask
+from zephon_collate.functional import apply_loss_mask
 from zephon_collate.transforms.base import (
     Transform,
     _check_ignore_fits,
@@ -83,27 +83,22 @@ class LossMask(Transform):
         labels = td.get(self.labels_key)
         _check_rank("LossMask", self.labels_key, labels, "[B, S] or [B, S, ...] labels", 2)
         _check_ignore_fits("LossMask", self.ignore_index, self.labels_key, labels)
-        drop = None
+        supervision = padding = None
         if self.supervision_key is not None:
             supervision = td.get(self.supervision_key)
             _check_rank("LossMask", self.supervision_key, supervision, "a [B, S, ...] mask", 2, labels.dim())
             _check_leading(
                 "LossMask", self.supervision_key, supervision, self.labels_key, labels, supervision.dim()
             )
-            drop = supervision.logical_not()
         if self.padding_length_key is not None:
-            counts = td.get(self.padding_length_key)
-            _check_rank("LossMask", self.padding_length_key, counts, "[B] pad counts", 1, 1)
-            _check_leading("LossMask", self.padding_length_key, counts, self.labels_key, labels, 1)
-            padding = trailing_mask(counts, labels.shape[1])
-            drop = padding if drop is None else drop | align_mask(padding, drop)  # [B, S] over [B, S, ...]
-        if drop is not None:
-            labels = mask_labels(labels, drop, self.ignore_index)
+            padding = td.get(self.padding_length_key)
+            _check_rank("LossMask", self.padding_length_key, padding, "[B] pad counts", 1, 1)
+            _check_leading("LossMask", self.padding_length_key, padding, self.labels_key, labels, 1)
+        labels, loss_mask, counts = apply_loss_mask(labels, supervision, padding, self.ignore_index)
         updates = {self.labels_key: labels}
-        valid = labels != self.ignore_index
         if self.out_key is not None:
-            updates[self.out_key] = as_float(valid)
+            updates[self.out_key] = loss_mask
         if self.count_key is not None:
-            updates[self.count_key] = valid.flatten(1).sum(dim=1)  # flatten, not reshape: B = 0 works
+            updates[self.count_key] = counts
         out = td.replace(updates)
         return out.exclude(*self.dropped_keys) if self.dropped_keys else out
