@@ -155,3 +155,12 @@ def test_transform_same_either_way() -> None:
     for key in ("labels", "loss_mask", "num_valid_tokens"):
         assert_same(fast[key], plain[key])
     assert fast["labels"].tolist() == [[-100, 12, 13, -100]]
+
+
+def test_contiguous_copies_strided_rows() -> None:
+    tokens = torch.arange(12).reshape(3, 4)
+    view = tokens[:, :-1]
+    out = numpy_kernels.contiguous(view)
+    assert out.is_contiguous() and torch.equal(out, view.contiguous())
+    assert out.data_ptr() != tokens.data_ptr()
+    assert numpy_kernels.contiguous(tokens) is tokens  # already contiguous: no copy, as in torch

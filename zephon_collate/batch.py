@@ -44,6 +44,18 @@ def describe(records: Sequence[SampleRecord], index: int) -> str:
     return f"record {index} (sample_id {records[index].meta.sample_id})"
 
 
+class RecordName:
+    """:func:`describe` of one record, formatted only when an error message uses it."""
+
+    __slots__ = ("index", "records")
+
+    def __init__(self, records: Sequence[SampleRecord], index: int) -> None:
+        self.records, self.index = records, index
+
+    def __str__(self) -> str:
+        return describe(self.records, self.index)
+
+
 def is_array_payload(payload: object) -> bool:
     return isinstance(payload, (list, tuple, np.ndarray, torch.Tensor))
 
@@ -109,7 +121,7 @@ def resolve_tokens_field(records: Sequence[SampleRecord], tokens_field: str) -> 
     )
 
 
-def _numpy_row(value: Any, where: str, name: str) -> np.ndarray:
+def _numpy_row(value: Any, where: object, name: str) -> np.ndarray:
     """A NumPy array of ``value``; a list or tuple gets the dtype NumPy infers for it (all bools: bool)."""
     if isinstance(value, (list, tuple)) and not (value and isinstance(value[0], bool)):
         try:  # the fast, exact path for a flat sequence of ints
@@ -149,7 +161,7 @@ def _numpy_row(value: Any, where: str, name: str) -> np.ndarray:
     return row
 
 
-def _tensor_row(value: torch.Tensor, where: str, name: str) -> torch.Tensor:
+def _tensor_row(value: torch.Tensor, where: object, name: str) -> torch.Tensor:
     """``value`` itself, or an exact int64 copy of a uint16/32/64 tensor."""
     if value.layout != torch.strided or value.is_nested or value.is_quantized:
         kind = "nested" if value.is_nested else "quantized" if value.is_quantized else str(value.layout)
@@ -170,8 +182,11 @@ def _tensor_row(value: torch.Tensor, where: str, name: str) -> torch.Tensor:
     return value
 
 
-def to_row(value: Any, where: str, name: str, kind: Kind) -> Row:
-    """Check one payload value and return it as an array or tensor, without copying tensors."""
+def to_row(value: Any, where: object, name: str, kind: Kind) -> Row:
+    """Check one payload value and return it as an array or tensor, without copying tensors.
+
+    ``where`` names the value's record in error messages (a str, or a :class:`RecordName`).
+    """
     if isinstance(value, torch.Tensor):
         row: Row = _tensor_row(value, where, name)
         bad = value.dtype.is_complex or (
@@ -249,7 +264,7 @@ def read_field(
     for index, record in enumerate(records):
         payload = record.payload
         value = payload[name] if isinstance(payload, Mapping) else payload
-        rows.append(to_row(value, describe(records, index), name, kind))
+        rows.append(to_row(value, RecordName(records, index), name, kind))
     return rows
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "ENABLED",
     "applies",
     "apply_loss_mask",
+    "contiguous",
     "cu_seqlens_flat",
     "cu_seqlens_rows",
     "eos_label_mask",
@@ -58,6 +59,13 @@ def applies(*tensors: torch.Tensor) -> bool:
         and not t.requires_grad
         for t in tensors
     )
+
+
+def contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.contiguous()``; NumPy copies strided rows faster."""
+    if tensor.is_contiguous() or not applies(tensor):
+        return tensor.contiguous()
+    return torch.from_numpy(np.ascontiguousarray(tensor.numpy()))
 
 
 def _trailing(padding_length: np.ndarray, length: int) -> np.ndarray:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from zephon_collate import numpy_kernels
 from zephon_collate.options import TrainingOptions
 from zephon_collate.types import SampleRecord
 
@@ -91,7 +92,7 @@ def ids_and_texts(records: Sequence[SampleRecord]) -> dict[str, list[Any]]:
 
 def _convert(tensor: torch.Tensor, kind: str) -> Any:
     if kind == "torch":
-        return tensor.contiguous()
+        return numpy_kernels.contiguous(tensor)
     if kind == "numpy":  # contiguous first: a view of the stacked batch would keep all of it alive
         return tensor.detach().cpu().contiguous().numpy()
     return tensor.tolist()
