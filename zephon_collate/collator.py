@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from zephon_collate import transfer
 from zephon_collate.batch import describe, is_array_payload
 from zephon_collate.options import TrainingOptions
 from zephon_collate.output import assemble_outputs, empty_outputs, ids_and_texts, output_keys
@@ -141,7 +142,9 @@ class StackedBatch:
     and ``"texts"`` outputs and ``metas`` each record's metadata (the payloads
     stay in the worker: only the stacked tensors cross to the main process).
     ``pin_memory`` and ``to`` return new batches, so a DataLoader with
-    ``pin_memory=True`` pins it.
+    ``pin_memory=True`` pins it. Pickled (as a worker sends it), the CPU
+    tensors travel as one compact buffer (:mod:`zephon_collate.transfer`) and
+    come back exactly as they were.
     """
 
     td: TensorDictBase | None
@@ -150,6 +153,12 @@ class StackedBatch:
 
     def __len__(self) -> int:
         return len(self.per_record["ids"])
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        if self.td is None or not transfer.packable(self.td):
+            return StackedBatch, (self.td, self.per_record, self.metas)
+        buffer, fields = transfer.pack(self.td)
+        return _unpack_batch, (buffer, fields, self.td.batch_size, self.per_record, self.metas)
 
     def pin_memory(self, device: str | torch.device | None = None) -> StackedBatch:
         """Pin the tensors in page-locked memory (called by the DataLoader's pinning thread)."""
@@ -163,6 +172,16 @@ class StackedBatch:
         if self.td is None:
             return self
         return StackedBatch(self.td.to(device, non_blocking=non_blocking), self.per_record, self.metas)
+
+
+def _unpack_batch(
+    buffer: torch.Tensor,
+    fields: tuple[transfer.Field, ...],
+    batch_size: torch.Size,
+    per_record: dict[str, list[Any]],
+    metas: tuple[SampleMeta, ...],
+) -> StackedBatch:
+    return StackedBatch(transfer.unpack(buffer, fields, batch_size), per_record, metas)
 
 
 class Collator:

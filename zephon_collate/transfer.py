@@ -1,0 +1,88 @@
+"""How a stacked batch crosses from a DataLoader worker to the main process.
+
+A worker's batch travels through shared memory, and each tensor sent costs a
+shared-memory segment, its page faults on both sides and a file descriptor:
+on a 2-core machine, three ``[8, 8193]`` int64 tensors take ~2.9 ms per batch
+with no other work, the same tokens as one 9-byte-per-token buffer ~1.2 ms.
+So a :class:`~zephon_collate.collator.StackedBatch` pickles its CPU tensors
+as **one byte buffer**, each integer field in the narrowest integer dtype that
+holds all its values exactly (``uint8``, ``int16`` or ``int32``; bool and float
+fields as they are), and the receiving side rebuilds every field in its own
+dtype. The round trip is exact: same keys, dtypes, shapes and values.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+__all__ = ["Field", "pack", "packable", "unpack"]
+
+_NARROW = (np.uint8, np.int16, np.int32)
+
+
+class Field(NamedTuple):
+    """Where one field lies in the buffer: ``nbytes`` from ``offset``, as ``wire`` values."""
+
+    key: str
+    dtype: torch.dtype
+    wire: str  # a NumPy dtype name
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _wire_dtype(array: np.ndarray) -> np.dtype:
+    """The narrowest of uint8, int16, int32 holding every value of an integer array, else its own dtype."""
+    if array.dtype.kind not in "iu" or array.dtype.itemsize == 1 or array.size == 0:
+        return array.dtype
+    low, high = array.min(), array.max()
+    for candidate in _NARROW:
+        info = np.iinfo(candidate)
+        if candidate().itemsize < array.dtype.itemsize and info.min <= low and high <= info.max:
+            return np.dtype(candidate)
+    return array.dtype
+
+
+def packable(td: TensorDictBase) -> bool:
+    """True for a flat TensorDict of plain CPU tensors of NumPy dtypes (what a worker stacks)."""
+    return (
+        td.device is not None
+        and td.device.type == "cpu"
+        and all(
+            isinstance(value, torch.Tensor) and not value.requires_grad and value.dtype != torch.bfloat16
+            for value in td.values()
+        )
+    )
+
+
+def pack(td: TensorDictBase) -> tuple[torch.Tensor, tuple[Field, ...]]:
+    """One ``uint8`` buffer holding every field of ``td`` (see the module doc), and its layout."""
+    arrays = {key: value.numpy() for key, value in td.items()}
+    fields, offset = [], 0
+    for key, array in arrays.items():
+        wire = _wire_dtype(array)
+        nbytes = array.size * wire.itemsize
+        fields.append(Field(key, td.get(key).dtype, wire.name, array.shape, offset, nbytes))
+        offset += -(-nbytes // 8) * 8  # keep every field 8-byte aligned
+    buffer = np.empty(offset, dtype=np.uint8)
+    for field in fields:
+        target = buffer[field.offset : field.offset + field.nbytes].view(field.wire).reshape(field.shape)
+        np.copyto(target, arrays[field.key], casting="unsafe")  # exact: the values fit (_wire_dtype)
+    return torch.from_numpy(buffer), tuple(fields)
+
+
+def unpack(buffer: torch.Tensor, fields: tuple[Field, ...], batch_size: torch.Size) -> TensorDict:
+    """The TensorDict that :func:`pack` packed, each field back in its own dtype."""
+    data = {}
+    for field in fields:
+        if field.nbytes == 0:
+            data[field.key] = torch.empty(field.shape, dtype=field.dtype)
+            continue
+        raw = buffer[field.offset : field.offset + field.nbytes]
+        values = raw.view(getattr(torch, field.wire)).view(field.shape)
+        data[field.key] = values if values.dtype == field.dtype else values.to(field.dtype)
+    return TensorDict(data, batch_size=batch_size, device="cpu")
