@@ -5,7 +5,7 @@ training tensors by a chain of transforms (:mod:`zephon_collate.transforms`);
 :meth:`SampleBatch.to_training` is the one-call entry point.
 """
 
-from zephon_collate import attention, functional
+from zephon_collate import attention, functional, numpy_kernels
 from zephon_collate.attention import check_no_leakage
 from zephon_collate.batch import stack_batch
 from zephon_collate.collator import Collator, StackedBatch
@@ -87,6 +87,7 @@ __all__ = [
     "gather_context_parallel",
     "global_num_valid_tokens",
     "normalize_loss",
+    "numpy_kernels",
     "pack_flat",
     "render_batch",
     "render_batch_png",

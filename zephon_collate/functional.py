@@ -95,8 +95,9 @@ def mask_labels(labels: torch.Tensor, mask: torch.Tensor, ignore_index: int) -> 
 def as_float(mask: torch.Tensor) -> torch.Tensor:
     """A boolean mask as float32 1.0/0.0.
 
-    Casts through uint8 (the same bytes): on CPU that cast is vectorised and
-    several times faster than bool -> float32.
+    In eager mode on the CPU it casts through uint8 (the same bytes): that cast
+    is vectorised there and several times faster than bool -> float32. Compiled
+    code casts directly (inductor turns the uint8 view into slow bool stores).
 
     Example:
         >>> as_float(torch.tensor([True, False])).tolist()
@@ -104,7 +105,9 @@ def as_float(mask: torch.Tensor) -> torch.Tensor:
     """
     if _check_tensor("as_float", "mask", mask).dtype != torch.bool:
         raise TypeError(f"as_float: mask must be a bool tensor, got {mask.dtype}")
-    return mask.view(torch.uint8).to(torch.float32)
+    if mask.device.type == "cpu" and not torch.compiler.is_compiling():
+        return mask.view(torch.uint8).to(torch.float32)
+    return mask.to(torch.float32)
 
 
 def eos_label_mask(inputs: torch.Tensor, eos_token_id: int) -> torch.Tensor:
