@@ -20,11 +20,11 @@ from torch.nn.attention.flex_attention import flex_attention
 from zephon_collate import Chain, CuSeqlens, SampleBatch, SampleMeta, SampleRecord, TokenShift, pack_flat
 from zephon_collate.attention import (
     check_consistent,
-    check_no_leakage,
     dense_document_mask,
     document_block_mask,
     segment_ids_from_positions,
 )
+from zephon_collate.leakage import check_no_leakage
 from zephon_collate.transforms import SegmentIds
 
 PAD, VOCAB, HEADS, HEAD_DIM = 0, 64, 2, 16

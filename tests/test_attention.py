@@ -29,9 +29,7 @@ from torch.nn.attention.flex_attention import create_mask, flex_attention
 from zephon_collate import CuSeqlens, PaddingMask, TokenShift
 from zephon_collate.attention import (
     PADDING_SEGMENT,
-    LeakageError,
     check_consistent,
-    check_no_leakage,
     cu_seqlens_from_segment_ids,
     dense_document_mask,
     document_block_mask,
@@ -41,6 +39,7 @@ from zephon_collate.attention import (
     segment_ids_from_positions,
 )
 from zephon_collate.functional import cu_seqlens_flat, cu_seqlens_rows
+from zephon_collate.leakage import LeakageError, check_no_leakage
 from zephon_collate.transforms import Chain, SegmentIds
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -185,6 +185,16 @@ def test_missing_tokens_field_lists_the_fields():
     )
 
 
+def test_auto_tokens_field_with_no_common_candidate_names_both_records():
+    """Every payload has a token field, but not the same one: a ValueError, not a StopIteration."""
+    raises(
+        ValueError,
+        r"no token field that every payload has: record 0 .* has 'input_ids', record 2 .* has fields "
+        r"\['tokens'\]",
+        batch({"input_ids": [1], "tokens": [1]}, {"input_ids": [2]}, {"tokens": [3]}).to_training,
+    )
+
+
 def test_missing_or_misspelled_extra_field_lists_the_payload_fields():
     raises(
         ValueError,

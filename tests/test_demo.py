@@ -11,7 +11,6 @@ import torch
 
 from zephon_collate import SampleBatch, pack_flat
 from zephon_collate.__main__ import main
-from zephon_collate.attention import check_no_leakage
 from zephon_collate.demo import (
     CHAT,
     EOS,
@@ -30,6 +29,7 @@ from zephon_collate.demo import (
     to_records,
 )
 from zephon_collate.demo.corpus import split_python
+from zephon_collate.leakage import check_no_leakage
 
 TINY = {"dim": 32, "layers": 2, "heads": 2}
 

@@ -6,15 +6,16 @@ training tensors by a chain of transforms (:mod:`zephon_collate.transforms`);
 """
 
 from zephon_collate import attention, functional, numpy_kernels
-from zephon_collate.attention import check_no_leakage
 from zephon_collate.batch import stack_batch
 from zephon_collate.collator import Collator, StackedBatch
 from zephon_collate.context_parallel import ContextParallelShard, gather_context_parallel
 from zephon_collate.distributed import global_num_valid_tokens, normalize_loss
-from zephon_collate.inspect_batch import batch_warnings, render_batch, render_batch_png
+from zephon_collate.inspect_batch import batch_warnings
+from zephon_collate.leakage import check_no_leakage
 from zephon_collate.options import TrainingOptions
 from zephon_collate.packing import pack_flat
 from zephon_collate.packing_stream import FlatPacker
+from zephon_collate.render import render_batch, render_batch_png
 from zephon_collate.resumable import PackedStream
 from zephon_collate.training import to_training
 from zephon_collate.transforms import (

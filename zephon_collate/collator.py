@@ -27,9 +27,9 @@ import torch
 from tensordict import TensorDictBase
 
 from zephon_collate import transfer
-from zephon_collate.batch import describe, is_array_payload
 from zephon_collate.options import TrainingOptions
 from zephon_collate.output import assemble_outputs, empty_outputs, ids_and_texts, output_keys
+from zephon_collate.payloads import describe, is_array_payload
 from zephon_collate.training import _stackable, read_batch, stack, training_outputs
 from zephon_collate.transforms import Chain, CuSeqlens
 from zephon_collate.types import SampleMeta, SampleRecord

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zephon_collate.batch import TOKEN_FIELD_CANDIDATES, is_array_payload
+from zephon_collate.payloads import TOKEN_FIELD_CANDIDATES, is_array_payload
 from zephon_collate.types import SampleBatch, SampleRecord
 
 __all__ = ["OVERFLOWS", "STRATEGIES", "pack_flat"]

@@ -1,9 +1,10 @@
 """to_training: a batch of tokenized records to training tensors.
 
 The steps: check the arguments (:class:`TrainingOptions`), read and check the
-payloads (:mod:`zephon_collate.batch`), stack them once into a TensorDict, run
-the transform chain the options build, then rename, exclude, flatten and
-convert to the containers asked for (:mod:`zephon_collate.output`).
+payloads (:mod:`zephon_collate.payloads`), stack them once into a TensorDict
+(:mod:`zephon_collate.batch`), run the transform chain the options build, then
+rename, exclude, flatten and convert to the containers asked for
+(:mod:`zephon_collate.output`).
 """
 
 from __future__ import annotations
@@ -15,15 +16,7 @@ import torch
 from tensordict import TensorDictBase
 
 from zephon_collate import numpy_kernels
-from zephon_collate.batch import (
-    TOKENS,
-    Columns,
-    as_record_tuple,
-    check_padding_lengths,
-    describe,
-    read_columns,
-    stack_columns,
-)
+from zephon_collate.batch import check_padding_lengths, stack_columns
 from zephon_collate.options import TrainingOptions
 from zephon_collate.output import (
     assemble_outputs,
@@ -32,6 +25,7 @@ from zephon_collate.output import (
     merge_row_outputs,
     output_keys,
 )
+from zephon_collate.payloads import TOKENS, Columns, as_record_tuple, describe, read_columns
 from zephon_collate.types import SampleBatch, SampleRecord
 
 __all__ = ["run_chain", "to_training"]

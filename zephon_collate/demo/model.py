@@ -6,7 +6,7 @@ them (:func:`zephon_collate.attention.segment_ids_from_positions`) build the
 attention mask (:func:`zephon_collate.attention.dense_document_mask`): a token
 sees the tokens before it in its own document, and nothing else. Each
 document in a packed row is therefore computed exactly as if it were alone,
-which :func:`zephon_collate.attention.check_no_leakage` checks.
+which :func:`zephon_collate.leakage.check_no_leakage` checks.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class DocumentTransformer(nn.Module):
     ``forward(input_ids, positions, segment_ids)`` takes ``[B, S]`` token ids,
     segment-restarting positions and segment ids (marked padding ``-1``) and
     returns ``[B, S, vocab_size]`` logits; the signature is the ``model_fn`` of
-    :func:`zephon_collate.attention.check_no_leakage`.
+    :func:`zephon_collate.leakage.check_no_leakage`.
 
     Example:
         >>> model = DocumentTransformer(ModelConfig(dim=16, layers=1, heads=2))

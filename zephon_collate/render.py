@@ -1,0 +1,354 @@
+"""See a collated batch token by token: in the terminal (:func:`render_batch`) or as a PNG.
+
+The rows are read by :func:`~zephon_collate.inspect_batch.batch_rows`, and
+the warnings that end the picture are those of
+:func:`~zephon_collate.inspect_batch.batch_warnings`.
+
+The plain text layout, per row (columns wrap at ``width``): a chat example
+(prompt not supervised), then the padding segment::
+
+    row 0 (sample (1, 0, 0)): 8 tokens, 2 segments, 1 padding (12%), 3 supervised (38%)
+      pos   |0     1 2 3  4 5     6    |0
+      in    |<bos> H i \\n o k     <eos>|<pad>
+      label |-     - - o  k <eos> -    |-
+      mask  |.     . . +  + +     .    |_
+
+``|`` starts a segment; under ``mask``, ``+`` is a supervised label, ``.`` an
+ignored one, ``_`` padding and ``!`` padding with a supervised label. With
+``color=True`` supervised text is green, padding dim, segment starts magenta.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zephon_collate.inspect_batch import RowView, _percent, batch_rows, batch_warnings
+
+__all__ = ["render_batch", "render_batch_png", "token_text"]
+
+LEGEND = "legend: | starts a segment; mask + supervised, . ignored, _ padding, ! supervised padding"
+MAX_TOKEN_CHARS = 16
+_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r", " ": "␣"}
+_ANSI = {
+    "bold": "\x1b[1m",
+    "dim": "\x1b[2m",
+    "green": "\x1b[32m",
+    "magenta": "\x1b[1;35m",
+    "red": "\x1b[1;31m",
+    "yellow": "\x1b[33m",
+}
+_RESET = "\x1b[0m"
+
+
+def token_text(tokenizer: Any, token: int) -> str:
+    """A token as printable text: ``tokenizer.decode([token])`` or ``tokenizer(token)``, else the id.
+
+    Spaces show as ``␣``, newlines, tabs and returns as ``\\n``, ``\\t``, ``\\r``,
+    other control characters as ``\\xNN``; long tokens are cut with ``~``.
+    """
+    if tokenizer is None:
+        return str(token)
+    text = tokenizer.decode([token]) if hasattr(tokenizer, "decode") else str(tokenizer(token))
+    shown = "".join(
+        _ESCAPES.get(char, f"\\x{ord(char):02x}" if ord(char) < 32 or ord(char) == 127 else char)
+        for char in text
+    )
+    if not shown:
+        return "''"
+    return shown if len(shown) <= MAX_TOKEN_CHARS else shown[: MAX_TOKEN_CHARS - 1] + "~"
+
+
+def _paint(text: str, style: str | None, color: bool) -> str:
+    return f"{_ANSI[style]}{text}{_RESET}" if color and style else text
+
+
+@dataclass(frozen=True)
+class _Cell:
+    texts: dict[str, tuple[str, str | None]]  # line name -> (text, style)
+    start: bool
+
+    @property
+    def width(self) -> int:
+        return max(len(text) for text, _ in self.texts.values())
+
+
+def _cells(row: RowView, tokenizer: Any, shown: int) -> list[_Cell]:
+    starts = set(row.starts)
+    cells = []
+    for t in range(shown):
+        texts: dict[str, tuple[str, str | None]] = {}
+        if row.positions is not None:
+            texts["pos"] = (str(row.positions[t]), "dim")
+        target = row.labels is not None and t > 0 and bool(row.supervised and row.supervised[t - 1])
+        style = "dim" if row.padding[t] else "green" if target else None
+        texts["in"] = (token_text(tokenizer, row.input_ids[t]), style)
+        if row.labels is not None:
+            label = row.labels[t]
+            supervised = bool(row.supervised and row.supervised[t])
+            texts["label"] = (
+                "-" if not supervised else token_text(tokenizer, label),
+                "green" if supervised else "dim",
+            )
+        if row.supervised is not None:
+            supervised = row.supervised[t]
+            if row.padding[t]:
+                texts["mask"] = ("!", "red") if supervised else ("_", "dim")
+            else:
+                texts["mask"] = ("+", "green") if supervised else (".", "dim")
+        elif row.padding[t]:
+            texts["mask"] = ("_", "dim")
+        cells.append(_Cell(texts, t in starts))
+    return cells
+
+
+def _header(row: RowView) -> str:
+    length = len(row.input_ids)
+    sample = f" (sample {row.sample_id})" if row.sample_id is not None else ""
+    segments = len(row.starts)
+    parts = [f"{length} tokens", f"{segments} segment{'' if segments == 1 else 's'}"]
+    parts.append(f"{row.num_padding} padding ({_percent(row.num_padding, length)})")
+    if row.supervised is not None:
+        parts.append(f"{row.num_supervised} supervised ({_percent(row.num_supervised, length)})")
+    return f"row {row.index}{sample}: " + ", ".join(parts)
+
+
+def _padding_run_start(row: RowView, shown: int) -> int:
+    """Where the run of padding that ends the shown tokens begins (``shown`` when there is none)."""
+    start = shown
+    while start > 0 and row.padding[start - 1]:
+        start -= 1
+    return start
+
+
+def _render_row(
+    row: RowView, tokenizer: Any, color: bool, width: int, max_tokens: int | None, collapse: int | None
+) -> list[str]:
+    shown = len(row.input_ids) if max_tokens is None else min(max_tokens, len(row.input_ids))
+    total = shown
+    start = _padding_run_start(row, shown)
+    if collapse is not None and shown - start > collapse:
+        shown = start + collapse
+    cells = _cells(row, tokenizer, shown)
+    names = [name for name in ("pos", "in", "label", "mask") if any(name in cell.texts for cell in cells)]
+    lines = [_paint(_header(row), "bold", color)]
+    band: list[_Cell] = []
+    used = 8
+    bands = []
+    for cell in cells:
+        if band and used + 1 + cell.width > width:
+            bands.append(band)
+            band, used = [], 8
+        band.append(cell)
+        used += 1 + cell.width
+    if band:
+        bands.append(band)
+    for number, band in enumerate(bands):
+        if number:
+            lines.append("")
+        for name in names:
+            parts = [f"  {name:<6}"]
+            for cell in band:
+                text, style = cell.texts.get(name, ("", None))
+                parts.append(_paint("|", "magenta", color) if cell.start else " ")
+                parts.append(_paint(text, style, color) + " " * (cell.width - len(text)))
+            lines.append("".join(parts).rstrip())
+    if shown < total:
+        lines.append(f"  ... {total - shown} more padding tokens")
+    if total < len(row.input_ids):
+        lines.append(f"  ... {len(row.input_ids) - total} more tokens")
+    return lines
+
+
+def render_batch(
+    batch: Mapping[str, Any],
+    tokenizer: Any = None,
+    *,
+    color: bool = False,
+    width: int = 100,
+    max_rows: int | None = None,
+    max_tokens: int | None = None,
+    ignore_index: int = -100,
+    pad_token_id: int | None = None,
+    collapse_padding: int | None = 4,
+) -> str:
+    """A collated batch as text: a summary, every row token by token, the legend and the warnings.
+
+    Parameters:
+        batch: the dict ``to_training`` or ``Collator`` returned (``input_ids`` at least).
+        tokenizer: shows tokens as text: anything with ``decode(list_of_ids) -> str``
+            (a Hugging Face tokenizer, :class:`~zephon_collate.demo.ByteTokenizer`) or a
+            callable ``id -> str``; ``None`` shows the ids.
+        color: ANSI colours (supervised text green, padding dim, segment starts magenta).
+        width: wrap each row's columns at this many characters.
+        max_rows, max_tokens: show only the first rows / tokens of each row (the
+            summary and warnings still cover the whole batch).
+        ignore_index: the label of ignored tokens.
+        pad_token_id: finds trailing padding when the batch has no ``padding_mask``.
+        collapse_padding: show at most this many tokens of a row's trailing padding, then
+            ``... N more padding tokens`` (``None``: show them all).
+
+    Example:
+        >>> batch = {"input_ids": [[1, 7, 2]], "labels": [[7, 2, -100]], "positions": [[0, 1, 2]]}
+        >>> print(render_batch(batch, width=40))  # doctest: +NORMALIZE_WHITESPACE
+        batch: 1 row x 3 tokens; 2 of 3 labels supervised (67%); 0 of 3 tokens padding (0%)
+        <BLANKLINE>
+        row 0: 3 tokens, 1 segment, 0 padding (0%), 2 supervised (67%)
+          pos   |0 1 2
+          in    |1 7 2
+          label |7 2 -
+          mask  |+ + .
+        <BLANKLINE>
+        legend: | starts a segment; mask + supervised, . ignored, _ padding, ! supervised padding
+        warnings: none
+    """
+    rows = batch_rows(batch, ignore_index=ignore_index, pad_token_id=pad_token_id)
+    total = sum(len(row.input_ids) for row in rows)
+    padding = sum(row.num_padding for row in rows)
+    lengths = sorted({len(row.input_ids) for row in rows})
+    shape = f"{len(rows)} row{'s' if len(rows) != 1 else ''} x {'/'.join(map(str, lengths)) or 0} tokens"
+    summary = [shape]
+    if rows and rows[0].supervised is not None:
+        supervised = sum(row.num_supervised for row in rows)
+        what = "labels" if rows[0].labels is not None else "tokens"
+        summary.append(f"{supervised} of {total} {what} supervised ({_percent(supervised, total)})")
+    summary.append(f"{padding} of {total} tokens padding ({_percent(padding, total)})")
+    lines = [_paint("batch: " + "; ".join(summary), "bold", color), ""]
+    for row in rows[:max_rows]:
+        lines += _render_row(row, tokenizer, color, width, max_tokens, collapse_padding)
+        lines.append("")
+    if max_rows is not None and len(rows) > max_rows:
+        lines += [f"... {len(rows) - max_rows} more rows", ""]
+    lines.append(LEGEND)
+    warnings = batch_warnings(rows)
+    if warnings:
+        lines.append(_paint(f"warnings ({len(warnings)}):", "yellow", color))
+        lines += [_paint(f"  - {warning}", "yellow", color) for warning in warnings]
+    else:
+        lines.append("warnings: none")
+    return "\n".join(lines)
+
+
+_PNG_COLORS = {
+    "supervised": "#9be3b0",
+    "ignored": "#eceff1",
+    "input": "#ffffff",
+    "padding": "#b0b7bf",
+    "special": "#bbdefb",
+    "bad": "#ff6b6b",
+    "start": "#8e24aa",
+}
+
+
+def _is_special(text: str) -> bool:
+    return len(text) > 2 and text.startswith("<") and text.endswith(">")
+
+
+def _font_size(text: str) -> float:
+    """Points for a token's text in a one-unit cell: smaller for longer tokens."""
+    return 6.5 if len(text) <= 1 else 5.5 if len(text) == 2 else max(3.2, 12.5 / len(text))
+
+
+def render_batch_png(
+    batch: Mapping[str, Any],
+    path: str | Path,
+    tokenizer: Any = None,
+    *,
+    max_rows: int | None = 4,
+    max_tokens: int | None = 128,
+    tokens_per_line: int = 64,
+    ignore_index: int = -100,
+    pad_token_id: int | None = None,
+    title: str | None = None,
+    dpi: int = 100,
+) -> Path:
+    """Draw a collated batch as a PNG image (needs matplotlib) and return its path.
+
+    Each token is a column of two boxes: its input on top (white; grey for
+    padding; a small position number above) and its label below (green when
+    supervised, light grey with ``-`` when ignored, red for supervised
+    padding). A purple bar marks each segment start. Row headers and the
+    warnings of :func:`batch_warnings` are written in.
+
+    Raises:
+        ImportError: if matplotlib is not installed.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch, Rectangle
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError("render_batch_png needs matplotlib: pip install matplotlib") from error
+    rows = batch_rows(batch, ignore_index=ignore_index, pad_token_id=pad_token_id)
+    warnings = batch_warnings(rows)
+    shown_rows = rows[:max_rows]
+    layout = []  # per row: (row, shown tokens, lines)
+    for row in shown_rows:
+        shown = len(row.input_ids) if max_tokens is None else min(max_tokens, len(row.input_ids))
+        layout.append((row, shown, max(1, -(-shown // tokens_per_line))))
+    line_height, header_height = 3.2, 1.6
+    height = sum(header_height + lines * line_height for _, _, lines in layout) + 1.2 * len(warnings) + 3.5
+    tokens_per_line = max(1, min(tokens_per_line, max((shown for _, shown, _ in layout), default=1)))
+    width = max(tokens_per_line, 40) + 2
+    figure = Figure(figsize=(width * 0.24, height * 0.2), dpi=dpi)
+    FigureCanvasAgg(figure)
+    axes = figure.add_axes((0, 0, 1, 1))
+    axes.set_xlim(-1, width - 1)
+    axes.set_ylim(height, 0)
+    axes.axis("off")
+    y = 0.4
+    axes.text(0, y, title or "collated batch", fontsize=11, fontweight="bold", va="top")
+    y += 1.8
+    mono = {"family": "DejaVu Sans Mono", "ha": "center", "va": "center"}
+    for row, shown, lines in layout:
+        axes.text(0, y + 0.2, _header(row), fontsize=8, fontweight="bold", va="top")
+        y += header_height
+        starts = set(row.starts)
+        for t in range(shown):
+            x = t % tokens_per_line
+            top = y + (t // tokens_per_line) * line_height + 0.6
+            padded = row.padding[t]
+            text = token_text(tokenizer, row.input_ids[t])
+            special = _is_special(text)
+            text = text[1:-1] if special else text  # "<bos>" -> "bos": legible in a cell
+            face = _PNG_COLORS["padding" if padded else "special" if special else "input"]
+            axes.add_patch(Rectangle((x, top), 1, 1, facecolor=face, edgecolor="#cfd8dc", lw=0.3))
+            axes.text(x + 0.5, top + 0.5, text, fontsize=_font_size(text), **mono)
+            if row.positions is not None:
+                axes.text(x + 0.5, top - 0.3, str(row.positions[t]), fontsize=4, color="#607d8b", **mono)
+            if row.supervised is not None:
+                supervised = row.supervised[t]
+                key = ("bad" if padded else "supervised") if supervised else "ignored"
+                axes.add_patch(
+                    Rectangle((x, top + 1), 1, 1, facecolor=_PNG_COLORS[key], edgecolor="#cfd8dc", lw=0.3)
+                )
+                if row.labels is not None:
+                    label = token_text(tokenizer, row.labels[t]) if supervised else "-"
+                    label = label[1:-1] if _is_special(label) else label
+                    axes.text(x + 0.5, top + 1.5, label, fontsize=_font_size(label), color="#37474f", **mono)
+            if t in starts:
+                axes.plot(
+                    [x, x], [top - 0.1, top + 2.1], color=_PNG_COLORS["start"], lw=2.2, solid_capstyle="butt"
+                )
+        y += lines * line_height
+    if warnings:
+        axes.text(0, y + 0.3, "warnings:", fontsize=8, color="#c62828", fontweight="bold", va="top")
+        y += 1.2
+        for warning in warnings:
+            axes.text(0.5, y + 0.3, warning, fontsize=6.5, color="#c62828", va="top")
+            y += 1.2
+    handles = [
+        Patch(facecolor=_PNG_COLORS["supervised"], label="label supervised"),
+        Patch(facecolor=_PNG_COLORS["ignored"], label="label ignored"),
+        Patch(facecolor=_PNG_COLORS["special"], label="special token"),
+        Patch(facecolor=_PNG_COLORS["padding"], label="padding"),
+        Patch(facecolor=_PNG_COLORS["bad"], label="supervised padding"),
+        Patch(facecolor=_PNG_COLORS["start"], label="segment start"),
+    ]
+    axes.legend(handles=handles, loc="lower right", ncol=6, fontsize=7, frameon=False)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=dpi)
+    return path
