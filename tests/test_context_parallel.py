@@ -18,7 +18,8 @@ from strategies import segment_positions
 from tensordict import TensorDict
 
 from zephon_collate import Chain, Collator, LossMask, TokenShift, context_parallel
-from zephon_collate.context_parallel import ContextParallelShard, cp_partition_index, gather_context_parallel
+from zephon_collate.context_parallel import ContextParallelShard
+from zephon_collate.context_parallel_layout import cp_partition_index, gather_context_parallel
 
 OPTIONS = FULL_OPTIONS
 PER_TOKEN = ("input_ids", "labels", "positions", "loss_mask", "padding_mask")

@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from zephon_collate import Collator
-from zephon_collate.collator import StackedBatch
-from zephon_collate.transfer import pack, unpack
+from zephon_collate.transfer import StackedBatch, pack, unpack
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32]
 

@@ -7,8 +7,9 @@ training tensors by a chain of transforms (:mod:`zephon_collate.transforms`);
 
 from zephon_collate import attention, functional, numpy_kernels
 from zephon_collate.batch import stack_batch
-from zephon_collate.collator import Collator, StackedBatch
-from zephon_collate.context_parallel import ContextParallelShard, gather_context_parallel
+from zephon_collate.collator import Collator
+from zephon_collate.context_parallel import ContextParallelShard
+from zephon_collate.context_parallel_layout import gather_context_parallel
 from zephon_collate.distributed import global_num_valid_tokens, normalize_loss
 from zephon_collate.inspect_batch import batch_warnings
 from zephon_collate.leakage import check_no_leakage
@@ -18,6 +19,7 @@ from zephon_collate.packing_stream import FlatPacker
 from zephon_collate.render import render_batch, render_batch_png
 from zephon_collate.resumable import PackedStream
 from zephon_collate.training import to_training
+from zephon_collate.transfer import StackedBatch
 from zephon_collate.transforms import (
     Chain,
     CuSeqlens,

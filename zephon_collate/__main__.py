@@ -186,7 +186,7 @@ def _run_show(args: argparse.Namespace) -> int:
     from zephon_collate.render import render_batch, render_batch_png
 
     if args.demo_batch:
-        from zephon_collate.demo.train import demo_batch
+        from zephon_collate.demo.pipeline import demo_batch
 
         sizes = {"seq_len": args.seq_len, "batch_size": args.batch_size, "min_documents": args.min_documents}
         batch = demo_batch(args.corpus, **sizes, seed=args.seed)

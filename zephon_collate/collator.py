@@ -3,9 +3,9 @@
 The split fast pipelines use:
 
 - **Workers** call :meth:`Collator.stack`: read, check and stack the records
-  into a CPU TensorDict (:class:`StackedBatch`). No CUDA call happens there.
+  into a CPU TensorDict (:class:`~zephon_collate.transfer.StackedBatch`). No CUDA call happens there.
 - ``DataLoader(pin_memory=True)`` pins the stacked tensors in the main
-  process's pinning thread (:meth:`StackedBatch.pin_memory`).
+  process's pinning thread (:meth:`~zephon_collate.transfer.StackedBatch.pin_memory`).
 - **The main process** calls :meth:`Collator.finish`: copy to the device with
   ``non_blocking=True`` and run the transform chain there, compiled with
   ``torch.compile`` when asked.
@@ -20,22 +20,21 @@ import difflib
 import inspect
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
-from zephon_collate import transfer
 from zephon_collate.options import TrainingOptions
 from zephon_collate.output import assemble_outputs, empty_outputs, ids_and_texts, output_keys
 from zephon_collate.payloads import describe, is_array_payload
 from zephon_collate.training import _stackable, read_batch, stack, training_outputs
+from zephon_collate.transfer import StackedBatch
 from zephon_collate.transforms import Chain, CuSeqlens
 from zephon_collate.types import SampleMeta, SampleRecord
 from zephon_collate.validation import check_bool
 
-__all__ = ["Collator", "StackedBatch", "as_records"]
+__all__ = ["Collator", "as_records"]
 
 OPTION_NAMES = tuple(inspect.signature(TrainingOptions.create).parameters)
 
@@ -137,56 +136,6 @@ def as_records(samples: Sequence[Any]) -> list[SampleRecord]:
                 f"got {type(sample).__name__}"
             )
     return records
-
-
-@dataclass(frozen=True)
-class StackedBatch:
-    """A worker's output: the stacked CPU TensorDict and the per-record lists.
-
-    ``td`` is ``None`` for an empty batch; ``per_record`` holds the ``"ids"``
-    and ``"texts"`` outputs and ``metas`` each record's metadata (the payloads
-    stay in the worker: only the stacked tensors cross to the main process).
-    ``pin_memory`` and ``to`` return new batches, so a DataLoader with
-    ``pin_memory=True`` pins it. Pickled (as a worker sends it), the CPU
-    tensors travel as one compact buffer (:mod:`zephon_collate.transfer`) and
-    come back exactly as they were.
-    """
-
-    td: TensorDictBase | None
-    per_record: dict[str, list[Any]]
-    metas: tuple[SampleMeta, ...] = ()
-
-    def __len__(self) -> int:
-        return len(self.per_record["ids"])
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        if self.td is None or not transfer.packable(self.td):
-            return StackedBatch, (self.td, self.per_record, self.metas)
-        buffer, fields = transfer.pack(self.td)
-        return _unpack_batch, (buffer, fields, self.td.batch_size, self.per_record, self.metas)
-
-    def pin_memory(self, device: str | torch.device | None = None) -> StackedBatch:
-        """Pin the tensors in page-locked memory (called by the DataLoader's pinning thread)."""
-        if self.td is None:
-            return self
-        pinned = self.td.pin_memory() if device is None else self.td.pin_memory(device=device)
-        return StackedBatch(pinned, self.per_record, self.metas)
-
-    def to(self, device: str | torch.device, non_blocking: bool = False) -> StackedBatch:
-        """Move the tensors to ``device``."""
-        if self.td is None:
-            return self
-        return StackedBatch(self.td.to(device, non_blocking=non_blocking), self.per_record, self.metas)
-
-
-def _unpack_batch(
-    buffer: torch.Tensor,
-    fields: tuple[transfer.Field, ...],
-    batch_size: torch.Size,
-    per_record: dict[str, list[Any]],
-    metas: tuple[SampleMeta, ...],
-) -> StackedBatch:
-    return StackedBatch(transfer.unpack(buffer, fields, batch_size), per_record, metas)
 
 
 class Collator:

@@ -1,0 +1,251 @@
+"""Packer input: check the packing options and read each document's tokens and per-token fields.
+
+:class:`PackOptions` checks the options of :func:`zephon_collate.packing.pack_flat`
+and :class:`zephon_collate.packing_stream.FlatPacker`. :class:`Reader` reads one
+record at a time: its token row as int64 ids >= 0 and the per-token fields
+packed beside it (``loss_mask`` holding only 0 and 1), each a 1-D NumPy view of
+the payload, with a ``TypeError``/``ValueError`` that names the record, the
+field and the fix. Nothing here writes into a payload.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from zephon_collate.payloads import TOKEN_FIELD_CANDIDATES, is_array_payload
+from zephon_collate.types import SampleRecord
+
+__all__ = ["OVERFLOWS", "STRATEGIES", "PackOptions", "Reader", "candidate_fields"]
+
+STRATEGIES = ("greedy", "best_fit")
+OVERFLOWS = ("split", "truncate")
+LOSS_MASK = "loss_mask"
+POSITIONS = "positions"
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+def _where(index: int, record: SampleRecord) -> str:
+    return f"record {index} (sample_id {record.meta.sample_id})"
+
+
+def _check_int(owner: str, name: str, value: object, minimum: int, maximum: int = INT64_MAX) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"{owner}: {name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})"
+        )
+    if value < minimum:
+        raise ValueError(f"{owner}: {name} must be an int >= {minimum}, got {value!r}")
+    if value > maximum:
+        raise ValueError(f"{owner}: {name} must be an int <= {maximum}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    """The options of :func:`pack_flat` and ``FlatPacker``, checked by :meth:`create`."""
+
+    seq_len: int
+    pad_token_id: int
+    emit_positions: bool
+    tokens_field: str
+    strategy: str
+    overflow: str
+    buffer_size: int | None
+    fields: tuple[str, ...] | None
+
+    @classmethod
+    def create(cls, owner: str, **options: Any) -> PackOptions:
+        """Check every option, raising ``TypeError``/``ValueError`` that names it and says what to pass."""
+        checked = dict(options)
+        checked["seq_len"] = _check_int(owner, "seq_len", options["seq_len"], 1, INT32_MAX)  # int32 offsets
+        checked["pad_token_id"] = _check_int(owner, "pad_token_id", options["pad_token_id"], 0)
+        if options["buffer_size"] is not None or owner != "pack_flat":
+            checked["buffer_size"] = _check_int(owner, "buffer_size", options["buffer_size"], 1)
+        if not isinstance(options["emit_positions"], bool):
+            raise TypeError(f"{owner}: emit_positions must be a bool, got {options['emit_positions']!r}")
+        tokens_field = options["tokens_field"]
+        if not isinstance(tokens_field, str) or not tokens_field:
+            raise TypeError(f"{owner}: tokens_field must be 'auto' or a field name, got {tokens_field!r}")
+        for name, allowed in (("strategy", STRATEGIES), ("overflow", OVERFLOWS)):
+            if not isinstance(options[name], str) or options[name] not in allowed:
+                choices = " or ".join(map(repr, allowed))
+                raise ValueError(f"{owner}: {name} must be {choices}, got {options[name]!r}")
+        fields = options["fields"]
+        if fields is not None:
+            if isinstance(fields, (str, bytes)) or not isinstance(fields, Iterable):
+                raise TypeError(f"{owner}: fields must be None or a sequence of field names, got {fields!r}")
+            checked["fields"] = fields = tuple(fields)
+            for name in fields:
+                if not isinstance(name, str):
+                    raise TypeError(f"{owner}: fields must hold str field names, got {name!r}")
+                if name == tokens_field or (name == POSITIONS and options["emit_positions"]):
+                    hint = "; pass emit_positions=False to pack input positions" if name == POSITIONS else ""
+                    raise ValueError(f"{owner}: fields may not list {name!r}, which the packer writes{hint}")
+            if len(set(fields)) != len(fields):
+                raise ValueError(f"{owner}: fields lists a name twice: {fields!r}")
+        return cls(**checked)
+
+
+def _as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
+    """A 1-D NumPy view of a payload value (token ids: int64, >= 0); never copies an int64 ndarray."""
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.is_nested or value.is_quantized or value.is_meta:
+            kinds = {"meta": value.is_meta, "nested": value.is_nested, "quantized": value.is_quantized}
+            kind = next((k for k, hit in kinds.items() if hit), str(value.layout))
+            raise TypeError(f"{where}: field {name!r} is a {kind} tensor; give a dense tensor with data")
+        tensor = value.detach().cpu()
+        array = (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
+    elif isinstance(value, np.ndarray):
+        array = value
+    elif isinstance(value, (list, tuple)):
+        try:
+            array = np.asarray(value)
+        except ValueError:
+            raise ValueError(
+                f"{where}: field {name!r} is a ragged nested sequence; give a flat sequence"
+            ) from None
+        except (TypeError, RuntimeError, NotImplementedError):  # e.g. a list of tensors on a device
+            raise TypeError(
+                f"{where}: field {name!r} holds items that cannot be read as plain numbers; give a list "
+                "of numbers, or one array or tensor"
+            ) from None
+        if array.size == 0:
+            array = array.astype(np.int64)  # [] reads as float64
+    else:
+        raise TypeError(
+            f"{where}: field {name!r} must be a list, tuple, NumPy array or torch tensor, "
+            f"got {type(value).__name__}"
+        )
+    if array.ndim != 1:
+        raise ValueError(
+            f"{where}: field {name!r} must be 1-D (one entry per token), got shape {array.shape}"
+        )
+    if ids and array.dtype.kind == "O" and all(isinstance(v, numbers.Integral) for v in array):
+        raise ValueError(f"{where}: field {name!r} holds token ids beyond int64; give ids up to 2**63 - 1")
+    if ids and array.dtype.kind == "f" and array.size == 0:  # torch.tensor([]), np.array([]): no float in it
+        array = array.astype(np.int64)
+    if ids and array.dtype.kind not in "iu":
+        raise TypeError(
+            f"{where}: field {name!r} has dtype {array.dtype}; token ids must be integers "
+            "(cast whole-number floats with .astype(np.int64))"
+        )
+    if array.dtype.kind not in "biuf":
+        raise TypeError(
+            f"{where}: field {name!r} has dtype {array.dtype}; it must hold bool, integer or float values"
+        )
+    if not ids:
+        return array
+    if array.size and array.dtype == np.uint64 and array.max() > INT64_MAX:
+        raise ValueError(f"{where}: field {name!r} holds token ids beyond int64; give ids up to 2**63 - 1")
+    array = array.astype(np.int64, copy=False)
+    if array.size and array.min() < 0:
+        raise ValueError(
+            f"{where}: field {name!r} holds a negative token id ({array.min()}); ids must be >= 0"
+        )
+    return array
+
+
+def _check_loss_mask(values: np.ndarray, where: str) -> None:
+    """``ValueError`` unless a packed ``loss_mask`` holds only 0 and 1 (NaN included)."""
+    if values.dtype.kind != "b" and values.size and not np.isin(values, (0, 1)).all():
+        raise ValueError(
+            f"{where}: field 'loss_mask' must hold only 0 and 1 (or booleans): 1 for supervised tokens, "
+            "0 for the rest"
+        )
+
+
+def candidate_fields(payload: Mapping[Any, Any], tokens_name: str, length: int, where: str) -> list[str]:
+    """The per-token fields of one dict payload: ``loss_mask`` (checked strictly), then numeric 1-D
+    fields with ``length`` entries, in payload order. Input ``positions`` are never candidates."""
+    found = []
+    if LOSS_MASK in payload:
+        if len(_as_array(payload[LOSS_MASK], where, LOSS_MASK, ids=False)) != length:
+            raise ValueError(f"{where}: field 'loss_mask' does not have one entry per token ({length})")
+        found.append(LOSS_MASK)
+    for name, value in payload.items():
+        if isinstance(name, str) and name not in (tokens_name, POSITIONS, LOSS_MASK):
+            try:
+                if len(_as_array(value, where, name, ids=False)) == length:
+                    found.append(name)
+            except (TypeError, ValueError):
+                continue
+    return found
+
+
+class Reader:
+    """Reads documents: the token field and the packed fields of each record.
+
+    ``tokens_name``/``fields`` set to ``None`` are fixed by the first record
+    with tokens (``strict``: later records must then agree on ``loss_mask``).
+    """
+
+    def __init__(self, tokens_name: str | None, fields: tuple[str, ...] | None, *, strict: bool) -> None:
+        self.tokens_name = tokens_name
+        self.fields = fields
+        self.strict = strict
+
+    def read(self, record: SampleRecord, index: int) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
+        """``(tokens, {field: values})`` of a record, or ``None`` for a document without tokens."""
+        payload, where = record.payload, _where(index, record)
+        if not isinstance(payload, Mapping):
+            if not is_array_payload(payload):
+                raise TypeError(
+                    f"{where}: payload must be a dict of fields or a token array (list, tuple, NumPy array "
+                    f"or torch tensor), got {type(payload).__name__}"
+                )
+            tokens = _as_array(payload, where, self.tokens_name or "input_ids", ids=True)
+            if not tokens.size:
+                return None
+            self.tokens_name = self.tokens_name or "input_ids"
+            self.fields = () if self.fields is None else self.fields
+            if self.fields:
+                raise ValueError(
+                    f"{where}: an array payload holds only its token row, but fields {self.fields} are "
+                    "packed beside the tokens; give it a dict payload with them, or pass fields=()"
+                )
+            return tokens, {}
+        name = self.tokens_name or next((c for c in TOKEN_FIELD_CANDIDATES if c in payload), None)
+        if name is None or name not in payload:
+            wanted = repr(name) if name else f"any of {', '.join(TOKEN_FIELD_CANDIDATES)}"
+            raise ValueError(
+                f"{where}: payload has no tokens field {wanted} (its fields: {sorted(map(str, payload))}); "
+                "pass the right tokens_field"
+            )
+        tokens = _as_array(payload[name], where, name, ids=True)
+        if not tokens.size:
+            return None
+        self.tokens_name = name
+        if self.fields and name in self.fields:
+            raise ValueError(
+                f"{where}: the tokens field {name!r} is also listed in fields; drop it from fields"
+            )
+        if self.fields is None:
+            self.fields = tuple(candidate_fields(payload, name, tokens.size, where))
+        elif self.strict and LOSS_MASK in payload and LOSS_MASK not in self.fields:
+            raise ValueError(
+                f"{where}: payload has a 'loss_mask' but earlier records have none; give every record a "
+                "loss_mask (1 = supervised), or pass fields=(...) to choose the packed fields"
+            )
+        values = {}
+        for field_name in self.fields:
+            if field_name not in payload:
+                raise ValueError(
+                    f"{where}: payload lacks field {field_name!r}, which is packed beside the tokens "
+                    f"(fields {self.fields}); give every record this field, or pass fields=(...) without it"
+                )
+            values[field_name] = _as_array(payload[field_name], where, field_name, ids=False)
+            if field_name == LOSS_MASK:
+                _check_loss_mask(values[field_name], where)
+            if len(values[field_name]) != tokens.size:
+                raise ValueError(
+                    f"{where}: field {field_name!r} has {len(values[field_name])} entries but the token row "
+                    f"has {tokens.size}; per-token fields must match the tokens one to one"
+                )
+        return tokens, values

@@ -1,0 +1,179 @@
+"""Packed rows from documents: cut each document into pieces, place the pieces in rows, build each row.
+
+:func:`split_document` cuts a document into pieces of at most ``seq_len``
+tokens (``overflow="split"``) or keeps its head (``"truncate"``).
+:class:`Engine` places pieces into rows, greedily in arrival order or by
+best-fit-decreasing over a bounded buffer, and :func:`build_row` lays a row's
+pieces end to end with a padding segment and writes its new metadata. Pieces
+hold plain data only, so :class:`zephon_collate.packing_stream.FlatPacker` can
+save and restore them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from zephon_collate.packing_input import POSITIONS, PackOptions
+from zephon_collate.types import (
+    CONTRIBUTORS_TAG,
+    PADDING_LENGTH_TAG,
+    ContributorRef,
+    SampleCursor,
+    SampleMeta,
+    SampleRecord,
+)
+
+__all__ = ["Base", "Engine", "Piece", "build_row", "split_document"]
+
+
+class Base(NamedTuple):
+    """The base record a piece comes from (plain data)."""
+
+    sample_id: tuple[int, int, int]
+    lane_id: int
+    chunk_id: int
+    chunk_offset: int
+    lineage: tuple[int, ...]
+    counts: dict[int, int]
+
+
+class Piece(NamedTuple):
+    """A document, or one piece of a split one: at most ``seq_len`` tokens and their fields."""
+
+    tokens: np.ndarray
+    fields: dict[str, np.ndarray]
+    base: Base
+    index: int
+    closes: bool
+
+
+def split_document(
+    meta: SampleMeta, tokens: np.ndarray, fields: dict[str, np.ndarray], options: PackOptions
+) -> list[Piece]:
+    """The pieces of one document: itself, or ``seq_len`` slices (split) or its head (truncate)."""
+    m = meta
+    base = Base(
+        m.sample_id, m.lane_id, m.chunk_id, m.chunk_offset, m.lineage, dict(m.component_sample_counts)
+    )
+    size = options.seq_len
+    count = 1 if options.overflow == "truncate" else -(-tokens.size // size)
+    cuts = [slice(i * size, (i + 1) * size) for i in range(count)]
+    return [
+        Piece(tokens[cut], {k: v[cut] for k, v in fields.items()}, base, i, i == count - 1)
+        for i, cut in enumerate(cuts)
+    ]
+
+
+class Engine:
+    """Places pieces into rows: ``pending`` is the open row (greedy) or the unplaced buffer (best fit);
+    ``ready`` holds closed rows (lists of pieces) in emission order."""
+
+    def __init__(self, seq_len: int, best_fit: bool, buffer_size: int) -> None:
+        self.seq_len, self.best_fit, self.buffer_size = seq_len, best_fit, buffer_size
+        self.pending: list[Piece] = []
+        self.used = 0
+        self.ready: deque[list[Piece]] = deque()
+
+    def push(self, pieces: Iterable[Piece]) -> None:
+        for piece in pieces:
+            if self.best_fit:
+                self.pending.append(piece)
+                if len(self.pending) >= self.buffer_size:
+                    self.flush()
+                continue
+            if self.used + piece.tokens.size > self.seq_len:
+                self.flush()
+            self.pending.append(piece)
+            self.used += piece.tokens.size
+            if self.used == self.seq_len:
+                self.flush()
+
+    def flush(self) -> None:
+        """Close every pending row (best fit: place the buffer first)."""
+        if self.best_fit and self.pending:
+            self.ready.extend(self._best_fit_decreasing(self.pending))
+        elif self.pending:
+            self.ready.append(self.pending)
+        self.pending, self.used = [], 0
+
+    def _best_fit_decreasing(self, pieces: list[Piece]) -> list[list[Piece]]:
+        rows: list[list[Piece]] = []
+        free: list[tuple[int, int]] = []  # (space left, row index), sorted: least space, earliest row first
+        for piece in sorted(pieces, key=lambda p: -p.tokens.size):
+            size = piece.tokens.size
+            slot = bisect.bisect_left(free, (size, -1))
+            if slot == len(free):
+                rows.append([piece])
+                left, row = self.seq_len - size, len(rows) - 1
+            else:
+                space, row = free.pop(slot)
+                rows[row].append(piece)
+                left = space - size
+            if left:
+                bisect.insort(free, (left, row))
+        return rows
+
+
+def _token_split(counts: Mapping[int, int], size: int) -> dict[int, int]:
+    """Split ``size`` tokens over the components of ``counts`` in proportion (largest remainder)."""
+    if len(counts) <= 1:
+        return {key: size for key in counts}
+    total = sum(counts.values())
+    weights = {key: (count if total else 1) for key, count in counts.items()}
+    scale = sum(weights.values())
+    shares = {key: size * weight // scale for key, weight in weights.items()}
+    order = sorted(weights, key=lambda key: (-(size * weights[key] % scale), key))
+    for key in order[: size - sum(shares.values())]:
+        shares[key] += 1
+    return shares
+
+
+def build_row(
+    pieces: list[Piece], options: PackOptions, tokens_name: str, fields: Sequence[str]
+) -> SampleRecord:
+    """One packed row: pieces end to end, then the padding segment; new meta (see :func:`pack_flat`)."""
+    size = options.seq_len
+    lengths = [piece.tokens.size for piece in pieces]
+    used = sum(lengths)
+    padding = size - used
+    tokens = np.empty(size, np.int64)
+    np.concatenate([piece.tokens for piece in pieces], out=tokens[:used])
+    tokens[used:] = options.pad_token_id
+    payload: dict[str, np.ndarray] = {tokens_name: tokens}
+    for name in fields:
+        parts = [piece.fields[name] for piece in pieces]
+        values = np.zeros(size, np.result_type(*{part.dtype for part in parts}))
+        np.concatenate(parts, out=values[:used])
+        payload[name] = values
+    if options.emit_positions:
+        segments = np.array([*lengths, padding] if padding else lengths, np.int64)
+        payload[POSITIONS] = np.arange(size, dtype=np.int64) - np.repeat(
+            np.cumsum(segments) - segments, segments
+        )
+    samples: dict[int, int] = {}
+    tokens_per: dict[int, int] = {}
+    refs = []
+    for piece in pieces:
+        base = piece.base
+        for key, count in _token_split(base.counts, piece.tokens.size).items():
+            tokens_per[key] = tokens_per.get(key, 0) + count
+            samples[key] = samples.get(key, 0) + (base.counts[key] if piece.closes else 0)
+        cursor = SampleCursor(base.chunk_id, base.chunk_offset, base.sample_id, (*base.lineage, piece.index))
+        refs.append(ContributorRef(cursor, piece.closes))
+    first = pieces[0].base
+    meta = SampleMeta(
+        first.sample_id,
+        first.lane_id,
+        first.chunk_id,
+        first.chunk_offset,
+        dict(sorted(samples.items())),
+        dict(sorted(tokens_per.items())),
+        refs[0].cursor.lineage,
+        {CONTRIBUTORS_TAG: tuple(refs), PADDING_LENGTH_TAG: padding},
+    )
+    return SampleRecord(meta, payload)
