@@ -98,8 +98,16 @@ def test_dataloader_workers(context):
     loader = DataLoader(
         data, batch_size=4, num_workers=2, collate_fn=collator, multiprocessing_context=context
     )
-    batches = [as_lists(out) for out in loader]
-    assert batches == [expected([data[i] for i in range(start, start + 4)]) for start in (0, 4, 8)]
+    outs = list(loader)
+    assert [as_lists(out) for out in outs] == [
+        expected([data[i] for i in range(s, s + 4)]) for s in (0, 4, 8)
+    ]
+    # The workers send one compact buffer (transfer.WireOutputs); what arrives is a plain dict of the page's dtypes.
+    direct = collator([data[i] for i in range(4)])
+    assert type(outs[0]) is dict and list(outs[0]) == list(direct)
+    assert {k: v.dtype for k, v in outs[0].items() if isinstance(v, torch.Tensor)} == {
+        k: v.dtype for k, v in direct.items() if isinstance(v, torch.Tensor)
+    }
 
 
 def test_dataloader_split_recipe_with_pin_memory():

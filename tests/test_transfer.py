@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from zephon_collate import Collator
-from zephon_collate.transfer import StackedBatch, pack, unpack
+from zephon_collate.transfer import StackedBatch, WireOutputs, pack, unpack
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32]
 
@@ -118,3 +118,26 @@ def test_the_sender_keeps_its_tensors() -> None:
     unpack(buffer, fields, td.batch_size)["input_ids"].zero_()
     assert td["input_ids"]._version == version and td["input_ids"].tolist() == [[0, 1, 2], [3, 4, 5]]
     assert np.shares_memory(buffer.numpy(), td["input_ids"].numpy()) is False
+
+
+def test_outputs_leave_a_worker_as_one_buffer_and_arrive_as_a_plain_dict() -> None:
+    collator = Collator(**FULL_OPTIONS, flatten=True)
+    out = collator([PackedRecords()[index] for index in range(4)])
+    assert type(out) is dict  # outside a worker: the plain dict to_training returns
+    wired = WireOutputs(out)
+    buffer, _ = pack({key: value for key, value in out.items() if isinstance(value, torch.Tensor)})
+    assert buffer.numel() < sum(
+        v.numel() * v.element_size() for v in out.values() if isinstance(v, torch.Tensor)
+    )
+    arrived = round_trip(wired)
+    assert type(arrived) is dict and list(arrived) == list(out)
+    for key, value in out.items():
+        if isinstance(value, torch.Tensor):
+            assert arrived[key].dtype == value.dtype and torch.equal(arrived[key], value), key
+        else:
+            assert arrived[key] == value, key
+
+
+def test_list_outputs_pickle_as_they_are() -> None:
+    out = Collator(return_labels=True, dtype=None)([{"input_ids": [1, 5, 2]}, {"input_ids": [1, 6, 7, 2]}])
+    assert round_trip(WireOutputs(out)) == out

@@ -24,12 +24,13 @@ from typing import Any
 
 import torch
 from tensordict import TensorDictBase
+from torch.utils.data import get_worker_info
 
 from zephon_collate.options import TrainingOptions
 from zephon_collate.output import assemble_outputs, empty_outputs, ids_and_texts, output_keys
 from zephon_collate.payloads import describe, is_array_payload
 from zephon_collate.training import _stackable, read_batch, stack, training_outputs
-from zephon_collate.transfer import StackedBatch
+from zephon_collate.transfer import StackedBatch, WireOutputs
 from zephon_collate.transforms import Chain, CuSeqlens
 from zephon_collate.types import SampleMeta, SampleRecord
 from zephon_collate.validation import check_bool
@@ -209,10 +210,17 @@ class Collator:
         )
 
     def __call__(self, samples: Sequence[Any]) -> dict[str, Any]:
-        """Collate in one step: :meth:`stack` then :meth:`finish`."""
+        """Collate in one step: :meth:`stack` then :meth:`finish`.
+
+        In a DataLoader worker the dict returned pickles its CPU tensors as one
+        compact buffer (:class:`~zephon_collate.transfer.WireOutputs`); the main
+        process receives a plain dict.
+        """
         if self.device is None and not self.compile and self.num_boundaries is None and self.python_scalars:
-            return training_outputs(as_records(samples), self.options)
-        return self.finish(self.stack(samples))
+            out = training_outputs(as_records(samples), self.options)
+        else:
+            out = self.finish(self.stack(samples))
+        return WireOutputs(out) if get_worker_info() is not None else out
 
     def stack(self, samples: Sequence[Any]) -> StackedBatch:
         """Worker side: read, check and stack the samples into a CPU TensorDict.

@@ -8,11 +8,14 @@ So a :class:`StackedBatch` pickles its CPU tensors as **one byte buffer**,
 each integer field in the narrowest integer dtype that holds all its values
 exactly (``uint8``, ``int16`` or ``int32``; bool and float fields as they are),
 and the receiving side rebuilds every field in its own dtype. The round trip is
-exact: same keys, dtypes, shapes and values.
+exact: same keys, dtypes, shapes and values. A :class:`~zephon_collate.Collator` called in a
+worker (``collate_fn=collator``, not the split) sends its output dict the same
+way (:class:`WireOutputs`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -22,7 +25,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from zephon_collate.types import SampleMeta
 
-__all__ = ["Field", "StackedBatch", "pack", "packable", "unpack"]
+__all__ = ["Field", "StackedBatch", "WireOutputs", "pack", "packable", "unpack", "unpack_tensors"]
 
 _NARROW = (np.uint8, np.int16, np.int32)
 
@@ -50,26 +53,28 @@ def _wire_dtype(array: np.ndarray) -> np.dtype:
     return array.dtype
 
 
-def packable(td: TensorDictBase) -> bool:
-    """True for a flat TensorDict of plain CPU tensors of NumPy dtypes (what a worker stacks)."""
+def _packable(tensor: object) -> bool:
     return (
-        td.device is not None
-        and td.device.type == "cpu"
-        and all(
-            isinstance(value, torch.Tensor) and not value.requires_grad and value.dtype != torch.bfloat16
-            for value in td.values()
-        )
+        type(tensor) is torch.Tensor
+        and tensor.device.type == "cpu"
+        and not tensor.requires_grad
+        and tensor.dtype != torch.bfloat16
     )
 
 
-def pack(td: TensorDictBase) -> tuple[torch.Tensor, tuple[Field, ...]]:
-    """One ``uint8`` buffer holding every field of ``td`` (see the module doc), and its layout."""
-    arrays = {key: value.numpy() for key, value in td.items()}
+def packable(td: TensorDictBase) -> bool:
+    """True for a flat TensorDict of plain CPU tensors of NumPy dtypes (what a worker stacks)."""
+    return td.device is not None and td.device.type == "cpu" and all(_packable(v) for v in td.values())
+
+
+def pack(tensors: Mapping[str, torch.Tensor] | TensorDictBase) -> tuple[torch.Tensor, tuple[Field, ...]]:
+    """One ``uint8`` buffer holding every tensor of ``tensors`` (see the module doc), and its layout."""
+    arrays = {key: value.numpy() for key, value in tensors.items()}
     fields, offset = [], 0
     for key, array in arrays.items():
         wire = _wire_dtype(array)
         nbytes = array.size * wire.itemsize
-        fields.append(Field(key, td.get(key).dtype, wire.name, array.shape, offset, nbytes))
+        fields.append(Field(key, tensors[key].dtype, wire.name, array.shape, offset, nbytes))
         offset += -(-nbytes // 8) * 8  # keep every field 8-byte aligned
     buffer = np.empty(offset, dtype=np.uint8)
     for field in fields:
@@ -78,8 +83,8 @@ def pack(td: TensorDictBase) -> tuple[torch.Tensor, tuple[Field, ...]]:
     return torch.from_numpy(buffer), tuple(fields)
 
 
-def unpack(buffer: torch.Tensor, fields: tuple[Field, ...], batch_size: torch.Size) -> TensorDict:
-    """The TensorDict that :func:`pack` packed, each field back in its own dtype."""
+def unpack_tensors(buffer: torch.Tensor, fields: tuple[Field, ...]) -> dict[str, torch.Tensor]:
+    """The tensors that :func:`pack` packed, each back in its own dtype."""
     data = {}
     for field in fields:
         if field.nbytes == 0:
@@ -88,7 +93,34 @@ def unpack(buffer: torch.Tensor, fields: tuple[Field, ...], batch_size: torch.Si
         raw = buffer[field.offset : field.offset + field.nbytes]
         values = raw.view(getattr(torch, field.wire)).view(field.shape)
         data[field.key] = values if values.dtype == field.dtype else values.to(field.dtype)
-    return TensorDict(data, batch_size=batch_size, device="cpu")
+    return data
+
+
+def unpack(buffer: torch.Tensor, fields: tuple[Field, ...], batch_size: torch.Size) -> TensorDict:
+    """The TensorDict that :func:`pack` packed, each field back in its own dtype."""
+    return TensorDict(unpack_tensors(buffer, fields), batch_size=batch_size, device="cpu")
+
+
+class WireOutputs(dict):
+    """A collated output dict leaving a DataLoader worker: it pickles its CPU tensors as one buffer.
+
+    What arrives in the main process is a plain ``dict`` with the same keys in
+    the same order, equal tensors of the same dtypes, and the other values
+    (lists, ints) as they were.
+    """
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        tensors = {key: value for key, value in self.items() if _packable(value)}
+        others = {key: value for key, value in self.items() if key not in tensors}
+        buffer, fields = pack(tensors)
+        return _unpack_outputs, (buffer, fields, others, tuple(self))
+
+
+def _unpack_outputs(
+    buffer: torch.Tensor, fields: tuple[Field, ...], others: dict[str, Any], order: tuple[str, ...]
+) -> dict[str, Any]:
+    values = {**unpack_tensors(buffer, fields), **others}
+    return {key: values[key] for key in order}
 
 
 @dataclass(frozen=True)
