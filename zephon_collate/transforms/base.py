@@ -158,7 +158,9 @@ class Chain(Transform):
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         for transform in self.transforms:
-            missing = [key for key in transform.in_keys if key not in td]
+            # A Transform checks its own input when called; other modules are checked here.
+            checked = isinstance(transform, Transform)
+            missing = [] if checked else [key for key in transform.in_keys if key not in td]
             if missing:
                 raise ValueError(
                     f"{type(transform).__name__} needs {missing[0]!r}, which the TensorDict lacks "

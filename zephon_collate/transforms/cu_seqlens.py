@@ -102,7 +102,9 @@ class CuSeqlens(Transform):
             )
         kernel = cu_seqlens_flat if self.flatten else cu_seqlens_rows
         boundaries, longest = kernel(positions, self.num_boundaries)
+        updates = {self.out_key: boundaries, self.max_key: longest}
+        if not self.flatten:
+            return td.replace(updates)
         out = td.copy()
-        if self.flatten:
-            out.batch_size = torch.Size([])
-        return out.update({self.out_key: boundaries, self.max_key: longest})
+        out.batch_size = torch.Size([])
+        return out.update(updates)
