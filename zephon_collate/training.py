@@ -97,8 +97,10 @@ def _check_boundary_positions(td: TensorDictBase, columns: Columns, options: Tra
             f"to_training: {rows} x {input_length} input tokens overflow the int32 cu_seqlens; "
             "use smaller batches"
         )
+    if not input_length:
+        return
     first = positions[:, 0].numpy() if numpy_kernels.applies(positions) else positions[:, 0]
-    if input_length and bool((first != 0).any()):
+    if bool((first != 0).any()):
         index = int((positions[:, 0] != 0).nonzero()[0, 0])
         raise ValueError(
             f"{describe(columns.records, index)}: positions must start at zero in every row to derive "
