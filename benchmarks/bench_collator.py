@@ -4,12 +4,13 @@ transformers' DataCollatorWithFlattening; and the compiled chain beside eager on
 Workload: packed rows of 8,193 tokens (tensor payloads with positions, loss mask,
 padding), batches of 8; the Collator does all of to_training (labels, loss mask,
 padding mask, EOS masking, cu_seqlens, num_valid_tokens).
-Run: python benchmarks/bench_collator.py [--rows 128] [--epochs 2]
+Run: python benchmarks/bench_collator.py [--rows 128] [--rounds 7]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -62,25 +63,32 @@ def hf_collate():
     return collate
 
 
-def tokens_per_second(dataset, collate_fn, workers, epochs, tokens_per_epoch, finish=None):
-    """Tokens per second through a DataLoader; ``finish`` runs on each batch in the main process."""
-    loader = DataLoader(
+def make_loader(dataset, collate_fn, workers):
+    return DataLoader(
         dataset, batch_size=8, collate_fn=collate_fn, num_workers=workers, persistent_workers=workers > 0
     )
-    finish = finish or (lambda batch: batch)
-    for batch in loader:  # warm-up: worker start, first-call work
-        finish(batch)
-    start = time.perf_counter()
-    for _ in range(epochs):
-        for batch in loader:
-            finish(batch)
-    return tokens_per_epoch * epochs / (time.perf_counter() - start)
+
+
+def interleaved_rates(loaders, tokens_per_epoch, rounds):
+    """Median tokens per second of each (loader, finish), one epoch per round, rounds interleaved.
+
+    The first epoch of each loader is a warm-up (worker start, first-call work).
+    """
+    samples = {name: [] for name in loaders}
+    for round_index in range(rounds + 1):
+        for name, (loader, finish) in loaders.items():
+            start = time.perf_counter()
+            for batch in loader:
+                finish(batch)
+            if round_index:
+                samples[name].append(tokens_per_epoch / (time.perf_counter() - start))
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=128)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved one-epoch rounds per loader")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = packed_rows(args.rows)
@@ -91,25 +99,28 @@ def main() -> None:
     )
     documents = Items([[doc.tolist() for doc in row["documents"]] for row in rows])
     split = Collator(device="cpu", **OPTIONS)
-    loaders = {
+    setups = {
         "zephon Collator (all of to_training)": (records, Collator(**OPTIONS), None),
         "zephon split: stack in workers, finish in main": (records, split.stack, split.finish),
         "default_collate + hand shifting": (payloads, shift_collate, None),
     }
     with contextlib.suppress(ImportError):
-        loaders["transformers DataCollatorWithFlattening"] = (documents, hf_collate(), None)
+        setups["transformers DataCollatorWithFlattening"] = (documents, hf_collate(), None)
     print(
-        f"DataLoader, {args.rows} packed rows of 8,193 tokens, batch 8, {args.epochs} epochs after warm-up\n"
+        f"DataLoader, {args.rows} packed rows of 8,193 tokens, batch 8; medians of {args.rounds} "
+        "interleaved one-epoch rounds after a warm-up epoch\n"
     )
     print(
         "| collate_fn | workers | Mtokens/s | default_collate time / this time | this / DataCollatorWithFlattening |"
     )
     print("|---|---:|---:|---:|---:|")
     for workers in (0, 2):
-        rates = {
-            name: tokens_per_second(data, fn, workers, args.epochs, tokens, finish)
-            for name, (data, fn, finish) in loaders.items()
+        loaders = {
+            name: (make_loader(data, fn, workers), finish or (lambda batch: batch))
+            for name, (data, fn, finish) in setups.items()
         }
+        rates = interleaved_rates(loaders, tokens, args.rounds)
+        del loaders  # stop the persistent workers
         base = rates["default_collate + hand shifting"]
         hf = rates.get("transformers DataCollatorWithFlattening")
         for name, rate in rates.items():
