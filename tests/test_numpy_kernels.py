@@ -14,8 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import FULL_OPTIONS, as_lists, batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import reference_to_training
+from strategies import packed_batches, training_options
 
 from zephon_collate import functional, numpy_kernels
 from zephon_collate.transforms import LossMask
@@ -164,3 +167,41 @@ def test_contiguous_copies_strided_rows() -> None:
     assert out.is_contiguous() and torch.equal(out, view.contiguous())
     assert out.data_ptr() != tokens.data_ptr()
     assert numpy_kernels.contiguous(tokens) is tokens  # already contiguous: no copy, as in torch
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_to_training_same_either_way(data: st.DataObject) -> None:
+    """to_training through the torch kernels (what CUDA runs) equals the reference and the NumPy path."""
+    batch = data.draw(packed_batches())
+    options = data.draw(training_options(batch))
+    fast = batch.to_training(**options)
+    with torch_kernels():
+        plain = batch.to_training(**options)
+    assert as_lists(plain) == reference_to_training(batch.records, **options)
+    assert as_lists(fast) == as_lists(plain)
+    for key, value in plain.items():
+        if isinstance(value, torch.Tensor):
+            assert fast[key].dtype == value.dtype, key
+
+
+def test_to_training_runs_the_twins_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    for name in ("apply_loss_mask", "eos_label_mask", "mask_labels", "trailing_mask", "cu_seqlens_rows"):
+        original = getattr(numpy_kernels, name)
+
+        def counted(*args: Any, _name: str = name, _original: Any = original) -> Any:
+            calls.append(_name)
+            return _original(*args)
+
+        monkeypatch.setattr(numpy_kernels, name, counted)
+    payload = {"input_ids": [1, 10, 2, 1, 11, 2], "positions": [0, 1, 2, 0, 1, 2], "loss_mask": [1] * 6}
+    out = batch(payload).to_training(**FULL_OPTIONS)
+    assert out["labels"].tolist() == [[10, 2, -100, 11, 2]]
+    assert sorted(set(calls)) == [
+        "apply_loss_mask",
+        "cu_seqlens_rows",
+        "eos_label_mask",
+        "mask_labels",
+        "trailing_mask",
+    ]
