@@ -68,7 +68,15 @@ def packable(td: TensorDictBase) -> bool:
 
 
 def pack(tensors: Mapping[str, torch.Tensor] | TensorDictBase) -> tuple[torch.Tensor, tuple[Field, ...]]:
-    """One ``uint8`` buffer holding every tensor of ``tensors`` (see the module doc), and its layout."""
+    """One ``uint8`` buffer holding every tensor of ``tensors`` (see the module doc), and its layout.
+
+    Example:
+        >>> buffer, fields = pack({"ids": torch.tensor([[1, 300]]), "mask": torch.tensor([[0, 1]])})
+        >>> [(f.key, f.wire, f.nbytes) for f in fields], buffer.numel()
+        ([('ids', 'int16', 4), ('mask', 'uint8', 2)], 16)
+        >>> unpack_tensors(buffer, fields)["ids"]
+        tensor([[  1, 300]])
+    """
     arrays = {key: value.numpy() for key, value in tensors.items()}
     fields, offset = [], 0
     for key, array in arrays.items():
