@@ -199,7 +199,7 @@ def to_row(value: Any, where: object, name: str, kind: Kind) -> Row:
         bad = value.dtype.is_complex or (
             kind == "ids" and (value.dtype.is_floating_point or value.dtype == torch.bool)
         )
-        dtype_name = str(value.dtype)
+        dtype: object = value.dtype
         empty_float = value.dtype.is_floating_point and value.numel() == 0
     elif isinstance(value, (np.ndarray, list, tuple, int, float, np.generic)) and not isinstance(
         value, (str, bytes)
@@ -207,7 +207,7 @@ def to_row(value: Any, where: object, name: str, kind: Kind) -> Row:
         row = _numpy_row(value, where, name)
         allowed = "iu" if kind == "ids" else "biuf"
         bad = row.dtype.kind not in allowed
-        dtype_name = str(row.dtype)
+        dtype = row.dtype
         empty_float = row.dtype.kind == "f" and row.size == 0
     else:
         raise TypeError(
@@ -218,7 +218,7 @@ def to_row(value: Any, where: object, name: str, kind: Kind) -> Row:
         row = row.astype(np.int64) if isinstance(row, np.ndarray) else row.to(torch.int64)
     elif bad:
         expected = "integer token ids" if kind == "ids" else "bool, integer or float values"
-        raise TypeError(f"{where}: field {name!r} has dtype {dtype_name}; it must hold {expected}")
+        raise TypeError(f"{where}: field {name!r} has dtype {dtype}; it must hold {expected}")
     if kind == "ids" and row.ndim == 0:
         raise ValueError(f"{where}: field {name!r} must be a sequence, got a scalar")
     return row
