@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from zephon_collate.payloads import TOKEN_FIELD_CANDIDATES, is_array_payload
+from zephon_collate.payloads import TOKEN_FIELD_CANDIDATES, is_array_payload, sequence_array
 from zephon_collate.types import SampleRecord
+from zephon_collate.validation import INT64_MAX
 
 __all__ = ["OVERFLOWS", "STRATEGIES", "PackOptions", "Reader", "candidate_fields"]
 
@@ -28,7 +29,6 @@ OVERFLOWS = ("split", "truncate")
 LOSS_MASK = "loss_mask"
 POSITIONS = "positions"
 INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
 
 
 def _where(index: int, record: SampleRecord) -> str:
@@ -105,17 +105,7 @@ def _as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
     elif isinstance(value, np.ndarray):
         array = value
     elif isinstance(value, (list, tuple)):
-        try:
-            array = np.asarray(value)
-        except ValueError:
-            raise ValueError(
-                f"{where}: field {name!r} is a ragged nested sequence; give a flat sequence"
-            ) from None
-        except (TypeError, RuntimeError, NotImplementedError):  # e.g. a list of tensors on a device
-            raise TypeError(
-                f"{where}: field {name!r} holds items that cannot be read as plain numbers; give a list "
-                "of numbers, or one array or tensor"
-            ) from None
+        array = sequence_array(value, where, name, fix="give a flat sequence")
         if array.size == 0:
             array = array.astype(np.int64)  # [] reads as float64
     else:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from zephon_collate.types import SampleBatch, SampleRecord
+from zephon_collate.validation import INT64_MAX
 
 __all__ = [
     "TOKEN_FIELD_CANDIDATES",
@@ -29,7 +30,6 @@ __all__ = [
 TOKEN_FIELD_CANDIDATES = ("input_ids", "tokens", "token_ids", "ids")
 TOKENS = "input_ids"
 
-INT64_MAX = 2**63 - 1
 
 Row: TypeAlias = "np.ndarray | torch.Tensor"
 Kind = Literal["ids", "values"]  # ids: integer only; values: bool, integer or float
@@ -128,6 +128,22 @@ def resolve_tokens_field(records: Sequence[SampleRecord], tokens_field: str) -> 
     )
 
 
+def sequence_array(value: Any, where: object, name: str, *, fix: str) -> np.ndarray:
+    """``np.array(value)``, with a ragged or unreadable sequence as a ``ValueError`` / ``TypeError``.
+
+    ``fix`` says what to do about a ragged one (e.g. "give equal-length rows").
+    """
+    try:
+        return np.array(value)
+    except ValueError:
+        raise ValueError(f"{where}: field {name!r} is a ragged nested sequence; {fix}") from None
+    except (TypeError, RuntimeError, NotImplementedError):  # e.g. a list of tensors on a device
+        raise TypeError(
+            f"{where}: field {name!r} holds items that cannot be read as plain numbers; give a list of "
+            "numbers, or one array or tensor"
+        ) from None
+
+
 def _numpy_row(value: Any, where: object, name: str) -> np.ndarray:
     """A NumPy array of ``value``; a list or tuple gets the dtype NumPy infers for it (all bools: bool)."""
     if isinstance(value, (list, tuple)) and not (value and isinstance(value[0], bool)):
@@ -135,17 +151,7 @@ def _numpy_row(value: Any, where: object, name: str) -> np.ndarray:
             return np.frombuffer(array.array("q", value), dtype=np.int64)
         except (TypeError, OverflowError, RuntimeError, NotImplementedError):
             pass  # floats, bools, nested rows, ids beyond int64, device tensors: let NumPy tell which
-    try:
-        row = np.array(value)
-    except ValueError:
-        raise ValueError(
-            f"{where}: field {name!r} is a ragged nested sequence; give equal-length rows"
-        ) from None
-    except (TypeError, RuntimeError, NotImplementedError):  # e.g. a list of tensors on a device
-        raise TypeError(
-            f"{where}: field {name!r} holds items that cannot be read as plain numbers; give a list of "
-            "numbers, or one array or tensor"
-        ) from None
+    row = sequence_array(value, where, name, fix="give equal-length rows")
     if row.dtype.kind == "O":
         if not isinstance(value, np.ndarray) and all(
             isinstance(item, numbers.Integral) and not isinstance(item, bool) for item in row.flat
