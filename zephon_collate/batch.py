@@ -20,6 +20,7 @@ from zephon_collate.validation import check_field_names
 __all__ = ["stack_batch", "stack_columns"]
 
 PADDING_LENGTH = "padding_length"
+CPU = torch.device("cpu")
 
 
 def check_padding_lengths(columns: Columns) -> list[int]:
@@ -39,6 +40,8 @@ def check_padding_lengths(columns: Columns) -> list[int]:
 
 def _common_device(columns: Columns) -> torch.device:
     """The device of the token rows; any row elsewhere raises ``ValueError``."""
+    if all(not isinstance(row, torch.Tensor) or row.is_cpu for rows in columns.rows.values() for row in rows):
+        return CPU
     device = None
     for name, rows in columns.rows.items():
         for index, row in enumerate(rows):
@@ -55,7 +58,7 @@ def _common_device(columns: Columns) -> torch.device:
             "the payload tensors are on the 'meta' device, which holds no data; give tensors with data "
             "(on the CPU or an accelerator)"
         )
-    return device or torch.device("cpu")
+    return device or CPU
 
 
 def _check_cast(stacked: torch.Tensor, dtype: torch.dtype, name: str, columns: Columns) -> None:
@@ -88,14 +91,16 @@ def stack_rows(columns: Columns, name: str, dtype: torch.dtype | None, device: t
         return torch.empty((0, 0), dtype=dtype or torch.long, device=device)
     first = tuple(rows[0].shape)
     for index, row in enumerate(rows):
-        if tuple(row.shape) != first:
+        if row.shape != first:
             what = "token rows" if name == TOKENS else f"rows of field {name!r}"
             raise ValueError(
                 f"cannot stack {what} of unequal shape into a tensor: record 0 has shape {first}, "
                 f"{describe(columns.records, index)} has {tuple(row.shape)}; pad or pack them "
                 "(pack_flat), or pass dtype=None for lists"
             )
-    if all(isinstance(row, np.ndarray) for row in rows):
+    if all(type(row) is torch.Tensor for row in rows):  # already on `device` (_common_device)
+        stacked = torch.stack(rows)  # type: ignore[arg-type]
+    elif all(isinstance(row, np.ndarray) for row in rows):
         stacked = torch.from_numpy(np.stack(rows)).to(device)  # type: ignore[arg-type]
     else:
         tensors = [row if isinstance(row, torch.Tensor) else torch.tensor(row) for row in rows]

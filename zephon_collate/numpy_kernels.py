@@ -16,6 +16,8 @@ everywhere (for example to compare the two, or to profile torch itself).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -52,13 +54,10 @@ def applies(*tensors: torch.Tensor) -> bool:
     """True when the NumPy twin may stand in for a kernel called on ``tensors``."""
     if not ENABLED or torch.compiler.is_compiling():
         return False
-    return all(
-        type(t) is torch.Tensor  # not a subclass (Parameter, FakeTensor, ...)
-        and t.device.type == "cpu"
-        and t.dtype in _NUMPY_DTYPES
-        and not t.requires_grad
-        for t in tensors
-    )
+    for t in tensors:  # a plain loop: this runs a dozen times per to_training call
+        if type(t) is not torch.Tensor or not t.is_cpu or t.dtype not in _NUMPY_DTYPES or t.requires_grad:
+            return False  # a subclass (Parameter, FakeTensor, ...), another device or dtype, autograd
+    return True
 
 
 def contiguous(tensor: torch.Tensor) -> torch.Tensor:
@@ -69,7 +68,7 @@ def contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _trailing(padding_length: np.ndarray, length: int) -> np.ndarray:
-    if padding_length.dtype.kind in "biu":  # a Python int minus a narrow unsigned array would overflow
+    if padding_length.dtype != np.int64:  # a Python int minus a narrow unsigned array would overflow
         padding_length = padding_length.astype(np.int64)
     return np.arange(length) >= (length - padding_length)[:, None]
 
@@ -117,25 +116,27 @@ def apply_loss_mask(
 
 def _row_counts(ones: np.ndarray) -> np.ndarray:
     """Per-row number of ones in a float32 0/1 array, as int64."""
-    per_row = ones.reshape(ones.shape[0], int(np.prod(ones.shape[1:])))
+    per_row = ones.reshape(ones.shape[0], math.prod(ones.shape[1:]))
     if per_row.shape[1] < 2**24:  # float32 sums of 0/1 are exact below 2**24; a BLAS matrix-vector
         return (per_row @ np.ones(per_row.shape[1], np.float32)).astype(np.int64)  # product is ~5x faster
     return np.count_nonzero(per_row, axis=1).astype(np.int64)
 
 
 def _longest(boundaries: np.ndarray) -> np.ndarray:
-    return np.asarray(np.diff(boundaries, axis=-1, prepend=boundaries[..., :1]).max(axis=-1))
+    """Each row's longest segment (the torch kernel's first difference is 0, and none is negative)."""
+    if boundaries.shape[-1] < 2:
+        return np.zeros(boundaries.shape[:-1], dtype=boundaries.dtype)
+    return np.asarray((boundaries[..., 1:] - boundaries[..., :-1]).max(axis=-1))
 
 
 def cu_seqlens_rows(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    is_start = positions.numpy() == 0
-    rows, length = is_start.shape
-    row_index, column_index = np.divmod(np.flatnonzero(is_start), max(length, 1))  # flat: fast for bool
-    counts = np.bincount(row_index, minlength=rows)
-    width = int(counts.max()) + 1 if rows and length else 1
-    rank = np.arange(row_index.size) - (np.cumsum(counts) - counts)[row_index]
+    starts = np.flatnonzero(positions.numpy() == 0)  # flat indices: fast for bool, already row-sorted
+    rows, length = positions.shape
+    row_index = starts // max(length, 1)
+    rank = np.arange(starts.size) - np.searchsorted(row_index, row_index)  # index within its row
+    width = int(rank.max()) + 2 if starts.size else 1
     boundaries = np.full((rows, width), length, dtype=np.int32)
-    boundaries[row_index, rank] = column_index
+    boundaries[row_index, rank] = starts - row_index * length
     return torch.from_numpy(boundaries), torch.from_numpy(_longest(boundaries))
 
 

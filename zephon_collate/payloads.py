@@ -195,6 +195,24 @@ def _tensor_row(value: torch.Tensor, where: object, name: str) -> torch.Tensor:
     return value
 
 
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_PLAIN_DTYPES: dict[str, frozenset[torch.dtype]] = {
+    "ids": frozenset(_INTEGER_DTYPES),
+    "values": frozenset((*_INTEGER_DTYPES, torch.bool, torch.float16, torch.float32, torch.float64)),
+}
+
+
+def _is_plain_row(value: object, kind: Kind) -> bool:
+    """True for a dense tensor row that :func:`to_row` would return unchanged (checked fast)."""
+    return (
+        type(value) is torch.Tensor
+        and value.dtype in _PLAIN_DTYPES[kind]
+        and value.layout == torch.strided
+        and not value.is_nested
+        and value.dim() > 0
+    )
+
+
 def to_row(value: Any, where: object, name: str, kind: Kind) -> Row:
     """Check one payload value and return it as an array or tensor, without copying tensors.
 
@@ -257,9 +275,9 @@ def read_field(
         ValueError: if some payloads have the field and others lack it, or it is
             required and missing.
     """
+    payloads = [record.payload for record in records]
     present = [
-        (name in p) if isinstance(p, Mapping) else (name == tokens_field)
-        for p in (r.payload for r in records)
+        (name in p) if type(p) is dict or isinstance(p, Mapping) else (name == tokens_field) for p in payloads
     ]
     if not any(present) and not required:
         return None
@@ -274,10 +292,11 @@ def read_field(
         reason = "some payloads have it and others lack it" if any(present) else "it is required"
         raise ValueError(f"{describe(records, index)}: payload lacks field {name!r} ({holds}); {reason}")
     rows = []
-    for index, record in enumerate(records):
-        payload = record.payload
-        value = payload[name] if isinstance(payload, Mapping) else payload
-        rows.append(to_row(value, RecordName(records, index), name, kind))
+    for index, payload in enumerate(payloads):
+        value = payload[name] if type(payload) is dict or isinstance(payload, Mapping) else payload
+        rows.append(
+            value if _is_plain_row(value, kind) else to_row(value, RecordName(records, index), name, kind)
+        )
     return rows
 
 
