@@ -27,6 +27,8 @@ def assert_same_td(got: TensorDict, want: TensorDict) -> None:
         assert got[key].dtype == want[key].dtype, key
         assert got[key].shape == want[key].shape, key
         assert torch.equal(got[key], want[key]), key
+        if want[key].is_floating_point():  # bit for bit: -0.0 stays -0.0
+            assert torch.equal(got[key].signbit(), want[key].signbit()), key
 
 
 @st.composite
@@ -37,10 +39,9 @@ def tensordicts(draw: st.DrawFn) -> TensorDict:
         dtype = draw(st.sampled_from(DTYPES))
         if dtype == torch.bool:
             values = draw(st.lists(st.booleans(), min_size=rows * length, max_size=rows * length))
-        elif dtype.is_floating_point:
-            values = draw(
-                st.lists(st.floats(-1e6, 1e6, width=32), min_size=rows * length, max_size=rows * length)
-            )
+        elif dtype.is_floating_point:  # general floats, or a 0/1 mask (which travels as uint8)
+            items = draw(st.sampled_from([st.floats(-1e6, 1e6, width=32), st.sampled_from([0.0, 1.0, -0.0])]))
+            values = draw(st.lists(items, min_size=rows * length, max_size=rows * length))
         else:
             info = torch.iinfo(dtype)
             low = draw(st.sampled_from([info.min, -70_000, -129, -1, 0]))
@@ -78,6 +79,25 @@ def test_fields_travel_narrow() -> None:
     assert buffer.numel() == 8 + 8 + 8 + 24  # 6, 3, 3 and 24 bytes, each rounded up to 8
     assert [field.offset % 8 for field in fields] == [0, 0, 0, 0]
     assert_same_td(unpack(buffer, fields, td.batch_size), td)
+
+
+def test_float_masks_travel_as_bytes() -> None:
+    """Hand-worked: a float field of 0.0 and 1.0 only goes as uint8; 0.5 or -0.0 keep it float32."""
+    td = TensorDict(
+        mask=torch.tensor([[0.0, 1.0, 1.0]]),
+        half=torch.tensor([[0.0, 0.5, 1.0]]),
+        signed=torch.tensor([[-0.0, 1.0, 0.0]]),
+        batch_size=[1],
+    )
+    buffer, fields = pack(td)
+    assert {field.key: field.wire for field in fields} == {
+        "mask": "uint8",
+        "half": "float32",
+        "signed": "float32",
+    }
+    arrived = unpack(buffer, fields, td.batch_size)
+    assert_same_td(arrived, td)
+    assert arrived["mask"].dtype == torch.float32 and arrived["mask"].tolist() == [[0.0, 1.0, 1.0]]
 
 
 def test_collator_batch_round_trip() -> None:

@@ -6,7 +6,8 @@ on a 2-core machine, three ``[8, 8193]`` int64 tensors take ~2.9 ms per batch
 with no other work, the same tokens as one 9-byte-per-token buffer ~1.2 ms.
 So a :class:`StackedBatch` pickles its CPU tensors as **one byte buffer**,
 each integer field in the narrowest integer dtype that holds all its values
-exactly (``uint8``, ``int16`` or ``int32``; bool and float fields as they are),
+exactly (``uint8``, ``int16`` or ``int32``), a float field of only 0.0 and 1.0
+(a loss mask) as ``uint8``, other float and bool fields as they are,
 and the receiving side rebuilds every field in its own dtype. The round trip is
 exact: same keys, dtypes, shapes and values. A :class:`~zephon_collate.Collator` called in a
 worker (``collate_fn=collator``, not the split) sends its output dict the same
@@ -41,8 +42,18 @@ class Field(NamedTuple):
     nbytes: int
 
 
+def _zeros_and_ones(array: np.ndarray) -> bool:
+    """True if every value of a float array is +0.0 or 1.0, bit for bit (no -0.0, no NaN)."""
+    bits = array.view(f"u{array.itemsize}")
+    one = np.ones((), array.dtype).view(bits.dtype)
+    return bool(((bits == 0) | (bits == one)).all())
+
+
 def _wire_dtype(array: np.ndarray) -> np.dtype:
-    """The narrowest of uint8, int16, int32 holding every value of an integer array, else its own dtype."""
+    """The narrowest of uint8, int16, int32 holding every value of an integer array exactly, uint8
+    for a float array of 0.0 and 1.0 only (a loss mask), else the array's own dtype."""
+    if array.dtype.kind == "f" and array.size and _zeros_and_ones(array):
+        return np.dtype(np.uint8)
     if array.dtype.kind not in "iu" or array.dtype.itemsize == 1 or array.size == 0:
         return array.dtype
     low, high = array.min(), array.max()
