@@ -122,13 +122,13 @@ def assemble_outputs(
         if key in per_record:
             out[name] = per_record[key]
         elif key == "num_valid_tokens":
-            out[name] = scalar(td.get(key).sum())
+            out[name] = scalar(td[key].sum())
         elif key == "max_seqlen" and options.flatten:
-            out[name] = scalar(td.get(key))
+            out[name] = scalar(td[key])
         elif key in NOT_PER_TOKEN or not options.flatten:
-            out[name] = _convert(td.get(key), kind)
+            out[name] = _convert(td[key], kind)
         else:
-            out[name] = _convert(_flat(td.get(key)), kind)
+            out[name] = _convert(_flat(td[key]), kind)
     return out
 
 
@@ -158,7 +158,7 @@ def merge_row_outputs(
         if key in per_record:
             out[name] = per_record[key]
             continue
-        rows = [td.get(key).tolist() for td in tds]
+        rows = [td[key].tolist() for td in tds]
         if key == "num_valid_tokens":
             out[name] = sum(sum(row) for row in rows)
         elif key == "cu_seqlens":

@@ -58,12 +58,12 @@ def _outside_zero_one(mask: torch.Tensor) -> bool:
 def check_values(td: TensorDictBase, columns: Columns, options: TrainingOptions) -> None:
     """Data errors that need the values: negative ids, non-0/1 supervision masks, cu_seqlens positions."""
     records = columns.records
-    tokens = td.get(TOKENS)
+    tokens = td[TOKENS]
     if tokens.numel() and _smallest(tokens) < 0:
         index = _first_bad_row(tokens < 0)
         raise ValueError(f"{describe(records, index)}: token ids must be >= 0, found a negative id")
     if options.return_labels and "loss_mask" in td:
-        mask = td.get("loss_mask")
+        mask = td["loss_mask"]
         if mask.dtype != torch.bool and mask.numel() and _outside_zero_one(mask):
             bad = (mask != 0) & (mask != 1)
             raise ValueError(
@@ -84,7 +84,7 @@ def check_values(td: TensorDictBase, columns: Columns, options: TrainingOptions)
 
 
 def _check_boundary_positions(td: TensorDictBase, columns: Columns, options: TrainingOptions) -> None:
-    positions = td.get("positions")
+    positions = td["positions"]
     if positions.dim() != 2:
         raise ValueError(
             f"to_training: return_cu_seqlens needs one position per token ([B, S]), got shape "

@@ -93,7 +93,7 @@ class CuSeqlens(Transform):
         self.out_keys = [out_key, max_key]
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        positions = td.get(self.positions_key)
+        positions = td[self.positions_key]
         _check_rank("CuSeqlens", self.positions_key, positions, "[B, S] positions", 2, 2)
         if positions.numel() > INT32_MAX:
             raise ValueError(

@@ -57,7 +57,7 @@ class EosMask(Transform):
         self.out_keys = [labels_key]
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        inputs, labels = td.get(self.inputs_key), td.get(self.labels_key)
+        inputs, labels = td[self.inputs_key], td[self.labels_key]
         _check_leading(
             "EosMask", self.labels_key, labels, self.inputs_key, inputs, max(inputs.dim(), labels.dim())
         )

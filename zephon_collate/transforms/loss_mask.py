@@ -80,18 +80,18 @@ class LossMask(Transform):
             self.dropped_keys = (supervision_key,)
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        labels = td.get(self.labels_key)
+        labels = td[self.labels_key]
         _check_rank("LossMask", self.labels_key, labels, "[B, S] or [B, S, ...] labels", 2)
         _check_ignore_fits("LossMask", self.ignore_index, self.labels_key, labels)
         supervision = padding = None
         if self.supervision_key is not None:
-            supervision = td.get(self.supervision_key)
+            supervision = td[self.supervision_key]
             _check_rank("LossMask", self.supervision_key, supervision, "a [B, S, ...] mask", 2, labels.dim())
             _check_leading(
                 "LossMask", self.supervision_key, supervision, self.labels_key, labels, supervision.dim()
             )
         if self.padding_length_key is not None:
-            padding = td.get(self.padding_length_key)
+            padding = td[self.padding_length_key]
             _check_rank("LossMask", self.padding_length_key, padding, "[B] pad counts", 1, 1)
             _check_leading("LossMask", self.padding_length_key, padding, self.labels_key, labels, 1)
         labels, loss_mask, counts = apply_loss_mask(labels, supervision, padding, self.ignore_index)

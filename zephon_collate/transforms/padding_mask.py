@@ -50,7 +50,7 @@ class PaddingMask(Transform):
         self.out_keys = [out_key]
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        like, padding = td.get(self.like_key), td.get(self.padding_length_key)
+        like, padding = td[self.like_key], td[self.padding_length_key]
         _check_rank("PaddingMask", self.like_key, like, "[B, S] or [B, S, ...]", 2)
         _check_rank("PaddingMask", self.padding_length_key, padding, "[B] pad counts", 1, 1)
         _check_leading("PaddingMask", self.padding_length_key, padding, self.like_key, like, 1)

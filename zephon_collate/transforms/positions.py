@@ -61,6 +61,6 @@ class Positions(Transform):
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         if self.mode == "preserve":
             return td.copy()
-        like = td.get(self.like_key)
+        like = td[self.like_key]
         _check_rank("Positions", self.like_key, like, "[B, S] or [B, S, ...]", 2)
         return td.replace({self.out_key: sequence_positions(like)})

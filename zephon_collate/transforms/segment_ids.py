@@ -83,10 +83,10 @@ class SegmentIds(Transform):
         self.out_keys = [out_key]
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        positions = td.get(self.positions_key)
+        positions = td[self.positions_key]
         padding = None
         if self.mark_padding:
-            padding = padding_from_length(td.get(self.padding_length_key), positions.shape[1], self.shifted)
+            padding = padding_from_length(td[self.padding_length_key], positions.shape[1], self.shifted)
         ids = segment_ids_from_positions(positions, padding)
         if not self.flatten:
             return td.replace({self.out_key: ids})

@@ -61,14 +61,14 @@ class TokenShift(Transform):
         self.out_keys = [tokens_key, labels_key, *aligned]
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        tokens = td.get(self.tokens_key)
+        tokens = td[self.tokens_key]
         _check_rank("TokenShift", self.tokens_key, tokens, "[B, S] or [B, S, ...] tokens", 2)
         for key in (*self.input_keys, *self.label_keys):
-            _check_leading("TokenShift", key, td.get(key), self.tokens_key, tokens, 2)
+            _check_leading("TokenShift", key, td[key], self.tokens_key, tokens, 2)
         inputs, labels = shift_tokens(tokens)
         updates = {self.tokens_key: inputs, self.labels_key: labels}
         for key in self.input_keys:
-            updates[key] = td.get(key)[:, :-1]
+            updates[key] = td[key][:, :-1]
         for key in self.label_keys:
-            updates[key] = td.get(key)[:, 1:]
+            updates[key] = td[key][:, 1:]
         return td.replace(updates)
