@@ -5,13 +5,14 @@ from __future__ import annotations
 import pickle
 
 import numpy as np
+import pytest
 import torch
 from helpers import FULL_OPTIONS, PackedRecords
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from zephon_collate import Collator
+from zephon_collate import Collator, transfer
 from zephon_collate.transfer import StackedBatch, WireOutputs, pack, unpack
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32]
@@ -122,6 +123,25 @@ def test_smaller_on_the_wire() -> None:
     tensor_bytes = sum(v.numel() * v.element_size() for v in stacked.td.values())
     buffer, _ = pack(stacked.td)
     assert buffer.numel() < tensor_bytes / 4  # int64 ids, positions, mask: 24 bytes a token, here 4
+
+
+@pytest.mark.parametrize("limit", [0, transfer.PIPE_LIMIT])
+def test_small_buffers_travel_inline_large_ones_as_tensors(
+    monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    """Up to PIPE_LIMIT bytes the pickle carries bytes (no shared memory), above it a tensor; both exact."""
+    monkeypatch.setattr(transfer, "PIPE_LIMIT", limit)
+    collator = Collator(**FULL_OPTIONS)
+    samples = [PackedRecords()[index] for index in range(4)]
+    stacked, out = collator.stack(samples), collator(samples)
+    carried = type(stacked.__reduce__()[1][0]), type(WireOutputs(out).__reduce__()[1][0])
+    assert carried == ((torch.Tensor, torch.Tensor) if limit == 0 else (bytes, bytes))
+    assert_same_td(round_trip(stacked).td, stacked.td)
+    arrived = round_trip(WireOutputs(out))
+    for key, value in out.items():
+        assert torch.equal(arrived[key], value) if isinstance(value, torch.Tensor) else arrived[key] == value
+    empty = TensorDict(x=torch.zeros(0, 3, dtype=torch.int64), batch_size=[0], device="cpu")
+    assert_same_td(round_trip(StackedBatch(empty, {"ids": [], "texts": []})).td, empty)
 
 
 def test_empty_and_unpackable_batches_pickle_as_they_are() -> None:

@@ -1,9 +1,10 @@
 """StackedBatch, what a DataLoader worker sends, and how it crosses to the main process.
 
-A worker's batch travels through shared memory, and each tensor sent costs a
-shared-memory segment, its page faults on both sides and a file descriptor:
-on a 2-core machine, three ``[8, 8193]`` int64 tensors take ~2.9 ms per batch
-with no other work, the same tokens as one 9-byte-per-token buffer ~1.2 ms.
+A tensor leaving a worker travels through shared memory, and each one costs a
+shared-memory segment, its page faults on both sides and a file descriptor
+that the main process fetches from the (busy) worker in a round trip: on a
+2-core machine, three ``[8, 8193]`` int64 tensors take ~2.9 ms per batch with
+no other work, the same tokens as one 9-byte-per-token buffer ~1.2 ms.
 So a :class:`StackedBatch` pickles its CPU tensors as **one byte buffer**,
 each integer field in the narrowest integer dtype that holds all its values
 exactly (``uint8``, ``int16`` or ``int32``), a float field of only 0.0 and 1.0
@@ -12,6 +13,13 @@ and the receiving side rebuilds every field in its own dtype. The round trip is
 exact: same keys, dtypes, shapes and values. A :class:`~zephon_collate.Collator` called in a
 worker (``collate_fn=collator``, not the split) sends its output dict the same
 way (:class:`WireOutputs`).
+
+A buffer of up to :data:`PIPE_LIMIT` bytes goes inline, as ``bytes`` in the
+pickle stream through the worker's pipe, with no round trip; a larger one as a
+tensor, through shared memory, whose fixed cost a large buffer repays. With 2
+workers on 2 cores, one 8 x 8,193 stacked batch (330 kB) arrives every 0.78 ms
+inline against 1.34 ms through shared memory; at 8 x 32,769 tokens (1.3 MB)
+the two cost the same, and beyond it shared memory wins.
 """
 
 from __future__ import annotations
@@ -26,9 +34,23 @@ from tensordict import TensorDict, TensorDictBase
 
 from zephon_collate.types import SampleMeta
 
-__all__ = ["Field", "StackedBatch", "WireOutputs", "pack", "packable", "unpack", "unpack_tensors"]
+__all__ = ["PIPE_LIMIT", "Field", "StackedBatch", "WireOutputs", "pack", "packable", "unpack", "unpack_tensors"]
 
 _NARROW = (np.uint8, np.int16, np.int32)
+PIPE_LIMIT = 1 << 20
+"""Largest buffer (bytes) pickled inline; larger ones travel as a shared-memory tensor."""
+
+
+def _to_wire(buffer: torch.Tensor) -> torch.Tensor | bytes:
+    """What a pickle carries: ``bytes`` up to :data:`PIPE_LIMIT`, else the tensor itself."""
+    return buffer.numpy().tobytes() if buffer.numel() <= PIPE_LIMIT else buffer
+
+
+def _from_wire(wire: torch.Tensor | bytes) -> torch.Tensor:
+    """The ``uint8`` buffer :func:`_to_wire` sent (a writable copy of inline bytes)."""
+    if isinstance(wire, torch.Tensor):
+        return wire
+    return torch.frombuffer(bytearray(wire), dtype=torch.uint8) if wire else torch.empty(0, dtype=torch.uint8)
 
 
 class Field(NamedTuple):
@@ -132,13 +154,13 @@ class WireOutputs(dict):
         tensors = {key: value for key, value in self.items() if _packable(value)}
         others = {key: value for key, value in self.items() if key not in tensors}
         buffer, fields = pack(tensors)
-        return _unpack_outputs, (buffer, fields, others, tuple(self))
+        return _unpack_outputs, (_to_wire(buffer), fields, others, tuple(self))
 
 
 def _unpack_outputs(
-    buffer: torch.Tensor, fields: tuple[Field, ...], others: dict[str, Any], order: tuple[str, ...]
+    wire: torch.Tensor | bytes, fields: tuple[Field, ...], others: dict[str, Any], order: tuple[str, ...]
 ) -> dict[str, Any]:
-    values = {**unpack_tensors(buffer, fields), **others}
+    values = {**unpack_tensors(_from_wire(wire), fields), **others}
     return {key: values[key] for key in order}
 
 
@@ -166,7 +188,7 @@ class StackedBatch:
         if self.td is None or not packable(self.td):
             return StackedBatch, (self.td, self.per_record, self.metas)
         buffer, fields = pack(self.td)
-        return _unpack_batch, (buffer, fields, self.td.batch_size, self.per_record, self.metas)
+        return _unpack_batch, (_to_wire(buffer), fields, self.td.batch_size, self.per_record, self.metas)
 
     def pin_memory(self, device: str | torch.device | None = None) -> StackedBatch:
         """Pin the tensors in page-locked memory (called by the DataLoader's pinning thread)."""
@@ -183,10 +205,10 @@ class StackedBatch:
 
 
 def _unpack_batch(
-    buffer: torch.Tensor,
+    wire: torch.Tensor | bytes,
     fields: tuple[Field, ...],
     batch_size: torch.Size,
     per_record: dict[str, list[Any]],
     metas: tuple[SampleMeta, ...],
 ) -> StackedBatch:
-    return StackedBatch(unpack(buffer, fields, batch_size), per_record, metas)
+    return StackedBatch(unpack(_from_wire(wire), fields, batch_size), per_record, metas)
