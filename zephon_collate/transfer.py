@@ -34,7 +34,16 @@ from tensordict import TensorDict, TensorDictBase
 
 from zephon_collate.types import SampleMeta
 
-__all__ = ["PIPE_LIMIT", "Field", "StackedBatch", "WireOutputs", "pack", "packable", "unpack", "unpack_tensors"]
+__all__ = [
+    "PIPE_LIMIT",
+    "Field",
+    "StackedBatch",
+    "WireOutputs",
+    "pack",
+    "packable",
+    "unpack",
+    "unpack_tensors",
+]
 
 _NARROW = (np.uint8, np.int16, np.int32)
 PIPE_LIMIT = 1 << 20
