@@ -68,7 +68,8 @@ def contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _trailing(padding_length: np.ndarray, length: int) -> np.ndarray:
-    if padding_length.dtype != np.int64:  # a Python int minus a narrow unsigned array would overflow
+    narrow = padding_length.dtype.kind in "biu" and padding_length.dtype != np.int64
+    if narrow:  # a Python int minus a narrow unsigned array would overflow
         padding_length = padding_length.astype(np.int64)
     return np.arange(length) >= (length - padding_length)[:, None]
 

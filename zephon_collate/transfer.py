@@ -81,8 +81,12 @@ def _zeros_and_ones(array: np.ndarray) -> bool:
 
 
 def _wire_dtype(array: np.ndarray) -> np.dtype:
-    """The narrowest of uint8, int16, int32 holding every value of an integer array exactly, uint8
-    for a float array of 0.0 and 1.0 only (a loss mask), else the array's own dtype."""
+    """The dtype an array travels in: the narrowest that holds its values exactly.
+
+    For an integer array the narrowest of uint8, int16 and int32 that holds every
+    value, for a float array of only 0.0 and 1.0 (a loss mask) uint8, else the
+    array's own dtype.
+    """
     if array.dtype.kind == "f" and array.size and _zeros_and_ones(array):
         return np.dtype(np.uint8)
     if array.dtype.kind not in "iu" or array.dtype.itemsize == 1 or array.size == 0:
