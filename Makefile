@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt transformers
 	$(BIN)/python benchmarks/bench_to_training.py
 	$(BIN)/python benchmarks/bench_collator.py
+	$(BIN)/python benchmarks/bench_transfer.py
 	$(BIN)/python benchmarks/bench_packing.py
 
 clean:
