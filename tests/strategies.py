@@ -59,16 +59,22 @@ def training_options(draw: st.DrawFn, batch: SampleBatch) -> dict[str, Any]:
     """Valid to_training options for ``batch`` (every flag at random)."""
     first = batch.records[0].payload
     has = (lambda name: name in first) if isinstance(first, dict) else (lambda name: False)
+    return _flag_options(draw, positions=has("positions"), weights=has("weights"))
+
+
+def _flag_options(draw: st.DrawFn, *, positions: bool, weights: bool) -> dict[str, Any]:
+    """The flags every option strategy draws: labels and their masks, EOS masking, flattening,
+    padding mask, position mode, cu_seqlens (only with ``positions``), the ``weights`` extra field."""
     labels = draw(st.booleans())
     options: dict[str, Any] = {
         "return_labels": labels,
         "flatten": draw(st.booleans()),
         "return_padding_mask": draw(st.booleans()),
         "position_mode": draw(st.sampled_from(["preserve", "sequence"])),
-        "ignore_index": draw(st.sampled_from([-100, -1, 0])),
-        "return_cu_seqlens": has("positions") and draw(st.booleans()),
+        "ignore_index": draw(st.sampled_from([-100, -1, -100, 0])),
+        "return_cu_seqlens": positions and draw(st.booleans()),
     }
-    if has("weights"):
+    if weights:
         options["extra_fields"] = ["weights"]
     if labels:
         options["return_loss_mask"] = draw(st.booleans())
@@ -159,27 +165,11 @@ def varied_batches(draw: st.DrawFn) -> dict[str, Any]:
         meta = {"sample_id": (0, 0, sample), "lane_id": 0, "chunk_id": 0}
         meta["tags"] = {} if padding is None else {"_padding_length": padding}
         records.append((meta, fields[token_name] if array_payloads else fields))
-    labels = draw(st.booleans())
-    options: dict[str, Any] = {
-        "return_labels": labels,
-        "flatten": draw(st.booleans()),
-        "return_padding_mask": draw(st.booleans()),
-        "position_mode": draw(st.sampled_from(["preserve", "sequence"])),
-        "ignore_index": draw(st.sampled_from([-100, -1, -100, 0])),
-        "return_cu_seqlens": with_positions and draw(st.booleans()),
-        "dtype": draw(st.sampled_from(["auto", torch.int32, np.int64, np.dtype("int16"), None]))
-        if not ragged
-        else None,
-    }
+    options = _flag_options(draw, positions=with_positions, weights=with_weights)
+    dtypes = ["auto", torch.int32, np.int64, np.dtype("int16"), None]
+    options["dtype"] = draw(st.sampled_from(dtypes)) if not ragged else None
     if token_name != "input_ids" and draw(st.booleans()):
         options["tokens_field"] = token_name
-    if with_weights:
-        options["extra_fields"] = ["weights"]
-    if labels:
-        options["return_loss_mask"] = draw(st.booleans())
-        options["return_num_valid_tokens"] = draw(st.booleans())
-        if draw(st.booleans()):
-            options.update(eos_mask_loss=True, eos_token_id=draw(st.integers(0, VOCAB)))
     if draw(st.integers(0, 3)) == 0:
         options["exclude_fields"] = draw(
             st.lists(st.sampled_from(["texts", "ids", "labels", "nothing"]), max_size=2)
