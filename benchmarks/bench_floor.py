@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import EOS, FULL_OPTIONS, compare, output_bytes, packed_rows, to_records
 
-from zephon_collate import SampleBatch, TrainingOptions, numpy_kernels
+from zephon_collate import SampleBatch, TrainingOptions, functional
+from zephon_collate.collate.plan import build_chain
 
 IGNORE = -100
 
@@ -39,7 +40,7 @@ def numpy_passes(batch: SampleBatch) -> dict[str, object]:
     np.copyto(labels, IGNORE, where=tokens[:, :-1] == EOS)
     np.copyto(labels, IGNORE, where=(supervision[:, 1:] == 0) | padding[:, 1:])
     loss_mask = (labels != IGNORE).view(np.uint8).astype(np.float32)
-    cu_seqlens, max_seqlen = numpy_kernels.cu_seqlens_rows(torch.from_numpy(positions[:, :-1]))
+    cu_seqlens, max_seqlen = functional.cu_seqlens_rows.cpu(torch.from_numpy(positions[:, :-1]))
     return {
         "input_ids": torch.from_numpy(np.ascontiguousarray(tokens[:, :-1])),
         "labels": torch.from_numpy(labels),
@@ -62,7 +63,7 @@ def check_equal(batch: SampleBatch) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
-    options = TrainingOptions.create(**FULL_OPTIONS)
+    options = TrainingOptions(**FULL_OPTIONS)
     print("to_training with every output, CPU, 1 thread; medians of interleaved rounds\n")
     print(
         "| tokens | to_training | chain alone | NumPy passes alone | copy of the output | NumPy / to_training |"
@@ -72,7 +73,7 @@ def main() -> None:
         batch = SampleBatch(to_records(packed_rows(length=length)))
         check_equal(batch)
         stacked = batch.to_tensordict(dtype=torch.long)  # the payloads are int64: what to_training stacks
-        chain = options.build_chain(list(stacked.keys()))
+        chain = build_chain(options, tuple(stacked.keys()))
         source = torch.ones(output_bytes(batch.to_training(**FULL_OPTIONS)), dtype=torch.uint8)
         us = {
             name: seconds * 1e6

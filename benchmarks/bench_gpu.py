@@ -100,7 +100,7 @@ def main() -> None:
             stacked = collator.stack(records)
             check_equal(collator.finish(stacked), want, label)
             td = stacked.td.to(device)
-            chain = collator.chain_for(tuple(td.keys()), device)
+            chain = collator.runner(collator.plan_for(tuple(td.keys())), device)
             out = chain(td)
             moved = tensor_bytes(td.values()) + tensor_bytes(out.values())
             source = torch.ones(moved, dtype=torch.uint8, device=device)

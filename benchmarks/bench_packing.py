@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon_collate.packing import pack_flat
+from zephon_collate.packing.pack_flat import pack_flat
 from zephon_collate.types import SampleMeta, SampleRecord
 
 

@@ -24,8 +24,9 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import FULL_OPTIONS, packed_rows, to_records
 
-from zephon_collate import Collator, transfer
-from zephon_collate.transfer import StackedBatch, WireOutputs
+from zephon_collate import Collator
+from zephon_collate.collate import transfer
+from zephon_collate.collate.transfer import StackedBatch, WireOutputs
 
 SHAPES = ((8, 2049), (8, 8193), (8, 32769))
 

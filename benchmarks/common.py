@@ -144,3 +144,43 @@ def peak_rss_growth(fn: Callable[[], Any]) -> int:
     growth = status("VmHWM:") - before
     del result
     return growth
+
+
+def packed_rows_sized(
+    rows: int, length: int, low: int, high: int, seed: int = 0, slack: int = 16
+) -> list[dict[str, Any]]:
+    """Like :func:`packed_rows`, with document sizes drawn from ``[low, high)`` (at least 4 tokens).
+
+    Documents are added until the next one would leave fewer than ``slack`` tokens
+    (at most ``length // 8``) free; the rest of the row is trailing padding.
+    """
+    rng = np.random.default_rng(seed)
+    low = max(4, low)
+    high = max(low + 1, high)
+    cap = length - min(slack, length // 8)
+    out = []
+    for _ in range(rows):
+        documents, used = [], 0
+        while True:
+            size = int(rng.integers(low, high))
+            if used + size > cap:
+                break
+            body = rng.integers(3, 32000, size - 2)
+            documents.append(np.concatenate([[BOS], body, [EOS]]).astype(np.int64))
+            used += size
+        padding = length - used
+        tokens = np.concatenate([*documents, np.full(padding, PAD, dtype=np.int64)])
+        positions = np.concatenate([np.arange(len(d)) for d in documents] + [np.arange(padding)])
+        mask = np.concatenate(
+            [np.arange(len(d)) >= len(d) // 4 for d in documents] + [np.zeros(padding, bool)]
+        )
+        out.append(
+            {
+                "input_ids": tokens,
+                "positions": positions.astype(np.int64),
+                "loss_mask": mask.astype(np.int64),
+                "padding": padding,
+                "documents": documents,
+            }
+        )
+    return out

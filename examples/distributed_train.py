@@ -34,8 +34,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from zephon_collate import Collator, SampleMeta, SampleRecord
-from zephon_collate.distributed import global_num_valid_tokens, normalize_loss
-from zephon_collate.resumable import PackedStream
+from zephon_collate.packing.stream import PackedStream
+from zephon_collate.parallel.distributed import global_num_valid_tokens, normalize_loss
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 on torch >= 2.9
 try:  # resumes with worker processes too; pip install torchdata

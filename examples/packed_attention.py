@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from zephon_collate import Chain, CuSeqlens, SampleBatch, SampleMeta, SampleRecord, TokenShift, pack_flat
-from zephon_collate.attention import (
+from zephon_collate.functional.attention import (
     check_consistent,
     dense_document_mask,
     document_block_mask,
     segment_ids_from_positions,
 )
-from zephon_collate.leakage import check_no_leakage
+from zephon_collate.inspection.leakage import check_no_leakage
 from zephon_collate.transforms import SegmentIds
 
 PAD, VOCAB, HEADS, HEAD_DIM = 0, 64, 2, 16

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from zephon_collate import Collator, SampleMeta, SampleRecord
-from zephon_collate.distributed import global_num_valid_tokens, normalize_loss
+from zephon_collate.parallel.distributed import global_num_valid_tokens, normalize_loss
 
 SEQ_LEN, VOCAB, WIDTH = 12, 32, 8
 MICRO_BATCH, ACCUMULATION, STEPS = 2, 2, 3

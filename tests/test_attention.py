@@ -27,7 +27,8 @@ from tensordict import TensorDict
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from zephon_collate import CuSeqlens, PaddingMask, TokenShift
-from zephon_collate.attention import (
+from zephon_collate.functional import cu_seqlens_flat, cu_seqlens_rows
+from zephon_collate.functional.attention import (
     PADDING_SEGMENT,
     check_consistent,
     cu_seqlens_from_segment_ids,
@@ -38,8 +39,7 @@ from zephon_collate.attention import (
     padding_from_length,
     segment_ids_from_positions,
 )
-from zephon_collate.functional import cu_seqlens_flat, cu_seqlens_rows
-from zephon_collate.leakage import LeakageError, check_no_leakage
+from zephon_collate.inspection.leakage import LeakageError, check_no_leakage
 from zephon_collate.transforms import Chain, SegmentIds
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -20,7 +20,7 @@ import torch
 from helpers import BOS, EOS, PAD, as_lists, batch, record
 from tensordict import TensorDict
 
-import zephon_collate.training as training_module
+import zephon_collate.collate.prepare as prepare_module
 from zephon_collate import (
     Chain,
     Collator,
@@ -533,7 +533,7 @@ def test_positions_beyond_the_requested_dtype():
 
 def test_cu_seqlens_int32_overflow(monkeypatch):
     """B * S input tokens beyond int32: ValueError (the limit is lowered here; a real batch would need 16 GiB)."""
-    monkeypatch.setattr(training_module, "INT32_MAX", 5)
+    monkeypatch.setattr(prepare_module, "INT32_MAX", 5)
     b = batch(
         {"input_ids": [1, 2, 3], "positions": [0, 1, 2]}, {"input_ids": [1, 2, 3], "positions": [0, 1, 2]}
     )

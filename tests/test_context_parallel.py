@@ -17,9 +17,11 @@ from hypothesis import strategies as st
 from strategies import segment_positions
 from tensordict import TensorDict
 
-from zephon_collate import Chain, Collator, LossMask, TokenShift, context_parallel
-from zephon_collate.context_parallel import ContextParallelShard
-from zephon_collate.context_parallel_layout import cp_partition_index, gather_context_parallel
+from zephon_collate import Chain, Collator, LossMask, TokenShift
+from zephon_collate.functional.context_parallel import cp_partition_index
+from zephon_collate.parallel.context_parallel import gather_context_parallel
+from zephon_collate.transforms import context_parallel
+from zephon_collate.transforms.context_parallel import ContextParallelShard
 
 OPTIONS = FULL_OPTIONS
 PER_TOKEN = ("input_ids", "labels", "positions", "loss_mask", "padding_mask")

@@ -56,7 +56,7 @@ def test_static_shape_chain_in_cuda_graph():
     records = cpu_records()
     collator = Collator(device="cuda", num_boundaries=8, python_scalars=False, **OPTIONS)
     td = collator.stack(records).td.cuda()
-    chain = collator.chain_for(tuple(td.keys()))
+    chain = collator.runner(collator.plan_for(tuple(td.keys())))
     static_in = td.clone()
     chain(static_in)  # warm-up on the side stream is not needed for these ops
     graph = torch.cuda.CUDAGraph()

@@ -29,7 +29,7 @@ from zephon_collate.demo import (
     to_records,
 )
 from zephon_collate.demo.corpus import split_python
-from zephon_collate.leakage import check_no_leakage
+from zephon_collate.inspection.leakage import check_no_leakage
 
 TINY = {"dim": 32, "layers": 2, "heads": 2}
 
@@ -109,7 +109,7 @@ def test_no_attention_across_documents(trained):
 
 
 def test_eval_batch_is_clean_for_the_inspector(trained):
-    from zephon_collate.inspect_batch import batch_warnings
+    from zephon_collate.inspection.rows import batch_warnings
 
     result, _, _ = trained
     assert batch_warnings(result.eval_batch) == []

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from helpers import PackedRecords
 
 from zephon_collate import Collator
-from zephon_collate.distributed import (
+from zephon_collate.parallel.distributed import (
     data_parallel_size,
     global_num_valid_tokens,
     is_distributed,

@@ -12,8 +12,8 @@ from zephon_collate import SampleBatch, SampleMeta, SampleRecord, pack_flat
 from zephon_collate.__main__ import main
 from zephon_collate.demo.corpus import CHAT, Document, to_records
 from zephon_collate.demo.tokenizer import EOS, PAD, ByteTokenizer
-from zephon_collate.inspect_batch import batch_rows, batch_warnings
-from zephon_collate.render import render_batch, render_batch_png, token_text
+from zephon_collate.inspection.render import render_batch, render_batch_png, token_text
+from zephon_collate.inspection.rows import batch_rows, batch_warnings
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 

@@ -35,6 +35,7 @@ from zephon_collate import (
     stack_batch,
     to_training,
 )
+from zephon_collate.collate.plan import build_chain
 from zephon_collate.types import ContributorRef
 
 EVERYTHING = {**FULL_OPTIONS, "extra_fields": ["weights"]}
@@ -164,7 +165,7 @@ def test_transforms_and_chains_change_nothing():
     rows = records("torch")
     td = SampleBatch(rows).to_tensordict(extra_fields=["weights"])
     before = {key: (value.clone(), value._version) for key, value in td.items()}
-    chain = TrainingOptions.create(**EVERYTHING).build_chain(list(td.keys()))
+    chain = build_chain(TrainingOptions(**EVERYTHING), tuple(td.keys()))
     for transform in (
         chain,
         TokenShift(),

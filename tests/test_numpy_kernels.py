@@ -2,8 +2,8 @@
 
 Each case runs a kernel twice on the same random inputs: once as the package
 runs it (CPU tensors, eager: the NumPy twin) and once with
-``numpy_kernels.ENABLED = False`` (the torch code that CUDA and
-``torch.compile`` run), then compares values, dtypes and shapes.
+``use_cpu_twins(False)`` (the torch code that CUDA and ``torch.compile``
+run), then compares values, dtypes and shapes.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from hypothesis import strategies as st
 from reference import reference_to_training
 from strategies import packed_batches, training_options
 
-from zephon_collate import functional, numpy_kernels
+from zephon_collate import functional
+from zephon_collate.functional.dispatch import cpu_twins_apply, use_cpu_twins
+from zephon_collate.functional.labels import contiguous
 from zephon_collate.transforms import LossMask
 
 CASES = settings(max_examples=150, deadline=None)
@@ -29,16 +31,13 @@ INT_DTYPES = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8]
 
 @contextmanager
 def torch_kernels() -> Iterator[None]:
-    numpy_kernels.ENABLED = False
-    try:
+    with use_cpu_twins(False):
         yield
-    finally:
-        numpy_kernels.ENABLED = True
 
 
 def both_ways(kernel: Callable[..., Any], *args: Any) -> tuple[Any, Any]:
     """``kernel(*args)`` through the NumPy twin, then through torch; asserts the twin did run."""
-    assert numpy_kernels.applies(*(a for a in args if isinstance(a, torch.Tensor)))
+    assert cpu_twins_apply(*(a for a in args if isinstance(a, torch.Tensor)))
     fast = kernel(*args)
     with torch_kernels():
         plain = kernel(*args)
@@ -133,13 +132,13 @@ def test_inputs_are_only_read() -> None:
 )
 def test_twin_steps_aside(tensor: torch.Tensor) -> None:
     """Dtypes NumPy lacks, autograd, subclasses and other devices stay with torch."""
-    assert not numpy_kernels.applies(tensor)
+    assert not cpu_twins_apply(tensor)
 
 
 def test_switch_off() -> None:
     with torch_kernels():
-        assert not numpy_kernels.applies(torch.zeros(2))
-    assert numpy_kernels.applies(torch.zeros(2))
+        assert not cpu_twins_apply(torch.zeros(2))
+    assert cpu_twins_apply(torch.zeros(2))
 
 
 def test_transform_same_either_way() -> None:
@@ -163,10 +162,10 @@ def test_transform_same_either_way() -> None:
 def test_contiguous_copies_strided_rows() -> None:
     tokens = torch.arange(12).reshape(3, 4)
     view = tokens[:, :-1]
-    out = numpy_kernels.contiguous(view)
+    out = contiguous(view)
     assert out.is_contiguous() and torch.equal(out, view.contiguous())
     assert out.data_ptr() != tokens.data_ptr()
-    assert numpy_kernels.contiguous(tokens) is tokens  # already contiguous: no copy, as in torch
+    assert contiguous(tokens) is tokens  # already contiguous: no copy, as in torch
 
 
 @settings(max_examples=150, deadline=None)
@@ -188,13 +187,13 @@ def test_to_training_same_either_way(data: st.DataObject) -> None:
 def test_to_training_runs_the_twins_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     for name in ("apply_loss_mask", "eos_label_mask", "mask_labels", "trailing_mask", "cu_seqlens_rows"):
-        original = getattr(numpy_kernels, name)
+        kernel = getattr(functional, name)
 
-        def counted(*args: Any, _name: str = name, _original: Any = original) -> Any:
+        def counted(*args: Any, _name: str = name, _original: Any = kernel.cpu) -> Any:
             calls.append(_name)
             return _original(*args)
 
-        monkeypatch.setattr(numpy_kernels, name, counted)
+        monkeypatch.setattr(kernel, "cpu", counted)
     payload = {"input_ids": [1, 10, 2, 1, 11, 2], "positions": [0, 1, 2, 0, 1, 2], "loss_mask": [1] * 6}
     out = batch(payload).to_training(**FULL_OPTIONS)
     assert out["labels"].tolist() == [[10, 2, -100, 11, 2]]

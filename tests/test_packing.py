@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zephon_collate.packing import pack_flat
-from zephon_collate.packing_stream import FlatPacker
+from zephon_collate.packing.pack_flat import pack_flat
+from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.types import ContributorRef, SampleBatch, SampleMeta, SampleRecord
 
 PAD, BOS, EOS = 0, 1, 2

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from zephon_collate import Collator, FlatPacker, SampleMeta, SampleRecord, pack_flat
-from zephon_collate.resumable import PackedStream
+from zephon_collate.packing.stream import PackedStream
 
 SEQ_LEN = 16
 PACKING = {"seq_len": SEQ_LEN, "pad_token_id": 0, "strategy": "best_fit", "buffer_size": 5}

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from zephon_collate import Collator, transfer
-from zephon_collate.transfer import StackedBatch, WireOutputs, pack, unpack
+from zephon_collate import Collator
+from zephon_collate.collate import transfer
+from zephon_collate.collate.transfer import StackedBatch, WireOutputs, pack, unpack
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32]
 

@@ -1,27 +1,34 @@
 """zephon_collate: a PyTorch-native collator for LLM training data.
 
-Records (:class:`SampleRecord`) are stacked into a TensorDict and turned into
-training tensors by a chain of transforms (:mod:`zephon_collate.transforms`);
-:meth:`SampleBatch.to_training` is the one-call entry point.
+Records (:class:`SampleRecord`) are stacked once and turned into training
+tensors by a chain of transforms (:mod:`zephon_collate.transforms`);
+:meth:`SampleBatch.to_training` is the one-call entry point, :class:`Collator`
+the ``collate_fn`` for a DataLoader.
+
+The tree, bottom to top: ``records`` and ``keys`` (the data model, field names
+and limits), ``checks`` and ``read`` (argument checks, the one payload reader),
+``functional/`` (pure kernels), ``transforms/``, ``collate/`` (options, plan,
+stacking, output, ``to_training``, the Collator, the worker transfer),
+``packing/``, ``parallel/`` and ``inspection/``.
 """
 
-from zephon_collate import attention, functional, numpy_kernels
-from zephon_collate.batch import stack_batch
-from zephon_collate.collator import Collator
-from zephon_collate.context_parallel import ContextParallelShard
-from zephon_collate.context_parallel_layout import gather_context_parallel
-from zephon_collate.distributed import global_num_valid_tokens, normalize_loss
-from zephon_collate.inspect_batch import batch_warnings
-from zephon_collate.leakage import check_no_leakage
-from zephon_collate.options import TrainingOptions
-from zephon_collate.packing import pack_flat
-from zephon_collate.packing_stream import FlatPacker
-from zephon_collate.render import render_batch, render_batch_png
-from zephon_collate.resumable import PackedStream
-from zephon_collate.training import to_training
-from zephon_collate.transfer import StackedBatch
+from zephon_collate.collate.collator import Collator
+from zephon_collate.collate.options import TrainingOptions
+from zephon_collate.collate.sample_batch import to_training
+from zephon_collate.collate.stack import stack_batch
+from zephon_collate.collate.transfer import StackedBatch
+from zephon_collate.functional import attention
+from zephon_collate.inspection.leakage import check_no_leakage
+from zephon_collate.inspection.render import render_batch, render_batch_png
+from zephon_collate.inspection.rows import batch_warnings
+from zephon_collate.packing.pack_flat import pack_flat
+from zephon_collate.packing.packer import FlatPacker
+from zephon_collate.packing.stream import PackedStream
+from zephon_collate.parallel.context_parallel import gather_context_parallel
+from zephon_collate.parallel.distributed import global_num_valid_tokens, normalize_loss
 from zephon_collate.transforms import (
     Chain,
+    ContextParallelShard,
     CuSeqlens,
     EosMask,
     LossMask,
@@ -48,6 +55,8 @@ from zephon_collate.types import (
     SampleRecord,
     ShardId,
 )
+
+from zephon_collate import functional  # isort: skip (the module, after its names)
 
 __version__ = "0.1.0"
 
@@ -90,7 +99,6 @@ __all__ = [
     "gather_context_parallel",
     "global_num_valid_tokens",
     "normalize_loss",
-    "numpy_kernels",
     "pack_flat",
     "render_batch",
     "render_batch_png",

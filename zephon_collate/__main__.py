@@ -155,7 +155,7 @@ def _pad_records(records: list[Any], pad_id: int) -> list[Any]:
     import numpy as np
 
     from zephon_collate import SampleMeta, SampleRecord
-    from zephon_collate.payloads import TOKEN_FIELD_CANDIDATES
+    from zephon_collate.read import TOKEN_FIELD_CANDIDATES
 
     def tokens_of(payload: dict[str, Any]) -> str:
         return next(name for name in TOKEN_FIELD_CANDIDATES if name in payload)
@@ -183,7 +183,7 @@ def _pad_records(records: list[Any], pad_id: int) -> list[Any]:
 
 def _run_show(args: argparse.Namespace) -> int:
     from zephon_collate.demo.tokenizer import ByteTokenizer
-    from zephon_collate.render import render_batch, render_batch_png
+    from zephon_collate.inspection.render import render_batch, render_batch_png
 
     if args.demo_batch:
         from zephon_collate.demo.pipeline import demo_batch

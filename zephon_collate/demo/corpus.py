@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from zephon_collate.demo.tokenizer import ByteTokenizer
-from zephon_collate.types import SampleMeta, SampleRecord
+from zephon_collate.records import SampleMeta, SampleRecord
 
 __all__ = [
     "CHAT",

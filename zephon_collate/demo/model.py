@@ -2,11 +2,11 @@
 
 The collator's outputs drive it: ``positions`` (restarting at 0 on every
 segment) rotate the queries and keys (RoPE), and the segment ids derived from
-them (:func:`zephon_collate.attention.segment_ids_from_positions`) build the
-attention mask (:func:`zephon_collate.attention.dense_document_mask`): a token
+them (:func:`zephon_collate.functional.attention.segment_ids_from_positions`) build the
+attention mask (:func:`zephon_collate.functional.attention.dense_document_mask`): a token
 sees the tokens before it in its own document, and nothing else. Each
 document in a packed row is therefore computed exactly as if it were alone,
-which :func:`zephon_collate.leakage.check_no_leakage` checks.
+which :func:`zephon_collate.inspection.leakage.check_no_leakage` checks.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zephon_collate.attention import dense_document_mask
+from zephon_collate.functional.attention import dense_document_mask
 
 __all__ = ["DocumentTransformer", "ModelConfig"]
 
@@ -73,7 +73,7 @@ class DocumentTransformer(nn.Module):
     ``forward(input_ids, positions, segment_ids)`` takes ``[B, S]`` token ids,
     segment-restarting positions and segment ids (marked padding ``-1``) and
     returns ``[B, S, vocab_size]`` logits; the signature is the ``model_fn`` of
-    :func:`zephon_collate.leakage.check_no_leakage`.
+    :func:`zephon_collate.inspection.leakage.check_no_leakage`.
 
     Example:
         >>> model = DocumentTransformer(ModelConfig(dim=16, layers=1, heads=2))

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zephon_collate.collator import Collator
+from zephon_collate.collate.collator import Collator
+from zephon_collate.collate.transfer import StackedBatch
 from zephon_collate.demo.corpus import load_documents, to_records
 from zephon_collate.demo.tokenizer import EOS, PAD, ByteTokenizer
-from zephon_collate.packing import pack_flat
-from zephon_collate.transfer import StackedBatch
-from zephon_collate.types import SampleRecord
+from zephon_collate.packing.pack_flat import pack_flat
+from zephon_collate.records import SampleRecord
 
 if TYPE_CHECKING:
     from zephon_collate.demo.train import DemoConfig

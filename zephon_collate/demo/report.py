@@ -21,7 +21,7 @@ import torch
 from zephon_collate.demo.corpus import COMPONENTS
 from zephon_collate.demo.model import DocumentTransformer
 from zephon_collate.demo.tokenizer import EOS, VOCAB_SIZE, ByteTokenizer
-from zephon_collate.types import SampleRecord
+from zephon_collate.records import SampleRecord
 
 __all__ = ["DemoResult", "summary"]
 

@@ -32,12 +32,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from zephon_collate.attention import segment_ids_from_positions
 from zephon_collate.demo.corpus import CHAT
 from zephon_collate.demo.model import DocumentTransformer, ModelConfig
 from zephon_collate.demo.pipeline import _batches, make_collator, pack_rows
 from zephon_collate.demo.report import DemoResult, _plot, _progress, _sample, summary
 from zephon_collate.demo.tokenizer import VOCAB_SIZE
+from zephon_collate.functional.attention import segment_ids_from_positions
 
 __all__ = ["DemoConfig", "cpu_threads", "run_demo"]
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from torch import nn
+
+from zephon_collate.checks import check_keys
 
 __all__ = ["Chain", "Transform"]
 
@@ -16,20 +18,23 @@ __all__ = ["Chain", "Transform"]
 class Transform(TensorDictModuleBase):
     """Base class: read ``in_keys`` from a TensorDict, return a new one with ``out_keys`` written.
 
-    A transform never writes into its input TensorDict or its tensors; it
-    returns a shallow copy (``td.replace(...)``) holding the new entries.
-    Subclasses set ``in_keys`` / ``out_keys`` (and ``dropped_keys``, for inputs
-    they consume) in ``__init__``, validate their configuration there, and
-    implement :meth:`forward`. They hold no Python branch on tensor values, so
-    the same transform runs on any device and under ``torch.compile``.
-    Being a :class:`tensordict.nn.TensorDictModuleBase`, a transform also fits
-    in a :class:`tensordict.nn.TensorDictSequential`.
+    A subclass sets ``in_keys`` / ``out_keys`` (and ``dropped_keys``, for inputs
+    it consumes) in ``__init__``, validates its configuration there, and
+    implements two methods over a plain mapping of tensors:
 
-    Calling a transform checks its input first: anything but a TensorDict
-    raises ``TypeError``, a TensorDict lacking one of ``in_keys`` raises
-    ``ValueError`` naming it. Built-in transforms also check the shapes they
-    rely on (``ValueError``); they never read values (that would synchronise
-    with the device): :func:`~zephon_collate.training.to_training` checks those.
+    - :meth:`check` raises ``ValueError`` for shapes it cannot work on; it never
+      reads values (that would synchronise with the device);
+    - :meth:`apply` is the pure core: it returns the new entries and writes
+      nothing. It holds no Python branch on tensor values, so it runs on any
+      device and under ``torch.compile``.
+
+    Calling a transform on a TensorDict checks the input (anything but a
+    TensorDict raises ``TypeError``; a missing key ``ValueError`` naming it),
+    runs :meth:`check` and :meth:`apply`, and returns a shallow copy holding
+    the new entries: the input TensorDict and its tensors are never written.
+    A :class:`Chain` runs the cores of its transforms over one mapping and
+    wraps the result once. Being a :class:`tensordict.nn.TensorDictModuleBase`,
+    a transform also fits in a :class:`tensordict.nn.TensorDictSequential`.
     """
 
     dropped_keys: tuple[str, ...] = ()
@@ -42,33 +47,43 @@ class Transform(TensorDictModuleBase):
                     f"{type(self).__name__}: expects a TensorDict (e.g. batch.to_tensordict()), got "
                     f"{type(td).__name__}"
                 )
-            missing = [key for key in self.in_keys if key not in td]
-            if missing:
-                raise ValueError(
-                    f"{type(self).__name__} needs {missing[0]!r}, which the TensorDict lacks "
-                    f"(it holds {sorted(td.keys())})"
-                )
+            _check_present(self, td)
         return super().__call__(*args, **kwargs)
 
-    def forward(self, td: TensorDictBase) -> TensorDictBase:  # pragma: no cover - abstract
+    def check(self, data: Mapping[str, torch.Tensor]) -> None:
+        """Raise ``ValueError`` if the shapes in ``data`` do not fit this transform (default: no check)."""
+
+    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # pragma: no cover
+        """The new entries computed from ``data`` (which holds every key of ``in_keys``)."""
         raise NotImplementedError
+
+    def output_batch_size(self, batch_size: torch.Size) -> torch.Size:
+        """The batch size of the output TensorDict (default: the input's)."""
+        return batch_size
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        self.check(td)
+        updates = self.apply(td)
+        size = self.output_batch_size(td.batch_size)
+        if size == td.batch_size:
+            out = td.replace(updates) if updates else td.copy()
+        else:  # e.g. flattened outputs: batch_size=[]
+            out = td.copy()
+            out.batch_size = size
+            out = out.update(updates)
+        return out.exclude(*self.dropped_keys) if self.dropped_keys else out
 
     def extra_repr(self) -> str:
         return f"in_keys={list(self.in_keys)}, out_keys={list(self.out_keys)}"
 
 
-def _check_key(owner: str, name: str, value: object) -> str:
-    if not isinstance(value, str) or not value:
-        raise TypeError(f"{owner}: {name} must be a non-empty str, got {value!r}")
-    return value
-
-
-def _check_keys(owner: str, name: str, value: Iterable[str]) -> tuple[str, ...]:
-    if isinstance(value, str):
-        raise TypeError(f"{owner}: {name} must be a sequence of keys, not the str {value!r}")
-    if not isinstance(value, Iterable):
-        raise TypeError(f"{owner}: {name} must be a sequence of keys, got {value!r}")
-    return tuple(_check_key(owner, name, key) for key in value)
+def _check_present(module: Any, data: Mapping[str, Any] | TensorDictBase) -> None:
+    missing = [key for key in module.in_keys if key not in data]
+    if missing:
+        raise ValueError(
+            f"{type(module).__name__} needs {missing[0]!r}, which the TensorDict lacks "
+            f"(it holds {sorted(data.keys())})"
+        )
 
 
 def _check_rank(
@@ -101,6 +116,11 @@ def _check_leading(
 
 class Chain(Transform):
     """Run transforms in order, each on the previous one's output.
+
+    Called on a TensorDict, the chain checks each step's input and runs the
+    transforms' cores (:meth:`Transform.apply`) over one mapping, wrapping the
+    result in a TensorDict once; :meth:`apply` runs the cores alone, for
+    callers that have checked their data (the collate path).
 
     The wiring is checked when the chain is built: each transform's
     ``in_keys`` must be written by an earlier transform or be among the
@@ -138,7 +158,7 @@ class Chain(Transform):
                     f"Chain: item {index} ({transform!r}) is not a transform with in_keys and out_keys"
                 )
         self.transforms = nn.ModuleList(transforms)
-        provided = set(_check_keys("Chain", "input_keys", input_keys or ()))
+        provided = set(check_keys("Chain", "input_keys", input_keys or ()))
         needed: list[str] = []
         for transform in self.transforms:
             for key in transform.in_keys:
@@ -154,20 +174,50 @@ class Chain(Transform):
             provided.update(transform.out_keys)
             provided.difference_update(getattr(transform, "dropped_keys", ()))
         self.in_keys = needed
+        dropped = {key for t in self.transforms for key in getattr(t, "dropped_keys", ())}
+        self.dropped_keys = tuple(sorted(dropped - provided))
         self.out_keys = sorted({key for t in self.transforms for key in t.out_keys})
 
+    def check(self, data: Mapping[str, torch.Tensor]) -> None:
+        _check_present(self, data)
+
+    def run(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        """Every step's core over a copy of ``data``, unchecked: the whole resulting mapping."""
+        return self._run(dict(data), checked=False)[0]
+
+    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = self.run(data)
+        return {key: value for key, value in out.items() if data.get(key) is not value}
+
     def forward(self, td: TensorDictBase) -> TensorDictBase:
+        data, batch_size = self._run(dict(td.items()), checked=True, batch_size=td.batch_size)
+        return TensorDict(data, batch_size=batch_size, device=td.device)
+
+    def _run(
+        self, data: dict[str, Any], *, checked: bool, batch_size: torch.Size | None = None
+    ) -> tuple[dict[str, Any], torch.Size | None]:
         for transform in self.transforms:
-            # A Transform checks its own input when called; other modules are checked here.
-            checked = isinstance(transform, Transform)
-            missing = [] if checked else [key for key in transform.in_keys if key not in td]
-            if missing:
-                raise ValueError(
-                    f"{type(transform).__name__} needs {missing[0]!r}, which the TensorDict lacks "
-                    f"(it holds {sorted(td.keys())})"
-                )
-            td = transform(td)
-        return td
+            if checked:
+                _check_present(transform, data)
+            if isinstance(transform, Transform) and type(transform).forward is Transform.forward:
+                if checked:
+                    transform.check(data)
+                data.update(transform.apply(data))
+                for key in transform.dropped_keys:
+                    if key not in transform.out_keys:
+                        data.pop(key, None)
+                batch_size = None if batch_size is None else transform.output_batch_size(batch_size)
+            else:  # any other TensorDict module: wrap, call, unwrap
+                step = TensorDict(data, batch_size=batch_size if batch_size is not None else [])
+                result = transform(step)
+                data, batch_size = dict(result.items()), result.batch_size
+        return data, batch_size
+
+    def output_batch_size(self, batch_size: torch.Size) -> torch.Size:
+        for transform in self.transforms:
+            if isinstance(transform, Transform):
+                batch_size = transform.output_batch_size(batch_size)
+        return batch_size
 
     def __len__(self) -> int:
         return len(self.transforms)

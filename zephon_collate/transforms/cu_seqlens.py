@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping
 
 import numpy as np
 import torch
-from tensordict import TensorDictBase
 
+from zephon_collate.checks import check_key
 from zephon_collate.functional import cu_seqlens_flat, cu_seqlens_rows
-from zephon_collate.transforms.base import Transform, _check_key, _check_rank
-
-INT32_MAX = 2**31 - 1
+from zephon_collate.keys import INT32_MAX
+from zephon_collate.transforms.base import Transform, _check_rank
 
 __all__ = ["CuSeqlens"]
 
@@ -84,27 +84,27 @@ class CuSeqlens(Transform):
             num_boundaries = int(num_boundaries)
         if not isinstance(flatten, bool):
             raise TypeError(f"CuSeqlens: flatten must be a bool, got {flatten!r}")
-        self.positions_key = _check_key("CuSeqlens", "positions_key", positions_key)
-        self.out_key = _check_key("CuSeqlens", "out_key", out_key)
-        self.max_key = _check_key("CuSeqlens", "max_key", max_key)
+        self.positions_key = check_key("CuSeqlens", "positions_key", positions_key)
+        self.out_key = check_key("CuSeqlens", "out_key", out_key)
+        self.max_key = check_key("CuSeqlens", "max_key", max_key)
         self.flatten = flatten
         self.num_boundaries = num_boundaries
         self.in_keys = [positions_key]
         self.out_keys = [out_key, max_key]
 
-    def forward(self, td: TensorDictBase) -> TensorDictBase:
-        positions = td[self.positions_key]
+    def check(self, data: Mapping[str, torch.Tensor]) -> None:
+        positions = data[self.positions_key]
         _check_rank("CuSeqlens", self.positions_key, positions, "[B, S] positions", 2, 2)
         if positions.numel() > INT32_MAX:
             raise ValueError(
                 f"CuSeqlens: {tuple(positions.shape)} positions overflow the int32 boundaries; "
                 "use smaller batches"
             )
+
+    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         kernel = cu_seqlens_flat if self.flatten else cu_seqlens_rows
-        boundaries, longest = kernel(positions, self.num_boundaries)
-        updates = {self.out_key: boundaries, self.max_key: longest}
-        if not self.flatten:
-            return td.replace(updates)
-        out = td.copy()
-        out.batch_size = torch.Size([])
-        return out.update(updates)
+        boundaries, longest = kernel.unchecked(data[self.positions_key], self.num_boundaries)
+        return {self.out_key: boundaries, self.max_key: longest}
+
+    def output_batch_size(self, batch_size: torch.Size) -> torch.Size:
+        return torch.Size([]) if self.flatten else batch_size

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from tensordict import TensorDictBase
+from collections.abc import Mapping
 
+import torch
+
+from zephon_collate.checks import check_eos_token_id, check_ignore_index, check_key
 from zephon_collate.functional import eos_label_mask, mask_labels
-from zephon_collate.transforms.base import Transform, _check_ignore_fits, _check_key, _check_leading
-from zephon_collate.validation import check_eos_token_id, check_ignore_index
+from zephon_collate.transforms.base import Transform, _check_ignore_fits, _check_leading
 
 __all__ = ["EosMask"]
 
@@ -51,16 +53,18 @@ class EosMask(Transform):
         super().__init__()
         self.eos_token_id = check_eos_token_id(eos_token_id, owner="EosMask")
         self.ignore_index = check_ignore_index(ignore_index, owner="EosMask")
-        self.inputs_key = _check_key("EosMask", "inputs_key", inputs_key)
-        self.labels_key = _check_key("EosMask", "labels_key", labels_key)
+        self.inputs_key = check_key("EosMask", "inputs_key", inputs_key)
+        self.labels_key = check_key("EosMask", "labels_key", labels_key)
         self.in_keys = [inputs_key, labels_key]
         self.out_keys = [labels_key]
 
-    def forward(self, td: TensorDictBase) -> TensorDictBase:
-        inputs, labels = td[self.inputs_key], td[self.labels_key]
+    def check(self, data: Mapping[str, torch.Tensor]) -> None:
+        inputs, labels = data[self.inputs_key], data[self.labels_key]
         _check_leading(
             "EosMask", self.labels_key, labels, self.inputs_key, inputs, max(inputs.dim(), labels.dim())
         )
         _check_ignore_fits("EosMask", self.ignore_index, self.labels_key, labels)
-        from_eos = eos_label_mask(inputs, self.eos_token_id)
-        return td.replace({self.labels_key: mask_labels(labels, from_eos, self.ignore_index)})
+
+    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from_eos = eos_label_mask.unchecked(data[self.inputs_key], self.eos_token_id)
+        return {self.labels_key: mask_labels.unchecked(data[self.labels_key], from_eos, self.ignore_index)}

@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
-from tensordict import TensorDictBase
+from collections.abc import Mapping
 
+import torch
+
+from zephon_collate.checks import check_ignore_index, check_key
 from zephon_collate.functional import apply_loss_mask
 from zephon_collate.transforms.base import (
     Transform,
     _check_ignore_fits,
-    _check_key,
     _check_leading,
     _check_rank,
 )
-from zephon_collate.validation import check_ignore_index
 
 __all__ = ["LossMask"]
 
 
 def _optional_key(name: str, value: str | None) -> str | None:
-    return None if value is None else _check_key("LossMask", name, value)
+    return None if value is None else check_key("LossMask", name, value)
 
 
 class LossMask(Transform):
@@ -70,7 +71,7 @@ class LossMask(Transform):
         self.ignore_index = check_ignore_index(ignore_index, owner="LossMask")
         self.supervision_key = _optional_key("supervision_key", supervision_key)
         self.padding_length_key = _optional_key("padding_length_key", padding_length_key)
-        self.labels_key = _check_key("LossMask", "labels_key", labels_key)
+        self.labels_key = check_key("LossMask", "labels_key", labels_key)
         self.out_key = _optional_key("out_key", out_key)
         self.count_key = _optional_key("count_key", count_key)
         reads = [labels_key, supervision_key, padding_length_key]
@@ -79,26 +80,30 @@ class LossMask(Transform):
         if supervision_key is not None and supervision_key not in self.out_keys:
             self.dropped_keys = (supervision_key,)
 
-    def forward(self, td: TensorDictBase) -> TensorDictBase:
-        labels = td[self.labels_key]
+    def check(self, data: Mapping[str, torch.Tensor]) -> None:
+        labels = data[self.labels_key]
         _check_rank("LossMask", self.labels_key, labels, "[B, S] or [B, S, ...] labels", 2)
         _check_ignore_fits("LossMask", self.ignore_index, self.labels_key, labels)
-        supervision = padding = None
         if self.supervision_key is not None:
-            supervision = td[self.supervision_key]
+            supervision = data[self.supervision_key]
             _check_rank("LossMask", self.supervision_key, supervision, "a [B, S, ...] mask", 2, labels.dim())
             _check_leading(
                 "LossMask", self.supervision_key, supervision, self.labels_key, labels, supervision.dim()
             )
         if self.padding_length_key is not None:
-            padding = td[self.padding_length_key]
+            padding = data[self.padding_length_key]
             _check_rank("LossMask", self.padding_length_key, padding, "[B] pad counts", 1, 1)
             _check_leading("LossMask", self.padding_length_key, padding, self.labels_key, labels, 1)
-        labels, loss_mask, counts = apply_loss_mask(labels, supervision, padding, self.ignore_index)
+
+    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        supervision = None if self.supervision_key is None else data[self.supervision_key]
+        padding = None if self.padding_length_key is None else data[self.padding_length_key]
+        labels, loss_mask, counts = apply_loss_mask.unchecked(
+            data[self.labels_key], supervision, padding, self.ignore_index
+        )
         updates = {self.labels_key: labels}
         if self.out_key is not None:
             updates[self.out_key] = loss_mask
         if self.count_key is not None:
             updates[self.count_key] = counts
-        out = td.replace(updates)
-        return out.exclude(*self.dropped_keys) if self.dropped_keys else out
+        return updates

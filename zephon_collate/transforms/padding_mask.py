@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from tensordict import TensorDictBase
+from collections.abc import Mapping
 
+import torch
+
+from zephon_collate.checks import check_key
 from zephon_collate.functional import trailing_mask
-from zephon_collate.transforms.base import Transform, _check_key, _check_leading, _check_rank
+from zephon_collate.transforms.base import Transform, _check_leading, _check_rank
 
 __all__ = ["PaddingMask"]
 
@@ -43,15 +46,18 @@ class PaddingMask(Transform):
         out_key: str = "padding_mask",
     ) -> None:
         super().__init__()
-        self.padding_length_key = _check_key("PaddingMask", "padding_length_key", padding_length_key)
-        self.like_key = _check_key("PaddingMask", "like_key", like_key)
-        self.out_key = _check_key("PaddingMask", "out_key", out_key)
+        self.padding_length_key = check_key("PaddingMask", "padding_length_key", padding_length_key)
+        self.like_key = check_key("PaddingMask", "like_key", like_key)
+        self.out_key = check_key("PaddingMask", "out_key", out_key)
         self.in_keys = [padding_length_key, like_key]
         self.out_keys = [out_key]
 
-    def forward(self, td: TensorDictBase) -> TensorDictBase:
-        like, padding = td[self.like_key], td[self.padding_length_key]
+    def check(self, data: Mapping[str, torch.Tensor]) -> None:
+        like, padding = data[self.like_key], data[self.padding_length_key]
         _check_rank("PaddingMask", self.like_key, like, "[B, S] or [B, S, ...]", 2)
         _check_rank("PaddingMask", self.padding_length_key, padding, "[B] pad counts", 1, 1)
         _check_leading("PaddingMask", self.padding_length_key, padding, self.like_key, like, 1)
-        return td.replace({self.out_key: trailing_mask(padding, like.shape[1])})
+
+    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        length = data[self.like_key].shape[1]
+        return {self.out_key: trailing_mask.unchecked(data[self.padding_length_key], length)}

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
-from tensordict import TensorDictBase
+import torch
 
+from zephon_collate.checks import check_key, check_position_mode
 from zephon_collate.functional import sequence_positions
-from zephon_collate.transforms.base import Transform, _check_key, _check_rank
-from zephon_collate.validation import check_position_mode
+from zephon_collate.transforms.base import Transform, _check_rank
 
 __all__ = ["Positions"]
 
@@ -53,14 +54,16 @@ class Positions(Transform):
     ) -> None:
         super().__init__()
         self.mode = check_position_mode(mode)
-        self.like_key = _check_key("Positions", "like_key", like_key)
-        self.out_key = _check_key("Positions", "out_key", out_key)
+        self.like_key = check_key("Positions", "like_key", like_key)
+        self.out_key = check_key("Positions", "out_key", out_key)
         self.in_keys = [out_key] if self.mode == "preserve" else [like_key]
         self.out_keys = [out_key]
 
-    def forward(self, td: TensorDictBase) -> TensorDictBase:
+    def check(self, data: Mapping[str, torch.Tensor]) -> None:
+        if self.mode == "sequence":
+            _check_rank("Positions", self.like_key, data[self.like_key], "[B, S] or [B, S, ...]", 2)
+
+    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.mode == "preserve":
-            return td.copy()
-        like = td[self.like_key]
-        _check_rank("Positions", self.like_key, like, "[B, S] or [B, S, ...]", 2)
-        return td.replace({self.out_key: sequence_positions(like)})
+            return {}
+        return {self.out_key: sequence_positions(data[self.like_key])}

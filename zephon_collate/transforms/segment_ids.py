@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import torch
-from tensordict import TensorDictBase
+from collections.abc import Mapping
 
-from zephon_collate.attention import flatten_segment_ids, padding_from_length, segment_ids_from_positions
-from zephon_collate.transforms.base import Transform, _check_key
+import torch
+
+from zephon_collate.checks import check_key
+from zephon_collate.functional.labels import padding_from_length
+from zephon_collate.functional.segments import flatten_segment_ids, segment_ids_from_positions
+from zephon_collate.transforms.base import Transform
 
 __all__ = ["SegmentIds"]
 
@@ -19,13 +22,13 @@ class SegmentIds(Transform):
     ``flatten=True`` the ids are numbered across the batch instead, ``[B * S]``
     (row ``b``'s ids offset by the segments of the rows before it): the
     ``seq_idx`` that Mamba-style kernels take (as ``[1, B * S]``), and what
-    :func:`~zephon_collate.attention.document_block_mask` needs for a
+    :func:`~zephon_collate.functional.attention.document_block_mask` needs for a
     flattened ``[1, B * S]`` layout; the output TensorDict then has
     ``batch_size=[]``, as :class:`CuSeqlens` does when flattening.
 
     **Padding.** With ``mark_padding=True`` the last ``padding_length[b]``
     tokens of row ``b`` get segment id **-1**, so no kernel treats padding as a
-    document (the masks of :mod:`zephon_collate.attention` let a -1 token
+    document (the masks of :mod:`zephon_collate.functional.attention` let a -1 token
     attend to itself only, and no token attend to it). Unmarked, the padding
     written by ``pack_flat`` is a segment of its own, which also keeps it out
     of every document. ``padding_length`` counts the row as packed: after
@@ -35,7 +38,7 @@ class SegmentIds(Transform):
 
     Positions must be those of the payload (segment-restarting); place this
     before ``Positions("sequence")``. The segments are those of
-    :class:`CuSeqlens` (see :func:`~zephon_collate.attention.check_consistent`).
+    :class:`CuSeqlens` (see :func:`~zephon_collate.functional.attention.check_consistent`).
 
     Parameters:
         positions_key: the ``[B, S]`` positions (default ``"positions"``).
@@ -73,23 +76,22 @@ class SegmentIds(Transform):
         for name, value in (("flatten", flatten), ("mark_padding", mark_padding), ("shifted", shifted)):
             if not isinstance(value, bool):
                 raise TypeError(f"SegmentIds: {name} must be a bool, got {value!r}")
-        self.positions_key = _check_key("SegmentIds", "positions_key", positions_key)
-        self.padding_length_key = _check_key("SegmentIds", "padding_length_key", padding_length_key)
-        self.out_key = _check_key("SegmentIds", "out_key", out_key)
+        self.positions_key = check_key("SegmentIds", "positions_key", positions_key)
+        self.padding_length_key = check_key("SegmentIds", "padding_length_key", padding_length_key)
+        self.out_key = check_key("SegmentIds", "out_key", out_key)
         self.flatten = flatten
         self.mark_padding = mark_padding
         self.shifted = shifted
         self.in_keys = [positions_key, padding_length_key] if mark_padding else [positions_key]
         self.out_keys = [out_key]
 
-    def forward(self, td: TensorDictBase) -> TensorDictBase:
-        positions = td[self.positions_key]
+    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        positions = data[self.positions_key]
         padding = None
         if self.mark_padding:
-            padding = padding_from_length(td[self.padding_length_key], positions.shape[1], self.shifted)
+            padding = padding_from_length(data[self.padding_length_key], positions.shape[1], self.shifted)
         ids = segment_ids_from_positions(positions, padding)
-        if not self.flatten:
-            return td.replace({self.out_key: ids})
-        out = td.copy()
-        out.batch_size = torch.Size([])
-        return out.update({self.out_key: flatten_segment_ids(ids)})
+        return {self.out_key: flatten_segment_ids(ids) if self.flatten else ids}
+
+    def output_batch_size(self, batch_size: torch.Size) -> torch.Size:
+        return torch.Size([]) if self.flatten else batch_size

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from tensordict import TensorDictBase
+import torch
 
-from zephon_collate.functional import shift_tokens
-from zephon_collate.transforms.base import Transform, _check_key, _check_keys, _check_leading, _check_rank
+from zephon_collate.checks import check_key, check_keys
+from zephon_collate.transforms.base import Transform, _check_leading, _check_rank
 
 __all__ = ["TokenShift"]
 
@@ -47,10 +47,10 @@ class TokenShift(Transform):
         label_keys: Sequence[str] = (),
     ) -> None:
         super().__init__()
-        self.tokens_key = _check_key("TokenShift", "tokens_key", tokens_key)
-        self.labels_key = _check_key("TokenShift", "labels_key", labels_key)
-        self.input_keys = _check_keys("TokenShift", "input_keys", input_keys)
-        self.label_keys = _check_keys("TokenShift", "label_keys", label_keys)
+        self.tokens_key = check_key("TokenShift", "tokens_key", tokens_key)
+        self.labels_key = check_key("TokenShift", "labels_key", labels_key)
+        self.input_keys = check_keys("TokenShift", "input_keys", input_keys)
+        self.label_keys = check_keys("TokenShift", "label_keys", label_keys)
         aligned = (*self.input_keys, *self.label_keys)
         if len({tokens_key, labels_key, *aligned}) != 2 + len(aligned):
             raise ValueError(
@@ -60,15 +60,17 @@ class TokenShift(Transform):
         self.in_keys = [tokens_key, *aligned]
         self.out_keys = [tokens_key, labels_key, *aligned]
 
-    def forward(self, td: TensorDictBase) -> TensorDictBase:
-        tokens = td[self.tokens_key]
+    def check(self, data: Mapping[str, torch.Tensor]) -> None:
+        tokens = data[self.tokens_key]
         _check_rank("TokenShift", self.tokens_key, tokens, "[B, S] or [B, S, ...] tokens", 2)
         for key in (*self.input_keys, *self.label_keys):
-            _check_leading("TokenShift", key, td[key], self.tokens_key, tokens, 2)
-        inputs, labels = shift_tokens(tokens)
-        updates = {self.tokens_key: inputs, self.labels_key: labels}
+            _check_leading("TokenShift", key, data[key], self.tokens_key, tokens, 2)
+
+    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        tokens = data[self.tokens_key]
+        updates = {self.tokens_key: tokens[:, :-1], self.labels_key: tokens[:, 1:]}
         for key in self.input_keys:
-            updates[key] = td[key][:, :-1]
+            updates[key] = data[key][:, :-1]
         for key in self.label_keys:
-            updates[key] = td[key][:, 1:]
-        return td.replace(updates)
+            updates[key] = data[key][:, 1:]
+        return updates

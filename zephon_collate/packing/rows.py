@@ -5,7 +5,7 @@ tokens (``overflow="split"``) or keeps its head (``"truncate"``).
 :class:`Engine` places pieces into rows, greedily in arrival order or by
 best-fit-decreasing over a bounded buffer, and :func:`build_row` lays a row's
 pieces end to end with a padding segment and writes its new metadata. Pieces
-hold plain data only, so :class:`zephon_collate.packing_stream.FlatPacker` can
+hold plain data only, so :class:`zephon_collate.packing.packer.FlatPacker` can
 save and restore them.
 """
 
@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from zephon_collate.packing_input import POSITIONS, PackOptions
-from zephon_collate.types import (
+from zephon_collate.packing.reader import POSITIONS, PackOptions
+from zephon_collate.records import (
     CONTRIBUTORS_TAG,
     PADDING_LENGTH_TAG,
     ContributorRef,

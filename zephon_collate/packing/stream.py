@@ -1,6 +1,6 @@
 """PackedStream: packed rows from a record source, as an IterableDataset that resumes mid-epoch.
 
-:class:`PackedStream` runs a :class:`~zephon_collate.packing_stream.FlatPacker`
+:class:`PackedStream` runs a :class:`~zephon_collate.packing.packer.FlatPacker`
 over the records of its shard (one per data-parallel rank and DataLoader
 worker) and is its own iterator, with ``state_dict``/``load_state_dict``. That
 is the protocol of torchdata's ``StatefulDataLoader``, which saves the state of
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
-from zephon_collate.packing_stream import FlatPacker
-from zephon_collate.types import SampleRecord
+from zephon_collate.packing.packer import FlatPacker
+from zephon_collate.records import SampleRecord
 
 __all__ = ["PackedStream"]
 

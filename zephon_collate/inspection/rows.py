@@ -9,7 +9,7 @@ supervised, whether it is padding, its position, and where each segment
 begins. :func:`batch_warnings` puts the usual mistakes of chat-template masks
 and packing into words: a loss mask that is all zero, rows that are mostly
 padding, positions that disagree with ``cu_seqlens``, supervised padding, and
-labels trained across a document boundary. :mod:`zephon_collate.render` draws
+labels trained across a document boundary. :mod:`zephon_collate.inspection.render` draws
 the rows as text or a PNG.
 """
 

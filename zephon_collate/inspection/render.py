@@ -1,8 +1,8 @@
 """See a collated batch token by token: in the terminal (:func:`render_batch`) or as a PNG.
 
-The rows are read by :func:`~zephon_collate.inspect_batch.batch_rows`, and
+The rows are read by :func:`~zephon_collate.inspection.rows.batch_rows`, and
 the warnings that end the picture are those of
-:func:`~zephon_collate.inspect_batch.batch_warnings`.
+:func:`~zephon_collate.inspection.rows.batch_warnings`.
 
 The plain text layout, per row (columns wrap at ``width``): a chat example
 (prompt not supervised), then the padding segment::
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zephon_collate.inspect_batch import RowView, _percent, batch_rows, batch_warnings
+from zephon_collate.inspection.rows import RowView, _percent, batch_rows, batch_warnings
 
 __all__ = ["render_batch", "render_batch_png", "token_text"]
 

@@ -1,6 +1,6 @@
 """Rows to TensorDict: stack a batch's checked rows once.
 
-:func:`stack_batch` reads and checks the payloads (:mod:`zephon_collate.payloads`),
+:func:`stack_batch` reads and checks the payloads (:mod:`zephon_collate.read`),
 checks each ``meta.padding_length``, and stacks every field into one tensor on
 the payloads' device. Nothing here writes into a payload: stacking copies.
 """
@@ -8,18 +8,18 @@ the payloads' device. Nothing here writes into a payload: stacking copies.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
-from zephon_collate.payloads import TOKENS, Columns, as_record_tuple, describe, read_columns
-from zephon_collate.types import SampleBatch, SampleRecord
-from zephon_collate.validation import check_field_names
+from zephon_collate.checks import check_field_names
+from zephon_collate.keys import INPUT_IDS, PADDING_LENGTH
+from zephon_collate.read import Columns, as_record_tuple, describe, read_columns
 
 __all__ = ["stack_batch", "stack_columns"]
 
-PADDING_LENGTH = "padding_length"
 CPU = torch.device("cpu")
 
 
@@ -92,7 +92,7 @@ def stack_rows(columns: Columns, name: str, dtype: torch.dtype | None, device: t
     first = tuple(rows[0].shape)
     for index, row in enumerate(rows):
         if row.shape != first:
-            what = "token rows" if name == TOKENS else f"rows of field {name!r}"
+            what = "token rows" if name == INPUT_IDS else f"rows of field {name!r}"
             raise ValueError(
                 f"cannot stack {what} of unequal shape into a tensor: record 0 has shape {first}, "
                 f"{describe(columns.records, index)} has {tuple(row.shape)}; pad or pack them "
@@ -117,8 +117,8 @@ def stack_columns(
     *,
     padding_lengths: list[int] | None = None,
     keep_dtype: Sequence[str] = (),
-) -> TensorDict:
-    """Stack every field of ``columns`` into a ``TensorDict`` with ``batch_size=[B]``.
+) -> dict[str, torch.Tensor]:
+    """Stack every field of ``columns`` into ``[B, ...]`` tensors on the payloads' device.
 
     Fields are cast to ``dtype`` except those in ``keep_dtype``; ``padding_lengths``,
     when given, becomes a ``[B]`` int64 ``"padding_length"`` entry.
@@ -130,11 +130,11 @@ def stack_columns(
     }
     if padding_lengths is not None:
         data[PADDING_LENGTH] = torch.tensor(padding_lengths, dtype=torch.int64, device=device)
-    return TensorDict(data, batch_size=[len(columns.records)], device=device)
+    return data
 
 
 def stack_batch(
-    batch: SampleBatch | Sequence[SampleRecord],
+    batch: Any,
     *,
     tokens_field: str = "auto",
     extra_fields: Sequence[str] = (),
@@ -150,7 +150,7 @@ def stack_batch(
     0 where unset. This is the input of the transform chain.
 
     Parameters:
-        batch: a :class:`SampleBatch` or a sequence of records.
+        batch: a :class:`~zephon_collate.SampleBatch` or a sequence of records.
         tokens_field: the token field, or ``"auto"`` (input_ids, tokens, token_ids, ids).
         extra_fields: further per-record fields to stack.
         dtype: integer dtype for every stacked field.
@@ -189,5 +189,6 @@ def stack_batch(
         raise ValueError(f"{owner}: pin_memory=True needs an accelerator, and none is available here")
     records = as_record_tuple(batch, owner)
     columns = read_columns(records, tokens_field=tokens_field, required=extras)
-    td = stack_columns(columns, dtype, padding_lengths=check_padding_lengths(columns))
+    data = stack_columns(columns, dtype, padding_lengths=check_padding_lengths(columns))
+    td = TensorDict(data, batch_size=[len(records)], device=_common_device(columns))
     return td.pin_memory() if pin_memory else td

@@ -1,7 +1,7 @@
 """Packer input: check the packing options and read each document's tokens and per-token fields.
 
 :class:`PackOptions` checks the options of :func:`zephon_collate.packing.pack_flat`
-and :class:`zephon_collate.packing_stream.FlatPacker`. :class:`Reader` reads one
+and :class:`zephon_collate.packing.packer.FlatPacker`. :class:`Reader` reads one
 record at a time: its token row as int64 ids >= 0 and the per-token fields
 packed beside it (``loss_mask`` holding only 0 and 1), each a 1-D NumPy view of
 the payload, with a ``TypeError``/``ValueError`` that names the record, the
@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from zephon_collate.payloads import TOKEN_FIELD_CANDIDATES, is_array_payload, sequence_array
-from zephon_collate.types import SampleRecord
-from zephon_collate.validation import INT64_MAX
+from zephon_collate.keys import INT64_MAX
+from zephon_collate.read import TOKEN_FIELD_CANDIDATES, is_array_payload, sequence_array
+from zephon_collate.records import SampleRecord
 
 __all__ = ["OVERFLOWS", "STRATEGIES", "PackOptions", "Reader", "candidate_fields"]
 

@@ -6,35 +6,47 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
 
-from zephon_collate import numpy_kernels
-from zephon_collate.options import TrainingOptions
-from zephon_collate.types import SampleRecord
+from zephon_collate.collate.options import TrainingOptions
+from zephon_collate.functional.labels import contiguous
+from zephon_collate.keys import (
+    CU_SEQLENS,
+    IDS,
+    INPUT_IDS,
+    LABELS,
+    LOSS_MASK,
+    MAX_SEQLEN,
+    NUM_VALID_TOKENS,
+    PADDING_MASK,
+    POSITIONS,
+    TEXT,
+    TEXTS,
+)
+from zephon_collate.records import SampleRecord
 
 __all__ = ["assemble_outputs", "empty_outputs", "ids_and_texts", "merge_row_outputs", "output_keys"]
 
-NOT_PER_TOKEN = ("ids", "texts", "num_valid_tokens", "cu_seqlens", "max_seqlen")
+NOT_PER_TOKEN = (IDS, TEXTS, NUM_VALID_TOKENS, CU_SEQLENS, MAX_SEQLEN)
 
 
 def emitted_keys(options: TrainingOptions, stacked_keys: Sequence[str] | None) -> list[str]:
     """The fields a call emits, in the reference page's order (``None``: an empty batch)."""
     empty = stacked_keys is None
     has = set(stacked_keys or ())
-    keys = ["ids", "texts", "input_ids"]
-    keys += ["labels"] if options.return_labels else []
-    if options.position_mode == "sequence" or (not empty and "positions" in has):
-        keys.append("positions")
+    keys = [IDS, TEXTS, INPUT_IDS]
+    keys += [LABELS] if options.return_labels else []
+    if options.position_mode == "sequence" or (not empty and POSITIONS in has):
+        keys.append(POSITIONS)
     keys += list(options.data_fields)
-    if empty and "positions" in options.extra_fields and "positions" not in keys:
-        keys.append("positions")
-    keys += ["num_valid_tokens"] if options.return_num_valid_tokens else []
+    if empty and POSITIONS in options.extra_fields and POSITIONS not in keys:
+        keys.append(POSITIONS)
+    keys += [NUM_VALID_TOKENS] if options.return_num_valid_tokens else []
     raw_mask = not options.return_labels and (
-        "loss_mask" in has or (empty and "loss_mask" in options.extra_fields)
+        LOSS_MASK in has or (empty and LOSS_MASK in options.extra_fields)
     )
-    keys += ["loss_mask"] if options.return_loss_mask or raw_mask else []
-    keys += ["cu_seqlens", "max_seqlen"] if options.return_cu_seqlens else []
-    keys += ["padding_mask"] if options.return_padding_mask else []
+    keys += [LOSS_MASK] if options.return_loss_mask or raw_mask else []
+    keys += [CU_SEQLENS, MAX_SEQLEN] if options.return_cu_seqlens else []
+    keys += [PADDING_MASK] if options.return_padding_mask else []
     return keys
 
 
@@ -75,7 +87,7 @@ def output_keys(options: TrainingOptions, stacked_keys: Sequence[str]) -> list[t
 
 def empty_outputs(options: TrainingOptions) -> dict[str, Any]:
     """What to_training returns for an empty batch."""
-    values: dict[str, Any] = {"num_valid_tokens": 0}
+    values: dict[str, Any] = {NUM_VALID_TOKENS: 0}
     if options.return_cu_seqlens and options.flatten:
         values.update(cu_seqlens=[0], max_seqlen=0)
     pairs = rename_and_exclude(emitted_keys(options, None), options, empty=True)
@@ -85,14 +97,14 @@ def empty_outputs(options: TrainingOptions) -> dict[str, Any]:
 def ids_and_texts(records: Sequence[SampleRecord]) -> dict[str, list[Any]]:
     """The per-record outputs: ``"ids"`` (sample ids), ``"texts"`` (a dict payload's ``"text"`` or None)."""
     return {
-        "ids": [r.meta.sample_id for r in records],
-        "texts": [r.payload.get("text") if isinstance(r.payload, Mapping) else None for r in records],
+        IDS: [r.meta.sample_id for r in records],
+        TEXTS: [r.payload.get(TEXT) if isinstance(r.payload, Mapping) else None for r in records],
     }
 
 
 def _convert(tensor: torch.Tensor, kind: str) -> Any:
     if kind == "torch":
-        return numpy_kernels.contiguous(tensor)
+        return contiguous(tensor)
     if kind == "numpy":  # contiguous first: a view of the stacked batch would keep all of it alive
         return tensor.detach().cpu().contiguous().numpy()
     return tensor.tolist()
@@ -105,7 +117,7 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 def assemble_outputs(
     per_record: dict[str, list[Any]],
     options: TrainingOptions,
-    td: TensorDictBase,
+    td: Mapping[str, Any],
     pairs: list[tuple[str, str]],
     *,
     python_scalars: bool = True,
@@ -121,9 +133,9 @@ def assemble_outputs(
     for key, name in pairs:
         if key in per_record:
             out[name] = per_record[key]
-        elif key == "num_valid_tokens":
+        elif key == NUM_VALID_TOKENS:
             out[name] = scalar(td[key].sum())
-        elif key == "max_seqlen" and options.flatten:
+        elif key == MAX_SEQLEN and options.flatten:
             out[name] = scalar(td[key])
         elif key in NOT_PER_TOKEN or not options.flatten:
             out[name] = _convert(td[key], kind)
@@ -149,7 +161,7 @@ def _join_boundaries(rows: list[list[int]]) -> list[int]:
 def merge_row_outputs(
     per_record: dict[str, list[Any]],
     options: TrainingOptions,
-    tds: list[TensorDictBase],
+    tds: list[Mapping[str, Any]],
     pairs: list[tuple[str, str]],
 ) -> dict[str, Any]:
     """List output for rows of unequal length, each run through the chain as a batch of one."""
@@ -159,11 +171,11 @@ def merge_row_outputs(
             out[name] = per_record[key]
             continue
         rows = [td[key].tolist() for td in tds]
-        if key == "num_valid_tokens":
+        if key == NUM_VALID_TOKENS:
             out[name] = sum(sum(row) for row in rows)
-        elif key == "cu_seqlens":
+        elif key == CU_SEQLENS:
             out[name] = _join_boundaries(rows) if options.flatten else _pad_rows([row[0] for row in rows])
-        elif key == "max_seqlen":
+        elif key == MAX_SEQLEN:
             out[name] = max(rows) if options.flatten else [row[0] for row in rows]
         elif options.flatten:
             out[name] = [item for row in rows for item in row[0]]

@@ -1,4 +1,4 @@
-"""Argument checks shared by to_training, the transforms and the collator.
+"""Argument checks shared by to_training, the transforms, the collator and the packer.
 
 Each check raises a ``ValueError``/``TypeError`` that names the argument, the
 value received and what is expected, or returns the normalised value.
@@ -6,12 +6,17 @@ value received and what is expected, or returns the normalised value.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import os
+import sys
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import torch
+
+from zephon_collate.keys import INT64_MAX, INT64_MIN
 
 __all__ = [
     "OutputKind",
@@ -22,7 +27,7 @@ __all__ = [
 ]
 
 POSITION_MODES = ("preserve", "sequence")
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _INTEGER_TORCH_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 
 
@@ -37,14 +42,52 @@ def check_eos_token_id(value: object, *, owner: str = "to_training") -> int:
     return int(value)  # type: ignore[call-overload]
 
 
-def check_ignore_index(value: object, *, owner: str = "to_training") -> int:
+def check_eos_fits(eos_token_id: int, dtype: torch.dtype, *, owner: str = "to_training") -> None:
+    """``ValueError`` if integer ``dtype`` cannot hold ``eos_token_id`` (it would wrap around)."""
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return
+    if eos_token_id > torch.iinfo(dtype).max:
+        raise ValueError(
+            f"{owner}: eos_token_id {eos_token_id} does not fit dtype {dtype}; pick a wider dtype"
+        )
+
+
+def check_ignore_index(value: object, *, owner: str = "to_training", fits: torch.dtype | None = None) -> int:
     """Return ``value`` as an int: ``TypeError`` if it is not an integer (bools excluded), ``ValueError``
-    if it is outside int64."""
+    if it is outside int64, or outside the integer dtype ``fits`` when given."""
     if not _is_int(value):
         raise TypeError(f"{owner}: ignore_index must be an int, got {value!r}")
     if not INT64_MIN <= value <= INT64_MAX:  # type: ignore[operator]
         raise ValueError(f"{owner}: ignore_index must fit in int64, got {value!r}")
+    if fits is not None and not (fits.is_floating_point or fits.is_complex or fits == torch.bool):
+        info = torch.iinfo(fits)
+        if not info.min <= value <= info.max:  # type: ignore[operator]
+            raise ValueError(f"{owner}: ignore_index {value} does not fit dtype {fits}; pick a wider dtype")
     return int(value)  # type: ignore[call-overload]
+
+
+def check_key(owner: str, name: str, value: object) -> str:
+    """Return ``value`` if it is a non-empty str (a TensorDict key), else raise ``TypeError``."""
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{owner}: {name} must be a non-empty str, got {value!r}")
+    return value
+
+
+def check_keys(owner: str, name: str, value: Iterable[str]) -> tuple[str, ...]:
+    """Return a sequence of keys as a tuple; a bare str or a non-str item raises ``TypeError``."""
+    if isinstance(value, str):
+        raise TypeError(f"{owner}: {name} must be a sequence of keys, not the str {value!r}")
+    if not isinstance(value, Iterable):
+        raise TypeError(f"{owner}: {name} must be a sequence of keys, got {value!r}")
+    return tuple(check_key(owner, name, key) for key in value)
+
+
+def warn_user(message: str) -> None:
+    """A ``UserWarning`` attributed to the first caller outside this package."""
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        level, frame = level + 1, frame.f_back  # type: ignore[assignment]
+    warnings.warn(message, UserWarning, stacklevel=level)
 
 
 def check_position_mode(value: object) -> Literal["preserve", "sequence"]:

@@ -3,7 +3,7 @@
 Payloads are dicts of fields, or arrays (a list, tuple, NumPy array or torch
 tensor that is the token row itself, with no other field). :func:`read_columns`
 reads a batch's fields into :class:`Columns`, one row per record, which
-:mod:`zephon_collate.batch` stacks. Nothing here writes into a payload.
+:mod:`zephon_collate.collate.stack` stacks. Nothing here writes into a payload.
 """
 
 from __future__ import annotations
@@ -17,18 +17,14 @@ from typing import Any, Literal, TypeAlias
 import numpy as np
 import torch
 
-from zephon_collate.types import SampleBatch, SampleRecord
-from zephon_collate.validation import INT64_MAX
+from zephon_collate.keys import INPUT_IDS, INT64_MAX, POSITIONS, TOKEN_FIELD_CANDIDATES
+from zephon_collate.records import SampleRecord
 
 __all__ = [
-    "TOKEN_FIELD_CANDIDATES",
     "Columns",
     "as_record_tuple",
     "read_columns",
 ]
-
-TOKEN_FIELD_CANDIDATES = ("input_ids", "tokens", "token_ids", "ids")
-TOKENS = "input_ids"
 
 
 Row: TypeAlias = "np.ndarray | torch.Tensor"
@@ -57,13 +53,16 @@ def is_array_payload(payload: object) -> bool:
 
 
 def as_record_tuple(batch: object, owner: str) -> tuple[SampleRecord, ...]:
-    """The records of a :class:`SampleBatch` or of a sequence of :class:`SampleRecord`.
+    """The records of a :class:`~zephon_collate.SampleBatch` or of a sequence of :class:`SampleRecord`.
+
+    A batch is recognised by its ``records`` tuple (this layer sits below ``SampleBatch``).
 
     Raises:
         TypeError: for anything else (plain payload dicts included: the Collator wraps those).
     """
-    if isinstance(batch, SampleBatch):
-        return batch.records
+    records = getattr(batch, "records", None)
+    if isinstance(records, tuple) and not isinstance(batch, Sequence):
+        batch = records
     if isinstance(batch, (str, bytes, Mapping)) or not isinstance(batch, Iterable):
         raise TypeError(
             f"{owner}: expected a SampleBatch or a list of SampleRecord, got {type(batch).__name__}"
@@ -263,7 +262,7 @@ class Columns:
     padding_lengths: list[int | None] = field(default_factory=list)
 
     def lengths(self) -> list[int]:
-        return [int(row.shape[0]) for row in self.rows[TOKENS]]
+        return [int(row.shape[0]) for row in self.rows[INPUT_IDS]]
 
 
 def read_field(
@@ -333,9 +332,9 @@ def read_columns(
     check_payloads(records)
     field_name = resolve_tokens_field(records, tokens_field) if records else tokens_field
     columns = Columns(records, field_name)
-    columns.rows[TOKENS] = read_field(records, field_name, field_name, "ids", required=True) or []
+    columns.rows[INPUT_IDS] = read_field(records, field_name, field_name, "ids", required=True) or []
     for name in dict.fromkeys((*optional, *required)):
-        kind: Kind = "ids" if name == "positions" else "values"
+        kind: Kind = "ids" if name == POSITIONS else "values"
         rows = read_field(records, name, field_name, kind, required=name in required)
         if rows is not None:
             columns.rows[name] = rows

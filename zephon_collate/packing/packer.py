@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from zephon_collate.packing_input import PackOptions, Reader
-from zephon_collate.packing_rows import Base, Engine, Piece, build_row, split_document
-from zephon_collate.types import SampleRecord
+from zephon_collate.packing.reader import PackOptions, Reader
+from zephon_collate.packing.rows import Base, Engine, Piece, build_row, split_document
+from zephon_collate.records import SampleRecord
 
 __all__ = ["FlatPacker"]
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from zephon_collate.types import SampleMeta
+from zephon_collate.records import SampleMeta
 
 __all__ = [
     "PIPE_LIMIT",

@@ -4,8 +4,8 @@
 documents alone, and compares each document's slice of the packed output with
 its output alone; a difference means attention (or anything else in the model)
 crosses document boundaries. The segment ids it hands the model come from
-:func:`~zephon_collate.attention.segment_ids_from_positions`, so the model can
-build its kernel's metadata with the functions of :mod:`zephon_collate.attention`.
+:func:`~zephon_collate.functional.attention.segment_ids_from_positions`, so the model can
+build its kernel's metadata with the functions of :mod:`zephon_collate.functional.attention`.
 The result is a :class:`LeakageReport` (one :class:`DocumentCheck` per
 document); a leak raises :class:`LeakageError`. The check reads results back
 to the host: it is a test and debug tool, not for the training loop.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zephon_collate.attention import segment_ids_from_positions
+from zephon_collate.functional.attention import segment_ids_from_positions
 
 __all__ = ["DocumentCheck", "LeakageError", "LeakageReport", "check_no_leakage"]
 
@@ -121,11 +121,11 @@ def check_no_leakage(
 
     ``model_fn(input_ids, positions, segment_ids) -> outputs`` takes ``[b, s]``
     token ids, segment-restarting positions and int32 segment ids
-    (:func:`~zephon_collate.attention.segment_ids_from_positions`; build the
+    (:func:`~zephon_collate.functional.attention.segment_ids_from_positions`; build the
     kernel's metadata from them with
-    :func:`~zephon_collate.attention.dense_document_mask`,
-    :func:`~zephon_collate.attention.document_block_mask` or
-    :func:`~zephon_collate.attention.cu_seqlens_from_segment_ids`) and returns
+    :func:`~zephon_collate.functional.attention.dense_document_mask`,
+    :func:`~zephon_collate.functional.attention.document_block_mask` or
+    :func:`~zephon_collate.functional.attention.cu_seqlens_from_segment_ids`) and returns
     a tensor whose first two dims are ``[b, s]`` (e.g. logits ``[b, s, V]``).
     Put the model in eval mode (no dropout); the check runs under
     ``torch.no_grad()`` and reads results back to the host (a test or debug

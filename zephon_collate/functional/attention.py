@@ -18,8 +18,8 @@ restarting at 0), and never from token values:
   transform); :func:`cu_seqlens_from_segment_ids` and :func:`check_consistent`
   tie them to the segment ids.
 
-The end-to-end check of a model (:func:`~zephon_collate.leakage.check_no_leakage`)
-lives in :mod:`zephon_collate.leakage`.
+The end-to-end check of a model (:func:`~zephon_collate.inspection.leakage.check_no_leakage`)
+lives in :mod:`zephon_collate.inspection.leakage`.
 
 **Padding.** Segment ids may mark trailing padding with ``-1``
 (``padding_mask`` here, ``mark_padding`` in :class:`SegmentIds`). Masks built
@@ -41,7 +41,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zephon_collate.functional import cu_seqlens_flat, cu_seqlens_rows, trailing_mask
+from zephon_collate.functional.labels import padding_from_length
+from zephon_collate.functional.segments import (
+    PADDING_SEGMENT,
+    cu_seqlens_flat,
+    cu_seqlens_rows,
+    flatten_segment_ids,
+    segment_ids_from_positions,
+)
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -57,88 +64,6 @@ __all__ = [
     "padding_from_length",
     "segment_ids_from_positions",
 ]
-
-PADDING_SEGMENT = -1
-"""The segment id of marked padding tokens."""
-
-
-def segment_ids_from_positions(
-    positions: torch.Tensor, padding_mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Per-token segment index from segment-restarting positions.
-
-    A segment starts wherever ``positions == 0``; the id is the running count
-    of starts minus one (``cumsum(positions == 0) - 1``), so each ``[B, S]``
-    row numbers its segments ``0, 1, ...``. Flattened ``[N]`` positions (a
-    ``to_training(flatten=True)`` output, every row starting at 0) give
-    batch-global ids, as :func:`flatten_segment_ids` numbers them. The first
-    token always starts a segment (a row whose positions do not start at 0
-    has its leading tokens as segment 0; ``cu_seqlens`` needs zero-start rows
-    anyway). Where the boolean ``padding_mask`` (same shape) is True the id is
-    :data:`PADDING_SEGMENT` (-1), so no kernel treats padding as a document;
-    padding then takes no number, so the documents keep ids ``0 .. D-1``.
-
-    Returns:
-        int32 ids of the shape of ``positions``, on its device.
-
-    Example:
-        >>> positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
-        >>> segment_ids_from_positions(positions).tolist()
-        [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 1, 1]]
-        >>> padding = torch.tensor([[False] * 5 + [True], [False] * 6])
-        >>> segment_ids_from_positions(positions, padding).tolist()
-        [[0, 0, 0, 1, 1, -1], [0, 0, 0, 0, 1, 1]]
-        >>> segment_ids_from_positions(positions.reshape(-1), padding.reshape(-1)).tolist()
-        [0, 0, 0, 1, 1, -1, 2, 2, 2, 2, 3, 3]
-    """
-    first = torch.arange(positions.shape[-1], device=positions.device) == 0
-    starts = (positions == 0) | first
-    if padding_mask is None:
-        return starts.cumsum(dim=-1, dtype=torch.int32) - 1
-    ids = (starts & padding_mask.logical_not()).cumsum(dim=-1, dtype=torch.int32) - 1
-    return ids.masked_fill(padding_mask, PADDING_SEGMENT)
-
-
-def padding_from_length(padding_length: torch.Tensor, length: int, shifted: bool = False) -> torch.Tensor:
-    """Boolean ``[B, length]`` padding mask from per-row trailing pad counts ``[B]``.
-
-    ``padding_length[b]`` counts the last tokens of row ``b`` as they were
-    packed. With ``shifted=True`` the rows have since been cut to the model's
-    inputs (``[:, :-1]``, :class:`TokenShift`), which removed one padding
-    token from each padded row: the mask then covers ``padding_length - 1``
-    tokens, as :class:`PaddingMask` placed before the shift does.
-
-    Example:
-        >>> padding_from_length(torch.tensor([2, 0]), 4).tolist()
-        [[False, False, True, True], [False, False, False, False]]
-        >>> padding_from_length(torch.tensor([2, 0]), 3, shifted=True).tolist()
-        [[False, False, True], [False, False, False]]
-    """
-    if shifted:
-        padding_length = (padding_length - 1).clamp(min=0)
-    return trailing_mask(padding_length, length)
-
-
-def flatten_segment_ids(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Number per-row ``[B, S]`` segment ids across the batch: ``[B * S]``, the ``seq_idx`` layout.
-
-    Row ``b``'s ids are offset by the number of segments in the rows before
-    it, so every document of the batch has its own id, increasing along the
-    flattened sequence; marked padding stays -1. Use these (not per-row ids
-    reshaped, which would give the first document of a row the id of the one
-    before it) for a flattened ``[1, B * S]`` attention layout.
-
-    Example:
-        >>> ids = torch.tensor([[0, 0, 1, -1], [0, 1, 1, 2]], dtype=torch.int32)
-        >>> flatten_segment_ids(ids).tolist()
-        [0, 0, 1, -1, 2, 3, 3, 4]
-    """
-    if segment_ids.shape[1] == 0:
-        return segment_ids.reshape(-1)
-    counts = segment_ids.amax(dim=1) + 1
-    offsets = counts.cumsum(dim=0) - counts
-    flat = segment_ids + offsets.unsqueeze(1).to(segment_ids.dtype)
-    return torch.where(segment_ids >= 0, flat, segment_ids).reshape(-1)
 
 
 def _as_rows(segment_ids: torch.Tensor) -> torch.Tensor:

@@ -4,21 +4,22 @@ Documents are laid end to end in rows; each document (or piece of one) is a
 segment whose ``positions`` restart at 0, and the trailing padding is a segment
 of its own, so ``to_training(return_cu_seqlens=True)`` finds every document
 boundary and padding never joins a document. :func:`pack_flat` packs a list;
-:class:`zephon_collate.packing_stream.FlatPacker` packs an endless stream with a
+:class:`zephon_collate.packing.packer.FlatPacker` packs an endless stream with a
 bounded buffer and a resumable state. Both give the same rows for the same
 input and options, and neither changes its input records. Tokens are handled
 with NumPy slicing and concatenation: Python loops run over documents only.
-Options and documents are checked and read by :mod:`zephon_collate.packing_input`.
+Options and documents are checked and read by :mod:`zephon_collate.packing.reader`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from zephon_collate.packing_input import LOSS_MASK, PackOptions, _as_array, _where, candidate_fields
-from zephon_collate.packing_stream import FlatPacker
-from zephon_collate.payloads import TOKEN_FIELD_CANDIDATES, is_array_payload
-from zephon_collate.types import SampleBatch, SampleRecord
+from zephon_collate.collate.sample_batch import SampleBatch
+from zephon_collate.packing.packer import FlatPacker
+from zephon_collate.packing.reader import LOSS_MASK, PackOptions, _as_array, _where, candidate_fields
+from zephon_collate.read import TOKEN_FIELD_CANDIDATES, is_array_payload
+from zephon_collate.records import SampleRecord
 
 __all__ = ["pack_flat"]
 

@@ -25,7 +25,7 @@ from ``cu_seqlens``) is a sequence of it. Each rank receives
 Labels must be made before sharding (a shard's last token is predicted from
 the next token, which another rank may hold): run this after the collator.
 The chunk layout (:func:`cp_partition_index`) and its inverse
-(:func:`gather_context_parallel`) are in :mod:`zephon_collate.context_parallel_layout`.
+(:func:`gather_context_parallel`) are in :mod:`zephon_collate.parallel.context_parallel`.
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from zephon_collate.context_parallel_layout import _check_cp, _partition
-from zephon_collate.functional import align_mask
-from zephon_collate.transforms.base import Transform, _check_key, _check_keys
-from zephon_collate.validation import check_ignore_index
+from zephon_collate.checks import check_ignore_index, check_key, check_keys
+from zephon_collate.functional.context_parallel import check_cp, partition
+from zephon_collate.functional.labels import align_mask
+from zephon_collate.functional.segments import segment_starts
+from zephon_collate.keys import INT32_MAX
+from zephon_collate.transforms.base import Transform
 
 __all__ = ["ContextParallelShard"]
-
-INT32_MAX = 2**31 - 1
 
 
 def _document_lengths(positions: torch.Tensor, boundaries: torch.Tensor | None) -> torch.Tensor:
@@ -52,9 +52,7 @@ def _document_lengths(positions: torch.Tensor, boundaries: torch.Tensor | None) 
     device = positions.device
     end = torch.full((1,), total, dtype=torch.int64, device=device)
     if boundaries is None:
-        column = torch.arange(positions.shape[-1], device=device)
-        starts = (positions == 0) | (column == 0)  # a row always starts a document
-        bounds = torch.cat([starts.reshape(-1).nonzero().squeeze(1), end])
+        bounds = torch.cat([segment_starts(positions).reshape(-1).nonzero().squeeze(1), end])
     else:
         cu = boundaries.to(device=device, dtype=torch.int64)
         rows = positions.shape[0] if positions.dim() == 2 else 1
@@ -94,7 +92,7 @@ class ContextParallelShard(Transform):
     padded to a multiple of ``2 * cp_size`` and cut into ``2 * cp_size``
     chunks; this rank keeps chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank``
     of every document, in document order (see
-    :func:`~zephon_collate.context_parallel_layout.cp_partition_index`).
+    :func:`~zephon_collate.parallel.context_parallel.cp_partition_index`).
 
     Per-token fields are the entries whose leading dims equal those of
     ``positions`` (or ``keys``, when given); the output holds them, sharded, as
@@ -148,7 +146,7 @@ class ContextParallelShard(Transform):
         ([0, 5, 8], [0, 8, 12], 8)
         >>> int(rank0["num_valid_tokens"]) + int(rank1["num_valid_tokens"])  # 6 labels, split 3 + 3
         6
-        >>> from zephon_collate.context_parallel_layout import gather_context_parallel
+        >>> from zephon_collate.parallel.context_parallel import gather_context_parallel
         >>> gather_context_parallel([rank0, rank1])["input_ids"].tolist()  # back to the stream
         [11, 12, 13, 14, 15, 21, 22, 23]
     """
@@ -173,20 +171,20 @@ class ContextParallelShard(Transform):
     ) -> None:
         super().__init__()
         owner = "ContextParallelShard"
-        self.cp_size, self.cp_rank = _check_cp(owner, cp_size, cp_rank)
+        self.cp_size, self.cp_rank = check_cp(owner, cp_size, cp_rank)
         if not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool) or pad_token_id < 0:
             raise ValueError(f"{owner}: pad_token_id must be an int >= 0, got {pad_token_id!r}")
         self.pad_token_id = pad_token_id
         self.ignore_index = check_ignore_index(ignore_index, owner=owner)
-        self.keys = None if keys is None else _check_keys(owner, "keys", keys)
-        self.tokens_key = _check_key(owner, "tokens_key", tokens_key)
-        self.labels_key = _check_key(owner, "labels_key", labels_key)
-        self.positions_key = _check_key(owner, "positions_key", positions_key)
-        self.cu_seqlens_key = _check_key(owner, "cu_seqlens_key", cu_seqlens_key)
-        self.padded_key = _check_key(owner, "padded_key", padded_key)
-        self.max_key = _check_key(owner, "max_key", max_key)
-        self.count_key = _check_key(owner, "count_key", count_key)
-        self.added_key = _check_key(owner, "added_key", added_key)
+        self.keys = None if keys is None else check_keys(owner, "keys", keys)
+        self.tokens_key = check_key(owner, "tokens_key", tokens_key)
+        self.labels_key = check_key(owner, "labels_key", labels_key)
+        self.positions_key = check_key(owner, "positions_key", positions_key)
+        self.cu_seqlens_key = check_key(owner, "cu_seqlens_key", cu_seqlens_key)
+        self.padded_key = check_key(owner, "padded_key", padded_key)
+        self.max_key = check_key(owner, "max_key", max_key)
+        self.count_key = check_key(owner, "count_key", count_key)
+        self.added_key = check_key(owner, "added_key", added_key)
         written = (cu_seqlens_key, padded_key, max_key, count_key, added_key)
         if len(set(written)) != len(written) or set(written) & {tokens_key, labels_key, positions_key}:
             raise ValueError(f"{owner}: output keys must be distinct from each other and the fields")
@@ -229,6 +227,7 @@ class ContextParallelShard(Transform):
         return [*self.keys, *([] if self.positions_key in self.keys else [self.positions_key])]
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
+        """Overridden whole: the output holds only the shards and the metadata, with ``batch_size=[]``."""
         positions = td.get(self.positions_key)
         if positions.dim() not in (1, 2):
             raise ValueError(
@@ -248,7 +247,7 @@ class ContextParallelShard(Transform):
             raise ValueError(
                 f"ContextParallelShard: {total_padded} padded tokens exceed what int32 boundaries can count"
             )
-        index, doc = _partition(cu_padded, self.cp_size, self.cp_rank, total_padded)
+        index, doc = partition(cu_padded, self.cp_size, self.cp_rank, total_padded)
         offset = index - cu_padded[:-1][doc]  # within the padded document
         length = lengths[doc]
         real = offset < length

@@ -3,9 +3,9 @@
 The split fast pipelines use:
 
 - **Workers** call :meth:`Collator.stack`: read, check and stack the records
-  into a CPU TensorDict (:class:`~zephon_collate.transfer.StackedBatch`). No CUDA call happens there.
+  into a CPU TensorDict (:class:`~zephon_collate.collate.transfer.StackedBatch`). No CUDA call happens there.
 - ``DataLoader(pin_memory=True)`` pins the stacked tensors in the main
-  process's pinning thread (:meth:`~zephon_collate.transfer.StackedBatch.pin_memory`).
+  process's pinning thread (:meth:`~zephon_collate.collate.transfer.StackedBatch.pin_memory`).
 - **The main process** calls :meth:`Collator.finish`: copy to the device with
   ``non_blocking=True`` and run the transform chain there, compiled with
   ``torch.compile`` when asked.
@@ -17,32 +17,26 @@ training.
 from __future__ import annotations
 
 import difflib
-import inspect
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict
 from torch.utils.data import get_worker_info
 
-from zephon_collate.options import TrainingOptions
-from zephon_collate.output import assemble_outputs, empty_outputs, ids_and_texts, output_keys
-from zephon_collate.payloads import describe, is_array_payload
-from zephon_collate.training import _stackable, read_batch, stack, training_outputs
-from zephon_collate.transfer import StackedBatch, WireOutputs
-from zephon_collate.transforms import Chain, CuSeqlens
-from zephon_collate.types import SampleMeta, SampleRecord
-from zephon_collate.validation import check_bool
+from zephon_collate.checks import check_bool
+from zephon_collate.collate.options import OPTION_NAMES, TrainingOptions
+from zephon_collate.collate.output import assemble_outputs, empty_outputs, ids_and_texts
+from zephon_collate.collate.plan import Plan, plan_for
+from zephon_collate.collate.prepare import read_batch, segment_counts, stack
+from zephon_collate.collate.training import stackable, training_outputs
+from zephon_collate.collate.transfer import StackedBatch, WireOutputs
+from zephon_collate.keys import POSITIONS
+from zephon_collate.read import describe, is_array_payload
+from zephon_collate.records import SampleMeta, SampleRecord
+from zephon_collate.transforms import CuSeqlens
 
 __all__ = ["Collator", "as_records"]
-
-OPTION_NAMES = tuple(inspect.signature(TrainingOptions.create).parameters)
-
-# Inductor's vectorised CPU code stores bool results slowly in torch 2.13 (an int64
-# ``== 0`` into a [8, 8193] bool tensor: 625 us compiled, 40 us eager); with scalar
-# loops the compiled chain runs at 194 us against 286 us eager (benchmarks/bench_collator.py).
-CPU_INDUCTOR_OPTIONS = {"cpp.simdlen": 0}
 
 
 def _check_option_names(options: Mapping[str, Any]) -> None:
@@ -85,18 +79,18 @@ def _check_device(device: object) -> torch.device | None:
 
 
 def _check_boundary_count(
-    stacked: TensorDictBase, records: Sequence[SampleRecord], options: Any, limit: int
+    data: Mapping[str, torch.Tensor], records: Sequence[SampleRecord], options: TrainingOptions, limit: int
 ) -> None:
     """``ValueError`` naming the first record whose segments do not fit a static ``num_boundaries``.
 
     Runs on the worker's CPU tensors, so the device-side assertion of :class:`CuSeqlens` never fires.
     """
-    positions = stacked.get("positions")
+    positions = data[POSITIONS]
     if options.return_labels:
         positions = positions[:, :-1]
     if not positions.numel():
         return
-    needed = (positions == 0).sum(dim=1) + 1  # boundaries per row: the starts, then the end
+    needed = segment_counts(positions)
     if options.flatten:
         total = int(needed.sum()) - len(needed) + 1
         if total > limit:
@@ -190,18 +184,6 @@ class Collator:
             raise ValueError(
                 "Collator: device and compile need torch output; pass dtype='auto' or a torch dtype"
             )
-        self._chains: dict[tuple[tuple[str, ...], str], Any] = {}
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_chains"] = {}
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (
@@ -213,7 +195,7 @@ class Collator:
         """Collate in one step: :meth:`stack` then :meth:`finish`.
 
         In a DataLoader worker the dict returned pickles its CPU tensors as one
-        compact buffer (:class:`~zephon_collate.transfer.WireOutputs`); the main
+        compact buffer (:class:`~zephon_collate.collate.transfer.WireOutputs`); the main
         process receives a plain dict.
         """
         if self.device is None and not self.compile and self.num_boundaries is None and self.python_scalars:
@@ -234,15 +216,17 @@ class Collator:
         if not records:
             return StackedBatch(None, ids_and_texts(records))
         columns = read_batch(records, self.options)
-        if self.options.output.kind == "list" and not _stackable(columns):
+        if self.options.output.kind == "list" and not stackable(columns):
             raise ValueError(
                 "Collator.stack: rows of unequal length cannot be stacked into one TensorDict, even for "
                 "dtype=None (lists); call the collator itself (Collator(...)(samples)), which returns "
                 "ragged lists, or pad or pack the rows (pack_flat)"
             )
-        td = stack(columns, self.options)
+        data = stack(columns, self.options)
         if self.num_boundaries is not None and self.options.return_cu_seqlens:
-            _check_boundary_count(td, records, self.options, self.num_boundaries)
+            _check_boundary_count(data, records, self.options, self.num_boundaries)
+        device = next(iter(data.values())).device
+        td = TensorDict(data, batch_size=[len(records)], device=device)
         return StackedBatch(td, ids_and_texts(records), tuple(r.meta for r in records))
 
     def finish(self, stacked: StackedBatch) -> dict[str, Any]:
@@ -257,55 +241,25 @@ class Collator:
         td = stacked.td
         if self.device is not None and td.device != self.device:
             td = td.to(self.device, non_blocking=True)
-        keys = output_keys(self.options, list(td.keys()))
-        result = self.chain_for(tuple(td.keys()), td.device)(td)
+        data = dict(td.items())
+        plan = self.plan_for(tuple(data))
+        result = self.runner(plan, td.device)(data)
         return assemble_outputs(
-            stacked.per_record, self.options, result, keys, python_scalars=self.python_scalars
+            stacked.per_record, self.options, result, plan.pairs, python_scalars=self.python_scalars
         )
 
-    def chain_for(self, keys: tuple[str, ...], device: str | torch.device | None = None) -> Any:
-        """The (compiled, when asked) chain for a stacked batch with ``keys`` on ``device``; cached.
+    def plan_for(self, keys: tuple[str, ...]) -> Plan:
+        """The cached plan of this collator's options on a stacked batch holding ``keys``."""
+        return plan_for(self.options, keys, self.num_boundaries)
 
-        ``device`` (default: the collator's, else the CPU) only matters when
-        compiling: a CPU chain is compiled to scalar loops (see :data:`CPU_INDUCTOR_OPTIONS`).
+    def runner(
+        self, plan: Plan, device: str | torch.device | None = None
+    ) -> Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        """How ``plan`` runs here: eager, or compiled for ``device`` (default: the collator's, else the CPU).
+
+        The returned callable takes a mapping of stacked tensors (a dict or a
+        TensorDict) and returns the chain's output as a dict.
         """
-        device_type = torch.device(device or self.device or "cpu").type
-        chain = self._chains.get((keys, device_type))
-        if chain is None:
-            with self._lock:
-                chain = self._chains.get((keys, device_type)) or self._build(keys, device_type)
-                self._chains[keys, device_type] = chain
-        return chain
-
-    def _build(self, keys: tuple[str, ...], device_type: str) -> Any:
-        chain = self.options.build_chain(keys, num_boundaries=self.num_boundaries)
         if not self.compile:
-            return chain
-        # A cu_seqlens step whose size depends on the data stays eager: compile what precedes it.
-        split = next(
-            (
-                i
-                for i, t in enumerate(chain.transforms)
-                if isinstance(t, CuSeqlens) and t.num_boundaries is None
-            ),
-            len(chain.transforms),
-        )
-        head = Chain(*chain.transforms[:split])
-        options = CPU_INDUCTOR_OPTIONS if device_type == "cpu" else None
-        compiled = torch.compile(head, dynamic=True, fullgraph=True, options=options)
-        tail = list(chain.transforms[split:])
-        return _CompiledChain(compiled, tail) if tail else compiled
-
-
-class _CompiledChain:
-    """A compiled head followed by the eager, data-dependent tail of a chain."""
-
-    def __init__(self, head: Any, tail: list[Any]) -> None:
-        self.head = head
-        self.tail = tail
-
-    def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        td = self.head(td)
-        for transform in self.tail:
-            td = transform(td)
-        return td
+            return plan.run
+        return plan.compiled(torch.device(device or self.device or "cpu").type)

@@ -1,0 +1,107 @@
+"""Records to checked, stacked tensors: read the fields the options use, stack them once, check values.
+
+:func:`read_batch` then :func:`stack` are the first half of every collate
+call (``to_training``, ``Collator.__call__`` and ``Collator.stack``): they
+raise every data error, naming the record and the field, before any output
+is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from zephon_collate.collate.options import TrainingOptions
+from zephon_collate.collate.stack import check_padding_lengths, stack_columns
+from zephon_collate.functional.segments import segment_starts
+from zephon_collate.functional.values import any_outside_zero_one, first_true_row, smallest
+from zephon_collate.keys import INPUT_IDS, INT32_MAX, LOSS_MASK, POSITIONS
+from zephon_collate.read import Columns, describe, read_columns
+from zephon_collate.records import SampleRecord
+
+__all__ = ["check_values", "read_batch", "segment_counts", "stack"]
+
+
+def read_batch(records: Sequence[SampleRecord], options: TrainingOptions) -> Columns:
+    """Read the fields ``options`` uses from the payloads, with the checks that need no stacking."""
+    optional = [LOSS_MASK]
+    if options.reads_positions:
+        optional.append(POSITIONS)
+    required = list(options.data_fields)
+    required += [name for name in (POSITIONS, LOSS_MASK) if name in options.extra_fields]
+    if options.return_cu_seqlens and POSITIONS not in required:
+        required.append(POSITIONS)
+    must_align = options.return_labels or options.flatten
+    aligned = [POSITIONS, LOSS_MASK, *(options.data_fields if must_align else ())]
+    columns = read_columns(
+        records, tokens_field=options.tokens_field, optional=optional, required=required, aligned=aligned
+    )
+    if not options.needs_padding_lengths:
+        columns.padding_lengths = [None] * len(records)
+    return columns
+
+
+def check_values(data: Mapping[str, torch.Tensor], columns: Columns, options: TrainingOptions) -> None:
+    """Data errors that need the values: negative ids, non-0/1 supervision masks, cu_seqlens positions."""
+    records = columns.records
+    tokens = data[INPUT_IDS]
+    if tokens.numel() and smallest(tokens) < 0:
+        index = first_true_row(tokens < 0)
+        raise ValueError(f"{describe(records, index)}: token ids must be >= 0, found a negative id")
+    if options.return_labels and LOSS_MASK in data:
+        mask = data[LOSS_MASK]
+        if mask.dtype != torch.bool and mask.numel() and any_outside_zero_one(mask):
+            raise ValueError(
+                f"{describe(records, first_true_row((mask != 0) & (mask != 1)))}: field 'loss_mask' must "
+                "hold only 0 and 1 (or booleans): 1 for supervised tokens, 0 for the rest"
+            )
+    if options.return_padding_mask and options.output.kind != "list" and tokens.dim() != 2:
+        raise ValueError(
+            f"to_training: return_padding_mask needs 2-D scalar token rows for tensor/array output, "
+            f"got tokens of shape {tuple(tokens.shape)}"
+        )
+    if options.eos_mask_loss and tokens.dim() != 2:
+        raise ValueError(
+            f"to_training: eos_mask_loss needs scalar token rows ([B, S]), got shape {tuple(tokens.shape)}"
+        )
+    if options.return_cu_seqlens:
+        _check_boundary_positions(data[POSITIONS], columns, options)
+
+
+def _check_boundary_positions(positions: torch.Tensor, columns: Columns, options: TrainingOptions) -> None:
+    if positions.dim() != 2:
+        raise ValueError(
+            f"to_training: return_cu_seqlens needs one position per token ([B, S]), got shape "
+            f"{tuple(positions.shape)}"
+        )
+    rows, length = positions.shape
+    input_length = length - 1 if options.return_labels and length else length
+    if rows * input_length > INT32_MAX:
+        raise ValueError(
+            f"to_training: {rows} x {input_length} input tokens overflow the int32 cu_seqlens; "
+            "use smaller batches"
+        )
+    if not input_length:
+        return
+    starts_elsewhere = positions[:, 0] != 0
+    if bool(starts_elsewhere.any()):
+        index = first_true_row(starts_elsewhere)
+        raise ValueError(
+            f"{describe(columns.records, index)}: positions must start at zero in every row to derive "
+            f"cu_seqlens, but this row starts at {int(positions[index, 0])}"
+        )
+
+
+def stack(columns: Columns, options: TrainingOptions) -> dict[str, torch.Tensor]:
+    """The stacked tensors the plan runs on, value-checked."""
+    padding = check_padding_lengths(columns) if options.needs_padding_lengths else None
+    keep = (LOSS_MASK,) if options.return_labels else ()
+    data = stack_columns(columns, options.output.torch_dtype, padding_lengths=padding, keep_dtype=keep)
+    check_values(data, columns, options)
+    return data
+
+
+def segment_counts(positions: torch.Tensor) -> torch.Tensor:
+    """Boundaries each ``[B, S]`` row needs: its segment starts, then its end."""
+    return segment_starts(positions).sum(dim=1) + 1

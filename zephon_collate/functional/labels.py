@@ -1,0 +1,259 @@
+"""Label kernels: the next-token shift, trailing padding, label masking, EOS masking, the loss mask.
+
+Each takes tensors and returns new ones; none writes into its inputs, loops
+over tokens in Python or synchronises with the device. A NumPy twin registered
+beside a kernel stands in for it on plain CPU tensors in eager mode
+(:mod:`zephon_collate.functional.dispatch`).
+
+Shapes: ``B`` rows of ``S`` tokens; per-token fields are ``[B, S]`` or
+``[B, S, ...]`` for non-scalar tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from zephon_collate.functional.dispatch import check_tensor, cpu_twins_apply, kernel
+
+__all__ = [
+    "align_mask",
+    "apply_loss_mask",
+    "as_float",
+    "contiguous",
+    "eos_label_mask",
+    "mask_labels",
+    "padding_from_length",
+    "sequence_positions",
+    "shift_tokens",
+    "trailing_mask",
+]
+
+
+def _trailing_np(padding_length: np.ndarray, length: int) -> np.ndarray:
+    if padding_length.dtype.kind in "biu" and padding_length.dtype != np.int64:
+        padding_length = padding_length.astype(np.int64)  # a Python int minus narrow unsigned would overflow
+    return np.arange(length) >= (length - padding_length)[:, None]
+
+
+def _aligned_np(mask: np.ndarray, like: np.ndarray) -> np.ndarray:
+    return mask.reshape(*mask.shape, *([1] * (like.ndim - mask.ndim)))
+
+
+def _masked_np(labels: np.ndarray, drop: np.ndarray, ignore_index: int) -> np.ndarray:
+    out = labels.copy()
+    np.copyto(out, np.asarray(ignore_index).astype(out.dtype), where=_aligned_np(drop, out))
+    return out
+
+
+def _row_counts_np(ones: np.ndarray) -> np.ndarray:
+    """Per-row number of ones in a float32 0/1 array, as int64."""
+    per_row = ones.reshape(ones.shape[0], math.prod(ones.shape[1:]))
+    if per_row.shape[1] < 2**24:  # float32 sums of 0/1 are exact below 2**24; a BLAS matrix-vector
+        return (per_row @ np.ones(per_row.shape[1], np.float32)).astype(np.int64)  # product is ~5x faster
+    return np.count_nonzero(per_row, axis=1).astype(np.int64)
+
+
+def shift_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split ``[B, S, ...]`` tokens into next-token ``(inputs, labels)``.
+
+    Returns views: ``inputs = tokens[:, :-1]`` and ``labels = tokens[:, 1:]``.
+
+    Example:
+        >>> inputs, labels = shift_tokens(torch.tensor([[5, 6, 7]]))
+        >>> inputs.tolist(), labels.tolist()
+        ([[5, 6]], [[6, 7]])
+    """
+    check_tensor("shift_tokens", "tokens", tokens, 2)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _trailing_mask_cpu(padding_length: torch.Tensor, length: int) -> torch.Tensor:
+    return torch.from_numpy(_trailing_np(padding_length.numpy(), length))
+
+
+def _check_trailing_mask(padding_length: torch.Tensor, length: int) -> None:
+    check_tensor("trailing_mask", "padding_length", padding_length, 1, 1)
+
+
+@kernel(check=_check_trailing_mask, cpu=_trailing_mask_cpu)
+def trailing_mask(padding_length: torch.Tensor, length: int) -> torch.Tensor:
+    """Boolean ``[B, length]`` mask, True on the last ``padding_length[b]`` entries of row ``b``.
+
+    Example:
+        >>> trailing_mask(torch.tensor([0, 2]), 4).tolist()
+        [[False, False, False, False], [False, False, True, True]]
+    """
+    index = torch.arange(length, device=padding_length.device)
+    return index >= (length - padding_length).unsqueeze(1)
+
+
+def padding_from_length(padding_length: torch.Tensor, length: int, shifted: bool = False) -> torch.Tensor:
+    """Boolean ``[B, length]`` padding mask from per-row trailing pad counts ``[B]``.
+
+    ``padding_length[b]`` counts the last tokens of row ``b`` as they were
+    packed. With ``shifted=True`` the rows have since been cut to the model's
+    inputs (``[:, :-1]``, :class:`~zephon_collate.TokenShift`), which removed one
+    padding token from each padded row: the mask then covers
+    ``padding_length - 1`` tokens, as :class:`~zephon_collate.PaddingMask`
+    placed before the shift does.
+
+    Example:
+        >>> padding_from_length(torch.tensor([2, 0]), 4).tolist()
+        [[False, False, True, True], [False, False, False, False]]
+        >>> padding_from_length(torch.tensor([2, 0]), 3, shifted=True).tolist()
+        [[False, False, True], [False, False, False]]
+    """
+    if shifted:
+        padding_length = (padding_length - 1).clamp(min=0)
+    return trailing_mask(padding_length, length)
+
+
+def align_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """View a ``[B, S]`` mask with trailing singleton dims so it broadcasts against ``like``."""
+    return mask.reshape(*mask.shape, *([1] * (like.dim() - mask.dim())))
+
+
+def _check_mask_labels(labels: torch.Tensor, mask: torch.Tensor, ignore_index: int) -> None:
+    check_tensor("mask_labels", "labels", labels)
+    check_tensor("mask_labels", "mask", mask, 0, labels.dim())
+
+
+def _mask_labels_cpu(labels: torch.Tensor, mask: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    return torch.from_numpy(_masked_np(labels.numpy(), mask.numpy(), ignore_index))
+
+
+@kernel(check=_check_mask_labels, cpu=_mask_labels_cpu)
+def mask_labels(labels: torch.Tensor, mask: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Return ``labels`` with ``ignore_index`` wherever the ``[B, S]`` ``mask`` is True.
+
+    Example:
+        >>> mask_labels(torch.tensor([[4, 5, 6]]), torch.tensor([[False, True, False]]), -100).tolist()
+        [[4, -100, 6]]
+    """
+    fill = torch.full((), ignore_index, dtype=labels.dtype, device=labels.device)
+    return torch.where(align_mask(mask, labels), fill, labels)
+
+
+def as_float(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean mask as float32 1.0/0.0.
+
+    In eager mode on the CPU it casts through uint8 (the same bytes): that cast
+    is vectorised there and several times faster than bool -> float32. Compiled
+    code casts directly (inductor turns the uint8 view into slow bool stores).
+
+    Example:
+        >>> as_float(torch.tensor([True, False])).tolist()
+        [1.0, 0.0]
+    """
+    if check_tensor("as_float", "mask", mask).dtype != torch.bool:
+        raise TypeError(f"as_float: mask must be a bool tensor, got {mask.dtype}")
+    if mask.device.type == "cpu" and not torch.compiler.is_compiling():
+        return mask.view(torch.uint8).to(torch.float32)
+    return mask.to(torch.float32)
+
+
+def _eos_label_mask_cpu(inputs: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(inputs.numpy() == eos_token_id))
+
+
+@kernel(
+    check=lambda inputs, eos_token_id: check_tensor("eos_label_mask", "inputs", inputs),
+    cpu=_eos_label_mask_cpu,
+)
+def eos_label_mask(inputs: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """True where the input token is EOS: the prediction made *from* EOS.
+
+    Example:
+        >>> eos_label_mask(torch.tensor([[1, 10, 2, 1, 11]]), 2).tolist()
+        [[False, False, True, False, False]]
+    """
+    return inputs == eos_token_id
+
+
+def _check_apply_loss_mask(
+    labels: torch.Tensor,
+    supervision: torch.Tensor | None,
+    padding_length: torch.Tensor | None,
+    ignore_index: int,
+) -> None:
+    check_tensor("apply_loss_mask", "labels", labels, 2)
+    for name, tensor in (("supervision", supervision), ("padding_length", padding_length)):
+        if tensor is not None:
+            check_tensor("apply_loss_mask", name, tensor, 1, labels.dim())
+
+
+def _apply_loss_mask_cpu(
+    labels: torch.Tensor,
+    supervision: torch.Tensor | None,
+    padding_length: torch.Tensor | None,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    values = labels.numpy()
+    drop = None if supervision is None else supervision.numpy() == 0
+    if padding_length is not None:
+        padding = _trailing_np(padding_length.numpy(), values.shape[1])
+        drop = padding if drop is None else drop | _aligned_np(padding, drop)
+    if drop is not None:
+        values = _masked_np(values, drop, ignore_index)
+    loss_mask = (values != ignore_index).view(np.uint8).astype(np.float32)
+    return torch.from_numpy(values), torch.from_numpy(loss_mask), torch.from_numpy(_row_counts_np(loss_mask))
+
+
+@kernel(check=_check_apply_loss_mask, cpu=_apply_loss_mask_cpu)
+def apply_loss_mask(
+    labels: torch.Tensor,
+    supervision: torch.Tensor | None,
+    padding_length: torch.Tensor | None,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mask unsupervised and padding labels; return ``(labels, loss_mask, counts)``.
+
+    ``labels`` ``[B, S, ...]`` become ``ignore_index`` where the label-aligned
+    ``supervision`` mask (``[B, S, ...]``, any dtype) is 0 and on each row's last
+    ``padding_length[b]`` positions (either may be ``None``). ``loss_mask`` is
+    ``labels != ignore_index`` as float32 and ``counts`` (``[B]`` int64) its
+    per-row number of ones.
+
+    Example:
+        >>> labels, loss_mask, counts = apply_loss_mask(
+        ...     torch.tensor([[11, 12, 13, 0]]), torch.tensor([[0, 1, 1, 1]]), torch.tensor([1]), -100
+        ... )
+        >>> labels.tolist(), loss_mask.tolist(), counts.tolist()
+        ([[-100, 12, 13, -100]], [[0.0, 1.0, 1.0, 0.0]], [2])
+    """
+    drop = None if supervision is None else supervision.logical_not()
+    if padding_length is not None:
+        padding = trailing_mask.torch(padding_length, labels.shape[1])
+        drop = padding if drop is None else drop | align_mask(padding, drop)  # [B, S] over [B, S, ...]
+    if drop is not None:
+        labels = mask_labels.torch(labels, drop, ignore_index)
+    valid = labels != ignore_index
+    return labels, as_float(valid), valid.flatten(1).sum(dim=1)  # flatten, not reshape: B = 0 works
+
+
+def sequence_positions(like: torch.Tensor) -> torch.Tensor:
+    """Positions ``[0, 1, ..., S-1]`` in every row of ``like`` (``[B, S, ...]``), in its dtype and device.
+
+    Example:
+        >>> sequence_positions(torch.zeros(2, 3, dtype=torch.int32)).tolist()
+        [[0, 1, 2], [0, 1, 2]]
+    """
+    rows, length = check_tensor("sequence_positions", "like", like, 2).shape[:2]
+    if like.dtype == torch.bool or like.dtype.is_complex:
+        raise TypeError(f"sequence_positions: like must hold integer or float values, got {like.dtype}")
+    return torch.arange(length, dtype=like.dtype, device=like.device).expand(rows, length).contiguous()
+
+
+def contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.contiguous()``; on plain CPU tensors NumPy copies strided rows faster.
+
+    Example:
+        >>> contiguous(torch.arange(6).reshape(2, 3)[:, :2]).tolist()
+        [[0, 1], [3, 4]]
+    """
+    if tensor.is_contiguous() or not cpu_twins_apply(tensor):
+        return tensor.contiguous()
+    return torch.from_numpy(np.ascontiguousarray(tensor.numpy()))

@@ -1,0 +1,244 @@
+"""Segments of packed rows: the one segment-start rule, and what derives from it.
+
+**The rule.** A segment starts at the first token of a row and wherever the
+segment-restarting ``positions`` (as :func:`~zephon_collate.pack_flat` writes
+them) are zero. Every part of the package that needs document boundaries
+(``cu_seqlens``, segment ids, the context-parallel layout, the collator's
+boundary count) calls :func:`segment_starts`; a row whose positions do not start
+at zero thus still starts a segment at its first token (``to_training``
+rejects such rows for ``cu_seqlens``, as the reference page asks).
+
+The boundary kernels read their output size back from the device unless given
+a fixed ``num_boundaries``; on plain CPU tensors in eager mode NumPy twins,
+registered beside them, compute the same results faster.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from zephon_collate.functional.dispatch import check_tensor, kernel
+
+__all__ = [
+    "cu_seqlens_flat",
+    "cu_seqlens_rows",
+    "flatten_segment_ids",
+    "segment_ids_from_positions",
+    "segment_starts",
+]
+
+PADDING_SEGMENT = -1
+"""The segment id of marked padding tokens."""
+
+
+def segment_starts(positions: torch.Tensor) -> torch.Tensor:
+    """True where a segment starts: the first entry of the last dim, and wherever ``positions == 0``.
+
+    Example:
+        >>> segment_starts(torch.tensor([[0, 1, 0, 1], [3, 4, 0, 1]])).tolist()
+        [[True, False, True, False], [True, False, True, False]]
+    """
+    first = torch.arange(positions.shape[-1], device=positions.device) == 0
+    return (positions == 0) | first
+
+
+def _segment_starts_np(positions: np.ndarray) -> np.ndarray:
+    starts = positions == 0
+    if starts.shape[-1]:
+        starts[..., 0] = True
+    return starts
+
+
+def _longest(boundaries: torch.Tensor) -> torch.Tensor:
+    return boundaries.diff(dim=-1, prepend=boundaries[..., :1]).amax(dim=-1)
+
+
+def _longest_np(boundaries: np.ndarray) -> np.ndarray:
+    """Each row's longest segment (the torch kernel's first difference is 0, and none is negative)."""
+    if boundaries.shape[-1] < 2:
+        return np.zeros(boundaries.shape[:-1], dtype=boundaries.dtype)
+    return np.asarray((boundaries[..., 1:] - boundaries[..., :-1]).max(axis=-1))
+
+
+def _check_positions(kernel_name: str):  # type: ignore[no-untyped-def]
+    def check(positions: torch.Tensor, num_boundaries: int | None = None) -> None:
+        check_tensor(kernel_name, "positions", positions, 2, 2)
+
+    return check
+
+
+def _no_static_shape(positions: torch.Tensor, num_boundaries: int | None = None) -> bool:
+    return num_boundaries is None
+
+
+def _cu_seqlens_rows_cpu(
+    positions: torch.Tensor, num_boundaries: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = np.flatnonzero(_segment_starts_np(positions.numpy()))  # flat indices, already row-sorted
+    rows, length = positions.shape
+    row_index = starts // max(length, 1)
+    rank = np.arange(starts.size) - np.searchsorted(row_index, row_index)  # index within its row
+    width = int(rank.max()) + 2 if starts.size else 1
+    boundaries = np.full((rows, width), length, dtype=np.int32)
+    boundaries[row_index, rank] = starts - row_index * length
+    return torch.from_numpy(boundaries), torch.from_numpy(_longest_np(boundaries))
+
+
+@kernel(check=_check_positions("cu_seqlens_rows"), cpu=_cu_seqlens_rows_cpu, cpu_when=_no_static_shape)
+def cu_seqlens_rows(
+    positions: torch.Tensor, num_boundaries: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row segment boundaries from segment-restarting ``[B, S]`` positions.
+
+    A row's boundaries are its segment starts (:func:`segment_starts`), then its
+    length ``S``; rows are padded with ``S`` to ``K`` columns. ``K`` is the
+    largest boundary count in the batch, which depends on the data: finding it
+    reads one number back from the device. Pass ``num_boundaries`` to fix ``K``
+    instead (no sync, static shape); a row needing more boundaries than that
+    fails a device-side assertion.
+
+    Returns:
+        ``(cu_seqlens [B, K] int32, max_seqlen [B] int32)``, the maximum being
+        each row's longest segment.
+
+    Example:
+        >>> cu, top = cu_seqlens_rows(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]))
+        >>> cu.tolist(), top.tolist()
+        ([[0, 3, 5], [0, 5, 5]], [3, 5])
+    """
+    is_start = segment_starts(positions)
+    if num_boundaries is None:
+        boundaries = _row_boundaries_from_starts(is_start)
+    else:
+        boundaries = _row_boundaries_static(is_start, num_boundaries)
+    return boundaries, _longest(boundaries)
+
+
+def _row_boundaries_from_starts(is_start: torch.Tensor) -> torch.Tensor:
+    """Start indices per row, then the row length, padded to the batch's largest count (reads it back)."""
+    rows, length = is_start.shape
+    counts = is_start.sum(dim=1)
+    width = int(counts.amax()) + 1 if rows and length else 1
+    row, column = is_start.nonzero(as_tuple=True)
+    first_of_row = counts.cumsum(dim=0) - counts
+    rank = torch.arange(row.numel(), device=row.device) - first_of_row[row]
+    boundaries = torch.full((rows, width), length, dtype=torch.int32, device=is_start.device)
+    return boundaries.index_put((row, rank), column.to(torch.int32))
+
+
+def _row_boundaries_static(is_start: torch.Tensor, num_boundaries: int) -> torch.Tensor:
+    """Like :func:`_row_boundaries_from_starts` with a fixed width: no read-back, a device-side check."""
+    rows, length = is_start.shape
+    rank = is_start.cumsum(dim=1) - 1
+    if length:
+        torch._assert_async(
+            (rank[:, -1] + 2 <= num_boundaries).all(),
+            "cu_seqlens: a row has more segments than num_boundaries - 1",
+        )
+    # Non-starts (and overflowing starts) land in the spare column num_boundaries, dropped below.
+    slot = torch.where(is_start, rank, num_boundaries).clamp(max=num_boundaries)
+    index = torch.arange(length, device=is_start.device).expand(rows, length)
+    boundaries = torch.full((rows, num_boundaries + 1), length, dtype=torch.int64, device=is_start.device)
+    return boundaries.scatter(1, slot, index)[:, :num_boundaries].to(torch.int32)
+
+
+def _cu_seqlens_flat_cpu(
+    positions: torch.Tensor, num_boundaries: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    is_start = _segment_starts_np(positions.numpy())
+    boundaries = np.append(np.flatnonzero(is_start), is_start.size).astype(np.int32)
+    return torch.from_numpy(boundaries), torch.from_numpy(_longest_np(boundaries))
+
+
+@kernel(check=_check_positions("cu_seqlens_flat"), cpu=_cu_seqlens_flat_cpu, cpu_when=_no_static_shape)
+def cu_seqlens_flat(
+    positions: torch.Tensor, num_boundaries: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One cumulative boundary sequence across all ``B * S`` tokens of ``[B, S]`` positions.
+
+    Row ``b``'s boundaries are offset by ``b * S``; the sequence ends at ``B * S``.
+    Its length depends on the data (one read back from the device), unless
+    ``num_boundaries`` fixes it: it is then padded with ``B * S``.
+
+    Returns:
+        ``(cu_seqlens [N] int32, max_seqlen [] int32)``.
+
+    Example:
+        >>> cu, top = cu_seqlens_flat(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]))
+        >>> cu.tolist(), int(top)
+        ([0, 3, 5, 10], 5)
+    """
+    flat_starts = segment_starts(positions).reshape(-1)
+    total = flat_starts.numel()
+    if num_boundaries is None:
+        starts = flat_starts.nonzero().squeeze(1)
+        end = torch.full((1,), total, dtype=starts.dtype, device=starts.device)
+        boundaries = torch.cat([starts, end]).to(torch.int32)
+    else:
+        torch._assert_async(
+            flat_starts.sum() + 1 <= num_boundaries,
+            "cu_seqlens: the batch has more segments than num_boundaries - 1",
+        )
+        index = torch.arange(total, device=positions.device)
+        slot = torch.where(flat_starts, flat_starts.cumsum(0) - 1, num_boundaries)
+        slot = slot.clamp(max=num_boundaries)
+        boundaries = torch.full((num_boundaries + 1,), total, dtype=torch.int64, device=positions.device)
+        boundaries = boundaries.scatter(0, slot, index)
+        boundaries = boundaries[:num_boundaries].to(torch.int32)
+    return boundaries, _longest(boundaries)
+
+
+def segment_ids_from_positions(
+    positions: torch.Tensor, padding_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-token segment index from segment-restarting positions.
+
+    The id is the running count of segment starts (:func:`segment_starts`)
+    minus one, so each ``[B, S]`` row numbers its segments ``0, 1, ...``.
+    Flattened ``[N]`` positions (a ``to_training(flatten=True)`` output, every
+    row starting at 0) give batch-global ids, as :func:`flatten_segment_ids`
+    numbers them. Where the boolean ``padding_mask`` (same shape) is True the id
+    is :data:`PADDING_SEGMENT` (-1), so no kernel treats padding as a document;
+    padding then takes no number, so the documents keep ids ``0 .. D-1``.
+
+    Returns:
+        int32 ids of the shape of ``positions``, on its device.
+
+    Example:
+        >>> positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
+        >>> segment_ids_from_positions(positions).tolist()
+        [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 1, 1]]
+        >>> padding = torch.tensor([[False] * 5 + [True], [False] * 6])
+        >>> segment_ids_from_positions(positions, padding).tolist()
+        [[0, 0, 0, 1, 1, -1], [0, 0, 0, 0, 1, 1]]
+        >>> segment_ids_from_positions(positions.reshape(-1), padding.reshape(-1)).tolist()
+        [0, 0, 0, 1, 1, -1, 2, 2, 2, 2, 3, 3]
+    """
+    starts = segment_starts(positions)
+    if padding_mask is None:
+        return starts.cumsum(dim=-1, dtype=torch.int32) - 1
+    ids = (starts & padding_mask.logical_not()).cumsum(dim=-1, dtype=torch.int32) - 1
+    return ids.masked_fill(padding_mask, PADDING_SEGMENT)
+
+
+def flatten_segment_ids(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Number per-row ``[B, S]`` segment ids across the batch: ``[B * S]``, the ``seq_idx`` layout.
+
+    Row ``b``'s ids are offset by the number of segments in the rows before
+    it, so every document of the batch has its own id, increasing along the
+    flattened sequence; marked padding stays -1. Use these (not per-row ids
+    reshaped, which would give the first document of a row the id of the one
+    before it) for a flattened ``[1, B * S]`` attention layout.
+
+    Example:
+        >>> ids = torch.tensor([[0, 0, 1, -1], [0, 1, 1, 2]], dtype=torch.int32)
+        >>> flatten_segment_ids(ids).tolist()
+        [0, 0, 1, -1, 2, 3, 3, 4]
+    """
+    if segment_ids.shape[1] == 0:
+        return segment_ids.reshape(-1)
+    counts = segment_ids.amax(dim=1) + 1
+    offsets = counts.cumsum(dim=0) - counts
+    flat = segment_ids + offsets.unsqueeze(1).to(segment_ids.dtype)
+    return torch.where(segment_ids >= 0, flat, segment_ids).reshape(-1)

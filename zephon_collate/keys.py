@@ -1,0 +1,55 @@
+"""Field names and limits: the one home for the names the package reads and writes.
+
+The output names are the reference page's; the transforms default their keys
+to them, the collate path emits them, and the packer writes the payload fields.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CU_SEQLENS",
+    "IDS",
+    "IGNORE_INDEX",
+    "INPUT_IDS",
+    "INT32_MAX",
+    "INT64_MAX",
+    "INT64_MIN",
+    "LABELS",
+    "LOSS_MASK",
+    "MAX_SEQLEN",
+    "NUM_VALID_TOKENS",
+    "PADDING_LENGTH",
+    "PADDING_MASK",
+    "POSITIONS",
+    "SEGMENT_IDS",
+    "TEXT",
+    "TEXTS",
+    "TOKEN_FIELD_CANDIDATES",
+]
+
+INPUT_IDS = "input_ids"
+"""The stacked token rows (the token field, whatever its payload name)."""
+LABELS = "labels"
+POSITIONS = "positions"
+LOSS_MASK = "loss_mask"
+PADDING_MASK = "padding_mask"
+PADDING_LENGTH = "padding_length"
+"""``[B]`` trailing pad counts (each record's ``meta.padding_length``) in a stacked batch."""
+NUM_VALID_TOKENS = "num_valid_tokens"
+CU_SEQLENS = "cu_seqlens"
+MAX_SEQLEN = "max_seqlen"
+SEGMENT_IDS = "segment_ids"
+IDS = "ids"
+TEXTS = "texts"
+TEXT = "text"
+"""The payload field whose value ``"texts"`` reports."""
+
+TOKEN_FIELD_CANDIDATES = (INPUT_IDS, "tokens", "token_ids", "ids")
+"""The payload fields ``tokens_field="auto"`` tries, in order."""
+
+IGNORE_INDEX = -100
+"""The default loss-ignore sentinel (PyTorch's ``cross_entropy`` default)."""
+
+INT32_MAX = 2**31 - 1
+"""The largest ``cu_seqlens`` entry (int32, as varlen attention kernels take them)."""
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
