@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,8 +20,10 @@ from zephon_collate.collate.transfer import StackedBatch, WireOutputs, pack, unp
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32]
 
 
-def round_trip(batch: StackedBatch) -> StackedBatch:
-    return pickle.loads(pickle.dumps(batch))
+def round_trip(batch: Any) -> Any:
+    """Pickle and load, as a worker sends it; a StackedBatch widened, as the main process's finish uses it."""
+    arrived = pickle.loads(pickle.dumps(batch))
+    return arrived.widened() if isinstance(arrived, StackedBatch) else arrived
 
 
 def assert_same_td(got: TensorDict, want: TensorDict) -> None:
@@ -182,3 +185,23 @@ def test_outputs_leave_a_worker_as_one_buffer_and_arrive_as_a_plain_dict() -> No
 def test_list_outputs_pickle_as_they_are() -> None:
     out = Collator(return_labels=True, dtype=None)([{"input_ids": [1, 5, 2]}, {"input_ids": [1, 6, 7, 2]}])
     assert round_trip(WireOutputs(out)) == out
+
+
+def test_stacked_batch_arrives_narrow_and_widens_exactly() -> None:
+    """Hand-worked: token ids below 32,768 arrive as int16 (2 bytes a token for the device copy), and
+    travel again as they are; finish gives what the unpickled-free path gives."""
+    collator = Collator(return_labels=True, return_num_valid_tokens=True)
+    samples = [
+        {"input_ids": [1, 30_000, 2], "loss_mask": [0, 1, 1]},
+        {"input_ids": [1, 7, 2], "loss_mask": [1] * 3},
+    ]
+    stacked = collator.stack(samples)
+    arrived = pickle.loads(pickle.dumps(stacked))
+    assert arrived.td["input_ids"].dtype == torch.int16 and arrived.td["loss_mask"].dtype == torch.uint8
+    assert arrived.dtypes["input_ids"] == torch.int64
+    again = pickle.loads(pickle.dumps(arrived))
+    assert again.dtypes == arrived.dtypes and torch.equal(again.td["input_ids"], arrived.td["input_ids"])
+    got, want = collator.finish(again), collator(samples)
+    assert got["labels"].dtype == torch.int64 and got["labels"].tolist() == [[30_000, 2], [7, 2]]
+    assert got["num_valid_tokens"] == want["num_valid_tokens"] == 4
+    assert got["input_ids"].tolist() == want["input_ids"].tolist()

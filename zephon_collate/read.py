@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from zephon_collate.keys import INPUT_IDS, INT64_MAX, POSITIONS, TOKEN_FIELD_CANDIDATES
-from zephon_collate.records import SampleRecord
+from zephon_collate.records import FLUSH_TAG, TOMBSTONE_TAG, SampleRecord
 
 __all__ = [
     "Columns",
@@ -33,7 +33,12 @@ Kind = Literal["ids", "values"]  # ids: integer only; values: bool, integer or f
 
 def describe(records: Sequence[SampleRecord], index: int) -> str:
     """``record 3 (sample_id (0, 0, 7))``: how errors name a record."""
-    return f"record {index} (sample_id {records[index].meta.sample_id})"
+    return describe_record(index, records[index])
+
+
+def describe_record(index: int, record: SampleRecord) -> str:
+    """:func:`describe` of a record known by its place in the batch or stream."""
+    return f"record {index} (sample_id {record.meta.sample_id})"
 
 
 class RecordName:
@@ -80,7 +85,8 @@ def as_record_tuple(batch: object, owner: str) -> tuple[SampleRecord, ...]:
 def check_payloads(records: Sequence[SampleRecord]) -> None:
     """Raise for the first sentinel record (``ValueError``) or non-dict, non-array payload (``TypeError``)."""
     for index, record in enumerate(records):
-        if record.meta.is_sentinel:
+        tags = record.meta.tags
+        if tags and (tags.get(TOMBSTONE_TAG) or tags.get(FLUSH_TAG)):
             tag = "tombstone" if record.meta.tombstone else "flush sentinel"
             raise ValueError(
                 f"{describe(records, index)}: is a {tag}, a control record that carries no training data; "
@@ -88,16 +94,28 @@ def check_payloads(records: Sequence[SampleRecord]) -> None:
                 "[r for r in records if not r.meta.is_sentinel]"
             )
         payload = record.payload
-        if not isinstance(payload, Mapping) and not is_array_payload(payload):
+        if type(payload) is not dict and not isinstance(payload, Mapping) and not is_array_payload(payload):
             raise TypeError(
                 f"{describe(records, index)}: payload must be a dict of fields or a token array "
                 f"(list, tuple, NumPy array or torch tensor), got {type(payload).__name__}"
             )
 
 
+def first_token_field(payload: Mapping[Any, Any]) -> str | None:
+    """The first of ``TOKEN_FIELD_CANDIDATES`` that ``payload`` has, or ``None``."""
+    return next((c for c in TOKEN_FIELD_CANDIDATES if c in payload), None)
+
+
 def resolve_tokens_field(records: Sequence[SampleRecord], tokens_field: str) -> str:
-    """The payload field holding token ids: ``tokens_field``, or the first candidate all dicts have."""
-    dicts = [(i, r.payload) for i, r in enumerate(records) if isinstance(r.payload, Mapping)]
+    """The payload field holding token ids: ``tokens_field``, or the first candidate all dicts have.
+
+    Sentinel records (which the packer consumes) are not consulted.
+    """
+    dicts = [
+        (i, r.payload)
+        for i, r in enumerate(records)
+        if isinstance(r.payload, Mapping) and not r.meta.is_sentinel
+    ]
     if tokens_field != "auto":
         for index, payload in dicts:
             if tokens_field not in payload:
@@ -109,7 +127,7 @@ def resolve_tokens_field(records: Sequence[SampleRecord], tokens_field: str) -> 
     for candidate in TOKEN_FIELD_CANDIDATES:
         if all(candidate in payload for _, payload in dicts):
             return candidate
-    bare = next(((i, p) for i, p in dicts if not any(c in p for c in TOKEN_FIELD_CANDIDATES)), None)
+    bare = next(((i, p) for i, p in dicts if first_token_field(p) is None), None)
     if bare is not None:
         index, payload = bare
         raise ValueError(
@@ -118,7 +136,7 @@ def resolve_tokens_field(records: Sequence[SampleRecord], tokens_field: str) -> 
         )
     # Each payload has a candidate, but no one candidate is in all of them.
     first_index, first = dicts[0]
-    field = next(c for c in TOKEN_FIELD_CANDIDATES if c in first)
+    field = first_token_field(first)
     index, payload = next((i, p) for i, p in dicts if field not in p)
     raise ValueError(
         f"tokens_field='auto' found no token field that every payload has: {describe(records, first_index)} "
@@ -150,14 +168,16 @@ def _numpy_row(value: Any, where: object, name: str) -> np.ndarray:
             return np.frombuffer(array.array("q", value), dtype=np.int64)
         except (TypeError, OverflowError, RuntimeError, NotImplementedError):
             pass  # floats, bools, nested rows, ids beyond int64, device tensors: let NumPy tell which
-    row = sequence_array(value, where, name, fix="give equal-length rows")
+    if isinstance(value, np.ndarray):  # no copy, unless strided (torch takes no negative strides)
+        row = value if value.flags.c_contiguous else np.array(value)
+    else:
+        row = sequence_array(value, where, name, fix="give equal-length rows")
     if row.dtype.kind == "O":
         if not isinstance(value, np.ndarray) and all(
             isinstance(item, numbers.Integral) and not isinstance(item, bool) for item in row.flat
         ):
             raise ValueError(
-                f"{where}: field {name!r} holds integers that do not fit in int64; "
-                "give integers from -2**63 to 2**63 - 1"
+                f"{where}: field {name!r} holds values beyond int64; give integers from -2**63 to 2**63 - 1"
             )
         raise TypeError(
             f"{where}: field {name!r} holds Python objects that are not numbers (dtype object); "
@@ -199,17 +219,6 @@ _PLAIN_DTYPES: dict[str, frozenset[torch.dtype]] = {
     "ids": frozenset(_INTEGER_DTYPES),
     "values": frozenset((*_INTEGER_DTYPES, torch.bool, torch.float16, torch.float32, torch.float64)),
 }
-
-
-def _is_plain_row(value: object, kind: Kind) -> bool:
-    """True for a dense tensor row that :func:`to_row` would return unchanged (checked fast)."""
-    return (
-        type(value) is torch.Tensor
-        and value.dtype in _PLAIN_DTYPES[kind]
-        and value.layout == torch.strided
-        and not value.is_nested
-        and value.dim() > 0
-    )
 
 
 def to_row(value: Any, where: object, name: str, kind: Kind) -> Row:
@@ -265,6 +274,18 @@ class Columns:
         return [int(row.shape[0]) for row in self.rows[INPUT_IDS]]
 
 
+_MISSING = object()
+
+
+def _value(payload: Any, name: str, tokens_field: str) -> Any:
+    """``payload[name]``, the array payload itself for the token field, or ``_MISSING``."""
+    if type(payload) is dict:
+        return payload.get(name, _MISSING)
+    if isinstance(payload, Mapping):
+        return payload.get(name, _MISSING)
+    return payload if name == tokens_field else _MISSING
+
+
 def read_field(
     records: Sequence[SampleRecord], name: str, tokens_field: str, kind: Kind, *, required: bool
 ) -> list[Row] | None:
@@ -274,34 +295,38 @@ def read_field(
         ValueError: if some payloads have the field and others lack it, or it is
             required and missing.
     """
-    payloads = [record.payload for record in records]
-    present = [
-        (name in p) if type(p) is dict or isinstance(p, Mapping) else (name == tokens_field) for p in payloads
-    ]
-    if not any(present) and not required:
+    values = [_value(record.payload, name, tokens_field) for record in records]
+    lacking = [index for index, value in enumerate(values) if value is _MISSING]  # `is`: no tensor ==
+    if len(lacking) == len(values) and not required:
         return None
-    if not all(present):
-        index = present.index(False)
+    if lacking:
+        index = lacking[0]
         payload = records[index].payload
         holds = (
             f"its fields: {sorted(map(str, payload))}"
             if isinstance(payload, Mapping)
             else "an array payload holds only its token row"
         )
-        reason = "some payloads have it and others lack it" if any(present) else "it is required"
-        raise ValueError(f"{describe(records, index)}: payload lacks field {name!r} ({holds}); {reason}")
-    rows = []
-    for index, payload in enumerate(payloads):
-        value = payload[name] if type(payload) is dict or isinstance(payload, Mapping) else payload
-        rows.append(
-            value if _is_plain_row(value, kind) else to_row(value, RecordName(records, index), name, kind)
+        reason = (
+            "some payloads have it and others lack it" if len(lacking) < len(values) else "it is required"
         )
-    return rows
+        raise ValueError(f"{describe(records, index)}: payload lacks field {name!r} ({holds}); {reason}")
+    plain = _PLAIN_DTYPES[kind]
+    return [
+        value
+        if type(value) is torch.Tensor
+        and value.dtype in plain
+        and value.ndim
+        and value.layout == torch.strided
+        and not value.is_nested
+        else to_row(value, RecordName(records, index), name, kind)
+        for index, value in enumerate(values)
+    ]
 
 
-def check_aligned(columns: Columns, name: str) -> None:
-    """Raise ``ValueError`` if a field's rows do not have one entry per token."""
-    for index, (row, length) in enumerate(zip(columns.rows[name], columns.lengths(), strict=True)):
+def check_aligned(columns: Columns, name: str, lengths: list[int]) -> None:
+    """Raise ``ValueError`` if a field's rows do not have one entry per token (``lengths``)."""
+    for index, (row, length) in enumerate(zip(columns.rows[name], lengths, strict=True)):
         if row.ndim == 0 or row.shape[0] != length:
             got = "a scalar" if row.ndim == 0 else f"{row.shape[0]} entries"
             raise ValueError(
@@ -333,12 +358,13 @@ def read_columns(
     field_name = resolve_tokens_field(records, tokens_field) if records else tokens_field
     columns = Columns(records, field_name)
     columns.rows[INPUT_IDS] = read_field(records, field_name, field_name, "ids", required=True) or []
+    lengths = columns.lengths()
     for name in dict.fromkeys((*optional, *required)):
         kind: Kind = "ids" if name == POSITIONS else "values"
         rows = read_field(records, name, field_name, kind, required=name in required)
         if rows is not None:
             columns.rows[name] = rows
             if name in aligned:
-                check_aligned(columns, name)
+                check_aligned(columns, name, lengths)
     columns.padding_lengths = [r.meta.padding_length for r in records]
     return columns

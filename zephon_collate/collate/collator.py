@@ -240,8 +240,10 @@ class Collator:
             return empty_outputs(self.options)
         td = stacked.td
         if self.device is not None and td.device != self.device:
-            td = td.to(self.device, non_blocking=True)
+            td = td.to(self.device, non_blocking=True)  # narrow fields move narrow, then widen there
         data = dict(td.items())
+        for key, dtype in stacked.dtypes.items():
+            data[key] = data[key].to(dtype)
         plan = self.plan_for(tuple(data))
         result = self.runner(plan, td.device)(data)
         return assemble_outputs(

@@ -8,6 +8,7 @@ take these keyword arguments; their signatures are made from this class's fields
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,9 +41,13 @@ from zephon_collate.keys import (
     TEXTS,
 )
 
-__all__ = ["OPTION_NAMES", "TrainingOptions", "signature_with_options"]
+__all__ = ["OPTION_NAMES", "TrainingOptions", "options_for", "signature_with_options"]
 
 SPECIAL_FIELDS = (POSITIONS, LOSS_MASK)
+EOS_WITHOUT_MASKING = (
+    "to_training: eos_token_id was given but eos_mask_loss=False, so no EOS masking happens; "
+    "pass eos_mask_loss=True to mask predictions made from EOS, or drop eos_token_id"
+)
 FLAGS = (
     "return_labels",
     "flatten",
@@ -119,10 +124,7 @@ class TrainingOptions:
             put("eos_token_id", check_eos_token_id(self.eos_token_id))
         self._check_combinations()
         if self.eos_token_id is not None and not self.eos_mask_loss:
-            warn_user(
-                "to_training: eos_token_id was given but eos_mask_loss=False, so no EOS masking happens; "
-                "pass eos_mask_loss=True to mask predictions made from EOS, or drop eos_token_id"
-            )
+            warn_user(EOS_WITHOUT_MASKING)
 
     def _check_combinations(self) -> None:
         labels = self.return_labels
@@ -177,6 +179,27 @@ class TrainingOptions:
     @property
     def needs_padding_lengths(self) -> bool:
         return self.return_labels or self.return_padding_mask
+
+
+@functools.lru_cache(maxsize=256)
+def _cached(items: tuple[tuple[str, type, Any], ...]) -> TrainingOptions:
+    return TrainingOptions(**{name: value for name, _, value in items})
+
+
+def options_for(options: Mapping[str, Any]) -> TrainingOptions:
+    """``TrainingOptions(**options)``, cached when every value is hashable.
+
+    A cached option set warns again on each call that gives ``eos_token_id``
+    without ``eos_mask_loss``, as a fresh one would.
+    """
+    try:
+        # The types belong to the key: 1 == True and 2.0 == 2, but only True and 2 are valid.
+        checked = _cached(tuple((name, type(value), value) for name, value in options.items()))
+    except TypeError:  # an unhashable value (a list of fields, a rename dict): check afresh
+        return TrainingOptions(**options)
+    if checked.eos_token_id is not None and not checked.eos_mask_loss:
+        warn_user(EOS_WITHOUT_MASKING)
+    return checked
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(TrainingOptions) if f.init)

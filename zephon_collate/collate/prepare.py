@@ -15,7 +15,7 @@ import torch
 from zephon_collate.collate.options import TrainingOptions
 from zephon_collate.collate.stack import check_padding_lengths, stack_columns
 from zephon_collate.functional.segments import segment_starts
-from zephon_collate.functional.values import any_outside_zero_one, first_true_row, smallest
+from zephon_collate.functional.values import any_outside_zero_one, first_nonzero, first_true_row, smallest
 from zephon_collate.keys import INPUT_IDS, INT32_MAX, LOSS_MASK, POSITIONS
 from zephon_collate.read import Columns, describe, read_columns
 from zephon_collate.records import SampleRecord
@@ -84,9 +84,8 @@ def _check_boundary_positions(positions: torch.Tensor, columns: Columns, options
         )
     if not input_length:
         return
-    starts_elsewhere = positions[:, 0] != 0
-    if bool(starts_elsewhere.any()):
-        index = first_true_row(starts_elsewhere)
+    index = first_nonzero(positions[:, 0])
+    if index is not None:
         raise ValueError(
             f"{describe(columns.records, index)}: positions must start at zero in every row to derive "
             f"cu_seqlens, but this row starts at {int(positions[index, 0])}"

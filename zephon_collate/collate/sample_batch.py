@@ -13,7 +13,7 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from zephon_collate.collate.options import TrainingOptions, signature_with_options
+from zephon_collate.collate.options import options_for, signature_with_options
 from zephon_collate.collate.stack import stack_batch
 from zephon_collate.collate.training import training_outputs
 from zephon_collate.read import as_record_tuple
@@ -108,7 +108,7 @@ class SampleBatch:
             >>> out["input_ids"].tolist(), out["labels"].tolist()
             ([[1, 10, 2, 1, 11]], [[10, 2, -100, 11, 2]])
         """
-        return training_outputs(self.records, TrainingOptions(**options))
+        return training_outputs(self.records, options_for(options))
 
 
 def to_training(batch: SampleBatch | Sequence[SampleRecord], **options: Any) -> dict[str, Any]:
@@ -122,8 +122,8 @@ def to_training(batch: SampleBatch | Sequence[SampleRecord], **options: Any) -> 
         >>> to_training([record], return_labels=True)["labels"].tolist()
         [[6, 7]]
     """
-    options_checked = TrainingOptions(**options)
-    return training_outputs(as_record_tuple(batch, "to_training"), options_checked)
+    checked = options_for(options)
+    return training_outputs(as_record_tuple(batch, "to_training"), checked)
 
 
 _SELF = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)

@@ -8,9 +8,14 @@ no other work, the same tokens as one 9-byte-per-token buffer ~1.2 ms.
 So a :class:`StackedBatch` pickles its CPU tensors as **one byte buffer**,
 each integer field in the narrowest integer dtype that holds all its values
 exactly (``uint8``, ``int16`` or ``int32``), a float field of only 0.0 and 1.0
-(a loss mask) as ``uint8``, other float and bool fields as they are,
-and the receiving side rebuilds every field in its own dtype. The round trip is
-exact: same keys, dtypes, shapes and values. A :class:`~zephon_collate.Collator` called in a
+(a loss mask) as ``uint8``, other float and bool fields as they are.
+
+A :class:`StackedBatch` **stays narrow** on arrival: its ``td`` holds the
+fields as they travelled and ``dtypes`` the dtype each narrowed field had, so
+the pinned copy and the host-to-device copy move the narrow bytes (an int64
+token id that fits int16 moves 2 bytes, not 8) and ``Collator.finish`` widens
+on the device (:meth:`StackedBatch.widened`). The round trip is exact: same
+keys, shapes and values, and the same dtypes once widened. A :class:`~zephon_collate.Collator` called in a
 worker (``collate_fn=collator``, not the split) sends its output dict the same
 way (:class:`WireOutputs`).
 
@@ -27,7 +32,7 @@ faster: the two cost the same somewhere between, where the limit sits.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -115,8 +120,13 @@ def packable(td: TensorDictBase) -> bool:
     return td.device is not None and td.device.type == "cpu" and all(_packable(v) for v in td.values())
 
 
-def pack(tensors: Mapping[str, torch.Tensor] | TensorDictBase) -> tuple[torch.Tensor, tuple[Field, ...]]:
+def pack(
+    tensors: Mapping[str, torch.Tensor] | TensorDictBase, dtypes: Mapping[str, torch.dtype] | None = None
+) -> tuple[torch.Tensor, tuple[Field, ...]]:
     """One ``uint8`` buffer holding every tensor of ``tensors`` (see the module doc), and its layout.
+
+    ``dtypes`` gives the dtype a field is to have on arrival where the tensor
+    holds it narrower (a :class:`StackedBatch` that has travelled once).
 
     Example:
         >>> buffer, fields = pack({"ids": torch.tensor([[1, 300]]), "mask": torch.tensor([[0, 1]])})
@@ -130,25 +140,28 @@ def pack(tensors: Mapping[str, torch.Tensor] | TensorDictBase) -> tuple[torch.Te
     for key, array in arrays.items():
         wire = _wire_dtype(array)
         nbytes = array.size * wire.itemsize
-        fields.append(Field(key, tensors[key].dtype, wire.name, array.shape, offset, nbytes))
+        dtype = tensors[key].dtype if dtypes is None else dtypes.get(key, tensors[key].dtype)
+        fields.append(Field(key, dtype, wire.name, array.shape, offset, nbytes))
         offset += -(-nbytes // 8) * 8  # keep every field 8-byte aligned
     buffer = np.empty(offset, dtype=np.uint8)
-    for field in fields:
-        target = buffer[field.offset : field.offset + field.nbytes].view(field.wire).reshape(field.shape)
-        np.copyto(target, arrays[field.key], casting="unsafe")  # exact: the values fit (_wire_dtype)
+    for entry in fields:
+        target = buffer[entry.offset : entry.offset + entry.nbytes].view(entry.wire).reshape(entry.shape)
+        np.copyto(target, arrays[entry.key], casting="unsafe")  # exact: the values fit (_wire_dtype)
     return torch.from_numpy(buffer), tuple(fields)
 
 
-def unpack_tensors(buffer: torch.Tensor, fields: tuple[Field, ...]) -> dict[str, torch.Tensor]:
-    """The tensors that :func:`pack` packed, each back in its own dtype."""
+def unpack_tensors(
+    buffer: torch.Tensor, fields: tuple[Field, ...], *, widen: bool = True
+) -> dict[str, torch.Tensor]:
+    """The tensors that :func:`pack` packed: each in its own dtype, or as it travelled (``widen=False``)."""
     data = {}
-    for field in fields:
-        if field.nbytes == 0:
-            data[field.key] = torch.empty(field.shape, dtype=field.dtype)
+    for entry in fields:
+        if entry.nbytes == 0:
+            data[entry.key] = torch.empty(entry.shape, dtype=entry.dtype)
             continue
-        raw = buffer[field.offset : field.offset + field.nbytes]
-        values = raw.view(getattr(torch, field.wire)).view(field.shape)
-        data[field.key] = values if values.dtype == field.dtype else values.to(field.dtype)
+        raw = buffer[entry.offset : entry.offset + entry.nbytes]
+        values = raw.view(getattr(torch, entry.wire)).view(entry.shape)
+        data[entry.key] = values if values.dtype == entry.dtype or not widen else values.to(entry.dtype)
     return data
 
 
@@ -188,35 +201,54 @@ class StackedBatch:
     stay in the worker: only the stacked tensors cross to the main process).
     ``pin_memory`` and ``to`` return new batches, so a DataLoader with
     ``pin_memory=True`` pins it. Pickled (as a worker sends it), the CPU
-    tensors travel as one compact buffer (:func:`pack`) and come back exactly
-    as they were.
+    tensors travel as one compact buffer (:func:`pack`) and arrive narrow:
+    ``dtypes`` maps each field that ``td`` holds narrower than stacked to its
+    stacked dtype, and :meth:`widened` gives the batch exactly as it was.
+
+    Example:
+        >>> import pickle
+        >>> td = TensorDict(input_ids=torch.tensor([[5, 300]]), batch_size=[1], device="cpu")
+        >>> arrived = pickle.loads(pickle.dumps(StackedBatch(td, {"ids": [(0, 0, 0)], "texts": [None]})))
+        >>> arrived.td["input_ids"].dtype, arrived.dtypes, arrived.widened().td["input_ids"].dtype
+        (torch.int16, {'input_ids': torch.int64}, torch.int64)
     """
 
     td: TensorDictBase | None
     per_record: dict[str, list[Any]]
     metas: tuple[SampleMeta, ...] = ()
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.per_record["ids"])
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         if self.td is None or not packable(self.td):
-            return StackedBatch, (self.td, self.per_record, self.metas)
-        buffer, fields = pack(self.td)
+            return StackedBatch, (self.td, self.per_record, self.metas, self.dtypes)
+        buffer, fields = pack(self.td, self.dtypes)
         return _unpack_batch, (_to_wire(buffer), fields, self.td.batch_size, self.per_record, self.metas)
+
+    def widened(self) -> StackedBatch:
+        """The batch with every field in its stacked dtype (on the tensors' device: widen after moving)."""
+        if not self.dtypes or self.td is None:
+            return self
+        td = self.td.copy()
+        for key, dtype in self.dtypes.items():
+            td[key] = td[key].to(dtype)
+        return StackedBatch(td, self.per_record, self.metas)
 
     def pin_memory(self, device: str | torch.device | None = None) -> StackedBatch:
         """Pin the tensors in page-locked memory (called by the DataLoader's pinning thread)."""
         if self.td is None:
             return self
         pinned = self.td.pin_memory() if device is None else self.td.pin_memory(device=device)
-        return StackedBatch(pinned, self.per_record, self.metas)
+        return StackedBatch(pinned, self.per_record, self.metas, self.dtypes)
 
     def to(self, device: str | torch.device, non_blocking: bool = False) -> StackedBatch:
         """Move the tensors to ``device``."""
         if self.td is None:
             return self
-        return StackedBatch(self.td.to(device, non_blocking=non_blocking), self.per_record, self.metas)
+        moved = self.td.to(device, non_blocking=non_blocking)
+        return StackedBatch(moved, self.per_record, self.metas, self.dtypes)
 
 
 def _unpack_batch(
@@ -226,4 +258,7 @@ def _unpack_batch(
     per_record: dict[str, list[Any]],
     metas: tuple[SampleMeta, ...],
 ) -> StackedBatch:
-    return StackedBatch(unpack(_from_wire(wire), fields, batch_size), per_record, metas)
+    data = unpack_tensors(_from_wire(wire), fields, widen=False)
+    td = TensorDict(data, batch_size=batch_size, device="cpu")
+    dtypes = {f.key: f.dtype for f in fields if data[f.key].dtype != f.dtype}
+    return StackedBatch(td, per_record, metas, dtypes)

@@ -7,11 +7,12 @@ These are the reductions it reads; NumPy twins stand in on plain CPU tensors.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from zephon_collate.functional.dispatch import kernel
 
-__all__ = ["any_outside_zero_one", "first_true_row", "smallest"]
+__all__ = ["any_outside_zero_one", "first_nonzero", "first_true_row", "smallest"]
 
 
 def _smallest_cpu(values: torch.Tensor) -> float:
@@ -58,3 +59,20 @@ def first_true_row(bad: torch.Tensor) -> int:
         1
     """
     return int(bad.reshape(bad.shape[0], -1).any(dim=1).nonzero()[0, 0])
+
+
+def _first_nonzero_cpu(values: torch.Tensor) -> int | None:
+    found = np.flatnonzero(values.numpy())
+    return int(found[0]) if found.size else None
+
+
+@kernel(cpu=_first_nonzero_cpu)
+def first_nonzero(values: torch.Tensor) -> int | None:
+    """The index of the first nonzero entry of a 1-D tensor, or ``None``.
+
+    Example:
+        >>> first_nonzero(torch.tensor([0, 0, 3, 1])), first_nonzero(torch.tensor([0, 0]))
+        (2, None)
+    """
+    found = values.nonzero()
+    return int(found[0, 0]) if found.numel() else None

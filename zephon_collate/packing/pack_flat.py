@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from zephon_collate.collate.sample_batch import SampleBatch
+from zephon_collate.keys import LOSS_MASK
 from zephon_collate.packing.packer import FlatPacker
-from zephon_collate.packing.reader import LOSS_MASK, PackOptions, _as_array, _where, candidate_fields
-from zephon_collate.read import TOKEN_FIELD_CANDIDATES, is_array_payload
+from zephon_collate.packing.reader import PackOptions, _as_array, candidate_fields
+from zephon_collate.read import describe_record, is_array_payload, resolve_tokens_field
 from zephon_collate.records import SampleRecord
 
 __all__ = ["pack_flat"]
@@ -30,7 +31,7 @@ def _shared_fields(records: Sequence[SampleRecord], tokens_name: str) -> tuple[s
     with_mask: int | None = None
     without_mask: int | None = None
     for index, record in enumerate(records):
-        payload, where = record.payload, _where(index, record)
+        payload, where = record.payload, describe_record(index, record)
         if record.meta.is_sentinel:
             continue
         if isinstance(payload, Mapping) and tokens_name in payload:
@@ -49,29 +50,11 @@ def _shared_fields(records: Sequence[SampleRecord], tokens_name: str) -> tuple[s
         shared = found if shared is None else [name for name in shared if name in found]
     if with_mask is not None and without_mask is not None:
         raise ValueError(
-            f"{_where(with_mask, records[with_mask])} has a 'loss_mask' but "
-            f"{_where(without_mask, records[without_mask])} has none; give every record a loss_mask "
+            f"{describe_record(with_mask, records[with_mask])} has a 'loss_mask' but "
+            f"{describe_record(without_mask, records[without_mask])} has none; give every record a loss_mask "
             "(1 = supervised), or pass fields=(...) to choose the packed fields"
         )
     return tuple(shared or ())
-
-
-def _resolve_tokens_field(records: Sequence[SampleRecord], tokens_field: str) -> str:
-    if tokens_field != "auto":
-        return tokens_field
-    dicts = [
-        (i, r) for i, r in enumerate(records) if not r.meta.is_sentinel and isinstance(r.payload, Mapping)
-    ]
-    for candidate in TOKEN_FIELD_CANDIDATES:
-        if all(candidate in record.payload for _, record in dicts):
-            return candidate
-    first = next((c for c in TOKEN_FIELD_CANDIDATES if c in dicts[0][1].payload), TOKEN_FIELD_CANDIDATES[0])
-    index, record = next((i, r) for i, r in dicts if first not in r.payload)
-    raise ValueError(
-        f"pack_flat: tokens_field='auto' found no field among {', '.join(TOKEN_FIELD_CANDIDATES)} that every "
-        f"payload has; {_where(index, record)} has fields {sorted(map(str, record.payload))}; "
-        "pass tokens_field='<name>'"
-    )
 
 
 def pack_flat(
@@ -178,7 +161,7 @@ def pack_flat(
         raise TypeError(
             f"pack_flat: records[{bad}] must be a SampleRecord, got {type(records[bad]).__name__}"
         )
-    tokens_name = _resolve_tokens_field(records, options.tokens_field)
+    tokens_name = resolve_tokens_field(records, options.tokens_field)
     if tokens_name in (options.fields or ()):
         raise ValueError(
             f"pack_flat: the tokens field {tokens_name!r} is also listed in fields; drop it from fields"

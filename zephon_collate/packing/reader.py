@@ -18,21 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from zephon_collate.keys import INT64_MAX
-from zephon_collate.read import TOKEN_FIELD_CANDIDATES, is_array_payload, sequence_array
+from zephon_collate.keys import INT32_MAX, INT64_MAX, LOSS_MASK, POSITIONS, TOKEN_FIELD_CANDIDATES
+from zephon_collate.read import describe_record, first_token_field, is_array_payload, to_row
 from zephon_collate.records import SampleRecord
 
 __all__ = ["OVERFLOWS", "STRATEGIES", "PackOptions", "Reader", "candidate_fields"]
 
 STRATEGIES = ("greedy", "best_fit")
 OVERFLOWS = ("split", "truncate")
-LOSS_MASK = "loss_mask"
-POSITIONS = "positions"
-INT32_MAX = 2**31 - 1
-
-
-def _where(index: int, record: SampleRecord) -> str:
-    return f"record {index} (sample_id {record.meta.sample_id})"
 
 
 def _check_int(owner: str, name: str, value: object, minimum: int, maximum: int = INT64_MAX) -> int:
@@ -94,52 +87,30 @@ class PackOptions:
 
 
 def _as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
-    """A 1-D NumPy view of a payload value (token ids: int64, >= 0); never copies an int64 ndarray."""
-    if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided or value.is_nested or value.is_quantized or value.is_meta:
-            kinds = {"meta": value.is_meta, "nested": value.is_nested, "quantized": value.is_quantized}
-            kind = next((k for k, hit in kinds.items() if hit), str(value.layout))
-            raise TypeError(f"{where}: field {name!r} is a {kind} tensor; give a dense tensor with data")
-        tensor = value.detach().cpu()
-        array = (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
-    elif isinstance(value, np.ndarray):
-        array = value
-    elif isinstance(value, (list, tuple)):
-        array = sequence_array(value, where, name, fix="give a flat sequence")
-        if array.size == 0:
-            array = array.astype(np.int64)  # [] reads as float64
-    else:
+    """A 1-D NumPy array of a payload value, read by the one payload reader.
+
+    :func:`~zephon_collate.read.to_row` checks the value; token ids come back
+    as int64 and ``>= 0``; an int64 ndarray is not copied.
+    """
+    if isinstance(value, torch.Tensor) and value.is_meta:
+        raise TypeError(f"{where}: field {name!r} is a meta tensor; give a dense tensor with data")
+    if not isinstance(value, (torch.Tensor, np.ndarray, list, tuple)):
         raise TypeError(
-            f"{where}: field {name!r} must be a list, tuple, NumPy array or torch tensor, "
+            f"{where}: field {name!r} must be a list, tuple, NumPy array or torch tensor of numbers, "
             f"got {type(value).__name__}"
         )
-    if array.ndim != 1:
-        raise ValueError(
-            f"{where}: field {name!r} must be 1-D (one entry per token), got shape {array.shape}"
-        )
-    if ids and array.dtype.kind == "O" and all(isinstance(v, numbers.Integral) for v in array):
-        raise ValueError(f"{where}: field {name!r} holds token ids beyond int64; give ids up to 2**63 - 1")
-    if ids and array.dtype.kind == "f" and array.size == 0:  # torch.tensor([]), np.array([]): no float in it
-        array = array.astype(np.int64)
-    if ids and array.dtype.kind not in "iu":
-        raise TypeError(
-            f"{where}: field {name!r} has dtype {array.dtype}; token ids must be integers "
-            "(cast whole-number floats with .astype(np.int64))"
-        )
-    if array.dtype.kind not in "biuf":
-        raise TypeError(
-            f"{where}: field {name!r} has dtype {array.dtype}; it must hold bool, integer or float values"
-        )
+    row = to_row(value, where, name, "ids" if ids else "values")
+    if isinstance(row, torch.Tensor):
+        tensor = row.detach().cpu()
+        row = (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
+    if row.ndim != 1:
+        raise ValueError(f"{where}: field {name!r} must be 1-D (one entry per token), got shape {row.shape}")
     if not ids:
-        return array
-    if array.size and array.dtype == np.uint64 and array.max() > INT64_MAX:
-        raise ValueError(f"{where}: field {name!r} holds token ids beyond int64; give ids up to 2**63 - 1")
-    array = array.astype(np.int64, copy=False)
-    if array.size and array.min() < 0:
-        raise ValueError(
-            f"{where}: field {name!r} holds a negative token id ({array.min()}); ids must be >= 0"
-        )
-    return array
+        return row
+    row = row.astype(np.int64, copy=False)
+    if row.size and row.min() < 0:
+        raise ValueError(f"{where}: field {name!r} holds a negative token id ({row.min()}); ids must be >= 0")
+    return row
 
 
 def _check_loss_mask(values: np.ndarray, where: str) -> None:
@@ -183,7 +154,7 @@ class Reader:
 
     def read(self, record: SampleRecord, index: int) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
         """``(tokens, {field: values})`` of a record, or ``None`` for a document without tokens."""
-        payload, where = record.payload, _where(index, record)
+        payload, where = record.payload, describe_record(index, record)
         if not isinstance(payload, Mapping):
             if not is_array_payload(payload):
                 raise TypeError(
@@ -201,7 +172,7 @@ class Reader:
                     "packed beside the tokens; give it a dict payload with them, or pass fields=()"
                 )
             return tokens, {}
-        name = self.tokens_name or next((c for c in TOKEN_FIELD_CANDIDATES if c in payload), None)
+        name = self.tokens_name or first_token_field(payload)
         if name is None or name not in payload:
             wanted = repr(name) if name else f"any of {', '.join(TOKEN_FIELD_CANDIDATES)}"
             raise ValueError(

@@ -18,7 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from zephon_collate.packing.reader import POSITIONS, PackOptions
+from zephon_collate.keys import POSITIONS
+from zephon_collate.packing.reader import PackOptions
 from zephon_collate.records import (
     CONTRIBUTORS_TAG,
     PADDING_LENGTH_TAG,
