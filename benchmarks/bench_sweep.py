@@ -23,13 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import FULL_OPTIONS, compare, output_bytes, packed_rows_sized, to_records
+from common import FULL_OPTIONS, compare, hf_call, output_bytes, packed_rows_sized, read_lists, to_records
 
-from zephon_collate import Collator, SampleBatch, SampleRecord
+from zephon_collate import Collator, SampleBatch
 
 SHAPES: tuple[tuple[int, int], ...] = ((1, 128), (8, 128), (8, 512), (8, 1024), (8, 8192), (64, 8192))
 FINISH_SHAPE = (8, 8192)
@@ -42,33 +41,11 @@ def rows_for(rows: int, tokens: int) -> list[dict[str, Any]]:
     return packed_rows_sized(rows, length, length // 8, length // 2, seed=rows * 100_003 + tokens)
 
 
-def hf_call(rows: list[dict[str, Any]]) -> Callable[[], Any] | None:
-    """DataCollatorWithFlattening on the rows' documents as list features; None without transformers."""
-    try:
-        from transformers import DataCollatorWithFlattening
-    except ImportError:
-        return None
-    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=True)
-    features = [{"input_ids": doc.tolist()} for row in rows for doc in row["documents"]]
-    return lambda: collator(features, return_tensors="pt")
-
-
 def copy_call(nbytes: int) -> Callable[[], Any]:
     """A plain copy of ``nbytes`` bytes into a preallocated buffer."""
     source = torch.ones(nbytes, dtype=torch.uint8)
     target = torch.empty_like(source)
     return lambda: target.copy_(source)
-
-
-def read_lists(records: list[SampleRecord]) -> Callable[[], None]:
-    """The floor for list payloads: np.fromiter over every field of every payload."""
-
-    def read() -> None:
-        for record in records:
-            for value in record.payload.values():
-                np.fromiter(value, dtype=np.int64, count=len(value))
-
-    return read
 
 
 def check_same(left: dict[str, Any], right: dict[str, Any]) -> None:

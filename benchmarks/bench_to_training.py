@@ -13,34 +13,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import FULL_OPTIONS, compare, output_bytes, packed_rows, peak_rss_growth, to_records
+from common import (
+    FULL_OPTIONS,
+    compare,
+    hf_call,
+    output_bytes,
+    packed_rows,
+    peak_rss_growth,
+    read_lists,
+    to_records,
+)
 
 from zephon_collate import SampleBatch
 
 OPTIONS = FULL_OPTIONS
-
-
-def hf_collator(rows):
-    try:
-        from transformers import DataCollatorWithFlattening
-    except ImportError:
-        return None
-    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=True)
-    features = [{"input_ids": doc.tolist()} for row in rows for doc in row["documents"]]
-    return lambda: collator(features, return_tensors="pt")
-
-
-def read_lists(records):
-    def read():
-        for record in records:
-            for value in record.payload.values():
-                np.fromiter(value, dtype=np.int64, count=len(value))
-
-    return read
 
 
 def memory_child() -> None:
@@ -72,7 +61,7 @@ def main() -> None:
         "ours_lists": lambda: list_batch.to_training(**OPTIONS),
         "fromiter": read_lists(list_batch.records),
     }
-    hf = hf_collator(rows)
+    hf = hf_call(rows)
     if hf is not None:
         candidates["hf"] = hf
     times = compare(candidates)

@@ -31,34 +31,9 @@ def packed_rows(rows: int = 8, length: int = 8193, seed: int = 0) -> list[dict[s
 
     Each dict holds ``input_ids``, ``positions``, ``loss_mask`` (a chat-style prompt
     of each document unsupervised), ``padding`` and ``documents`` (the token arrays).
+    Document sizes are drawn from ``[64, 2048)``; see :func:`packed_rows_sized`.
     """
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(rows):
-        documents, used = [], 0
-        while True:
-            size = int(rng.integers(64, 2048))
-            if used + size > length - 16:
-                break
-            body = rng.integers(3, 32000, size - 2)
-            documents.append(np.concatenate([[BOS], body, [EOS]]).astype(np.int64))
-            used += size
-        padding = length - used
-        tokens = np.concatenate([*documents, np.full(padding, PAD, dtype=np.int64)])
-        positions = np.concatenate([np.arange(len(d)) for d in documents] + [np.arange(padding)])
-        mask = np.concatenate(
-            [np.arange(len(d)) >= len(d) // 4 for d in documents] + [np.zeros(padding, bool)]
-        )
-        out.append(
-            {
-                "input_ids": tokens,
-                "positions": positions.astype(np.int64),
-                "loss_mask": mask.astype(np.int64),
-                "padding": padding,
-                "documents": documents,
-            }
-        )
-    return out
+    return packed_rows_sized(rows, length, 64, 2048, seed=seed)
 
 
 def to_records(rows: list[dict[str, Any]], kind: str = "torch", offset: int = 0) -> list[SampleRecord]:
@@ -184,3 +159,25 @@ def packed_rows_sized(
             }
         )
     return out
+
+
+def hf_call(rows: list[dict[str, Any]]) -> Callable[[], Any] | None:
+    """DataCollatorWithFlattening on the rows' documents as list features; None without transformers."""
+    try:
+        from transformers import DataCollatorWithFlattening
+    except ImportError:
+        return None
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=True)
+    features = [{"input_ids": doc.tolist()} for row in rows for doc in row["documents"]]
+    return lambda: collator(features, return_tensors="pt")
+
+
+def read_lists(records: list[SampleRecord]) -> Callable[[], None]:
+    """The floor for list payloads: np.fromiter over every field of every payload."""
+
+    def read() -> None:
+        for record in records:
+            for value in record.payload.values():
+                np.fromiter(value, dtype=np.int64, count=len(value))
+
+    return read

@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeAlias
 import numpy as np
 import torch
 
-from zephon_collate.keys import INPUT_IDS, INT64_MAX, POSITIONS, TOKEN_FIELD_CANDIDATES
+from zephon_collate.keys import INPUT_IDS, INT64_MAX, LOSS_MASK, POSITIONS, TOKEN_FIELD_CANDIDATES
 from zephon_collate.records import FLUSH_TAG, TOMBSTONE_TAG, SampleRecord
 
 __all__ = [
@@ -339,9 +339,9 @@ def read_columns(
     records: Sequence[SampleRecord],
     *,
     tokens_field: str = "auto",
-    optional: Sequence[str] = ("positions", "loss_mask"),
+    optional: Sequence[str] = (POSITIONS, LOSS_MASK),
     required: Sequence[str] = (),
-    aligned: Sequence[str] = ("positions", "loss_mask"),
+    aligned: Sequence[str] = (POSITIONS, LOSS_MASK),
 ) -> Columns:
     """Read the token field, the ``optional`` fields present in every payload and the ``required`` ones.
 

@@ -166,10 +166,19 @@ def _eos_label_mask_cpu(inputs: torch.Tensor, eos_token_id: int) -> torch.Tensor
 def eos_label_mask(inputs: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     """True where the input token is EOS: the prediction made *from* EOS.
 
+    An ``eos_token_id`` that the inputs' integer dtype cannot hold matches
+    nothing (torch would otherwise wrap it around: 261 as int8 is 5).
+
     Example:
         >>> eos_label_mask(torch.tensor([[1, 10, 2, 1, 11]]), 2).tolist()
         [[False, False, True, False, False]]
+        >>> eos_label_mask(torch.tensor([[5, 6]], dtype=torch.int8), 261).tolist()
+        [[False, False]]
     """
+    if not (inputs.dtype.is_floating_point or inputs.dtype.is_complex or inputs.dtype == torch.bool):
+        info = torch.iinfo(inputs.dtype)
+        if not info.min <= eos_token_id <= info.max:
+            return torch.zeros(inputs.shape, dtype=torch.bool, device=inputs.device)
     return inputs == eos_token_id
 
 

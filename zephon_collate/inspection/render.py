@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from zephon_collate.inspection.rows import RowView, _percent, batch_rows, batch_warnings
+from zephon_collate.keys import LABELS
 
 __all__ = ["render_batch", "render_batch_png", "token_text"]
 
@@ -212,7 +213,7 @@ def render_batch(
     summary = [shape]
     if rows and rows[0].supervised is not None:
         supervised = sum(row.num_supervised for row in rows)
-        what = "labels" if rows[0].labels is not None else "tokens"
+        what = LABELS if rows[0].labels is not None else "tokens"
         summary.append(f"{supervised} of {total} {what} supervised ({_percent(supervised, total)})")
     summary.append(f"{padding} of {total} tokens padding ({_percent(padding, total)})")
     lines = [_paint("batch: " + "; ".join(summary), "bold", color), ""]

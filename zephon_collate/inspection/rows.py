@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from zephon_collate.keys import CU_SEQLENS, INPUT_IDS, LABELS, LOSS_MASK, PADDING_MASK, POSITIONS
+
 __all__ = ["RowView", "batch_rows", "batch_warnings"]
 
 PADDING_WARN_FRACTION = 0.5
@@ -97,11 +99,11 @@ def batch_rows(
         KeyError: if ``batch`` has no ``input_ids``.
         ValueError: if a per-token field's rows do not match ``input_ids``.
     """
-    if "input_ids" not in batch:
+    if INPUT_IDS not in batch:
         raise KeyError(f"inspect_batch: the batch has no 'input_ids' (its keys: {sorted(batch)})")
-    tokens = _as_rows(batch["input_ids"], "input_ids")
+    tokens = _as_rows(batch[INPUT_IDS], INPUT_IDS)
     fields: dict[str, list[list[Any]]] = {}
-    for name in ("labels", "loss_mask", "positions", "padding_mask"):
+    for name in (LABELS, LOSS_MASK, POSITIONS, PADDING_MASK):
         if name in batch and batch[name] is not None:
             fields[name] = _as_rows(batch[name], name)
             lengths = [len(row) for row in fields[name]]
@@ -110,25 +112,25 @@ def batch_rows(
                     f"inspect_batch: field {name!r} has rows of lengths {lengths}, but input_ids has "
                     f"{[len(row) for row in tokens]}"
                 )
-    cu_rows = _as_rows(batch["cu_seqlens"], "cu_seqlens") if batch.get("cu_seqlens") is not None else None
+    cu_rows = _as_rows(batch[CU_SEQLENS], CU_SEQLENS) if batch.get(CU_SEQLENS) is not None else None
     ids = list(batch.get("ids") or [])
     rows = []
     for index, row in enumerate(tokens):
-        labels = fields.get("labels", [None] * len(tokens))[index]
-        loss_mask = fields.get("loss_mask", [None] * len(tokens))[index]
+        labels = fields.get(LABELS, [None] * len(tokens))[index]
+        loss_mask = fields.get(LOSS_MASK, [None] * len(tokens))[index]
         if labels is not None:
             supervised = [label != ignore_index for label in labels]
         elif loss_mask is not None:
             supervised = [bool(value) for value in loss_mask]
         else:
             supervised = None
-        if "padding_mask" in fields:
-            padding = [bool(value) for value in fields["padding_mask"][index]]
+        if PADDING_MASK in fields:
+            padding = [bool(value) for value in fields[PADDING_MASK][index]]
         elif pad_token_id is not None:
             padding = _trailing_pad(row, pad_token_id)
         else:
             padding = [False] * len(row)
-        positions = fields.get("positions", [None] * len(tokens))[index]
+        positions = fields.get(POSITIONS, [None] * len(tokens))[index]
         position_starts = None if positions is None else [t for t, p in enumerate(positions) if p == 0]
         cu_starts = None
         if cu_rows is not None and index < len(cu_rows):

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from zephon_collate.keys import INPUT_IDS
 from zephon_collate.packing.reader import PackOptions, Reader
 from zephon_collate.packing.rows import Base, Engine, Piece, build_row, split_document
 from zephon_collate.records import SampleRecord
@@ -158,7 +159,7 @@ class FlatPacker:
             pieces = ready.popleft()
             self._emitted += 1
             yield build_row(
-                pieces, self.options, self._reader.tokens_name or "input_ids", self._reader.fields or ()
+                pieces, self.options, self._reader.tokens_name or INPUT_IDS, self._reader.fields or ()
             )
 
     def state_dict(self) -> dict[str, Any]:

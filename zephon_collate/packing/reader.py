@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zephon_collate.keys import INT32_MAX, INT64_MAX, LOSS_MASK, POSITIONS, TOKEN_FIELD_CANDIDATES
+from zephon_collate.keys import INPUT_IDS, INT32_MAX, INT64_MAX, LOSS_MASK, POSITIONS, TOKEN_FIELD_CANDIDATES
 from zephon_collate.read import describe_record, first_token_field, is_array_payload, to_row
 from zephon_collate.records import SampleRecord
 
@@ -161,10 +161,10 @@ class Reader:
                     f"{where}: payload must be a dict of fields or a token array (list, tuple, NumPy array "
                     f"or torch tensor), got {type(payload).__name__}"
                 )
-            tokens = _as_array(payload, where, self.tokens_name or "input_ids", ids=True)
+            tokens = _as_array(payload, where, self.tokens_name or INPUT_IDS, ids=True)
             if not tokens.size:
                 return None
-            self.tokens_name = self.tokens_name or "input_ids"
+            self.tokens_name = self.tokens_name or INPUT_IDS
             self.fields = () if self.fields is None else self.fields
             if self.fields:
                 raise ValueError(

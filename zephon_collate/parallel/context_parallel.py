@@ -13,10 +13,11 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from zephon_collate.functional.context_parallel import partition
+from zephon_collate.keys import CU_SEQLENS, MAX_SEQLEN, NUM_VALID_TOKENS
 
 __all__ = ["gather_context_parallel"]
 
-METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "num_valid_tokens")
+METADATA_KEYS = (CU_SEQLENS, "cu_seqlens_padded", MAX_SEQLEN, NUM_VALID_TOKENS)
 
 
 def gather_context_parallel(

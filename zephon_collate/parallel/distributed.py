@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zephon_collate.keys import NUM_VALID_TOKENS
+
 __all__ = ["data_parallel_size", "global_num_valid_tokens", "is_distributed", "normalize_loss"]
 
 Count = int | torch.Tensor | Mapping[str, Any]
@@ -86,7 +88,7 @@ def global_num_valid_tokens(
     *,
     group: Any = None,
     device: str | torch.device | None = None,
-    key: str = "num_valid_tokens",
+    key: str = NUM_VALID_TOKENS,
 ) -> torch.Tensor:
     """The valid-token count of one optimizer step: summed over this rank's micro-batches, then over ranks.
 

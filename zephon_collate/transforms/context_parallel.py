@@ -40,7 +40,16 @@ from zephon_collate.checks import check_ignore_index, check_key, check_keys
 from zephon_collate.functional.context_parallel import check_cp, partition
 from zephon_collate.functional.labels import align_mask
 from zephon_collate.functional.segments import segment_starts
-from zephon_collate.keys import INT32_MAX
+from zephon_collate.keys import (
+    CU_SEQLENS,
+    INPUT_IDS,
+    INT32_MAX,
+    LABELS,
+    MAX_SEQLEN,
+    NUM_VALID_TOKENS,
+    PADDING_MASK,
+    POSITIONS,
+)
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["ContextParallelShard"]
@@ -159,13 +168,13 @@ class ContextParallelShard(Transform):
         pad_token_id: int = 0,
         ignore_index: int = -100,
         keys: Sequence[str] | None = None,
-        tokens_key: str = "input_ids",
-        labels_key: str = "labels",
-        positions_key: str = "positions",
-        cu_seqlens_key: str = "cu_seqlens",
+        tokens_key: str = INPUT_IDS,
+        labels_key: str = LABELS,
+        positions_key: str = POSITIONS,
+        cu_seqlens_key: str = CU_SEQLENS,
         padded_key: str = "cu_seqlens_padded",
-        max_key: str = "max_seqlen",
-        count_key: str = "num_valid_tokens",
+        max_key: str = MAX_SEQLEN,
+        count_key: str = NUM_VALID_TOKENS,
         added_key: str = "cp_padding_mask",
         fill_values: Mapping[str, int | float | bool] | None = None,
     ) -> None:
@@ -193,7 +202,7 @@ class ContextParallelShard(Transform):
         defaults: dict[str, int | float | bool] = {
             tokens_key: pad_token_id,
             labels_key: self.ignore_index,
-            "padding_mask": True,
+            PADDING_MASK: True,
         }
         if fill_values is not None and not isinstance(fill_values, Mapping):
             raise TypeError(f"{owner}: fill_values must be a dict of key -> value, got {fill_values!r}")

@@ -10,7 +10,7 @@ import torch
 
 from zephon_collate.checks import check_key
 from zephon_collate.functional import cu_seqlens_flat, cu_seqlens_rows
-from zephon_collate.keys import INT32_MAX
+from zephon_collate.keys import CU_SEQLENS, INT32_MAX, MAX_SEQLEN, POSITIONS
 from zephon_collate.transforms.base import Transform, _check_rank
 
 __all__ = ["CuSeqlens"]
@@ -63,11 +63,11 @@ class CuSeqlens(Transform):
 
     def __init__(
         self,
-        positions_key: str = "positions",
+        positions_key: str = POSITIONS,
         flatten: bool = False,
         num_boundaries: int | None = None,
-        out_key: str = "cu_seqlens",
-        max_key: str = "max_seqlen",
+        out_key: str = CU_SEQLENS,
+        max_key: str = MAX_SEQLEN,
     ) -> None:
         super().__init__()
         if num_boundaries is not None:

@@ -8,6 +8,7 @@ import torch
 
 from zephon_collate.checks import check_eos_token_id, check_ignore_index, check_key
 from zephon_collate.functional import eos_label_mask, mask_labels
+from zephon_collate.keys import INPUT_IDS, LABELS
 from zephon_collate.transforms.base import Transform, _check_ignore_fits, _check_leading
 
 __all__ = ["EosMask"]
@@ -47,8 +48,8 @@ class EosMask(Transform):
         self,
         eos_token_id: int,
         ignore_index: int = -100,
-        inputs_key: str = "input_ids",
-        labels_key: str = "labels",
+        inputs_key: str = INPUT_IDS,
+        labels_key: str = LABELS,
     ) -> None:
         super().__init__()
         self.eos_token_id = check_eos_token_id(eos_token_id, owner="EosMask")

@@ -8,6 +8,7 @@ import torch
 
 from zephon_collate.checks import check_ignore_index, check_key
 from zephon_collate.functional import apply_loss_mask
+from zephon_collate.keys import LABELS, LOSS_MASK, NUM_VALID_TOKENS, PADDING_LENGTH
 from zephon_collate.transforms.base import (
     Transform,
     _check_ignore_fits,
@@ -61,11 +62,11 @@ class LossMask(Transform):
     def __init__(
         self,
         ignore_index: int = -100,
-        supervision_key: str | None = "loss_mask",
-        padding_length_key: str | None = "padding_length",
-        labels_key: str = "labels",
-        out_key: str | None = "loss_mask",
-        count_key: str | None = "num_valid_tokens",
+        supervision_key: str | None = LOSS_MASK,
+        padding_length_key: str | None = PADDING_LENGTH,
+        labels_key: str = LABELS,
+        out_key: str | None = LOSS_MASK,
+        count_key: str | None = NUM_VALID_TOKENS,
     ) -> None:
         super().__init__()
         self.ignore_index = check_ignore_index(ignore_index, owner="LossMask")

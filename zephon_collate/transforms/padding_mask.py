@@ -8,6 +8,7 @@ import torch
 
 from zephon_collate.checks import check_key
 from zephon_collate.functional import trailing_mask
+from zephon_collate.keys import INPUT_IDS, PADDING_LENGTH, PADDING_MASK
 from zephon_collate.transforms.base import Transform, _check_leading, _check_rank
 
 __all__ = ["PaddingMask"]
@@ -41,9 +42,9 @@ class PaddingMask(Transform):
 
     def __init__(
         self,
-        padding_length_key: str = "padding_length",
-        like_key: str = "input_ids",
-        out_key: str = "padding_mask",
+        padding_length_key: str = PADDING_LENGTH,
+        like_key: str = INPUT_IDS,
+        out_key: str = PADDING_MASK,
     ) -> None:
         super().__init__()
         self.padding_length_key = check_key("PaddingMask", "padding_length_key", padding_length_key)

@@ -9,6 +9,7 @@ import torch
 
 from zephon_collate.checks import check_key, check_position_mode
 from zephon_collate.functional import sequence_positions
+from zephon_collate.keys import INPUT_IDS, POSITIONS
 from zephon_collate.transforms.base import Transform, _check_rank
 
 __all__ = ["Positions"]
@@ -49,8 +50,8 @@ class Positions(Transform):
     def __init__(
         self,
         mode: Literal["preserve", "sequence"] = "sequence",
-        like_key: str = "input_ids",
-        out_key: str = "positions",
+        like_key: str = INPUT_IDS,
+        out_key: str = POSITIONS,
     ) -> None:
         super().__init__()
         self.mode = check_position_mode(mode)

@@ -9,6 +9,7 @@ import torch
 from zephon_collate.checks import check_key
 from zephon_collate.functional.labels import padding_from_length
 from zephon_collate.functional.segments import flatten_segment_ids, segment_ids_from_positions
+from zephon_collate.keys import PADDING_LENGTH, POSITIONS, SEGMENT_IDS
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["SegmentIds"]
@@ -65,12 +66,12 @@ class SegmentIds(Transform):
 
     def __init__(
         self,
-        positions_key: str = "positions",
+        positions_key: str = POSITIONS,
         flatten: bool = False,
         mark_padding: bool = False,
-        padding_length_key: str = "padding_length",
+        padding_length_key: str = PADDING_LENGTH,
         shifted: bool = False,
-        out_key: str = "segment_ids",
+        out_key: str = SEGMENT_IDS,
     ) -> None:
         super().__init__()
         for name, value in (("flatten", flatten), ("mark_padding", mark_padding), ("shifted", shifted)):

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from zephon_collate.checks import check_key, check_keys
+from zephon_collate.keys import INPUT_IDS, LABELS
 from zephon_collate.transforms.base import Transform, _check_leading, _check_rank
 
 __all__ = ["TokenShift"]
@@ -41,8 +42,8 @@ class TokenShift(Transform):
 
     def __init__(
         self,
-        tokens_key: str = "input_ids",
-        labels_key: str = "labels",
+        tokens_key: str = INPUT_IDS,
+        labels_key: str = LABELS,
         input_keys: Sequence[str] = (),
         label_keys: Sequence[str] = (),
     ) -> None:
