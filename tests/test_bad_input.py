@@ -1349,3 +1349,22 @@ def test_flat_packer_state_problems():
     raises(ValueError, r"the state is corrupt", restored.load_state_dict, {**state, "pending": None})
     restored.load_state_dict(state)  # a failed restore leaves the packer usable
     assert restored.records_consumed == state["records_consumed"]
+
+
+@pytest.mark.parametrize(("dtype", "eos"), [(torch.int8, 261), (torch.int16, 40_000), (np.int8, 128)])
+def test_eos_token_id_beyond_the_output_dtype(dtype, eos):
+    """An EOS id the output dtype cannot hold would wrap around (261 as int8 is 5): ValueError, before any
+    payload is read, whether or not EOS masking is on."""
+    b = batch({"input_ids": [1, 5, 2]})
+    raises(
+        ValueError,
+        rf"eos_token_id {eos} does not fit dtype",
+        b.to_training,
+        return_labels=True,
+        eos_mask_loss=True,
+        eos_token_id=eos,
+        dtype=dtype,
+    )
+    raises(
+        ValueError, rf"eos_token_id {eos} does not fit dtype", b.to_training, eos_token_id=eos, dtype=dtype
+    )

@@ -245,7 +245,7 @@ class Collator:
         for key, dtype in stacked.dtypes.items():
             data[key] = data[key].to(dtype)
         plan = self.plan_for(tuple(data))
-        result = self.runner(plan, td.device)(data)
+        result = self.runner(plan, td.device)(data) if self.compile else plan.outputs(data)
         return assemble_outputs(
             stacked.per_record, self.options, result, plan.pairs, python_scalars=self.python_scalars
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from zephon_collate.collate.options import TrainingOptions
@@ -102,16 +103,22 @@ def ids_and_texts(records: Sequence[SampleRecord]) -> dict[str, list[Any]]:
     }
 
 
-def _convert(tensor: torch.Tensor, kind: str) -> Any:
+def _convert(value: torch.Tensor | np.ndarray, kind: str) -> Any:
+    """A chain output (a tensor, or an array from the CPU plan) in the container ``kind`` asks for."""
+    if type(value) is np.ndarray:
+        if kind == "list":
+            return value.tolist()
+        array = np.ascontiguousarray(value)
+        return torch.from_numpy(array) if kind == "torch" else array
     if kind == "torch":
-        return contiguous(tensor)
+        return contiguous(value)
     if kind == "numpy":  # contiguous first: a view of the stacked batch would keep all of it alive
-        return tensor.detach().cpu().contiguous().numpy()
-    return tensor.tolist()
+        return value.detach().cpu().contiguous().numpy()
+    return value.tolist()
 
 
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1, *tensor.shape[2:]) if tensor.dim() >= 2 else tensor
+def _flat(value: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    return value.reshape(-1, *value.shape[2:]) if value.ndim >= 2 else value
 
 
 def assemble_outputs(
@@ -122,12 +129,12 @@ def assemble_outputs(
     *,
     python_scalars: bool = True,
 ) -> dict[str, Any]:
-    """Build the output dict of a stacked batch from the chain's TensorDict and :func:`ids_and_texts`.
+    """Build the output dict of a stacked batch from the plan's outputs and :func:`ids_and_texts`.
 
     ``python_scalars=False`` keeps ``num_valid_tokens`` and a flattened
     ``max_seqlen`` as 0-d tensors (no device sync).
     """
-    scalar = int if python_scalars else (lambda tensor: tensor)
+    scalar = int if python_scalars else torch.as_tensor
     kind = options.output.kind
     out: dict[str, Any] = {}
     for key, name in pairs:

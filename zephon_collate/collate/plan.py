@@ -16,10 +16,12 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from zephon_collate.collate.options import TrainingOptions
 from zephon_collate.collate.output import output_keys
+from zephon_collate.functional.dispatch import cpu_twins_apply
 from zephon_collate.keys import INPUT_IDS, LOSS_MASK, NUM_VALID_TOKENS, PADDING_LENGTH, PADDING_MASK
 from zephon_collate.transforms import Chain, CuSeqlens, EosMask, LossMask, PaddingMask, Positions, TokenShift
 
@@ -108,7 +110,20 @@ class Plan:
         self._lock = threading.Lock()
 
     def run(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The chain's cores over ``data`` (a mapping of stacked tensors), eager."""
+        """The chain's cores over ``data`` (a mapping of stacked tensors), eager: a dict of tensors."""
+        return {k: torch.from_numpy(v) if type(v) is np.ndarray else v for k, v in self.outputs(data).items()}
+
+    def outputs(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | np.ndarray]:
+        """:meth:`run` as the collate path uses it: on plain CPU tensors in eager mode, over arrays.
+
+        There the chain runs over NumPy views of the tensors (no copy): every
+        kernel takes its NumPy twin directly and a slice costs 0.2 us instead of
+        torch's 1.6 us. The outputs are then arrays, which
+        :func:`~zephon_collate.collate.output.assemble_outputs` turns into the
+        containers asked for.
+        """
+        if cpu_twins_apply(*data.values()):
+            return self.chain.run({key: value.numpy() for key, value in data.items()})
         return self.chain.run(data)
 
     def compiled(self, device_type: str) -> Callable[[Mapping[str, Any]], dict[str, Any]]:

@@ -36,7 +36,7 @@ def training_outputs(records: Sequence[SampleRecord], options: TrainingOptions) 
         return _ragged_outputs(records, columns, options)
     data = stack(columns, options)
     plan = plan_for(options, tuple(data))
-    return assemble_outputs(ids_and_texts(records), options, plan.run(data), plan.pairs)
+    return assemble_outputs(ids_and_texts(records), options, plan.outputs(data), plan.pairs)
 
 
 def _ragged_outputs(
@@ -50,4 +50,4 @@ def _ragged_outputs(
         row.padding_lengths = columns.padding_lengths[index : index + 1]
         per_row.append(stack(row, options))
     plan = plan_for(options, tuple(per_row[0]))
-    return merge_row_outputs(ids_and_texts(records), options, [plan.run(d) for d in per_row], plan.pairs)
+    return merge_row_outputs(ids_and_texts(records), options, [plan.outputs(d) for d in per_row], plan.pairs)

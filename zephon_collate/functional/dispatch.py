@@ -2,11 +2,15 @@
 
 On the CPU, torch's elementwise comparisons over integer tensors run several
 times slower than NumPy's (an ``int64 == scalar`` over 65,536 tokens: ~39 us
-against ~9 us on a 2-core AMD EPYC, one thread). So a kernel may register a
-NumPy twin in its own module: same values, dtypes and shapes, taken when every
-tensor argument is a plain CPU tensor of a NumPy dtype, outside
-``torch.compile``, without autograd. The torch kernel is the specification;
-tests compare the two.
+against ~9 us on a 2-core AMD EPYC, one thread), and every torch call costs
+1-3 us before it touches data (a slice: 1.6 us; in NumPy 0.2 us). So a kernel
+may register a NumPy twin in its own module, taking and returning arrays: same
+values, dtypes and shapes. It runs when every tensor argument is a plain CPU
+tensor of a NumPy dtype, outside ``torch.compile``, without autograd (the
+tensors are viewed as arrays and the results wrapped back, no copy), and
+whenever the kernel is given arrays: the collate plan runs its chain on the
+CPU over arrays (:mod:`zephon_collate.collate.plan`). The torch kernel is the
+specification; tests compare the two.
 
 A decorated kernel ``k`` is called checked (``k(...)``: the check, then the
 dispatch), or ``k.unchecked(...)`` by a caller that has checked its inputs
@@ -21,6 +25,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 __all__ = ["check_tensor", "cpu_twins_apply", "kernel", "use_cpu_twins"]
@@ -101,12 +106,18 @@ def kernel(
     def decorate(torch_fn: F) -> F:
         def unchecked(*args: Any, **kwargs: Any) -> Any:
             twin = checked.cpu  # type: ignore[attr-defined]
+            if any(type(a) is np.ndarray for a in args):  # arrays in, arrays out (the CPU plan)
+                if twin is not None and (cpu_when is None or cpu_when(*args, **kwargs)):
+                    return twin(*args, **kwargs)
+                tensors = [torch.from_numpy(a) if type(a) is np.ndarray else a for a in args]
+                return _to_arrays(checked.torch(*tensors, **kwargs))  # type: ignore[attr-defined]
             if (
                 twin is not None
                 and cpu_twins_apply(*args, *kwargs.values())
                 and (cpu_when is None or cpu_when(*args, **kwargs))
             ):
-                return twin(*args, **kwargs)
+                arrays = [a.numpy() if type(a) is torch.Tensor else a for a in args]
+                return _to_tensors(twin(*arrays, **kwargs))
             return checked.torch(*args, **kwargs)  # type: ignore[attr-defined]
 
         @functools.wraps(torch_fn)
@@ -121,3 +132,21 @@ def kernel(
         return checked  # type: ignore[return-value]
 
     return decorate
+
+
+def _to_tensors(value: Any) -> Any:
+    """A twin's result with its arrays as tensors (no copy)."""
+    if type(value) is np.ndarray:
+        return torch.from_numpy(value)
+    if type(value) is tuple:
+        return tuple(_to_tensors(item) for item in value)
+    return value
+
+
+def _to_arrays(value: Any) -> Any:
+    """A torch kernel's result with its CPU tensors as arrays (no copy)."""
+    if isinstance(value, torch.Tensor):
+        return value.numpy()
+    if type(value) is tuple:
+        return tuple(_to_arrays(item) for item in value)
+    return value

@@ -70,15 +70,11 @@ def shift_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _trailing_mask_cpu(padding_length: torch.Tensor, length: int) -> torch.Tensor:
-    return torch.from_numpy(_trailing_np(padding_length.numpy(), length))
-
-
 def _check_trailing_mask(padding_length: torch.Tensor, length: int) -> None:
     check_tensor("trailing_mask", "padding_length", padding_length, 1, 1)
 
 
-@kernel(check=_check_trailing_mask, cpu=_trailing_mask_cpu)
+@kernel(check=_check_trailing_mask, cpu=_trailing_np)
 def trailing_mask(padding_length: torch.Tensor, length: int) -> torch.Tensor:
     """Boolean ``[B, length]`` mask, True on the last ``padding_length[b]`` entries of row ``b``.
 
@@ -121,11 +117,7 @@ def _check_mask_labels(labels: torch.Tensor, mask: torch.Tensor, ignore_index: i
     check_tensor("mask_labels", "mask", mask, 0, labels.dim())
 
 
-def _mask_labels_cpu(labels: torch.Tensor, mask: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    return torch.from_numpy(_masked_np(labels.numpy(), mask.numpy(), ignore_index))
-
-
-@kernel(check=_check_mask_labels, cpu=_mask_labels_cpu)
+@kernel(check=_check_mask_labels, cpu=_masked_np)
 def mask_labels(labels: torch.Tensor, mask: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """Return ``labels`` with ``ignore_index`` wherever the ``[B, S]`` ``mask`` is True.
 
@@ -155,13 +147,13 @@ def as_float(mask: torch.Tensor) -> torch.Tensor:
     return mask.to(torch.float32)
 
 
-def _eos_label_mask_cpu(inputs: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(inputs.numpy() == eos_token_id))
+def _eos_label_mask_np(inputs: np.ndarray, eos_token_id: int) -> np.ndarray:
+    return np.asarray(inputs == eos_token_id)
 
 
 @kernel(
     check=lambda inputs, eos_token_id: check_tensor("eos_label_mask", "inputs", inputs),
-    cpu=_eos_label_mask_cpu,
+    cpu=_eos_label_mask_np,
 )
 def eos_label_mask(inputs: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     """True where the input token is EOS: the prediction made *from* EOS.
@@ -194,24 +186,23 @@ def _check_apply_loss_mask(
             check_tensor("apply_loss_mask", name, tensor, 1, labels.dim())
 
 
-def _apply_loss_mask_cpu(
-    labels: torch.Tensor,
-    supervision: torch.Tensor | None,
-    padding_length: torch.Tensor | None,
+def _apply_loss_mask_np(
+    values: np.ndarray,
+    supervision: np.ndarray | None,
+    padding_length: np.ndarray | None,
     ignore_index: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    values = labels.numpy()
-    drop = None if supervision is None else supervision.numpy() == 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    drop = None if supervision is None else supervision == 0
     if padding_length is not None:
-        padding = _trailing_np(padding_length.numpy(), values.shape[1])
+        padding = _trailing_np(padding_length, values.shape[1])
         drop = padding if drop is None else drop | _aligned_np(padding, drop)
     if drop is not None:
         values = _masked_np(values, drop, ignore_index)
     loss_mask = (values != ignore_index).view(np.uint8).astype(np.float32)
-    return torch.from_numpy(values), torch.from_numpy(loss_mask), torch.from_numpy(_row_counts_np(loss_mask))
+    return values, loss_mask, _row_counts_np(loss_mask)
 
 
-@kernel(check=_check_apply_loss_mask, cpu=_apply_loss_mask_cpu)
+@kernel(check=_check_apply_loss_mask, cpu=_apply_loss_mask_np)
 def apply_loss_mask(
     labels: torch.Tensor,
     supervision: torch.Tensor | None,
@@ -243,6 +234,18 @@ def apply_loss_mask(
     return labels, as_float(valid), valid.flatten(1).sum(dim=1)  # flatten, not reshape: B = 0 works
 
 
+def _check_sequence_positions(like: torch.Tensor) -> None:
+    check_tensor("sequence_positions", "like", like, 2)
+    if like.dtype == torch.bool or like.dtype.is_complex:
+        raise TypeError(f"sequence_positions: like must hold integer or float values, got {like.dtype}")
+
+
+def _sequence_positions_np(like: np.ndarray) -> np.ndarray:
+    rows, length = like.shape[:2]
+    return np.broadcast_to(np.arange(length, dtype=like.dtype), (rows, length)).copy()
+
+
+@kernel(check=_check_sequence_positions, cpu=_sequence_positions_np)
 def sequence_positions(like: torch.Tensor) -> torch.Tensor:
     """Positions ``[0, 1, ..., S-1]`` in every row of ``like`` (``[B, S, ...]``), in its dtype and device.
 
@@ -250,9 +253,7 @@ def sequence_positions(like: torch.Tensor) -> torch.Tensor:
         >>> sequence_positions(torch.zeros(2, 3, dtype=torch.int32)).tolist()
         [[0, 1, 2], [0, 1, 2]]
     """
-    rows, length = check_tensor("sequence_positions", "like", like, 2).shape[:2]
-    if like.dtype == torch.bool or like.dtype.is_complex:
-        raise TypeError(f"sequence_positions: like must hold integer or float values, got {like.dtype}")
+    rows, length = like.shape[:2]
     return torch.arange(length, dtype=like.dtype, device=like.device).expand(rows, length).contiguous()
 
 

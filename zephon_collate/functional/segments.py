@@ -72,20 +72,20 @@ def _no_static_shape(positions: torch.Tensor, num_boundaries: int | None = None)
     return num_boundaries is None
 
 
-def _cu_seqlens_rows_cpu(
-    positions: torch.Tensor, num_boundaries: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    starts = np.flatnonzero(_segment_starts_np(positions.numpy()))  # flat indices, already row-sorted
+def _cu_seqlens_rows_np(
+    positions: np.ndarray, num_boundaries: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    starts = np.flatnonzero(_segment_starts_np(positions))  # flat indices, already row-sorted
     rows, length = positions.shape
     row_index = starts // max(length, 1)
     rank = np.arange(starts.size) - np.searchsorted(row_index, row_index)  # index within its row
     width = int(rank.max()) + 2 if starts.size else 1
     boundaries = np.full((rows, width), length, dtype=np.int32)
     boundaries[row_index, rank] = starts - row_index * length
-    return torch.from_numpy(boundaries), torch.from_numpy(_longest_np(boundaries))
+    return boundaries, _longest_np(boundaries)
 
 
-@kernel(check=_check_positions("cu_seqlens_rows"), cpu=_cu_seqlens_rows_cpu, cpu_when=_no_static_shape)
+@kernel(check=_check_positions("cu_seqlens_rows"), cpu=_cu_seqlens_rows_np, cpu_when=_no_static_shape)
 def cu_seqlens_rows(
     positions: torch.Tensor, num_boundaries: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,15 +143,15 @@ def _row_boundaries_static(is_start: torch.Tensor, num_boundaries: int) -> torch
     return boundaries.scatter(1, slot, index)[:, :num_boundaries].to(torch.int32)
 
 
-def _cu_seqlens_flat_cpu(
-    positions: torch.Tensor, num_boundaries: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    is_start = _segment_starts_np(positions.numpy())
+def _cu_seqlens_flat_np(
+    positions: np.ndarray, num_boundaries: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    is_start = _segment_starts_np(positions)
     boundaries = np.append(np.flatnonzero(is_start), is_start.size).astype(np.int32)
-    return torch.from_numpy(boundaries), torch.from_numpy(_longest_np(boundaries))
+    return boundaries, _longest_np(boundaries)
 
 
-@kernel(check=_check_positions("cu_seqlens_flat"), cpu=_cu_seqlens_flat_cpu, cpu_when=_no_static_shape)
+@kernel(check=_check_positions("cu_seqlens_flat"), cpu=_cu_seqlens_flat_np, cpu_when=_no_static_shape)
 def cu_seqlens_flat(
     positions: torch.Tensor, num_boundaries: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,11 +15,11 @@ from zephon_collate.functional.dispatch import kernel
 __all__ = ["any_outside_zero_one", "first_nonzero", "first_true_row", "smallest"]
 
 
-def _smallest_cpu(values: torch.Tensor) -> float:
-    return values.numpy().min().item()
+def _smallest_np(values: np.ndarray) -> float:
+    return values.min().item()
 
 
-@kernel(cpu=_smallest_cpu)
+@kernel(cpu=_smallest_np)
 def smallest(values: torch.Tensor) -> float:
     """The smallest value of a non-empty tensor, as a Python number.
 
@@ -30,14 +30,13 @@ def smallest(values: torch.Tensor) -> float:
     return values.min().item()
 
 
-def _outside_zero_one_cpu(mask: torch.Tensor) -> bool:
-    array = mask.numpy()
+def _outside_zero_one_np(array: np.ndarray) -> bool:
     if array.dtype.kind == "f":
         return bool(((array != 0) & (array != 1)).any())
     return bool(array.view(array.dtype.str.replace("i", "u")).max() > 1)  # as unsigned: 0, 1 are <= 1
 
 
-@kernel(cpu=_outside_zero_one_cpu)
+@kernel(cpu=_outside_zero_one_np)
 def any_outside_zero_one(mask: torch.Tensor) -> bool:
     """True if a non-empty, non-bool mask holds a value other than 0 and 1.
 
@@ -61,12 +60,12 @@ def first_true_row(bad: torch.Tensor) -> int:
     return int(bad.reshape(bad.shape[0], -1).any(dim=1).nonzero()[0, 0])
 
 
-def _first_nonzero_cpu(values: torch.Tensor) -> int | None:
-    found = np.flatnonzero(values.numpy())
+def _first_nonzero_np(values: np.ndarray) -> int | None:
+    found = np.flatnonzero(values)
     return int(found[0]) if found.size else None
 
 
-@kernel(cpu=_first_nonzero_cpu)
+@kernel(cpu=_first_nonzero_np)
 def first_nonzero(values: torch.Tensor) -> int | None:
     """The index of the first nonzero entry of a 1-D tensor, or ``None``.
 

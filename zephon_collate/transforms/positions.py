@@ -67,4 +67,4 @@ class Positions(Transform):
     def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.mode == "preserve":
             return {}
-        return {self.out_key: sequence_positions(data[self.like_key])}
+        return {self.out_key: sequence_positions.unchecked(data[self.like_key])}

@@ -1,0 +1,118 @@
+"""The package's shape: areas import only from areas below them, one signature, one segment rule."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from zephon_collate import SampleBatch, functional, to_training
+from zephon_collate.functional.attention import cu_seqlens_from_segment_ids
+from zephon_collate.functional.context_parallel import cp_partition_index
+
+PACKAGE = Path(__file__).resolve().parent.parent / "zephon_collate"
+
+# Bottom to top; an area may import from its own level and the levels below.
+LEVELS = [
+    {"keys", "records"},
+    {"checks", "read"},
+    {"functional"},
+    {"transforms"},
+    {"collate", "types"},
+    {"packing", "parallel"},
+    {"inspection"},
+    {"demo", "__main__", "__init__"},
+]
+
+
+def _level(module: str) -> int:
+    parts = module.split(".")
+    area = parts[1] if len(parts) > 1 else "__init__"
+    return next(i for i, names in enumerate(LEVELS) if area in names)
+
+
+def _imports() -> list[tuple[str, str]]:
+    edges = []
+    for path in PACKAGE.rglob("*.py"):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("zephon_collate"):
+                target = node.module
+                edges.append((module, target))  # `from zephon_collate import x`: the top, __init__
+    return edges
+
+
+def test_no_area_imports_from_an_area_above_it():
+    upward = [(source, target) for source, target in _imports() if _level(target) > _level(source)]
+    assert upward == [], upward
+
+
+def test_to_training_signature_is_the_reference_pages():
+    """One signature, shown by both entry points, with the page's names, order and defaults."""
+    page = [
+        ("tokens_field", "auto"),
+        ("return_labels", False),
+        ("dtype", "auto"),
+        ("extra_fields", ()),
+        ("ignore_index", -100),
+        ("rename_fields", None),
+        ("flatten", False),
+        ("exclude_fields", ()),
+        ("return_num_valid_tokens", False),
+        ("return_loss_mask", False),
+        ("return_cu_seqlens", False),
+        ("return_padding_mask", False),
+        ("eos_mask_loss", False),
+        ("eos_token_id", None),
+        ("position_mode", "preserve"),
+    ]
+    for function, leading in ((SampleBatch.to_training, "self"), (to_training, "batch")):
+        parameters = list(inspect.signature(function).parameters.values())
+        assert parameters[0].name == leading
+        assert [(p.name, p.default) for p in parameters[1:]] == page
+        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters[1:])
+
+
+POSITIONS = torch.tensor([[3, 4, 0, 1, 2], [0, 1, 0, 0, 1]])  # row 0 does not start at zero
+
+
+@pytest.mark.parametrize("twins", [True, False], ids=["numpy", "torch"])
+def test_every_boundary_follows_the_one_segment_rule(twins):
+    """Hand-worked: a segment starts at a row's first token and wherever positions are 0."""
+    with functional.use_cpu_twins(twins):
+        assert functional.segment_starts(POSITIONS).tolist() == [
+            [True, False, True, False, False],
+            [True, False, True, True, False],
+        ]
+        cu, top = functional.cu_seqlens_rows(POSITIONS)
+        assert cu.tolist() == [[0, 2, 5, 5], [0, 2, 3, 5]] and top.tolist() == [3, 2]
+        flat, longest = functional.cu_seqlens_flat(POSITIONS)
+        assert flat.tolist() == [0, 2, 5, 7, 8, 10] and int(longest) == 3
+    ids = functional.segment_ids_from_positions(POSITIONS)
+    assert ids.tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 2, 2]]
+    assert cu_seqlens_from_segment_ids(ids)[0].tolist() == cu.tolist()
+
+
+def test_context_parallel_layout_uses_the_same_documents():
+    """ContextParallelShard cuts the stream at the same starts: documents of 2 and 3 tokens, then 2, 1, 2."""
+    from tensordict import TensorDict
+
+    from zephon_collate import ContextParallelShard
+
+    shard = ContextParallelShard(1, 0)(TensorDict(positions=POSITIONS, batch_size=[2]))
+    assert shard["cu_seqlens"].tolist() == [0, 2, 5, 7, 8, 10]
+    assert shard["cu_seqlens_padded"].tolist() == [0, 2, 6, 8, 10, 12]  # each padded to a multiple of 2
+    assert cp_partition_index(shard["cu_seqlens_padded"], 1, 0).tolist() == list(range(12))
+
+
+def test_cpu_twin_takes_arrays_directly():
+    """A kernel given arrays answers in arrays (the CPU plan's path), equal to the torch kernel."""
+    labels = np.array([[5, 6, 7]])
+    out = functional.mask_labels.unchecked(labels, np.array([[False, True, False]]), -100)
+    assert type(out) is np.ndarray and out.tolist() == [[5, -100, 7]]
+    static = functional.cu_seqlens_rows.unchecked(np.array([[0, 1, 0]]), 4)  # no twin: torch, as arrays
+    assert type(static[0]) is np.ndarray and static[0].tolist() == [[0, 2, 3, 3]]
