@@ -40,15 +40,15 @@ def numpy_passes(batch: SampleBatch) -> dict[str, object]:
     np.copyto(labels, IGNORE, where=tokens[:, :-1] == EOS)
     np.copyto(labels, IGNORE, where=(supervision[:, 1:] == 0) | padding[:, 1:])
     loss_mask = (labels != IGNORE).view(np.uint8).astype(np.float32)
-    cu_seqlens, max_seqlen = functional.cu_seqlens_rows.cpu(torch.from_numpy(positions[:, :-1]))
+    cu_seqlens, max_seqlen = functional.cu_seqlens_rows.cpu(positions[:, :-1])  # the NumPy twin
     return {
         "input_ids": torch.from_numpy(np.ascontiguousarray(tokens[:, :-1])),
         "labels": torch.from_numpy(labels),
         "positions": torch.from_numpy(np.ascontiguousarray(positions[:, :-1])),
         "num_valid_tokens": int(loss_mask.sum()),
         "loss_mask": torch.from_numpy(loss_mask),
-        "cu_seqlens": cu_seqlens,
-        "max_seqlen": max_seqlen,
+        "cu_seqlens": torch.from_numpy(cu_seqlens),
+        "max_seqlen": torch.from_numpy(max_seqlen),
         "padding_mask": torch.from_numpy(np.ascontiguousarray(padding[:, :-1])),
     }
 

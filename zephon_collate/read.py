@@ -326,7 +326,10 @@ def read_field(
 
 def check_aligned(columns: Columns, name: str, lengths: list[int]) -> None:
     """Raise ``ValueError`` if a field's rows do not have one entry per token (``lengths``)."""
-    for index, (row, length) in enumerate(zip(columns.rows[name], lengths, strict=True)):
+    rows = columns.rows[name]
+    if all(row.ndim and row.shape[0] == length for row, length in zip(rows, lengths, strict=True)):
+        return
+    for index, (row, length) in enumerate(zip(rows, lengths, strict=True)):
         if row.ndim == 0 or row.shape[0] != length:
             got = "a scalar" if row.ndim == 0 else f"{row.shape[0]} entries"
             raise ValueError(
