@@ -37,9 +37,11 @@ def batch(*payloads: Any, paddings: list[int | None] | None = None) -> SampleBat
 
 
 def as_lists(value: Any) -> Any:
-    """Tensors and arrays to nested lists, dict values too, for comparisons."""
+    """Tensors and arrays to nested lists, in dict values and lists too, for comparisons."""
     if isinstance(value, dict):
         return {key: as_lists(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [as_lists(item) for item in value]
     if isinstance(value, (torch.Tensor, np.ndarray)):
         return value.tolist()
     return value

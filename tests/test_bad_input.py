@@ -1368,3 +1368,159 @@ def test_eos_token_id_beyond_the_output_dtype(dtype, eos):
     raises(
         ValueError, rf"eos_token_id {eos} does not fit dtype", b.to_training, eos_token_id=eos, dtype=dtype
     )
+
+
+# --- K. Whole-number floats out of range, exotic dtypes, one-row batches, shared texts ---------------
+
+
+@pytest.mark.parametrize(
+    ("values", "dtype"),
+    [
+        ([3e9], torch.int32),  # wrapped to -2147483648
+        ([40000.0], torch.int16),  # wrapped to -25536
+        ([300.0], np.int8),  # wrapped to 44
+        ([1e20], torch.int64),  # wrapped to INT64_MIN
+        ([2.0**63], torch.int64),  # exactly one past int64
+        ([-129.0], torch.int8),
+    ],
+)
+def test_whole_number_floats_beyond_the_dtype(values, dtype):
+    """A whole-number float that the output dtype cannot hold is refused, as an integer source is."""
+    name = torch.int8 if dtype is np.int8 else dtype
+    b = batch({"input_ids": [1, 2], "w": torch.tensor([values[0], 0.0], dtype=torch.float64)})
+    raises(
+        ValueError,
+        rf"record 0 .*'w' holds values outside the {name} range",
+        b.to_training,
+        extra_fields=["w"],
+        dtype=dtype,
+    )
+    mask = batch({"input_ids": [1, 2], "loss_mask": [values[0], 1.0]})
+    raises(
+        ValueError,
+        rf"record 0 .*'loss_mask' holds values outside the {name} range",
+        mask.to_training,
+        dtype=dtype,
+    )
+
+
+def test_whole_number_floats_at_the_edges_pass():
+    out = batch({"input_ids": [1, 2], "w": [-128.0, 127.0]}).to_training(extra_fields=["w"], dtype=torch.int8)
+    assert out["w"].tolist() == [[-128, 127]] and out["w"].dtype == torch.int8
+
+
+def test_list_of_bool_tensors_as_token_ids():
+    """``list(torch.tensor([True, False, True]))`` is not token ids [1, 0, 1], in every entry point."""
+    tokens = list(torch.tensor([True, False, True]))
+    raises(
+        TypeError,
+        r"record 0 .*'input_ids' has dtype bool; it must hold integer token ids",
+        batch({"input_ids": tokens}).to_training,
+    )
+    raises(TypeError, r"sample 0|record 0 .*dtype bool", Collator(), [{"input_ids": tokens}])
+    raises(TypeError, r"record 0 .*dtype bool", pack_flat, [record({"input_ids": tokens})], 4, pad_token_id=0)
+
+
+def test_list_of_int_tensors_still_reads():
+    out = batch({"input_ids": list(torch.tensor([5, 6, 7]))}).to_training(return_labels=True)
+    assert out["labels"].tolist() == [[6, 7]]
+
+
+def test_one_row_batch_tensors_name_the_fix():
+    """``tokenizer(..., return_tensors="pt")["input_ids"]`` is ``[1, S]``: a clear error, not one token of S channels."""
+    hf = {"input_ids": torch.tensor([[1, 5, 6, 2]]), "labels": torch.tensor([[1, 5, 6, 2]])}
+    raises(
+        ValueError,
+        r"record 0 .*'input_ids' has shape \(1, 4\): a batch of one row.*squeeze\(0\)",
+        batch(hf).to_training,
+        return_labels=True,
+    )
+    raises(ValueError, r"has shape \(1, 4\)", Collator(return_labels=True), [hf])
+    assert batch({"input_ids": hf["input_ids"][0]}).to_training(return_labels=True)["labels"].tolist() == [
+        [5, 6, 2]
+    ]
+
+
+def test_texts_are_copies_not_the_payloads_objects():
+    chat = [{"role": "user", "content": "hi"}]
+    b = batch({"input_ids": [1, 2], "text": chat})
+    out = b.to_training()
+    out["texts"][0].append({"role": "assistant", "content": "x"})
+    out["texts"][0][0]["content"] = "changed"
+    assert chat == [{"role": "user", "content": "hi"}]
+    assert Collator()([b.records[0]])["texts"][0] == chat
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.tensor([1.0, 0.0]).to(torch.float8_e4m3fn),
+        torch.tensor([1.0, 0.0]).to(torch.float8_e5m2),
+    ],
+    ids=["float8_e4m3fn", "float8_e5m2"],
+)
+def test_float8_fields_are_refused_clearly(value):
+    b = batch({"input_ids": [1, 2], "loss_mask": value})
+    raises(
+        TypeError,
+        r"record 0 .*'loss_mask' has dtype torch.float8_e\w+, which collating cannot compute with; cast it with \.float\(\)",
+        b.to_training,
+        return_labels=True,
+    )
+    raises(
+        TypeError,
+        r"record 0 .*'w' has dtype torch.float8",
+        batch({"input_ids": [1, 2], "w": value}).to_training,
+        extra_fields=["w"],
+    )
+    raises(
+        TypeError,
+        r"record 0 .*'loss_mask' has dtype torch.float8",
+        pack_flat,
+        [record({"input_ids": [1, 2], "loss_mask": value})],
+        4,
+        pad_token_id=0,
+    )
+
+
+def test_longdouble_mask_is_refused_clearly():
+    mask = np.array([1, 1], dtype=np.longdouble)
+    if mask.dtype.itemsize <= 8:  # pragma: no cover - platforms where long double is double
+        pytest.skip("np.longdouble is float64 here")
+    raises(
+        TypeError,
+        r"record 0 .*'loss_mask' has dtype float128, which torch cannot hold; cast it with \.astype\(np\.float64\)",
+        batch({"input_ids": [1, 2], "loss_mask": mask}).to_training,
+        return_labels=True,
+    )
+
+
+def test_big_endian_dtype_and_payloads():
+    raises(
+        ValueError,
+        r"dtype '>i4' is not in this machine's byte order; pass np.dtype\('int32'\)",
+        batch({"input_ids": [1, 2]}).to_training,
+        dtype=np.dtype(">i4"),
+    )
+    tokens = np.array([3, 4, 5], dtype=">i8")  # big-endian payloads read exactly
+    assert batch({"input_ids": tokens}).to_training(return_labels=True)["labels"].tolist() == [[4, 5]]
+
+
+@pytest.mark.parametrize("tokens", [[1, 2**63], [2**64, 1], [-(2**63) - 1]])
+def test_python_ints_beyond_int64_say_so(tokens):
+    raises(
+        ValueError,
+        r"record 0 .*'input_ids' holds values beyond int64",
+        batch({"input_ids": tokens}).to_training,
+    )
+
+
+def test_pack_flat_field_of_int64_and_uint64_stays_exact():
+    """One document's field int64, the next uint64: packed exactly, not through float64."""
+    big = 2**60 + 1
+    docs = [
+        record({"input_ids": [1, 2], "w": np.array([big, 1], dtype=np.int64)}, 0),
+        record({"input_ids": [3, 4], "w": np.array([big, 2], dtype=np.uint64)}, 1),
+    ]
+    row = pack_flat(docs, 4, pad_token_id=0, fields=["w"])[0].payload
+    assert row["w"].dtype == np.int64 and row["w"].tolist() == [big, 1, big, 2]

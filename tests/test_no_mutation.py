@@ -220,7 +220,7 @@ def test_collator_stacked_batches_transforms_and_packer_pickle():
     collator = Collator(**EVERYTHING)
     stacked = pickle.loads(pickle.dumps(collator.stack(rows)))
     assert as_lists(collator.finish(stacked)) == as_lists(collator(rows))
-    options = TrainingOptions.create(**EVERYTHING)
+    options = TrainingOptions(**EVERYTHING)
     assert pickle.loads(pickle.dumps(options)) == options
     for transform in (
         TokenShift(input_keys=["positions"]),

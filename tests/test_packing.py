@@ -266,7 +266,12 @@ def test_bad_options(kwargs: dict[str, Any], error: type[Exception], match: str)
         ([SampleRecord(doc(0, 1).meta, None)], {}, TypeError, "record 0.*payload must be a dict"),
         ([doc(0, [1.0, 2.0])], {}, TypeError, "record 0.*'input_ids'.*integer token ids"),
         ([doc(0, [True])], {}, TypeError, "'input_ids'.*integer token ids"),
-        ([SampleRecord(doc(0, 1).meta, {"input_ids": [[1, 2]]})], {}, ValueError, "'input_ids' must be 1-D"),
+        (
+            [SampleRecord(doc(0, 1).meta, {"input_ids": [[1, 2]]})],
+            {},
+            ValueError,
+            r"'input_ids' has shape \(1, 2\): a batch of one row",
+        ),
         ([doc(0, 2, loss_mask=[1])], {}, ValueError, "record 0.*'loss_mask'"),
         ([doc(0, 2, loss_mask=[1, 1]), doc(1, 2)], {}, ValueError, "record 0.*loss_mask.*record 1.*has none"),
         (

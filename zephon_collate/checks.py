@@ -174,4 +174,9 @@ def resolve_dtype(dtype: Any) -> OutputKind:
         raise ValueError(
             f"to_training: dtype must be a signed integer dtype such as np.int64, got {numpy_dtype}"
         )
+    if not numpy_dtype.isnative:
+        raise ValueError(
+            f"to_training: dtype {numpy_dtype.str!r} is not in this machine's byte order; pass "
+            f"np.dtype({numpy_dtype.newbyteorder('=').name!r})"
+        )
     return OutputKind("numpy", torch.from_numpy(np.empty(0, numpy_dtype)).dtype, numpy_dtype)

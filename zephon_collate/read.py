@@ -161,13 +161,21 @@ def sequence_array(value: Any, where: object, name: str, *, fix: str) -> np.ndar
         ) from None
 
 
+def _beyond_int64(where: object, name: str) -> ValueError:
+    message = f"{where}: field {name!r} holds values beyond int64; give integers from -2**63 to 2**63 - 1"
+    return ValueError(message)
+
+
 def _numpy_row(value: Any, where: object, name: str) -> np.ndarray:
     """A NumPy array of ``value``; a list or tuple gets the dtype NumPy infers for it (all bools: bool)."""
-    if isinstance(value, (list, tuple)) and not (value and isinstance(value[0], bool)):
-        try:  # the fast, exact path for a flat sequence of ints
+    if isinstance(value, (list, tuple)) and (not value or type(value[0]) is int):
+        try:  # the fast, exact path for a flat sequence of Python ints
             return np.frombuffer(array.array("q", value), dtype=np.int64)
-        except (TypeError, OverflowError, RuntimeError, NotImplementedError):
-            pass  # floats, bools, nested rows, ids beyond int64, device tensors: let NumPy tell which
+        except OverflowError:
+            if all(type(item) is int for item in value):
+                raise _beyond_int64(where, name) from None
+        except (TypeError, RuntimeError, NotImplementedError):
+            pass  # floats, bools, nested rows, tensors: let NumPy tell which
     if isinstance(value, np.ndarray):  # no copy, unless strided (torch takes no negative strides)
         row = value if value.flags.c_contiguous else np.array(value)
     else:
@@ -176,12 +184,17 @@ def _numpy_row(value: Any, where: object, name: str) -> np.ndarray:
         if not isinstance(value, np.ndarray) and all(
             isinstance(item, numbers.Integral) and not isinstance(item, bool) for item in row.flat
         ):
-            raise ValueError(
-                f"{where}: field {name!r} holds values beyond int64; give integers from -2**63 to 2**63 - 1"
-            )
+            raise _beyond_int64(where, name)
         raise TypeError(
             f"{where}: field {name!r} holds Python objects that are not numbers (dtype object); "
             "give numbers only"
+        )
+    if not row.dtype.isnative:  # e.g. '>i4' on a little-endian machine: torch reads native order only
+        row = row.astype(row.dtype.newbyteorder("="))
+    if row.dtype.kind == "f" and row.dtype.itemsize > 8:
+        raise TypeError(
+            f"{where}: field {name!r} has dtype {row.dtype}, which torch cannot hold; cast it with "
+            ".astype(np.float64)"
         )
     if row.dtype.kind == "u" and row.dtype.itemsize > 1:  # uint16/32/64: torch supports little on them
         if row.dtype.itemsize == 8 and row.size and row.max() > INT64_MAX:
@@ -215,6 +228,7 @@ def _tensor_row(value: torch.Tensor, where: object, name: str) -> torch.Tensor:
 
 
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _PLAIN_DTYPES: dict[str, frozenset[torch.dtype]] = {
     "ids": frozenset(_INTEGER_DTYPES),
     "values": frozenset((*_INTEGER_DTYPES, torch.bool, torch.float16, torch.float32, torch.float64)),
@@ -228,6 +242,11 @@ def to_row(value: Any, where: object, name: str, kind: Kind) -> Row:
     """
     if isinstance(value, torch.Tensor):
         row: Row = _tensor_row(value, where, name)
+        if value.dtype.is_floating_point and value.dtype not in _FLOAT_DTYPES:
+            raise TypeError(
+                f"{where}: field {name!r} has dtype {value.dtype}, which collating cannot compute with; "
+                "cast it with .float()"
+            )
         bad = value.dtype.is_complex or (
             kind == "ids" and (value.dtype.is_floating_point or value.dtype == torch.bool)
         )
@@ -253,6 +272,11 @@ def to_row(value: Any, where: object, name: str, kind: Kind) -> Row:
         raise TypeError(f"{where}: field {name!r} has dtype {dtype}; it must hold {expected}")
     if kind == "ids" and row.ndim == 0:
         raise ValueError(f"{where}: field {name!r} must be a sequence, got a scalar")
+    if kind == "ids" and row.ndim == 2 and row.shape[0] == 1:
+        raise ValueError(
+            f"{where}: field {name!r} has shape {tuple(row.shape)}: a batch of one row, as "
+            "tokenizer(..., return_tensors='pt') returns; pass the row itself (value[0] or value.squeeze(0))"
+        )
     return row
 
 
@@ -316,7 +340,7 @@ def read_field(
         value
         if type(value) is torch.Tensor
         and value.dtype in plain
-        and value.ndim
+        and (value.ndim == 1 or (value.ndim > 1 and kind == "values"))
         and value.layout == torch.strided
         and not value.is_nested
         else to_row(value, RecordName(records, index), name, kind)

@@ -173,7 +173,7 @@ class Collator:
         **options: Any,
     ) -> None:
         _check_option_names(options)
-        self.options = TrainingOptions.create(**options)
+        self.options = TrainingOptions(**options)
         self.device = _check_device(device)
         self.compile = check_bool("compile", compile, owner="Collator")
         self.python_scalars = check_bool("python_scalars", python_scalars, owner="Collator")

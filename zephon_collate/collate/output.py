@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -96,10 +97,15 @@ def empty_outputs(options: TrainingOptions) -> dict[str, Any]:
 
 
 def ids_and_texts(records: Sequence[SampleRecord]) -> dict[str, list[Any]]:
-    """The per-record outputs: ``"ids"`` (sample ids), ``"texts"`` (a dict payload's ``"text"`` or None)."""
+    """The per-record outputs: ``"ids"`` (sample ids), ``"texts"`` (a dict payload's ``"text"`` or None).
+
+    A ``"text"`` that is not a str (e.g. a list of chat messages) is copied, so
+    changing the output never changes the record.
+    """
+    texts = [r.payload.get(TEXT) if isinstance(r.payload, Mapping) else None for r in records]
     return {
         IDS: [r.meta.sample_id for r in records],
-        TEXTS: [r.payload.get(TEXT) if isinstance(r.payload, Mapping) else None for r in records],
+        TEXTS: [t if t is None or isinstance(t, (str, bytes)) else copy.deepcopy(t) for t in texts],
     }
 
 

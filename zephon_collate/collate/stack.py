@@ -62,20 +62,30 @@ def _common_device(columns: Columns) -> torch.device:
 
 
 def _check_cast(stacked: torch.Tensor, dtype: torch.dtype, name: str, columns: Columns) -> None:
+    """``ValueError`` naming the first record whose values ``dtype`` cannot represent exactly."""
     source = stacked.dtype
     if source == dtype or source == torch.bool or stacked.numel() == 0:
         return
+    info = torch.iinfo(dtype)  # -2**(n-1) and 2**(n-1) are exact in every float dtype
     if source.is_floating_point:
-        bad_rows = (~torch.isfinite(stacked) | (stacked != stacked.round())).reshape(len(stacked), -1).any(1)
-        problem = "non-integral or non-finite values"
-    else:
-        info = torch.iinfo(dtype)
-        if torch.iinfo(source).bits < info.bits and torch.iinfo(source).min < 0:
-            return
-        if source == torch.uint8 and info.bits > 8:
-            return
-        bad_rows = ((stacked < info.min) | (stacked > info.max)).reshape(len(stacked), -1).any(1)
-        problem = f"values outside the {dtype} range"
+        for bad, problem in (
+            (~torch.isfinite(stacked) | (stacked != stacked.round()), "non-integral or non-finite values"),
+            ((stacked < info.min) | (stacked >= info.max + 1), f"values outside the {dtype} range"),
+        ):
+            _raise_for_first_bad_row(bad, problem, dtype, name, columns)
+        return
+    if torch.iinfo(source).bits < info.bits and torch.iinfo(source).min < 0:
+        return
+    if source == torch.uint8 and info.bits > 8:
+        return
+    outside = (stacked < info.min) | (stacked > info.max)
+    _raise_for_first_bad_row(outside, f"values outside the {dtype} range", dtype, name, columns)
+
+
+def _raise_for_first_bad_row(
+    bad: torch.Tensor, problem: str, dtype: torch.dtype, name: str, columns: Columns
+) -> None:
+    bad_rows = bad.reshape(len(bad), -1).any(1)
     if bool(bad_rows.any()):
         index = int(bad_rows.nonzero()[0, 0])
         raise ValueError(
