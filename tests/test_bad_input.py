@@ -28,6 +28,7 @@ from zephon_collate import (
     EosMask,
     FlatPacker,
     LossMask,
+    PackedStream,
     PaddingMask,
     Positions,
     SampleBatch,
@@ -1524,3 +1525,107 @@ def test_pack_flat_field_of_int64_and_uint64_stays_exact():
     ]
     row = pack_flat(docs, 4, pad_token_id=0, fields=["w"])[0].payload
     assert row["w"].dtype == np.int64 and row["w"].tolist() == [big, 1, big, 2]
+
+
+# --- L. Corrupt packer and stream states -----------------------------------------------------------
+
+
+def _packer_state_with_open_row():
+    """A greedy packer of 4-token rows that has emitted [1, 2, 3, pad] and holds [4, 5, 6] open."""
+    packer = FlatPacker(4, pad_token_id=0)
+    rows = packer.pack([record({"input_ids": [1, 2, 3]}, 0), record({"input_ids": [4, 5, 6]}, 1)])
+    assert next(rows).payload["input_ids"].tolist() == [1, 2, 3, 0]
+    state = packer.state_dict()
+    assert [p["tokens"].tolist() for p in state["pending"]] == [[4, 5, 6]]
+    return state
+
+
+def _corrupted(change):
+    state = _packer_state_with_open_row()
+    change(state)
+    return state
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (
+            lambda s: s["pending"][0].update(tokens=[1.5, 2.5, 3.9]),
+            r"state\['pending'\]\[0\]\['tokens'\] is not a row of token ids",
+        ),
+        (
+            lambda s: s["pending"][0].update(tokens=[4, -5, 6]),
+            r"state\['pending'\]\[0\]\['tokens'\] .*negative token id",
+        ),
+        (
+            lambda s: s["pending"][0].update(tokens=list(range(1, 10))),
+            r"holds 9 tokens; a piece holds 1 to seq_len=4",
+        ),
+        (
+            lambda s: s["pending"].append(dict(s["pending"][0])),
+            r"state\['pending'\] holds more than seq_len=4 tokens",
+        ),
+        (lambda s: s.update(records_consumed=-1), r"state\['records_consumed'\] must be an int >= 0, got -1"),
+        (lambda s: s.update(rows_emitted="1"), r"state\['rows_emitted'\] must be an int >= 0"),
+        (lambda s: s.update(pending="abc"), r"state\['pending'\] must be a list"),
+        (lambda s: s.update(ready=[[]]), r"state\['ready'\]\[0\] must be a non-empty list of pieces"),
+        (
+            lambda s: s["pending"][0]["base"].update(lane_id="x"),
+            r"state\['pending'\]\[0\]\['base'\] is not record metadata",
+        ),
+        (
+            lambda s: s["pending"][0].update(fields={"w": [1, 2, 3]}),
+            r"\['fields'\] must hold exactly the packed fields \[\]",
+        ),
+        (lambda s: s["pending"][0].update(closes="yes"), r"\['closes'\] must be a bool"),
+        (lambda s: s.update(fields="loss_mask"), r"state\['fields'\] must be a list of field names or None"),
+    ],
+    ids=[
+        "float-tokens",
+        "negative-token",
+        "piece-too-long",
+        "row-too-long",
+        "negative-count",
+        "str-count",
+        "pending-str",
+        "empty-ready-row",
+        "bad-base",
+        "extra-field",
+        "closes-str",
+        "fields-str",
+    ],
+)
+def test_corrupt_packer_state_names_the_key(change, match):
+    """A state dict is input: each corruption is a ValueError naming the key, never a wrong row or a raw error."""
+    state = _corrupted(change)
+    raises(
+        ValueError,
+        rf"FlatPacker.load_state_dict: .*{match}",
+        FlatPacker(4, pad_token_id=0).load_state_dict,
+        state,
+    )
+
+
+def test_a_valid_packer_state_still_resumes_exactly():
+    state = _packer_state_with_open_row()
+    packer = FlatPacker(4, pad_token_id=0)
+    packer.load_state_dict(state)
+    rows = list(packer.pack([record({"input_ids": [7]}, 2)]))
+    assert [row.payload["input_ids"].tolist() for row in rows] == [[4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"epoch": "x"}, r"state\['epoch'\] must be an int >= 0, got 'x'"),
+        ({"epoch": -1}, r"state\['epoch'\] must be an int >= 0"),
+        ({"shard": 2, "num_shards": 2}, r"state\['shard'\] is 2, not below num_shards=2"),
+        ({"shard": None}, r"must both be ints or both None"),
+        ({"last_cursor": "abc"}, r"state\['last_cursor'\] is not a cursor key"),
+        ({"packer": {"version": 1}}, r"FlatPacker.load_state_dict: not a version-1 FlatPacker state"),
+    ],
+)
+def test_corrupt_stream_state_names_the_key(change, match):
+    stream = PackedStream([record({"input_ids": [1, 2, 3]}, i) for i in range(4)], 4, pad_token_id=0)
+    state = {**stream.state_dict(), **change}
+    raises(ValueError, match, stream.load_state_dict, state)

@@ -15,32 +15,15 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from zephon_collate.keys import INPUT_IDS
 from zephon_collate.packing.reader import PackOptions, Reader
-from zephon_collate.packing.rows import Base, Engine, Piece, build_row, split_document
+from zephon_collate.packing.rows import Engine, build_row, split_document
+from zephon_collate.packing.state import check_count, corrupt, piece_state, pieces_from_state
 from zephon_collate.records import SampleRecord
 
 __all__ = ["FlatPacker"]
 
 STATE_VERSION = 1
-
-
-def _piece_state(piece: Piece) -> dict[str, Any]:
-    base = piece.base._asdict()
-    base["counts"] = dict(base["counts"])
-    fields = {name: values.copy() for name, values in piece.fields.items()}
-    state = {"tokens": piece.tokens.copy(), "fields": fields, "base": base}
-    return {**state, "index": piece.index, "closes": piece.closes}
-
-
-def _piece_from_state(state: Mapping[str, Any]) -> Piece:
-    base = dict(state["base"])
-    base["sample_id"], base["lineage"] = tuple(base["sample_id"]), tuple(base["lineage"])
-    fields = {name: np.array(values) for name, values in state["fields"].items()}
-    tokens = np.array(state["tokens"], dtype=np.int64)
-    return Piece(tokens, fields, Base(**base), int(state["index"]), bool(state["closes"]))
 
 
 class FlatPacker:
@@ -179,8 +162,8 @@ class FlatPacker:
             "fields": None if self._reader.fields is None else list(self._reader.fields),
             "records_consumed": self._consumed,
             "rows_emitted": self._emitted,
-            "pending": [_piece_state(piece) for piece in engine.pending],
-            "ready": [[_piece_state(piece) for piece in row] for row in engine.ready],
+            "pending": [piece_state(piece) for piece in engine.pending],
+            "ready": [[piece_state(piece) for piece in row] for row in engine.ready],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -218,17 +201,22 @@ class FlatPacker:
         if differ:
             detail = ", ".join(f"{key}: saved {saved.get(key)!r}, here {mine.get(key)!r}" for key in differ)
             raise ValueError(f"FlatPacker.load_state_dict: the state was saved with other options ({detail})")
-        try:
-            tokens_name = state["tokens_field"]
-            fields = None if state["fields"] is None else tuple(state["fields"])
-            consumed, emitted = int(state["records_consumed"]), int(state["rows_emitted"])
-            pending = [_piece_from_state(piece) for piece in state["pending"]]
-            ready = deque([_piece_from_state(piece) for piece in row] for row in state["ready"])
-        except (KeyError, TypeError, ValueError, AttributeError) as error:
-            raise ValueError(
-                f"FlatPacker.load_state_dict: the state is corrupt ({type(error).__name__}: {error}); "
-                "restore a state_dict() saved by FlatPacker, unchanged"
-            ) from None
+        tokens_name, fields = state["tokens_field"], state["fields"]
+        if tokens_name is not None and not isinstance(tokens_name, str):
+            raise corrupt("state['tokens_field']", f"must be a field name or None, got {tokens_name!r}")
+        if fields is not None:
+            if isinstance(fields, (str, bytes)) or not isinstance(fields, Sequence):
+                raise corrupt("state['fields']", f"must be a list of field names or None, got {fields!r}")
+            fields = tuple(fields)
+            if not all(isinstance(name, str) for name in fields):
+                raise corrupt("state['fields']", f"must hold field names, got {fields!r}")
+        consumed = check_count(state["records_consumed"], "state['records_consumed']")
+        emitted = check_count(state["rows_emitted"], "state['rows_emitted']")
+        opts = self.options
+        pending, rows = pieces_from_state(
+            state["pending"], state["ready"], opts.seq_len, fields or (), opts.strategy == "greedy"
+        )
+        ready = deque(rows)
         self._reset()
         self._reader.tokens_name, self._reader.fields = tokens_name, fields
         self._consumed, self._emitted = consumed, emitted

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
 from zephon_collate.packing.packer import FlatPacker
-from zephon_collate.records import SampleRecord
+from zephon_collate.packing.state import check_count, corrupt
+from zephon_collate.records import SampleCursor, SampleRecord
 
 __all__ = ["PackedStream"]
 
@@ -208,8 +209,29 @@ class PackedStream(IterableDataset):
                 f"PackedStream.load_state_dict: not a version-{STATE_VERSION} PackedStream state "
                 f"(missing keys {missing}, version {state.get('version')!r})"
             )
-        self._pending = dict(state)
+        self._pending = self._checked(state)
         self._latest = None
+
+    def _checked(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """``state`` as a dict, each entry checked as strictly as a record; the packer's state too."""
+        owner = "PackedStream.load_state_dict"
+        checked = dict(state)
+        checked["epoch"] = check_count(state["epoch"], "state['epoch']", owner)
+        if (state["shard"] is None) != (state["num_shards"] is None):
+            raise corrupt("state['shard'] and state['num_shards']", "must both be ints or both None", owner)
+        if state["shard"] is not None:
+            shard = check_count(state["shard"], "state['shard']", owner)
+            num_shards = check_count(state["num_shards"], "state['num_shards']", owner)
+            if shard >= num_shards:
+                raise corrupt("state['shard']", f"is {shard}, not below num_shards={num_shards}", owner)
+        if state["packer"] is not None:  # its own checks name the packer's keys
+            FlatPacker(**self.packer_options).load_state_dict(_restored(state["packer"]))
+        if state["last_cursor"] is not None:
+            try:
+                checked["last_cursor"] = SampleCursor.from_key(_key(state["last_cursor"])).as_key()
+            except (TypeError, ValueError) as error:
+                raise corrupt("state['last_cursor']", f"is not a cursor key ({error})", owner) from None
+        return checked
 
 
 def _state(epoch: int, shard: int, num_shards: int, packer: Any, cursor: Any) -> dict[str, Any]:

@@ -1,0 +1,128 @@
+"""The packer's saved state: pieces as plain data, and their strict check on the way back.
+
+A state dict is input like any record: :func:`piece_from_state` reads every
+piece with the packer's own payload reader, so a corrupt state (float or
+negative token ids, a field of the wrong length, a piece longer than a row, a
+metadata value of the wrong type) raises a ``ValueError`` that names the state
+key, never a raw NumPy error and never a wrong row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from zephon_collate.keys import LOSS_MASK
+from zephon_collate.packing.reader import _as_array, _check_loss_mask
+from zephon_collate.packing.rows import Base, Piece
+from zephon_collate.records import SampleMeta
+
+__all__ = ["check_count", "piece_from_state", "piece_state", "pieces_from_state"]
+
+OWNER = "FlatPacker.load_state_dict"
+
+
+def corrupt(where: str, problem: str, owner: str = OWNER) -> ValueError:
+    saver = owner.split(".")[0]
+    return ValueError(
+        f"{owner}: {where} {problem}; the state is corrupt: restore a state_dict() saved by {saver}"
+    )
+
+
+def piece_state(piece: Piece) -> dict[str, Any]:
+    """One piece as plain, picklable data (copies, not views)."""
+    base = piece.base._asdict()
+    base["counts"] = dict(base["counts"])
+    fields = {name: values.copy() for name, values in piece.fields.items()}
+    state = {"tokens": piece.tokens.copy(), "fields": fields, "base": base}
+    return {**state, "index": piece.index, "closes": piece.closes}
+
+
+def check_count(value: object, where: str, owner: str = OWNER) -> int:
+    """A saved counter: an int >= 0 (not a bool)."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < 0:
+        raise corrupt(where, f"must be an int >= 0, got {value!r}", owner)
+    return int(value)
+
+
+def piece_from_state(state: object, where: str, seq_len: int, fields: Sequence[str]) -> Piece:
+    """A piece back from :func:`piece_state`, checked as strictly as a record."""
+    if not isinstance(state, Mapping):
+        raise corrupt(where, f"must be a dict, got {type(state).__name__}")
+    missing = [key for key in ("tokens", "fields", "base", "index", "closes") if key not in state]
+    if missing:
+        raise corrupt(where, f"lacks {missing}")
+    try:
+        tokens = _as_array(state["tokens"], f"{OWNER}: {where}", "tokens", ids=True)
+    except (TypeError, ValueError) as error:
+        raise corrupt(f"{where}['tokens']", f"is not a row of token ids ({error})") from None
+    if not 0 < tokens.size <= seq_len:
+        raise corrupt(
+            f"{where}['tokens']", f"holds {tokens.size} tokens; a piece holds 1 to seq_len={seq_len}"
+        )
+    saved = state["fields"]
+    if not isinstance(saved, Mapping) or sorted(map(str, saved)) != sorted(fields):
+        raise corrupt(f"{where}['fields']", f"must hold exactly the packed fields {list(fields)}")
+    values = {}
+    for name in fields:
+        try:
+            values[name] = _as_array(saved[name], f"{OWNER}: {where}['fields']", name, ids=False)
+            if name == LOSS_MASK:
+                _check_loss_mask(values[name], f"{OWNER}: {where}['fields']")
+        except (TypeError, ValueError) as error:
+            raise corrupt(f"{where}['fields'][{name!r}]", f"is not a packed field ({error})") from None
+        if values[name].size != tokens.size:
+            raise corrupt(
+                f"{where}['fields'][{name!r}]", f"has {values[name].size} entries for {tokens.size} tokens"
+            )
+    index = check_count(state["index"], f"{where}['index']")
+    if not isinstance(state["closes"], (bool, np.bool_)):
+        raise corrupt(f"{where}['closes']", f"must be a bool, got {state['closes']!r}")
+    return Piece(
+        tokens, values, _base_from_state(state["base"], f"{where}['base']"), index, bool(state["closes"])
+    )
+
+
+def _base_from_state(state: object, where: str) -> Base:
+    keys = set(Base._fields)
+    if not isinstance(state, Mapping) or set(state) != keys:
+        raise corrupt(where, f"must be a dict with the keys {sorted(keys)}")
+    try:  # SampleMeta checks each value as it checks a record's metadata
+        meta = SampleMeta(
+            tuple(state["sample_id"]),
+            state["lane_id"],
+            state["chunk_id"],
+            state["chunk_offset"],
+            component_sample_counts=dict(state["counts"]),
+            lineage=tuple(state["lineage"]),
+        )
+    except (TypeError, ValueError) as error:
+        raise corrupt(where, f"is not record metadata ({error})") from None
+    counts = dict(meta.component_sample_counts)
+    return Base(meta.sample_id, meta.lane_id, meta.chunk_id, meta.chunk_offset, meta.lineage, counts)
+
+
+def pieces_from_state(
+    pending: object, ready: object, seq_len: int, fields: Sequence[str], greedy: bool
+) -> tuple[list[Piece], list[list[Piece]]]:
+    """The open row (or best-fit buffer) and the closed rows of a state, each row within ``seq_len``."""
+    for key, value in (("pending", pending), ("ready", ready)):
+        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+            raise corrupt(f"state[{key!r}]", f"must be a list, got {type(value).__name__}")
+    open_row = [piece_from_state(p, f"state['pending'][{i}]", seq_len, fields) for i, p in enumerate(pending)]
+    rows = []
+    for r, row in enumerate(ready):  # type: ignore[arg-type]
+        if isinstance(row, (str, bytes, Mapping)) or not isinstance(row, Sequence) or not row:
+            raise corrupt(f"state['ready'][{r}]", "must be a non-empty list of pieces")
+        rows.append(
+            [piece_from_state(p, f"state['ready'][{r}][{i}]", seq_len, fields) for i, p in enumerate(row)]
+        )
+    checked = [(f"state['ready'][{r}]", row) for r, row in enumerate(rows)]
+    if greedy:
+        checked.append(("state['pending']", open_row))
+    for where, row in checked:
+        if sum(piece.tokens.size for piece in row) > seq_len:
+            raise corrupt(where, f"holds more than seq_len={seq_len} tokens")
+    return open_row, rows
