@@ -42,6 +42,8 @@ def as_lists(value: Any) -> Any:
         return {key: as_lists(item) for key, item in value.items()}
     if isinstance(value, list):
         return [as_lists(item) for item in value]
+    if isinstance(value, torch.Tensor) and (value.is_meta or value.layout != torch.strided):
+        return ("tensor without plain data", value.dtype, tuple(value.shape))  # e.g. a meta "text"
     if isinstance(value, (torch.Tensor, np.ndarray)):
         return value.tolist()
     return value

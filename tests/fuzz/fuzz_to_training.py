@@ -24,6 +24,14 @@ Properties:
   holding every token that to_training accepts.
 - ``transforms``: any TensorDict into any transform: a documented error or an
   output; the input unchanged.
+- ``floats``: whole-number floats near and beyond every integer output dtype's
+  range: exact, or a documented ValueError (tests/test_hostile.py).
+- ``eos``: ``eos_token_id`` against every output dtype, the NumPy and the torch
+  path equal and equal to the reference, or a documented ValueError.
+- ``paths``: to_training through the NumPy twins against the torch kernels
+  over the option space.
+- ``states``: a packer state with junk at a random key: a documented error
+  naming the state, or valid rows.
 """
 
 from __future__ import annotations
@@ -43,17 +51,18 @@ def _load():
     for path in (str(TESTS), str(TESTS.parent)):
         if path not in sys.path:
             sys.path.insert(0, path)
+    import test_hostile
     import test_invariants
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
     from strategies import hostile_batches
 
-    return test_invariants, HealthCheck, Phase, given, settings, st, hostile_batches
+    return test_invariants, test_hostile, HealthCheck, Phase, given, settings, st, hostile_batches
 
 
 def build_properties(max_corruptions: int, outcomes: collections.Counter, tried: collections.Counter) -> dict:
     """name -> function(settings) returning a hypothesis test of that property for one round."""
-    inv, _, _, given, _, st, hostile_batches = _load()
+    inv, hostile, _, _, given, _, st, hostile_batches = _load()
     batches = hostile_batches(max_corruptions=max_corruptions)
 
     def to_training_round(config):
@@ -85,7 +94,34 @@ def build_properties(max_corruptions: int, outcomes: collections.Counter, tried:
 
         return run
 
-    return {"to_training": to_training_round, "pack_flat": pack_flat_round, "transforms": transforms_round}
+    def hostile_round(name, strategy, check):
+        def make(config):
+            @config
+            @given(case=strategy)
+            def run(case):
+                tried[name] += 1
+                outcomes[name, check(*case)] += 1
+
+            return run
+
+        return make
+
+    from strategies import packed_batches, training_options
+
+    @st.composite
+    def batches_and_options(draw):
+        batch = draw(packed_batches())
+        return batch, draw(training_options(batch))
+
+    return {
+        "to_training": to_training_round,
+        "pack_flat": pack_flat_round,
+        "transforms": transforms_round,
+        "floats": hostile_round("floats", hostile.float_cases(), hostile.check_float_case),
+        "eos": hostile_round("eos", hostile.eos_cases(), hostile.check_eos_case),
+        "paths": hostile_round("paths", batches_and_options(), hostile.check_paths_case),
+        "states": hostile_round("states", hostile.corrupt_states(), hostile.check_state_case),
+    }
 
 
 def signature(error: BaseException) -> str:
@@ -112,17 +148,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--property",
         action="append",
-        choices=["to_training", "pack_flat", "transforms"],
-        help="run only these properties (repeatable; default all, weighted 3:1:1)",
+        choices=["to_training", "pack_flat", "transforms", "floats", "eos", "paths", "states"],
+        help="run only these properties (repeatable; default all, to_training weighted 3)",
     )
     args = parser.parse_args(argv)
     if args.examples is None and args.seconds is None:
         args.seconds = 60.0
-    _, HealthCheck, Phase, _, settings, _, _ = _load()
+    _, _, HealthCheck, Phase, _, settings, _, _ = _load()
     outcomes: collections.Counter = collections.Counter()
     tried: collections.Counter = collections.Counter()
     properties = build_properties(args.max_corruptions, outcomes, tried)
-    names = args.property or ["to_training", "to_training", "to_training", "pack_flat", "transforms"]
+    names = args.property or [
+        *["to_training"] * 3,
+        *["pack_flat", "transforms", "floats", "eos", "paths", "states"],
+    ]
     failures: dict[str, tuple[str, int]] = {}
     start = last_report = time.monotonic()
     rounds = 0

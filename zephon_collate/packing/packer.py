@@ -18,7 +18,7 @@ from typing import Any
 from zephon_collate.keys import INPUT_IDS
 from zephon_collate.packing.reader import PackOptions, Reader
 from zephon_collate.packing.rows import Engine, build_row, split_document
-from zephon_collate.packing.state import check_count, corrupt, piece_state, pieces_from_state
+from zephon_collate.packing.state import check_count, corrupt, piece_state, pieces_from_state, same_value
 from zephon_collate.records import SampleRecord
 
 __all__ = ["FlatPacker"]
@@ -186,7 +186,7 @@ class FlatPacker:
             "ready",
         )
         missing = [key for key in keys if key not in state]
-        if missing or state["version"] != STATE_VERSION:
+        if missing or not same_value(state["version"], STATE_VERSION):
             raise ValueError(
                 f"FlatPacker.load_state_dict: not a version-{STATE_VERSION} FlatPacker state "
                 f"(missing keys {missing}, version {state.get('version')!r})"
@@ -197,7 +197,9 @@ class FlatPacker:
                 "restore a state_dict() saved by FlatPacker, unchanged"
             )
         saved, mine = dict(state["options"]), vars(self.options)
-        differ = sorted(key for key in mine.keys() | saved.keys() if saved.get(key) != mine.get(key))
+        differ = sorted(
+            key for key in mine.keys() | saved.keys() if not same_value(saved.get(key), mine.get(key))
+        )
         if differ:
             detail = ", ".join(f"{key}: saved {saved.get(key)!r}, here {mine.get(key)!r}" for key in differ)
             raise ValueError(f"FlatPacker.load_state_dict: the state was saved with other options ({detail})")

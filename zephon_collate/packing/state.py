@@ -19,7 +19,7 @@ from zephon_collate.packing.reader import _as_array, _check_loss_mask
 from zephon_collate.packing.rows import Base, Piece
 from zephon_collate.records import SampleMeta
 
-__all__ = ["check_count", "piece_from_state", "piece_state", "pieces_from_state"]
+__all__ = ["check_count", "piece_from_state", "piece_state", "pieces_from_state", "same_value"]
 
 OWNER = "FlatPacker.load_state_dict"
 
@@ -29,6 +29,16 @@ def corrupt(where: str, problem: str, owner: str = OWNER) -> ValueError:
     return ValueError(
         f"{owner}: {where} {problem}; the state is corrupt: restore a state_dict() saved by {saver}"
     )
+
+
+def same_value(saved: object, expected: object) -> bool:
+    """``saved == expected`` for a saved plain value; anything else (an array, a tensor) is not the same."""
+    if isinstance(saved, (np.ndarray, np.generic)) or type(saved).__module__.startswith("torch"):
+        return False
+    try:
+        return bool(saved == expected)
+    except (TypeError, ValueError):
+        return False
 
 
 def piece_state(piece: Piece) -> dict[str, Any]:

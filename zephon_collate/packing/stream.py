@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
 from zephon_collate.packing.packer import FlatPacker
-from zephon_collate.packing.state import check_count, corrupt
+from zephon_collate.packing.state import check_count, corrupt, same_value
 from zephon_collate.records import SampleCursor, SampleRecord
 
 __all__ = ["PackedStream"]
@@ -204,7 +204,7 @@ class PackedStream(IterableDataset):
             raise TypeError(f"PackedStream.load_state_dict: state must be a dict, got {type(state).__name__}")
         keys = ("version", "epoch", "shard", "num_shards", "packer", "last_cursor")
         missing = [key for key in keys if key not in state]
-        if missing or state["version"] != STATE_VERSION:
+        if missing or not same_value(state["version"], STATE_VERSION):
             raise ValueError(
                 f"PackedStream.load_state_dict: not a version-{STATE_VERSION} PackedStream state "
                 f"(missing keys {missing}, version {state.get('version')!r})"
