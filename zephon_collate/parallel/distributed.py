@@ -24,6 +24,14 @@ The recipe (see ``docs/distributed.md``), per optimizer step:
 
 Every function here is a no-op across ranks (world size 1, nothing reduced)
 when ``torch.distributed`` is not initialised, so the same loop runs in one process.
+
+**The group.** ``group=None`` is the default process group, right only when
+every rank is a data-parallel replica. Under tensor or pipeline parallelism
+pass the data-parallel group (e.g. ``device_mesh["dp"].get_group()``) to both
+functions: TP peers hold the same tokens and pipeline stages before the last
+compute no loss, so the default group would count tokens several times and
+scale the loss by the wrong ``world_size``. ``docs/distributed.md`` has a table
+per layout.
 """
 
 from __future__ import annotations
@@ -104,7 +112,8 @@ def global_num_valid_tokens(
 
     Parameters:
         counts: a count, a batch dict, or an iterable of them.
-        group: the data-parallel process group (``None``: the default group).
+        group: the data-parallel process group (``None``: the default group, right only when
+            every rank is a data-parallel replica; under TP or PP pass the DP group).
         device: where the result lives; default: the first tensor count's
             device, else the CPU (the current CUDA device under an NCCL-only group).
         key: the count's key in batch dicts.
@@ -164,7 +173,8 @@ def normalize_loss(
     Parameters:
         loss_sum: the summed per-token loss of one micro-batch on this rank.
         num_valid_tokens: the global valid-token count of the step.
-        group: the data-parallel group (``None``: the default group).
+        group: the data-parallel group (``None``: the default group; under TP or PP pass the
+            DP group, whose size is then the default ``world_size``).
         world_size: the number of ranks the gradient reduction averages over;
             default ``data_parallel_size(group)`` (1 in one process). Pass 1
             if your reduction sums instead of averaging (e.g. a custom comm hook).
