@@ -183,6 +183,27 @@ def test_epoch_reaches_a_callable_source():
     assert calls == [3] and first == rows(FlatPacker(**PACKING).pack(documents(6, seed=3)))
 
 
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_plain_dataloader_with_workers_refuses_to_save(num_workers):
+    """A plain DataLoader iterates copies of the stream in its workers: the main process cannot see their
+    progress, so state_dict() refuses (naming StatefulDataLoader) instead of saving the start state,
+    which would replay every batch already seen; a resume from a saved start names the way out too."""
+    stream = PackedStream(documents(), **PACKING)
+    start = stream.state_dict()  # before any iteration: the start, legitimately
+    assert start["packer"] is None and start["last_cursor"] is None
+    loader = DataLoader(stream, batch_size=2, collate_fn=COLLATE, num_workers=num_workers)
+    batches = iter(loader)
+    next(batches)
+    with pytest.raises(ValueError, match=r"iterated in DataLoader worker processes.*StatefulDataLoader"):
+        stream.state_dict()
+    del batches
+    resumed = PackedStream(documents(), **PACKING)
+    resumed.load_state_dict(start)
+    if num_workers == 2:  # the start was saved as shard 0 of 1, the workers are shards of 2
+        with pytest.raises(ValueError, match=r"shard 0 of 1 .*StatefulDataLoader"):
+            next(iter(DataLoader(resumed, batch_size=2, collate_fn=COLLATE, num_workers=num_workers)))
+
+
 # --- torchdata's StatefulDataLoader (pip install "torchdata>=0.11"; skipped without it) -------------
 
 # torchdata 0.11 calls torch.set_vital, deprecated in recent torch: harmless.

@@ -148,6 +148,8 @@ class PackedStream(IterableDataset):
         self.epoch = 0
         self._pending: dict[str, Any] | None = None
         self._latest: _Iterator | None = None
+        # Set by an iterator started in a DataLoader worker; shared memory, so this process sees it.
+        self._in_workers = torch.zeros(1, dtype=torch.int8).share_memory_()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -174,6 +176,8 @@ class PackedStream(IterableDataset):
         return rank * workers + worker, world * workers  # type: ignore[operator]
 
     def __iter__(self) -> Iterator[SampleRecord]:
+        if get_worker_info() is not None:
+            self._in_workers.fill_(1)
         state, self._pending = self._pending, None
         self._latest = _Iterator(self, state)
         return self._latest
@@ -184,7 +188,20 @@ class PackedStream(IterableDataset):
         ``last_cursor`` (the ``as_key()`` of the last record read; ``None`` before any).
 
         Take it between rows. Before any iteration it is a loaded state not yet used, or the start.
+
+        Raises:
+            ValueError: in the main process, once a plain ``DataLoader`` iterates this stream in
+                worker processes: their progress is not visible here (a copy of the stream runs in
+                each), and the start state would silently replay every batch seen.
+                ``torchdata.stateful_dataloader.StatefulDataLoader`` collects each worker's state.
         """
+        if self._latest is None and get_worker_info() is None and bool(self._in_workers):
+            raise ValueError(
+                "PackedStream.state_dict: this stream is iterated in DataLoader worker processes, whose "
+                "progress this process cannot see; saving here would replay every batch already seen. "
+                "Use torchdata.stateful_dataloader.StatefulDataLoader and save loader.state_dict(), or "
+                "num_workers=0"
+            )
         if self._pending is not None:
             return dict(self._pending)
         if self._latest is not None:
@@ -281,7 +298,8 @@ class _Iterator:
                 raise ValueError(
                     f"PackedStream: the state was saved by shard {state['shard']} of {state['num_shards']} "
                     f"(rank x DataLoader worker), this is shard {shard} of {num_shards}; resume with the "
-                    "same world size and num_workers"
+                    "same world size and num_workers, and save a worker's state through "
+                    "torchdata.stateful_dataloader.StatefulDataLoader (a plain DataLoader cannot)"
                 )
             if state["packer"] is not None:
                 packer.load_state_dict(_restored(state["packer"]))
