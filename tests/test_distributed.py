@@ -152,3 +152,27 @@ def test_example_runs_under_torchrun():
     assert "step 3: loss" in result.stdout
     assert "rank 0: resumed data stream matches" in result.stdout
     assert "rank 1: resumed data stream matches" in result.stdout
+
+
+def test_even_batches_give_every_rank_the_same_steps(tmp_path):
+    """torchrun, 2 ranks with uneven shards of a finite PackedStream (0 and 2 workers): the plain loaders
+    give different batch counts; through EvenBatches both ranks step the shorter count, each step a
+    collective, and the longer rank counts what it dropped."""
+    report_path = tmp_path / "even.json"
+    result = torchrun(ROOT / "tests" / "dist_even_check.py", "--report", str(report_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(report_path.read_text())
+    for workers in ("0", "2"):
+        long_rank, short_rank = report[workers]
+        assert long_rank["plain"] > short_rank["plain"], report  # the trap is there
+        assert long_rank["steps"] == short_rank["steps"] == short_rank["plain"]
+        assert long_rank["dropped"] == long_rank["plain"] - short_rank["plain"] and short_rank["dropped"] == 0
+
+
+def test_even_batches_in_one_process_yield_everything():
+    from zephon_collate import EvenBatches
+
+    even = EvenBatches([1, 2, 3])
+    assert list(even) == [1, 2, 3] and even.dropped == 0 and len(even) == 3
+    with pytest.raises(TypeError, match="EvenBatches: loader must be an iterable of batches, got int"):
+        EvenBatches(3)

@@ -111,12 +111,33 @@ def test_eos_token_id_per_dtype_on_both_paths(case: tuple[Any, int, list[int]]) 
     check_eos_case(*case)
 
 
+@st.composite
+def path_cases(draw: st.DrawFn) -> tuple[Any, dict[str, Any]]:
+    """A packed batch and options over the whole space: flags, output dtype, EOS ids beyond small dtypes."""
+    b = draw(packed_batches())
+    options = draw(training_options(b))
+    options["dtype"] = draw(st.sampled_from(["auto", None, *INT_DTYPES]))
+    if options.get("eos_mask_loss") and draw(st.booleans()):
+        options["eos_token_id"] = draw(st.sampled_from([127, 128, 255, 261, 32_767, 32_768, 2**31]))
+    return b, options
+
+
 def check_paths_case(b: Any, options: dict[str, Any]) -> str:
-    """to_training through the NumPy twins equals it through the torch kernels, dtypes included."""
-    with functional.use_cpu_twins(True):
-        fast = b.to_training(**options)
-    with functional.use_cpu_twins(False):
-        plain = b.to_training(**options)
+    """to_training through the NumPy twins equals it through the torch kernels (values and dtypes), or
+    both paths raise the same documented error."""
+    results = []
+    for twins in (True, False):
+        with functional.use_cpu_twins(twins):
+            try:
+                results.append(("ok", b.to_training(**options)))
+            except (ValueError, TypeError) as error:
+                assert_documented_error(error, len(b.records))
+                results.append(("error", str(error)))
+    (kind, fast), (other, plain) = results
+    assert kind == other, results
+    if kind == "error":
+        assert fast == plain
+        return "error"
     assert as_lists(fast) == as_lists(plain)
     for key, value in plain.items():
         if isinstance(value, (torch.Tensor, np.ndarray)):
@@ -125,10 +146,9 @@ def check_paths_case(b: Any, options: dict[str, Any]) -> str:
 
 
 @CASES
-@given(st.data())
-def test_numpy_path_equals_torch_path_over_the_option_space(data: st.DataObject) -> None:
-    b = data.draw(packed_batches())
-    check_paths_case(b, data.draw(training_options(b)))
+@given(path_cases())
+def test_numpy_path_equals_torch_path_over_the_option_space(case: tuple[Any, dict[str, Any]]) -> None:
+    check_paths_case(*case)
 
 
 JUNK = [None, -1, -5, 1.5, "x", [], {}, [1.5, 2.5], [4, -5], list(range(20)), True, np.array([[1, 2]])]

@@ -26,6 +26,7 @@ from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.packing.stream import PackedStream
 from zephon_collate.parallel.context_parallel import gather_context_parallel
 from zephon_collate.parallel.distributed import global_num_valid_tokens, normalize_loss
+from zephon_collate.parallel.even import EvenBatches
 from zephon_collate.transforms import (
     Chain,
     ContextParallelShard,
@@ -71,6 +72,7 @@ __all__ = [
     "CuSeqlens",
     "DatasetId",
     "EosMask",
+    "EvenBatches",
     "FlatPacker",
     "LaneId",
     "LineageIndex",

@@ -106,20 +106,13 @@ def build_properties(max_corruptions: int, outcomes: collections.Counter, tried:
 
         return make
 
-    from strategies import packed_batches, training_options
-
-    @st.composite
-    def batches_and_options(draw):
-        batch = draw(packed_batches())
-        return batch, draw(training_options(batch))
-
     return {
         "to_training": to_training_round,
         "pack_flat": pack_flat_round,
         "transforms": transforms_round,
         "floats": hostile_round("floats", hostile.float_cases(), hostile.check_float_case),
         "eos": hostile_round("eos", hostile.eos_cases(), hostile.check_eos_case),
-        "paths": hostile_round("paths", batches_and_options(), hostile.check_paths_case),
+        "paths": hostile_round("paths", hostile.path_cases(), hostile.check_paths_case),
         "states": hostile_round("states", hostile.corrupt_states(), hostile.check_state_case),
     }
 

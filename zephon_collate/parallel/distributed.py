@@ -67,7 +67,7 @@ def data_parallel_size(group: Any = None) -> int:
     return dist.get_world_size(group) if is_distributed() else 1
 
 
-def _collective_device(group: Any, device: torch.device) -> torch.device:
+def collective_device(group: Any, device: torch.device) -> torch.device:
     """``device``, or the current CUDA device where a CPU tensor cannot join ``group``'s collectives."""
     if device.type != "cpu" or not is_distributed():
         return device
@@ -142,7 +142,7 @@ def global_num_valid_tokens(
         target = torch.device(device)
     else:
         target = first.device if first is not None else torch.device("cpu")
-    target = _collective_device(group, target)
+    target = collective_device(group, target)
     total = torch.zeros((), dtype=torch.int64, device=target)
     for item in items:
         total = total + _as_count(item, key, target).to(target)

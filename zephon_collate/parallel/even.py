@@ -1,0 +1,79 @@
+"""EvenBatches: every rank steps the same number of times per epoch, whatever its shard holds.
+
+Packing makes row counts data-dependent: ranks packing different shards of a
+finite source get different numbers of batches (13 against 14, say). The rank
+with one more batch then waits in its next collective
+(``global_num_valid_tokens``, DDP's gradient all-reduce) for ranks that have
+finished the epoch: a hang until the NCCL watchdog fires. :class:`EvenBatches`
+wraps a loader and, before each step, asks every rank of the group whether it
+still has a batch (one all-reduce of one number, ``MIN``); the epoch ends for
+all at once when the first rank runs out. The batches the other ranks held
+beyond that are dropped and counted (:attr:`EvenBatches.dropped`), never
+silently: log them, or reshuffle so that the next epoch covers them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zephon_collate.parallel.distributed import collective_device, is_distributed
+
+__all__ = ["EvenBatches"]
+
+_END = object()
+
+
+class EvenBatches:
+    """Iterate ``loader`` so that every rank of ``group`` yields the same number of batches.
+
+    Parameters:
+        loader: any iterable of batches (a ``DataLoader``, a ``StatefulDataLoader``).
+        group: the data-parallel process group (``None``: the default group).
+        device: where the one-number all-reduce runs (default: the CPU, or the
+            current CUDA device for an NCCL group).
+
+    Each step costs one all-reduce of one int and a host sync on its result.
+    Without ``torch.distributed`` it yields every batch. After a pass,
+    :attr:`dropped` holds the number of batches this rank had beyond the
+    shortest rank's count (0 on the shortest rank).
+
+    Example:
+        >>> even = EvenBatches([{"step": 0}, {"step": 1}])
+        >>> [batch["step"] for batch in even], even.dropped
+        ([0, 1], 0)
+    """
+
+    def __init__(self, loader: Iterable[Any], *, group: Any = None, device: str | torch.device | None = None):
+        if isinstance(loader, (str, bytes)) or not isinstance(loader, Iterable):
+            raise TypeError(
+                f"EvenBatches: loader must be an iterable of batches, got {type(loader).__name__}"
+            )
+        self.loader = loader
+        self.group = group
+        self.device = None if device is None else torch.device(device)
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        """The loader's own length (the shortest rank may end the pass sooner)."""
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        self.dropped = 0
+        batches = iter(self.loader)
+        if not is_distributed():
+            yield from batches
+            return
+        device = collective_device(self.group, self.device or torch.device("cpu"))
+        while True:
+            batch = next(batches, _END)
+            everyone_has_one = torch.tensor([0 if batch is _END else 1], dtype=torch.int32, device=device)
+            dist.all_reduce(everyone_has_one, op=dist.ReduceOp.MIN, group=self.group)
+            if not int(everyone_has_one):
+                if batch is not _END:
+                    self.dropped = 1 + sum(1 for _ in batches)
+                return
+            yield batch
