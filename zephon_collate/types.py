@@ -10,37 +10,8 @@ workers can send them between processes.
 """
 
 from zephon_collate.collate.sample_batch import SampleBatch
-from zephon_collate.records import (
-    ChunkId,
-    ChunkOffset,
-    ComponentId,
-    ContributorRef,
-    DatasetId,
-    LaneId,
-    LineageIndex,
-    LocalSampleId,
-    SampleCursor,
-    SampleMeta,
-    SamplePayload,
-    SamplePayloadArray,
-    SampleRecord,
-    ShardId,
-)
+from zephon_collate.records import *  # noqa: F403 (the page's names, listed once in records.__all__)
+from zephon_collate.records import __all__ as _record_names
 
-__all__ = [
-    "ChunkId",
-    "ChunkOffset",
-    "ComponentId",
-    "ContributorRef",
-    "DatasetId",
-    "LaneId",
-    "LineageIndex",
-    "LocalSampleId",
-    "SampleBatch",
-    "SampleCursor",
-    "SampleMeta",
-    "SamplePayload",
-    "SamplePayloadArray",
-    "SampleRecord",
-    "ShardId",
-]
+__all__ = [*_record_names]
+__all__ += ["SampleBatch"]
