@@ -66,3 +66,25 @@ def test_static_shape_chain_in_cuda_graph():
     eager = chain(td)
     for key, value in eager.items():
         assert torch.equal(static_out[key], value), key
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_static_shape_chain_makes_no_host_sync(compile):
+    """With num_boundaries the whole chain stays on the device: no host sync, checked by torch's sync
+    debug mode (an error on any synchronising call), eager and compiled; the outputs equal the CPU's."""
+    records = cpu_records()
+    collator = Collator(device="cuda", compile=compile, num_boundaries=8, python_scalars=False, **OPTIONS)
+    stacked = collator.stack(records)
+    td = stacked.widened().td.cuda()
+    run = collator.runner(collator.plan_for(tuple(td.keys())))
+    run(td)  # warm-up (compiles once)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = run(td)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = Collator(num_boundaries=8, **OPTIONS).finish(stacked)
+    for key in ("input_ids", "labels", "loss_mask", "cu_seqlens", "padding_mask"):
+        assert out[key].device.type == "cuda", key
+        assert out[key].cpu().tolist() == as_lists(want[key]), key
