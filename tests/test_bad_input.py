@@ -1629,3 +1629,40 @@ def test_corrupt_stream_state_names_the_key(change, match):
     stream = PackedStream([record({"input_ids": [1, 2, 3]}, i) for i in range(4)], 4, pad_token_id=0)
     state = {**stream.state_dict(), **change}
     raises(ValueError, match, stream.load_state_dict, state)
+
+
+# --- M. Messages stay short whatever was passed --------------------------------------------------
+
+_META = SampleMeta((0, 0, 0), 0, 0)
+_BIG = SampleRecord(_META, {"input_ids": torch.arange(100_000)})
+LONG_INPUTS = {
+    "a record where a list belongs": lambda: SampleBatch(_BIG),
+    "exclude_fields as a long str": lambda: SampleBatch([_BIG]).to_training(exclude_fields="x" * 10_000),
+    "tokens_field as a long list": lambda: SampleBatch([_BIG]).to_training(tokens_field=["a"] * 10_000),
+    "dtype as a long list": lambda: SampleBatch([_BIG]).to_training(dtype=list(range(10_000))),
+    "rename_fields as a long list": lambda: SampleBatch([_BIG]).to_training(
+        rename_fields=list(range(10_000))
+    ),
+    "eos_token_id as a long str": lambda: SampleBatch([_BIG]).to_training(
+        eos_token_id="y" * 10_000, return_labels=True, eos_mask_loss=True
+    ),
+    "ignore_index as a long str": lambda: SampleBatch([_BIG]).to_training(ignore_index="q" * 10_000),
+    "a long device name": lambda: Collator(device="z" * 10_000),
+    "a long field name": lambda: SampleBatch(
+        [SampleRecord(_META, {"k" * 10_000: 1, "z": [1]})]
+    ).to_training(),
+    "a long sample_id": lambda: SampleMeta(("s" * 10_000, 0, 0), 0, 0),
+    "a long Chain item": lambda: Chain("x" * 10_000),
+    "a long state version": lambda: FlatPacker(4, pad_token_id=0).load_state_dict({"version": "v" * 10_000}),
+    "a long padding_length": lambda: batch({"input_ids": [1, 2]}, paddings=[list(range(10_000))]).to_training(
+        return_labels=True
+    ),
+}
+
+
+@pytest.mark.parametrize("make", list(LONG_INPUTS.values()), ids=list(LONG_INPUTS))
+def test_error_messages_stay_short(make):
+    """A huge value in the wrong place is quoted cut short: every message stays under 400 characters."""
+    with pytest.raises((TypeError, ValueError)) as info:
+        make()
+    assert len(str(info.value)) < 400, str(info.value)[:500]

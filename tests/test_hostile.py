@@ -203,8 +203,8 @@ def check_state_case(seq_len: int, state: dict[str, Any]) -> str:
     try:
         rows = list(packer.pack([record({"input_ids": [7]}, 99)]))
     except (ValueError, TypeError) as error:
-        assert_documented_error(error, 100)
-        assert "record 0 (sample_id (0, 0, 99))" in str(error), error
+        assert_documented_error(error, 2**63)  # named by its place in the stream the state resumes
+        assert "(sample_id (0, 0, 99))" in str(error), error
         return "error"
     for row in rows:
         tokens = row.payload["input_ids"]

@@ -114,6 +114,7 @@ def assert_unchanged(before: Any, value: Any) -> None:
 def assert_documented_error(error: BaseException, count: int) -> None:
     """A plain ValueError/TypeError raised by zephon_collate itself, naming only records that exist."""
     assert type(error) in (ValueError, TypeError), f"undocumented {type(error).__name__}: {error}"
+    assert len(str(error)) <= 600, f"a {len(str(error))}-character message: {str(error)[:300]}..."
     origin = traceback.extract_tb(error.__traceback__)[-1]
     assert PACKAGE in origin.filename, (
         f"raised outside zephon_collate ({origin.filename}:{origin.lineno}): {error!r}"

@@ -18,7 +18,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "zephon_collate"
 
 # Bottom to top; an area may import from its own level and the levels below.
 LEVELS = [
-    {"keys", "records"},
+    {"keys", "text"},
+    {"records"},
     {"checks", "read"},
     {"functional"},
     {"transforms"},

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from zephon_collate.keys import INT64_MAX, INT64_MIN
+from zephon_collate.text import shown
 
 __all__ = [
     "OutputKind",
@@ -38,7 +39,7 @@ def _is_int(value: object) -> bool:
 def check_eos_token_id(value: object, *, owner: str = "to_training") -> int:
     """Return ``value`` as an int if it is an int (not a bool) in ``[0, 2**63)``; else ``ValueError``."""
     if not _is_int(value) or not 0 <= value <= INT64_MAX:  # type: ignore[operator]
-        raise ValueError(f"{owner}: eos_token_id must be a nonnegative int below 2**63, got {value!r}")
+        raise ValueError(f"{owner}: eos_token_id must be a nonnegative int below 2**63, got {shown(value)}")
     return int(value)  # type: ignore[call-overload]
 
 
@@ -56,9 +57,9 @@ def check_ignore_index(value: object, *, owner: str = "to_training", fits: torch
     """Return ``value`` as an int: ``TypeError`` if it is not an integer (bools excluded), ``ValueError``
     if it is outside int64, or outside the integer dtype ``fits`` when given."""
     if not _is_int(value):
-        raise TypeError(f"{owner}: ignore_index must be an int, got {value!r}")
+        raise TypeError(f"{owner}: ignore_index must be an int, got {shown(value)}")
     if not INT64_MIN <= value <= INT64_MAX:  # type: ignore[operator]
-        raise ValueError(f"{owner}: ignore_index must fit in int64, got {value!r}")
+        raise ValueError(f"{owner}: ignore_index must fit in int64, got {shown(value)}")
     if fits is not None and not (fits.is_floating_point or fits.is_complex or fits == torch.bool):
         info = torch.iinfo(fits)
         if not info.min <= value <= info.max:  # type: ignore[operator]
@@ -69,16 +70,16 @@ def check_ignore_index(value: object, *, owner: str = "to_training", fits: torch
 def check_key(owner: str, name: str, value: object) -> str:
     """Return ``value`` if it is a non-empty str (a TensorDict key), else raise ``TypeError``."""
     if not isinstance(value, str) or not value:
-        raise TypeError(f"{owner}: {name} must be a non-empty str, got {value!r}")
+        raise TypeError(f"{owner}: {name} must be a non-empty str, got {shown(value)}")
     return value
 
 
 def check_keys(owner: str, name: str, value: Iterable[str]) -> tuple[str, ...]:
     """Return a sequence of keys as a tuple; a bare str or a non-str item raises ``TypeError``."""
     if isinstance(value, str):
-        raise TypeError(f"{owner}: {name} must be a sequence of keys, not the str {value!r}")
+        raise TypeError(f"{owner}: {name} must be a sequence of keys, not the str {shown(value)}")
     if not isinstance(value, Iterable):
-        raise TypeError(f"{owner}: {name} must be a sequence of keys, got {value!r}")
+        raise TypeError(f"{owner}: {name} must be a sequence of keys, got {shown(value)}")
     return tuple(check_key(owner, name, key) for key in value)
 
 
@@ -93,14 +94,14 @@ def warn_user(message: str) -> None:
 def check_position_mode(value: object) -> Literal["preserve", "sequence"]:
     """Return ``value`` if it is ``"preserve"`` or ``"sequence"``, else raise ``ValueError``."""
     if value not in POSITION_MODES:
-        raise ValueError(f"position_mode must be 'preserve' or 'sequence', got {value!r}")
+        raise ValueError(f"position_mode must be 'preserve' or 'sequence', got {shown(value)}")
     return value  # type: ignore[return-value]
 
 
 def check_bool(name: str, value: object, *, owner: str = "to_training") -> bool:
     """Return ``value`` if it is a bool, else raise ``TypeError``."""
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{owner}: {name} must be a bool, got {value!r}")
+        raise TypeError(f"{owner}: {name} must be a bool, got {shown(value)}")
     return bool(value)
 
 
@@ -108,14 +109,15 @@ def check_field_names(name: str, value: object, *, owner: str = "to_training") -
     """Return a sequence of field names as a tuple; a bare str or a non-str item raises ``TypeError``."""
     if isinstance(value, (str, bytes)):
         raise TypeError(
-            f"{owner}: {name} must be a sequence of field names, not the string {value!r}; write ({value!r},)"
+            f"{owner}: {name} must be a sequence of field names, not the string {shown(value)}; "
+            f"write ({shown(value)},)"
         )
     if not isinstance(value, (Sequence, set, frozenset)):
-        raise TypeError(f"{owner}: {name} must be a sequence of field names, got {value!r}")
+        raise TypeError(f"{owner}: {name} must be a sequence of field names, got {shown(value)}")
     names = tuple(value)
     for item in names:
         if not isinstance(item, str):
-            raise TypeError(f"{owner}: {name} must hold str field names, got {item!r}")
+            raise TypeError(f"{owner}: {name} must hold str field names, got {shown(item)}")
     return names
 
 
@@ -125,11 +127,13 @@ def check_rename_fields(value: object) -> dict[str, str]:
         return {}
     if not isinstance(value, Mapping):
         raise TypeError(
-            f"to_training: rename_fields must be a mapping {{emitted_key: new_key}}, got {value!r}"
+            f"to_training: rename_fields must be a mapping {{emitted_key: new_key}}, got {shown(value)}"
         )
     for source, target in value.items():
         if not isinstance(source, str) or not isinstance(target, str):
-            raise TypeError(f"to_training: rename_fields must map str to str, got {source!r}: {target!r}")
+            raise TypeError(
+                f"to_training: rename_fields must map str to str, got {shown(source)}: {shown(target)}"
+            )
     return dict(value)
 
 
@@ -168,7 +172,7 @@ def resolve_dtype(dtype: Any) -> OutputKind:
         numpy_dtype = np.dtype(dtype)
     except TypeError:
         raise TypeError(
-            f"to_training: dtype must be 'auto', None, a torch dtype or a NumPy dtype, got {dtype!r}"
+            f"to_training: dtype must be 'auto', None, a torch dtype or a NumPy dtype, got {shown(dtype)}"
         ) from None
     if numpy_dtype.kind != "i":
         raise ValueError(
@@ -176,7 +180,7 @@ def resolve_dtype(dtype: Any) -> OutputKind:
         )
     if not numpy_dtype.isnative:
         raise ValueError(
-            f"to_training: dtype {numpy_dtype.str!r} is not in this machine's byte order; pass "
-            f"np.dtype({numpy_dtype.newbyteorder('=').name!r})"
+            f"to_training: dtype {shown(numpy_dtype.str)} is not in this machine's byte order; pass "
+            f"np.dtype({shown(numpy_dtype.newbyteorder('=').name)})"
         )
     return OutputKind("numpy", torch.from_numpy(np.empty(0, numpy_dtype)).dtype, numpy_dtype)

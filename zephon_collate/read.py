@@ -19,6 +19,7 @@ import torch
 
 from zephon_collate.keys import INPUT_IDS, INT64_MAX, LOSS_MASK, POSITIONS, TOKEN_FIELD_CANDIDATES
 from zephon_collate.records import FLUSH_TAG, TOMBSTONE_TAG, SampleRecord
+from zephon_collate.text import shown, shown_fields
 
 __all__ = [
     "Columns",
@@ -120,8 +121,8 @@ def resolve_tokens_field(records: Sequence[SampleRecord], tokens_field: str) -> 
         for index, payload in dicts:
             if tokens_field not in payload:
                 raise ValueError(
-                    f"{describe(records, index)}: payload has no tokens field {tokens_field!r} "
-                    f"(its fields: {sorted(map(str, payload))}); pass the right tokens_field"
+                    f"{describe(records, index)}: payload has no tokens field {shown(tokens_field)} "
+                    f"(its fields: {shown_fields(payload)}); pass the right tokens_field"
                 )
         return tokens_field
     for candidate in TOKEN_FIELD_CANDIDATES:
@@ -132,7 +133,7 @@ def resolve_tokens_field(records: Sequence[SampleRecord], tokens_field: str) -> 
         index, payload = bare
         raise ValueError(
             f"tokens_field='auto' found none of {', '.join(TOKEN_FIELD_CANDIDATES)} in every payload; "
-            f"{describe(records, index)} has fields {sorted(map(str, payload))}; pass tokens_field='<name>'"
+            f"{describe(records, index)} has fields {shown_fields(payload)}; pass tokens_field='<name>'"
         )
     # Each payload has a candidate, but no one candidate is in all of them.
     first_index, first = dicts[0]
@@ -140,7 +141,7 @@ def resolve_tokens_field(records: Sequence[SampleRecord], tokens_field: str) -> 
     index, payload = next((i, p) for i, p in dicts if field not in p)
     raise ValueError(
         f"tokens_field='auto' found no token field that every payload has: {describe(records, first_index)} "
-        f"has {field!r}, {describe(records, index)} has fields {sorted(map(str, payload))}; "
+        f"has {shown(field)}, {describe(records, index)} has fields {shown_fields(payload)}; "
         "give every payload the same token field, or pass tokens_field='<name>'"
     )
 
@@ -153,16 +154,18 @@ def sequence_array(value: Any, where: object, name: str, *, fix: str) -> np.ndar
     try:
         return np.array(value)
     except ValueError:
-        raise ValueError(f"{where}: field {name!r} is a ragged nested sequence; {fix}") from None
+        raise ValueError(f"{where}: field {shown(name)} is a ragged nested sequence; {fix}") from None
     except (TypeError, RuntimeError, NotImplementedError):  # e.g. a list of tensors on a device
         raise TypeError(
-            f"{where}: field {name!r} holds items that cannot be read as plain numbers; give a list of "
+            f"{where}: field {shown(name)} holds items that cannot be read as plain numbers; give a list of "
             "numbers, or one array or tensor"
         ) from None
 
 
 def _beyond_int64(where: object, name: str) -> ValueError:
-    message = f"{where}: field {name!r} holds values beyond int64; give integers from -2**63 to 2**63 - 1"
+    message = (
+        f"{where}: field {shown(name)} holds values beyond int64; give integers from -2**63 to 2**63 - 1"
+    )
     return ValueError(message)
 
 
@@ -186,20 +189,20 @@ def _numpy_row(value: Any, where: object, name: str) -> np.ndarray:
         ):
             raise _beyond_int64(where, name)
         raise TypeError(
-            f"{where}: field {name!r} holds Python objects that are not numbers (dtype object); "
+            f"{where}: field {shown(name)} holds Python objects that are not numbers (dtype object); "
             "give numbers only"
         )
     if not row.dtype.isnative:  # e.g. '>i4' on a little-endian machine: torch reads native order only
         row = row.astype(row.dtype.newbyteorder("="))
     if row.dtype.kind == "f" and row.dtype.itemsize > 8:
         raise TypeError(
-            f"{where}: field {name!r} has dtype {row.dtype}, which torch cannot hold; cast it with "
+            f"{where}: field {shown(name)} has dtype {row.dtype}, which torch cannot hold; cast it with "
             ".astype(np.float64)"
         )
     if row.dtype.kind == "u" and row.dtype.itemsize > 1:  # uint16/32/64: torch supports little on them
         if row.dtype.itemsize == 8 and row.size and row.max() > INT64_MAX:
             raise ValueError(
-                f"{where}: field {name!r} holds values beyond int64 (dtype {row.dtype}); "
+                f"{where}: field {shown(name)} holds values beyond int64 (dtype {row.dtype}); "
                 "give values up to 2**63 - 1"
             )
         row = row.astype(np.int64)
@@ -211,7 +214,7 @@ def _tensor_row(value: torch.Tensor, where: object, name: str) -> torch.Tensor:
     if value.layout != torch.strided or value.is_nested or value.is_quantized:
         kind = "nested" if value.is_nested else "quantized" if value.is_quantized else str(value.layout)
         raise TypeError(
-            f"{where}: field {name!r} is a {kind} tensor; give a plain dense tensor "
+            f"{where}: field {shown(name)} is a {kind} tensor; give a plain dense tensor "
             "(.to_dense(), .dequantize())"
         )
     if value.dtype in (torch.uint16, torch.uint32, torch.uint64):
@@ -219,7 +222,7 @@ def _tensor_row(value: torch.Tensor, where: object, name: str) -> torch.Tensor:
             as_signed = value.view(torch.int64)  # values beyond int64 read as negative
             if as_signed.device.type != "meta" and bool((as_signed < 0).any()):
                 raise ValueError(
-                    f"{where}: field {name!r} holds values beyond int64 (dtype {value.dtype}); "
+                    f"{where}: field {shown(name)} holds values beyond int64 (dtype {value.dtype}); "
                     "give values up to 2**63 - 1"
                 )
             return as_signed
@@ -244,7 +247,7 @@ def to_row(value: Any, where: object, name: str, kind: Kind) -> Row:
         row: Row = _tensor_row(value, where, name)
         if value.dtype.is_floating_point and value.dtype not in _FLOAT_DTYPES:
             raise TypeError(
-                f"{where}: field {name!r} has dtype {value.dtype}, which collating cannot compute with; "
+                f"{where}: field {shown(name)} has dtype {value.dtype}, which collating cannot compute with; "
                 "cast it with .float()"
             )
         bad = value.dtype.is_complex or (
@@ -262,19 +265,19 @@ def to_row(value: Any, where: object, name: str, kind: Kind) -> Row:
         empty_float = row.dtype.kind == "f" and row.size == 0
     else:
         raise TypeError(
-            f"{where}: field {name!r} must be a list, tuple, NumPy array or torch tensor of numbers, "
+            f"{where}: field {shown(name)} must be a list, tuple, NumPy array or torch tensor of numbers, "
             f"got {type(value).__name__}"
         )
     if bad and empty_float:  # torch.tensor([]) and np.array([]) are float: an empty row holds no float
         row = row.astype(np.int64) if isinstance(row, np.ndarray) else row.to(torch.int64)
     elif bad:
         expected = "integer token ids" if kind == "ids" else "bool, integer or float values"
-        raise TypeError(f"{where}: field {name!r} has dtype {dtype}; it must hold {expected}")
+        raise TypeError(f"{where}: field {shown(name)} has dtype {dtype}; it must hold {expected}")
     if kind == "ids" and row.ndim == 0:
-        raise ValueError(f"{where}: field {name!r} must be a sequence, got a scalar")
+        raise ValueError(f"{where}: field {shown(name)} must be a sequence, got a scalar")
     if kind == "ids" and row.ndim == 2 and row.shape[0] == 1:
         raise ValueError(
-            f"{where}: field {name!r} has shape {tuple(row.shape)}: a batch of one row, as "
+            f"{where}: field {shown(name)} has shape {tuple(row.shape)}: a batch of one row, as "
             "tokenizer(..., return_tensors='pt') returns; pass the row itself (value[0] or value.squeeze(0))"
         )
     return row
@@ -327,14 +330,14 @@ def read_field(
         index = lacking[0]
         payload = records[index].payload
         holds = (
-            f"its fields: {sorted(map(str, payload))}"
+            f"its fields: {shown_fields(payload)}"
             if isinstance(payload, Mapping)
             else "an array payload holds only its token row"
         )
         reason = (
             "some payloads have it and others lack it" if len(lacking) < len(values) else "it is required"
         )
-        raise ValueError(f"{describe(records, index)}: payload lacks field {name!r} ({holds}); {reason}")
+        raise ValueError(f"{describe(records, index)}: payload lacks field {shown(name)} ({holds}); {reason}")
     plain = _PLAIN_DTYPES[kind]
     return [
         value
@@ -357,7 +360,7 @@ def check_aligned(columns: Columns, name: str, lengths: list[int]) -> None:
         if row.ndim == 0 or row.shape[0] != length:
             got = "a scalar" if row.ndim == 0 else f"{row.shape[0]} entries"
             raise ValueError(
-                f"{describe(columns.records, index)}: field {name!r} has {got} but the token row has "
+                f"{describe(columns.records, index)}: field {shown(name)} has {got} but the token row has "
                 f"{length}; per-token fields must match the tokens one to one"
             )
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from functools import total_ordering
 from typing import Any, TypeAlias, Union
 
+from zephon_collate.text import shown
+
 __all__ = [
     "ChunkId",
     "ChunkOffset",
@@ -67,9 +69,9 @@ def _is_int(value: object) -> bool:
 
 def _check_int(owner: str, name: str, value: object, *, nonnegative: bool = False) -> int:
     if not _is_int(value):
-        raise TypeError(f"{owner}.{name} must be an int, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{owner}.{name} must be an int, got {shown(value)} ({type(value).__name__})")
     if nonnegative and value < 0:  # type: ignore[operator]
-        raise ValueError(f"{owner}.{name} must be >= 0, got {value!r}")
+        raise ValueError(f"{owner}.{name} must be >= 0, got {shown(value)}")
     return int(value)  # type: ignore[call-overload]
 
 
@@ -80,26 +82,28 @@ def _check_sample_id(owner: str, value: object) -> tuple[int, int, int]:
         or len(value) != 3
         or not all(_is_int(part) for part in value)
     ):
-        raise TypeError(f"{owner}.sample_id must be three ints (dataset, shard, local id), got {value!r}")
+        raise TypeError(
+            f"{owner}.sample_id must be three ints (dataset, shard, local id), got {shown(value)}"
+        )
     return (int(value[0]), int(value[1]), int(value[2]))
 
 
 def _check_lineage(owner: str, value: object) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise TypeError(f"{owner}.lineage must be a sequence of ints, got {value!r}")
+        raise TypeError(f"{owner}.lineage must be a sequence of ints, got {shown(value)}")
     path = tuple(value)
     if not all(_is_int(index) for index in path):
-        raise TypeError(f"{owner}.lineage must be a sequence of ints, got {value!r}")
+        raise TypeError(f"{owner}.lineage must be a sequence of ints, got {shown(value)}")
     return tuple(int(index) for index in path)
 
 
 def _check_counts(owner: str, name: str, value: object) -> dict[int, int]:
     if not isinstance(value, Mapping):
-        raise TypeError(f"{owner}.{name} must be a dict of component id -> count, got {value!r}")
+        raise TypeError(f"{owner}.{name} must be a dict of component id -> count, got {shown(value)}")
     for key, count in value.items():
         if not _is_int(key) or not _is_int(count) or count < 0:
             raise ValueError(
-                f"{owner}.{name} must map int component ids to counts >= 0, got {key!r}: {count!r}"
+                f"{owner}.{name} must map int component ids to counts >= 0, got {shown(key)}: {shown(count)}"
             )
     return {int(key): int(count) for key, count in value.items()}
 
@@ -155,7 +159,8 @@ class SampleCursor:
         """
         if isinstance(key, (str, bytes)) or not isinstance(key, Sequence) or len(key) != 4:
             raise TypeError(
-                f"SampleCursor.from_key expects (chunk_id, chunk_offset, lineage, sample_id), got {key!r}"
+                "SampleCursor.from_key expects (chunk_id, chunk_offset, lineage, sample_id), got "
+                f"{shown(key)}"
             )
         chunk_id, chunk_offset, lineage, sample_id = key
         return SampleCursor(chunk_id, chunk_offset, sample_id, lineage)
@@ -199,9 +204,9 @@ class ContributorRef:
 
     def __post_init__(self) -> None:
         if not isinstance(self.cursor, SampleCursor):
-            raise TypeError(f"ContributorRef.cursor must be a SampleCursor, got {self.cursor!r}")
+            raise TypeError(f"ContributorRef.cursor must be a SampleCursor, got {shown(self.cursor)}")
         if not isinstance(self.is_last_child, bool):
-            raise TypeError(f"ContributorRef.is_last_child must be a bool, got {self.is_last_child!r}")
+            raise TypeError(f"ContributorRef.is_last_child must be a bool, got {shown(self.is_last_child)}")
 
 
 @dataclass(frozen=True, eq=True)
@@ -265,7 +270,7 @@ class SampleMeta:
             )
         put(self, "lineage", _check_lineage(owner, self.lineage))
         if not isinstance(self.tags, Mapping):
-            raise TypeError(f"SampleMeta.tags must be a dict, got {self.tags!r}")
+            raise TypeError(f"SampleMeta.tags must be a dict, got {shown(self.tags)}")
         put(self, "tags", dict(self.tags))
 
     def _replace(
@@ -345,7 +350,7 @@ class SampleMeta:
         for index, ref in enumerate(refs):
             if not isinstance(ref, ContributorRef):
                 raise TypeError(
-                    f"SampleMeta.with_contributors: item {index} must be a ContributorRef, got {ref!r}"
+                    f"SampleMeta.with_contributors: item {index} must be a ContributorRef, got {shown(ref)}"
                 )
         if refs:
             tags[CONTRIBUTORS_TAG] = refs

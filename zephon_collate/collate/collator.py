@@ -34,6 +34,7 @@ from zephon_collate.collate.transfer import StackedBatch, WireOutputs
 from zephon_collate.keys import POSITIONS
 from zephon_collate.read import describe, is_array_payload
 from zephon_collate.records import SampleMeta, SampleRecord
+from zephon_collate.text import shown
 from zephon_collate.transforms import CuSeqlens
 
 __all__ = ["Collator", "as_records"]
@@ -44,8 +45,12 @@ def _check_option_names(options: Mapping[str, Any]) -> None:
     for name in options:
         if name not in OPTION_NAMES:
             close = difflib.get_close_matches(name, OPTION_NAMES, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; known options: {', '.join(OPTION_NAMES)}"
-            raise TypeError(f"Collator: unknown option {name!r}{hint}")
+            hint = (
+                f"; did you mean {shown(close[0])}?"
+                if close
+                else f"; known options: {', '.join(OPTION_NAMES)}"
+            )
+            raise TypeError(f"Collator: unknown option {shown(name)}{hint}")
 
 
 def _check_device(device: object) -> torch.device | None:
@@ -54,13 +59,13 @@ def _check_device(device: object) -> torch.device | None:
         return None
     if not isinstance(device, (str, torch.device)):
         raise TypeError(
-            f"Collator: device must be None, a str such as 'cuda' or a torch.device, got {device!r}"
+            f"Collator: device must be None, a str such as 'cuda' or a torch.device, got {shown(device)}"
         )
     try:
         checked = torch.device(device)
     except RuntimeError:
         raise ValueError(
-            f"Collator: device {device!r} is not a device name such as 'cpu' or 'cuda:0'"
+            f"Collator: device {shown(device)} is not a device name such as 'cpu' or 'cuda:0'"
         ) from None
     if checked.type == "meta":
         raise ValueError("Collator: device 'meta' holds no data; pass 'cpu', an accelerator or None")
@@ -68,11 +73,11 @@ def _check_device(device: object) -> torch.device | None:
         accelerator = torch.accelerator.current_accelerator()
         if accelerator is None or accelerator.type != checked.type:
             raise ValueError(
-                f"Collator: device {str(checked)!r} is not available here (accelerator: {accelerator})"
+                f"Collator: device {shown(str(checked))} is not available here (accelerator: {accelerator})"
             )
         if checked.index is not None and checked.index >= torch.accelerator.device_count():
             raise ValueError(
-                f"Collator: device {str(checked)!r} does not exist: this machine has "
+                f"Collator: device {shown(str(checked))} does not exist: this machine has "
                 f"{torch.accelerator.device_count()} {checked.type} device(s)"
             )
     return checked

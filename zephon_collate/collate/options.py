@@ -40,6 +40,7 @@ from zephon_collate.keys import (
     POSITIONS,
     TEXTS,
 )
+from zephon_collate.text import shown
 
 __all__ = ["OPTION_NAMES", "TrainingOptions", "options_for", "signature_with_options"]
 
@@ -109,7 +110,7 @@ class TrainingOptions:
 
         if not isinstance(self.tokens_field, str) or not self.tokens_field:
             raise TypeError(
-                f"to_training: tokens_field must be a field name or 'auto', got {self.tokens_field!r}"
+                f"to_training: tokens_field must be a field name or 'auto', got {shown(self.tokens_field)}"
             )
         for name in FLAGS:
             put(name, check_bool(name, getattr(self, name)))
@@ -147,12 +148,12 @@ class TrainingOptions:
         for name in self.extra_fields:
             if name in generated:
                 raise ValueError(
-                    f"to_training: extra field {name!r} would overwrite the generated output field "
-                    f"{name!r}; rename it in the payloads, or drop it from extra_fields"
+                    f"to_training: extra field {shown(name)} would overwrite the generated output field "
+                    f"{shown(name)}; rename it in the payloads, or drop it from extra_fields"
                 )
             if name == PADDING_LENGTH:
                 raise ValueError(
-                    f"to_training: extra field {name!r} collides with the per-record pad counts that "
+                    f"to_training: extra field {shown(name)} collides with the per-record pad counts that "
                     "to_training stacks under that name; rename it in the payloads"
                 )
 

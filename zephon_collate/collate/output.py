@@ -25,6 +25,7 @@ from zephon_collate.keys import (
     TEXTS,
 )
 from zephon_collate.records import SampleRecord
+from zephon_collate.text import shown
 
 __all__ = ["assemble_outputs", "empty_outputs", "ids_and_texts", "merge_row_outputs", "output_keys"]
 
@@ -66,7 +67,7 @@ def rename_and_exclude(
         for source in renames:
             if source not in keys:
                 raise ValueError(
-                    f"to_training: rename_fields names {source!r}, which this call does not emit "
+                    f"to_training: rename_fields names {shown(source)}, which this call does not emit "
                     f"(it emits {list(keys)})"
                 )
     finals = [(key, renames.get(key, key)) for key in keys]
@@ -74,7 +75,8 @@ def rename_and_exclude(
     for key, name in finals:
         if name in seen:
             raise ValueError(
-                f"to_training: rename_fields gives {seen[name]!r} and {key!r} the same name {name!r}; "
+                f"to_training: rename_fields gives {shown(seen[name])} and {shown(key)} the same name "
+                f"{shown(name)}; "
                 "final names must be unique"
             )
         seen[name] = key

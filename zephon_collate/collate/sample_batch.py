@@ -18,6 +18,7 @@ from zephon_collate.collate.stack import stack_batch
 from zephon_collate.collate.training import training_outputs
 from zephon_collate.read import as_record_tuple
 from zephon_collate.records import SampleRecord
+from zephon_collate.text import shown
 
 __all__ = ["SampleBatch", "to_training"]
 
@@ -42,7 +43,9 @@ class SampleBatch:
 
     def __post_init__(self) -> None:
         if isinstance(self.records, (str, bytes, Mapping)) or not isinstance(self.records, Iterable):
-            raise TypeError(f"SampleBatch.records must be a sequence of SampleRecord, got {self.records!r}")
+            raise TypeError(
+                f"SampleBatch.records must be a sequence of SampleRecord, got {shown(self.records)}"
+            )
         records = tuple(self.records)
         for index, record in enumerate(records):
             if not isinstance(record, SampleRecord):

@@ -17,6 +17,7 @@ from tensordict import TensorDict
 from zephon_collate.checks import check_field_names
 from zephon_collate.keys import INPUT_IDS, PADDING_LENGTH
 from zephon_collate.read import Columns, as_record_tuple, describe, read_columns
+from zephon_collate.text import shown
 
 __all__ = ["stack_batch", "stack_columns"]
 
@@ -31,7 +32,8 @@ def check_padding_lengths(columns: Columns) -> list[int]:
             count = 0
         if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or not 0 <= count <= length:
             raise ValueError(
-                f"{describe(columns.records, index)}: meta.padding_length is {count!r} but must be an int "
+                f"{describe(columns.records, index)}: meta.padding_length is {shown(count)} but must be an "
+                "int "
                 f"from 0 to the token row's length {length}"
             )
         counts.append(int(count))
@@ -50,7 +52,7 @@ def _common_device(columns: Columns) -> torch.device:
                 device = here
             elif here != device:
                 raise ValueError(
-                    f"{describe(columns.records, index)}: field {name!r} is on {here} while record 0's "
+                    f"{describe(columns.records, index)}: field {shown(name)} is on {here} while record 0's "
                     f"tokens are on {device}; put all payload data on one device"
                 )
     if device is not None and device.type == "meta":
@@ -89,7 +91,7 @@ def _raise_for_first_bad_row(
     if bool(bad_rows.any()):
         index = int(bad_rows.nonzero()[0, 0])
         raise ValueError(
-            f"{describe(columns.records, index)}: field {name!r} holds {problem}, which {dtype} cannot "
+            f"{describe(columns.records, index)}: field {shown(name)} holds {problem}, which {dtype} cannot "
             "represent exactly; fix the data or pick a wider dtype"
         )
 
@@ -102,7 +104,7 @@ def stack_rows(columns: Columns, name: str, dtype: torch.dtype | None, device: t
     first = tuple(rows[0].shape)
     for index, row in enumerate(rows):
         if row.shape != first:
-            what = "token rows" if name == INPUT_IDS else f"rows of field {name!r}"
+            what = "token rows" if name == INPUT_IDS else f"rows of field {shown(name)}"
             raise ValueError(
                 f"cannot stack {what} of unequal shape into a tensor: record 0 has shape {first}, "
                 f"{describe(columns.records, index)} has {tuple(row.shape)}; pad or pack them "
@@ -190,14 +192,14 @@ def stack_batch(
     """
     owner = "stack_batch"
     if not isinstance(tokens_field, str) or not tokens_field:
-        raise TypeError(f"{owner}: tokens_field must be a field name or 'auto', got {tokens_field!r}")
+        raise TypeError(f"{owner}: tokens_field must be a field name or 'auto', got {shown(tokens_field)}")
     extras = check_field_names("extra_fields", extra_fields, owner=owner)
     if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{owner}: dtype must be a torch dtype such as torch.long, got {dtype!r}")
+        raise TypeError(f"{owner}: dtype must be a torch dtype such as torch.long, got {shown(dtype)}")
     if dtype not in (torch.int8, torch.int16, torch.int32, torch.int64):
         raise ValueError(f"{owner}: dtype must be a signed integer dtype such as torch.long, got {dtype}")
     if not isinstance(pin_memory, (bool, np.bool_)):
-        raise TypeError(f"{owner}: pin_memory must be a bool, got {pin_memory!r}")
+        raise TypeError(f"{owner}: pin_memory must be a bool, got {shown(pin_memory)}")
     if pin_memory and not torch.accelerator.is_available():
         raise ValueError(f"{owner}: pin_memory=True needs an accelerator, and none is available here")
     records = as_record_tuple(batch, owner)

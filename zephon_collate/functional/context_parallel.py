@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import torch
 
+from zephon_collate.text import shown
+
 __all__ = ["cp_partition_index"]
 
 
 def check_cp(owner: str, cp_size: object, cp_rank: object) -> tuple[int, int]:
     for name, value in (("cp_size", cp_size), ("cp_rank", cp_rank)):
         if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{owner}: {name} must be an int, got {value!r}")
+            raise TypeError(f"{owner}: {name} must be an int, got {shown(value)}")
     if cp_size < 1:  # type: ignore[operator]
         raise ValueError(f"{owner}: cp_size must be >= 1, got {cp_size}")
     if not 0 <= cp_rank < cp_size:  # type: ignore[operator]

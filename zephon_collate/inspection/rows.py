@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zephon_collate.keys import CU_SEQLENS, INPUT_IDS, LABELS, LOSS_MASK, PADDING_MASK, POSITIONS
+from zephon_collate.text import shown
 
 __all__ = ["RowView", "batch_rows", "batch_warnings"]
 
@@ -73,7 +74,7 @@ def _as_rows(value: Any, name: str) -> list[list[Any]]:
     data = _as_lists(value)
     if not isinstance(data, list):
         raise TypeError(
-            f"inspect_batch: field {name!r} must be a tensor, array or list, got {type(value).__name__}"
+            f"inspect_batch: field {shown(name)} must be a tensor, array or list, got {type(value).__name__}"
         )
     if data and not isinstance(data[0], list):
         return [data]
@@ -109,7 +110,7 @@ def batch_rows(
             lengths = [len(row) for row in fields[name]]
             if lengths != [len(row) for row in tokens]:
                 raise ValueError(
-                    f"inspect_batch: field {name!r} has rows of lengths {lengths}, but input_ids has "
+                    f"inspect_batch: field {shown(name)} has rows of lengths {lengths}, but input_ids has "
                     f"{[len(row) for row in tokens]}"
                 )
     cu_rows = _as_rows(batch[CU_SEQLENS], CU_SEQLENS) if batch.get(CU_SEQLENS) is not None else None

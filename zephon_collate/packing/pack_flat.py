@@ -21,6 +21,7 @@ from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.packing.reader import PackOptions, _as_array, candidate_fields
 from zephon_collate.read import describe_record, is_array_payload, resolve_tokens_field
 from zephon_collate.records import SampleRecord
+from zephon_collate.text import shown
 
 __all__ = ["pack_flat"]
 
@@ -164,7 +165,7 @@ def pack_flat(
     tokens_name = resolve_tokens_field(records, options.tokens_field)
     if tokens_name in (options.fields or ()):
         raise ValueError(
-            f"pack_flat: the tokens field {tokens_name!r} is also listed in fields; drop it from fields"
+            f"pack_flat: the tokens field {shown(tokens_name)} is also listed in fields; drop it from fields"
         )
     shared = _shared_fields(records, tokens_name) if options.fields is None else options.fields
     size = options.buffer_size or max(1, len(records))

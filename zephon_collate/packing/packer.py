@@ -20,6 +20,7 @@ from zephon_collate.packing.reader import PackOptions, Reader
 from zephon_collate.packing.rows import Engine, build_row, split_document
 from zephon_collate.packing.state import check_count, corrupt, piece_state, pieces_from_state, same_value
 from zephon_collate.records import SampleRecord
+from zephon_collate.text import shown
 
 __all__ = ["FlatPacker"]
 
@@ -189,7 +190,7 @@ class FlatPacker:
         if missing or not same_value(state["version"], STATE_VERSION):
             raise ValueError(
                 f"FlatPacker.load_state_dict: not a version-{STATE_VERSION} FlatPacker state "
-                f"(missing keys {missing}, version {state.get('version')!r})"
+                f"(missing keys {missing}, version {shown(state.get('version'))})"
             )
         if not isinstance(state["options"], Mapping):
             raise ValueError(
@@ -201,17 +202,21 @@ class FlatPacker:
             key for key in mine.keys() | saved.keys() if not same_value(saved.get(key), mine.get(key))
         )
         if differ:
-            detail = ", ".join(f"{key}: saved {saved.get(key)!r}, here {mine.get(key)!r}" for key in differ)
+            detail = ", ".join(
+                f"{key}: saved {shown(saved.get(key))}, here {shown(mine.get(key))}" for key in differ
+            )
             raise ValueError(f"FlatPacker.load_state_dict: the state was saved with other options ({detail})")
         tokens_name, fields = state["tokens_field"], state["fields"]
         if tokens_name is not None and not isinstance(tokens_name, str):
-            raise corrupt("state['tokens_field']", f"must be a field name or None, got {tokens_name!r}")
+            raise corrupt("state['tokens_field']", f"must be a field name or None, got {shown(tokens_name)}")
         if fields is not None:
             if isinstance(fields, (str, bytes)) or not isinstance(fields, Sequence):
-                raise corrupt("state['fields']", f"must be a list of field names or None, got {fields!r}")
+                raise corrupt(
+                    "state['fields']", f"must be a list of field names or None, got {shown(fields)}"
+                )
             fields = tuple(fields)
             if not all(isinstance(name, str) for name in fields):
-                raise corrupt("state['fields']", f"must hold field names, got {fields!r}")
+                raise corrupt("state['fields']", f"must hold field names, got {shown(fields)}")
         consumed = check_count(state["records_consumed"], "state['records_consumed']")
         emitted = check_count(state["rows_emitted"], "state['rows_emitted']")
         opts = self.options

@@ -21,6 +21,7 @@ import torch
 from zephon_collate.keys import INPUT_IDS, INT32_MAX, INT64_MAX, LOSS_MASK, POSITIONS, TOKEN_FIELD_CANDIDATES
 from zephon_collate.read import describe_record, first_token_field, is_array_payload, to_row
 from zephon_collate.records import SampleRecord
+from zephon_collate.text import shown, shown_fields
 
 __all__ = ["OVERFLOWS", "STRATEGIES", "PackOptions", "Reader", "candidate_fields"]
 
@@ -31,12 +32,12 @@ OVERFLOWS = ("split", "truncate")
 def _check_int(owner: str, name: str, value: object, minimum: int, maximum: int = INT64_MAX) -> int:
     if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
         raise TypeError(
-            f"{owner}: {name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})"
+            f"{owner}: {name} must be an int >= {minimum}, got {shown(value)} ({type(value).__name__})"
         )
     if value < minimum:
-        raise ValueError(f"{owner}: {name} must be an int >= {minimum}, got {value!r}")
+        raise ValueError(f"{owner}: {name} must be an int >= {minimum}, got {shown(value)}")
     if value > maximum:
-        raise ValueError(f"{owner}: {name} must be an int <= {maximum}, got {value!r}")
+        raise ValueError(f"{owner}: {name} must be an int <= {maximum}, got {shown(value)}")
     return int(value)
 
 
@@ -62,27 +63,33 @@ class PackOptions:
         if options["buffer_size"] is not None or owner != "pack_flat":
             checked["buffer_size"] = _check_int(owner, "buffer_size", options["buffer_size"], 1)
         if not isinstance(options["emit_positions"], bool):
-            raise TypeError(f"{owner}: emit_positions must be a bool, got {options['emit_positions']!r}")
+            raise TypeError(f"{owner}: emit_positions must be a bool, got {shown(options['emit_positions'])}")
         tokens_field = options["tokens_field"]
         if not isinstance(tokens_field, str) or not tokens_field:
-            raise TypeError(f"{owner}: tokens_field must be 'auto' or a field name, got {tokens_field!r}")
+            raise TypeError(
+                f"{owner}: tokens_field must be 'auto' or a field name, got {shown(tokens_field)}"
+            )
         for name, allowed in (("strategy", STRATEGIES), ("overflow", OVERFLOWS)):
             if not isinstance(options[name], str) or options[name] not in allowed:
                 choices = " or ".join(map(repr, allowed))
-                raise ValueError(f"{owner}: {name} must be {choices}, got {options[name]!r}")
+                raise ValueError(f"{owner}: {name} must be {choices}, got {shown(options[name])}")
         fields = options["fields"]
         if fields is not None:
             if isinstance(fields, (str, bytes)) or not isinstance(fields, Iterable):
-                raise TypeError(f"{owner}: fields must be None or a sequence of field names, got {fields!r}")
+                raise TypeError(
+                    f"{owner}: fields must be None or a sequence of field names, got {shown(fields)}"
+                )
             checked["fields"] = fields = tuple(fields)
             for name in fields:
                 if not isinstance(name, str):
-                    raise TypeError(f"{owner}: fields must hold str field names, got {name!r}")
+                    raise TypeError(f"{owner}: fields must hold str field names, got {shown(name)}")
                 if name == tokens_field or (name == POSITIONS and options["emit_positions"]):
                     hint = "; pass emit_positions=False to pack input positions" if name == POSITIONS else ""
-                    raise ValueError(f"{owner}: fields may not list {name!r}, which the packer writes{hint}")
+                    raise ValueError(
+                        f"{owner}: fields may not list {shown(name)}, which the packer writes{hint}"
+                    )
             if len(set(fields)) != len(fields):
-                raise ValueError(f"{owner}: fields lists a name twice: {fields!r}")
+                raise ValueError(f"{owner}: fields lists a name twice: {shown(fields)}")
         return cls(**checked)
 
 
@@ -93,10 +100,10 @@ def _as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
     as int64 and ``>= 0``; an int64 ndarray is not copied.
     """
     if isinstance(value, torch.Tensor) and value.is_meta:
-        raise TypeError(f"{where}: field {name!r} is a meta tensor; give a dense tensor with data")
+        raise TypeError(f"{where}: field {shown(name)} is a meta tensor; give a dense tensor with data")
     if not isinstance(value, (torch.Tensor, np.ndarray, list, tuple)):
         raise TypeError(
-            f"{where}: field {name!r} must be a list, tuple, NumPy array or torch tensor of numbers, "
+            f"{where}: field {shown(name)} must be a list, tuple, NumPy array or torch tensor of numbers, "
             f"got {type(value).__name__}"
         )
     row = to_row(value, where, name, "ids" if ids else "values")
@@ -104,12 +111,16 @@ def _as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
         tensor = row.detach().cpu()
         row = (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
     if row.ndim != 1:
-        raise ValueError(f"{where}: field {name!r} must be 1-D (one entry per token), got shape {row.shape}")
+        raise ValueError(
+            f"{where}: field {shown(name)} must be 1-D (one entry per token), got shape {row.shape}"
+        )
     if not ids:
         return row
     row = row.astype(np.int64, copy=False)
     if row.size and row.min() < 0:
-        raise ValueError(f"{where}: field {name!r} holds a negative token id ({row.min()}); ids must be >= 0")
+        raise ValueError(
+            f"{where}: field {shown(name)} holds a negative token id ({row.min()}); ids must be >= 0"
+        )
     return row
 
 
@@ -176,7 +187,7 @@ class Reader:
         if name is None or name not in payload:
             wanted = repr(name) if name else f"any of {', '.join(TOKEN_FIELD_CANDIDATES)}"
             raise ValueError(
-                f"{where}: payload has no tokens field {wanted} (its fields: {sorted(map(str, payload))}); "
+                f"{where}: payload has no tokens field {wanted} (its fields: {shown_fields(payload)}); "
                 "pass the right tokens_field"
             )
         tokens = _as_array(payload[name], where, name, ids=True)
@@ -185,7 +196,7 @@ class Reader:
         self.tokens_name = name
         if self.fields and name in self.fields:
             raise ValueError(
-                f"{where}: the tokens field {name!r} is also listed in fields; drop it from fields"
+                f"{where}: the tokens field {shown(name)} is also listed in fields; drop it from fields"
             )
         if self.fields is None:
             self.fields = tuple(candidate_fields(payload, name, tokens.size, where))
@@ -198,7 +209,7 @@ class Reader:
         for field_name in self.fields:
             if field_name not in payload:
                 raise ValueError(
-                    f"{where}: payload lacks field {field_name!r}, which is packed beside the tokens "
+                    f"{where}: payload lacks field {shown(field_name)}, which is packed beside the tokens "
                     f"(fields {self.fields}); give every record this field, or pass fields=(...) without it"
                 )
             values[field_name] = _as_array(payload[field_name], where, field_name, ids=False)
@@ -206,7 +217,8 @@ class Reader:
                 _check_loss_mask(values[field_name], where)
             if len(values[field_name]) != tokens.size:
                 raise ValueError(
-                    f"{where}: field {field_name!r} has {len(values[field_name])} entries but the token row "
+                    f"{where}: field {shown(field_name)} has {len(values[field_name])} entries but the token "
+                    "row "
                     f"has {tokens.size}; per-token fields must match the tokens one to one"
                 )
         return tokens, values

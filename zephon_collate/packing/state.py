@@ -18,6 +18,7 @@ from zephon_collate.keys import LOSS_MASK
 from zephon_collate.packing.reader import _as_array, _check_loss_mask
 from zephon_collate.packing.rows import Base, Piece
 from zephon_collate.records import SampleMeta
+from zephon_collate.text import shown
 
 __all__ = ["check_count", "piece_from_state", "piece_state", "pieces_from_state", "same_value"]
 
@@ -53,7 +54,7 @@ def piece_state(piece: Piece) -> dict[str, Any]:
 def check_count(value: object, where: str, owner: str = OWNER) -> int:
     """A saved counter: an int >= 0 (not a bool)."""
     if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < 0:
-        raise corrupt(where, f"must be an int >= 0, got {value!r}", owner)
+        raise corrupt(where, f"must be an int >= 0, got {shown(value)}", owner)
     return int(value)
 
 
@@ -82,14 +83,15 @@ def piece_from_state(state: object, where: str, seq_len: int, fields: Sequence[s
             if name == LOSS_MASK:
                 _check_loss_mask(values[name], f"{OWNER}: {where}['fields']")
         except (TypeError, ValueError) as error:
-            raise corrupt(f"{where}['fields'][{name!r}]", f"is not a packed field ({error})") from None
+            raise corrupt(f"{where}['fields'][{shown(name)}]", f"is not a packed field ({error})") from None
         if values[name].size != tokens.size:
             raise corrupt(
-                f"{where}['fields'][{name!r}]", f"has {values[name].size} entries for {tokens.size} tokens"
+                f"{where}['fields'][{shown(name)}]",
+                f"has {values[name].size} entries for {tokens.size} tokens",
             )
     index = check_count(state["index"], f"{where}['index']")
     if not isinstance(state["closes"], (bool, np.bool_)):
-        raise corrupt(f"{where}['closes']", f"must be a bool, got {state['closes']!r}")
+        raise corrupt(f"{where}['closes']", f"must be a bool, got {shown(state['closes'])}")
     return Piece(
         tokens, values, _base_from_state(state["base"], f"{where}['base']"), index, bool(state["closes"])
     )
@@ -120,7 +122,7 @@ def pieces_from_state(
     """The open row (or best-fit buffer) and the closed rows of a state, each row within ``seq_len``."""
     for key, value in (("pending", pending), ("ready", ready)):
         if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
-            raise corrupt(f"state[{key!r}]", f"must be a list, got {type(value).__name__}")
+            raise corrupt(f"state[{shown(key)}]", f"must be a list, got {type(value).__name__}")
     open_row = [piece_from_state(p, f"state['pending'][{i}]", seq_len, fields) for i, p in enumerate(pending)]
     rows = []
     for r, row in enumerate(ready):  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.packing.state import check_count, corrupt, same_value
 from zephon_collate.records import SampleCursor, SampleRecord
+from zephon_collate.text import shown
 
 __all__ = ["PackedStream"]
 
@@ -138,7 +139,7 @@ class PackedStream(IterableDataset):
         if world_size is not None:
             for name, value in (("rank", rank), ("world_size", world_size)):
                 if not isinstance(value, int) or isinstance(value, bool):
-                    raise TypeError(f"PackedStream: {name} must be an int, got {value!r}")
+                    raise TypeError(f"PackedStream: {name} must be an int, got {shown(value)}")
             if world_size < 1 or not 0 <= rank < world_size:  # type: ignore[operator]
                 raise ValueError(
                     f"PackedStream: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}"
@@ -224,7 +225,7 @@ class PackedStream(IterableDataset):
         if missing or not same_value(state["version"], STATE_VERSION):
             raise ValueError(
                 f"PackedStream.load_state_dict: not a version-{STATE_VERSION} PackedStream state "
-                f"(missing keys {missing}, version {state.get('version')!r})"
+                f"(missing keys {missing}, version {shown(state.get('version'))})"
             )
         self._pending = self._checked(state)
         self._latest = None

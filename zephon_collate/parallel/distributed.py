@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from zephon_collate.keys import NUM_VALID_TOKENS
+from zephon_collate.text import shown
 
 __all__ = ["data_parallel_size", "global_num_valid_tokens", "is_distributed", "normalize_loss"]
 
@@ -86,7 +87,7 @@ def _as_count(item: Any, key: str, device: torch.device | None) -> torch.Tensor:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
             f"global_num_valid_tokens: a count must be an int, an integer tensor or a batch dict with "
-            f"{key!r}, got {type(value).__name__}"
+            f"{shown(key)}, got {type(value).__name__}"
         )
     return torch.tensor(value, dtype=torch.int64, device=device)
 
@@ -195,7 +196,7 @@ def normalize_loss(
     if world_size is None:
         world_size = data_parallel_size(group)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"normalize_loss: world_size must be an int >= 1, got {world_size!r}")
+        raise ValueError(f"normalize_loss: world_size must be an int >= 1, got {shown(world_size)}")
     dtype = torch.promote_types(loss_sum.dtype, torch.float32)  # a bf16 count would round
     count = torch.as_tensor(num_valid_tokens, device=loss_sum.device).clamp(min=1).to(dtype)
     return loss_sum * (world_size / count)

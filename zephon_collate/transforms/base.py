@@ -11,6 +11,7 @@ from tensordict.nn import TensorDictModuleBase
 from torch import nn
 
 from zephon_collate.checks import check_keys
+from zephon_collate.text import shown
 
 __all__ = ["Chain", "Transform"]
 
@@ -81,7 +82,7 @@ def _check_present(module: Any, data: Mapping[str, Any] | TensorDictBase) -> Non
     missing = [key for key in module.in_keys if key not in data]
     if missing:
         raise ValueError(
-            f"{type(module).__name__} needs {missing[0]!r}, which the TensorDict lacks "
+            f"{type(module).__name__} needs {shown(missing[0])}, which the TensorDict lacks "
             f"(it holds {sorted(data.keys())})"
         )
 
@@ -91,7 +92,7 @@ def _check_rank(
 ) -> None:
     """``ValueError`` unless ``tensor`` has ``min_dim`` to ``max_dim`` dimensions (``layout`` names them)."""
     if not min_dim <= tensor.dim() <= max_dim:
-        raise ValueError(f"{owner}: {key!r} must be {layout}, got shape {tuple(tensor.shape)}")
+        raise ValueError(f"{owner}: {shown(key)} must be {layout}, got shape {tuple(tensor.shape)}")
 
 
 def _check_ignore_fits(owner: str, ignore_index: int, key: str, labels: torch.Tensor) -> None:
@@ -100,7 +101,9 @@ def _check_ignore_fits(owner: str, ignore_index: int, key: str, labels: torch.Te
         return
     info = torch.iinfo(labels.dtype)
     if not info.min <= ignore_index <= info.max:
-        raise ValueError(f"{owner}: ignore_index {ignore_index} does not fit {key!r} of dtype {labels.dtype}")
+        raise ValueError(
+            f"{owner}: ignore_index {ignore_index} does not fit {shown(key)} of dtype {labels.dtype}"
+        )
 
 
 def _check_leading(
@@ -109,7 +112,7 @@ def _check_leading(
     """``ValueError`` unless the first ``dims`` sizes of ``tensor`` equal those of ``like``."""
     if tensor.shape[:dims] != like.shape[:dims]:
         raise ValueError(
-            f"{owner}: {key!r} has shape {tuple(tensor.shape)}, which does not match {like_key!r} "
+            f"{owner}: {shown(key)} has shape {tuple(tensor.shape)}, which does not match {shown(like_key)} "
             f"{tuple(like.shape)} in its first {dims} dims; per-token fields must align one to one"
         )
 
@@ -155,7 +158,7 @@ class Chain(Transform):
         for index, transform in enumerate(transforms):
             if not isinstance(transform, nn.Module) or not self.is_tdmodule_compatible(transform):
                 raise TypeError(
-                    f"Chain: item {index} ({transform!r}) is not a transform with in_keys and out_keys"
+                    f"Chain: item {index} ({shown(transform)}) is not a transform with in_keys and out_keys"
                 )
         self.transforms = nn.ModuleList(transforms)
         provided = set(check_keys("Chain", "input_keys", input_keys or ()))
@@ -166,7 +169,7 @@ class Chain(Transform):
                     continue
                 if input_keys is not None:
                     raise ValueError(
-                        f"Chain: {type(transform).__name__} reads {key!r}, which neither the input "
+                        f"Chain: {type(transform).__name__} reads {shown(key)}, which neither the input "
                         f"(keys {sorted(input_keys)}) nor an earlier transform provides"
                     )
                 needed.append(key)

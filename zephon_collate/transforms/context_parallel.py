@@ -50,6 +50,7 @@ from zephon_collate.keys import (
     PADDING_MASK,
     POSITIONS,
 )
+from zephon_collate.text import shown
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["ContextParallelShard"]
@@ -182,7 +183,7 @@ class ContextParallelShard(Transform):
         owner = "ContextParallelShard"
         self.cp_size, self.cp_rank = check_cp(owner, cp_size, cp_rank)
         if not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool) or pad_token_id < 0:
-            raise ValueError(f"{owner}: pad_token_id must be an int >= 0, got {pad_token_id!r}")
+            raise ValueError(f"{owner}: pad_token_id must be an int >= 0, got {shown(pad_token_id)}")
         self.pad_token_id = pad_token_id
         self.ignore_index = check_ignore_index(ignore_index, owner=owner)
         self.keys = None if keys is None else check_keys(owner, "keys", keys)
@@ -205,7 +206,7 @@ class ContextParallelShard(Transform):
             PADDING_MASK: True,
         }
         if fill_values is not None and not isinstance(fill_values, Mapping):
-            raise TypeError(f"{owner}: fill_values must be a dict of key -> value, got {fill_values!r}")
+            raise TypeError(f"{owner}: fill_values must be a dict of key -> value, got {shown(fill_values)}")
         self.fill_values = {**defaults, **dict(fill_values or {})}
         self.in_keys = [positions_key, *(k for k in (self.keys or ()) if k != positions_key)]
         self.out_keys = [*(self.keys or ()), positions_key, *written]
@@ -226,12 +227,12 @@ class ContextParallelShard(Transform):
         for key in self.keys:
             if key not in td:
                 raise ValueError(
-                    f"ContextParallelShard: the TensorDict lacks {key!r} (it holds {sorted(td.keys())})"
+                    f"ContextParallelShard: the TensorDict lacks {shown(key)} (it holds {sorted(td.keys())})"
                 )
             if td.get(key).shape[: len(shape)] != shape:
                 raise ValueError(
-                    f"ContextParallelShard: {key!r} has shape {list(td.get(key).shape)}, not per-token "
-                    f"like {self.positions_key!r} ({list(shape)})"
+                    f"ContextParallelShard: {shown(key)} has shape {list(td.get(key).shape)}, not per-token "
+                    f"like {shown(self.positions_key)} ({list(shape)})"
                 )
         return [*self.keys, *([] if self.positions_key in self.keys else [self.positions_key])]
 
@@ -240,7 +241,7 @@ class ContextParallelShard(Transform):
         positions = td.get(self.positions_key)
         if positions.dim() not in (1, 2):
             raise ValueError(
-                f"ContextParallelShard: {self.positions_key!r} must be [B, S] or [N], "
+                f"ContextParallelShard: {shown(self.positions_key)} must be [B, S] or [N], "
                 f"got shape {list(positions.shape)}"
             )
         shape, total, device = positions.shape, positions.numel(), positions.device

@@ -11,6 +11,7 @@ import torch
 from zephon_collate.checks import check_key
 from zephon_collate.functional import cu_seqlens_flat, cu_seqlens_rows
 from zephon_collate.keys import CU_SEQLENS, INT32_MAX, MAX_SEQLEN, POSITIONS
+from zephon_collate.text import shown
 from zephon_collate.transforms.base import Transform, _check_rank
 
 __all__ = ["CuSeqlens"]
@@ -75,15 +76,15 @@ class CuSeqlens(Transform):
                 num_boundaries, (bool, np.bool_)
             ):
                 raise TypeError(
-                    f"CuSeqlens: num_boundaries must be an int >= 1 or None, got {num_boundaries!r}"
+                    f"CuSeqlens: num_boundaries must be an int >= 1 or None, got {shown(num_boundaries)}"
                 )
             if num_boundaries < 1:
                 raise ValueError(
-                    f"CuSeqlens: num_boundaries must be an int >= 1 or None, got {num_boundaries!r}"
+                    f"CuSeqlens: num_boundaries must be an int >= 1 or None, got {shown(num_boundaries)}"
                 )
             num_boundaries = int(num_boundaries)
         if not isinstance(flatten, bool):
-            raise TypeError(f"CuSeqlens: flatten must be a bool, got {flatten!r}")
+            raise TypeError(f"CuSeqlens: flatten must be a bool, got {shown(flatten)}")
         self.positions_key = check_key("CuSeqlens", "positions_key", positions_key)
         self.out_key = check_key("CuSeqlens", "out_key", out_key)
         self.max_key = check_key("CuSeqlens", "max_key", max_key)

@@ -10,6 +10,7 @@ from zephon_collate.checks import check_key
 from zephon_collate.functional.labels import padding_from_length
 from zephon_collate.functional.segments import flatten_segment_ids, segment_ids_from_positions
 from zephon_collate.keys import PADDING_LENGTH, POSITIONS, SEGMENT_IDS
+from zephon_collate.text import shown
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["SegmentIds"]
@@ -76,7 +77,7 @@ class SegmentIds(Transform):
         super().__init__()
         for name, value in (("flatten", flatten), ("mark_padding", mark_padding), ("shifted", shifted)):
             if not isinstance(value, bool):
-                raise TypeError(f"SegmentIds: {name} must be a bool, got {value!r}")
+                raise TypeError(f"SegmentIds: {name} must be a bool, got {shown(value)}")
         self.positions_key = check_key("SegmentIds", "positions_key", positions_key)
         self.padding_length_key = check_key("SegmentIds", "padding_length_key", padding_length_key)
         self.out_key = check_key("SegmentIds", "out_key", out_key)

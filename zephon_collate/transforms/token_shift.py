@@ -8,6 +8,7 @@ import torch
 
 from zephon_collate.checks import check_key, check_keys
 from zephon_collate.keys import INPUT_IDS, LABELS
+from zephon_collate.text import shown
 from zephon_collate.transforms.base import Transform, _check_leading, _check_rank
 
 __all__ = ["TokenShift"]
@@ -55,8 +56,8 @@ class TokenShift(Transform):
         aligned = (*self.input_keys, *self.label_keys)
         if len({tokens_key, labels_key, *aligned}) != 2 + len(aligned):
             raise ValueError(
-                f"TokenShift: keys must be distinct, got tokens_key={tokens_key!r}, "
-                f"labels_key={labels_key!r}, input_keys={self.input_keys}, label_keys={self.label_keys}"
+                f"TokenShift: keys must be distinct, got tokens_key={shown(tokens_key)}, "
+                f"labels_key={shown(labels_key)}, input_keys={self.input_keys}, label_keys={self.label_keys}"
             )
         self.in_keys = [tokens_key, *aligned]
         self.out_keys = [tokens_key, labels_key, *aligned]
