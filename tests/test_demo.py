@@ -230,3 +230,13 @@ def test_demo_command_line(tmp_path, capsys, monkeypatch):
     assert "step 2/2: loss " in out and " tok/s, padding " in out
     assert "done in" in out and "on cpu" in out
     assert (tmp_path / "loss_curve.png").exists()
+
+
+def test_demo_batch_shows_a_prompt_several_documents_and_padding():
+    """The README's `show --demo-batch` opens on a row with everything a packed batch holds."""
+    batch = demo_batch()  # the README's sizes: 4 rows of 128 tokens
+    padding, mask = batch["padding_mask"][0], batch["loss_mask"][0]
+    boundaries = batch["cu_seqlens"][0].unique()
+    assert len(boundaries) - 1 >= 3  # two or more documents, then the padding segment
+    assert bool(padding.any())  # trailing padding in the inputs
+    assert bool((mask[~padding] == 0).any())  # a prompt: real tokens left unsupervised

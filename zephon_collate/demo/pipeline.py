@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from zephon_collate.collate.collator import Collator
@@ -103,6 +104,15 @@ def _documents_in(row: SampleRecord) -> int:
     return len(row.meta.contributors)
 
 
+def _shows_everything(row: SampleRecord) -> bool:
+    """True for a row with a prompt (unsupervised real tokens), two or more documents, and padding."""
+    padding = row.meta.padding_length or 0
+    mask = row.payload.get("loss_mask")
+    real = len(row.payload["input_ids"]) - padding
+    has_prompt = mask is not None and bool((np.asarray(mask[:real]) == 0).any())
+    return padding > 1 and has_prompt and _documents_in(row) >= 2  # one pad token is cut by the shift
+
+
 def demo_batch(
     corpus: str | None = None,
     *,
@@ -113,10 +123,14 @@ def demo_batch(
 ) -> dict[str, Any]:
     """A collated batch of the demo's pipeline: rows drawn at random, as the trainer draws them.
 
-    ``min_documents`` draws only among rows that pack at least that many
-    documents (or pieces of documents), to see the packing at work.
+    The first row is one that shows everything a packed batch can hold, where the
+    corpus has one: a prompt (unsupervised tokens), several documents, and
+    trailing padding. ``min_documents`` draws only among rows that pack at least
+    that many documents (or pieces of documents), to see the packing at work.
     """
     rows, _ = pack_rows(corpus, seq_len, max(512, 8 * batch_size), seed)
     rows = [row for row in rows if _documents_in(row) >= min_documents] or rows
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
-    return make_collator()([rows[int(i)] for i in order[:batch_size]])
+    order = [int(i) for i in torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))]
+    first = next((i for i in order if _shows_everything(rows[i])), order[0])
+    chosen = [first, *(i for i in order if i != first)][:batch_size]
+    return make_collator()([rows[i] for i in chosen])
