@@ -5,8 +5,9 @@ tensors by a chain of transforms (:mod:`zephon_collate.transforms`);
 :meth:`SampleBatch.to_training` is the one-call entry point, :class:`Collator`
 the ``collate_fn`` for a DataLoader.
 
-The tree, bottom to top: ``records`` and ``keys`` (the data model, field names
-and limits), ``checks`` and ``read`` (argument checks, the one payload reader),
+The tree, bottom to top: ``records``, ``keys`` and ``text`` (the data model,
+field names and limits, how errors quote values), ``checks`` and ``read``
+(argument checks, the one payload reader),
 ``functional/`` (pure kernels), ``transforms/``, ``collate/`` (options, plan,
 stacking, output, ``to_training``, the Collator, the worker transfer),
 ``packing/``, ``parallel/`` and ``inspection/``.
