@@ -184,3 +184,17 @@ def resolve_dtype(dtype: Any) -> OutputKind:
             f"np.dtype({shown(numpy_dtype.newbyteorder('=').name)})"
         )
     return OutputKind("numpy", torch.from_numpy(np.empty(0, numpy_dtype)).dtype, numpy_dtype)
+
+
+def check_int(owner: str, name: str, value: object, minimum: int, maximum: int = INT64_MAX) -> int:
+    """Return ``value`` as an int from ``minimum`` to ``maximum``: ``TypeError`` for a non-int (bools
+    included), ``ValueError`` outside the range."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"{owner}: {name} must be an int >= {minimum}, got {shown(value)} ({type(value).__name__})"
+        )
+    if value < minimum:
+        raise ValueError(f"{owner}: {name} must be an int >= {minimum}, got {shown(value)}")
+    if value > maximum:
+        raise ValueError(f"{owner}: {name} must be an int <= {maximum}, got {shown(value)}")
+    return int(value)

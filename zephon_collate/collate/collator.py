@@ -27,6 +27,7 @@ from torch.utils.data import get_worker_info
 from zephon_collate.checks import check_bool
 from zephon_collate.collate.options import OPTION_NAMES, TrainingOptions
 from zephon_collate.collate.output import assemble_outputs, empty_outputs, ids_and_texts
+from zephon_collate.collate.padding import RowPadding
 from zephon_collate.collate.plan import Plan, plan_for
 from zephon_collate.collate.prepare import read_batch, segment_counts, stack
 from zephon_collate.collate.training import stackable, training_outputs
@@ -152,6 +153,12 @@ class Collator:
         python_scalars: return ``num_valid_tokens`` (and a flattened
             ``max_seqlen``) as Python ints, as the reference page does; ``False``
             keeps them as 0-d tensors on the device, which avoids a device sync.
+        pad_token_id: pad ragged rows (unpacked SFT examples) on the right to the
+            longest with this id; the padding counts as each record's trailing
+            padding, so labels, ``padding_mask``, ``cu_seqlens`` and
+            ``num_valid_tokens`` treat it as the page's (``None``: rows must be
+            of equal length, or ``dtype=None`` gives ragged lists).
+        pad_to_multiple_of: round the padded length up to a multiple of this.
         **options: :meth:`SampleBatch.to_training`'s keyword arguments, checked now.
 
     Raises:
@@ -175,10 +182,13 @@ class Collator:
         compile: bool = False,
         num_boundaries: int | None = None,
         python_scalars: bool = True,
+        pad_token_id: int | None = None,
+        pad_to_multiple_of: int | None = None,
         **options: Any,
     ) -> None:
         _check_option_names(options)
         self.options = TrainingOptions(**options)
+        self.padding = RowPadding.create(pad_token_id, pad_to_multiple_of)
         self.device = _check_device(device)
         self.compile = check_bool("compile", compile, owner="Collator")
         self.python_scalars = check_bool("python_scalars", python_scalars, owner="Collator")
@@ -193,7 +203,7 @@ class Collator:
     def __repr__(self) -> str:
         return (
             f"Collator(device={self.device}, compile={self.compile}, "
-            f"num_boundaries={self.num_boundaries}, options={self.options})"
+            f"num_boundaries={self.num_boundaries}, padding={self.padding}, options={self.options})"
         )
 
     def __call__(self, samples: Sequence[Any]) -> dict[str, Any]:
@@ -204,7 +214,7 @@ class Collator:
         process receives a plain dict.
         """
         if self.device is None and not self.compile and self.num_boundaries is None and self.python_scalars:
-            out = training_outputs(as_records(samples), self.options)
+            out = training_outputs(as_records(samples), self.options, self.padding)
         else:
             out = self.finish(self.stack(samples))
         return WireOutputs(out) if get_worker_info() is not None else out
@@ -220,7 +230,7 @@ class Collator:
         records = tuple(as_records(samples))
         if not records:
             return StackedBatch(None, ids_and_texts(records))
-        columns = read_batch(records, self.options)
+        columns = read_batch(records, self.options, self.padding)
         if self.options.output.kind == "list" and not stackable(columns):
             raise ValueError(
                 "Collator.stack: rows of unequal length cannot be stacked into one TensorDict, even for "

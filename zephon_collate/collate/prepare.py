@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from zephon_collate.collate.options import TrainingOptions
+from zephon_collate.collate.padding import RowPadding
 from zephon_collate.collate.stack import check_padding_lengths, stack_columns
 from zephon_collate.functional.segments import segment_starts
 from zephon_collate.functional.values import any_outside_zero_one, first_nonzero, first_true_row, smallest
@@ -23,8 +24,13 @@ from zephon_collate.records import SampleRecord
 __all__ = ["check_values", "read_batch", "segment_counts", "stack"]
 
 
-def read_batch(records: Sequence[SampleRecord], options: TrainingOptions) -> Columns:
-    """Read the fields ``options`` uses from the payloads, with the checks that need no stacking."""
+def read_batch(
+    records: Sequence[SampleRecord], options: TrainingOptions, padding: RowPadding | None = None
+) -> Columns:
+    """Read the fields ``options`` uses from the payloads, with the checks that need no stacking.
+
+    With ``padding`` (the Collator's ``pad_token_id``), ragged rows are padded on the right.
+    """
     optional = [LOSS_MASK]
     if options.reads_positions:
         optional.append(POSITIONS)
@@ -37,6 +43,8 @@ def read_batch(records: Sequence[SampleRecord], options: TrainingOptions) -> Col
     columns = read_columns(
         records, tokens_field=options.tokens_field, optional=optional, required=required, aligned=aligned
     )
+    if padding is not None:
+        padding.apply(columns)
     if not options.needs_padding_lengths:
         columns.padding_lengths = [None] * len(records)
     return columns

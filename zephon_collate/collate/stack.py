@@ -107,8 +107,8 @@ def stack_rows(columns: Columns, name: str, dtype: torch.dtype | None, device: t
             what = "token rows" if name == INPUT_IDS else f"rows of field {shown(name)}"
             raise ValueError(
                 f"cannot stack {what} of unequal shape into a tensor: record 0 has shape {first}, "
-                f"{describe(columns.records, index)} has {tuple(row.shape)}; pad or pack them "
-                "(pack_flat), or pass dtype=None for lists"
+                f"{describe(columns.records, index)} has {tuple(row.shape)}; pad them "
+                "(Collator(pad_token_id=...)) or pack them (pack_flat), or pass dtype=None for lists"
             )
     if all(type(row) is torch.Tensor for row in rows):  # already on `device` (_common_device)
         stacked = torch.stack(rows)  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ from typing import Any
 
 from zephon_collate.collate.options import TrainingOptions
 from zephon_collate.collate.output import assemble_outputs, empty_outputs, ids_and_texts, merge_row_outputs
+from zephon_collate.collate.padding import RowPadding
 from zephon_collate.collate.plan import plan_for
 from zephon_collate.collate.prepare import read_batch, stack
 from zephon_collate.read import Columns
@@ -27,11 +28,14 @@ def stackable(columns: Columns) -> bool:
     return all(len({tuple(row.shape) for row in rows}) <= 1 for rows in columns.rows.values())
 
 
-def training_outputs(records: Sequence[SampleRecord], options: TrainingOptions) -> dict[str, Any]:
-    """to_training for already-checked options: the one-step path of ``to_training`` and the Collator."""
+def training_outputs(
+    records: Sequence[SampleRecord], options: TrainingOptions, padding: RowPadding | None = None
+) -> dict[str, Any]:
+    """to_training for already-checked options: the one-step path of ``to_training`` and the Collator
+    (which may pad ragged rows, ``padding``)."""
     if not records:
         return empty_outputs(options)
-    columns = read_batch(records, options)
+    columns = read_batch(records, options, padding)
     if options.output.kind == "list" and not stackable(columns):
         return _ragged_outputs(records, columns, options)
     data = stack(columns, options)

@@ -10,7 +10,6 @@ field and the fix. Nothing here writes into a payload.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from zephon_collate.keys import INPUT_IDS, INT32_MAX, INT64_MAX, LOSS_MASK, POSITIONS, TOKEN_FIELD_CANDIDATES
+from zephon_collate.checks import check_int
+from zephon_collate.keys import INPUT_IDS, INT32_MAX, LOSS_MASK, POSITIONS, TOKEN_FIELD_CANDIDATES
 from zephon_collate.read import describe_record, first_token_field, is_array_payload, to_row
 from zephon_collate.records import SampleRecord
 from zephon_collate.text import shown, shown_fields
@@ -27,18 +27,6 @@ __all__ = ["OVERFLOWS", "STRATEGIES", "PackOptions", "Reader", "candidate_fields
 
 STRATEGIES = ("greedy", "best_fit")
 OVERFLOWS = ("split", "truncate")
-
-
-def _check_int(owner: str, name: str, value: object, minimum: int, maximum: int = INT64_MAX) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
-        raise TypeError(
-            f"{owner}: {name} must be an int >= {minimum}, got {shown(value)} ({type(value).__name__})"
-        )
-    if value < minimum:
-        raise ValueError(f"{owner}: {name} must be an int >= {minimum}, got {shown(value)}")
-    if value > maximum:
-        raise ValueError(f"{owner}: {name} must be an int <= {maximum}, got {shown(value)}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -58,10 +46,10 @@ class PackOptions:
     def create(cls, owner: str, **options: Any) -> PackOptions:
         """Check every option, raising ``TypeError``/``ValueError`` that names it and says what to pass."""
         checked = dict(options)
-        checked["seq_len"] = _check_int(owner, "seq_len", options["seq_len"], 1, INT32_MAX)  # int32 offsets
-        checked["pad_token_id"] = _check_int(owner, "pad_token_id", options["pad_token_id"], 0)
+        checked["seq_len"] = check_int(owner, "seq_len", options["seq_len"], 1, INT32_MAX)  # int32 offsets
+        checked["pad_token_id"] = check_int(owner, "pad_token_id", options["pad_token_id"], 0)
         if options["buffer_size"] is not None or owner != "pack_flat":
-            checked["buffer_size"] = _check_int(owner, "buffer_size", options["buffer_size"], 1)
+            checked["buffer_size"] = check_int(owner, "buffer_size", options["buffer_size"], 1)
         if not isinstance(options["emit_positions"], bool):
             raise TypeError(f"{owner}: emit_positions must be a bool, got {shown(options['emit_positions'])}")
         tokens_field = options["tokens_field"]
