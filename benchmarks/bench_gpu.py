@@ -89,10 +89,15 @@ def main() -> None:
     wants = [SampleBatch(records).to_training(**FULL_OPTIONS) for records in batches]
     width = max(int(want["cu_seqlens"].shape[1]) for want in wants)
     collators = {  # one of each for both shapes: dynamic shapes compile once
-        "eager": Collator(device=device, **FULL_OPTIONS),
-        "compiled": Collator(device=device, compile=True, **FULL_OPTIONS),
+        "eager": Collator(device=device, **FULL_OPTIONS, boundary_safe_labels=False),
+        "compiled": Collator(device=device, compile=True, **FULL_OPTIONS, boundary_safe_labels=False),
         "compiled, static cu_seqlens": Collator(
-            device=device, compile=True, num_boundaries=width, python_scalars=False, **FULL_OPTIONS
+            device=device,
+            compile=True,
+            num_boundaries=width,
+            python_scalars=False,
+            **FULL_OPTIONS,
+            boundary_safe_labels=False,
         ),
     }
     for (rows, length), records, want in zip(SHAPES, batches, wants, strict=True):

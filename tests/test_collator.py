@@ -22,13 +22,13 @@ def expected(records):
 def test_collator_on_records_equals_to_training():
     data = PackedRecords(6)
     records = [data[i] for i in range(6)]
-    assert as_lists(Collator(**OPTIONS)(records)) == expected(records)
+    assert as_lists(Collator(**OPTIONS, boundary_safe_labels=False)(records)) == expected(records)
 
 
 def test_collator_split_path_equals_to_training():
     """stack (worker side) then finish (main process) gives to_training's output."""
     records = [PackedRecords(4)[i] for i in range(4)]
-    collator = Collator(device="cpu", **OPTIONS)
+    collator = Collator(device="cpu", **OPTIONS, boundary_safe_labels=False)
     stacked = collator.stack(records)
     assert isinstance(stacked, StackedBatch) and stacked.td.device == torch.device("cpu")
     assert as_lists(collator.finish(stacked)) == expected(records)
@@ -59,13 +59,13 @@ def test_data_errors_raised_in_stack_naming_the_record():
 
 
 def test_empty_batch():
-    assert Collator(**OPTIONS)([]) == SampleBatch([]).to_training(**OPTIONS)
-    collator = Collator(device="cpu", **OPTIONS)
+    assert Collator(**OPTIONS, boundary_safe_labels=False)([]) == SampleBatch([]).to_training(**OPTIONS)
+    collator = Collator(device="cpu", **OPTIONS, boundary_safe_labels=False)
     assert collator.finish(collator.stack([])) == SampleBatch([]).to_training(**OPTIONS)
 
 
 def test_python_scalars_off_keeps_tensors():
-    out = Collator(device="cpu", python_scalars=False, flatten=True, **OPTIONS)(
+    out = Collator(device="cpu", python_scalars=False, flatten=True, **OPTIONS, boundary_safe_labels=False)(
         [PackedRecords(2)[i] for i in range(2)]
     )
     assert isinstance(out["num_valid_tokens"], torch.Tensor) and isinstance(out["max_seqlen"], torch.Tensor)
@@ -73,18 +73,20 @@ def test_python_scalars_off_keeps_tensors():
 
 def test_static_cu_seqlens_shape():
     records = [PackedRecords(3)[i] for i in range(3)]
-    out = Collator(device="cpu", num_boundaries=5, **OPTIONS)(records)
+    out = Collator(device="cpu", num_boundaries=5, **OPTIONS, boundary_safe_labels=False)(records)
     reference = expected(records)
     assert out["cu_seqlens"].shape == (3, 5)
     for row, ref in zip(out["cu_seqlens"].tolist(), reference["cu_seqlens"], strict=True):
         assert row == ref + [ref[-1]] * (5 - len(ref))
-    flat = Collator(device="cpu", num_boundaries=12, flatten=True, **OPTIONS)(records)
+    flat = Collator(device="cpu", num_boundaries=12, flatten=True, **OPTIONS, boundary_safe_labels=False)(
+        records
+    )
     ref_flat = as_lists(SampleBatch(records).to_training(flatten=True, **OPTIONS))["cu_seqlens"]
     assert flat["cu_seqlens"].tolist() == ref_flat + [ref_flat[-1]] * (12 - len(ref_flat))
 
 
 def test_collator_pickles_after_use():
-    collator = Collator(device="cpu", **OPTIONS)
+    collator = Collator(device="cpu", **OPTIONS, boundary_safe_labels=False)
     records = [PackedRecords(2)[i] for i in range(2)]
     first = as_lists(collator(records))
     clone = pickle.loads(pickle.dumps(collator))
@@ -94,7 +96,7 @@ def test_collator_pickles_after_use():
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_dataloader_workers(context):
     data = PackedRecords(12)
-    collator = Collator(**OPTIONS)
+    collator = Collator(**OPTIONS, boundary_safe_labels=False)
     loader = DataLoader(
         data, batch_size=4, num_workers=2, collate_fn=collator, multiprocessing_context=context
     )
@@ -113,7 +115,9 @@ def test_dataloader_workers(context):
 def test_dataloader_split_recipe_with_pin_memory():
     """Workers stack, the main process finishes; pin_memory=True pins StackedBatch (a no-op without an accelerator)."""
     data = PackedRecords(8)
-    collator = Collator(device="cuda" if torch.cuda.is_available() else "cpu", **OPTIONS)
+    collator = Collator(
+        device="cuda" if torch.cuda.is_available() else "cpu", **OPTIONS, boundary_safe_labels=False
+    )
     loader = DataLoader(data, batch_size=4, num_workers=2, collate_fn=collator.stack, pin_memory=True)
     with pytest.warns(UserWarning) if not torch.cuda.is_available() else _nothing():
         outputs = [as_lists(collator.finish(stacked)) for stacked in loader]
@@ -129,7 +133,7 @@ class _nothing:
 
 
 def test_collator_is_thread_safe():
-    collator = Collator(device="cpu", **OPTIONS)
+    collator = Collator(device="cpu", **OPTIONS, boundary_safe_labels=False)
     data = PackedRecords(16)
     chunks = [[data[i] for i in range(start, start + 4)] for start in range(0, 16, 4)]
     results: dict[int, object] = {}

@@ -44,7 +44,7 @@ def test_to_training_on_cuda_payloads(flatten, position_mode):
 @pytest.mark.parametrize("compile", [False, True])
 def test_collator_finishes_on_cuda(compile):
     records = cpu_records()
-    collator = Collator(device="cuda", compile=compile, **OPTIONS)
+    collator = Collator(device="cuda", compile=compile, **OPTIONS, boundary_safe_labels=False)
     stacked = collator.stack(records).pin_memory()
     assert stacked.td["input_ids"].is_pinned()
     got = collator.finish(stacked)
@@ -54,7 +54,9 @@ def test_collator_finishes_on_cuda(compile):
 
 def test_static_shape_chain_in_cuda_graph():
     records = cpu_records()
-    collator = Collator(device="cuda", num_boundaries=8, python_scalars=False, **OPTIONS)
+    collator = Collator(
+        device="cuda", num_boundaries=8, python_scalars=False, **OPTIONS, boundary_safe_labels=False
+    )
     td = collator.stack(records).td.cuda()
     chain = collator.runner(collator.plan_for(tuple(td.keys())))
     static_in = td.clone()
@@ -73,7 +75,14 @@ def test_static_shape_chain_makes_no_host_sync(compile):
     """With num_boundaries the whole chain stays on the device: no host sync, checked by torch's sync
     debug mode (an error on any synchronising call), eager and compiled; the outputs equal the CPU's."""
     records = cpu_records()
-    collator = Collator(device="cuda", compile=compile, num_boundaries=8, python_scalars=False, **OPTIONS)
+    collator = Collator(
+        device="cuda",
+        compile=compile,
+        num_boundaries=8,
+        python_scalars=False,
+        **OPTIONS,
+        boundary_safe_labels=False,
+    )
     stacked = collator.stack(records)
     td = stacked.widened().td.cuda()
     run = collator.runner(collator.plan_for(tuple(td.keys())))
@@ -84,7 +93,7 @@ def test_static_shape_chain_makes_no_host_sync(compile):
         out = run(td)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    want = Collator(num_boundaries=8, **OPTIONS).finish(stacked)
+    want = Collator(num_boundaries=8, **OPTIONS).finish(stacked)  # BoundaryMask on, as above
     for key in ("input_ids", "labels", "loss_mask", "cu_seqlens", "padding_mask"):
         assert out[key].device.type == "cuda", key
         assert out[key].cpu().tolist() == as_lists(want[key]), key

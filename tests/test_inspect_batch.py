@@ -255,7 +255,7 @@ def test_labels_across_a_segment_boundary_are_flagged():
     batch = quickstart(**OPTIONS)  # no eos_mask_loss: EOS -> next BOS stays supervised
     (warning,) = batch_warnings(batch)
     assert warning.startswith("row 0: 1 supervised labels cross a segment boundary (first: token 2 -> 3)")
-    assert "eos_mask_loss=True" in warning
+    assert "eos_mask_loss=True" in warning and "Collator(boundary_safe_labels=True)" in warning
 
 
 def test_loss_mask_that_disagrees_with_labels_is_flagged():

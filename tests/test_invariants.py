@@ -133,9 +133,9 @@ def call(entry: str, batch: Any, options: dict[str, Any]) -> tuple[str, Any]:
             elif entry == "method":
                 result = ("ok", batch.to_training(**options))
             elif entry == "collator":
-                result = ("ok", Collator(**options)(list(batch.records)))
+                result = ("ok", Collator(**options, boundary_safe_labels=False)(list(batch.records)))
             else:
-                collator = Collator(**options)
+                collator = Collator(**options, boundary_safe_labels=False)
                 result = ("ok", collator.finish(collator.stack(list(batch.records))))
         except Exception as error:
             result = ("error", error)

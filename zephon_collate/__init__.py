@@ -29,6 +29,7 @@ from zephon_collate.parallel.context_parallel import gather_context_parallel
 from zephon_collate.parallel.distributed import global_num_valid_tokens, normalize_loss
 from zephon_collate.parallel.even import EvenBatches
 from zephon_collate.transforms import (
+    BoundaryMask,
     Chain,
     ContextParallelShard,
     CuSeqlens,
@@ -63,6 +64,7 @@ from zephon_collate import functional  # isort: skip (the module, after its name
 __version__ = "0.1.0"
 
 __all__ = [
+    "BoundaryMask",
     "Chain",
     "ChunkId",
     "ChunkOffset",

@@ -159,6 +159,10 @@ class Collator:
             ``num_valid_tokens`` treat it as the page's (``None``: rows must be
             of equal length, or ``dtype=None`` gives ragged lists).
         pad_to_multiple_of: round the padded length up to a multiple of this.
+        boundary_safe_labels: with labels and payload positions, ignore every label
+            whose target starts a new segment (:class:`~zephon_collate.BoundaryMask`):
+            no label crosses a document boundary, EOS or not. On by default here;
+            ``to_training`` keeps the reference page's labels.
         **options: :meth:`SampleBatch.to_training`'s keyword arguments, checked now.
 
     Raises:
@@ -184,11 +188,13 @@ class Collator:
         python_scalars: bool = True,
         pad_token_id: int | None = None,
         pad_to_multiple_of: int | None = None,
+        boundary_safe_labels: bool = True,
         **options: Any,
     ) -> None:
         _check_option_names(options)
         self.options = TrainingOptions(**options)
         self.padding = RowPadding.create(pad_token_id, pad_to_multiple_of)
+        self.boundary_safe_labels = check_bool("boundary_safe_labels", boundary_safe_labels, owner="Collator")
         self.device = _check_device(device)
         self.compile = check_bool("compile", compile, owner="Collator")
         self.python_scalars = check_bool("python_scalars", python_scalars, owner="Collator")
@@ -214,7 +220,7 @@ class Collator:
         process receives a plain dict.
         """
         if self.device is None and not self.compile and self.num_boundaries is None and self.python_scalars:
-            out = training_outputs(as_records(samples), self.options, self.padding)
+            out = training_outputs(as_records(samples), self.options, self.padding, self.boundary_safe_labels)
         else:
             out = self.finish(self.stack(samples))
         return WireOutputs(out) if get_worker_info() is not None else out
@@ -230,7 +236,7 @@ class Collator:
         records = tuple(as_records(samples))
         if not records:
             return StackedBatch(None, ids_and_texts(records))
-        columns = read_batch(records, self.options, self.padding)
+        columns = read_batch(records, self.options, self.padding, self.boundary_safe_labels)
         if self.options.output.kind == "list" and not stackable(columns):
             raise ValueError(
                 "Collator.stack: rows of unequal length cannot be stacked into one TensorDict, even for "
@@ -267,7 +273,7 @@ class Collator:
 
     def plan_for(self, keys: tuple[str, ...]) -> Plan:
         """The cached plan of this collator's options on a stacked batch holding ``keys``."""
-        return plan_for(self.options, keys, self.num_boundaries)
+        return plan_for(self.options, keys, self.num_boundaries, self.boundary_safe_labels)
 
     def runner(
         self, plan: Plan, device: str | torch.device | None = None

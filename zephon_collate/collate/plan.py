@@ -22,8 +22,24 @@ import torch
 from zephon_collate.collate.options import TrainingOptions
 from zephon_collate.collate.output import output_keys
 from zephon_collate.functional.dispatch import cpu_twins_apply
-from zephon_collate.keys import INPUT_IDS, LOSS_MASK, NUM_VALID_TOKENS, PADDING_LENGTH, PADDING_MASK
-from zephon_collate.transforms import Chain, CuSeqlens, EosMask, LossMask, PaddingMask, Positions, TokenShift
+from zephon_collate.keys import (
+    INPUT_IDS,
+    LOSS_MASK,
+    NUM_VALID_TOKENS,
+    PADDING_LENGTH,
+    PADDING_MASK,
+    POSITIONS,
+)
+from zephon_collate.transforms import (
+    BoundaryMask,
+    Chain,
+    CuSeqlens,
+    EosMask,
+    LossMask,
+    PaddingMask,
+    Positions,
+    TokenShift,
+)
 
 __all__ = ["CPU_INDUCTOR_OPTIONS", "Plan", "build_chain", "plan_for"]
 
@@ -33,11 +49,18 @@ __all__ = ["CPU_INDUCTOR_OPTIONS", "Plan", "build_chain", "plan_for"]
 CPU_INDUCTOR_OPTIONS = {"cpp.simdlen": 0}
 
 
-def build_chain(options: TrainingOptions, keys: tuple[str, ...], num_boundaries: int | None = None) -> Chain:
+def build_chain(
+    options: TrainingOptions,
+    keys: tuple[str, ...],
+    num_boundaries: int | None = None,
+    boundary_safe: bool = False,
+) -> Chain:
     """The transform chain ``options`` build for a stacked batch holding ``keys``.
 
-    ``PaddingMask -> TokenShift -> EosMask -> LossMask -> CuSeqlens -> Positions``,
-    each only when asked for. ``num_boundaries`` gives ``CuSeqlens`` a static shape.
+    ``PaddingMask -> BoundaryMask -> TokenShift -> EosMask -> LossMask -> CuSeqlens
+    -> Positions``, each only when asked for. ``num_boundaries`` gives ``CuSeqlens``
+    a static shape. ``boundary_safe`` (the Collator's ``boundary_safe_labels``)
+    adds ``BoundaryMask`` when there are labels and positions.
     ``Positions("sequence")`` comes after ``CuSeqlens`` because it overwrites the
     payload positions that ``CuSeqlens`` reads.
 
@@ -46,10 +69,12 @@ def build_chain(options: TrainingOptions, keys: tuple[str, ...], num_boundaries:
         >>> [type(t).__name__ for t in build_chain(options, ("input_ids", "padding_length"))]
         ['PaddingMask', 'TokenShift', 'LossMask']
     """
-    has_loss_mask = LOSS_MASK in keys
     transforms: list[Any] = []
     if options.return_padding_mask:
         transforms.append(PaddingMask())
+    if boundary_safe and options.return_labels and POSITIONS in keys:
+        transforms.append(BoundaryMask())
+    has_loss_mask = LOSS_MASK in keys or any(isinstance(t, BoundaryMask) for t in transforms)
     if options.return_labels:
         aligned = [k for k in keys if k not in (INPUT_IDS, LOSS_MASK, PADDING_LENGTH)]
         aligned += [PADDING_MASK] if options.return_padding_mask else []
@@ -101,10 +126,16 @@ class Plan:
         ([[1, 2]], [[2, 3]], ['ids', 'texts', 'input_ids', 'labels'])
     """
 
-    def __init__(self, options: TrainingOptions, keys: tuple[str, ...], num_boundaries: int | None = None):
+    def __init__(
+        self,
+        options: TrainingOptions,
+        keys: tuple[str, ...],
+        num_boundaries: int | None = None,
+        boundary_safe: bool = False,
+    ):
         self.options = options
         self.keys = keys
-        self.chain = build_chain(options, keys, num_boundaries)
+        self.chain = build_chain(options, keys, num_boundaries, boundary_safe)
         self.pairs = output_keys(options, keys)
         self._compiled: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {}
         self._lock = threading.Lock()
@@ -165,6 +196,11 @@ class Plan:
 
 
 @functools.lru_cache(maxsize=512)
-def plan_for(options: TrainingOptions, keys: tuple[str, ...], num_boundaries: int | None = None) -> Plan:
+def plan_for(
+    options: TrainingOptions,
+    keys: tuple[str, ...],
+    num_boundaries: int | None = None,
+    boundary_safe: bool = False,
+) -> Plan:
     """The cached :class:`Plan` of ``options`` on a stacked batch holding ``keys``."""
-    return Plan(options, keys, num_boundaries)
+    return Plan(options, keys, num_boundaries, boundary_safe)

@@ -25,14 +25,18 @@ __all__ = ["check_values", "read_batch", "segment_counts", "stack"]
 
 
 def read_batch(
-    records: Sequence[SampleRecord], options: TrainingOptions, padding: RowPadding | None = None
+    records: Sequence[SampleRecord],
+    options: TrainingOptions,
+    padding: RowPadding | None = None,
+    boundary_safe: bool = False,
 ) -> Columns:
     """Read the fields ``options`` uses from the payloads, with the checks that need no stacking.
 
-    With ``padding`` (the Collator's ``pad_token_id``), ragged rows are padded on the right.
+    With ``padding`` (the Collator's ``pad_token_id``), ragged rows are padded on the right;
+    ``boundary_safe`` (its ``boundary_safe_labels``) reads the positions whenever labels are made.
     """
     optional = [LOSS_MASK]
-    if options.reads_positions:
+    if options.reads_positions or (boundary_safe and options.return_labels):
         optional.append(POSITIONS)
     required = list(options.data_fields)
     required += [name for name in (POSITIONS, LOSS_MASK) if name in options.extra_fields]

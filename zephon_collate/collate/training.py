@@ -29,22 +29,25 @@ def stackable(columns: Columns) -> bool:
 
 
 def training_outputs(
-    records: Sequence[SampleRecord], options: TrainingOptions, padding: RowPadding | None = None
+    records: Sequence[SampleRecord],
+    options: TrainingOptions,
+    padding: RowPadding | None = None,
+    boundary_safe: bool = False,
 ) -> dict[str, Any]:
     """to_training for already-checked options: the one-step path of ``to_training`` and the Collator
-    (which may pad ragged rows, ``padding``)."""
+    (which may pad ragged rows, ``padding``, and mask labels across documents, ``boundary_safe``)."""
     if not records:
         return empty_outputs(options)
-    columns = read_batch(records, options, padding)
+    columns = read_batch(records, options, padding, boundary_safe)
     if options.output.kind == "list" and not stackable(columns):
-        return _ragged_outputs(records, columns, options)
+        return _ragged_outputs(records, columns, options, boundary_safe)
     data = stack(columns, options)
-    plan = plan_for(options, tuple(data))
+    plan = plan_for(options, tuple(data), None, boundary_safe)
     return assemble_outputs(ids_and_texts(records), options, plan.outputs(data), plan.pairs)
 
 
 def _ragged_outputs(
-    records: Sequence[SampleRecord], columns: Columns, options: TrainingOptions
+    records: Sequence[SampleRecord], columns: Columns, options: TrainingOptions, boundary_safe: bool
 ) -> dict[str, Any]:
     """List output for rows of unequal length: each row runs the plan as a batch of one."""
     per_row = []
@@ -53,5 +56,5 @@ def _ragged_outputs(
         row.rows = {name: rows[index : index + 1] for name, rows in columns.rows.items()}
         row.padding_lengths = columns.padding_lengths[index : index + 1]
         per_row.append(stack(row, options))
-    plan = plan_for(options, tuple(per_row[0]))
+    plan = plan_for(options, tuple(per_row[0]), None, boundary_safe)
     return merge_row_outputs(ids_and_texts(records), options, [plan.outputs(d) for d in per_row], plan.pairs)

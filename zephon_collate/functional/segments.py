@@ -32,6 +32,14 @@ PADDING_SEGMENT = -1
 """The segment id of marked padding tokens."""
 
 
+def _segment_starts_np(positions: np.ndarray) -> np.ndarray:
+    starts = positions == 0
+    if starts.shape[-1]:
+        starts[..., 0] = True
+    return starts
+
+
+@kernel(cpu=_segment_starts_np)
 def segment_starts(positions: torch.Tensor) -> torch.Tensor:
     """True where a segment starts: the first entry of the last dim, and wherever ``positions == 0``.
 
@@ -41,13 +49,6 @@ def segment_starts(positions: torch.Tensor) -> torch.Tensor:
     """
     first = torch.arange(positions.shape[-1], device=positions.device) == 0
     return (positions == 0) | first
-
-
-def _segment_starts_np(positions: np.ndarray) -> np.ndarray:
-    starts = positions == 0
-    if starts.shape[-1]:
-        starts[..., 0] = True
-    return starts
 
 
 def _longest(boundaries: torch.Tensor) -> torch.Tensor:

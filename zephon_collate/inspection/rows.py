@@ -201,7 +201,8 @@ def _row_warnings(row: RowView, padding_fraction: float) -> list[str]:
                     f"{where}: {len(crossing)} supervised labels cross a segment boundary (first: token "
                     f"{t - 1} -> {t}): a segment's last token is trained to predict the next segment's "
                     "first token, which document-restricted attention cannot see; mask these labels "
-                    "(eos_mask_loss=True with documents that end in EOS)"
+                    "with Collator(boundary_safe_labels=True) (the default; the BoundaryMask transform), "
+                    "or eos_mask_loss=True with documents that end in EOS"
                 )
     if row.labels is not None and row.loss_mask is not None and row.supervised is not None:
         disagree = sum(bool(m) != s for m, s in zip(row.loss_mask, row.supervised, strict=True))

@@ -1,6 +1,7 @@
 """Composable TensorDict transforms that turn a stacked batch into training tensors."""
 
 from zephon_collate.transforms.base import Chain, Transform
+from zephon_collate.transforms.boundary_mask import BoundaryMask
 from zephon_collate.transforms.context_parallel import ContextParallelShard
 from zephon_collate.transforms.cu_seqlens import CuSeqlens
 from zephon_collate.transforms.eos_mask import EosMask
@@ -11,6 +12,7 @@ from zephon_collate.transforms.segment_ids import SegmentIds
 from zephon_collate.transforms.token_shift import TokenShift
 
 __all__ = [
+    "BoundaryMask",
     "Chain",
     "ContextParallelShard",
     "CuSeqlens",

@@ -1,0 +1,76 @@
+"""BoundaryMask: no label may predict the first token of the next document."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from zephon_collate.checks import check_key
+from zephon_collate.functional.segments import segment_starts
+from zephon_collate.keys import LOSS_MASK, POSITIONS
+from zephon_collate.transforms.base import Transform, _check_leading, _check_rank
+
+__all__ = ["BoundaryMask"]
+
+
+class BoundaryMask(Transform):
+    """Zero the supervision mask on every token that starts a segment, so no label predicts it.
+
+    In a packed row the label of a document's last token is the first token of
+    the next document: training on it teaches the model to predict across a
+    document boundary. This transform reads the segment-restarting positions
+    (never token ids, so it needs no EOS) and writes the token-aligned
+    supervision mask ``mask_key`` with 0 wherever a segment starts (the rule of
+    :func:`~zephon_collate.functional.segment_starts`); a missing mask counts as
+    all ones. Place it *before* :class:`TokenShift`, listing the mask in the
+    shift's ``label_keys``: the label of token ``t`` is then dropped exactly when
+    token ``t + 1`` starts a segment.
+
+    Parameters:
+        positions_key: the ``[B, S]`` segment-restarting positions (default ``"positions"``).
+        mask_key: the token-aligned supervision mask to write (default ``"loss_mask"``),
+            kept in its dtype when present, int64 when created.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> from zephon_collate import Chain, LossMask, TokenShift
+        >>> td = TensorDict(
+        ...     input_ids=torch.tensor([[1, 10, 11, 1, 12]]),
+        ...     positions=torch.tensor([[0, 1, 2, 0, 1]]),
+        ...     batch_size=[1],
+        ... )
+        >>> BoundaryMask()(td)["loss_mask"].tolist()
+        [[0, 1, 1, 0, 1]]
+        >>> shift = TokenShift(label_keys=["loss_mask"])
+        >>> chain = Chain(BoundaryMask(), shift, LossMask(padding_length_key=None))
+        >>> chain(td)["labels"].tolist()  # 11 -> 1 (the next document's first token) is not trained
+        [[10, 11, -100, 12]]
+    """
+
+    def __init__(self, positions_key: str = POSITIONS, mask_key: str = LOSS_MASK) -> None:
+        super().__init__()
+        self.positions_key = check_key("BoundaryMask", "positions_key", positions_key)
+        self.mask_key = check_key("BoundaryMask", "mask_key", mask_key)
+        self.in_keys = [positions_key]
+        self.out_keys = [mask_key]
+
+    def check(self, data: Mapping[str, torch.Tensor]) -> None:
+        positions = data[self.positions_key]
+        _check_rank("BoundaryMask", self.positions_key, positions, "[B, S] positions", 2, 2)
+        if self.mask_key in data:
+            mask = data[self.mask_key]
+            _check_leading("BoundaryMask", self.mask_key, mask, self.positions_key, positions, 2)
+
+    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        keep = ~segment_starts(data[self.positions_key])  # a tensor, or an array in the CPU plan
+        mask = data.get(self.mask_key)
+        if mask is None:
+            return {self.mask_key: keep.long() if isinstance(keep, torch.Tensor) else keep.astype(np.int64)}
+        keep = keep.reshape(*keep.shape, *([1] * (mask.ndim - keep.ndim)))
+        return {self.mask_key: mask & keep if _is_bool(mask) else mask * keep}
+
+
+def _is_bool(mask: torch.Tensor | np.ndarray) -> bool:
+    return mask.dtype == torch.bool if isinstance(mask, torch.Tensor) else mask.dtype == np.bool_
