@@ -7,6 +7,7 @@ to them, the collate path emits them, and the packer writes the payload fields.
 from __future__ import annotations
 
 __all__ = [
+    "ATTENTION_MASK",
     "CU_SEQLENS",
     "IDS",
     "IGNORE_INDEX",
@@ -28,6 +29,8 @@ __all__ = [
 ]
 
 INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+"""Hugging Face's padding mask: 1 for real tokens, 0 for padding."""
 """The stacked token rows (the token field, whatever its payload name)."""
 LABELS = "labels"
 POSITIONS = "positions"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from zephon_collate.collate.options import TrainingOptions
@@ -17,8 +18,8 @@ from zephon_collate.collate.padding import RowPadding
 from zephon_collate.collate.stack import check_padding_lengths, stack_columns
 from zephon_collate.functional.segments import segment_starts
 from zephon_collate.functional.values import any_outside_zero_one, first_nonzero, first_true_row, smallest
-from zephon_collate.keys import INPUT_IDS, INT32_MAX, LOSS_MASK, POSITIONS
-from zephon_collate.read import Columns, describe, read_columns
+from zephon_collate.keys import ATTENTION_MASK, INPUT_IDS, INT32_MAX, LABELS, LOSS_MASK, POSITIONS
+from zephon_collate.read import Columns, RecordName, describe, read_columns, to_row
 from zephon_collate.records import SampleRecord
 
 __all__ = ["check_values", "read_batch", "segment_counts", "stack"]
@@ -47,11 +48,49 @@ def read_batch(
     columns = read_columns(
         records, tokens_field=options.tokens_field, optional=optional, required=required, aligned=aligned
     )
+    refuse_unused_supervision(columns)
     if padding is not None:
         padding.apply(columns)
     if not options.needs_padding_lengths:
         columns.padding_lengths = [None] * len(records)
     return columns
+
+
+def _array(row: torch.Tensor | np.ndarray) -> np.ndarray:
+    return row.detach().cpu().numpy() if isinstance(row, torch.Tensor) else np.asarray(row)
+
+
+def refuse_unused_supervision(columns: Columns) -> None:
+    """``ValueError`` for a payload field that would change what gets supervised but is not read.
+
+    An ``attention_mask`` with zeros (Hugging Face's padding) or ``labels`` that
+    differ from the tokens (``-100`` on a prompt) would be silently dropped: the
+    padding or the prompt trained on. Harmless copies (an all-ones mask, labels
+    equal to the tokens) pass; a field listed in ``extra_fields`` is read, so used.
+    """
+    for index, record in enumerate(columns.records):
+        payload = record.payload
+        if not isinstance(payload, Mapping):
+            continue
+        for name in (ATTENTION_MASK, LABELS):
+            if name not in payload or name in columns.rows or name == columns.tokens_field:
+                continue
+            where = RecordName(columns.records, index)
+            values = _array(to_row(payload[name], where, name, "values"))
+            tokens = _array(columns.rows[INPUT_IDS][index])
+            if name == ATTENTION_MASK and not (values == 1).all():
+                raise ValueError(
+                    f"{where}: payload has an 'attention_mask' with zeros, which is not applied here: those "
+                    "tokens would be trained on as real ones. Give padding as meta.padding_length (pack_flat "
+                    "writes it) or pad with Collator(pad_token_id=...) and drop the mask, or list "
+                    "'attention_mask' in extra_fields to pass it through"
+                )
+            if name == LABELS and (values.shape != tokens.shape or not (values == tokens).all()):
+                raise ValueError(
+                    f"{where}: payload has 'labels' that differ from its tokens (e.g. -100 on a prompt), "
+                    "which are not read here: labels are made from the tokens. Give the supervision as a "
+                    "loss_mask (loss_mask = labels != -100) and drop 'labels'"
+                )
 
 
 def check_values(data: Mapping[str, torch.Tensor], columns: Columns, options: TrainingOptions) -> None:

@@ -1,0 +1,61 @@
+"""Fields that change what gets supervised are used or refused, never silently dropped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import batch, record
+
+from zephon_collate import Collator, pack_flat
+
+# Hugging Face-style rows: a prompt masked with -100 in labels, trailing padding marked 0 in attention_mask.
+HF_ROWS = [
+    {
+        "input_ids": [1, 5, 6, 7, 0, 0],
+        "attention_mask": [1, 1, 1, 1, 0, 0],
+        "labels": [-100, -100, 6, 7, -100, -100],
+    },
+    {"input_ids": [1, 8, 9, 2, 3, 4], "attention_mask": [1] * 6, "labels": [-100, 8, 9, 2, 3, 4]},
+]
+OPTIONS = {"return_labels": True, "return_num_valid_tokens": True}
+
+
+def test_hf_rows_are_refused_not_trained_on_padding_and_prompts():
+    """The reproduction: these rows gave num_valid_tokens 10 where 4 was right; now an error names the fix."""
+    with pytest.raises(
+        ValueError, match=r"record 0 .*'attention_mask' with zeros.*Collator\(pad_token_id=\.\.\.\)"
+    ):
+        Collator(**OPTIONS)(HF_ROWS)
+    with pytest.raises(ValueError, match=r"record 0 .*'attention_mask' with zeros"):
+        batch(*HF_ROWS).to_training(**OPTIONS)
+    no_mask = [{k: v for k, v in row.items() if k != "attention_mask"} for row in HF_ROWS]
+    with pytest.raises(
+        ValueError, match=r"record 0 .*'labels' that differ from its tokens.*loss_mask = labels != -100"
+    ):
+        Collator(**OPTIONS)(no_mask)
+
+
+def test_the_named_fix_trains_exactly_the_supervised_tokens():
+    fixed = [
+        {"input_ids": row["input_ids"], "loss_mask": [int(label != -100) for label in row["labels"]]}
+        for row in HF_ROWS
+    ]
+    out = Collator(**OPTIONS)(fixed)
+    assert out["labels"].tolist() == [[-100, 6, 7, -100, -100], [8, 9, 2, 3, 4]]
+    assert out["num_valid_tokens"] == 7  # 6, 7 in row 0; 8, 9, 2, 3, 4 in row 1
+
+
+def test_harmless_copies_and_used_fields_pass():
+    plain = {"input_ids": [1, 5, 6], "attention_mask": [1, 1, 1], "labels": [1, 5, 6]}
+    assert Collator(**OPTIONS)([plain])["labels"].tolist() == [[5, 6]]
+    through = batch({"input_ids": [5, 6, 7], "attention_mask": torch.tensor([1, 1, 0])})
+    assert through.to_training(extra_fields=["attention_mask"])["attention_mask"].tolist() == [[1, 1, 0]]
+
+
+def test_packed_labels_are_refused_at_collation():
+    """pack_flat carries a labels field into its rows; to_training then refuses it instead of ignoring it."""
+    rows = pack_flat(
+        [record({"input_ids": [1, 5, 6], "labels": [-100, 5, 6]})], 4, pad_token_id=0, fields=["labels"]
+    )
+    with pytest.raises(ValueError, match=r"'labels' that differ from its tokens"):
+        Collator(**OPTIONS)(rows)
