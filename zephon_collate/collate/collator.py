@@ -230,8 +230,9 @@ class Collator:
 
         Every data error is raised here, naming the record and the field (with
         ``num_boundaries``, also a row with more segments than that allows).
-        Rows must have equal lengths, whatever ``dtype`` is: ragged rows with
-        ``dtype=None`` work through ``Collator(...)(samples)`` only.
+        Rows must have equal lengths, whatever ``dtype`` is, unless the collator
+        pads them (``pad_token_id``): ragged rows with ``dtype=None`` and no
+        padding work through ``Collator(...)(samples)`` only.
         """
         records = tuple(as_records(samples))
         if not records:
@@ -241,7 +242,7 @@ class Collator:
             raise ValueError(
                 "Collator.stack: rows of unequal length cannot be stacked into one TensorDict, even for "
                 "dtype=None (lists); call the collator itself (Collator(...)(samples)), which returns "
-                "ragged lists, or pad or pack the rows (pack_flat)"
+                "ragged lists, or pad the rows (Collator(pad_token_id=...)) or pack them (pack_flat)"
             )
         data = stack(columns, self.options)
         if self.num_boundaries is not None and self.options.return_cu_seqlens:
