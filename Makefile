@@ -29,7 +29,6 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 bench: $(STAMP)
-	$(BIN)/python -m pip install --quiet -c constraints.txt transformers
 	$(BIN)/python benchmarks/bench_sweep.py
 	$(BIN)/python benchmarks/bench_to_training.py
 	$(BIN)/python benchmarks/bench_floor.py

@@ -53,3 +53,12 @@ def test_every_readme_python_block_runs():
     for index, block in enumerate(blocks):
         namespace: dict = {"__name__": f"readme_block_{index}"}
         exec(compile(block, f"README.md block {index}", "exec"), namespace)
+
+
+def test_hf_trainer_example_learns_and_both_layouts_train_the_same_tokens():
+    out = run_example("hf_trainer.py", "--steps", "40")
+    assert "trained: . . . . . . . . . . . . w9 w21" in out  # the prompt is not trained
+    padded = re.search(r"padded: loss ([\d.]+) -> ([\d.]+) over 40 steps\n  every 10 steps: (.*)\n", out)
+    flat = re.search(r"padding-free: loss ([\d.]+) -> ([\d.]+) over 40 steps\n  every 10 steps: (.*)\n", out)
+    assert float(padded.group(2)) < float(padded.group(1)) - 0.4
+    assert padded.group(3) == flat.group(3)

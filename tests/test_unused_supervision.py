@@ -23,16 +23,27 @@ OPTIONS = {"return_labels": True, "return_num_valid_tokens": True}
 def test_hf_rows_are_refused_not_trained_on_padding_and_prompts():
     """The reproduction: these rows gave num_valid_tokens 10 where 4 was right; now an error names the fix."""
     with pytest.raises(
-        ValueError, match=r"record 0 .*'attention_mask' with zeros.*Collator\(pad_token_id=\.\.\.\)"
+        ValueError,
+        match=r"record 0 .*'attention_mask' with zeros.*Collator.for_transformers.*Collator\(pad_token_id",
     ):
         Collator(**OPTIONS)(HF_ROWS)
     with pytest.raises(ValueError, match=r"record 0 .*'attention_mask' with zeros"):
         batch(*HF_ROWS).to_training(**OPTIONS)
     no_mask = [{k: v for k, v in row.items() if k != "attention_mask"} for row in HF_ROWS]
     with pytest.raises(
-        ValueError, match=r"record 0 .*'labels' that differ from its tokens.*loss_mask = labels != -100"
+        ValueError,
+        match=r"record 0 .*'labels' that differ.*Collator.for_transformers.*loss_mask = labels != -100",
     ):
         Collator(**OPTIONS)(no_mask)
+
+
+def test_for_transformers_uses_both_fields():
+    """The first fix the errors name: HF rows, HF conventions (unshifted labels, padding dropped)."""
+    out = Collator.for_transformers(pad_token_id=0)(HF_ROWS)
+    assert out["input_ids"].tolist() == [[1, 5, 6, 7, 0, 0], [1, 8, 9, 2, 3, 4]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [1] * 6]
+    assert out["labels"].tolist() == [[-100, -100, 6, 7, -100, -100], [-100, 8, 9, 2, 3, 4]]
+    assert int((out["labels"] != -100).sum()) == 7
 
 
 def test_the_named_fix_trains_exactly_the_supervised_tokens():

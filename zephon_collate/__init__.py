@@ -14,6 +14,7 @@ stacking, output, ``to_training``, the Collator, the worker transfer),
 """
 
 from zephon_collate.collate.collator import Collator
+from zephon_collate.collate.hf import TransformersCollator
 from zephon_collate.collate.options import TrainingOptions
 from zephon_collate.collate.sample_batch import to_training
 from zephon_collate.collate.stack import stack_batch
@@ -96,6 +97,7 @@ __all__ = [
     "TokenShift",
     "TrainingOptions",
     "Transform",
+    "TransformersCollator",
     "__version__",
     "attention",
     "batch_warnings",

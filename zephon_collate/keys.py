@@ -7,8 +7,11 @@ to them, the collate path emits them, and the packer writes the payload fields.
 from __future__ import annotations
 
 __all__ = [
+    "ASSISTANT_MASKS",
     "ATTENTION_MASK",
     "CU_SEQLENS",
+    "CU_SEQ_LENS_K",
+    "CU_SEQ_LENS_Q",
     "IDS",
     "IGNORE_INDEX",
     "INPUT_IDS",
@@ -17,21 +20,25 @@ __all__ = [
     "INT64_MIN",
     "LABELS",
     "LOSS_MASK",
+    "MAX_LENGTH_K",
+    "MAX_LENGTH_Q",
     "MAX_SEQLEN",
     "NUM_VALID_TOKENS",
     "PADDING_LENGTH",
     "PADDING_MASK",
     "POSITIONS",
+    "POSITION_IDS",
     "SEGMENT_IDS",
+    "SEQ_IDX",
     "TEXT",
     "TEXTS",
     "TOKEN_FIELD_CANDIDATES",
 ]
 
 INPUT_IDS = "input_ids"
+"""The stacked token rows (the token field, whatever its payload name)."""
 ATTENTION_MASK = "attention_mask"
 """Hugging Face's padding mask: 1 for real tokens, 0 for padding."""
-"""The stacked token rows (the token field, whatever its payload name)."""
 LABELS = "labels"
 POSITIONS = "positions"
 LOSS_MASK = "loss_mask"
@@ -46,6 +53,14 @@ IDS = "ids"
 TEXTS = "texts"
 TEXT = "text"
 """The payload field whose value ``"texts"`` reports."""
+
+# Hugging Face ``transformers`` names (Collator.for_transformers reads and writes them).
+POSITION_IDS = "position_ids"
+ASSISTANT_MASKS = "assistant_masks"
+"""1 on assistant tokens, as ``apply_chat_template(return_assistant_tokens_mask=True)`` names it."""
+CU_SEQ_LENS_Q, CU_SEQ_LENS_K = "cu_seq_lens_q", "cu_seq_lens_k"
+MAX_LENGTH_Q, MAX_LENGTH_K = "max_length_q", "max_length_k"
+SEQ_IDX = "seq_idx"
 
 TOKEN_FIELD_CANDIDATES = (INPUT_IDS, "tokens", "token_ids", "ids")
 """The payload fields ``tokens_field="auto"`` tries, in order."""

@@ -17,6 +17,7 @@ training.
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from tensordict import TensorDict
 from torch.utils.data import get_worker_info
 
 from zephon_collate.checks import check_bool
+from zephon_collate.collate.hf import TransformersCollator
 from zephon_collate.collate.options import OPTION_NAMES, TrainingOptions
 from zephon_collate.collate.output import assemble_outputs, empty_outputs, ids_and_texts
 from zephon_collate.collate.padding import RowPadding
@@ -205,6 +207,33 @@ class Collator:
             raise ValueError(
                 "Collator: device and compile need torch output; pass dtype='auto' or a torch dtype"
             )
+
+    @classmethod
+    def for_transformers(cls, **options: Any) -> TransformersCollator:
+        """A ``collate_fn`` for Hugging Face ``transformers`` models and ``Trainer(data_collator=...)``.
+
+        It takes Hugging Face examples (``input_ids``; optional ``labels`` with
+        -100, a right-padding ``attention_mask``, ``loss_mask``, ``assistant_masks``)
+        and returns the batch a causal LM's ``forward`` takes, unshifted labels
+        included: padded like ``DataCollatorForSeq2Seq``, or with
+        ``padding_free=True`` in one row like ``DataCollatorWithFlattening``.
+        The options and outputs are :class:`~zephon_collate.TransformersCollator`'s.
+
+        Example:
+            >>> collate = Collator.for_transformers(pad_token_id=0, pad_to_multiple_of=4)
+            >>> batch = collate([{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}])
+            >>> batch["labels"].tolist(), batch["attention_mask"].tolist()
+            ([[-100, 6, 7, -100]], [[1, 1, 1, 0]])
+        """
+        return TransformersCollator(**options)
+
+    for_transformers.__func__.__signature__ = inspect.signature(TransformersCollator).replace(  # type: ignore[attr-defined]
+        parameters=[
+            inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            *inspect.signature(TransformersCollator).parameters.values(),
+        ],
+        return_annotation=TransformersCollator,
+    )
 
     def __repr__(self) -> str:
         return (

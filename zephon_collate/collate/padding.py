@@ -56,24 +56,26 @@ class RowPadding:
     multiple: int | None = None
 
     @classmethod
-    def create(cls, pad_token_id: object, multiple: object) -> RowPadding | None:
-        """The padding the Collator's ``pad_token_id`` / ``pad_to_multiple_of`` ask for, checked."""
+    def create(cls, pad_token_id: object, multiple: object, owner: str = "Collator") -> RowPadding | None:
+        """The padding ``owner``'s ``pad_token_id`` / ``pad_to_multiple_of`` ask for, checked."""
         if pad_token_id is None:
             if multiple is not None:
-                raise ValueError("Collator: pad_to_multiple_of needs pad_token_id, the id to pad with")
+                raise ValueError(f"{owner}: pad_to_multiple_of needs pad_token_id, the id to pad with")
             return None
-        token = check_int("Collator", "pad_token_id", pad_token_id, 0)
-        step = None if multiple is None else check_int("Collator", "pad_to_multiple_of", multiple, 1)
+        token = check_int(owner, "pad_token_id", pad_token_id, 0)
+        step = None if multiple is None else check_int(owner, "pad_to_multiple_of", multiple, 1)
         return cls(token, step)
+
+    def length(self, longest: int) -> int:
+        """The padded row length: ``longest``, rounded up to a multiple of ``multiple``."""
+        return longest if self.multiple is None else -(-longest // self.multiple) * self.multiple
 
     def apply(self, columns: Columns) -> None:
         """Pad every field of ``columns`` in place (its rows are this call's own) and count the padding."""
         lengths = columns.lengths()
         if not lengths:
             return
-        target = max(lengths)
-        if self.multiple is not None:
-            target = -(-target // self.multiple) * self.multiple
+        target = self.length(max(lengths))
         added = [target - length for length in lengths]
         for name, rows in columns.rows.items():
             fill = self.pad_token_id if name == INPUT_IDS else 0

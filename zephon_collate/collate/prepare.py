@@ -81,15 +81,16 @@ def refuse_unused_supervision(columns: Columns) -> None:
             if name == ATTENTION_MASK and not (values == 1).all():
                 raise ValueError(
                     f"{where}: payload has an 'attention_mask' with zeros, which is not applied here: those "
-                    "tokens would be trained on as real ones. Give padding as meta.padding_length (pack_flat "
-                    "writes it) or pad with Collator(pad_token_id=...) and drop the mask, or list "
-                    "'attention_mask' in extra_fields to pass it through"
+                    "tokens would be trained on as real ones. For Hugging Face examples use "
+                    "Collator.for_transformers(...); else give padding as meta.padding_length (pack_flat "
+                    "writes it) or pad with Collator(pad_token_id=...) and drop the mask"
                 )
             if name == LABELS and (values.shape != tokens.shape or not (values == tokens).all()):
                 raise ValueError(
                     f"{where}: payload has 'labels' that differ from its tokens (e.g. -100 on a prompt), "
-                    "which are not read here: labels are made from the tokens. Give the supervision as a "
-                    "loss_mask (loss_mask = labels != -100) and drop 'labels'"
+                    "which are not read here: labels are made from the tokens. For Hugging Face examples "
+                    "use Collator.for_transformers(...); else give the supervision as a loss_mask "
+                    "(loss_mask = labels != -100) and drop 'labels'"
                 )
 
 

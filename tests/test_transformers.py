@@ -1,0 +1,231 @@
+"""Collator.for_transformers against the real thing: transformers' collators, a GPT-2's loss, Trainer.
+
+Skipped where ``transformers`` is not installed (``pip install -e .[hf]``); CI installs it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zephon_collate import Collator, TransformersCollator
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+FLAT_OPTIONS = {"return_position_ids": True, "return_flash_attn_kwargs": True, "return_seq_idx": True}
+VOCAB = 32
+PAD = 0
+
+
+def same_batch(ours: dict, theirs: dict) -> None:
+    """Key for key: the same keys, tensors of equal dtype, shape and values, equal Python ints."""
+    assert sorted(ours) == sorted(theirs)
+    for key, value in theirs.items():
+        if isinstance(value, torch.Tensor):
+            assert ours[key].dtype == value.dtype, key
+            assert ours[key].tolist() == value.tolist(), key
+        else:
+            assert type(ours[key]) is type(value) and ours[key] == value, key
+
+
+def pad_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A right-padding word-level tokenizer built in memory (nothing downloaded)."""
+    vocab = {"<pad>": PAD, **{f"w{i}": i for i in range(1, VOCAB)}}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w1"))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>")
+
+
+@st.composite
+def hf_examples(draw: st.DrawFn, min_length: int = 0, labels: bool | None = None) -> list[dict]:
+    """1-4 examples; all with labels (-100 on a random subset of tokens) or none."""
+    with_labels = draw(st.booleans()) if labels is None else labels
+    examples = []
+    for _ in range(draw(st.integers(1, 4))):
+        ids = draw(st.lists(st.integers(1, VOCAB - 1), min_size=min_length, max_size=7))
+        example: dict = {"input_ids": ids}
+        if with_labels:
+            kept = draw(st.lists(st.booleans(), min_size=len(ids), max_size=len(ids)))
+            example["labels"] = [token if keep else -100 for token, keep in zip(ids, kept, strict=True)]
+        examples.append(example)
+    return examples
+
+
+@settings(max_examples=150, deadline=None)
+@given(hf_examples())
+def test_padding_free_equals_data_collator_with_flattening(examples: list[dict]) -> None:
+    theirs = transformers.DataCollatorWithFlattening(**FLAT_OPTIONS)
+    ours = Collator.for_transformers(padding_free=True)
+    if all(not example["input_ids"] for example in examples):
+        with pytest.raises(ValueError, match="every example"):
+            theirs(examples)
+        with pytest.raises(ValueError, match="every example of the batch is empty"):
+            ours(examples)
+        return
+    same_batch(ours(examples), theirs(examples))
+
+
+@settings(max_examples=100, deadline=None)
+@given(hf_examples(min_length=1, labels=True), st.sampled_from([None, 1, 4, 8]))
+def test_padded_equals_data_collator_for_seq2seq(examples: list[dict], multiple: int | None) -> None:
+    theirs = transformers.DataCollatorForSeq2Seq(
+        pad_tokenizer(), label_pad_token_id=-100, pad_to_multiple_of=multiple
+    )
+    ours = Collator.for_transformers(pad_token_id=PAD, pad_to_multiple_of=multiple)
+    same_batch(ours(examples), dict(theirs(examples)))
+
+
+def test_tensor_rows_and_a_batched_dict_of_lists_give_the_same_batch() -> None:
+    examples = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9], "labels": [8, 9]}]
+    collate = Collator.for_transformers(pad_token_id=PAD)
+    expected = collate(examples)
+    as_tensors = [{key: torch.tensor(value) for key, value in example.items()} for example in examples]
+    batched = {key: [example[key] for example in examples] for key in ("input_ids", "labels")}
+    for given_as in (as_tensors, batched):
+        same_batch(collate(given_as), expected)
+
+
+def test_attention_mask_loss_mask_and_assistant_masks_are_all_applied() -> None:
+    example = {
+        "input_ids": [3, 4, 5, 6, 7, PAD, PAD],
+        "attention_mask": [1, 1, 1, 1, 1, 0, 0],
+        "labels": [3, 4, 5, 6, -100, PAD, PAD],
+        "loss_mask": [1, 1, 1, 1, 1, 1, 1],
+        "assistant_masks": [0, 0, 1, 1, 1, 0, 0],
+    }
+    padded = Collator.for_transformers(pad_token_id=PAD)([example, {"input_ids": [9]}])
+    assert padded["input_ids"].tolist() == [[3, 4, 5, 6, 7], [9, PAD, PAD, PAD, PAD]]
+    assert padded["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert padded["labels"].tolist() == [[-100, -100, 5, 6, -100], [9, -100, -100, -100, -100]]
+    flat = Collator.for_transformers(padding_free=True)([{"input_ids": [9, 8]}, example])
+    assert flat["input_ids"].tolist() == [[9, 8, 3, 4, 5, 6, 7]]
+    assert flat["labels"].tolist() == [[-100, 8, -100, -100, 5, 6, -100]]
+    assert flat["position_ids"].tolist() == [[0, 1, 0, 1, 2, 3, 4]]
+    assert flat["seq_idx"].tolist() == [[0, 0, 1, 1, 1, 1, 1]]
+    assert flat["cu_seq_lens_k"].tolist() == [0, 2, 7] and flat["max_length_q"] == 5
+
+
+def test_boundary_safe_labels_off_keeps_each_first_label_in_the_flat_row() -> None:
+    flat = Collator.for_transformers(padding_free=True, boundary_safe_labels=False)
+    assert flat([{"input_ids": [5, 6]}, {"input_ids": [7, 8]}])["labels"].tolist() == [[5, 6, 7, 8]]
+
+
+@pytest.mark.parametrize(
+    ("examples", "error", "match"),
+    [
+        ([{"input_ids": [5, 6], "labels": [6, -100]}], ValueError, r"example 0: labels\[0\] is 6, neither"),
+        ([{"input_ids": [5]}, {"input_ids": [5, 6], "labels": [5]}], ValueError, "example 1: field 'labels'"),
+        ([{"input_ids": [5, 6], "attention_mask": [0, 1]}], ValueError, "left padding"),
+        ([{"input_ids": [5, 6], "attention_mask": [1, 2]}], ValueError, "'attention_mask' must hold only 0"),
+        ([{"input_ids": [5, 6], "loss_mask": [0.5, 1]}], ValueError, "'loss_mask' must hold only 0 and 1"),
+        ([{"input_ids": [5, 6], "position_ids": [0, 0]}], ValueError, "example 0: carries 'position_ids'"),
+        ([{"input_ids": [5, -6]}], ValueError, "example 0: token ids must be >= 0"),
+        ([{"input_ids": [[5, 6]]}], ValueError, "a batch of one row, as tokenizer"),
+        ([{"input_ids": [[5, 6], [7, 8]]}], ValueError, r"one row of token ids, got shape \(2, 2\)"),
+        ([{"text": "hi"}], ValueError, "example 0: has no 'input_ids'"),
+        ([[5, 6]], TypeError, "example 0: must be a dict"),
+        ({"input_ids": [5, 6]}, ValueError, "one example .* not a batch"),
+        ({"input_ids": [[5, 6]], "labels": []}, ValueError, "'labels' does not hold one entry per example"),
+        ("input_ids", TypeError, "expected a list of example dicts"),
+        ([], ValueError, "holds no examples"),
+    ],
+)
+def test_bad_examples_are_named(examples: object, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        Collator.for_transformers(pad_token_id=PAD)(examples)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({}, ValueError, "needs pad_token_id"),
+        ({"padding_free": True, "pad_to_multiple_of": 8}, ValueError, "adds no padding"),
+        ({"pad_token_id": -1}, ValueError, "pad_token_id must be an int >= 0"),
+        ({"pad_token_id": 0, "pad_to_multiple_of": 0}, ValueError, "pad_to_multiple_of must be an int >= 1"),
+        ({"padding_free": 1}, TypeError, "padding_free must be a bool"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        TransformersCollator(**kwargs)
+
+
+def test_examples_are_not_changed() -> None:
+    ids, labels = torch.tensor([5, 6, 7]), np.array([-100, 6, 7])
+    for padding_free in (False, True):
+        out = Collator.for_transformers(padding_free=padding_free, pad_token_id=PAD)(
+            [{"input_ids": ids, "labels": labels}]
+        )
+        out["labels"].fill_(1)
+        out["input_ids"].fill_(1)
+        assert ids.tolist() == [5, 6, 7] and labels.tolist() == [-100, 6, 7]
+
+
+# A causal LM's loss: the double shift is gone, padding and prompts are not trained.
+
+
+def tiny_gpt2() -> transformers.GPT2LMHeadModel:
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=2, use_cache=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=PAD,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+CHATS = [  # (tokens, loss mask): a prompt, then the trained response
+    ([4, 5, 6, 7, 8, 9], [0, 0, 0, 1, 1, 1]),
+    ([10, 11, 12], [0, 1, 1]),
+    ([13, 14, 15, 16, 17], [0, 0, 1, 1, 0]),
+]
+
+
+def hand_loss(model: transformers.GPT2LMHeadModel) -> torch.Tensor:
+    """Next-token cross-entropy over exactly the supervised tokens, each example run alone."""
+    losses = []
+    for tokens, mask in CHATS:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([tokens])).logits[0]
+        for t in range(1, len(tokens)):
+            if mask[t]:
+                losses.append(-torch.log_softmax(logits[t - 1], -1)[tokens[t]])
+    assert len(losses) == 7
+    return torch.stack(losses).mean()
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_gpt2_loss_is_the_next_token_loss_over_supervised_tokens(padding_free: bool) -> None:
+    model = tiny_gpt2()
+    examples = [{"input_ids": tokens, "loss_mask": mask} for tokens, mask in CHATS]
+    layout = {"padding_free": True} if padding_free else {"pad_token_id": PAD, "pad_to_multiple_of": 8}
+    batch = Collator.for_transformers(**layout)(examples)
+    with torch.no_grad():
+        loss = model(**batch).loss
+    torch.testing.assert_close(loss, hand_loss(model))
+
+
+def test_trainer_runs_on_a_datasets_dataset(tmp_path) -> None:
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("accelerate")
+    model = tiny_gpt2().train()
+    rows = [{"input_ids": tokens, "labels": [t if m else -100 for t, m in zip(tokens, mask, strict=True)]}
+            for tokens, mask in CHATS * 4]  # fmt: skip
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, use_cpu=True,
+        report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True,
+    )  # fmt: skip
+    for padding_free in (False, True):
+        trainer = transformers.Trainer(
+            model=model,
+            args=args,
+            train_dataset=datasets.Dataset.from_list(rows),
+            data_collator=Collator.for_transformers(padding_free=padding_free, pad_token_id=PAD),
+        )
+        result = trainer.train()
+        assert result.global_step == 3 and np.isfinite(result.training_loss)
