@@ -1200,7 +1200,7 @@ def test_pack_flat_records_not_records(bad):
         ({"emit_positions": 1}, TypeError, "emit_positions must be a bool"),
         ({"tokens_field": 5}, TypeError, "tokens_field must be 'auto' or a field name"),
         ({"strategy": "x"}, ValueError, "strategy must be 'greedy' or 'best_fit'"),
-        ({"overflow": None}, ValueError, "overflow must be 'split' or 'truncate'"),
+        ({"overflow": None}, ValueError, "overflow must be 'auto', 'split' or 'truncate'"),
         ({"buffer_size": 0}, ValueError, "buffer_size must be an int >= 1"),
         ({"buffer_size": 1.5}, TypeError, "buffer_size must be an int"),
         ({"fields": "loss_mask"}, TypeError, "fields must be None or a sequence of field names"),

@@ -106,8 +106,10 @@ def test_successful_calls_change_nothing(kind, options):
         lambda: Collator(**options)(rows),
         lambda: Collator(**options).finish(Collator(**options).stack(rows)),
         lambda: stack_batch(rows, extra_fields=["weights"]),
-        lambda: pack_flat(rows, 5, pad_token_id=0),
-        lambda: list(FlatPacker(5, pad_token_id=0, strategy="best_fit", buffer_size=2).pack(rows)),
+        lambda: pack_flat(rows, 5, pad_token_id=0, overflow="split"),
+        lambda: list(
+            FlatPacker(5, pad_token_id=0, strategy="best_fit", buffer_size=2, overflow="split").pack(rows)
+        ),
     ]
     for fn in calls:
         fn()
@@ -186,7 +188,7 @@ def test_flat_packer_keeps_views_without_writing():
     """The packer holds views of its input until a row is emitted; it never writes into them."""
     rows = records("numpy")
     before = snapshot(rows)
-    packer = FlatPacker(7, pad_token_id=0)
+    packer = FlatPacker(7, pad_token_id=0, overflow="split")
     first = next(iter(packer.pack(rows)))
     first.payload["input_ids"][:] = 99  # writing into an emitted row does not reach the input
     state = packer.state_dict()
@@ -230,9 +232,9 @@ def test_collator_stacked_batches_transforms_and_packer_pickle():
         td = SampleBatch(rows).to_tensordict()
         clone = pickle.loads(pickle.dumps(transform))
         assert as_lists(dict(clone(td).items())) == as_lists(dict(transform(td).items()))
-    packer = FlatPacker(5, pad_token_id=0)
+    packer = FlatPacker(5, pad_token_id=0, overflow="split")
     next(iter(packer.pack(rows)))
-    restored = FlatPacker(5, pad_token_id=0)
+    restored = FlatPacker(5, pad_token_id=0, overflow="split")
     restored.load_state_dict(pickle.loads(pickle.dumps(packer.state_dict())))
     assert restored.records_consumed == packer.records_consumed
 

@@ -107,6 +107,11 @@ def test_cu_seqlens(rows: int, length: int, seed: int, dtype: torch.dtype) -> No
     positions = torch.randint(0, 3, (rows, length), generator=generator).to(dtype)
     assert_same(*both_ways(functional.cu_seqlens_rows, positions))
     assert_same(*both_ways(functional.cu_seqlens_flat, positions))
+    padding = torch.randint(0, 2, (rows, length), generator=generator).bool()
+    assert_same(*both_ways(functional.segment_ids_from_positions, positions))
+    assert_same(*both_ways(functional.segment_ids_from_positions, positions, padding))
+    flat = positions.reshape(-1)
+    assert_same(*both_ways(functional.segment_ids_from_positions, flat, padding.reshape(-1)))
 
 
 def test_inputs_are_only_read() -> None:

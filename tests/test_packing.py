@@ -132,6 +132,37 @@ def test_truncate_overflow_keeps_the_head_and_closes() -> None:
     assert [refs(r) for r in rows] == [[(0, (0,), True)], [(1, (0,), True)]]
 
 
+def test_a_long_document_with_a_prompt_is_not_split_by_default() -> None:
+    """A chat example's response must not land in a row of its own, restarting at position 0 without its prompt."""
+    chat = doc(1, 7, loss_mask=[0, 0, 0, 1, 1, 1, 1])  # a 3-token prompt, a 4-token response
+    records = [doc(0, 2, loss_mask=[1, 1]), chat]
+    for pack in (
+        lambda **kw: pack_flat(records, 5, pad_token_id=PAD, **kw),
+        lambda **kw: list(
+            FlatPacker(5, pad_token_id=PAD, strategy="best_fit", buffer_size=4, **kw).pack(records)
+        ),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=r"record 1 \(sample_id \(0, 0, 1\)\): has 7 tokens, more than seq_len=5.*overflow=",
+        ):
+            pack()
+        assert [2000, 2001, 2002, 2003, 2004] in [ids(r) for r in pack(overflow="truncate")]
+        assert any(2006 in ids(r) for r in pack(overflow="split"))  # asked for: the tail is packed
+    fits = pack_flat([chat], 7, pad_token_id=PAD)  # a chat example that fits is packed whole
+    assert fits[0].payload["loss_mask"].tolist() == [0, 0, 0, 1, 1, 1, 1]
+
+
+def test_long_documents_without_a_prompt_still_split_by_default() -> None:
+    for fields in ({}, {"loss_mask": [1] * 12}):
+        rows = pack_flat([doc(0, 12, **fields)], 5, pad_token_id=PAD)
+        assert [ids(r) for r in rows] == [
+            list(range(1000, 1005)),
+            list(range(1005, 1010)),
+            [1010, 1011, 0, 0, 0],
+        ]
+
+
 def test_flush_sentinel_closes_the_open_row() -> None:
     records = [doc(0, 2), flush(), doc(1, 2)]
     for strategy in ("greedy", "best_fit"):
@@ -236,7 +267,7 @@ def test_stream_yields_rows_before_the_input_ends() -> None:
         ({"pad_token_id": -1}, ValueError, "pad_token_id must be an int >= 0"),
         ({"pad_token_id": "0"}, TypeError, "pad_token_id"),
         ({"strategy": "first_fit"}, ValueError, "strategy must be 'greedy' or 'best_fit'"),
-        ({"overflow": "drop"}, ValueError, "overflow must be 'split' or 'truncate'"),
+        ({"overflow": "drop"}, ValueError, "overflow must be 'auto', 'split' or 'truncate'"),
         ({"buffer_size": 0}, ValueError, "buffer_size"),
         ({"emit_positions": 1}, TypeError, "emit_positions"),
         ({"tokens_field": None}, TypeError, "tokens_field"),
@@ -490,7 +521,7 @@ def test_save_and_restore_mid_stream(
 
 
 def test_state_is_plain_data() -> None:
-    packer = FlatPacker(8, pad_token_id=PAD, strategy="best_fit", buffer_size=4)
+    packer = FlatPacker(8, pad_token_id=PAD, strategy="best_fit", buffer_size=4, overflow="split")
     list(itertools.islice(packer.pack(make_records([3, 20, 2, 5, 1])), 1))
     state = packer.state_dict()
     plain = (dict, list, tuple, str, int, float, bool, type(None), np.ndarray, np.generic)

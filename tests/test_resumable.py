@@ -17,7 +17,13 @@ from zephon_collate import Collator, FlatPacker, SampleMeta, SampleRecord, pack_
 from zephon_collate.packing.stream import PackedStream
 
 SEQ_LEN = 16
-PACKING = {"seq_len": SEQ_LEN, "pad_token_id": 0, "strategy": "best_fit", "buffer_size": 5}
+PACKING = {
+    "seq_len": SEQ_LEN,
+    "pad_token_id": 0,
+    "strategy": "best_fit",
+    "buffer_size": 5,
+    "overflow": "split",
+}
 COLLATE = Collator(return_labels=True, return_num_valid_tokens=True, return_cu_seqlens=True, flatten=True)
 
 

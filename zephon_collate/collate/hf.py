@@ -270,20 +270,19 @@ class TransformersCollator:
         if not examples:
             raise ValueError(f"{OWNER}: every example of the batch is empty; padding_free needs a token")
         lengths = np.array([tokens.shape[0] for tokens, _ in examples])
-        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-        positions = (np.arange(int(lengths.sum())) - starts)[None]
+        offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        positions = (np.arange(int(lengths.sum())) - offsets)[None]
         labels = np.concatenate([row for _, row in examples])[None]
         if self.boundary_safe_labels:
             labels[segment_starts(positions)] = IGNORE_INDEX
-        position_ids = torch.from_numpy(positions)
-        cu_seq_lens, longest = cu_seqlens_flat(position_ids)
+        cu_seq_lens, longest = cu_seqlens_flat.unchecked(positions)  # arrays in, arrays out
         return {
             INPUT_IDS: torch.from_numpy(np.concatenate([tokens for tokens, _ in examples])[None]),
             LABELS: torch.from_numpy(labels),
-            POSITION_IDS: position_ids,
-            SEQ_IDX: segment_ids_from_positions(position_ids),
-            CU_SEQ_LENS_Q: cu_seq_lens,
-            CU_SEQ_LENS_K: cu_seq_lens.clone(),
+            POSITION_IDS: torch.from_numpy(positions),
+            SEQ_IDX: torch.from_numpy(segment_ids_from_positions(positions)),
+            CU_SEQ_LENS_Q: torch.from_numpy(cu_seq_lens),
+            CU_SEQ_LENS_K: torch.from_numpy(cu_seq_lens.copy()),
             MAX_LENGTH_Q: int(longest),
             MAX_LENGTH_K: int(longest),
         }

@@ -190,6 +190,15 @@ def cu_seqlens_flat(
     return boundaries, _longest(boundaries)
 
 
+def _segment_ids_np(positions: np.ndarray, padding_mask: np.ndarray | None = None) -> np.ndarray:
+    starts = _segment_starts_np(positions)
+    if padding_mask is None:
+        return np.cumsum(starts, axis=-1, dtype=np.int32) - 1
+    ids = np.cumsum(starts & ~padding_mask, axis=-1, dtype=np.int32) - 1
+    return np.where(padding_mask, np.int32(PADDING_SEGMENT), ids)
+
+
+@kernel(cpu=_segment_ids_np)
 def segment_ids_from_positions(
     positions: torch.Tensor, padding_mask: torch.Tensor | None = None
 ) -> torch.Tensor:

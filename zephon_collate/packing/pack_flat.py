@@ -66,7 +66,7 @@ def pack_flat(
     emit_positions: bool = True,
     tokens_field: str = "auto",
     strategy: str = "greedy",
-    overflow: str = "split",
+    overflow: str = "auto",
     buffer_size: int | None = None,
     fields: Sequence[str] | None = None,
 ) -> list[SampleRecord]:
@@ -91,9 +91,11 @@ def pack_flat(
     in the order they were opened. A document longer than ``seq_len`` is cut
     into ``seq_len`` pieces and a shorter last piece (``overflow="split"``,
     each piece a segment) or keeps its first ``seq_len`` tokens
-    (``"truncate"``). Documents without tokens and tombstones are skipped and
-    appear in no row; a flush sentinel closes every pending row (padded) and is
-    not emitted.
+    (``"truncate"``). The default, ``"auto"``, splits a document unless its
+    ``loss_mask`` has a 0 (a prompt, which a cut would part from its
+    response): that raises ``ValueError`` naming ``overflow=``. Documents
+    without tokens and tombstones are skipped and appear in no row; a flush
+    sentinel closes every pending row (padded) and is not emitted.
 
     Metadata of a row: ``sample_id``, ``lane_id``, ``chunk_id``,
     ``chunk_offset`` and ``lineage`` are those of its first contributor, one
@@ -114,7 +116,8 @@ def pack_flat(
         tokens_field: the token field, or ``"auto"``: the first of input_ids, tokens,
             token_ids, ids that every dict payload has.
         strategy: ``"greedy"`` or ``"best_fit"``.
-        overflow: ``"split"`` or ``"truncate"`` documents longer than ``seq_len``.
+        overflow: what happens to a document longer than ``seq_len``: ``"split"``,
+            ``"truncate"``, or ``"auto"`` (split, but raise for one with a prompt).
         buffer_size: pieces per best-fit round (int >= 1), or ``None`` for all.
         fields: the per-token fields to pack, or ``None`` for those all documents share
             (``loss_mask`` in only some documents is then an error).
@@ -126,7 +129,8 @@ def pack_flat(
         TypeError: for an option of the wrong type, an item that is not a SampleRecord, a
             payload that is neither a dict nor an array, or non-integer token ids.
         ValueError: for an option out of range, a missing tokens field, per-token fields
-            of the wrong length or shape, or ``loss_mask`` in only some documents.
+            of the wrong length or shape, ``loss_mask`` in only some documents, or (with
+            ``overflow="auto"``) a document with a prompt that is longer than ``seq_len``.
 
     Example:
         >>> from zephon_collate.types import SampleMeta

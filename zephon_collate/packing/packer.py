@@ -82,7 +82,7 @@ class FlatPacker:
         emit_positions: bool = True,
         tokens_field: str = "auto",
         strategy: str = "greedy",
-        overflow: str = "split",
+        overflow: str = "auto",
         buffer_size: int = 1024,
         fields: Sequence[str] | None = None,
     ) -> None:
@@ -131,7 +131,7 @@ class FlatPacker:
             if record.meta.is_flush_sentinel:
                 self._engine.flush()
             elif not record.meta.tombstone and (document := self._reader.read(record, self._consumed)):
-                self._engine.push(split_document(record.meta, *document, self.options))
+                self._engine.push(split_document(record, self._consumed, *document, self.options))
             self._consumed += 1
             yield from self._drain()
         self._engine.flush()

@@ -26,7 +26,7 @@ from zephon_collate.text import shown, shown_fields
 __all__ = ["OVERFLOWS", "STRATEGIES", "PackOptions", "Reader", "candidate_fields"]
 
 STRATEGIES = ("greedy", "best_fit")
-OVERFLOWS = ("split", "truncate")
+OVERFLOWS = ("auto", "split", "truncate")
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class PackOptions:
             )
         for name, allowed in (("strategy", STRATEGIES), ("overflow", OVERFLOWS)):
             if not isinstance(options[name], str) or options[name] not in allowed:
-                choices = " or ".join(map(repr, allowed))
+                choices = ", ".join(map(repr, allowed[:-1])) + f" or {allowed[-1]!r}"
                 raise ValueError(f"{owner}: {name} must be {choices}, got {shown(options[name])}")
         fields = options["fields"]
         if fields is not None:

@@ -1,7 +1,8 @@
 """Packed rows from documents: cut each document into pieces, place the pieces in rows, build each row.
 
 :func:`split_document` cuts a document into pieces of at most ``seq_len``
-tokens (``overflow="split"``) or keeps its head (``"truncate"``).
+tokens (``overflow="split"``) or keeps its head (``"truncate"``); by default
+(``"auto"``) a document with a prompt (a 0 in its ``loss_mask``) is never cut.
 :class:`Engine` places pieces into rows, greedily in arrival order or by
 best-fit-decreasing over a bounded buffer, and :func:`build_row` lays a row's
 pieces end to end with a padding segment and writes its new metadata. Pieces
@@ -18,8 +19,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from zephon_collate.keys import POSITIONS
+from zephon_collate.keys import LOSS_MASK, POSITIONS
 from zephon_collate.packing.reader import PackOptions
+from zephon_collate.read import describe_record
 from zephon_collate.records import (
     CONTRIBUTORS_TAG,
     PADDING_LENGTH_TAG,
@@ -54,15 +56,35 @@ class Piece(NamedTuple):
 
 
 def split_document(
-    meta: SampleMeta, tokens: np.ndarray, fields: dict[str, np.ndarray], options: PackOptions
+    record: SampleRecord, index: int, tokens: np.ndarray, fields: dict[str, np.ndarray], options: PackOptions
 ) -> list[Piece]:
-    """The pieces of one document: itself, or ``seq_len`` slices (split) or its head (truncate)."""
-    m = meta
-    base = Base(
-        m.sample_id, m.lane_id, m.chunk_id, m.chunk_offset, m.lineage, dict(m.component_sample_counts)
-    )
+    """The pieces of one document: itself, or ``seq_len`` slices (split) or its head (truncate).
+
+    Raises:
+        ValueError: with ``overflow="auto"``, for a document longer than ``seq_len`` whose
+            ``loss_mask`` has a 0: cut, its response would be trained without its prompt.
+    """
     size = options.seq_len
-    count = 1 if options.overflow == "truncate" else -(-tokens.size // size)
+    overflow = options.overflow
+    if overflow == "auto" and tokens.size > size:
+        mask = fields.get(LOSS_MASK)
+        if mask is not None and not mask.all():
+            raise ValueError(
+                f"{describe_record(index, record)}: has {tokens.size} tokens, more than seq_len={size}, "
+                "and a prompt (0s in its loss_mask); cut, its response would be trained without its "
+                "prompt. Drop or shorten such documents, raise seq_len, or pass overflow='truncate' "
+                "(keep the head) or overflow='split' (cut into segments)"
+            )
+    meta = record.meta
+    base = Base(
+        meta.sample_id,
+        meta.lane_id,
+        meta.chunk_id,
+        meta.chunk_offset,
+        meta.lineage,
+        dict(meta.component_sample_counts),
+    )
+    count = 1 if overflow == "truncate" else -(-tokens.size // size)
     cuts = [slice(i * size, (i + 1) * size) for i in range(count)]
     return [
         Piece(tokens[cut], {k: v[cut] for k, v in fields.items()}, base, i, i == count - 1)
