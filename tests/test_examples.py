@@ -62,3 +62,17 @@ def test_hf_trainer_example_learns_and_both_layouts_train_the_same_tokens():
     flat = re.search(r"padding-free: loss ([\d.]+) -> ([\d.]+) over 40 steps\n  every 10 steps: (.*)\n", out)
     assert float(padded.group(2)) < float(padded.group(1)) - 0.4
     assert padded.group(3) == flat.group(3)
+
+
+def test_readme_hugging_face_block_matches_its_comments():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Coming from Hugging Face\n.*?```python\n(.*?)```", readme, re.S).group(1)
+    namespace: dict = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    padded, flat = namespace["padded"], namespace["flat"]
+    assert padded["input_ids"].tolist() == [[5, 6, 7, 8], [9, 10, 3, 0]]
+    assert padded["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
+    assert padded["labels"].tolist() == [[-100, -100, 7, 8], [-100, 10, 3, -100]]
+    assert flat["labels"].tolist() == [[-100, -100, 7, 8, -100, 10, 3]]
+    assert flat["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2]]
+    assert flat["cu_seq_lens_q"].tolist() == [0, 4, 7] and flat["max_length_q"] == 4

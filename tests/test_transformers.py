@@ -80,6 +80,15 @@ def test_padded_equals_data_collator_for_seq2seq(examples: list[dict], multiple:
     same_batch(ours(examples), dict(theirs(examples)))
 
 
+@settings(max_examples=50, deadline=None)
+@given(hf_examples(min_length=1, labels=False))
+def test_padded_equals_data_collator_for_language_modeling_when_no_token_is_the_pad_id(
+    examples: list[dict],
+) -> None:
+    theirs = transformers.DataCollatorForLanguageModeling(pad_tokenizer(), mlm=False)
+    same_batch(Collator.for_transformers(pad_token_id=PAD)(examples), dict(theirs(examples)))
+
+
 def test_tensor_rows_and_a_batched_dict_of_lists_give_the_same_batch() -> None:
     examples = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9], "labels": [8, 9]}]
     collate = Collator.for_transformers(pad_token_id=PAD)

@@ -3,13 +3,15 @@
 Records (:class:`SampleRecord`) are stacked once and turned into training
 tensors by a chain of transforms (:mod:`zephon_collate.transforms`);
 :meth:`SampleBatch.to_training` is the one-call entry point, :class:`Collator`
-the ``collate_fn`` for a DataLoader.
+the ``collate_fn`` for a DataLoader, :meth:`Collator.for_transformers` the one
+for Hugging Face ``transformers`` models and ``Trainer``.
 
 The tree, bottom to top: ``records``, ``keys`` and ``text`` (the data model,
 field names and limits, how errors quote values), ``checks`` and ``read``
 (argument checks, the one payload reader),
 ``functional/`` (pure kernels), ``transforms/``, ``collate/`` (options, plan,
-stacking, output, ``to_training``, the Collator, the worker transfer),
+stacking, output, ``to_training``, the Collator and its ``transformers``
+layout, the worker transfer),
 ``packing/``, ``parallel/`` and ``inspection/``.
 """
 

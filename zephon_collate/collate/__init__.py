@@ -6,5 +6,7 @@
 - :mod:`~zephon_collate.collate.output`: renaming, exclusion, flattening, containers.
 - :mod:`~zephon_collate.collate.sample_batch`: ``SampleBatch`` and ``to_training``.
 - :mod:`~zephon_collate.collate.collator`: the DataLoader ``collate_fn``.
+- :mod:`~zephon_collate.collate.hf`: ``Collator.for_transformers``, Hugging Face examples to a
+  ``transformers`` batch.
 - :mod:`~zephon_collate.collate.transfer`: what a worker sends, as one narrow buffer.
 """
