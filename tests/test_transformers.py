@@ -6,6 +6,7 @@ Skipped where ``transformers`` is not installed (``pip install -e .[hf]``); CI i
 from __future__ import annotations
 
 import logging
+import pickle
 
 import numpy as np
 import pytest
@@ -117,6 +118,65 @@ def test_attention_mask_loss_mask_and_assistant_masks_are_all_applied() -> None:
     assert flat["position_ids"].tolist() == [[0, 1, 0, 1, 2, 3, 4]]
     assert flat["seq_idx"].tolist() == [[0, 0, 1, 1, 1, 1, 1]]
     assert flat["cu_seq_lens_k"].tolist() == [0, 2, 7] and flat["max_length_q"] == 5
+
+
+@st.composite
+def masked_examples(draw: st.DrawFn) -> list[dict]:
+    """Examples carrying any of the supervising fields, with right padding in some."""
+    fields = draw(st.sets(st.sampled_from(["attention_mask", "labels", "loss_mask", "assistant_masks"])))
+    examples = []
+    for _ in range(draw(st.integers(1, 4))):
+        real = draw(st.integers(1, 6))
+        padding = draw(st.integers(0, 3)) if "attention_mask" in fields else 0
+        ids = draw(st.lists(st.integers(1, VOCAB - 1), min_size=real, max_size=real)) + [PAD] * padding
+        example: dict = {"input_ids": ids}
+        flags = st.lists(st.integers(0, 1), min_size=len(ids), max_size=len(ids))
+        for name in fields - {"attention_mask"}:
+            keep = draw(flags)
+            example[name] = (
+                [t if k else -100 for t, k in zip(ids, keep, strict=True)] if name == "labels" else keep
+            )
+        if "attention_mask" in fields:
+            example["attention_mask"] = [1] * real + [0] * padding
+        examples.append(example)
+    return examples
+
+
+def reference_labels(example: dict) -> tuple[list[int], list[int]]:
+    """The real tokens and their unshifted labels, one token at a time."""
+    real = sum(example.get("attention_mask", [1] * len(example["input_ids"])))
+    tokens, labels = example["input_ids"][:real], []
+    for t, token in enumerate(tokens):
+        trained = example.get("labels", tokens)[t] != -100
+        trained = trained and example.get("loss_mask", [1] * real)[t] == 1
+        trained = trained and example.get("assistant_masks", [1] * real)[t] == 1
+        labels.append(token if trained else -100)
+    return tokens, labels
+
+
+@settings(max_examples=150, deadline=None)
+@given(masked_examples(), st.booleans())
+def test_every_supervising_field_is_applied(examples: list[dict], boundary_safe: bool) -> None:
+    read = [reference_labels(example) for example in examples]
+    width = max(len(tokens) for tokens, _ in read)
+    padded = Collator.for_transformers(pad_token_id=PAD, boundary_safe_labels=boundary_safe)(examples)
+    assert padded["input_ids"].tolist() == [tokens + [PAD] * (width - len(tokens)) for tokens, _ in read]
+    assert padded["labels"].tolist() == [labels + [-100] * (width - len(labels)) for _, labels in read]
+    assert padded["attention_mask"].tolist() == [[1] * len(t) + [0] * (width - len(t)) for t, _ in read]
+    flat = Collator.for_transformers(padding_free=True, boundary_safe_labels=boundary_safe)(examples)
+    first = -100 if boundary_safe else None
+    expected = [
+        label if i or first is None else first for _, labels in read for i, label in enumerate(labels)
+    ]
+    assert flat["labels"].tolist() == [expected]
+    assert flat["position_ids"].tolist() == [[i for tokens, _ in read for i in range(len(tokens))]]
+
+
+def test_the_collator_pickles_for_dataloader_workers() -> None:
+    collate = Collator.for_transformers(pad_token_id=PAD, pad_to_multiple_of=4)
+    copy = pickle.loads(pickle.dumps(collate))
+    same_batch(copy([{"input_ids": [5, 6, 7]}]), collate([{"input_ids": [5, 6, 7]}]))
+    assert "pad_token_id=0" in repr(copy)
 
 
 def test_boundary_safe_labels_off_keeps_each_first_label_in_the_flat_row() -> None:
