@@ -24,7 +24,7 @@ VOCAB = 32
 PAD = 0
 
 
-def same_batch(ours: dict, theirs: dict) -> None:
+def assert_same_batch(ours: dict, theirs: dict) -> None:
     """Key for key: the same keys, tensors of equal dtype, shape and values, equal Python ints."""
     assert sorted(ours) == sorted(theirs)
     for key, value in theirs.items():
@@ -68,7 +68,7 @@ def test_padding_free_equals_data_collator_with_flattening(examples: list[dict])
         with pytest.raises(ValueError, match="every example of the batch is empty"):
             ours(examples)
         return
-    same_batch(ours(examples), theirs(examples))
+    assert_same_batch(ours(examples), theirs(examples))
 
 
 @settings(max_examples=100, deadline=None)
@@ -78,7 +78,7 @@ def test_padded_equals_data_collator_for_seq2seq(examples: list[dict], multiple:
         pad_tokenizer(), label_pad_token_id=-100, pad_to_multiple_of=multiple
     )
     ours = Collator.for_transformers(pad_token_id=PAD, pad_to_multiple_of=multiple)
-    same_batch(ours(examples), dict(theirs(examples)))
+    assert_same_batch(ours(examples), dict(theirs(examples)))
 
 
 @settings(max_examples=50, deadline=None)
@@ -87,7 +87,7 @@ def test_padded_equals_data_collator_for_language_modeling_when_no_token_is_the_
     examples: list[dict],
 ) -> None:
     theirs = transformers.DataCollatorForLanguageModeling(pad_tokenizer(), mlm=False)
-    same_batch(Collator.for_transformers(pad_token_id=PAD)(examples), dict(theirs(examples)))
+    assert_same_batch(Collator.for_transformers(pad_token_id=PAD)(examples), dict(theirs(examples)))
 
 
 def test_tensor_rows_and_a_batched_dict_of_lists_give_the_same_batch() -> None:
@@ -97,7 +97,7 @@ def test_tensor_rows_and_a_batched_dict_of_lists_give_the_same_batch() -> None:
     as_tensors = [{key: torch.tensor(value) for key, value in example.items()} for example in examples]
     batched = {key: [example[key] for example in examples] for key in ("input_ids", "labels")}
     for given_as in (as_tensors, batched):
-        same_batch(collate(given_as), expected)
+        assert_same_batch(collate(given_as), expected)
 
 
 def test_attention_mask_loss_mask_and_assistant_masks_are_all_applied() -> None:
@@ -175,7 +175,7 @@ def test_every_supervising_field_is_applied(examples: list[dict], boundary_safe:
 def test_the_collator_pickles_for_dataloader_workers() -> None:
     collate = Collator.for_transformers(pad_token_id=PAD, pad_to_multiple_of=4)
     copy = pickle.loads(pickle.dumps(collate))
-    same_batch(copy([{"input_ids": [5, 6, 7]}]), collate([{"input_ids": [5, 6, 7]}]))
+    assert_same_batch(copy([{"input_ids": [5, 6, 7]}]), collate([{"input_ids": [5, 6, 7]}]))
     assert "pad_token_id=0" in repr(copy)
 
 
