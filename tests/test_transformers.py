@@ -100,6 +100,21 @@ def test_tensor_rows_and_a_batched_dict_of_lists_give_the_same_batch() -> None:
         assert_same_batch(collate(given_as), expected)
 
 
+def test_masks_of_any_dtype_and_a_2d_tensor_batch() -> None:
+    example = {"input_ids": torch.tensor([5, 6, 7], dtype=torch.int32)}
+    for mask in (torch.tensor([0.0, 1.0, 1.0], dtype=torch.bfloat16), np.array([False, True, True])):
+        out = Collator.for_transformers(pad_token_id=PAD)([{**example, "loss_mask": mask}])
+        assert out["labels"].tolist() == [[-100, 6, 7]] and out["input_ids"].dtype == torch.int64
+    batched = {
+        "input_ids": torch.tensor([[5, 6, 7], [8, 9, PAD]]),
+        "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+    }
+    out = Collator.for_transformers(padding_free=True)(batched)
+    assert out["input_ids"].tolist() == [[5, 6, 7, 8, 9]] and out["labels"].tolist() == [
+        [-100, 6, 7, -100, 9]
+    ]
+
+
 def test_attention_mask_loss_mask_and_assistant_masks_are_all_applied() -> None:
     example = {
         "input_ids": [3, 4, 5, 6, 7, PAD, PAD],

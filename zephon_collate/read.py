@@ -23,6 +23,7 @@ from zephon_collate.text import shown, shown_fields
 
 __all__ = [
     "Columns",
+    "as_numpy",
     "as_record_tuple",
     "read_columns",
 ]
@@ -281,6 +282,14 @@ def to_row(value: Any, where: object, name: str, kind: Kind) -> Row:
             "tokenizer(..., return_tensors='pt') returns; pass the row itself (value[0] or value.squeeze(0))"
         )
     return row
+
+
+def as_numpy(row: Row) -> np.ndarray:
+    """A row as a NumPy array: a tensor detached and on the CPU (bfloat16 read as float32), no copy else."""
+    if not isinstance(row, torch.Tensor):
+        return np.asarray(row)
+    tensor = row.detach().cpu()
+    return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
 @dataclass

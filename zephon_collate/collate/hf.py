@@ -51,7 +51,7 @@ from zephon_collate.keys import (
     POSITION_IDS,
     SEQ_IDX,
 )
-from zephon_collate.read import Kind, to_row
+from zephon_collate.read import Kind, as_numpy, to_row
 from zephon_collate.text import shown, shown_fields
 
 __all__ = ["TransformersCollator"]
@@ -75,7 +75,7 @@ def as_examples(features: object) -> list[Mapping[str, Any]]:
         ids = features[INPUT_IDS]
         if not hasattr(ids, "__len__") or isinstance(ids, (str, bytes)):
             raise TypeError(f"{OWNER}: 'input_ids' must be a list of token rows, got {type(ids).__name__}")
-        if len(ids) and np.ndim(ids[0]) == 0:
+        if len(ids) and getattr(ids[0], "ndim", 0 if isinstance(ids[0], (int, np.integer)) else 1) == 0:
             raise ValueError(
                 f"{OWNER}: got one example (a dict whose 'input_ids' is a row of ints), not a batch; "
                 "pass a list of examples ([example]) or a batched dict of lists"
@@ -99,8 +99,7 @@ def as_examples(features: object) -> list[Mapping[str, Any]]:
 
 def _field(example: Mapping[str, Any], name: str, where: str, kind: Kind, length: int) -> np.ndarray:
     """``example[name]`` as a 1-D array of ``length`` entries."""
-    row = to_row(example[name], where, name, kind)
-    values = row.detach().cpu().numpy() if isinstance(row, torch.Tensor) else np.asarray(row)
+    values = as_numpy(to_row(example[name], where, name, kind))
     if values.shape != (length,):
         raise ValueError(
             f"{where}: field {shown(name)} has shape {values.shape}, but 'input_ids' has {length} tokens; "
@@ -139,8 +138,7 @@ def read_example(example: object, where: str) -> Example:
             "takes one document per example: pass the documents unpacked (padding_free=True puts them in "
             "one row itself), or use Collator with segment-restarting 'positions'"
         )
-    ids = to_row(example[INPUT_IDS], where, INPUT_IDS, "ids")
-    tokens = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+    tokens = as_numpy(to_row(example[INPUT_IDS], where, INPUT_IDS, "ids"))
     if tokens.ndim != 1:
         raise ValueError(f"{where}: 'input_ids' must be one row of token ids, got shape {tokens.shape}")
     tokens = tokens.astype(np.int64, copy=False)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import numpy as np
 import torch
 
 from zephon_collate.collate.options import TrainingOptions
@@ -19,7 +18,7 @@ from zephon_collate.collate.stack import check_padding_lengths, stack_columns
 from zephon_collate.functional.segments import segment_starts
 from zephon_collate.functional.values import any_outside_zero_one, first_nonzero, first_true_row, smallest
 from zephon_collate.keys import ATTENTION_MASK, INPUT_IDS, INT32_MAX, LABELS, LOSS_MASK, POSITIONS
-from zephon_collate.read import Columns, RecordName, describe, read_columns, to_row
+from zephon_collate.read import Columns, RecordName, as_numpy, describe, read_columns, to_row
 from zephon_collate.records import SampleRecord
 
 __all__ = ["check_values", "read_batch", "segment_counts", "stack"]
@@ -56,10 +55,6 @@ def read_batch(
     return columns
 
 
-def _array(row: torch.Tensor | np.ndarray) -> np.ndarray:
-    return row.detach().cpu().numpy() if isinstance(row, torch.Tensor) else np.asarray(row)
-
-
 def refuse_unused_supervision(columns: Columns) -> None:
     """``ValueError`` for a payload field that would change what gets supervised but is not read.
 
@@ -76,8 +71,8 @@ def refuse_unused_supervision(columns: Columns) -> None:
             if name not in payload or name in columns.rows or name == columns.tokens_field:
                 continue
             where = RecordName(columns.records, index)
-            values = _array(to_row(payload[name], where, name, "values"))
-            tokens = _array(columns.rows[INPUT_IDS][index])
+            values = as_numpy(to_row(payload[name], where, name, "values"))
+            tokens = as_numpy(columns.rows[INPUT_IDS][index])
             if name == ATTENTION_MASK and not (values == 1).all():
                 raise ValueError(
                     f"{where}: payload has an 'attention_mask' with zeros, which is not applied here: those "

@@ -19,7 +19,7 @@ import torch
 
 from zephon_collate.checks import check_int
 from zephon_collate.keys import INPUT_IDS, INT32_MAX, LOSS_MASK, POSITIONS, TOKEN_FIELD_CANDIDATES
-from zephon_collate.read import describe_record, first_token_field, is_array_payload, to_row
+from zephon_collate.read import as_numpy, describe_record, first_token_field, is_array_payload, to_row
 from zephon_collate.records import SampleRecord
 from zephon_collate.text import shown, shown_fields
 
@@ -94,10 +94,7 @@ def _as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
             f"{where}: field {shown(name)} must be a list, tuple, NumPy array or torch tensor of numbers, "
             f"got {type(value).__name__}"
         )
-    row = to_row(value, where, name, "ids" if ids else "values")
-    if isinstance(row, torch.Tensor):
-        tensor = row.detach().cpu()
-        row = (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
+    row = as_numpy(to_row(value, where, name, "ids" if ids else "values"))
     if row.ndim != 1:
         raise ValueError(
             f"{where}: field {shown(name)} must be 1-D (one entry per token), got shape {row.shape}"
