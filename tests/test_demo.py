@@ -188,10 +188,20 @@ def test_user_corpus_folder_and_jsonl(tmp_path):
 
 
 def test_pack_rows_and_demo_batch():
-    rows, documents = pack_rows(None, 64, 20)
+    rows, documents, left_out = pack_rows(None, 64, 20)
     assert all(row.payload["input_ids"].shape == (65,) for row in rows)
     assert all(row.meta.component_token_counts for row in rows)
-    assert documents
+    assert documents and left_out == 0
+
+
+def test_chat_examples_longer_than_a_row_are_left_out_and_counted(tmp_path):
+    jsonl = tmp_path / "chat.jsonl"
+    lines = [{"prompt": "q" * 10, "response": "a" * 10}, {"prompt": "q" * 40, "response": "a" * 40}]
+    lines.append({"text": "t" * 200})  # plain text longer than a row is split, as before
+    jsonl.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rows, documents, left_out = pack_rows(str(jsonl), 32, 4)
+    assert left_out == 1 and sorted(len(d.prompt) for d in documents) == [0, 10]
+    assert sum(int(row.payload["input_ids"].size - row.meta.padding_length) for row in rows) == 22 + 202
     batch = demo_batch(seq_len=64, batch_size=3)
     assert batch["input_ids"].shape == (3, 64)
     assert {"labels", "loss_mask", "positions", "cu_seqlens", "padding_mask"} <= batch.keys()

@@ -47,17 +47,23 @@ class Rows(torch.utils.data.Dataset):
 
 def pack_rows(
     corpus: str | None, seq_len: int, rows_wanted: int, seed: int = 0
-) -> tuple[list[SampleRecord], list[Any]]:
-    """About ``rows_wanted`` packed rows of ``seq_len + 1`` tokens from ``corpus``, and their documents.
+) -> tuple[list[SampleRecord], list[Any], int]:
+    """About ``rows_wanted`` packed rows of ``seq_len + 1`` tokens from ``corpus``, their documents, and
+    the number of chat examples left out.
 
     Rows hold ``seq_len + 1`` tokens so that, after the label shift, the model
-    sees ``seq_len`` inputs. Chat examples are at most one row long.
+    sees ``seq_len`` inputs. A chat example longer than a row (from a JSONL
+    corpus; the standard library's are cut to fit) is left out and counted: cut,
+    its response would be trained without its prompt.
     """
     budget = int(rows_wanted * (seq_len + 1) * 1.05)
     documents = load_documents(corpus, max_chars=seq_len - 1, budget_chars=budget, seed=seed)
     records = to_records(documents, ByteTokenizer())
+    fits = [len(r.payload["input_ids"]) <= seq_len + 1 or bool(r.payload["loss_mask"].all()) for r in records]
+    records = [record for record, keep in zip(records, fits, strict=True) if keep]
+    kept = [document for document, keep in zip(documents, fits, strict=True) if keep]
     rows = pack_flat(records, seq_len + 1, pad_token_id=PAD, strategy="best_fit", buffer_size=512)
-    return rows, documents
+    return rows, kept, len(documents) - len(kept)
 
 
 def make_collator(device: str | torch.device | None = None, compile: bool = False) -> Collator:
@@ -128,7 +134,7 @@ def demo_batch(
     trailing padding. ``min_documents`` draws only among rows that pack at least
     that many documents (or pieces of documents), to see the packing at work.
     """
-    rows, _ = pack_rows(corpus, seq_len, max(512, 8 * batch_size), seed)
+    rows, _, _ = pack_rows(corpus, seq_len, max(512, 8 * batch_size), seed)
     rows = [row for row in rows if _documents_in(row) >= min_documents] or rows
     order = [int(i) for i in torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))]
     first = next((i for i in order if _shows_everything(rows[i])), order[0])

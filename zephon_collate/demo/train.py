@@ -130,7 +130,7 @@ def _run(config: DemoConfig, device: torch.device, log: Any) -> DemoResult:
     started = time.perf_counter()
     torch.manual_seed(config.seed)
     rows_wanted = config.steps * config.batch_size + config.eval_rows
-    rows, documents = pack_rows(config.corpus, config.seq_len, rows_wanted, config.seed)
+    rows, documents, left_out = pack_rows(config.corpus, config.seq_len, rows_wanted, config.seed)
     eval_count = min(config.eval_rows, len(rows) // 5)
     train_rows, eval_rows = rows[: len(rows) - eval_count], rows[len(rows) - eval_count :]
     chat = sum(1 for d in documents if d.component == CHAT)
@@ -139,6 +139,7 @@ def _run(config: DemoConfig, device: torch.device, log: Any) -> DemoResult:
         f"corpus: {len(documents):,} documents from {source} ({len(documents) - chat:,} source blocks, "
         f"{chat:,} docstring->body examples) packed into {len(train_rows):,} training rows and "
         f"{len(eval_rows)} held-out rows of {config.seq_len + 1} tokens"
+        + (f"; {left_out:,} chat examples longer than a row left out" if left_out else "")
     )
     collator = make_collator(device, config.compile)
     model = DocumentTransformer(
