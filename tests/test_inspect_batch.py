@@ -311,6 +311,15 @@ def test_show_jsonl_text_records(tmp_path, capsys):
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_show_a_chat_example_longer_than_a_row(tmp_path, capsys):
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"prompt": "q" * 20, "response": "a" * 20}) + "\n")
+    assert main(["show", str(path), "--seq-len", "16", "--no-color"]) == 2
+    assert "more than seq_len=17, and a prompt" in capsys.readouterr().err
+    assert main(["show", str(path), "--seq-len", "16", "--no-color", "--overflow", "truncate"]) == 0
+    assert "0 of 16 labels supervised" in capsys.readouterr().out  # the head of it is all prompt
+
+
 def test_show_jsonl_token_records_unpacked(tmp_path, capsys):
     path = tmp_path / "tokens.jsonl"
     rows = [{"input_ids": [1, 5, 6, 2], "loss_mask": [0, 0, 1, 1]}, {"input_ids": [1, 7, 2]}]

@@ -82,6 +82,12 @@ def _parser() -> argparse.ArgumentParser:
         help="--demo-batch: only rows packing this many documents",
     )
     show.add_argument("--no-pack", action="store_true", help="FILE.jsonl: one record per row, right-padded")
+    show.add_argument(
+        "--overflow",
+        choices=("auto", "split", "truncate"),
+        default="auto",
+        help="FILE.jsonl: pack_flat's overflow= for records longer than a row (default auto)",
+    )
     show.add_argument("--pad-id", type=int, default=0, help="token records: the padding id (default 0)")
     show.add_argument("--eos-id", type=int, help="token records: mask labels after this EOS id")
     show.add_argument(
@@ -137,7 +143,9 @@ def _jsonl_batch(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     if args.no_pack:
         records = _pad_records(records, pad_id)
     else:
-        records = pack_flat(records, args.seq_len + 1, pad_token_id=pad_id, strategy="greedy")
+        records = pack_flat(
+            records, args.seq_len + 1, pad_token_id=pad_id, strategy="greedy", overflow=args.overflow
+        )
     has_positions = all(isinstance(r.payload, dict) and "positions" in r.payload for r in records)
     collator = Collator(
         return_labels=True,
