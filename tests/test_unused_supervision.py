@@ -56,6 +56,19 @@ def test_the_named_fix_trains_exactly_the_supervised_tokens():
     assert out["num_valid_tokens"] == 7  # 6, 7 in row 0; 8, 9, 2, 3, 4 in row 1
 
 
+def test_assistant_masks_are_refused_unless_they_are_the_loss_mask():
+    chat = {"input_ids": [1, 5, 6, 7], "assistant_masks": [0, 0, 1, 1]}
+    with pytest.raises(
+        ValueError, match=r"record 0 .*'assistant_masks' with zeros.*loss_mask = assistant_masks"
+    ):
+        Collator(**OPTIONS)([chat])
+    with pytest.raises(ValueError, match="'assistant_masks' with zeros"):
+        Collator(**OPTIONS)([{**chat, "loss_mask": [1, 1, 1, 1]}])
+    out = Collator(**OPTIONS)([{**chat, "loss_mask": [0, 0, 1, 1]}])
+    assert out["labels"].tolist() == [[-100, 6, 7]] and out["num_valid_tokens"] == 2
+    assert Collator(**OPTIONS)([{**chat, "assistant_masks": [1] * 4}])["num_valid_tokens"] == 3
+
+
 def test_harmless_copies_and_used_fields_pass():
     plain = {"input_ids": [1, 5, 6], "attention_mask": [1, 1, 1], "labels": [1, 5, 6]}
     assert Collator(**OPTIONS)([plain])["labels"].tolist() == [[5, 6]]

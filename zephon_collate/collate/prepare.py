@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from zephon_collate.collate.options import TrainingOptions
@@ -17,7 +18,15 @@ from zephon_collate.collate.padding import RowPadding
 from zephon_collate.collate.stack import check_padding_lengths, stack_columns
 from zephon_collate.functional.segments import segment_starts
 from zephon_collate.functional.values import any_outside_zero_one, first_nonzero, first_true_row, smallest
-from zephon_collate.keys import ATTENTION_MASK, INPUT_IDS, INT32_MAX, LABELS, LOSS_MASK, POSITIONS
+from zephon_collate.keys import (
+    ASSISTANT_MASKS,
+    ATTENTION_MASK,
+    INPUT_IDS,
+    INT32_MAX,
+    LABELS,
+    LOSS_MASK,
+    POSITIONS,
+)
 from zephon_collate.read import Columns, RecordName, as_numpy, describe, read_columns, to_row
 from zephon_collate.records import SampleRecord
 
@@ -58,16 +67,18 @@ def read_batch(
 def refuse_unused_supervision(columns: Columns) -> None:
     """``ValueError`` for a payload field that would change what gets supervised but is not read.
 
-    An ``attention_mask`` with zeros (Hugging Face's padding) or ``labels`` that
-    differ from the tokens (``-100`` on a prompt) would be silently dropped: the
-    padding or the prompt trained on. Harmless copies (an all-ones mask, labels
-    equal to the tokens) pass; a field listed in ``extra_fields`` is read, so used.
+    An ``attention_mask`` with zeros (Hugging Face's padding), ``labels`` that
+    differ from the tokens (``-100`` on a prompt) or ``assistant_masks`` with
+    zeros (a chat template's) would be silently dropped: the padding or the
+    prompt trained on. Harmless copies (an all-ones mask, labels equal to the
+    tokens, assistant masks equal to the ``loss_mask``) pass; a field listed in
+    ``extra_fields`` is read, so used.
     """
     for index, record in enumerate(columns.records):
         payload = record.payload
         if not isinstance(payload, Mapping):
             continue
-        for name in (ATTENTION_MASK, LABELS):
+        for name in (ATTENTION_MASK, LABELS, ASSISTANT_MASKS):
             if name not in payload or name in columns.rows or name == columns.tokens_field:
                 continue
             where = RecordName(columns.records, index)
@@ -80,6 +91,15 @@ def refuse_unused_supervision(columns: Columns) -> None:
                     "Collator.for_transformers(...); else give padding as meta.padding_length (pack_flat "
                     "writes it) or pad with Collator(pad_token_id=...) and drop the mask"
                 )
+            if name == ASSISTANT_MASKS and not (values == 1).all():
+                loss_mask = columns.rows.get(LOSS_MASK)
+                if loss_mask is None or not np.array_equal(as_numpy(loss_mask[index]), values):
+                    raise ValueError(
+                        f"{where}: payload has 'assistant_masks' with zeros, which are not read here: the "
+                        "prompt would be trained on. For Hugging Face examples use "
+                        "Collator.for_transformers(...); else give them as the loss_mask "
+                        "(loss_mask = assistant_masks)"
+                    )
             if name == LABELS and (values.shape != tokens.shape or not (values == tokens).all()):
                 raise ValueError(
                     f"{where}: payload has 'labels' that differ from its tokens (e.g. -100 on a prompt), "
