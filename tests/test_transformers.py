@@ -194,6 +194,11 @@ def test_the_collator_pickles_for_dataloader_workers() -> None:
     assert "pad_token_id=0" in repr(copy)
 
 
+def test_labels_under_the_padding_are_not_read() -> None:
+    example = {"input_ids": [5, 6, PAD], "attention_mask": [1, 1, 0], "labels": [5, 6, 12345]}
+    assert Collator.for_transformers(pad_token_id=PAD)([example])["labels"].tolist() == [[5, 6]]
+
+
 def test_boundary_safe_labels_off_keeps_each_first_label_in_the_flat_row() -> None:
     flat = Collator.for_transformers(padding_free=True, boundary_safe_labels=False)
     assert flat([{"input_ids": [5, 6]}, {"input_ids": [7, 8]}])["labels"].tolist() == [[5, 6, 7, 8]]

@@ -154,13 +154,13 @@ def read_example(example: object, where: str) -> Example:
         if not attended[:real].all():
             raise ValueError(
                 f"{where}: 'attention_mask' must be 1 on the tokens then 0 on trailing padding; it has a 0 "
-                f"before a 1 (left padding, or a hole); pad on the right (tokenizer.padding_side = 'right')"
+                "before a 1 (left padding, or a hole); pad on the right (tokenizer.padding_side = 'right')"
             )
     supervised = np.ones(length, dtype=bool)
     if LABELS in example:
         labels = _field(example, LABELS, where, "ids", length)
         trained = labels != IGNORE_INDEX
-        wrong = np.flatnonzero(trained & (labels != tokens))
+        wrong = np.flatnonzero((trained & (labels != tokens))[:real])  # padding is dropped, unread
         if wrong.size:
             t = int(wrong[0])
             raise ValueError(
