@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zephon_collate import Collator, TransformersCollator
+from zephon_collate import Collator, SampleMeta, SampleRecord, TransformersCollator
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -218,6 +218,7 @@ def test_boundary_safe_labels_off_keeps_each_first_label_in_the_flat_row() -> No
         ([{"input_ids": [[5, 6], [7, 8]]}], ValueError, r"one row of token ids, got shape \(2, 2\)"),
         ([{"text": "hi"}], ValueError, "example 0: has no 'input_ids'"),
         ([[5, 6]], TypeError, "example 0: must be a dict"),
+        ([SampleRecord(SampleMeta((0, 0, 0), 0, 0), {"input_ids": [5]})], TypeError, "is a SampleRecord"),
         ({"input_ids": [5, 6]}, ValueError, "one example .* not a batch"),
         ({"input_ids": [[5, 6]], "labels": []}, ValueError, "'labels' does not hold one entry per example"),
         ("input_ids", TypeError, "expected a list of example dicts"),

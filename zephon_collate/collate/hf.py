@@ -52,6 +52,7 @@ from zephon_collate.keys import (
     SEQ_IDX,
 )
 from zephon_collate.read import Kind, as_numpy, to_row
+from zephon_collate.records import SampleRecord
 from zephon_collate.text import shown, shown_fields
 
 __all__ = ["TransformersCollator"]
@@ -124,6 +125,11 @@ def read_example(example: object, where: str) -> Example:
             negative ids, masks other than 0/1, an ``attention_mask`` that is not 1s then 0s,
             a label that is neither -100 nor its token, or ``position_ids`` (pre-packed rows).
     """
+    if isinstance(example, SampleRecord):
+        raise TypeError(
+            f"{where}: is a SampleRecord; this collator takes Hugging Face example dicts: pass the "
+            "payloads, or collate records (pack_flat's rows) with Collator(...)"
+        )
     if not isinstance(example, Mapping):
         raise TypeError(
             f"{where}: must be a dict of fields such as 'input_ids', got {type(example).__name__}"
