@@ -30,6 +30,7 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_sweep.py
+	$(BIN)/python benchmarks/bench_transformers.py
 	$(BIN)/python benchmarks/bench_to_training.py
 	$(BIN)/python benchmarks/bench_floor.py
 	$(BIN)/python benchmarks/bench_collator.py
