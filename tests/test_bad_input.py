@@ -1208,6 +1208,7 @@ def test_pack_flat_records_not_records(bad):
         ({"fields": ["w", "w"]}, ValueError, "fields lists a name twice"),
         ({"fields": ["positions"]}, ValueError, "fields may not list 'positions'"),
         ({"fields": ["input_ids"]}, ValueError, "the tokens field 'input_ids' is also listed in fields"),
+        ({"strateg": "greedy"}, TypeError, "unknown option 'strateg'; did you mean 'strategy'"),
     ],
 )
 def test_pack_flat_option_arguments(kwargs, error, match):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import pickle
 from typing import Any
@@ -130,6 +131,26 @@ def test_truncate_overflow_keeps_the_head_and_closes() -> None:
     rows = pack_flat([doc(0, 12), doc(1, 2)], 5, pad_token_id=PAD, overflow="truncate")
     assert [ids(r) for r in rows] == [[1000, 1001, 1002, 1003, 1004], [2000, 2001, PAD, PAD, PAD]]
     assert [refs(r) for r in rows] == [[(0, (0,), True)], [(1, (0,), True)]]
+
+
+def test_one_signature_for_the_packing_options() -> None:
+    """pack_flat and FlatPacker take the same keywords, from one place; only buffer_size's default differs."""
+    listed, streamed = inspect.signature(pack_flat), inspect.signature(FlatPacker)
+    assert (
+        list(listed.parameters)[:2] == ["records", "seq_len"] and next(iter(streamed.parameters)) == "seq_len"
+    )
+    assert list(listed.parameters)[2:] == list(streamed.parameters)[1:] == [
+        "pad_token_id", "emit_positions", "tokens_field", "strategy", "overflow", "buffer_size", "fields"
+    ]  # fmt: skip
+    assert listed.parameters["overflow"].default == streamed.parameters["overflow"].default == "auto"
+    assert (listed.parameters["buffer_size"].default, streamed.parameters["buffer_size"].default) == (
+        None,
+        1024,
+    )
+    assert FlatPacker(4, pad_token_id=0).options.buffer_size == 1024
+    for call in (lambda: pack_flat([], 4), lambda: FlatPacker(4)):
+        with pytest.raises(TypeError, match="pad_token_id is required"):
+            call()
 
 
 def test_a_long_document_with_a_prompt_is_not_split_by_default() -> None:

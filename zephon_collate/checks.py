@@ -6,6 +6,7 @@ value received and what is expected, or returns the normalised value.
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 import warnings
@@ -34,6 +35,15 @@ _INTEGER_TORCH_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 
 def _is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_option_names(owner: str, names: Iterable[str], known: Sequence[str]) -> None:
+    """``TypeError`` naming the first unknown option in ``names``, with the closest known one."""
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {shown(close[0])}?" if close else f"; known options: {', '.join(known)}"
+            raise TypeError(f"{owner}: unknown option {shown(name)}{hint}")
 
 
 def check_eos_token_id(value: object, *, owner: str = "to_training") -> int:

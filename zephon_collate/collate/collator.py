@@ -16,7 +16,6 @@ training.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,7 +24,7 @@ import torch
 from tensordict import TensorDict
 from torch.utils.data import get_worker_info
 
-from zephon_collate.checks import check_bool
+from zephon_collate.checks import check_bool, check_option_names
 from zephon_collate.collate.hf import TransformersCollator
 from zephon_collate.collate.options import OPTION_NAMES, TrainingOptions
 from zephon_collate.collate.output import assemble_outputs, empty_outputs, ids_and_texts
@@ -41,19 +40,6 @@ from zephon_collate.text import shown
 from zephon_collate.transforms import CuSeqlens
 
 __all__ = ["Collator", "as_records"]
-
-
-def _check_option_names(options: Mapping[str, Any]) -> None:
-    """``TypeError`` naming an unknown to_training option, with the closest known name."""
-    for name in options:
-        if name not in OPTION_NAMES:
-            close = difflib.get_close_matches(name, OPTION_NAMES, n=1)
-            hint = (
-                f"; did you mean {shown(close[0])}?"
-                if close
-                else f"; known options: {', '.join(OPTION_NAMES)}"
-            )
-            raise TypeError(f"Collator: unknown option {shown(name)}{hint}")
 
 
 def _check_device(device: object) -> torch.device | None:
@@ -193,7 +179,7 @@ class Collator:
         boundary_safe_labels: bool = True,
         **options: Any,
     ) -> None:
-        _check_option_names(options)
+        check_option_names("Collator", options, OPTION_NAMES)
         self.options = TrainingOptions(**options)
         self.padding = RowPadding.create(pad_token_id, pad_to_multiple_of)
         self.boundary_safe_labels = check_bool("boundary_safe_labels", boundary_safe_labels, owner="Collator")

@@ -13,7 +13,9 @@ Options and documents are checked and read by :mod:`zephon_collate.packing.reade
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from zephon_collate.collate.sample_batch import SampleBatch
 from zephon_collate.keys import LOSS_MASK
@@ -59,16 +61,7 @@ def _shared_fields(records: Sequence[SampleRecord], tokens_name: str) -> tuple[s
 
 
 def pack_flat(
-    records: Iterable[SampleRecord] | SampleBatch,
-    seq_len: int,
-    *,
-    pad_token_id: int,
-    emit_positions: bool = True,
-    tokens_field: str = "auto",
-    strategy: str = "greedy",
-    overflow: str = "auto",
-    buffer_size: int | None = None,
-    fields: Sequence[str] | None = None,
+    records: Iterable[SampleRecord] | SampleBatch, seq_len: int, **options: Any
 ) -> list[SampleRecord]:
     """Pack tokenized records into flat rows of exactly ``seq_len`` tokens.
 
@@ -147,17 +140,7 @@ def pack_flat(
         >>> rows[0].meta.component_sample_counts, rows[0].meta.component_token_counts
         ({0: 2}, {0: 5})
     """
-    options = PackOptions.create(
-        "pack_flat",
-        seq_len=seq_len,
-        pad_token_id=pad_token_id,
-        emit_positions=emit_positions,
-        tokens_field=tokens_field,
-        strategy=strategy,
-        overflow=overflow,
-        buffer_size=buffer_size,
-        fields=fields,
-    )
+    checked = PackOptions.create("pack_flat", seq_len=seq_len, **options)
     if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, (Iterable, SampleBatch)):
         raise TypeError(f"pack_flat: records must be a list of SampleRecord, got {type(records).__name__}")
     records = list(records.records if isinstance(records, SampleBatch) else records)
@@ -166,12 +149,24 @@ def pack_flat(
         raise TypeError(
             f"pack_flat: records[{bad}] must be a SampleRecord, got {type(records[bad]).__name__}"
         )
-    tokens_name = resolve_tokens_field(records, options.tokens_field)
-    if tokens_name in (options.fields or ()):
+    tokens_name = resolve_tokens_field(records, checked.tokens_field)
+    if tokens_name in (checked.fields or ()):
         raise ValueError(
             f"pack_flat: the tokens field {shown(tokens_name)} is also listed in fields; drop it from fields"
         )
-    shared = _shared_fields(records, tokens_name) if options.fields is None else options.fields
-    size = options.buffer_size or max(1, len(records))
-    settings = {**vars(options), "tokens_field": tokens_name, "buffer_size": size, "fields": shared}
+    shared = _shared_fields(records, tokens_name) if checked.fields is None else checked.fields
+    size = checked.buffer_size or max(1, len(records))
+    settings = {**vars(checked), "tokens_field": tokens_name, "buffer_size": size, "fields": shared}
     return list(FlatPacker(**settings).pack(records))
+
+
+pack_flat.__signature__ = PackOptions.signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter(
+            "records",
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            annotation="Iterable[SampleRecord] | SampleBatch",
+        )
+    ],
+    "list[SampleRecord]",
+)

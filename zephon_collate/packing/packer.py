@@ -11,12 +11,13 @@ stream emits exactly the rows an uninterrupted run would have emitted next.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from zephon_collate.keys import INPUT_IDS
-from zephon_collate.packing.reader import PackOptions, Reader
+from zephon_collate.packing.reader import STREAM_BUFFER_SIZE, PackOptions, Reader
 from zephon_collate.packing.rows import Engine, build_row, split_document
 from zephon_collate.packing.state import check_count, corrupt, piece_state, pieces_from_state, same_value
 from zephon_collate.records import SampleRecord
@@ -74,23 +75,10 @@ class FlatPacker:
         [[3, 3, 3, 3, 4]]
     """
 
-    def __init__(
-        self,
-        seq_len: int,
-        *,
-        pad_token_id: int,
-        emit_positions: bool = True,
-        tokens_field: str = "auto",
-        strategy: str = "greedy",
-        overflow: str = "auto",
-        buffer_size: int = 1024,
-        fields: Sequence[str] | None = None,
-    ) -> None:
+    def __init__(self, seq_len: int, **options: Any) -> None:
         self.options = PackOptions.create(
-            "FlatPacker", seq_len=seq_len, pad_token_id=pad_token_id, emit_positions=emit_positions,
-            tokens_field=tokens_field, strategy=strategy, overflow=overflow, buffer_size=buffer_size,
-            fields=fields,
-        )  # fmt: skip
+            "FlatPacker", seq_len=seq_len, **{"buffer_size": STREAM_BUFFER_SIZE, **options}
+        )
         self._reset()
 
     def _reset(self) -> None:
@@ -230,3 +218,8 @@ class FlatPacker:
         engine = self._engine
         engine.pending, engine.ready = pending, ready
         engine.used = sum(piece.tokens.size for piece in engine.pending)
+
+
+FlatPacker.__init__.__signature__ = PackOptions.signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)], None, buffer_size=STREAM_BUFFER_SIZE
+)

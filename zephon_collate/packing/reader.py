@@ -10,41 +10,52 @@ field and the fix. Nothing here writes into a payload.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+import dataclasses
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import MISSING, dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from zephon_collate.checks import check_int
+from zephon_collate.checks import check_int, check_option_names
 from zephon_collate.keys import INPUT_IDS, INT32_MAX, LOSS_MASK, POSITIONS, TOKEN_FIELD_CANDIDATES
 from zephon_collate.read import as_numpy, describe_record, first_token_field, is_array_payload, to_row
 from zephon_collate.records import SampleRecord
 from zephon_collate.text import shown, shown_fields
 
-__all__ = ["OVERFLOWS", "STRATEGIES", "PackOptions", "Reader", "candidate_fields"]
+__all__ = ["OVERFLOWS", "STRATEGIES", "STREAM_BUFFER_SIZE", "PackOptions", "Reader", "candidate_fields"]
 
 STRATEGIES = ("greedy", "best_fit")
 OVERFLOWS = ("auto", "split", "truncate")
 
 
-@dataclass(frozen=True)
+STREAM_BUFFER_SIZE = 1024
+"""``FlatPacker``'s default ``buffer_size`` (``pack_flat``'s is the whole list)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class PackOptions:
-    """The options of :func:`pack_flat` and ``FlatPacker``, checked by :meth:`create`."""
+    """The packing options: the one home of the keywords (and defaults) of :func:`pack_flat`,
+    ``FlatPacker`` and ``PackedStream``, checked by :meth:`create`."""
 
     seq_len: int
     pad_token_id: int
-    emit_positions: bool
-    tokens_field: str
-    strategy: str
-    overflow: str
-    buffer_size: int | None
-    fields: tuple[str, ...] | None
+    emit_positions: bool = True
+    tokens_field: str = "auto"
+    strategy: str = "greedy"
+    overflow: str = "auto"
+    buffer_size: int | None = None
+    fields: tuple[str, ...] | None = None
 
     @classmethod
-    def create(cls, owner: str, **options: Any) -> PackOptions:
+    def create(cls, owner: str, **given: Any) -> PackOptions:
         """Check every option, raising ``TypeError``/``ValueError`` that names it and says what to pass."""
+        check_option_names(owner, given, PACK_OPTION_NAMES)
+        if "pad_token_id" not in given:
+            raise TypeError(f"{owner}: pad_token_id is required: the token id of the padding, an int >= 0")
+        options = {**DEFAULTS, **given}
         checked = dict(options)
         checked["seq_len"] = check_int(owner, "seq_len", options["seq_len"], 1, INT32_MAX)  # int32 offsets
         checked["pad_token_id"] = check_int(owner, "pad_token_id", options["pad_token_id"], 0)
@@ -79,6 +90,25 @@ class PackOptions:
             if len(set(fields)) != len(fields):
                 raise ValueError(f"{owner}: fields lists a name twice: {shown(fields)}")
         return cls(**checked)
+
+    @staticmethod
+    def signature(
+        leading: Sequence[inspect.Parameter], returns: object, **defaults: Any
+    ) -> inspect.Signature:
+        """A signature of ``leading`` parameters, ``seq_len``, then the options as keywords
+        (with ``defaults`` overriding this class's)."""
+        seq_len = inspect.Parameter("seq_len", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="int")
+        kind = inspect.Parameter.KEYWORD_ONLY
+        keywords = []
+        for f in dataclasses.fields(PackOptions)[1:]:  # after seq_len
+            default = defaults.get(f.name, f.default)
+            default = inspect.Parameter.empty if default is MISSING else default
+            keywords.append(inspect.Parameter(f.name, kind, default=default, annotation=f.type))
+        return inspect.Signature([*leading, seq_len, *keywords], return_annotation=returns)
+
+
+PACK_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(PackOptions))
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(PackOptions) if f.default is not MISSING}
 
 
 def _as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
