@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
-from helpers import batch, record
+from helpers import as_lists, batch, record
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from zephon_collate import Collator, pack_flat
+from zephon_collate import Collator, SampleBatch, pack_flat
 
 # Hugging Face-style rows: a prompt masked with -100 in labels, trailing padding marked 0 in attention_mask.
 HF_ROWS = [
@@ -27,8 +31,6 @@ def test_hf_rows_are_refused_not_trained_on_padding_and_prompts():
         match=r"record 0 .*'attention_mask' with zeros.*Collator.for_transformers.*Collator\(pad_token_id",
     ):
         Collator(**OPTIONS)(HF_ROWS)
-    with pytest.raises(ValueError, match=r"record 0 .*'attention_mask' with zeros"):
-        batch(*HF_ROWS).to_training(**OPTIONS)
     no_mask = [{k: v for k, v in row.items() if k != "attention_mask"} for row in HF_ROWS]
     with pytest.raises(
         ValueError,
@@ -83,3 +85,90 @@ def test_packed_labels_are_refused_at_collation():
     )
     with pytest.raises(ValueError, match=r"'labels' that differ from its tokens"):
         Collator(**OPTIONS)(rows)
+
+
+def _without(payloads, names):
+    return [{k: v for k, v in p.items() if k not in names} for p in payloads]
+
+
+def test_to_training_returns_the_pages_result_whatever_else_a_payload_carries():
+    """The regression: fields the call does not read never make to_training raise."""
+    rows = [{**row, "type_ids": [0] * len(row["input_ids"])} for row in HF_ROWS]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no labels: nothing is supervised, so nothing is said
+        out = batch(*rows).to_training(extra_fields=["type_ids"])
+    assert out["type_ids"].tolist() == [[0] * 6, [0] * 6]
+    assert "attention_mask" not in out and "labels" not in out
+    options = {"return_labels": True, "flatten": True, "dtype": torch.int32, "return_padding_mask": True}
+    with pytest.warns(
+        UserWarning, match=r"record 0 .*'attention_mask' with zeros.*for_transformers"
+    ) as caught:
+        out = batch(*rows).to_training(**options)
+    assert len(caught) == 1  # once per call, for the first record
+    page = batch(*_without(rows, {"attention_mask", "labels"})).to_training(**options)
+    assert as_lists(out) == as_lists(page)
+    assert out["input_ids"].dtype == torch.int32 and out["padding_mask"].tolist() == [False] * 10
+
+
+def test_the_collator_and_its_presets_keep_refusing():
+    rows = [{**row, "type_ids": [0] * 6} for row in HF_ROWS]
+    with pytest.raises(ValueError, match=r"record 0 .*'attention_mask' with zeros"):
+        Collator(extra_fields=["type_ids"])(rows)
+    with pytest.raises(ValueError, match=r"record 0 .*'attention_mask' with zeros"):
+        Collator(extra_fields=["type_ids"]).stack(rows)
+
+
+@pytest.mark.parametrize("name", ["assistant_masks", "assistant_mask", "completion_mask"])
+def test_trl_and_chat_template_masks_are_named(name):
+    chat = {"input_ids": [1, 5, 6, 7], name: [0, 0, 1, 1]}
+    with pytest.raises(ValueError, match=rf"record 0 .*'{name}' with zeros.*loss_mask = {name}"):
+        Collator(**OPTIONS)([chat])
+    with pytest.warns(UserWarning, match=rf"'{name}' with zeros"):
+        out = batch(chat).to_training(**OPTIONS)
+    assert out["num_valid_tokens"] == 3  # the page's labels: every token
+
+
+class Remapped(dict):
+    """A dict subclass whose __getitem__ answers differently from dict.get."""
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        return [token + 1 for token in value] if key == "input_ids" else value
+
+
+def test_payload_mappings_are_read_through_their_mapping_interface():
+    payload = Remapped(input_ids=[1, 2, 3], text="hi")
+    out = batch(payload).to_training(return_labels=True)
+    assert out["input_ids"].tolist() == [[2, 3]] and out["labels"].tolist() == [[3, 4]]
+    assert out["texts"] == ["hi"]
+    rows = pack_flat([record(Remapped(input_ids=[5, 6], w=[1, 1]))], 3, pad_token_id=0)
+    assert rows[0].payload["input_ids"].tolist() == [6, 7, 0] and rows[0].payload["w"].tolist() == [1, 1, 0]
+
+
+SUPERVISING = {
+    "attention_mask": lambda n, draw: [1] * (n - draw) + [0] * draw,
+    "labels": lambda n, draw: [-100] * draw + list(range(10, 10 + n - draw)),
+    "completion_mask": lambda n, draw: [0] * draw + [1] * (n - draw),
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(2, 6), min_size=1, max_size=3).map(lambda ls: [ls[0]] * len(ls)),
+    fields=st.sets(st.sampled_from(sorted(SUPERVISING))),
+    zeros=st.integers(0, 2),
+    labels=st.booleans(),
+)
+def test_unread_supervising_fields_never_change_to_trainings_result(lengths, fields, zeros, labels):
+    """Property: to_training gives the page's result whatever unread fields ride along; it warns
+    exactly when labels are made and some field would have changed them."""
+    plain = [{"input_ids": list(range(10, 10 + n))} for n in lengths]
+    carried = [{**p, **{f: SUPERVISING[f](len(p["input_ids"]), zeros) for f in fields}} for p in plain]
+    options = {"return_labels": labels, "return_num_valid_tokens": labels, "return_cu_seqlens": False}
+    expected = SampleBatch([record(p, i) for i, p in enumerate(plain)]).to_training(**options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = SampleBatch([record(p, i) for i, p in enumerate(carried)]).to_training(**options)
+    assert as_lists(got) == as_lists(expected)
+    effective = bool(fields) and zeros > 0
+    assert len([w for w in caught if issubclass(w.category, UserWarning)]) == int(labels and effective)

@@ -7,8 +7,10 @@ to them, the collate path emits them, and the packer writes the payload fields.
 from __future__ import annotations
 
 __all__ = [
+    "ASSISTANT_MASK",
     "ASSISTANT_MASKS",
     "ATTENTION_MASK",
+    "COMPLETION_MASK",
     "CU_SEQLENS",
     "CU_SEQ_LENS_K",
     "CU_SEQ_LENS_Q",
@@ -58,6 +60,10 @@ TEXT = "text"
 POSITION_IDS = "position_ids"
 ASSISTANT_MASKS = "assistant_masks"
 """1 on assistant tokens, as ``apply_chat_template(return_assistant_tokens_mask=True)`` names it."""
+ASSISTANT_MASK = "assistant_mask"
+"""The singular spelling some datasets use for :data:`ASSISTANT_MASKS`."""
+COMPLETION_MASK = "completion_mask"
+"""1 on completion tokens, as TRL's prompt-completion datasets name it."""
 CU_SEQ_LENS_Q, CU_SEQ_LENS_K = "cu_seq_lens_q", "cu_seq_lens_k"
 MAX_LENGTH_Q, MAX_LENGTH_K = "max_length_q", "max_length_k"
 SEQ_IDX = "seq_idx"

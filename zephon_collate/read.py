@@ -25,6 +25,8 @@ __all__ = [
     "Columns",
     "as_numpy",
     "as_record_tuple",
+    "payload_get",
+    "payload_items",
     "read_columns",
 ]
 
@@ -313,12 +315,29 @@ class Columns:
 _MISSING = object()
 
 
+def payload_get(payload: Mapping[Any, Any], name: str, default: Any = None) -> Any:
+    """``payload[name]`` if ``name in payload``, else ``default``: read through the mapping interface.
+
+    A plain ``dict`` takes the fast ``dict.get``; any other mapping (a ``dict``
+    subclass overriding ``__getitem__`` included) answers through its own
+    ``__contains__`` and ``__getitem__``.
+    """
+    if type(payload) is dict:
+        return payload.get(name, default)
+    return payload[name] if name in payload else default  # noqa: SIM401 (a subclass may not route .get)
+
+
+def payload_items(payload: Mapping[Any, Any]) -> list[tuple[Any, Any]]:
+    """The ``(name, value)`` pairs of a payload, each value read through ``payload[name]``."""
+    if type(payload) is dict:
+        return list(payload.items())
+    return [(name, payload[name]) for name in payload]
+
+
 def _value(payload: Any, name: str, tokens_field: str) -> Any:
     """``payload[name]``, the array payload itself for the token field, or ``_MISSING``."""
-    if type(payload) is dict:
-        return payload.get(name, _MISSING)
     if isinstance(payload, Mapping):
-        return payload.get(name, _MISSING)
+        return payload_get(payload, name, _MISSING)
     return payload if name == tokens_field else _MISSING
 
 

@@ -235,7 +235,8 @@ class Collator:
         process receives a plain dict.
         """
         if self.device is None and not self.compile and self.num_boundaries is None and self.python_scalars:
-            out = training_outputs(as_records(samples), self.options, self.padding, self.boundary_safe_labels)
+            records = as_records(samples)
+            out = training_outputs(records, self.options, self.padding, self.boundary_safe_labels, "raise")
         else:
             out = self.finish(self.stack(samples))
         return WireOutputs(out) if get_worker_info() is not None else out
@@ -252,7 +253,7 @@ class Collator:
         records = tuple(as_records(samples))
         if not records:
             return StackedBatch(None, ids_and_texts(records))
-        columns = read_batch(records, self.options, self.padding, self.boundary_safe_labels)
+        columns = read_batch(records, self.options, self.padding, self.boundary_safe_labels, unused="raise")
         if self.options.output.kind == "list" and not stackable(columns):
             raise ValueError(
                 "Collator.stack: rows of unequal length cannot be stacked into one TensorDict, even for "

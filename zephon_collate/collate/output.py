@@ -24,6 +24,7 @@ from zephon_collate.keys import (
     TEXT,
     TEXTS,
 )
+from zephon_collate.read import payload_get
 from zephon_collate.records import SampleRecord
 from zephon_collate.text import shown
 
@@ -104,7 +105,7 @@ def ids_and_texts(records: Sequence[SampleRecord]) -> dict[str, list[Any]]:
     A ``"text"`` that is not a str (e.g. a list of chat messages) is copied, so
     changing the output never changes the record.
     """
-    texts = [r.payload.get(TEXT) if isinstance(r.payload, Mapping) else None for r in records]
+    texts = [payload_get(r.payload, TEXT) if isinstance(r.payload, Mapping) else None for r in records]
     return {
         IDS: [r.meta.sample_id for r in records],
         TEXTS: [t if t is None or isinstance(t, (str, bytes)) else copy.deepcopy(t) for t in texts],

@@ -9,18 +9,22 @@ is built.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
 import numpy as np
 import torch
 
+from zephon_collate.checks import warn_user
 from zephon_collate.collate.options import TrainingOptions
 from zephon_collate.collate.padding import RowPadding
 from zephon_collate.collate.stack import check_padding_lengths, stack_columns
 from zephon_collate.functional.segments import segment_starts
 from zephon_collate.functional.values import any_outside_zero_one, first_nonzero, first_true_row, smallest
 from zephon_collate.keys import (
+    ASSISTANT_MASK,
     ASSISTANT_MASKS,
     ATTENTION_MASK,
+    COMPLETION_MASK,
     INPUT_IDS,
     INT32_MAX,
     LABELS,
@@ -29,6 +33,7 @@ from zephon_collate.keys import (
 )
 from zephon_collate.read import Columns, RecordName, as_numpy, describe, read_columns, to_row
 from zephon_collate.records import SampleRecord
+from zephon_collate.text import shown
 
 __all__ = ["check_values", "read_batch", "segment_counts", "stack"]
 
@@ -38,11 +43,16 @@ def read_batch(
     options: TrainingOptions,
     padding: RowPadding | None = None,
     boundary_safe: bool = False,
+    *,
+    unused: Literal["raise", "warn"] = "warn",
 ) -> Columns:
     """Read the fields ``options`` uses from the payloads, with the checks that need no stacking.
 
     With ``padding`` (the Collator's ``pad_token_id``), ragged rows are padded on the right;
     ``boundary_safe`` (its ``boundary_safe_labels``) reads the positions whenever labels are made.
+    A supervising field the call does not apply (:func:`unused_supervision`) is refused
+    (``unused="raise"``, the Collator) or, when labels are made, warned about once
+    (``"warn"``, ``to_training``, which returns the reference page's result).
     """
     optional = [LOSS_MASK]
     if options.reads_positions or (boundary_safe and options.return_labels):
@@ -56,7 +66,14 @@ def read_batch(
     columns = read_columns(
         records, tokens_field=options.tokens_field, optional=optional, required=required, aligned=aligned
     )
-    refuse_unused_supervision(columns)
+    if unused == "raise" or options.return_labels:
+        problem = unused_supervision(columns)
+        if problem is not None and unused == "raise":
+            raise ValueError(problem)
+        if problem is not None:
+            warn_user(
+                f"to_training: {problem}; the labels are made from the tokens as the reference page says"
+            )
     if padding is not None:
         padding.apply(columns)
     if not options.needs_padding_lengths:
@@ -64,49 +81,56 @@ def read_batch(
     return columns
 
 
-def refuse_unused_supervision(columns: Columns) -> None:
-    """``ValueError`` for a payload field that would change what gets supervised but is not read.
+SUPERVISING_FIELDS = (ATTENTION_MASK, LABELS, ASSISTANT_MASKS, ASSISTANT_MASK, COMPLETION_MASK)
+"""Payload fields that say what is trained (Hugging Face and TRL names); the native path reads none."""
+
+
+def unused_supervision(columns: Columns) -> str | None:
+    """What is wrong with the first payload field that would change what gets supervised but is not read.
 
     An ``attention_mask`` with zeros (Hugging Face's padding), ``labels`` that
-    differ from the tokens (``-100`` on a prompt) or ``assistant_masks`` with
-    zeros (a chat template's) would be silently dropped: the padding or the
-    prompt trained on. Harmless copies (an all-ones mask, labels equal to the
-    tokens, assistant masks equal to the ``loss_mask``) pass; a field listed in
-    ``extra_fields`` is read, so used.
+    differ from the tokens (``-100`` on a prompt), or ``assistant_masks`` /
+    ``assistant_mask`` / ``completion_mask`` with zeros (a chat template's, TRL's)
+    would be silently dropped: the padding or the prompt trained on. Harmless
+    copies (an all-ones mask, labels equal to the tokens, a mask equal to the
+    ``loss_mask``) pass; a field listed in ``extra_fields`` is read, so used.
+    Returns ``None`` when nothing is wrong, else the message (naming the record,
+    the field and the fix).
     """
     for index, record in enumerate(columns.records):
         payload = record.payload
         if not isinstance(payload, Mapping):
             continue
-        for name in (ATTENTION_MASK, LABELS, ASSISTANT_MASKS):
+        for name in SUPERVISING_FIELDS:
             if name not in payload or name in columns.rows or name == columns.tokens_field:
                 continue
             where = RecordName(columns.records, index)
             values = as_numpy(to_row(payload[name], where, name, "values"))
             tokens = as_numpy(columns.rows[INPUT_IDS][index])
             if name == ATTENTION_MASK and not (values == 1).all():
-                raise ValueError(
+                return (
                     f"{where}: payload has an 'attention_mask' with zeros, which is not applied here: those "
                     "tokens would be trained on as real ones. For Hugging Face examples use "
                     "Collator.for_transformers(...); else give padding as meta.padding_length (pack_flat "
                     "writes it) or pad with Collator(pad_token_id=...) and drop the mask"
                 )
-            if name == ASSISTANT_MASKS and not (values == 1).all():
+            if name in (ASSISTANT_MASKS, ASSISTANT_MASK, COMPLETION_MASK) and not (values == 1).all():
                 loss_mask = columns.rows.get(LOSS_MASK)
                 if loss_mask is None or not np.array_equal(as_numpy(loss_mask[index]), values):
-                    raise ValueError(
-                        f"{where}: payload has 'assistant_masks' with zeros, which are not read here: the "
+                    return (
+                        f"{where}: payload has {shown(name)} with zeros, which are not read here: the "
                         "prompt would be trained on. For Hugging Face examples use "
                         "Collator.for_transformers(...); else give them as the loss_mask "
-                        "(loss_mask = assistant_masks)"
+                        f"(loss_mask = {name})"
                     )
             if name == LABELS and (values.shape != tokens.shape or not (values == tokens).all()):
-                raise ValueError(
+                return (
                     f"{where}: payload has 'labels' that differ from its tokens (e.g. -100 on a prompt), "
                     "which are not read here: labels are made from the tokens. For Hugging Face examples "
                     "use Collator.for_transformers(...); else give the supervision as a loss_mask "
                     "(loss_mask = labels != -100) and drop 'labels'"
                 )
+    return None
 
 
 def check_values(data: Mapping[str, torch.Tensor], columns: Columns, options: TrainingOptions) -> None:

@@ -10,7 +10,7 @@ rename, exclude, flatten and convert to the containers asked for
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from zephon_collate.collate.options import TrainingOptions
 from zephon_collate.collate.output import assemble_outputs, empty_outputs, ids_and_texts, merge_row_outputs
@@ -33,12 +33,14 @@ def training_outputs(
     options: TrainingOptions,
     padding: RowPadding | None = None,
     boundary_safe: bool = False,
+    unused: Literal["raise", "warn"] = "warn",
 ) -> dict[str, Any]:
     """to_training for already-checked options: the one-step path of ``to_training`` and the Collator
-    (which may pad ragged rows, ``padding``, and mask labels across documents, ``boundary_safe``)."""
+    (which may pad ragged rows, ``padding``, mask labels across documents, ``boundary_safe``, and
+    refuses supervising fields it does not read, ``unused="raise"``)."""
     if not records:
         return empty_outputs(options)
-    columns = read_batch(records, options, padding, boundary_safe)
+    columns = read_batch(records, options, padding, boundary_safe, unused=unused)
     if options.output.kind == "list" and not stackable(columns):
         return _ragged_outputs(records, columns, options, boundary_safe)
     data = stack(columns, options)

@@ -21,7 +21,14 @@ import torch
 
 from zephon_collate.checks import check_int, check_option_names
 from zephon_collate.keys import INPUT_IDS, INT32_MAX, LOSS_MASK, POSITIONS, TOKEN_FIELD_CANDIDATES
-from zephon_collate.read import as_numpy, describe_record, first_token_field, is_array_payload, to_row
+from zephon_collate.read import (
+    as_numpy,
+    describe_record,
+    first_token_field,
+    is_array_payload,
+    payload_items,
+    to_row,
+)
 from zephon_collate.records import SampleRecord
 from zephon_collate.text import shown, shown_fields
 
@@ -156,7 +163,7 @@ def candidate_fields(payload: Mapping[Any, Any], tokens_name: str, length: int, 
         if len(_as_array(payload[LOSS_MASK], where, LOSS_MASK, ids=False)) != length:
             raise ValueError(f"{where}: field 'loss_mask' does not have one entry per token ({length})")
         found.append(LOSS_MASK)
-    for name, value in payload.items():
+    for name, value in payload_items(payload):
         if isinstance(name, str) and name not in (tokens_name, POSITIONS, LOSS_MASK):
             try:
                 if len(_as_array(value, where, name, ids=False)) == length:
