@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from strategies import packed_batches, training_options
 from tensordict import TensorDict
 
-from zephon_collate import BoundaryMask, Collator, SampleRecord, functional
+from zephon_collate import BoundaryMask, Collator, SampleRecord, use_host_pass
 
 PACKED = {"input_ids": [1, 10, 11, 1, 12, 13], "positions": [0, 1, 2, 0, 1, 2]}  # no EOS between documents
 LABELS = {"return_labels": True, "return_num_valid_tokens": True}
@@ -88,5 +88,5 @@ def test_collator_equals_to_training_on_boundary_masked_records(data: st.DataObj
     options.pop("extra_fields", None)
     want = as_lists(type(b)(_masked_by_hand(list(b.records))).to_training(**options))
     for twins in (True, False):
-        with functional.use_cpu_twins(twins):
+        with use_host_pass(twins):
             assert as_lists(Collator(**options)(list(b.records))) == want

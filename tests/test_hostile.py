@@ -23,7 +23,7 @@ from reference import reference_to_training
 from strategies import packed_batches, training_options
 from test_invariants import assert_documented_error
 
-from zephon_collate import FlatPacker, functional
+from zephon_collate import FlatPacker, use_host_pass
 
 CASES = settings(max_examples=60, deadline=None)
 INT_DTYPES = [torch.int8, torch.int16, torch.int32, torch.int64, np.int8, np.int16, np.int32, np.int64]
@@ -89,7 +89,7 @@ def check_eos_case(dtype: Any, eos: int, tokens: list[int]) -> str:
     options = {"return_labels": True, "eos_mask_loss": True, "eos_token_id": eos, "dtype": dtype}
     outs = []
     for twins in (True, False):
-        with functional.use_cpu_twins(twins):
+        with use_host_pass(twins):
             try:
                 outs.append(as_lists(b.to_training(**options)))
             except ValueError as error:
@@ -127,7 +127,7 @@ def check_paths_case(b: Any, options: dict[str, Any]) -> str:
     both paths raise the same documented error."""
     results = []
     for twins in (True, False):
-        with functional.use_cpu_twins(twins):
+        with use_host_pass(twins):
             try:
                 results.append(("ok", b.to_training(**options)))
             except (ValueError, TypeError) as error:

@@ -35,7 +35,6 @@ from zephon_collate import (
     stack_batch,
     to_training,
 )
-from zephon_collate.collate.plan import build_chain
 from zephon_collate.types import ContributorRef
 
 EVERYTHING = {**FULL_OPTIONS, "extra_fields": ["weights"]}
@@ -167,7 +166,7 @@ def test_transforms_and_chains_change_nothing():
     rows = records("torch")
     td = SampleBatch(rows).to_tensordict(extra_fields=["weights"])
     before = {key: (value.clone(), value._version) for key, value in td.items()}
-    chain = build_chain(TrainingOptions(**EVERYTHING), tuple(td.keys()))
+    chain = Chain(*TrainingOptions(**EVERYTHING).chain(tuple(td.keys())), input_keys=tuple(td.keys()))
     for transform in (
         chain,
         TokenShift(),

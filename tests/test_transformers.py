@@ -61,7 +61,7 @@ def hf_examples(draw: st.DrawFn, min_length: int = 0, labels: bool | None = None
 @given(hf_examples())
 def test_padding_free_equals_data_collator_with_flattening(examples: list[dict]) -> None:
     theirs = transformers.DataCollatorWithFlattening(**FLAT_OPTIONS)
-    ours = Collator.for_transformers(padding_free=True)
+    ours = Collator.for_transformers(padding_free=True, **FLAT_OPTIONS)
     if all(not example["input_ids"] for example in examples):
         with pytest.raises(ValueError, match="every example"):
             theirs(examples)
@@ -127,7 +127,7 @@ def test_attention_mask_loss_mask_and_assistant_masks_are_all_applied() -> None:
     assert padded["input_ids"].tolist() == [[3, 4, 5, 6, 7], [9, PAD, PAD, PAD, PAD]]
     assert padded["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
     assert padded["labels"].tolist() == [[-100, -100, 5, 6, -100], [9, -100, -100, -100, -100]]
-    flat = Collator.for_transformers(padding_free=True)([{"input_ids": [9, 8]}, example])
+    flat = Collator.for_transformers(padding_free=True, **FLAT_OPTIONS)([{"input_ids": [9, 8]}, example])
     assert flat["input_ids"].tolist() == [[9, 8, 3, 4, 5, 6, 7]]
     assert flat["labels"].tolist() == [[-100, 8, -100, -100, 5, 6, -100]]
     assert flat["position_ids"].tolist() == [[0, 1, 0, 1, 2, 3, 4]]
@@ -212,7 +212,12 @@ def test_boundary_safe_labels_off_keeps_each_first_label_in_the_flat_row() -> No
         ([{"input_ids": [5, 6], "attention_mask": [0, 1]}], ValueError, "left padding"),
         ([{"input_ids": [5, 6], "attention_mask": [1, 2]}], ValueError, "'attention_mask' must hold only 0"),
         ([{"input_ids": [5, 6], "loss_mask": [0.5, 1]}], ValueError, "'loss_mask' must hold only 0 and 1"),
-        ([{"input_ids": [5, 6], "position_ids": [0, 0]}], ValueError, "example 0: carries 'position_ids'"),
+        ([{"input_ids": [5, 6], "position_ids": [0, 0]}], ValueError, "example 0: holds several documents"),
+        (
+            [{"input_ids": [5, 6], "position_ids": [1, 2]}],
+            ValueError,
+            "example 0: 'position_ids' must start at 0",
+        ),
         ([{"input_ids": [5, -6]}], ValueError, "example 0: token ids must be >= 0"),
         ([{"input_ids": [[5, 6]]}], ValueError, "a batch of one row, as tokenizer"),
         ([{"input_ids": [[5, 6], [7, 8]]}], ValueError, r"one row of token ids, got shape \(2, 2\)"),
@@ -234,7 +239,11 @@ def test_bad_examples_are_named(examples: object, error: type, match: str) -> No
     ("kwargs", "error", "match"),
     [
         ({}, ValueError, "needs pad_token_id"),
-        ({"padding_free": True, "pad_to_multiple_of": 8}, ValueError, "adds no padding"),
+        (
+            {"padding_free": True, "pad_to_multiple_of": 8},
+            ValueError,
+            "pad_to_multiple_of pads with pad_token_id",
+        ),
         ({"pad_token_id": -1}, ValueError, "pad_token_id must be an int >= 0"),
         ({"pad_token_id": 0, "pad_to_multiple_of": 0}, ValueError, "pad_to_multiple_of must be an int >= 1"),
         ({"padding_free": 1}, TypeError, "padding_free must be a bool"),

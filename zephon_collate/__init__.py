@@ -15,12 +15,17 @@ layout, the worker transfer),
 ``packing/``, ``parallel/`` and ``inspection/``.
 """
 
-from zephon_collate.collate.collator import Collator
-from zephon_collate.collate.hf import TransformersCollator
-from zephon_collate.collate.options import TrainingOptions
-from zephon_collate.collate.sample_batch import to_training
-from zephon_collate.collate.stack import stack_batch
-from zephon_collate.collate.transfer import StackedBatch
+from zephon_collate.collate import (
+    Collator,
+    CollatorOptions,
+    StackedBatch,
+    TrainingOptions,
+    TransformersCollator,
+    TransformersOptions,
+    stack_batch,
+    to_training,
+    use_host_pass,
+)
 from zephon_collate.functional import attention
 from zephon_collate.inspection.leakage import check_no_leakage
 from zephon_collate.inspection.render import render_batch, render_batch_png
@@ -32,17 +37,20 @@ from zephon_collate.parallel.context_parallel import gather_context_parallel
 from zephon_collate.parallel.distributed import global_num_valid_tokens, normalize_loss
 from zephon_collate.parallel.even import EvenBatches
 from zephon_collate.transforms import (
+    AttentionMask,
     BoundaryMask,
     Chain,
     ContextParallelShard,
     CuSeqlens,
     EosMask,
+    LeftPadding,
     LossMask,
     PaddingMask,
     Positions,
     SegmentIds,
     TokenShift,
     Transform,
+    UnshiftedLabels,
 )
 from zephon_collate.types import (
     ChunkId,
@@ -67,11 +75,13 @@ from zephon_collate import functional  # isort: skip (the module, after its name
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionMask",
     "BoundaryMask",
     "Chain",
     "ChunkId",
     "ChunkOffset",
     "Collator",
+    "CollatorOptions",
     "ComponentId",
     "ContextParallelShard",
     "ContributorRef",
@@ -81,6 +91,7 @@ __all__ = [
     "EvenBatches",
     "FlatPacker",
     "LaneId",
+    "LeftPadding",
     "LineageIndex",
     "LocalSampleId",
     "LossMask",
@@ -100,6 +111,8 @@ __all__ = [
     "TrainingOptions",
     "Transform",
     "TransformersCollator",
+    "TransformersOptions",
+    "UnshiftedLabels",
     "__version__",
     "attention",
     "batch_warnings",
@@ -113,4 +126,5 @@ __all__ = [
     "render_batch_png",
     "stack_batch",
     "to_training",
+    "use_host_pass",
 ]

@@ -32,9 +32,11 @@ __all__ = [
     "POSITION_IDS",
     "SEGMENT_IDS",
     "SEQ_IDX",
+    "SEQ_LENGTHS",
     "TEXT",
     "TEXTS",
     "TOKEN_FIELD_CANDIDATES",
+    "TOKEN_TYPE_IDS",
 ]
 
 INPUT_IDS = "input_ids"
@@ -67,6 +69,9 @@ COMPLETION_MASK = "completion_mask"
 CU_SEQ_LENS_Q, CU_SEQ_LENS_K = "cu_seq_lens_q", "cu_seq_lens_k"
 MAX_LENGTH_Q, MAX_LENGTH_K = "max_length_q", "max_length_k"
 SEQ_IDX = "seq_idx"
+SEQ_LENGTHS = "seq_lengths"
+"""The document lengths of a packed row, as TRL's ``pack_dataset`` writes them."""
+TOKEN_TYPE_IDS = "token_type_ids"
 
 TOKEN_FIELD_CANDIDATES = (INPUT_IDS, "tokens", "token_ids", "ids")
 """The payload fields ``tokens_field="auto"`` tries, in order."""

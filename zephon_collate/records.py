@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import total_ordering
 from typing import Any, TypeAlias, Union
 
-from zephon_collate.text import shown
+from zephon_collate._text import shown
 
 __all__ = [
     "ChunkId",

@@ -1,12 +1,35 @@
-"""The collate path: options, plan, read-stack-check, chain, output; the Collator and the worker transfer.
+"""The collate path: options, reading, the plan, the host pass, output; the Collator, its presets, the
+worker transfer.
 
-- :mod:`~zephon_collate.collate.options`: ``TrainingOptions``, the one home of ``to_training``'s signature.
-- :mod:`~zephon_collate.collate.prepare`: read, stack and check a batch's fields.
-- :mod:`~zephon_collate.collate.plan`: the chain and output names per option and key set, cached.
-- :mod:`~zephon_collate.collate.output`: renaming, exclusion, flattening, containers.
-- :mod:`~zephon_collate.collate.sample_batch`: ``SampleBatch`` and ``to_training``.
-- :mod:`~zephon_collate.collate.collator`: the DataLoader ``collate_fn``.
+- :mod:`~zephon_collate.collate.options`: ``TrainingOptions``, ``to_training``'s arguments and their chain.
+- :mod:`~zephon_collate.collate._native`: the reference page's layout (records in, the page's outputs out).
+- :mod:`~zephon_collate.collate._stack`: ragged fields to ``[B, S]`` tensors, right padding.
+- :mod:`~zephon_collate.collate._plan`: the chain and output names per layout and key set, compiled on demand.
+- :mod:`~zephon_collate.collate._host`: the fused host pass that stands in for the built-in chain on the CPU.
+- :mod:`~zephon_collate.collate._output`: renaming, exclusion, flattening, containers.
+- :mod:`~zephon_collate.collate.sample_batch`: ``SampleBatch``, ``to_training``, ``stack_batch``.
+- :mod:`~zephon_collate.collate.collator`: the DataLoader ``collate_fn``, transforms of yours included.
 - :mod:`~zephon_collate.collate.hf`: ``Collator.for_transformers``, Hugging Face examples to a
-  ``transformers`` batch.
+  ``transformers`` batch, over the same machinery.
 - :mod:`~zephon_collate.collate.transfer`: what a worker sends, as one narrow buffer.
 """
+
+from zephon_collate.collate._host import use_host_pass
+from zephon_collate.collate.collator import Collator, CollatorOptions
+from zephon_collate.collate.hf import TransformersCollator, TransformersOptions
+from zephon_collate.collate.options import TrainingOptions
+from zephon_collate.collate.sample_batch import SampleBatch, stack_batch, to_training
+from zephon_collate.collate.transfer import StackedBatch
+
+__all__ = [
+    "Collator",
+    "CollatorOptions",
+    "SampleBatch",
+    "StackedBatch",
+    "TrainingOptions",
+    "TransformersCollator",
+    "TransformersOptions",
+    "stack_batch",
+    "to_training",
+    "use_host_pass",
+]

@@ -1,14 +1,16 @@
-"""Collator: to_training as a DataLoader ``collate_fn``, with the device work in the main process.
+"""Collator: to_training as a DataLoader ``collate_fn``, your transforms included, the device work in the
+main process.
 
 The split fast pipelines use:
 
 - **Workers** call :meth:`Collator.stack`: read, check and stack the records
-  into a CPU TensorDict (:class:`~zephon_collate.collate.transfer.StackedBatch`). No CUDA call happens there.
+  into a CPU TensorDict (:class:`~zephon_collate.StackedBatch`). No CUDA call happens there.
 - ``DataLoader(pin_memory=True)`` pins the stacked tensors in the main
-  process's pinning thread (:meth:`~zephon_collate.collate.transfer.StackedBatch.pin_memory`).
+  process's pinning thread (:meth:`~zephon_collate.StackedBatch.pin_memory`).
 - **The main process** calls :meth:`Collator.finish`: copy to the device with
   ``non_blocking=True`` and run the transform chain there, compiled with
-  ``torch.compile`` when asked.
+  ``torch.compile`` when asked, transforms of yours (``transforms=[...]``) at
+  its end.
 
 ``Collator(...)(samples)`` does both in one call, for ``num_workers=0`` or CPU
 training.
@@ -16,30 +18,30 @@ training.
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from tensordict import TensorDict
 from torch.utils.data import get_worker_info
 
-from zephon_collate.checks import check_bool, check_option_names
-from zephon_collate.collate.hf import TransformersCollator
-from zephon_collate.collate.options import OPTION_NAMES, TrainingOptions
-from zephon_collate.collate.output import assemble_outputs, empty_outputs, ids_and_texts
-from zephon_collate.collate.padding import RowPadding
-from zephon_collate.collate.plan import Plan, plan_for
-from zephon_collate.collate.prepare import read_batch, segment_counts, stack
-from zephon_collate.collate.training import stackable, training_outputs
+from zephon_collate._checks import check_bool, suggest_options
+from zephon_collate._text import shown
+from zephon_collate.collate._native import Native
+from zephon_collate.collate._output import ids_and_texts
+from zephon_collate.collate._plan import Plan, Plans
+from zephon_collate.collate._stack import RowPadding
+from zephon_collate.collate.options import TrainingOptions, options_for
 from zephon_collate.collate.transfer import StackedBatch, WireOutputs
-from zephon_collate.keys import POSITIONS
-from zephon_collate.read import describe, is_array_payload
-from zephon_collate.records import SampleMeta, SampleRecord
-from zephon_collate.text import shown
-from zephon_collate.transforms import CuSeqlens
+from zephon_collate.keys import IGNORE_INDEX
+from zephon_collate.transforms import CuSeqlens, Transform
 
-__all__ = ["Collator", "as_records"]
+if TYPE_CHECKING:
+    from zephon_collate.collate.hf import TransformersCollator
+
+__all__ = ["COLLATOR_OPTION_NAMES", "Collator", "CollatorOptions"]
 
 
 def _check_device(device: object) -> torch.device | None:
@@ -72,72 +74,83 @@ def _check_device(device: object) -> torch.device | None:
     return checked
 
 
-def _check_boundary_count(
-    data: Mapping[str, torch.Tensor], records: Sequence[SampleRecord], options: TrainingOptions, limit: int
-) -> None:
-    """``ValueError`` naming the first record whose segments do not fit a static ``num_boundaries``.
-
-    Runs on the worker's CPU tensors, so the device-side assertion of :class:`CuSeqlens` never fires.
-    """
-    positions = data[POSITIONS]
-    if options.return_labels:
-        positions = positions[:, :-1]
-    if not positions.numel():
-        return
-    needed = segment_counts(positions)
-    if options.flatten:
-        total = int(needed.sum()) - len(needed) + 1
-        if total > limit:
-            raise ValueError(
-                f"Collator: the batch has {total - 1} segments, more than num_boundaries - 1 = {limit - 1}; "
-                "raise num_boundaries, or send fewer segments per batch"
+def _check_transforms(name: str, value: object) -> tuple[Transform, ...]:
+    if isinstance(value, torch.nn.Module) or not isinstance(value, Sequence) or isinstance(value, str):
+        raise TypeError(f"Collator: {name} must be a list of transforms, got {shown(value)}")
+    for index, transform in enumerate(value):
+        if not isinstance(transform, torch.nn.Module) or not hasattr(transform, "in_keys"):
+            raise TypeError(
+                f"Collator: {name}[{index}] ({shown(transform)}) is not a transform with in_keys and "
+                "out_keys; subclass zephon_collate.Transform"
             )
-    elif bool((needed > limit).any()):
-        index = int((needed > limit).nonzero()[0, 0])
-        raise ValueError(
-            f"{describe(records, index)}: has {int(needed[index]) - 1} segments, more than "
-            f"num_boundaries - 1 = {limit - 1}; raise num_boundaries, or pack fewer documents per row"
-        )
+    return tuple(value)
 
 
-def as_records(samples: Sequence[Any]) -> list[SampleRecord]:
-    """Records as given, or plain payloads (dicts or token arrays) wrapped in records.
+@dataclass(frozen=True, kw_only=True)
+class CollatorOptions:
+    """The :class:`Collator`'s own keyword arguments (besides ``to_training``'s), checked once.
 
-    A plain payload gets ``SampleMeta(sample_id=(0, 0, i), lane_id=0, chunk_id=0,
-    chunk_offset=i)``, ``i`` being its place in the batch, and no tags (so no
-    padding): what Hugging Face datasets and ``transformers.Trainer`` hand over.
+    See :class:`Collator` for each one's meaning.
 
     Raises:
-        TypeError: if ``samples`` is not a sequence, or an item is neither a record,
-            a dict nor a token array.
+        TypeError, ValueError: for a value of the wrong type or out of range.
     """
-    if isinstance(samples, (str, bytes, Mapping)) or not isinstance(samples, Sequence):
-        raise TypeError(f"Collator: expected a list of samples, got {type(samples).__name__}")
-    records = []
-    for index, sample in enumerate(samples):
-        if isinstance(sample, SampleRecord):
-            records.append(sample)
-        elif isinstance(sample, Mapping) or is_array_payload(sample):
-            records.append(SampleRecord(SampleMeta((0, 0, index), 0, 0, index), sample))
-        else:
-            raise TypeError(
-                f"Collator: sample {index} must be a SampleRecord, a payload dict or a token array, "
-                f"got {type(sample).__name__}"
-            )
-    return records
+
+    device: str | torch.device | None = None
+    compile: bool = False
+    num_boundaries: int | None = None
+    python_scalars: bool = True
+    pad_token_id: int | None = None
+    pad_to_multiple_of: int | None = None
+    boundary_safe_labels: bool = True
+    transforms: Sequence[Transform] = ()
+    chain: Sequence[Transform] | None = None
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        put(self, "device", _check_device(self.device))
+        for name in ("compile", "python_scalars", "boundary_safe_labels"):
+            put(self, name, check_bool(name, getattr(self, name), owner="Collator"))
+        if self.num_boundaries is not None:
+            put(self, "num_boundaries", CuSeqlens(num_boundaries=self.num_boundaries).num_boundaries)
+        put(self, "transforms", _check_transforms("transforms", self.transforms))
+        if self.chain is not None:
+            put(self, "chain", _check_transforms("chain", self.chain))
+
+    @staticmethod
+    def arguments(scope: Mapping[str, Any]) -> dict[str, Any]:
+        """The collator options among ``scope`` (a signature's ``locals()``), by name."""
+        return {name: scope[name] for name in COLLATOR_OPTION_NAMES}
+
+
+COLLATOR_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(CollatorOptions))
+"""The :class:`Collator`'s own keyword arguments, after ``to_training``'s, in its signature's order."""
+
+_CHAIN_OPTIONS = (
+    "return_labels",
+    "return_num_valid_tokens",
+    "return_loss_mask",
+    "return_cu_seqlens",
+    "return_padding_mask",
+    "eos_mask_loss",
+    "position_mode",
+)
 
 
 class Collator:
     """A ``collate_fn`` that runs :meth:`SampleBatch.to_training` on what a DataLoader hands it.
 
+    The keyword arguments are ``to_training``'s (checked now, with its names,
+    order and defaults), then the collator's own:
+
     Parameters:
         device: where :meth:`finish` runs the chain (``None``: where the data is).
         compile: run the chain through ``torch.compile`` (dynamic shapes, full
-            graph), so varying batch sizes and lengths do not recompile.
+            graphs), so varying batch sizes and lengths do not recompile.
         num_boundaries: give ``cu_seqlens`` a static shape: each row's boundaries
             (or the flattened sequence) padded to exactly this many, with the row
             (or total) length as filler. The whole chain is then one graph (CUDA
-            graph friendly); more segments than that fail a device-side assertion.
+            graph friendly); more segments than that are refused by :meth:`stack`.
         python_scalars: return ``num_valid_tokens`` (and a flattened
             ``max_seqlen``) as Python ints, as the reference page does; ``False``
             keeps them as 0-d tensors on the device, which avoids a device sync.
@@ -146,19 +159,29 @@ class Collator:
             padding, so labels, ``padding_mask``, ``cu_seqlens`` and
             ``num_valid_tokens`` treat it as the page's (``None``: rows must be
             of equal length, or ``dtype=None`` gives ragged lists).
-        pad_to_multiple_of: round the padded length up to a multiple of this.
+        pad_to_multiple_of: round the padded length up to a multiple of this
+            (at most 2**20).
         boundary_safe_labels: with labels and payload positions, ignore every label
             whose target starts a new segment (:class:`~zephon_collate.BoundaryMask`):
             no label crosses a document boundary, EOS or not. On by default here;
             ``to_training`` keeps the reference page's labels.
-        **options: :meth:`SampleBatch.to_training`'s keyword arguments, checked now.
+        transforms: transforms of yours (:class:`~zephon_collate.Transform`), run
+            after the built-in chain wherever it runs: in :meth:`__call__`, in
+            :meth:`finish` after the device copy, compiled with ``compile=True``.
+            Each key one of them writes is an output (renamed and excluded like
+            the others, flattened with ``flatten`` when per-token).
+        chain: transforms of yours that replace the built-in chain (the options
+            that build it, ``return_labels`` to ``position_mode``, must then keep
+            their defaults); they run on the stacked batch (``input_ids``,
+            ``positions``, ``loss_mask`` and extra fields when read,
+            ``padding_length``).
 
     Raises:
-        TypeError, ValueError: for bad ``options``, as ``to_training`` raises them, or an
-            unknown option name (``TypeError``, with the closest known name);
-            ``TypeError`` for a non-bool ``compile``/``python_scalars``; ``ValueError``
-            for a ``device`` this process cannot use, or if ``device`` or ``compile``
-            is combined with non-torch output.
+        TypeError, ValueError: for bad options, as ``to_training`` raises them;
+            ``TypeError`` for a non-bool ``compile``/``python_scalars`` or a
+            transform that is not one; ``ValueError`` for a ``device`` this process
+            cannot use, ``device`` or ``compile`` with non-torch output, or ``chain``
+            with options that build the chain.
 
     Example:
         >>> collate = Collator(return_labels=True, return_num_valid_tokens=True)
@@ -167,9 +190,25 @@ class Collator:
         ([[10, 2], [11, 2]], 4)
     """
 
+    @suggest_options("Collator")
     def __init__(
         self,
         *,
+        tokens_field: str = "auto",
+        return_labels: bool = False,
+        dtype: Any = "auto",
+        extra_fields: Sequence[str] = (),
+        ignore_index: int = IGNORE_INDEX,
+        rename_fields: Mapping[str, str] | None = None,
+        flatten: bool = False,
+        exclude_fields: Sequence[str] = (),
+        return_num_valid_tokens: bool = False,
+        return_loss_mask: bool = False,
+        return_cu_seqlens: bool = False,
+        return_padding_mask: bool = False,
+        eos_mask_loss: bool = False,
+        eos_token_id: int | None = None,
+        position_mode: Literal["preserve", "sequence"] = "preserve",
         device: str | torch.device | None = None,
         compile: bool = False,
         num_boundaries: int | None = None,
@@ -177,55 +216,98 @@ class Collator:
         pad_token_id: int | None = None,
         pad_to_multiple_of: int | None = None,
         boundary_safe_labels: bool = True,
-        **options: Any,
+        transforms: Sequence[Transform] = (),
+        chain: Sequence[Transform] | None = None,
     ) -> None:
-        check_option_names("Collator", options, OPTION_NAMES)
-        self.options = TrainingOptions(**options)
-        self.padding = RowPadding.create(pad_token_id, pad_to_multiple_of)
-        self.boundary_safe_labels = check_bool("boundary_safe_labels", boundary_safe_labels, owner="Collator")
-        self.device = _check_device(device)
-        self.compile = check_bool("compile", compile, owner="Collator")
-        self.python_scalars = check_bool("python_scalars", python_scalars, owner="Collator")
-        if num_boundaries is not None:
-            num_boundaries = CuSeqlens(num_boundaries=num_boundaries).num_boundaries  # validates the count
-        self.num_boundaries = num_boundaries
-        if (self.device is not None or self.compile) and self.options.output.kind != "torch":
+        scope = locals()
+        self.options = options_for(TrainingOptions.arguments(scope))
+        self.settings = CollatorOptions(**CollatorOptions.arguments(scope))
+        settings = self.settings
+        if chain is not None:
+            defaults = TrainingOptions()
+            given = [
+                name for name in _CHAIN_OPTIONS if getattr(self.options, name) != getattr(defaults, name)
+            ]
+            if given:
+                raise ValueError(
+                    f"Collator: chain= replaces the chain that {', '.join(given)} would build; leave "
+                    "those at their defaults, or pass transforms=[...] to add yours after the built-in chain"
+                )
+        if (settings.device is not None or settings.compile) and self.options.output.kind != "torch":
             raise ValueError(
                 "Collator: device and compile need torch output; pass dtype='auto' or a torch dtype"
             )
+        padding = RowPadding.create(pad_token_id, pad_to_multiple_of)
+        if padding is not None and self.options.output.kind != "list":
+            info = torch.iinfo(self.options.output.torch_dtype)
+            if padding.pad_token_id > info.max:
+                raise ValueError(
+                    f"Collator: pad_token_id {padding.pad_token_id} does not fit dtype "
+                    f"{self.options.output.torch_dtype}; pick a wider dtype"
+                )
+        self.layout: Any = Native(
+            self.options,
+            padding=padding,
+            boundary_safe=settings.boundary_safe_labels,
+            refuse_unused=True,
+            num_boundaries=settings.num_boundaries,
+        )
+        self._plans = Plans()
 
-    @classmethod
-    def for_transformers(cls, **options: Any) -> TransformersCollator:
-        """A ``collate_fn`` for Hugging Face ``transformers`` models and ``Trainer(data_collator=...)``.
+    # The settings, as attributes.
+    @property
+    def device(self) -> torch.device | None:
+        return self.settings.device  # type: ignore[return-value]  # checked to a torch.device
 
-        It takes Hugging Face examples (``input_ids``; optional ``labels`` with
-        -100, a right-padding ``attention_mask``, ``loss_mask``, ``assistant_masks``)
-        and returns the batch a causal LM's ``forward`` takes, unshifted labels
-        included: padded like ``DataCollatorForSeq2Seq``, or with
-        ``padding_free=True`` in one row like ``DataCollatorWithFlattening``.
-        The options and outputs are :class:`~zephon_collate.TransformersCollator`'s.
+    @property
+    def compile(self) -> bool:
+        return self.settings.compile
 
-        Example:
-            >>> collate = Collator.for_transformers(pad_token_id=0, pad_to_multiple_of=4)
-            >>> batch = collate([{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}])
-            >>> batch["labels"].tolist(), batch["attention_mask"].tolist()
-            ([[-100, 6, 7, -100]], [[1, 1, 1, 0]])
-        """
-        return TransformersCollator(**options)
+    @property
+    def num_boundaries(self) -> int | None:
+        return self.settings.num_boundaries
 
-    for_transformers.__func__.__signature__ = inspect.signature(TransformersCollator).replace(  # type: ignore[attr-defined]
-        parameters=[
-            inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-            *inspect.signature(TransformersCollator).parameters.values(),
-        ],
-        return_annotation=TransformersCollator,
-    )
+    @property
+    def python_scalars(self) -> bool:
+        return self.settings.python_scalars
+
+    @property
+    def padding(self) -> RowPadding | None:
+        return self.layout.padding
+
+    @property
+    def boundary_safe_labels(self) -> bool:
+        return self.settings.boundary_safe_labels
+
+    for_transformers: ClassVar[type[TransformersCollator]]
+    """``Collator.for_transformers(...)`` is :class:`~zephon_collate.TransformersCollator`: the
+    ``collate_fn`` for Hugging Face ``transformers`` models and ``Trainer(data_collator=...)``,
+    over the same reader, chain, stack/finish, device and compile (set by :mod:`.hf`)."""
 
     def __repr__(self) -> str:
-        return (
-            f"Collator(device={self.device}, compile={self.compile}, "
-            f"num_boundaries={self.num_boundaries}, padding={self.padding}, options={self.options})"
-        )
+        return f"Collator(options={self.options}, settings={self.settings}, padding={self.padding})"
+
+    def plan_for(self, keys: tuple[str, ...]) -> Plan:
+        """The plan of this collator on a stacked batch holding ``keys``: its chain and output names."""
+        settings = self.settings
+        if not settings.transforms and settings.chain is None:
+            return self.layout.plan(keys)  # type: ignore[no-any-return]
+        plan = self._plans.get(keys)
+        if plan is None:
+            plan = self._plans[keys] = Plan(self.layout, keys, settings.transforms, settings.chain)
+        return plan
+
+    def runner(
+        self, plan: Plan, device: str | torch.device | None = None
+    ) -> Callable[[Mapping[str, torch.Tensor]], Mapping[str, Any]]:
+        """How ``plan`` runs here: eager, or compiled for ``device`` (default: the collator's, else the CPU).
+
+        The returned callable takes a mapping of stacked tensors (a dict or a
+        TensorDict) and returns the chain's output mapping.
+        """
+        if not self.compile:
+            return plan.run
+        return plan.compiled(torch.device(device or self.device or "cpu").type)
 
     def __call__(self, samples: Sequence[Any]) -> dict[str, Any]:
         """Collate in one step: :meth:`stack` then :meth:`finish`.
@@ -234,9 +316,8 @@ class Collator:
         compact buffer (:class:`~zephon_collate.collate.transfer.WireOutputs`); the main
         process receives a plain dict.
         """
-        if self.device is None and not self.compile and self.num_boundaries is None and self.python_scalars:
-            records = as_records(samples)
-            out = training_outputs(records, self.options, self.padding, self.boundary_safe_labels, "raise")
+        if self.device is None and not self.compile:
+            out = self.layout.collate(samples, self.plan_for, python_scalars=self.python_scalars)
         else:
             out = self.finish(self.stack(samples))
         return WireOutputs(out) if get_worker_info() is not None else out
@@ -250,22 +331,12 @@ class Collator:
         pads them (``pad_token_id``): ragged rows with ``dtype=None`` and no
         padding work through ``Collator(...)(samples)`` only.
         """
-        records = tuple(as_records(samples))
-        if not records:
-            return StackedBatch(None, ids_and_texts(records))
-        columns = read_batch(records, self.options, self.padding, self.boundary_safe_labels, unused="raise")
-        if self.options.output.kind == "list" and not stackable(columns):
-            raise ValueError(
-                "Collator.stack: rows of unequal length cannot be stacked into one TensorDict, even for "
-                "dtype=None (lists); call the collator itself (Collator(...)(samples)), which returns "
-                "ragged lists, or pad the rows (Collator(pad_token_id=...)) or pack them (pack_flat)"
-            )
-        data = stack(columns, self.options)
-        if self.num_boundaries is not None and self.options.return_cu_seqlens:
-            _check_boundary_count(data, records, self.options, self.num_boundaries)
-        device = next(iter(data.values())).device
-        td = TensorDict(data, batch_size=[len(records)], device=device)
-        return StackedBatch(td, ids_and_texts(records), tuple(r.meta for r in records))
+        batch = self.layout.stack(samples)
+        if batch is None:
+            return StackedBatch(None, ids_and_texts(()))
+        rows = next(iter(batch.data.values())).shape[0]
+        td = TensorDict(batch.data, batch_size=[rows], device=batch.data["input_ids"].device)
+        return StackedBatch(td, batch.per_record, batch.metas)
 
     def finish(self, stacked: StackedBatch) -> dict[str, Any]:
         """Main-process side: move to ``device`` (``non_blocking``), run the chain, build the outputs."""
@@ -275,7 +346,7 @@ class Collator:
                 f"{type(stacked).__name__}"
             )
         if stacked.td is None:
-            return empty_outputs(self.options)
+            return self.layout.empty()
         td = stacked.td
         if self.device is not None and td.device != self.device:
             td = td.to(self.device, non_blocking=True)  # narrow fields move narrow, then widen there
@@ -283,23 +354,5 @@ class Collator:
         for key, dtype in stacked.dtypes.items():
             data[key] = data[key].to(dtype)
         plan = self.plan_for(tuple(data))
-        result = self.runner(plan, td.device)(data) if self.compile else plan.outputs(data)
-        return assemble_outputs(
-            stacked.per_record, self.options, result, plan.pairs, python_scalars=self.python_scalars
-        )
-
-    def plan_for(self, keys: tuple[str, ...]) -> Plan:
-        """The cached plan of this collator's options on a stacked batch holding ``keys``."""
-        return plan_for(self.options, keys, self.num_boundaries, self.boundary_safe_labels)
-
-    def runner(
-        self, plan: Plan, device: str | torch.device | None = None
-    ) -> Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]:
-        """How ``plan`` runs here: eager, or compiled for ``device`` (default: the collator's, else the CPU).
-
-        The returned callable takes a mapping of stacked tensors (a dict or a
-        TensorDict) and returns the chain's output as a dict.
-        """
-        if not self.compile:
-            return plan.run
-        return plan.compiled(torch.device(device or self.device or "cpu").type)
+        result = self.runner(plan, td.device)(data)
+        return self.layout.assemble(stacked.per_record, result, plan.pairs, self.python_scalars)

@@ -1,20 +1,37 @@
 """TransformersCollator: Hugging Face examples in, the batch a ``transformers`` causal LM takes out.
 
+A layout over the :class:`~zephon_collate.Collator`'s machinery, not a second
+implementation: the examples are read by the one reader, checked and stacked
+into the same kind of batch, and a chain of the package's transforms
+(:class:`~zephon_collate.UnshiftedLabels`, :class:`~zephon_collate.LossMask`,
+:class:`~zephon_collate.AttentionMask`, :class:`~zephon_collate.BoundaryMask`,
+:class:`~zephon_collate.CuSeqlens`, :class:`~zephon_collate.SegmentIds`,
+:class:`~zephon_collate.LeftPadding`) turns it into Hugging Face's keys, in
+``__call__``, or ``stack`` in workers and ``finish`` on the device, compiled
+when asked, with transforms of yours at the end.
+
 A ``transformers`` causal LM shifts its labels inside ``forward``, so it takes
 *unshifted* labels: a copy of ``input_ids`` with -100 wherever no loss is taken.
-This collator reads the examples Hugging Face datasets hand over and writes one
-of two layouts:
+Two layouts:
 
 - **padded** (``padding_free=False``): ``input_ids``, ``attention_mask`` and
   ``labels``, ``[B, L]`` int64, ``L`` the longest example rounded up to
-  ``pad_to_multiple_of``: what ``DataCollatorForSeq2Seq(tokenizer,
-  label_pad_token_id=-100)`` returns for a right-padding tokenizer.
+  ``pad_to_multiple_of`` (or ``max_length`` with ``padding="max_length"``):
+  what ``DataCollatorForSeq2Seq(tokenizer)`` returns. Padding goes on the
+  tokenizer's ``padding_side``.
 - **padding-free** (``padding_free=True``): the examples one after the other in
-  a single row: ``input_ids``, ``labels``, ``position_ids`` ``[1, N]`` int64,
-  ``cu_seq_lens_q``/``cu_seq_lens_k`` ``[B + 1]`` int32, ``max_length_q``/
-  ``max_length_k`` Python ints and ``seq_idx`` ``[1, N]`` int32: what
-  ``DataCollatorWithFlattening(return_position_ids=True,
-  return_flash_attn_kwargs=True, return_seq_idx=True)`` returns.
+  a single row ``[1, N]``: ``input_ids``, ``labels`` and ``position_ids``, plus
+  ``cu_seq_lens_q/k`` ``[D + 1]`` int32 and ``max_length_q/k`` (ints) with
+  ``return_flash_attn_kwargs``, ``seq_idx`` ``[1, N]`` int32 with
+  ``return_seq_idx``: what ``DataCollatorWithFlattening`` returns with the same
+  switches (and TRL's ``DataCollatorForLanguageModeling(padding_free=True)``
+  with both on)::
+
+      examples   [a a a] [b b]           (one packed TRL row: seq_lengths [3, 2])
+      input_ids  [a a a b b]
+      position_ids [0 1 2 0 1]
+      labels     [- a a - b]             (each document's first label -100)
+      cu_seq_lens [0 3 5]
 
 An example is a dict with ``input_ids`` and, optionally, fields that say what
 is supervised; every one given is applied (a token is supervised where all agree):
@@ -22,51 +39,116 @@ is supervised; every one given is applied (a token is supervised where all agree
 - ``labels``: -100 for unsupervised tokens, else the token at that place.
 - ``attention_mask``: 1 on the tokens, then 0 on trailing (right) padding,
   which is dropped before the batch is built.
-- ``loss_mask``, ``assistant_masks`` (as ``apply_chat_template(...,
-  return_assistant_tokens_mask=True)`` names it): 1 where the token is trained.
+- ``loss_mask``, ``assistant_masks`` / ``assistant_mask`` (chat templates'),
+  ``completion_mask`` (TRL's): 1 where the token is trained.
+- ``seq_lengths`` (TRL's packed rows) or segment-restarting ``position_ids``:
+  several documents in one example, kept apart (padding-free only).
+- ``token_type_ids``: padded with 0 and passed on.
+
+Any other field (text columns) is not read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from zephon_collate.checks import check_bool
-from zephon_collate.collate.padding import RowPadding
-from zephon_collate.functional.segments import cu_seqlens_flat, segment_ids_from_positions, segment_starts
+from zephon_collate._checks import check_bool, check_ignore_index, check_int, suggest_options
+from zephon_collate._read import (
+    MISSING,
+    Ragged,
+    as_numpy,
+    as_tensor,
+    check_ids,
+    check_zero_one,
+    concat,
+    payload_get,
+    read_field,
+    row_of,
+)
+from zephon_collate._text import shown, shown_fields
+from zephon_collate.collate import _host
+from zephon_collate.collate._native import Stacked, check_boundary_count
+from zephon_collate.collate._output import convert
+from zephon_collate.collate._plan import Plan, Plans, Result
+from zephon_collate.collate._stack import MAX_PAD_MULTIPLE, RowPadding, dense
+from zephon_collate.collate.collator import Collator, CollatorOptions
+from zephon_collate.functional.segments import segment_starts
 from zephon_collate.keys import (
+    ASSISTANT_MASK,
     ASSISTANT_MASKS,
     ATTENTION_MASK,
+    COMPLETION_MASK,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
+    CU_SEQLENS,
     IGNORE_INDEX,
     INPUT_IDS,
+    INT32_MAX,
     LABELS,
     LOSS_MASK,
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
+    MAX_SEQLEN,
+    PADDING_LENGTH,
+    PADDING_MASK,
     POSITION_IDS,
+    POSITIONS,
+    SEGMENT_IDS,
     SEQ_IDX,
+    SEQ_LENGTHS,
+    TOKEN_TYPE_IDS,
 )
-from zephon_collate.read import Kind, as_numpy, to_row
 from zephon_collate.records import SampleRecord
-from zephon_collate.text import shown, shown_fields
+from zephon_collate.transforms import (
+    AttentionMask,
+    BoundaryMask,
+    CuSeqlens,
+    LeftPadding,
+    LossMask,
+    PaddingMask,
+    SegmentIds,
+    Transform,
+    UnshiftedLabels,
+)
 
-__all__ = ["TransformersCollator"]
+__all__ = [
+    "TRANSFORMERS_COLLATOR_OPTIONS",
+    "TRANSFORMERS_OPTION_NAMES",
+    "Transformers",
+    "TransformersCollator",
+    "TransformersOptions",
+    "as_examples",
+]
 
 OWNER = "Collator.for_transformers"
-READ_FIELDS = (INPUT_IDS, ATTENTION_MASK, LABELS, LOSS_MASK, ASSISTANT_MASKS, POSITION_IDS)
+MASK_FIELDS = (LOSS_MASK, ASSISTANT_MASKS, ASSISTANT_MASK, COMPLETION_MASK)
+"""The 0/1 fields that say, token by token, what is trained."""
+SUPERVISION_FIELDS = (LABELS, *MASK_FIELDS)
+READ_FIELDS = (INPUT_IDS, ATTENTION_MASK, *SUPERVISION_FIELDS, TOKEN_TYPE_IDS, POSITION_IDS, SEQ_LENGTHS)
 """The example fields this collator reads; any other field is not looked at."""
+PADDINGS = {True: "longest", "longest": "longest", "max_length": "max_length", False: "do_not_pad"}
+PADDINGS["do_not_pad"] = "do_not_pad"
 
-Example = tuple[np.ndarray, np.ndarray]
-"""One read example: its real tokens and their unshifted labels (-100 where not trained), int64."""
+
+def _names(index: int) -> str:
+    return f"example {index}"
 
 
 def as_examples(features: object) -> list[Mapping[str, Any]]:
-    """Per-example dicts from a list of them, or from a batched dict of lists (``dataset[:8]``)."""
+    """Per-example dicts from a list of them, or from a batched dict of lists (``dataset[:8]``).
+
+    Raises:
+        TypeError: for anything else, naming what was given.
+        ValueError: for a batched dict without ``input_ids``, one example given as a batch, or a
+            batched field without one entry per example.
+    """
     if isinstance(features, Mapping):
         if INPUT_IDS not in features:
             raise ValueError(
@@ -82,7 +164,7 @@ def as_examples(features: object) -> list[Mapping[str, Any]]:
                 "pass a list of examples ([example]) or a batched dict of lists"
             )
         count = len(ids)
-        fields = [name for name in READ_FIELDS if name in features]
+        fields = [name for name in (*READ_FIELDS, "label", "decoder_input_ids") if name in features]
         for name in fields:
             if not hasattr(features[name], "__len__") or len(features[name]) != count:
                 raise ValueError(
@@ -98,115 +180,681 @@ def as_examples(features: object) -> list[Mapping[str, Any]]:
     return list(features)
 
 
-def _field(example: Mapping[str, Any], name: str, where: str, kind: Kind, length: int) -> np.ndarray:
-    """``example[name]`` as a 1-D array of ``length`` entries."""
-    values = as_numpy(to_row(example[name], where, name, kind))
-    if values.shape != (length,):
-        raise ValueError(
-            f"{where}: field {shown(name)} has shape {values.shape}, but 'input_ids' has {length} tokens; "
-            "give one value per token"
-        )
-    return values
+def _check_examples(examples: Sequence[object], supervision: str | None) -> None:
+    """The refusals that look at each example's fields, before any is read."""
+    for index, example in enumerate(examples):
+        where = _names(index)
+        if isinstance(example, SampleRecord):
+            raise TypeError(
+                f"{where}: is a SampleRecord; this collator takes Hugging Face example dicts: pass the "
+                "payloads, or collate records (pack_flat's rows) with Collator(...)"
+            )
+        if not isinstance(example, Mapping):
+            raise TypeError(
+                f"{where}: must be a dict of fields such as 'input_ids', got {type(example).__name__}"
+            )
+        if INPUT_IDS not in example:
+            raise ValueError(
+                f"{where}: has no 'input_ids' (its fields: {shown_fields(example)}); tokenize the examples "
+                "first"
+            )
+        if "label" in example or _scalar(payload_get(example, LABELS, MISSING)):
+            raise ValueError(
+                f"{where}: carries one label for the whole example (sequence classification); this "
+                "collator makes causal-LM labels, one per token: use transformers.DataCollatorWithPadding "
+                "for a classifier, or give per-token 'labels'"
+            )
+        if "decoder_input_ids" in example:
+            raise ValueError(
+                f"{where}: carries 'decoder_input_ids' (an encoder-decoder target); this collator is for "
+                "causal LMs, whose labels align with input_ids: use "
+                "transformers.DataCollatorForSeq2Seq(tokenizer, model=model) for encoder-decoder models"
+            )
+        if supervision is not None and supervision not in example:
+            raise ValueError(
+                f"{where}: lacks {shown(supervision)}, the field this collator was told carries the "
+                f"supervision (its fields: {shown_fields(example)}); transformers.Trainer drops dataset "
+                "columns its model's forward does not name: pass "
+                "TrainingArguments(remove_unused_columns=False), or build the collator without "
+                "supervision=..."
+            )
 
 
-def _zero_one(values: np.ndarray, where: str, name: str, meaning: str) -> np.ndarray:
-    """``values != 0``, after checking that ``values`` holds only 0 and 1."""
-    if not ((values == 0) | (values == 1)).all():
-        raise ValueError(f"{where}: field {shown(name)} must hold only 0 and 1 ({meaning})")
-    return values != 0
+def _scalar(value: object) -> bool:
+    if value is MISSING:
+        return False
+    if isinstance(value, (int, float, np.generic)) and not isinstance(value, bool):
+        return True
+    return isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim == 0
 
 
-def read_example(example: object, where: str) -> Example:
-    """Check one example and return its real tokens and unshifted labels; see the module doc.
+@dataclass(frozen=True, kw_only=True)
+class TransformersOptions:
+    """The layout options of :class:`TransformersCollator`, checked once (see it for each one).
 
     Raises:
-        TypeError: if the example is not a dict, or a field is not a row of numbers.
-        ValueError: for a missing ``input_ids``, a field whose length differs from it,
-            negative ids, masks other than 0/1, an ``attention_mask`` that is not 1s then 0s,
-            a label that is neither -100 nor its token, or ``position_ids`` (pre-packed rows).
+        TypeError, ValueError: for a value of the wrong type or out of range, or options that
+            contradict each other (naming the fix).
     """
-    if isinstance(example, SampleRecord):
-        raise TypeError(
-            f"{where}: is a SampleRecord; this collator takes Hugging Face example dicts: pass the "
-            "payloads, or collate records (pack_flat's rows) with Collator(...)"
-        )
-    if not isinstance(example, Mapping):
-        raise TypeError(
-            f"{where}: must be a dict of fields such as 'input_ids', got {type(example).__name__}"
-        )
-    if INPUT_IDS not in example:
-        raise ValueError(
-            f"{where}: has no 'input_ids' (its fields: {shown_fields(example)}); tokenize the examples first"
-        )
-    if POSITION_IDS in example:
-        raise ValueError(
-            f"{where}: carries 'position_ids', i.e. several documents packed into one row; this collator "
-            "takes one document per example: pass the documents unpacked (padding_free=True puts them in "
-            "one row itself), or use Collator with segment-restarting 'positions'"
-        )
-    tokens = as_numpy(to_row(example[INPUT_IDS], where, INPUT_IDS, "ids"))
-    if tokens.ndim != 1:
-        raise ValueError(f"{where}: 'input_ids' must be one row of token ids, got shape {tokens.shape}")
-    tokens = tokens.astype(np.int64, copy=False)
-    if tokens.size and tokens.min() < 0:
-        raise ValueError(f"{where}: token ids must be >= 0, found {int(tokens.min())} in 'input_ids'")
-    length = tokens.shape[0]
-    real = length
-    if ATTENTION_MASK in example:
-        attended = _zero_one(
-            _field(example, ATTENTION_MASK, where, "values", length), where, ATTENTION_MASK, "1 on tokens"
-        )
-        real = int(attended.sum())
-        if not attended[:real].all():
+
+    padding_free: bool = False
+    pad_token_id: int | None = None
+    padding: bool | Literal["longest", "max_length", "do_not_pad"] = True
+    max_length: int | None = None
+    truncation_mode: Literal["keep_start", "keep_end"] | None = None
+    keep_eos: bool = False
+    eos_token_id: int | None = None
+    pad_to_multiple_of: int | None = None
+    padding_side: Literal["right", "left"] | None = None
+    label_pad_token_id: int = IGNORE_INDEX
+    return_tensors: Literal["pt", "np"] = "pt"
+    boundary_safe_labels: bool = True
+    return_position_ids: bool | None = None
+    return_flash_attn_kwargs: bool = False
+    return_seq_idx: bool = False
+    separator_id: int | None = None
+    position_ids_start: int = 0
+    supervision: str | None = None
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        for name in ("padding_free", "keep_eos", "boundary_safe_labels", "return_flash_attn_kwargs"):
+            put(self, name, check_bool(name, getattr(self, name), owner=OWNER))
+        put(self, "return_seq_idx", check_bool("return_seq_idx", self.return_seq_idx, owner=OWNER))
+        if self.padding not in PADDINGS or (
+            isinstance(self.padding, int) and not isinstance(self.padding, bool)
+        ):
             raise ValueError(
-                f"{where}: 'attention_mask' must be 1 on the tokens then 0 on trailing padding; it has a 0 "
-                "before a 1 (left padding, or a hole); pad on the right (tokenizer.padding_side = 'right')"
+                f"{OWNER}: padding must be True/'longest', 'max_length' or False/'do_not_pad', got "
+                f"{shown(self.padding)}"
             )
-    supervised = np.ones(length, dtype=bool)
-    if LABELS in example:
-        labels = _field(example, LABELS, where, "ids", length)
-        trained = labels != IGNORE_INDEX
-        wrong = np.flatnonzero((trained & (labels != tokens))[:real])  # padding is dropped, unread
-        if wrong.size:
-            t = int(wrong[0])
+        put(self, "padding", PADDINGS[self.padding])
+        choices: tuple[tuple[str, tuple[Any, ...]], ...] = (
+            ("truncation_mode", (None, "keep_start", "keep_end")),
+        )
+        choices += (("padding_side", (None, "right", "left")), ("return_tensors", ("pt", "np")))
+        for name, allowed in choices:
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{OWNER}: {name} must be one of {allowed}, got {shown(getattr(self, name))}"
+                )
+        if self.max_length is not None:
+            put(self, "max_length", check_int(OWNER, "max_length", self.max_length, 1, INT32_MAX))
+        if self.pad_to_multiple_of is not None:
+            multiple = check_int(OWNER, "pad_to_multiple_of", self.pad_to_multiple_of, 1, MAX_PAD_MULTIPLE)
+            put(self, "pad_to_multiple_of", multiple)
+        if self.pad_token_id is not None:
+            put(self, "pad_token_id", check_int(OWNER, "pad_token_id", self.pad_token_id, 0))
+        for name in ("eos_token_id", "separator_id"):
+            if getattr(self, name) is not None:
+                put(self, name, check_ignore_index(getattr(self, name), owner=OWNER).__int__())
+        put(self, "label_pad_token_id", check_ignore_index(self.label_pad_token_id, owner=OWNER))
+        put(self, "position_ids_start", check_int(OWNER, "position_ids_start", self.position_ids_start, 0))
+        if self.return_position_ids is not None:
+            put(
+                self,
+                "return_position_ids",
+                check_bool("return_position_ids", self.return_position_ids, owner=OWNER),
+            )
+        if self.supervision is not None and self.supervision not in SUPERVISION_FIELDS:
             raise ValueError(
-                f"{where}: labels[{t}] is {int(labels[t])}, neither -100 nor the token there "
-                f"(input_ids[{t}] = {int(tokens[t])}); "
-                "transformers models take unshifted labels (input_ids with -100 where no loss is taken) and "
-                "shift them in forward: if yours are shifted already, unshift them, or give a loss_mask"
+                f"{OWNER}: supervision must name a field that says what is trained, one of "
+                f"{SUPERVISION_FIELDS}, got {shown(self.supervision)}"
             )
-        supervised &= trained
-    for name in (LOSS_MASK, ASSISTANT_MASKS):
-        if name in example:
-            values = _field(example, name, where, "values", length)
-            supervised &= _zero_one(values, where, name, "1 where the token is trained")
-    return tokens[:real], np.where(supervised, tokens, IGNORE_INDEX)[:real]
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        if self.padding_free:
+            if self.padding == "max_length" or self.padding_side == "left":
+                raise ValueError(
+                    f"{OWNER}: padding_free=True puts the batch in one row; padding='max_length' and "
+                    "padding_side='left' pad rows of a padded batch: drop them, or pass padding_free=False"
+                )
+        elif self.pad_token_id is None:
+            raise ValueError(
+                f"{OWNER}: the padded layout needs pad_token_id (or a tokenizer with a pad token; for one "
+                "without, tokenizer.pad_token = tokenizer.eos_token), or pass padding_free=True"
+            )
+        if self.pad_to_multiple_of is not None and self.pad_token_id is None:
+            raise ValueError(
+                f"{OWNER}: pad_to_multiple_of pads with pad_token_id: give it (or a tokenizer with a pad "
+                "token)"
+            )
+        if self.padding == "max_length" and self.max_length is None:
+            raise ValueError(f"{OWNER}: padding='max_length' needs max_length, the padded row length")
+        if self.truncation_mode is not None and self.max_length is None:
+            raise ValueError(
+                f"{OWNER}: truncation_mode={self.truncation_mode!r} needs max_length, the cut length"
+            )
+        if self.keep_eos and (self.truncation_mode != "keep_start" or self.eos_token_id is None):
+            raise ValueError(
+                f"{OWNER}: keep_eos=True puts the EOS back at the end of an example cut by "
+                "truncation_mode='keep_start'; it needs that mode and eos_token_id (or a tokenizer with one)"
+            )
+        if self.separator_id is not None and not self.boundary_safe_labels:
+            raise ValueError(
+                f"{OWNER}: separator_id is the label of each packed example's first token, which "
+                "boundary_safe_labels=False keeps as given; drop one of them"
+            )
+        if not self.padding_free and (self.return_flash_attn_kwargs or self.return_seq_idx):
+            raise ValueError(
+                f"{OWNER}: return_flash_attn_kwargs and return_seq_idx describe the padding-free row; "
+                "pass padding_free=True"
+            )
+
+    @property
+    def positions_out(self) -> bool:
+        """Whether ``position_ids`` is an output (padding-free: by default, as DataCollatorWithFlattening)."""
+        if self.return_position_ids is None:
+            return self.padding_free
+        return self.return_position_ids
+
+    @functools.cached_property
+    def row_padding(self) -> RowPadding | None:
+        """How padded rows are padded (``None`` without ``pad_token_id``)."""
+        length = self.max_length if self.padding == "max_length" else None
+        if self.pad_token_id is None:
+            return None
+        return RowPadding.create(self.pad_token_id, self.pad_to_multiple_of, OWNER, length)
+
+    @staticmethod
+    def arguments(scope: Mapping[str, Any]) -> dict[str, Any]:
+        """The layout options among ``scope`` (a signature's ``locals()``), by name."""
+        return {name: scope[name] for name in TRANSFORMERS_OPTION_NAMES}
 
 
-class TransformersCollator:
+TRANSFORMERS_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(TransformersOptions))
+""":class:`TransformersCollator`'s layout keywords, in its signature's order."""
+
+
+def _read_rows(
+    examples: Sequence[Mapping[str, Any]],
+    name: str,
+    kind: Literal["ids", "values"],
+    fill: Callable[[int], Any] | None = None,
+) -> list[Any] | None:
+    """``name`` of every example that has it; those without get ``fill(index)`` (all trained)."""
+    return read_field(examples, name, INPUT_IDS, kind, _names, required=False, fill=fill)
+
+
+def _host_concat(rows: list[Any], name: str) -> Ragged:
+    """A field's rows end to end on the host (a tensor on a device is copied back)."""
+    return concat([as_numpy(row) for row in rows], name, _names)
+
+
+def _ones(lengths: np.ndarray) -> Callable[[int], np.ndarray]:
+    """What an example without a mask field reads as: every token trained."""
+    return lambda index: np.ones(int(lengths[index]), dtype=np.int64)
+
+
+def _copy_of(tokens: Ragged) -> Callable[[int], np.ndarray]:
+    """What an example without ``labels`` reads as: its tokens, every one trained."""
+    return lambda index: np.asarray(tokens.row(index))
+
+
+def _per_token(rows: list[Any], lengths: np.ndarray, name: str) -> Ragged:
+    """``rows`` as a per-token :class:`Ragged`, each row one entry per token (else ``ValueError``)."""
+    for index, row in enumerate(rows):
+        if row.ndim != 1 or row.shape[0] != lengths[index]:
+            hint = (
+                " (labels of their own length: an encoder-decoder target; this collator is for causal LMs, "
+                "use transformers.DataCollatorForSeq2Seq(tokenizer, model=model))"
+                if name == LABELS
+                else ""
+            )
+            raise ValueError(
+                f"{_names(index)}: field {shown(name)} has shape {tuple(row.shape)}, but 'input_ids' has "
+                f"{int(lengths[index])} tokens; give one value per token{hint}"
+            )
+    return _host_concat(rows, name)
+
+
+@dataclass(frozen=True)
+class Transformers:
+    """The ``transformers`` layout: HF examples to a causal LM's batch; see the module doc."""
+
+    options: TransformersOptions
+    padding_side: Literal["right", "left"] = "right"
+    num_boundaries: int | None = None
+    _plans: Plans = dataclasses.field(default_factory=Plans, init=False, repr=False, compare=False)
+
+    def plan(self, keys: tuple[str, ...]) -> Plan:
+        """The plan of this layout on a stacked batch holding ``keys``, built once."""
+        found = self._plans.get(keys)
+        if found is None:
+            found = self._plans[keys] = Plan(self, keys)
+        return found
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def read(self, features: object) -> list[Stacked]:
+        """Read, check and stack the examples into one batch; see the module doc.
+
+        Examples are read on the host (their fields as NumPy arrays), whatever
+        device a tensor field is on; the collator's ``device`` moves the batch.
+
+        Raises:
+            TypeError, ValueError: for a bad example, naming it, the field and the fix.
+        """
+        options = self.options
+        examples = as_examples(features)
+        if not examples:
+            raise ValueError(f"{OWNER}: the batch holds no examples")
+        _check_examples(examples, options.supervision)
+        present = set().union(*examples) & set(READ_FIELDS)
+        token_rows = _read_rows(examples, INPUT_IDS, "ids")
+        assert token_rows is not None  # every example has input_ids (_check_examples)
+        for index, row in enumerate(token_rows):
+            if row.ndim != 1:
+                raise ValueError(
+                    f"{_names(index)}: 'input_ids' must be one row of token ids, got shape {tuple(row.shape)}"
+                )
+        tokens = _host_concat(token_rows, INPUT_IDS)
+        check_ids(tokens, INPUT_IDS, _names)
+        tokens = tokens.cast(torch.int64)
+        lengths = tokens.lengths
+        fields: dict[str, Ragged] = {INPUT_IDS: tokens}
+        for name in (ATTENTION_MASK, *MASK_FIELDS, LABELS, TOKEN_TYPE_IDS, POSITION_IDS):
+            if name not in present:
+                continue
+            kind: Literal["ids", "values"] = (
+                "ids" if name in (LABELS, TOKEN_TYPE_IDS, POSITION_IDS) else "values"
+            )
+            fill = _copy_of(tokens) if name == LABELS else _ones(lengths) if kind == "values" else None
+            rows = _read_rows(examples, name, kind, fill)
+            if rows is not None:
+                fields[name] = _per_token(rows, lengths, name)
+        segment_rows = _read_rows(examples, SEQ_LENGTHS, "ids") if SEQ_LENGTHS in present else None
+        return [self._interpret(fields, segment_rows)]
+
+    def _interpret(self, fields: dict[str, Ragged], segment_rows: list[Any] | None) -> Stacked:
+        """The read fields to the chain's input: supervision, padding dropped, truncation, layout."""
+        options = self.options
+        per_token: dict[str, Ragged] = {INPUT_IDS: fields[INPUT_IDS], LOSS_MASK: self._supervision(fields)}
+        if TOKEN_TYPE_IDS in fields:
+            per_token[TOKEN_TYPE_IDS] = fields[TOKEN_TYPE_IDS]
+        positions = self._positions(fields, segment_rows)
+        if positions is not None:
+            per_token[POSITIONS] = positions
+        if ATTENTION_MASK in fields:
+            keep = self._attended(fields[ATTENTION_MASK])
+            if not keep.all():
+                per_token = {name: field.select(keep) for name, field in per_token.items()}
+        if options.truncation_mode is not None:
+            per_token = self._truncated(per_token)
+        if positions is not None and not options.padding_free:
+            self._check_one_document(per_token[POSITIONS])
+        if POSITIONS not in per_token and (options.padding_free or options.positions_out):
+            per_token[POSITIONS] = _restarting(per_token[INPUT_IDS].offsets)
+        return self._flat(per_token) if options.padding_free else self._padded(per_token)
+
+    def _supervision(self, fields: Mapping[str, Ragged]) -> Ragged:
+        """The boolean ``[N]`` supervision: where ``labels`` are not -100 and every mask field is 1."""
+        tokens = fields[INPUT_IDS]
+        trained = np.ones(tokens.values.shape[0], dtype=bool)
+        for name in MASK_FIELDS:
+            if name in fields:
+                check_zero_one(fields[name], name, _names, "1 where the token is trained")
+                trained &= fields[name].values != 0
+        if LABELS in fields:
+            labels = fields[LABELS].values
+            given = labels != IGNORE_INDEX
+            wrong = given & (labels != tokens.values)
+            if ATTENTION_MASK in fields:
+                wrong &= fields[ATTENTION_MASK].values != 0  # labels under the padding are dropped, unread
+            flat = np.flatnonzero(wrong)
+            if flat.size:
+                index = int(flat[0])
+                row = row_of(tokens.offsets, index)
+                t = index - int(tokens.offsets[row])
+                raise ValueError(
+                    f"{_names(row)}: labels[{t}] is {int(labels[index])}, neither -100 nor the token there "
+                    f"(input_ids[{t}] = {int(tokens.values[index])}); transformers models take unshifted "
+                    "labels (input_ids with -100 where no loss is taken) and shift them in forward: if yours "
+                    "are shifted already, unshift them, or give a loss_mask"
+                )
+            trained &= given
+        return Ragged(trained, tokens.offsets)
+
+    def _attended(self, mask: Ragged) -> np.ndarray:
+        """``[N]`` booleans: the tokens an ``attention_mask`` keeps (1s, then 0s on right padding)."""
+        check_zero_one(mask, ATTENTION_MASK, _names, "1 on tokens")
+        keep = mask.values != 0
+        rise = np.flatnonzero(keep[1:] & ~keep[:-1]) + 1  # a 1 after a 0 ...
+        rise = rise[~np.isin(rise, mask.offsets)]  # ... inside one example
+        if rise.size:
+            row = row_of(mask.offsets, int(rise[0]))
+            raise ValueError(
+                f"{_names(row)}: 'attention_mask' must be 1 on the tokens then 0 on trailing padding; it has "
+                "a 0 before a 1 (left padding, or a hole); pad on the right "
+                "(tokenizer.padding_side = 'right'): this collator pads on the padding side it is given"
+            )
+        return keep
+
+    def _positions(self, fields: Mapping[str, Ragged], segment_rows: list[Any] | None) -> Ragged | None:
+        """Segment-restarting positions from ``seq_lengths`` or ``position_ids``, or ``None`` (one document
+        per example)."""
+        tokens = fields[INPUT_IDS]
+        if segment_rows is not None:
+            sizes = []
+            for index, row in enumerate(segment_rows):
+                values = as_numpy(row).reshape(-1).astype(np.int64)
+                if (values.size and values.min() < 0) or int(values.sum()) != tokens.lengths[index]:
+                    raise ValueError(
+                        f"{_names(index)}: 'seq_lengths' {shown(values.tolist())} must be lengths >= 0 "
+                        f"that add up to the example's {int(tokens.lengths[index])} tokens (as TRL's packing "
+                        "writes them)"
+                    )
+                sizes.append(values[values > 0])
+            starts = np.zeros(sum(len(v) for v in sizes) + 1, dtype=np.int64)
+            np.cumsum(np.concatenate(sizes) if sizes else [], out=starts[1:])
+            return Ragged(_restarting(starts).values, tokens.offsets)
+        if POSITION_IDS not in fields:
+            return None
+        given = fields[POSITION_IDS]
+        check_ids(given, POSITION_IDS, _names)
+        nonempty = np.flatnonzero(given.lengths > 0)
+        first = given.values[given.offsets[nonempty]]
+        if (first != 0).any():
+            index = int(nonempty[np.flatnonzero(first != 0)[0]])
+            raise ValueError(
+                f"{_names(index)}: 'position_ids' must start at 0 and restart at 0 at each packed "
+                f"document (they start at {int(first[first != 0][0])}); give positions counted from 0"
+            )
+        return given.cast(torch.int64)
+
+    def _check_one_document(self, positions: Ragged) -> None:
+        """Padded rows must hold one document each: packed rows would attend across their documents."""
+        starts = np.flatnonzero(positions.values == 0)
+        inner = starts[~np.isin(starts, positions.offsets)]
+        if inner.size:
+            row = row_of(positions.offsets, int(inner[0]))
+            raise ValueError(
+                f"{_names(row)}: holds several documents (from 'seq_lengths' or restarting 'position_ids'); "
+                "padded, they would attend to each other: pass padding_free=True, which keeps them apart "
+                "(as TRL's SFTTrainer does for packed data)"
+            )
+
+    def _truncated(self, per_token: dict[str, Ragged]) -> dict[str, Ragged]:
+        """Each example cut to ``max_length`` tokens (keep its start or its end); see the options."""
+        options = self.options
+        limit = options.max_length
+        assert limit is not None
+        tokens = per_token[INPUT_IDS]
+        lengths = tokens.lengths
+        if not bool((lengths > limit).any()):
+            return per_token
+        place = np.arange(tokens.values.shape[0]) - np.repeat(tokens.offsets[:-1], lengths)
+        if options.truncation_mode == "keep_start":
+            keep = place < limit
+        else:
+            keep = place >= np.repeat(lengths - limit, lengths)
+        cut = {name: field.select(keep) for name, field in per_token.items()}
+        if options.keep_eos:
+            cut = self._eos_kept(per_token, cut, lengths > limit)
+        lost = np.flatnonzero(_any_per_row(per_token[LOSS_MASK]) & ~_any_per_row(cut[LOSS_MASK]))
+        if lost.size:
+            raise ValueError(
+                f"{_names(int(lost[0]))}: has no supervised token left after truncation to "
+                f"max_length={limit} ({options.truncation_mode}); trained as is it would add nothing: drop "
+                "or shorten such examples, raise max_length, or use the other truncation_mode"
+            )
+        return cut
+
+    def _eos_kept(
+        self, before: Mapping[str, Ragged], cut: dict[str, Ragged], truncated: np.ndarray
+    ) -> dict[str, Ragged]:
+        """``keep_eos``: a cut example that ended in EOS ends in EOS again, supervised as it was."""
+        tokens = before[INPUT_IDS]
+        ends = tokens.offsets[1:] - 1
+        rows = np.flatnonzero(truncated & (tokens.values[ends] == self.options.eos_token_id))
+        if not rows.size:
+            return cut
+        last = cut[INPUT_IDS].offsets[rows + 1] - 1
+        new_tokens = cut[INPUT_IDS].values.copy()
+        new_tokens[last] = self.options.eos_token_id
+        new_mask = cut[LOSS_MASK].values.copy()
+        new_mask[last] = before[LOSS_MASK].values[ends[rows]]
+        offsets = cut[INPUT_IDS].offsets
+        return {**cut, INPUT_IDS: Ragged(new_tokens, offsets), LOSS_MASK: Ragged(new_mask, offsets)}
+
+    def _padded(self, per_token: Mapping[str, Ragged]) -> Stacked:
+        padding = self.options.row_padding
+        assert padding is not None
+        lengths = per_token[INPUT_IDS].lengths
+        width = padding.width(lengths)
+        if bool((lengths > width).any()):
+            index = int(np.flatnonzero(lengths > width)[0])
+            raise ValueError(
+                f"{_names(index)}: has {int(lengths[index])} tokens, more than max_length={width} "
+                "(padding='max_length'); pass truncation_mode='keep_start' (or 'keep_end') to cut such "
+                "examples, or raise max_length"
+            )
+        if self.options.padding == "do_not_pad" and bool((lengths != width).any()):
+            raise ValueError(
+                f"{OWNER}: padding=False (do_not_pad) needs examples of one length, got lengths "
+                f"{shown(lengths.tolist())}; pad them (padding=True)"
+            )
+        data = {
+            name: as_tensor(dense(field, width, padding.pad_token_id if name == INPUT_IDS else 0))
+            for name, field in per_token.items()
+        }
+        data[PADDING_LENGTH] = torch.from_numpy(width - lengths)
+        return Stacked(data)
+
+    def _flat(self, per_token: Mapping[str, Ragged]) -> Stacked:
+        total = int(per_token[INPUT_IDS].values.shape[0])
+        if not total:
+            raise ValueError(f"{OWNER}: every example of the batch is empty; padding_free needs a token")
+        multiple = self.options.pad_to_multiple_of
+        width = total if multiple is None else -(-total // multiple) * multiple
+        one_row = np.array([0, total], dtype=np.int64)
+        pad_id = self.options.pad_token_id or 0
+        # Padding positions are 0 each, as TRL writes them: every pad token is a segment of its own.
+        data = {
+            name: as_tensor(dense(Ragged(field.values, one_row), width, pad_id if name == INPUT_IDS else 0))
+            for name, field in per_token.items()
+        }
+        data[PADDING_LENGTH] = torch.tensor([width - total])
+        return Stacked(data)
+
+    # -- the chain -------------------------------------------------------------------------------
+
+    def chain(self, keys: Sequence[str]) -> list[Transform]:
+        """The built-in transforms for a stacked batch holding ``keys``.
+
+        Padded: ``PaddingMask -> AttentionMask -> UnshiftedLabels -> LossMask``
+        (then ``LeftPadding`` for left padding). Padding-free: ``BoundaryMask ->
+        UnshiftedLabels -> LossMask -> CuSeqlens -> SegmentIds``, each as asked for.
+        """
+        options = self.options
+        label_pad = options.label_pad_token_id
+        transforms: list[Transform] = []
+        if options.padding_free and options.boundary_safe_labels:
+            transforms.append(BoundaryMask())
+        if not options.padding_free:
+            transforms += [PaddingMask(), AttentionMask()]
+        transforms.append(UnshiftedLabels())
+        padded = not options.padding_free or options.pad_to_multiple_of is not None
+        if label_pad == IGNORE_INDEX:
+            counts = PADDING_LENGTH if padded else None
+            transforms.append(LossMask(IGNORE_INDEX, padding_length_key=counts, out_key=None, count_key=None))
+        else:  # the labels of padding get label_pad_token_id, ignored ones -100 (as HF pads them)
+            transforms.append(LossMask(IGNORE_INDEX, padding_length_key=None, out_key=None, count_key=None))
+            transforms.append(LossMask(label_pad, supervision_key=None, out_key=None, count_key=None))
+        if options.padding_free:
+            if options.return_flash_attn_kwargs:
+                transforms.append(CuSeqlens(flatten=True, num_boundaries=self.num_boundaries))
+            if options.return_seq_idx:
+                transforms.append(SegmentIds(flatten=True))
+            return transforms
+        if self.padding_side == "left":
+            moved = [k for k in (INPUT_IDS, POSITIONS, TOKEN_TYPE_IDS) if k in keys] + [
+                ATTENTION_MASK,
+                LABELS,
+            ]
+            transforms.append(LeftPadding(moved))
+        return transforms
+
+    def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """:meth:`chain`'s output mapping computed by the fused host pass."""
+        return _host.transformers(self.options, self.padding_side == "left", self.num_boundaries, data)
+
+    def names(self, keys: Sequence[str]) -> list[tuple[str, str]]:
+        """``(key, output name)`` of each output, in Hugging Face's names and order."""
+        options = self.options
+        if options.padding_free:
+            pairs = [(INPUT_IDS, INPUT_IDS), (LABELS, LABELS)]
+            pairs += [(POSITIONS, POSITION_IDS)] if options.positions_out else []
+            if options.return_flash_attn_kwargs:
+                pairs += [(CU_SEQLENS, CU_SEQ_LENS_Q), (CU_SEQLENS, CU_SEQ_LENS_K)]
+                pairs += [(MAX_SEQLEN, MAX_LENGTH_Q), (MAX_SEQLEN, MAX_LENGTH_K)]
+            pairs += [(SEGMENT_IDS, SEQ_IDX)] if options.return_seq_idx else []
+        else:
+            pairs = [(INPUT_IDS, INPUT_IDS)]
+            pairs += [(TOKEN_TYPE_IDS, TOKEN_TYPE_IDS)] if TOKEN_TYPE_IDS in keys else []
+            pairs += [(ATTENTION_MASK, ATTENTION_MASK), (LABELS, LABELS)]
+            pairs += [(POSITIONS, POSITION_IDS)] if options.positions_out else []
+        if options.padding_free and TOKEN_TYPE_IDS in keys:
+            pairs.append((TOKEN_TYPE_IDS, TOKEN_TYPE_IDS))
+        known = {key for key, _ in pairs} | {LOSS_MASK, PADDING_LENGTH, PADDING_MASK, POSITIONS}
+        pairs += [(key, key) for key in keys if key not in known]  # what transforms of yours add
+        return pairs
+
+    def assemble(
+        self,
+        per_record: Mapping[str, list[Any]],
+        result: Result,
+        pairs: Sequence[tuple[str, str]],
+        python_scalars: bool,
+    ) -> dict[str, Any]:
+        """The output dict: Hugging Face's keys, dtypes and shapes."""
+        options = self.options
+        kind = "numpy" if options.return_tensors == "np" else "torch"
+        out: dict[str, Any] = {}
+        for key, name in pairs:
+            value = result[key]
+            if key == MAX_SEQLEN:
+                out[name] = int(value) if python_scalars else torch.as_tensor(value)
+                continue
+            if key == SEGMENT_IDS:
+                value = value.reshape(1, -1)
+            if key == POSITIONS and options.position_ids_start:
+                value = value + options.position_ids_start
+            if key == LABELS and options.separator_id is not None and options.padding_free:
+                value = _separated(value, result[POSITIONS], options.separator_id)
+            out[name] = convert(value, kind)
+        return out
+
+    def empty(self) -> dict[str, Any]:
+        raise ValueError(f"{OWNER}: the batch holds no examples")
+
+    def stack(self, samples: object) -> Stacked:
+        """:meth:`read` for ``Collator.stack``: one batch, its static boundaries checked."""
+        batch = self.read(samples)[0]
+        if self.num_boundaries is not None and self.options.return_flash_attn_kwargs:
+            check_boundary_count(batch.data[POSITIONS], True, self.num_boundaries, _names)
+        return batch
+
+    def collate(self, samples: object, plan: Any, *, python_scalars: bool = True) -> dict[str, Any]:
+        """The one-step path: read, stack, run ``plan(keys)``, assemble."""
+        batch = self.read(samples)[0]
+        chosen: Plan = plan(tuple(batch.data))
+        return self.assemble(batch.per_record, chosen.run(batch.data), chosen.pairs, python_scalars)
+
+
+def _any_per_row(field: Ragged) -> np.ndarray:
+    """``[B]`` booleans: does each row hold a nonzero value?"""
+    values = field.values != 0
+    counts = (
+        np.add.reduceat(values, field.offsets[:-1]) if values.size else np.zeros(field.rows, dtype=np.int64)
+    )
+    return (counts > 0) & (field.lengths > 0)
+
+
+def _restarting(offsets: np.ndarray) -> Ragged:
+    """Positions 0, 1, ... restarting at every offset: one segment per row."""
+    lengths = np.diff(offsets)
+    total = int(offsets[-1])
+    return Ragged(np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1], lengths), offsets)
+
+
+def _separated(labels: Any, positions: Any, separator: int) -> Any:
+    """``labels`` with ``separator`` at each segment's first token (``DataCollatorWithFlattening``'s
+    ``separator_id``)."""
+    if isinstance(labels, np.ndarray):
+        return np.where(_host.segment_starts(np.asarray(positions)), labels.dtype.type(separator), labels)
+    return labels.masked_fill(segment_starts(positions), separator)
+
+
+def _from_tokenizer(tokenizer: Any, name: str, given: Any) -> Any:
+    """``given``, or the tokenizer's attribute ``name`` where ``given`` is ``None``."""
+    if given is not None or tokenizer is None:
+        return given
+    return getattr(tokenizer, name, None)
+
+
+class TransformersCollator(Collator):
     """The ``collate_fn`` of :meth:`Collator.for_transformers`: HF examples to a ``transformers`` batch.
 
+    The swap is literal: ``DataCollatorForSeq2Seq(tokenizer, ...)`` becomes
+    ``Collator.for_transformers(tokenizer, ...)``, ``DataCollatorWithFlattening(...)``
+    becomes ``Collator.for_transformers(padding_free=True, ...)``, with the same
+    option names (README: "Coming from Hugging Face" maps each one).
+
     Parameters:
-        padding_free: put the batch in one row with ``position_ids`` and the
-            FlashAttention kwargs (``DataCollatorWithFlattening``'s layout) instead
-            of padding it (``DataCollatorForSeq2Seq``'s layout).
-        pad_token_id: the id padding gets (``tokenizer.pad_token_id``); required
-            unless ``padding_free``.
-        pad_to_multiple_of: round the padded length up to a multiple of this
-            (padded layout only).
-        boundary_safe_labels: make each example's first label -100 in the
-            padding-free row, so no label predicts the next example's first token
-            (as ``DataCollatorWithFlattening`` does). In the padded layout each
-            row holds one example and the model drops its first label itself:
-            nothing is masked there.
+        tokenizer: a ``transformers`` tokenizer, or ``None``; it gives ``pad_token_id``,
+            ``padding_side`` and ``eos_token_id`` where those are not passed.
+        padding_free: put the batch in one row with ``position_ids``
+            (``DataCollatorWithFlattening``'s layout) instead of padding it
+            (``DataCollatorForSeq2Seq``'s).
+        pad_token_id: the id padding gets; required for the padded layout.
+        padding: ``True``/``"longest"`` (pad to the longest example),
+            ``"max_length"`` (to ``max_length``: static shapes for XLA, Neuron, CUDA
+            graphs) or ``False``/``"do_not_pad"`` (examples must be of one length).
+        max_length: the length of ``padding="max_length"`` rows, and the cut of
+            ``truncation_mode``; rounded up to ``pad_to_multiple_of``.
+        truncation_mode: cut examples longer than ``max_length`` keeping their
+            first (``"keep_start"``) or last (``"keep_end"``) tokens, as TRL does;
+            ``None`` cuts nothing (a longer example is refused with
+            ``padding="max_length"``, as ``DataCollatorForSeq2Seq`` refuses it). An
+            example whose supervised tokens the cut removes entirely is refused,
+            naming it: it would be trained as all -100, adding nothing.
+        keep_eos: with ``"keep_start"``, an example that ended with
+            ``eos_token_id`` and was cut ends with it again (its last kept token is
+            replaced), supervised as the original EOS was: cut assistant turns
+            still teach the model to stop.
+        eos_token_id: the EOS id for ``keep_eos`` (default: the tokenizer's).
+        pad_to_multiple_of: round the padded length (or, padding-free, the row's
+            length) up to a multiple of this (at most 2**20).
+        padding_side: ``"right"`` or ``"left"`` (default: the tokenizer's, else
+            right); left padding puts each row's padding first, in every field.
+        label_pad_token_id: the label of padding (HF's ``label_pad_token_id``);
+            unsupervised real tokens always get -100.
+        return_tensors: ``"pt"`` (torch tensors) or ``"np"`` (NumPy arrays).
+        boundary_safe_labels: padding-free, make each example's first label
+            ``separator_id`` (-100), so no label predicts the next example's first
+            token (as ``DataCollatorWithFlattening`` does).
+        return_position_ids: emit ``position_ids`` (default: padding-free only).
+        return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free).
+        return_seq_idx: emit ``seq_idx`` (padding-free).
+        separator_id: the label of each example's first token padding-free
+            (default -100).
+        position_ids_start: the position of each example's first token (default 0).
+        supervision: the field that says what is trained (``"labels"``,
+            ``"loss_mask"``, ``"assistant_masks"``, ...), or ``None``; an example
+            without it is refused, naming ``remove_unused_columns=False``
+            (``Trainer`` drops dataset columns its model's ``forward`` does not name).
+        device, compile, num_boundaries, python_scalars, transforms, chain: as for
+            :class:`Collator` (``python_scalars=False`` keeps ``max_length_q/k`` as tensors).
 
     Returns (from a call on a list of examples, or a batched dict of lists):
         the dict of tensors described in the module doc.
 
     Raises:
         TypeError, ValueError: for bad arguments, and for a bad example, naming it
-            (see :func:`read_example`); ``ValueError`` for a padding-free batch
-            whose examples are all empty, as ``DataCollatorWithFlattening`` does.
+            and the fix; ``ValueError`` for a padding-free batch whose examples are
+            all empty, as ``DataCollatorWithFlattening`` does.
 
     Example:
         >>> from zephon_collate import Collator
@@ -217,76 +865,67 @@ class TransformersCollator:
         ... ])
         >>> batch["input_ids"].tolist(), batch["attention_mask"].tolist(), batch["labels"].tolist()
         ([[5, 6, 7], [8, 9, 0]], [[1, 1, 1], [1, 1, 0]], [[-100, 6, 7], [8, 9, -100]])
-        >>> flatten = Collator.for_transformers(padding_free=True)
+        >>> flatten = Collator.for_transformers(padding_free=True, return_flash_attn_kwargs=True)
         >>> flat = flatten([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
         >>> flat["labels"].tolist(), flat["position_ids"].tolist(), flat["cu_seq_lens_q"].tolist()
         ([[-100, 6, 7, -100, 9]], [[0, 1, 2, 0, 1]], [0, 3, 5])
     """
 
+    @suggest_options("Collator.for_transformers")
     def __init__(
         self,
+        tokenizer: Any = None,
         *,
         padding_free: bool = False,
         pad_token_id: int | None = None,
+        padding: bool | Literal["longest", "max_length", "do_not_pad"] = True,
+        max_length: int | None = None,
+        truncation_mode: Literal["keep_start", "keep_end"] | None = None,
+        keep_eos: bool = False,
+        eos_token_id: int | None = None,
         pad_to_multiple_of: int | None = None,
+        padding_side: Literal["right", "left"] | None = None,
+        label_pad_token_id: int = IGNORE_INDEX,
+        return_tensors: Literal["pt", "np"] = "pt",
         boundary_safe_labels: bool = True,
+        return_position_ids: bool | None = None,
+        return_flash_attn_kwargs: bool = False,
+        return_seq_idx: bool = False,
+        separator_id: int | None = None,
+        position_ids_start: int = 0,
+        supervision: str | None = None,
+        device: str | torch.device | None = None,
+        compile: bool = False,
+        num_boundaries: int | None = None,
+        python_scalars: bool = True,
+        transforms: Sequence[Transform] = (),
+        chain: Sequence[Transform] | None = None,
     ) -> None:
-        self.padding_free = check_bool("padding_free", padding_free, owner=OWNER)
-        self.boundary_safe_labels = check_bool("boundary_safe_labels", boundary_safe_labels, owner=OWNER)
-        if self.padding_free and pad_to_multiple_of is not None:
-            raise ValueError(f"{OWNER}: pad_to_multiple_of pads rows; padding_free=True adds no padding")
-        if not self.padding_free and pad_token_id is None:
-            raise ValueError(
-                f"{OWNER}: the padded layout needs pad_token_id (e.g. tokenizer.pad_token_id, or "
-                "tokenizer.eos_token_id for a tokenizer without one), or pass padding_free=True"
-            )
-        self.padding = RowPadding.create(pad_token_id, pad_to_multiple_of, owner=OWNER)
+        scope = locals()
+        arguments = TransformersOptions.arguments(scope)
+        for name in ("pad_token_id", "padding_side", "eos_token_id"):
+            arguments[name] = _from_tokenizer(tokenizer, name, arguments[name])
+        self.hf_options = TransformersOptions(**arguments)
+        collator = {name: scope[name] for name in TRANSFORMERS_COLLATOR_OPTIONS}
+        self.settings = CollatorOptions(**collator)
+        if (self.settings.device is not None or self.settings.compile) and return_tensors != "pt":
+            raise ValueError(f"{OWNER}: device and compile need torch output; pass return_tensors='pt'")
+        side = self.hf_options.padding_side or "right"
+        self.layout = Transformers(self.hf_options, side, self.settings.num_boundaries)
+        self._plans = Plans()
 
     def __repr__(self) -> str:
-        return (
-            f"{OWNER}(padding_free={self.padding_free}, padding={self.padding}, "
-            f"boundary_safe_labels={self.boundary_safe_labels})"
-        )
+        return f"{OWNER}({self.hf_options}, settings={self.settings})"
 
-    def __call__(self, features: object) -> dict[str, Any]:
-        examples = [read_example(example, f"example {i}") for i, example in enumerate(as_examples(features))]
-        if not examples:
-            raise ValueError(f"{OWNER}: the batch holds no examples")
-        return self._flat(examples) if self.padding_free else self._padded(examples)
 
-    def _padded(self, examples: list[Example]) -> dict[str, torch.Tensor]:
-        assert self.padding is not None  # __init__ requires pad_token_id here
-        lengths = np.array([tokens.shape[0] for tokens, _ in examples])
-        width = self.padding.length(int(lengths.max()))
-        real = np.arange(width) < lengths[:, None]
-        input_ids = np.full(real.shape, self.padding.pad_token_id, dtype=np.int64)
-        input_ids[real] = np.concatenate([tokens for tokens, _ in examples])
-        labels = np.full(real.shape, IGNORE_INDEX, dtype=np.int64)
-        labels[real] = np.concatenate([row for _, row in examples])
-        return {
-            INPUT_IDS: torch.from_numpy(input_ids),
-            ATTENTION_MASK: torch.from_numpy(real.astype(np.int64)),
-            LABELS: torch.from_numpy(labels),
-        }
+TRANSFORMERS_COLLATOR_OPTIONS = (
+    "device",
+    "compile",
+    "num_boundaries",
+    "python_scalars",
+    "transforms",
+    "chain",
+)
+"""The :class:`Collator` settings :class:`TransformersCollator` takes, after its layout options."""
 
-    def _flat(self, examples: list[Example]) -> dict[str, Any]:
-        examples = [example for example in examples if example[0].size]  # as DataCollatorWithFlattening
-        if not examples:
-            raise ValueError(f"{OWNER}: every example of the batch is empty; padding_free needs a token")
-        lengths = np.array([tokens.shape[0] for tokens, _ in examples])
-        offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
-        positions = (np.arange(int(lengths.sum())) - offsets)[None]
-        labels = np.concatenate([row for _, row in examples])[None]
-        if self.boundary_safe_labels:
-            labels[segment_starts(positions)] = IGNORE_INDEX
-        cu_seq_lens, longest = cu_seqlens_flat.unchecked(positions)  # arrays in, arrays out
-        return {
-            INPUT_IDS: torch.from_numpy(np.concatenate([tokens for tokens, _ in examples])[None]),
-            LABELS: torch.from_numpy(labels),
-            POSITION_IDS: torch.from_numpy(positions),
-            SEQ_IDX: torch.from_numpy(segment_ids_from_positions(positions)),
-            CU_SEQ_LENS_Q: torch.from_numpy(cu_seq_lens),
-            CU_SEQ_LENS_K: torch.from_numpy(cu_seq_lens.copy()),
-            MAX_LENGTH_Q: int(longest),
-            MAX_LENGTH_K: int(longest),
-        }
+Collator.for_transformers = TransformersCollator

@@ -1,20 +1,22 @@
-"""TrainingOptions: the one home of ``to_training``'s signature, its arguments checked once.
+"""TrainingOptions: ``to_training``'s arguments, checked once, and the transform chain they build.
 
 :func:`~zephon_collate.to_training`, :meth:`SampleBatch.to_training
 <zephon_collate.SampleBatch.to_training>` and the :class:`~zephon_collate.Collator`
-take these keyword arguments; their signatures are made from this class's fields.
+take these keyword arguments, written out in each signature (a test checks that
+they equal this class's fields: names, order, defaults). :meth:`TrainingOptions.chain`
+is the one place that turns the options into transforms; the names a call
+emits and the names an extra field may not take are derived from that chain.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from zephon_collate.checks import (
+from zephon_collate._checks import (
     OutputKind,
     check_bool,
     check_eos_fits,
@@ -26,23 +28,31 @@ from zephon_collate.checks import (
     resolve_dtype,
     warn_user,
 )
+from zephon_collate._text import shown
 from zephon_collate.keys import (
-    CU_SEQLENS,
     IDS,
     IGNORE_INDEX,
     INPUT_IDS,
-    LABELS,
     LOSS_MASK,
-    MAX_SEQLEN,
     NUM_VALID_TOKENS,
     PADDING_LENGTH,
     PADDING_MASK,
     POSITIONS,
     TEXTS,
 )
-from zephon_collate.text import shown
+from zephon_collate.transforms import (
+    BoundaryMask,
+    Chain,
+    CuSeqlens,
+    EosMask,
+    LossMask,
+    PaddingMask,
+    Positions,
+    TokenShift,
+    Transform,
+)
 
-__all__ = ["OPTION_NAMES", "TrainingOptions", "options_for", "signature_with_options"]
+__all__ = ["OPTION_NAMES", "SPECIAL_FIELDS", "TrainingOptions", "options_for"]
 
 SPECIAL_FIELDS = (POSITIONS, LOSS_MASK)
 EOS_WITHOUT_MASKING = (
@@ -99,10 +109,10 @@ class TrainingOptions:
     position_mode: Literal["preserve", "sequence"] = "preserve"
     output: OutputKind = field(init=False, repr=False, compare=False)
 
-    @classmethod
-    def create(cls, **options: Any) -> TrainingOptions:
-        """``TrainingOptions(**options)``."""
-        return cls(**options)
+    @staticmethod
+    def arguments(scope: Mapping[str, Any]) -> dict[str, Any]:
+        """The options among ``scope``, by name: a signature that spells them out passes ``locals()``."""
+        return {name: scope[name] for name in OPTION_NAMES}
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -124,8 +134,13 @@ class TrainingOptions:
         if self.eos_token_id is not None:
             put("eos_token_id", check_eos_token_id(self.eos_token_id))
         self._check_combinations()
+        values = tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.compare)
+        put("_hash", hash(values))  # computed once: the collate path looks plans up by options
         if self.eos_token_id is not None and not self.eos_mask_loss:
             warn_user(EOS_WITHOUT_MASKING)
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[no-any-return]
 
     def _check_combinations(self) -> None:
         labels = self.return_labels
@@ -158,15 +173,62 @@ class TrainingOptions:
                 )
 
     def generated_keys(self) -> tuple[str, ...]:
-        """Output fields this call generates, which an extra field may not overwrite."""
-        keys = [IDS, TEXTS, INPUT_IDS]
-        keys += [LABELS] if self.return_labels else []
-        keys += [POSITIONS] if self.position_mode == "sequence" else []
-        keys += [NUM_VALID_TOKENS] if self.return_num_valid_tokens else []
-        keys += [LOSS_MASK] if self.return_loss_mask else []
-        keys += [CU_SEQLENS, MAX_SEQLEN] if self.return_cu_seqlens else []
-        keys += [PADDING_MASK] if self.return_padding_mask else []
-        return tuple(keys)
+        """Output fields this call generates, which an extra field may not overwrite.
+
+        ``ids``, ``texts`` and ``input_ids``, and every key a step of :meth:`chain`
+        writes without reading it (``labels``, ``cu_seqlens``, ...).
+
+        Example:
+            >>> TrainingOptions(return_labels=True, return_cu_seqlens=True).generated_keys()
+            ('ids', 'texts', 'input_ids', 'labels', 'cu_seqlens', 'max_seqlen')
+        """
+        keys = (INPUT_IDS, PADDING_LENGTH, POSITIONS)
+        return (IDS, TEXTS, INPUT_IDS, *Chain(*self.chain(keys)).created_keys())
+
+    def chain(
+        self, keys: Sequence[str], *, boundary_safe: bool = False, num_boundaries: int | None = None
+    ) -> list[Transform]:
+        """The transforms these options run on a stacked batch holding ``keys``, in order.
+
+        ``PaddingMask -> BoundaryMask -> TokenShift -> EosMask -> LossMask ->
+        CuSeqlens -> Positions``, each only when asked for. ``boundary_safe`` (the
+        Collator's ``boundary_safe_labels``) adds ``BoundaryMask`` when there are
+        labels and positions; ``num_boundaries`` gives ``CuSeqlens`` a static
+        shape. ``Positions("sequence")`` comes after ``CuSeqlens`` because it
+        overwrites the payload positions that ``CuSeqlens`` reads.
+
+        Example:
+            >>> options = TrainingOptions(return_labels=True, return_padding_mask=True)
+            >>> [type(t).__name__ for t in options.chain(("input_ids", "padding_length"))]
+            ['PaddingMask', 'TokenShift', 'LossMask']
+        """
+        transforms: list[Transform] = []
+        if self.return_padding_mask:
+            transforms.append(PaddingMask())
+        boundary = boundary_safe and self.return_labels and POSITIONS in keys
+        if boundary:
+            transforms.append(BoundaryMask())
+        has_loss_mask = LOSS_MASK in keys or boundary
+        if self.return_labels:
+            aligned = [k for k in keys if k not in (INPUT_IDS, LOSS_MASK, PADDING_LENGTH)]
+            aligned += [PADDING_MASK] if self.return_padding_mask else []
+            transforms.append(TokenShift(input_keys=aligned, label_keys=[LOSS_MASK] if has_loss_mask else []))
+            if self.eos_mask_loss:
+                assert self.eos_token_id is not None  # _check_combinations requires it
+                transforms.append(EosMask(self.eos_token_id, self.ignore_index))
+            transforms.append(
+                LossMask(
+                    self.ignore_index,
+                    supervision_key=LOSS_MASK if has_loss_mask else None,
+                    out_key=LOSS_MASK if self.return_loss_mask else None,
+                    count_key=NUM_VALID_TOKENS if self.return_num_valid_tokens else None,
+                )
+            )
+        if self.return_cu_seqlens:
+            transforms.append(CuSeqlens(flatten=self.flatten, num_boundaries=num_boundaries))
+        if self.position_mode == "sequence":
+            transforms.append(Positions("sequence"))
+        return transforms
 
     @property
     def data_fields(self) -> tuple[str, ...]:
@@ -205,13 +267,3 @@ def options_for(options: Mapping[str, Any]) -> TrainingOptions:
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(TrainingOptions) if f.init)
 """The keyword arguments of ``to_training``, in the reference page's order."""
-
-
-def signature_with_options(function: Any, leading: Sequence[inspect.Parameter]) -> inspect.Signature:
-    """``function``'s signature: ``leading`` parameters, then ``to_training``'s keyword-only options."""
-    options = [
-        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-        for f in dataclasses.fields(TrainingOptions)
-        if f.init
-    ]
-    return inspect.Signature([*leading, *options], return_annotation="dict[str, Any]")

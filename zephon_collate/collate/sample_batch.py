@@ -6,21 +6,34 @@ the collate path it calls; :mod:`zephon_collate.types` re-exports it with them.
 
 from __future__ import annotations
 
-import inspect
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+import torch
 from tensordict import TensorDict
 
-from zephon_collate.collate.options import options_for, signature_with_options
-from zephon_collate.collate.stack import stack_batch
-from zephon_collate.collate.training import training_outputs
-from zephon_collate.read import as_record_tuple
+from zephon_collate._checks import check_field_names, suggest_options
+from zephon_collate._read import as_record_tuple
+from zephon_collate._text import shown
+from zephon_collate.collate._native import Native
+from zephon_collate.collate.options import TrainingOptions, options_for
+from zephon_collate.keys import IGNORE_INDEX, PADDING_LENGTH
 from zephon_collate.records import SampleRecord
-from zephon_collate.text import shown
 
-__all__ = ["SampleBatch", "to_training"]
+__all__ = ["SampleBatch", "stack_batch", "to_training"]
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(options: TrainingOptions) -> Native:
+    """The page's layout for ``options``, one per option set (it caches its plans)."""
+    return Native(options)
+
+
+def _collate(records: tuple[SampleRecord, ...], options: TrainingOptions) -> dict[str, Any]:
+    layout = _layout(options)
+    return layout.collate(records, layout.plan)
 
 
 @dataclass(frozen=True)
@@ -69,22 +82,49 @@ class SampleBatch:
         """The records' lineages, in order."""
         return tuple(r.meta.lineage for r in self.records)
 
-    def to_tensordict(self, *args: Any, **kwargs: Any) -> TensorDict:
+    def to_tensordict(
+        self,
+        *,
+        tokens_field: str = "auto",
+        extra_fields: Sequence[str] = (),
+        dtype: torch.dtype = torch.long,
+        pin_memory: bool = False,
+    ) -> TensorDict:
         """Stack the payloads into a TensorDict; see :func:`zephon_collate.stack_batch`."""
-        return stack_batch(self, *args, **kwargs)
+        return stack_batch(
+            self, tokens_field=tokens_field, extra_fields=extra_fields, dtype=dtype, pin_memory=pin_memory
+        )
 
-    def to_training(self, **options: Any) -> dict[str, Any]:
+    @suggest_options("to_training")
+    def to_training(
+        self,
+        *,
+        tokens_field: str = "auto",
+        return_labels: bool = False,
+        dtype: Any = "auto",
+        extra_fields: Sequence[str] = (),
+        ignore_index: int = IGNORE_INDEX,
+        rename_fields: Mapping[str, str] | None = None,
+        flatten: bool = False,
+        exclude_fields: Sequence[str] = (),
+        return_num_valid_tokens: bool = False,
+        return_loss_mask: bool = False,
+        return_cu_seqlens: bool = False,
+        return_padding_mask: bool = False,
+        eos_mask_loss: bool = False,
+        eos_token_id: int | None = None,
+        position_mode: Literal["preserve", "sequence"] = "preserve",
+    ) -> dict[str, Any]:
         """Convert batch to training-ready format with optional LM label generation.
 
         The full reference, parameter by parameter, is ``docs/to_training.md``
-        (the reference page); the keyword arguments are those of
-        :class:`~zephon_collate.TrainingOptions`, in the page's order and with its
-        defaults. In short: the payloads are stacked once, a chain of transforms
-        (``PaddingMask -> TokenShift -> EosMask -> LossMask -> CuSeqlens ->
-        Positions``, each only when asked for) runs on them, then fields are
-        renamed, excluded and flattened, and converted to torch tensors
-        (``dtype="auto"`` or a torch dtype), NumPy arrays (a NumPy dtype) or
-        Python lists (``None``).
+        (the reference page); the parameters are :class:`~zephon_collate.TrainingOptions`'
+        fields, with the page's names, order and defaults. In short: the payloads
+        are stacked once, a chain of transforms (``PaddingMask -> TokenShift ->
+        EosMask -> LossMask -> CuSeqlens -> Positions``, each only when asked
+        for) runs on them, then fields are renamed, excluded and flattened, and
+        converted to torch tensors (``dtype="auto"`` or a torch dtype), NumPy
+        arrays (a NumPy dtype) or Python lists (``None``).
 
         A ``"loss_mask"`` payload field is recognized automatically, like
         ``"positions"``. With ``return_labels=True`` it is consumed: labels whose
@@ -101,7 +141,9 @@ class SampleBatch:
             ValueError: for the argument and data errors listed in ``docs/to_training.md``.
 
         Warns:
-            UserWarning: if ``eos_token_id`` is supplied with ``eos_mask_loss=False``.
+            UserWarning: if ``eos_token_id`` is supplied with ``eos_mask_loss=False``; if labels are
+                made and a payload carries a supervising field that is not read (an
+                ``attention_mask`` with zeros, ``labels`` that differ from the tokens, ...).
 
         Example:
             >>> from zephon_collate import SampleMeta, SampleRecord
@@ -111,10 +153,30 @@ class SampleBatch:
             >>> out["input_ids"].tolist(), out["labels"].tolist()
             ([[1, 10, 2, 1, 11]], [[10, 2, -100, 11, 2]])
         """
-        return training_outputs(self.records, options_for(options))
+        options = options_for(TrainingOptions.arguments(locals()))
+        return _collate(self.records, options)
 
 
-def to_training(batch: SampleBatch | Sequence[SampleRecord], **options: Any) -> dict[str, Any]:
+@suggest_options("to_training")
+def to_training(
+    batch: SampleBatch | Sequence[SampleRecord],
+    *,
+    tokens_field: str = "auto",
+    return_labels: bool = False,
+    dtype: Any = "auto",
+    extra_fields: Sequence[str] = (),
+    ignore_index: int = IGNORE_INDEX,
+    rename_fields: Mapping[str, str] | None = None,
+    flatten: bool = False,
+    exclude_fields: Sequence[str] = (),
+    return_num_valid_tokens: bool = False,
+    return_loss_mask: bool = False,
+    return_cu_seqlens: bool = False,
+    return_padding_mask: bool = False,
+    eos_mask_loss: bool = False,
+    eos_token_id: int | None = None,
+    position_mode: Literal["preserve", "sequence"] = "preserve",
+) -> dict[str, Any]:
     """Convert a batch to training-ready format; the reference is :meth:`SampleBatch.to_training`.
 
     ``batch`` is a :class:`SampleBatch` or a sequence of :class:`SampleRecord`.
@@ -125,11 +187,70 @@ def to_training(batch: SampleBatch | Sequence[SampleRecord], **options: Any) -> 
         >>> to_training([record], return_labels=True)["labels"].tolist()
         [[6, 7]]
     """
-    checked = options_for(options)
-    return training_outputs(as_record_tuple(batch, "to_training"), checked)
+    options = options_for(TrainingOptions.arguments(locals()))
+    return _collate(as_record_tuple(batch, "to_training"), options)
 
 
-_SELF = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-_BATCH = inspect.Parameter("batch", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-SampleBatch.to_training.__signature__ = signature_with_options(SampleBatch.to_training, [_SELF])  # type: ignore[attr-defined]
-to_training.__signature__ = signature_with_options(to_training, [_BATCH])  # type: ignore[attr-defined]
+def stack_batch(
+    batch: SampleBatch | Sequence[SampleRecord],
+    *,
+    tokens_field: str = "auto",
+    extra_fields: Sequence[str] = (),
+    dtype: torch.dtype = torch.long,
+    pin_memory: bool = False,
+) -> TensorDict:
+    """Stack a batch's payloads into a ``TensorDict`` with ``batch_size=[B]``: the chain's input.
+
+    The token field is stored as ``"input_ids"`` (``[B, S]``, or ``[B, S, ...]``
+    for non-scalar tokens); ``"positions"`` and ``"loss_mask"`` are included when
+    every payload has them, each listed extra field always; all in ``dtype``.
+    ``"padding_length"`` (``[B]`` int64) holds each record's ``meta.padding_length``,
+    0 where unset. Reading and checks are ``to_training``'s.
+
+    Parameters:
+        batch: a :class:`~zephon_collate.SampleBatch` or a sequence of records.
+        tokens_field: the token field, or ``"auto"`` (input_ids, tokens, token_ids, ids).
+        extra_fields: further per-record fields to stack.
+        dtype: integer dtype for every stacked field.
+        pin_memory: pin the stacked CPU tensors (for ``non_blocking`` copies to CUDA).
+
+    An empty batch gives ``batch_size=[0]``, ``"input_ids"`` and each listed
+    extra field of shape ``[0, 0]``.
+
+    Raises:
+        TypeError: for an argument of the wrong type, a batch that is not records, a
+            payload that is neither a dict nor an array, or values of a wrong type.
+        ValueError: for a ``dtype`` that is not a signed integer dtype, ``pin_memory``
+            without an accelerator, a sentinel record, a missing or partial field,
+            unequal row lengths, a bad ``meta.padding_length``, or values ``dtype``
+            cannot hold.
+
+    Example:
+        >>> from zephon_collate import SampleBatch, SampleMeta, SampleRecord
+        >>> meta = SampleMeta((0, 0, 0), 0, 0, tags={"_padding_length": 1})
+        >>> batch = SampleBatch([SampleRecord(meta, {"input_ids": [5, 6, 0], "positions": [0, 1, 0]})])
+        >>> td = batch.to_tensordict()
+        >>> sorted(td.keys()), td["input_ids"].tolist(), td["padding_length"].tolist()
+        (['input_ids', 'padding_length', 'positions'], [[5, 6, 0]], [1])
+    """
+    owner = "stack_batch"
+    if not isinstance(tokens_field, str) or not tokens_field:
+        raise TypeError(f"{owner}: tokens_field must be a field name or 'auto', got {shown(tokens_field)}")
+    extras = check_field_names("extra_fields", extra_fields, owner=owner)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{owner}: dtype must be a torch dtype such as torch.long, got {shown(dtype)}")
+    if dtype not in (torch.int8, torch.int16, torch.int32, torch.int64):
+        raise ValueError(f"{owner}: dtype must be a signed integer dtype such as torch.long, got {dtype}")
+    if not isinstance(pin_memory, bool):
+        raise TypeError(f"{owner}: pin_memory must be a bool, got {shown(pin_memory)}")
+    if pin_memory and not torch.accelerator.is_available():
+        raise ValueError(f"{owner}: pin_memory=True needs an accelerator, and none is available here")
+    records = as_record_tuple(batch, owner)
+    if not records:
+        empty = {name: torch.empty((0, 0), dtype=dtype) for name in ("input_ids", *extras)}
+        return TensorDict({**empty, PADDING_LENGTH: torch.empty(0, dtype=torch.int64)}, batch_size=[0])
+    options = TrainingOptions(tokens_field=tokens_field, dtype=dtype, extra_fields=extras)
+    layout = Native(options, check_padding=True)
+    data = layout.read(records)[0].data
+    td = TensorDict(data, batch_size=[len(records)], device=data["input_ids"].device)
+    return td.pin_memory() if pin_memory else td

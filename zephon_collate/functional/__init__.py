@@ -1,13 +1,11 @@
 """Pure tensor kernels: what the transforms compute, callable on their own.
 
-Each function takes tensors and returns new tensors; none writes into its
-inputs, none loops over tokens in Python, and none synchronises with the device
-except :func:`cu_seqlens_rows` / :func:`cu_seqlens_flat` when they are not given
-a fixed boundary count (their output size then depends on the data).
-
-On plain CPU tensors in eager mode the comparison-heavy kernels run NumPy twins
-registered beside them (:mod:`~zephon_collate.functional.dispatch`): same
-results, several times faster there; :func:`use_cpu_twins` switches them off.
+Each function is torch code only, the specification of its result: it takes
+tensors and returns new tensors, writes into none of its inputs, loops over no
+token in Python, gives one answer for every integer dtype on every device, and
+synchronises with the device only in :func:`cu_seqlens_rows` /
+:func:`cu_seqlens_flat` when they are not given a fixed boundary count (their
+output size then depends on the data). :data:`KERNELS` lists them by name.
 
 - :mod:`~zephon_collate.functional.labels`: the shift, padding, label and loss masks.
 - :mod:`~zephon_collate.functional.segments`: the segment-start rule, ``cu_seqlens``, segment ids.
@@ -16,13 +14,12 @@ results, several times faster there; :func:`use_cpu_twins` switches them off.
 """
 
 from zephon_collate.functional import attention
+from zephon_collate.functional._registry import KERNELS
 from zephon_collate.functional.context_parallel import cp_partition_index
-from zephon_collate.functional.dispatch import use_cpu_twins
 from zephon_collate.functional.labels import (
     align_mask,
     apply_loss_mask,
     as_float,
-    contiguous,
     eos_label_mask,
     mask_labels,
     padding_from_length,
@@ -31,6 +28,7 @@ from zephon_collate.functional.labels import (
     trailing_mask,
 )
 from zephon_collate.functional.segments import (
+    PADDING_SEGMENT,
     cu_seqlens_flat,
     cu_seqlens_rows,
     flatten_segment_ids,
@@ -39,11 +37,12 @@ from zephon_collate.functional.segments import (
 )
 
 __all__ = [
+    "KERNELS",
+    "PADDING_SEGMENT",
     "align_mask",
     "apply_loss_mask",
     "as_float",
     "attention",
-    "contiguous",
     "cp_partition_index",
     "cu_seqlens_flat",
     "cu_seqlens_rows",
@@ -56,5 +55,4 @@ __all__ = [
     "sequence_positions",
     "shift_tokens",
     "trailing_mask",
-    "use_cpu_twins",
 ]

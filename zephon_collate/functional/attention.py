@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zephon_collate.functional._registry import kernel
 from zephon_collate.functional.labels import padding_from_length
 from zephon_collate.functional.segments import (
     PADDING_SEGMENT,
@@ -145,6 +146,7 @@ def document_block_mask(
     )
 
 
+@kernel
 def dense_document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     """Boolean ``[B, 1, S, S]`` mask (True: may attend) of :func:`document_mask_mod`, for SDPA.
 
@@ -173,6 +175,7 @@ def _starts_as_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([first, change], dim=1).logical_not().to(torch.int32)
 
 
+@kernel
 def cu_seqlens_from_segment_ids(
     segment_ids: torch.Tensor, num_boundaries: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from zephon_collate.text import shown
+from zephon_collate._text import shown
+from zephon_collate.functional._registry import kernel
 
-__all__ = ["cp_partition_index"]
+__all__ = ["check_cp", "cp_partition_index", "partition"]
 
 
 def check_cp(owner: str, cp_size: object, cp_rank: object) -> tuple[int, int]:
+    """``(cp_size, cp_rank)`` as ints with ``0 <= cp_rank < cp_size``; else ``TypeError``/``ValueError``."""
     for name, value in (("cp_size", cp_size), ("cp_rank", cp_rank)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{owner}: {name} must be an int, got {shown(value)}")
@@ -51,6 +53,7 @@ def partition(
     return starts[doc] + which * size + offset - second * size, doc
 
 
+@kernel
 def cp_partition_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """Indices into the padded THD token stream that CP rank ``cp_rank`` holds, in its local order.
 

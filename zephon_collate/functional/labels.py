@@ -1,9 +1,9 @@
 """Label kernels: the next-token shift, trailing padding, label masking, EOS masking, the loss mask.
 
 Each takes tensors and returns new ones; none writes into its inputs, loops
-over tokens in Python or synchronises with the device. A NumPy twin registered
-beside a kernel stands in for it on plain CPU tensors in eager mode
-(:mod:`zephon_collate.functional.dispatch`).
+over tokens in Python or synchronises with the device, and each gives one
+answer for every integer dtype on every device (counts are widened to int64
+before any arithmetic, so a ``uint8`` pad count never wraps around).
 
 Shapes: ``B`` rows of ``S`` tokens; per-token fields are ``[B, S]`` or
 ``[B, S, ...]`` for non-scalar tokens.
@@ -11,18 +11,14 @@ Shapes: ``B`` rows of ``S`` tokens; per-token fields are ``[B, S]`` or
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import torch
 
-from zephon_collate.functional.dispatch import check_tensor, cpu_twins_apply, kernel
+from zephon_collate.functional._registry import check_fill, check_tensor, kernel
 
 __all__ = [
     "align_mask",
     "apply_loss_mask",
     "as_float",
-    "contiguous",
     "eos_label_mask",
     "mask_labels",
     "padding_from_length",
@@ -32,30 +28,7 @@ __all__ = [
 ]
 
 
-def _trailing_np(padding_length: np.ndarray, length: int) -> np.ndarray:
-    if padding_length.dtype.kind in "biu" and padding_length.dtype != np.int64:
-        padding_length = padding_length.astype(np.int64)  # a Python int minus narrow unsigned would overflow
-    return np.arange(length) >= (length - padding_length)[:, None]
-
-
-def _aligned_np(mask: np.ndarray, like: np.ndarray) -> np.ndarray:
-    return mask.reshape(*mask.shape, *([1] * (like.ndim - mask.ndim)))
-
-
-def _masked_np(labels: np.ndarray, drop: np.ndarray, ignore_index: int) -> np.ndarray:
-    out = labels.copy()
-    np.copyto(out, np.asarray(ignore_index).astype(out.dtype), where=_aligned_np(drop, out))
-    return out
-
-
-def _row_counts_np(ones: np.ndarray) -> np.ndarray:
-    """Per-row number of ones in a float32 0/1 array, as int64."""
-    per_row = ones.reshape(ones.shape[0], math.prod(ones.shape[1:]))
-    if per_row.shape[1] < 2**24:  # float32 sums of 0/1 are exact below 2**24; a BLAS matrix-vector
-        return (per_row @ np.ones(per_row.shape[1], np.float32)).astype(np.int64)  # product is ~5x faster
-    return np.count_nonzero(per_row, axis=1).astype(np.int64)
-
-
+@kernel
 def shift_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Split ``[B, S, ...]`` tokens into next-token ``(inputs, labels)``.
 
@@ -70,22 +43,24 @@ def shift_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _check_trailing_mask(padding_length: torch.Tensor, length: int) -> None:
-    check_tensor("trailing_mask", "padding_length", padding_length, 1, 1)
-
-
-@kernel(check=_check_trailing_mask, cpu=_trailing_np)
+@kernel
 def trailing_mask(padding_length: torch.Tensor, length: int) -> torch.Tensor:
     """Boolean ``[B, length]`` mask, True on the last ``padding_length[b]`` entries of row ``b``.
+
+    A count of ``length`` or more marks the whole row, a count of 0 or less none.
 
     Example:
         >>> trailing_mask(torch.tensor([0, 2]), 4).tolist()
         [[False, False, False, False], [False, False, True, True]]
+        >>> trailing_mask(torch.tensor([255], dtype=torch.uint8), 300).sum().item()
+        255
     """
+    check_tensor("trailing_mask", "padding_length", padding_length, 1, 1)
     index = torch.arange(length, device=padding_length.device)
-    return index >= (length - padding_length).unsqueeze(1)
+    return index >= (length - padding_length.to(torch.int64)).unsqueeze(1)
 
 
+@kernel
 def padding_from_length(padding_length: torch.Tensor, length: int, shifted: bool = False) -> torch.Tensor:
     """Boolean ``[B, length]`` padding mask from per-row trailing pad counts ``[B]``.
 
@@ -102,33 +77,42 @@ def padding_from_length(padding_length: torch.Tensor, length: int, shifted: bool
         >>> padding_from_length(torch.tensor([2, 0]), 3, shifted=True).tolist()
         [[False, False, True], [False, False, False]]
     """
+    check_tensor("padding_from_length", "padding_length", padding_length, 1, 1)
+    counts = padding_length.to(torch.int64)
     if shifted:
-        padding_length = (padding_length - 1).clamp(min=0)
-    return trailing_mask(padding_length, length)
+        counts = (counts - 1).clamp(min=0)
+    return trailing_mask(counts, length)
 
 
 def align_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """View a ``[B, S]`` mask with trailing singleton dims so it broadcasts against ``like``."""
+    """View a ``[B, S]`` mask with trailing singleton dims so it broadcasts against ``like``.
+
+    Example:
+        >>> align_mask(torch.ones(2, 3), torch.zeros(2, 3, 4)).shape
+        torch.Size([2, 3, 1])
+    """
     return mask.reshape(*mask.shape, *([1] * (like.dim() - mask.dim())))
 
 
-def _check_mask_labels(labels: torch.Tensor, mask: torch.Tensor, ignore_index: int) -> None:
-    check_tensor("mask_labels", "labels", labels)
-    check_tensor("mask_labels", "mask", mask, 0, labels.dim())
-
-
-@kernel(check=_check_mask_labels, cpu=_masked_np)
+@kernel
 def mask_labels(labels: torch.Tensor, mask: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """Return ``labels`` with ``ignore_index`` wherever the ``[B, S]`` ``mask`` is True.
+
+    Raises:
+        ValueError: if the integer dtype of ``labels`` cannot hold ``ignore_index``.
 
     Example:
         >>> mask_labels(torch.tensor([[4, 5, 6]]), torch.tensor([[False, True, False]]), -100).tolist()
         [[4, -100, 6]]
     """
+    check_tensor("mask_labels", "labels", labels)
+    check_tensor("mask_labels", "mask", mask, 0, labels.dim())
+    check_fill("mask_labels", "ignore_index", ignore_index, labels)
     fill = torch.full((), ignore_index, dtype=labels.dtype, device=labels.device)
     return torch.where(align_mask(mask, labels), fill, labels)
 
 
+@kernel
 def as_float(mask: torch.Tensor) -> torch.Tensor:
     """A boolean mask as float32 1.0/0.0.
 
@@ -147,14 +131,7 @@ def as_float(mask: torch.Tensor) -> torch.Tensor:
     return mask.to(torch.float32)
 
 
-def _eos_label_mask_np(inputs: np.ndarray, eos_token_id: int) -> np.ndarray:
-    return np.asarray(inputs == eos_token_id)
-
-
-@kernel(
-    check=lambda inputs, eos_token_id: check_tensor("eos_label_mask", "inputs", inputs),
-    cpu=_eos_label_mask_np,
-)
+@kernel
 def eos_label_mask(inputs: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     """True where the input token is EOS: the prediction made *from* EOS.
 
@@ -167,6 +144,7 @@ def eos_label_mask(inputs: torch.Tensor, eos_token_id: int) -> torch.Tensor:
         >>> eos_label_mask(torch.tensor([[5, 6]], dtype=torch.int8), 261).tolist()
         [[False, False]]
     """
+    check_tensor("eos_label_mask", "inputs", inputs)
     if not (inputs.dtype.is_floating_point or inputs.dtype.is_complex or inputs.dtype == torch.bool):
         info = torch.iinfo(inputs.dtype)
         if not info.min <= eos_token_id <= info.max:
@@ -174,35 +152,7 @@ def eos_label_mask(inputs: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     return inputs == eos_token_id
 
 
-def _check_apply_loss_mask(
-    labels: torch.Tensor,
-    supervision: torch.Tensor | None,
-    padding_length: torch.Tensor | None,
-    ignore_index: int,
-) -> None:
-    check_tensor("apply_loss_mask", "labels", labels, 2)
-    for name, tensor in (("supervision", supervision), ("padding_length", padding_length)):
-        if tensor is not None:
-            check_tensor("apply_loss_mask", name, tensor, 1, labels.dim())
-
-
-def _apply_loss_mask_np(
-    values: np.ndarray,
-    supervision: np.ndarray | None,
-    padding_length: np.ndarray | None,
-    ignore_index: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    drop = None if supervision is None else supervision == 0
-    if padding_length is not None:
-        padding = _trailing_np(padding_length, values.shape[1])
-        drop = padding if drop is None else drop | _aligned_np(padding, drop)
-    if drop is not None:
-        values = _masked_np(values, drop, ignore_index)
-    loss_mask = (values != ignore_index).view(np.uint8).astype(np.float32)
-    return values, loss_mask, _row_counts_np(loss_mask)
-
-
-@kernel(check=_check_apply_loss_mask, cpu=_apply_loss_mask_np)
+@kernel
 def apply_loss_mask(
     labels: torch.Tensor,
     supervision: torch.Tensor | None,
@@ -217,6 +167,9 @@ def apply_loss_mask(
     ``labels != ignore_index`` as float32 and ``counts`` (``[B]`` int64) its
     per-row number of ones.
 
+    Raises:
+        ValueError: if the integer dtype of ``labels`` cannot hold ``ignore_index``.
+
     Example:
         >>> labels, loss_mask, counts = apply_loss_mask(
         ...     torch.tensor([[11, 12, 13, 0]]), torch.tensor([[0, 1, 1, 1]]), torch.tensor([1]), -100
@@ -224,46 +177,41 @@ def apply_loss_mask(
         >>> labels.tolist(), loss_mask.tolist(), counts.tolist()
         ([[-100, 12, 13, -100]], [[0.0, 1.0, 1.0, 0.0]], [2])
     """
+    check_tensor("apply_loss_mask", "labels", labels, 2)
+    for name, tensor in (("supervision", supervision), ("padding_length", padding_length)):
+        if tensor is not None:
+            check_tensor("apply_loss_mask", name, tensor, 1, labels.dim())
     drop = None if supervision is None else supervision.logical_not()
     if padding_length is not None:
-        padding = trailing_mask.torch(padding_length, labels.shape[1])
+        padding = trailing_mask(padding_length, labels.shape[1])
         drop = padding if drop is None else drop | align_mask(padding, drop)  # [B, S] over [B, S, ...]
     if drop is not None:
-        labels = mask_labels.torch(labels, drop, ignore_index)
+        labels = mask_labels(labels, drop, ignore_index)
+    else:
+        check_fill("apply_loss_mask", "ignore_index", ignore_index, labels)
     valid = labels != ignore_index
     return labels, as_float(valid), valid.flatten(1).sum(dim=1)  # flatten, not reshape: B = 0 works
 
 
-def _check_sequence_positions(like: torch.Tensor) -> None:
-    check_tensor("sequence_positions", "like", like, 2)
-    if like.dtype == torch.bool or like.dtype.is_complex:
-        raise TypeError(f"sequence_positions: like must hold integer or float values, got {like.dtype}")
-
-
-def _sequence_positions_np(like: np.ndarray) -> np.ndarray:
-    rows, length = like.shape[:2]
-    return np.broadcast_to(np.arange(length, dtype=like.dtype), (rows, length)).copy()
-
-
-@kernel(check=_check_sequence_positions, cpu=_sequence_positions_np)
+@kernel
 def sequence_positions(like: torch.Tensor) -> torch.Tensor:
     """Positions ``[0, 1, ..., S-1]`` in every row of ``like`` (``[B, S, ...]``), in its dtype and device.
+
+    Raises:
+        TypeError: if ``like`` holds bools or complex numbers.
+        ValueError: if its integer dtype cannot hold ``S - 1`` (the numbering would wrap around).
 
     Example:
         >>> sequence_positions(torch.zeros(2, 3, dtype=torch.int32)).tolist()
         [[0, 1, 2], [0, 1, 2]]
     """
+    check_tensor("sequence_positions", "like", like, 2)
+    if like.dtype == torch.bool or like.dtype.is_complex:
+        raise TypeError(f"sequence_positions: like must hold integer or float values, got {like.dtype}")
     rows, length = like.shape[:2]
+    if not like.dtype.is_floating_point and length - 1 > torch.iinfo(like.dtype).max:
+        raise ValueError(
+            f"sequence_positions: {length} positions do not fit dtype {like.dtype} (at most "
+            f"{torch.iinfo(like.dtype).max + 1}); use a wider dtype"
+        )
     return torch.arange(length, dtype=like.dtype, device=like.device).expand(rows, length).contiguous()
-
-
-def contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor.contiguous()``; on plain CPU tensors NumPy copies strided rows faster.
-
-    Example:
-        >>> contiguous(torch.arange(6).reshape(2, 3)[:, :2]).tolist()
-        [[0, 1], [3, 4]]
-    """
-    if tensor.is_contiguous() or not cpu_twins_apply(tensor):
-        return tensor.contiguous()
-    return torch.from_numpy(np.ascontiguousarray(tensor.numpy()))

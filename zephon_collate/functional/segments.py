@@ -9,16 +9,15 @@ at zero thus still starts a segment at its first token (``to_training``
 rejects such rows for ``cu_seqlens``, as the reference page asks).
 
 The boundary kernels read their output size back from the device unless given
-a fixed ``num_boundaries``; on plain CPU tensors in eager mode NumPy twins,
-registered beside them, compute the same results faster.
+a fixed ``num_boundaries``.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from zephon_collate.functional.dispatch import check_tensor, kernel
+from zephon_collate.functional._registry import check_tensor, kernel
+from zephon_collate.keys import INT32_MAX
 
 __all__ = [
     "cu_seqlens_flat",
@@ -32,14 +31,7 @@ PADDING_SEGMENT = -1
 """The segment id of marked padding tokens."""
 
 
-def _segment_starts_np(positions: np.ndarray) -> np.ndarray:
-    starts = positions == 0
-    if starts.shape[-1]:
-        starts[..., 0] = True
-    return starts
-
-
-@kernel(cpu=_segment_starts_np)
+@kernel
 def segment_starts(positions: torch.Tensor) -> torch.Tensor:
     """True where a segment starts: the first entry of the last dim, and wherever ``positions == 0``.
 
@@ -47,6 +39,7 @@ def segment_starts(positions: torch.Tensor) -> torch.Tensor:
         >>> segment_starts(torch.tensor([[0, 1, 0, 1], [3, 4, 0, 1]])).tolist()
         [[True, False, True, False], [True, False, True, False]]
     """
+    check_tensor("segment_starts", "positions", positions, 1)
     first = torch.arange(positions.shape[-1], device=positions.device) == 0
     return (positions == 0) | first
 
@@ -55,38 +48,20 @@ def _longest(boundaries: torch.Tensor) -> torch.Tensor:
     return boundaries.diff(dim=-1, prepend=boundaries[..., :1]).amax(dim=-1)
 
 
-def _longest_np(boundaries: np.ndarray) -> np.ndarray:
-    """Each row's longest segment (the torch kernel's first difference is 0, and none is negative)."""
-    if boundaries.shape[-1] < 2:
-        return np.zeros(boundaries.shape[:-1], dtype=boundaries.dtype)
-    return np.asarray((boundaries[..., 1:] - boundaries[..., :-1]).max(axis=-1))
+def _check_boundary_input(kernel_name: str, positions: torch.Tensor, num_boundaries: int | None) -> None:
+    check_tensor(kernel_name, "positions", positions, 2, 2)
+    if positions.numel() > INT32_MAX:
+        raise ValueError(
+            f"{kernel_name}: {tuple(positions.shape)} positions overflow the int32 boundaries; use smaller "
+            "batches"
+        )
+    if num_boundaries is not None and (
+        not isinstance(num_boundaries, int) or isinstance(num_boundaries, bool) or num_boundaries < 1
+    ):
+        raise ValueError(f"{kernel_name}: num_boundaries must be an int >= 1 or None, got {num_boundaries!r}")
 
 
-def _check_positions(kernel_name: str):  # type: ignore[no-untyped-def]
-    def check(positions: torch.Tensor, num_boundaries: int | None = None) -> None:
-        check_tensor(kernel_name, "positions", positions, 2, 2)
-
-    return check
-
-
-def _no_static_shape(positions: torch.Tensor, num_boundaries: int | None = None) -> bool:
-    return num_boundaries is None
-
-
-def _cu_seqlens_rows_np(
-    positions: np.ndarray, num_boundaries: int | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    starts = np.flatnonzero(_segment_starts_np(positions))  # flat indices, already row-sorted
-    rows, length = positions.shape
-    row_index = starts // max(length, 1)
-    rank = np.arange(starts.size) - np.searchsorted(row_index, row_index)  # index within its row
-    width = int(rank.max()) + 2 if starts.size else 1
-    boundaries = np.full((rows, width), length, dtype=np.int32)
-    boundaries[row_index, rank] = starts - row_index * length
-    return boundaries, _longest_np(boundaries)
-
-
-@kernel(check=_check_positions("cu_seqlens_rows"), cpu=_cu_seqlens_rows_np, cpu_when=_no_static_shape)
+@kernel
 def cu_seqlens_rows(
     positions: torch.Tensor, num_boundaries: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +83,7 @@ def cu_seqlens_rows(
         >>> cu.tolist(), top.tolist()
         ([[0, 3, 5], [0, 5, 5]], [3, 5])
     """
+    _check_boundary_input("cu_seqlens_rows", positions, num_boundaries)
     is_start = segment_starts(positions)
     if num_boundaries is None:
         boundaries = _row_boundaries_from_starts(is_start)
@@ -144,15 +120,7 @@ def _row_boundaries_static(is_start: torch.Tensor, num_boundaries: int) -> torch
     return boundaries.scatter(1, slot, index)[:, :num_boundaries].to(torch.int32)
 
 
-def _cu_seqlens_flat_np(
-    positions: np.ndarray, num_boundaries: int | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    is_start = _segment_starts_np(positions)
-    boundaries = np.append(np.flatnonzero(is_start), is_start.size).astype(np.int32)
-    return boundaries, _longest_np(boundaries)
-
-
-@kernel(check=_check_positions("cu_seqlens_flat"), cpu=_cu_seqlens_flat_np, cpu_when=_no_static_shape)
+@kernel
 def cu_seqlens_flat(
     positions: torch.Tensor, num_boundaries: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,6 +138,7 @@ def cu_seqlens_flat(
         >>> cu.tolist(), int(top)
         ([0, 3, 5, 10], 5)
     """
+    _check_boundary_input("cu_seqlens_flat", positions, num_boundaries)
     flat_starts = segment_starts(positions).reshape(-1)
     total = flat_starts.numel()
     if num_boundaries is None:
@@ -190,15 +159,7 @@ def cu_seqlens_flat(
     return boundaries, _longest(boundaries)
 
 
-def _segment_ids_np(positions: np.ndarray, padding_mask: np.ndarray | None = None) -> np.ndarray:
-    starts = _segment_starts_np(positions)
-    if padding_mask is None:
-        return np.cumsum(starts, axis=-1, dtype=np.int32) - 1
-    ids = np.cumsum(starts & ~padding_mask, axis=-1, dtype=np.int32) - 1
-    return np.where(padding_mask, np.int32(PADDING_SEGMENT), ids)
-
-
-@kernel(cpu=_segment_ids_np)
+@kernel
 def segment_ids_from_positions(
     positions: torch.Tensor, padding_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -225,6 +186,11 @@ def segment_ids_from_positions(
         >>> segment_ids_from_positions(positions.reshape(-1), padding.reshape(-1)).tolist()
         [0, 0, 0, 1, 1, -1, 2, 2, 2, 2, 3, 3]
     """
+    if padding_mask is not None and padding_mask.shape != positions.shape:
+        raise ValueError(
+            f"segment_ids_from_positions: padding_mask has shape {tuple(padding_mask.shape)}, positions "
+            f"{tuple(positions.shape)}; give one mask entry per position"
+        )
     starts = segment_starts(positions)
     if padding_mask is None:
         return starts.cumsum(dim=-1, dtype=torch.int32) - 1
@@ -232,6 +198,7 @@ def segment_ids_from_positions(
     return ids.masked_fill(padding_mask, PADDING_SEGMENT)
 
 
+@kernel
 def flatten_segment_ids(segment_ids: torch.Tensor) -> torch.Tensor:
     """Number per-row ``[B, S]`` segment ids across the batch: ``[B * S]``, the ``seq_idx`` layout.
 
@@ -239,16 +206,19 @@ def flatten_segment_ids(segment_ids: torch.Tensor) -> torch.Tensor:
     it, so every document of the batch has its own id, increasing along the
     flattened sequence; marked padding stays -1. Use these (not per-row ids
     reshaped, which would give the first document of a row the id of the one
-    before it) for a flattened ``[1, B * S]`` attention layout.
+    before it) for a flattened ``[1, B * S]`` attention layout. The ids are int32,
+    whatever the input's integer dtype.
 
     Example:
         >>> ids = torch.tensor([[0, 0, 1, -1], [0, 1, 1, 2]], dtype=torch.int32)
         >>> flatten_segment_ids(ids).tolist()
         [0, 0, 1, -1, 2, 3, 3, 4]
     """
-    if segment_ids.shape[1] == 0:
-        return segment_ids.reshape(-1)
-    counts = segment_ids.amax(dim=1) + 1
+    check_tensor("flatten_segment_ids", "segment_ids", segment_ids, 2, 2)
+    ids = segment_ids.to(torch.int64)  # narrow ids offset by many segments would wrap around
+    if ids.shape[1] == 0:
+        return ids.reshape(-1).to(torch.int32)
+    counts = ids.amax(dim=1).clamp(min=-1) + 1
     offsets = counts.cumsum(dim=0) - counts
-    flat = segment_ids + offsets.unsqueeze(1).to(segment_ids.dtype)
-    return torch.where(segment_ids >= 0, flat, segment_ids).reshape(-1)
+    flat = torch.where(ids >= 0, ids + offsets.unsqueeze(1), ids)
+    return flat.reshape(-1).to(torch.int32)

@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from zephon_collate._text import shown
 from zephon_collate.keys import CU_SEQLENS, INPUT_IDS, LABELS, LOSS_MASK, PADDING_MASK, POSITIONS
-from zephon_collate.text import shown
 
 __all__ = ["RowView", "batch_rows", "batch_warnings"]
 

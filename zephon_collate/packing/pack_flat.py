@@ -17,13 +17,13 @@ import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from zephon_collate._read import describe_record, is_array_payload, record_names, resolve_tokens_field
+from zephon_collate._text import shown
 from zephon_collate.collate.sample_batch import SampleBatch
 from zephon_collate.keys import LOSS_MASK
 from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.packing.reader import PackOptions, _as_array, candidate_fields
-from zephon_collate.read import describe_record, is_array_payload, resolve_tokens_field
 from zephon_collate.records import SampleRecord
-from zephon_collate.text import shown
 
 __all__ = ["pack_flat"]
 
@@ -149,7 +149,8 @@ def pack_flat(
         raise TypeError(
             f"pack_flat: records[{bad}] must be a SampleRecord, got {type(records[bad]).__name__}"
         )
-    tokens_name = resolve_tokens_field(records, checked.tokens_field)
+    payloads = [None if record.meta.is_sentinel else record.payload for record in records]
+    tokens_name = resolve_tokens_field(payloads, checked.tokens_field, record_names(records))
     if tokens_name in (checked.fields or ()):
         raise ValueError(
             f"pack_flat: the tokens field {shown(tokens_name)} is also listed in fields; drop it from fields"

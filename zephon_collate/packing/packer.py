@@ -16,12 +16,12 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from zephon_collate._text import shown
 from zephon_collate.keys import INPUT_IDS
 from zephon_collate.packing.reader import STREAM_BUFFER_SIZE, PackOptions, Reader
 from zephon_collate.packing.rows import Engine, build_row, split_document
 from zephon_collate.packing.state import check_count, corrupt, piece_state, pieces_from_state, same_value
 from zephon_collate.records import SampleRecord
-from zephon_collate.text import shown
 
 __all__ = ["FlatPacker"]
 

@@ -19,9 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from zephon_collate.checks import check_int, check_option_names
-from zephon_collate.keys import INPUT_IDS, INT32_MAX, LOSS_MASK, POSITIONS, TOKEN_FIELD_CANDIDATES
-from zephon_collate.read import (
+from zephon_collate._checks import check_int, check_option_names
+from zephon_collate._read import (
     as_numpy,
     describe_record,
     first_token_field,
@@ -29,8 +28,9 @@ from zephon_collate.read import (
     payload_items,
     to_row,
 )
+from zephon_collate._text import shown, shown_fields
+from zephon_collate.keys import INPUT_IDS, INT32_MAX, LOSS_MASK, POSITIONS, TOKEN_FIELD_CANDIDATES
 from zephon_collate.records import SampleRecord
-from zephon_collate.text import shown, shown_fields
 
 __all__ = ["OVERFLOWS", "STRATEGIES", "STREAM_BUFFER_SIZE", "PackOptions", "Reader", "candidate_fields"]
 
@@ -121,7 +121,7 @@ DEFAULTS = {f.name: f.default for f in dataclasses.fields(PackOptions) if f.defa
 def _as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
     """A 1-D NumPy array of a payload value, read by the one payload reader.
 
-    :func:`~zephon_collate.read.to_row` checks the value; token ids come back
+    :func:`~zephon_collate._read.to_row` checks the value; token ids come back
     as int64 and ``>= 0``; an int64 ndarray is not copied.
     """
     if isinstance(value, torch.Tensor) and value.is_meta:

@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from zephon_collate._read import describe_record
 from zephon_collate.keys import LOSS_MASK, POSITIONS
 from zephon_collate.packing.reader import PackOptions
-from zephon_collate.read import describe_record
 from zephon_collate.records import (
     CONTRIBUTORS_TAG,
     PADDING_LENGTH_TAG,

@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from zephon_collate._text import shown
 from zephon_collate.keys import LOSS_MASK
 from zephon_collate.packing.reader import _as_array, _check_loss_mask
 from zephon_collate.packing.rows import Base, Piece
 from zephon_collate.records import SampleMeta
-from zephon_collate.text import shown
 
 __all__ = ["check_count", "piece_from_state", "piece_state", "pieces_from_state", "same_value"]
 

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
+from zephon_collate._text import shown
 from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.packing.state import check_count, corrupt, same_value
 from zephon_collate.records import SampleCursor, SampleRecord
-from zephon_collate.text import shown
 
 __all__ = ["PackedStream"]
 

@@ -42,8 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zephon_collate._text import shown
 from zephon_collate.keys import NUM_VALID_TOKENS
-from zephon_collate.text import shown
 
 __all__ = ["data_parallel_size", "global_num_valid_tokens", "is_distributed", "normalize_loss"]
 

@@ -1,26 +1,32 @@
 """Composable TensorDict transforms that turn a stacked batch into training tensors."""
 
+from zephon_collate.transforms.attention_mask import AttentionMask
 from zephon_collate.transforms.base import Chain, Transform
 from zephon_collate.transforms.boundary_mask import BoundaryMask
 from zephon_collate.transforms.context_parallel import ContextParallelShard
 from zephon_collate.transforms.cu_seqlens import CuSeqlens
 from zephon_collate.transforms.eos_mask import EosMask
+from zephon_collate.transforms.left_padding import LeftPadding
 from zephon_collate.transforms.loss_mask import LossMask
 from zephon_collate.transforms.padding_mask import PaddingMask
 from zephon_collate.transforms.positions import Positions
 from zephon_collate.transforms.segment_ids import SegmentIds
 from zephon_collate.transforms.token_shift import TokenShift
+from zephon_collate.transforms.unshifted_labels import UnshiftedLabels
 
 __all__ = [
+    "AttentionMask",
     "BoundaryMask",
     "Chain",
     "ContextParallelShard",
     "CuSeqlens",
     "EosMask",
+    "LeftPadding",
     "LossMask",
     "PaddingMask",
     "Positions",
     "SegmentIds",
     "TokenShift",
     "Transform",
+    "UnshiftedLabels",
 ]

@@ -10,8 +10,9 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from torch import nn
 
-from zephon_collate.checks import check_keys
-from zephon_collate.text import shown
+from zephon_collate._checks import check_keys
+from zephon_collate._text import shown
+from zephon_collate.transforms._shapes import check_present
 
 __all__ = ["Chain", "Transform"]
 
@@ -39,6 +40,8 @@ class Transform(TensorDictModuleBase):
     """
 
     dropped_keys: tuple[str, ...] = ()
+    data_dependent_shape: bool = False
+    """True when an output's size depends on the values (a compiled plan runs such a step eagerly)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if args:
@@ -48,7 +51,7 @@ class Transform(TensorDictModuleBase):
                     f"{type(self).__name__}: expects a TensorDict (e.g. batch.to_tensordict()), got "
                     f"{type(td).__name__}"
                 )
-            _check_present(self, td)
+            check_present(type(self).__name__, self.in_keys, td)
         return super().__call__(*args, **kwargs)
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
@@ -76,45 +79,6 @@ class Transform(TensorDictModuleBase):
 
     def extra_repr(self) -> str:
         return f"in_keys={list(self.in_keys)}, out_keys={list(self.out_keys)}"
-
-
-def _check_present(module: Any, data: Mapping[str, Any] | TensorDictBase) -> None:
-    missing = [key for key in module.in_keys if key not in data]
-    if missing:
-        raise ValueError(
-            f"{type(module).__name__} needs {shown(missing[0])}, which the TensorDict lacks "
-            f"(it holds {sorted(data.keys())})"
-        )
-
-
-def _check_rank(
-    owner: str, key: str, tensor: torch.Tensor, layout: str, min_dim: int, max_dim: int = 64
-) -> None:
-    """``ValueError`` unless ``tensor`` has ``min_dim`` to ``max_dim`` dimensions (``layout`` names them)."""
-    if not min_dim <= tensor.dim() <= max_dim:
-        raise ValueError(f"{owner}: {shown(key)} must be {layout}, got shape {tuple(tensor.shape)}")
-
-
-def _check_ignore_fits(owner: str, ignore_index: int, key: str, labels: torch.Tensor) -> None:
-    """``ValueError`` if integer ``labels`` cannot hold ``ignore_index`` (it would wrap around)."""
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        return
-    info = torch.iinfo(labels.dtype)
-    if not info.min <= ignore_index <= info.max:
-        raise ValueError(
-            f"{owner}: ignore_index {ignore_index} does not fit {shown(key)} of dtype {labels.dtype}"
-        )
-
-
-def _check_leading(
-    owner: str, key: str, tensor: torch.Tensor, like_key: str, like: torch.Tensor, dims: int
-) -> None:
-    """``ValueError`` unless the first ``dims`` sizes of ``tensor`` equal those of ``like``."""
-    if tensor.shape[:dims] != like.shape[:dims]:
-        raise ValueError(
-            f"{owner}: {shown(key)} has shape {tuple(tensor.shape)}, which does not match {shown(like_key)} "
-            f"{tuple(like.shape)} in its first {dims} dims; per-token fields must align one to one"
-        )
 
 
 class Chain(Transform):
@@ -182,7 +146,7 @@ class Chain(Transform):
         self.out_keys = sorted({key for t in self.transforms for key in t.out_keys})
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
-        _check_present(self, data)
+        check_present("Chain", self.in_keys, data)
 
     def run(self, data: Mapping[str, Any]) -> dict[str, Any]:
         """Every step's core over a copy of ``data``, unchecked: the whole resulting mapping."""
@@ -201,7 +165,7 @@ class Chain(Transform):
     ) -> tuple[dict[str, Any], torch.Size | None]:
         for transform in self.transforms:
             if checked:
-                _check_present(transform, data)
+                check_present(type(transform).__name__, transform.in_keys, data)
             if isinstance(transform, Transform) and type(transform).forward is Transform.forward:
                 if checked:
                     transform.check(data)
@@ -221,6 +185,40 @@ class Chain(Transform):
             if isinstance(transform, Transform):
                 batch_size = transform.output_batch_size(batch_size)
         return batch_size
+
+    @property  # type: ignore[override]
+    def data_dependent_shape(self) -> bool:
+        """True when a step's output size depends on the values."""
+        return any(getattr(t, "data_dependent_shape", False) for t in self.transforms)
+
+    def output_keys(self, input_keys: Sequence[str]) -> list[str]:
+        """The keys a mapping holds after the chain, given those it starts with.
+
+        Kept inputs come first, in their order, then each key a step adds, in the
+        order the steps add them; keys a step consumes (``dropped_keys``) are gone.
+        The collate path names its outputs from this, so a transform of yours
+        that writes a key makes it an output.
+
+        Example:
+            >>> from zephon_collate.transforms import LossMask, TokenShift
+            >>> Chain(TokenShift(label_keys=["loss_mask"]), LossMask()).output_keys(
+            ...     ["input_ids", "loss_mask", "padding_length"]
+            ... )
+            ['input_ids', 'loss_mask', 'padding_length', 'labels', 'num_valid_tokens']
+        """
+        keys = dict.fromkeys(input_keys)
+        for transform in self.transforms:
+            for key in transform.out_keys:
+                keys[key] = None
+            for key in getattr(transform, "dropped_keys", ()):
+                if key not in transform.out_keys:
+                    keys.pop(key, None)
+        return list(keys)
+
+    def created_keys(self) -> list[str]:
+        """The keys some step writes without reading them (``labels``, ``cu_seqlens``, ...), in order."""
+        created = [key for t in self.transforms for key in t.out_keys if key not in t.in_keys]
+        return list(dict.fromkeys(created))
 
     def __len__(self) -> int:
         return len(self.transforms)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 
-from zephon_collate.checks import check_key
+from zephon_collate._checks import check_key
+from zephon_collate.functional.labels import align_mask
 from zephon_collate.functional.segments import segment_starts
 from zephon_collate.keys import LOSS_MASK, POSITIONS
-from zephon_collate.transforms.base import Transform, _check_leading, _check_rank
+from zephon_collate.transforms._shapes import check_leading, check_rank
+from zephon_collate.transforms.base import Transform
 
 __all__ = ["BoundaryMask"]
 
@@ -58,19 +59,15 @@ class BoundaryMask(Transform):
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         positions = data[self.positions_key]
-        _check_rank("BoundaryMask", self.positions_key, positions, "[B, S] positions", 2, 2)
+        check_rank("BoundaryMask", self.positions_key, positions, "[B, S] positions", 2, 2)
         if self.mask_key in data:
             mask = data[self.mask_key]
-            _check_leading("BoundaryMask", self.mask_key, mask, self.positions_key, positions, 2)
+            check_leading("BoundaryMask", self.mask_key, mask, self.positions_key, positions, 2)
 
     def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        keep = ~segment_starts(data[self.positions_key])  # a tensor, or an array in the CPU plan
+        keep = segment_starts(data[self.positions_key]).logical_not()
         mask = data.get(self.mask_key)
         if mask is None:
-            return {self.mask_key: keep.long() if isinstance(keep, torch.Tensor) else keep.astype(np.int64)}
-        keep = keep.reshape(*keep.shape, *([1] * (mask.ndim - keep.ndim)))
-        return {self.mask_key: mask & keep if _is_bool(mask) else mask * keep}
-
-
-def _is_bool(mask: torch.Tensor | np.ndarray) -> bool:
-    return mask.dtype == torch.bool if isinstance(mask, torch.Tensor) else mask.dtype == np.bool_
+            return {self.mask_key: keep.long()}
+        keep = align_mask(keep, mask)
+        return {self.mask_key: mask & keep if mask.dtype == torch.bool else mask * keep}

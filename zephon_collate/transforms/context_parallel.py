@@ -24,8 +24,9 @@ from ``cu_seqlens``) is a sequence of it. Each rank receives
 
 Labels must be made before sharding (a shard's last token is predicted from
 the next token, which another rank may hold): run this after the collator.
-The chunk layout (:func:`cp_partition_index`) and its inverse
-(:func:`gather_context_parallel`) are in :mod:`zephon_collate.parallel.context_parallel`.
+The chunk layout is :func:`zephon_collate.functional.cp_partition_index`
+(:mod:`zephon_collate.functional.context_parallel`), its inverse
+:func:`zephon_collate.gather_context_parallel` (:mod:`zephon_collate.parallel.context_parallel`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from zephon_collate.checks import check_ignore_index, check_key, check_keys
+from zephon_collate._checks import check_ignore_index, check_key, check_keys
+from zephon_collate._text import shown
 from zephon_collate.functional.context_parallel import check_cp, partition
 from zephon_collate.functional.labels import align_mask
 from zephon_collate.functional.segments import segment_starts
@@ -50,7 +52,6 @@ from zephon_collate.keys import (
     PADDING_MASK,
     POSITIONS,
 )
-from zephon_collate.text import shown
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["ContextParallelShard"]
@@ -102,7 +103,7 @@ class ContextParallelShard(Transform):
     padded to a multiple of ``2 * cp_size`` and cut into ``2 * cp_size``
     chunks; this rank keeps chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank``
     of every document, in document order (see
-    :func:`~zephon_collate.parallel.context_parallel.cp_partition_index`).
+    :func:`~zephon_collate.functional.cp_partition_index`).
 
     Per-token fields are the entries whose leading dims equal those of
     ``positions`` (or ``keys``, when given); the output holds them, sharded, as
@@ -210,6 +211,8 @@ class ContextParallelShard(Transform):
         self.fill_values = {**defaults, **dict(fill_values or {})}
         self.in_keys = [positions_key, *(k for k in (self.keys or ()) if k != positions_key)]
         self.out_keys = [*(self.keys or ()), positions_key, *written]
+
+    data_dependent_shape = True  # the shard's length depends on the document lengths
 
     def extra_repr(self) -> str:
         return f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, " + super().extra_repr()

@@ -8,11 +8,12 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from zephon_collate.checks import check_key
+from zephon_collate._checks import check_key
+from zephon_collate._text import shown
 from zephon_collate.functional import cu_seqlens_flat, cu_seqlens_rows
 from zephon_collate.keys import CU_SEQLENS, INT32_MAX, MAX_SEQLEN, POSITIONS
-from zephon_collate.text import shown
-from zephon_collate.transforms.base import Transform, _check_rank
+from zephon_collate.transforms._shapes import check_rank
+from zephon_collate.transforms.base import Transform
 
 __all__ = ["CuSeqlens"]
 
@@ -93,9 +94,14 @@ class CuSeqlens(Transform):
         self.in_keys = [positions_key]
         self.out_keys = [out_key, max_key]
 
+    @property  # type: ignore[override]
+    def data_dependent_shape(self) -> bool:
+        """Without ``num_boundaries``, the boundary count comes from the data (one read-back)."""
+        return self.num_boundaries is None
+
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         positions = data[self.positions_key]
-        _check_rank("CuSeqlens", self.positions_key, positions, "[B, S] positions", 2, 2)
+        check_rank("CuSeqlens", self.positions_key, positions, "[B, S] positions", 2, 2)
         if positions.numel() > INT32_MAX:
             raise ValueError(
                 f"CuSeqlens: {tuple(positions.shape)} positions overflow the int32 boundaries; "
@@ -104,7 +110,7 @@ class CuSeqlens(Transform):
 
     def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         kernel = cu_seqlens_flat if self.flatten else cu_seqlens_rows
-        boundaries, longest = kernel.unchecked(data[self.positions_key], self.num_boundaries)
+        boundaries, longest = kernel(data[self.positions_key], self.num_boundaries)
         return {self.out_key: boundaries, self.max_key: longest}
 
     def output_batch_size(self, batch_size: torch.Size) -> torch.Size:

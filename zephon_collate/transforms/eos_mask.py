@@ -6,10 +6,11 @@ from collections.abc import Mapping
 
 import torch
 
-from zephon_collate.checks import check_eos_token_id, check_ignore_index, check_key
+from zephon_collate._checks import check_eos_token_id, check_ignore_index, check_key
 from zephon_collate.functional import eos_label_mask, mask_labels
 from zephon_collate.keys import INPUT_IDS, LABELS
-from zephon_collate.transforms.base import Transform, _check_ignore_fits, _check_leading
+from zephon_collate.transforms._shapes import check_ignore_fits, check_leading
+from zephon_collate.transforms.base import Transform
 
 __all__ = ["EosMask"]
 
@@ -61,11 +62,11 @@ class EosMask(Transform):
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         inputs, labels = data[self.inputs_key], data[self.labels_key]
-        _check_leading(
+        check_leading(
             "EosMask", self.labels_key, labels, self.inputs_key, inputs, max(inputs.dim(), labels.dim())
         )
-        _check_ignore_fits("EosMask", self.ignore_index, self.labels_key, labels)
+        check_ignore_fits("EosMask", self.ignore_index, self.labels_key, labels)
 
     def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        from_eos = eos_label_mask.unchecked(data[self.inputs_key], self.eos_token_id)
-        return {self.labels_key: mask_labels.unchecked(data[self.labels_key], from_eos, self.ignore_index)}
+        from_eos = eos_label_mask(data[self.inputs_key], self.eos_token_id)
+        return {self.labels_key: mask_labels(data[self.labels_key], from_eos, self.ignore_index)}

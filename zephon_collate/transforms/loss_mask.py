@@ -6,15 +6,11 @@ from collections.abc import Mapping
 
 import torch
 
-from zephon_collate.checks import check_ignore_index, check_key
+from zephon_collate._checks import check_ignore_index, check_key
 from zephon_collate.functional import apply_loss_mask
 from zephon_collate.keys import LABELS, LOSS_MASK, NUM_VALID_TOKENS, PADDING_LENGTH
-from zephon_collate.transforms.base import (
-    Transform,
-    _check_ignore_fits,
-    _check_leading,
-    _check_rank,
-)
+from zephon_collate.transforms._shapes import check_ignore_fits, check_leading, check_rank
+from zephon_collate.transforms.base import Transform
 
 __all__ = ["LossMask"]
 
@@ -83,23 +79,23 @@ class LossMask(Transform):
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         labels = data[self.labels_key]
-        _check_rank("LossMask", self.labels_key, labels, "[B, S] or [B, S, ...] labels", 2)
-        _check_ignore_fits("LossMask", self.ignore_index, self.labels_key, labels)
+        check_rank("LossMask", self.labels_key, labels, "[B, S] or [B, S, ...] labels", 2)
+        check_ignore_fits("LossMask", self.ignore_index, self.labels_key, labels)
         if self.supervision_key is not None:
             supervision = data[self.supervision_key]
-            _check_rank("LossMask", self.supervision_key, supervision, "a [B, S, ...] mask", 2, labels.dim())
-            _check_leading(
+            check_rank("LossMask", self.supervision_key, supervision, "a [B, S, ...] mask", 2, labels.dim())
+            check_leading(
                 "LossMask", self.supervision_key, supervision, self.labels_key, labels, supervision.dim()
             )
         if self.padding_length_key is not None:
             padding = data[self.padding_length_key]
-            _check_rank("LossMask", self.padding_length_key, padding, "[B] pad counts", 1, 1)
-            _check_leading("LossMask", self.padding_length_key, padding, self.labels_key, labels, 1)
+            check_rank("LossMask", self.padding_length_key, padding, "[B] pad counts", 1, 1)
+            check_leading("LossMask", self.padding_length_key, padding, self.labels_key, labels, 1)
 
     def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         supervision = None if self.supervision_key is None else data[self.supervision_key]
         padding = None if self.padding_length_key is None else data[self.padding_length_key]
-        labels, loss_mask, counts = apply_loss_mask.unchecked(
+        labels, loss_mask, counts = apply_loss_mask(
             data[self.labels_key], supervision, padding, self.ignore_index
         )
         updates = {self.labels_key: labels}

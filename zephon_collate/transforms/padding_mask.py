@@ -6,10 +6,11 @@ from collections.abc import Mapping
 
 import torch
 
-from zephon_collate.checks import check_key
+from zephon_collate._checks import check_key
 from zephon_collate.functional import trailing_mask
 from zephon_collate.keys import INPUT_IDS, PADDING_LENGTH, PADDING_MASK
-from zephon_collate.transforms.base import Transform, _check_leading, _check_rank
+from zephon_collate.transforms._shapes import check_leading, check_rank
+from zephon_collate.transforms.base import Transform
 
 __all__ = ["PaddingMask"]
 
@@ -55,10 +56,10 @@ class PaddingMask(Transform):
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         like, padding = data[self.like_key], data[self.padding_length_key]
-        _check_rank("PaddingMask", self.like_key, like, "[B, S] or [B, S, ...]", 2)
-        _check_rank("PaddingMask", self.padding_length_key, padding, "[B] pad counts", 1, 1)
-        _check_leading("PaddingMask", self.padding_length_key, padding, self.like_key, like, 1)
+        check_rank("PaddingMask", self.like_key, like, "[B, S] or [B, S, ...]", 2)
+        check_rank("PaddingMask", self.padding_length_key, padding, "[B] pad counts", 1, 1)
+        check_leading("PaddingMask", self.padding_length_key, padding, self.like_key, like, 1)
 
     def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         length = data[self.like_key].shape[1]
-        return {self.out_key: trailing_mask.unchecked(data[self.padding_length_key], length)}
+        return {self.out_key: trailing_mask(data[self.padding_length_key], length)}

@@ -7,10 +7,11 @@ from typing import Literal
 
 import torch
 
-from zephon_collate.checks import check_key, check_position_mode
+from zephon_collate._checks import check_key, check_position_mode
 from zephon_collate.functional import sequence_positions
 from zephon_collate.keys import INPUT_IDS, POSITIONS
-from zephon_collate.transforms.base import Transform, _check_rank
+from zephon_collate.transforms._shapes import check_rank
+from zephon_collate.transforms.base import Transform
 
 __all__ = ["Positions"]
 
@@ -62,9 +63,9 @@ class Positions(Transform):
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         if self.mode == "sequence":
-            _check_rank("Positions", self.like_key, data[self.like_key], "[B, S] or [B, S, ...]", 2)
+            check_rank("Positions", self.like_key, data[self.like_key], "[B, S] or [B, S, ...]", 2)
 
     def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.mode == "preserve":
             return {}
-        return {self.out_key: sequence_positions.unchecked(data[self.like_key])}
+        return {self.out_key: sequence_positions(data[self.like_key])}

@@ -6,11 +6,11 @@ from collections.abc import Mapping
 
 import torch
 
-from zephon_collate.checks import check_key
+from zephon_collate._checks import check_key
+from zephon_collate._text import shown
 from zephon_collate.functional.labels import padding_from_length
 from zephon_collate.functional.segments import flatten_segment_ids, segment_ids_from_positions
 from zephon_collate.keys import PADDING_LENGTH, POSITIONS, SEGMENT_IDS
-from zephon_collate.text import shown
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["SegmentIds"]

@@ -6,10 +6,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from zephon_collate.checks import check_key, check_keys
+from zephon_collate._checks import check_key, check_keys
+from zephon_collate._text import shown
 from zephon_collate.keys import INPUT_IDS, LABELS
-from zephon_collate.text import shown
-from zephon_collate.transforms.base import Transform, _check_leading, _check_rank
+from zephon_collate.transforms._shapes import check_leading, check_rank
+from zephon_collate.transforms.base import Transform
 
 __all__ = ["TokenShift"]
 
@@ -64,9 +65,9 @@ class TokenShift(Transform):
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         tokens = data[self.tokens_key]
-        _check_rank("TokenShift", self.tokens_key, tokens, "[B, S] or [B, S, ...] tokens", 2)
+        check_rank("TokenShift", self.tokens_key, tokens, "[B, S] or [B, S, ...] tokens", 2)
         for key in (*self.input_keys, *self.label_keys):
-            _check_leading("TokenShift", key, data[key], self.tokens_key, tokens, 2)
+            check_leading("TokenShift", key, data[key], self.tokens_key, tokens, 2)
 
     def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         tokens = data[self.tokens_key]

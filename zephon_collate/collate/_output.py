@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from zephon_collate._read import payload_get
+from zephon_collate._text import shown
 from zephon_collate.collate.options import TrainingOptions
-from zephon_collate.functional.labels import contiguous
 from zephon_collate.keys import (
     CU_SEQLENS,
     IDS,
@@ -19,39 +20,58 @@ from zephon_collate.keys import (
     LOSS_MASK,
     MAX_SEQLEN,
     NUM_VALID_TOKENS,
+    PADDING_LENGTH,
     PADDING_MASK,
     POSITIONS,
     TEXT,
     TEXTS,
 )
-from zephon_collate.read import payload_get
 from zephon_collate.records import SampleRecord
-from zephon_collate.text import shown
 
-__all__ = ["assemble_outputs", "empty_outputs", "ids_and_texts", "merge_row_outputs", "output_keys"]
+__all__ = [
+    "PAGE_ORDER",
+    "assemble_outputs",
+    "convert",
+    "emitted_keys",
+    "empty_outputs",
+    "ids_and_texts",
+    "merge_row_outputs",
+    "output_names",
+    "rename_and_exclude",
+]
 
 NOT_PER_TOKEN = (IDS, TEXTS, NUM_VALID_TOKENS, CU_SEQLENS, MAX_SEQLEN)
 
 
-def emitted_keys(options: TrainingOptions, stacked_keys: Sequence[str] | None) -> list[str]:
-    """The fields a call emits, in the reference page's order (``None``: an empty batch)."""
-    empty = stacked_keys is None
-    has = set(stacked_keys or ())
-    keys = [IDS, TEXTS, INPUT_IDS]
-    keys += [LABELS] if options.return_labels else []
-    if options.position_mode == "sequence" or (not empty and POSITIONS in has):
-        keys.append(POSITIONS)
-    keys += list(options.data_fields)
-    if empty and POSITIONS in options.extra_fields and POSITIONS not in keys:
-        keys.append(POSITIONS)
-    keys += [NUM_VALID_TOKENS] if options.return_num_valid_tokens else []
-    raw_mask = not options.return_labels and (
-        LOSS_MASK in has or (empty and LOSS_MASK in options.extra_fields)
-    )
-    keys += [LOSS_MASK] if options.return_loss_mask or raw_mask else []
-    keys += [CU_SEQLENS, MAX_SEQLEN] if options.return_cu_seqlens else []
-    keys += [PADDING_MASK] if options.return_padding_mask else []
-    return keys
+PAGE_ORDER = (IDS, TEXTS, INPUT_IDS, LABELS, POSITIONS, None, NUM_VALID_TOKENS, LOSS_MASK, CU_SEQLENS)
+PAGE_ORDER += (MAX_SEQLEN, PADDING_MASK)
+"""The reference page's order of the outputs; ``None`` is where the extra fields go."""
+INTERNAL = (PADDING_LENGTH,)
+"""Keys of the stacked batch that no output carries."""
+
+
+def emitted_keys(options: TrainingOptions, keys: Sequence[str]) -> list[str]:
+    """The fields a call emits, from the chain's final ``keys``: in the reference page's order, then
+    any key a transform of yours adds, in the chain's order.
+
+    Example:
+        >>> emitted_keys(TrainingOptions(return_labels=True), ["input_ids", "padding_length", "labels"])
+        ['ids', 'texts', 'input_ids', 'labels']
+    """
+    extras = PAGE_ORDER.index(None)
+    ranks = {key: rank for rank, key in enumerate(PAGE_ORDER) if key is not None}
+    found = [key for key in keys if key not in INTERNAL]
+
+    def rank(item: tuple[int, str]) -> tuple[int, int]:
+        index, key = item
+        if key in ranks:
+            return ranks[key], 0
+        if key in options.extra_fields:
+            return extras, options.extra_fields.index(key)
+        return len(PAGE_ORDER), index
+
+    ordered = sorted(enumerate(dict.fromkeys([IDS, TEXTS, *found])), key=rank)
+    return [key for _, key in ordered]
 
 
 def rename_and_exclude(
@@ -85,17 +105,27 @@ def rename_and_exclude(
     return [(key, name) for key, name in finals if name not in excluded]
 
 
-def output_keys(options: TrainingOptions, stacked_keys: Sequence[str]) -> list[tuple[str, str]]:
-    """Emitted keys of a nonempty batch with their final names."""
-    return rename_and_exclude(emitted_keys(options, stacked_keys), options, empty=False)
+def output_names(options: TrainingOptions, keys: Sequence[str]) -> list[tuple[str, str]]:
+    """``(key, final name)`` of every output of a nonempty batch, from the chain's final ``keys``."""
+    return rename_and_exclude(emitted_keys(options, keys), options, empty=False)
 
 
-def empty_outputs(options: TrainingOptions) -> dict[str, Any]:
-    """What to_training returns for an empty batch."""
+def empty_outputs(options: TrainingOptions, keys: Sequence[str]) -> dict[str, Any]:
+    """What to_training returns for an empty batch whose chain would end with ``keys``.
+
+    Every emitted field is an empty list, except ``num_valid_tokens`` (0) and
+    flattened ``cu_seqlens``/``max_seqlen`` (``[0]``/0). Positions are emitted
+    when generated (``position_mode="sequence"``) or listed in ``extra_fields``.
+    """
     values: dict[str, Any] = {NUM_VALID_TOKENS: 0}
     if options.return_cu_seqlens and options.flatten:
         values.update(cu_seqlens=[0], max_seqlen=0)
-    pairs = rename_and_exclude(emitted_keys(options, None), options, empty=True)
+    shown = [
+        key
+        for key in keys
+        if key != POSITIONS or options.position_mode == "sequence" or POSITIONS in options.extra_fields
+    ]
+    pairs = rename_and_exclude(emitted_keys(options, shown), options, empty=True)
     return {name: values.get(key, []) for key, name in pairs}
 
 
@@ -112,7 +142,7 @@ def ids_and_texts(records: Sequence[SampleRecord]) -> dict[str, list[Any]]:
     }
 
 
-def _convert(value: torch.Tensor | np.ndarray, kind: str) -> Any:
+def convert(value: torch.Tensor | np.ndarray, kind: str) -> Any:
     """A chain output (a tensor, or an array from the CPU plan) in the container ``kind`` asks for."""
     if type(value) is np.ndarray:
         if kind == "list":
@@ -120,43 +150,44 @@ def _convert(value: torch.Tensor | np.ndarray, kind: str) -> Any:
         array = np.ascontiguousarray(value)
         return torch.from_numpy(array) if kind == "torch" else array
     if kind == "torch":
-        return contiguous(value)
+        return value.contiguous()
     if kind == "numpy":  # contiguous first: a view of the stacked batch would keep all of it alive
         return value.detach().cpu().contiguous().numpy()
     return value.tolist()
 
 
-def _flat(value: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
-    return value.reshape(-1, *value.shape[2:]) if value.ndim >= 2 else value
-
-
 def assemble_outputs(
-    per_record: dict[str, list[Any]],
+    per_record: Mapping[str, list[Any]],
     options: TrainingOptions,
-    td: Mapping[str, Any],
-    pairs: list[tuple[str, str]],
+    result: Mapping[str, Any],
+    pairs: Sequence[tuple[str, str]],
     *,
     python_scalars: bool = True,
 ) -> dict[str, Any]:
-    """Build the output dict of a stacked batch from the plan's outputs and :func:`ids_and_texts`.
+    """The output dict of a stacked batch, from the plan's result and the per-record lists.
 
+    Per-token fields (leading dims those of ``input_ids``) are flattened with
+    ``flatten``; every field is converted to the container ``dtype`` asks for.
     ``python_scalars=False`` keeps ``num_valid_tokens`` and a flattened
     ``max_seqlen`` as 0-d tensors (no device sync).
     """
     scalar = int if python_scalars else torch.as_tensor
     kind = options.output.kind
+    tokens = tuple(result[INPUT_IDS].shape[:2])
     out: dict[str, Any] = {}
     for key, name in pairs:
         if key in per_record:
             out[name] = per_record[key]
-        elif key == NUM_VALID_TOKENS:
-            out[name] = scalar(td[key].sum())
+            continue
+        value = result[key]
+        if key == NUM_VALID_TOKENS:
+            out[name] = scalar(value.sum())
         elif key == MAX_SEQLEN and options.flatten:
-            out[name] = scalar(td[key])
-        elif key in NOT_PER_TOKEN or not options.flatten:
-            out[name] = _convert(td[key], kind)
+            out[name] = scalar(value)
+        elif options.flatten and key not in NOT_PER_TOKEN and tuple(value.shape[:2]) == tokens:
+            out[name] = convert(value.reshape(-1, *value.shape[2:]), kind)
         else:
-            out[name] = _convert(_flat(td[key]), kind)
+            out[name] = convert(value, kind)
     return out
 
 

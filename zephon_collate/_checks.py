@@ -7,26 +7,40 @@ value received and what is expected, or returns the normalised value.
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import os
 import sys
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
 
+from zephon_collate._text import shown
 from zephon_collate.keys import INT64_MAX, INT64_MIN
-from zephon_collate.text import shown
 
 __all__ = [
     "OutputKind",
+    "check_bool",
+    "check_eos_fits",
     "check_eos_token_id",
+    "check_field_names",
     "check_ignore_index",
+    "check_int",
+    "check_key",
+    "check_keys",
+    "check_option_names",
     "check_position_mode",
+    "check_rename_fields",
     "resolve_dtype",
+    "suggest_options",
+    "warn_user",
 ]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 POSITION_MODES = ("preserve", "sequence")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -44,6 +58,44 @@ def check_option_names(owner: str, names: Iterable[str], known: Sequence[str]) -
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"; did you mean {shown(close[0])}?" if close else f"; known options: {', '.join(known)}"
             raise TypeError(f"{owner}: unknown option {shown(name)}{hint}")
+
+
+def suggest_options(owner: str) -> Callable[[F], F]:
+    """Decorate a function whose keywords are written out: a misspelled one gets the closest name.
+
+    Python's own ``TypeError`` ("unexpected keyword argument") becomes
+    ``owner: unknown option 'pad_to_multiple'; did you mean 'pad_to_multiple_of'?``.
+    The signature stays the function's (``inspect`` and type checkers see it),
+    and a call with known names costs nothing more.
+
+    Example:
+        >>> @suggest_options("f")
+        ... def f(*, return_labels: bool = False) -> bool:
+        ...     return return_labels
+        >>> f(return_label=True)
+        Traceback (most recent call last):
+        ...
+        TypeError: f: unknown option 'return_label'; did you mean 'return_labels'?
+    """
+
+    def decorate(function: F) -> F:
+        parameters = inspect.signature(function).parameters.values()
+        known = [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        known = [name for name in known if name not in ("self", "cls")]
+
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return function(*args, **kwargs)
+            except TypeError:
+                if all(name in known for name in kwargs):
+                    raise
+            check_option_names(owner, kwargs, known)
+            raise AssertionError("unreachable: an unknown option was found above")  # pragma: no cover
+
+        return wrapper  # type: ignore[return-value]  # the same signature, by functools.wraps
+
+    return decorate
 
 
 def check_eos_token_id(value: object, *, owner: str = "to_training") -> int:

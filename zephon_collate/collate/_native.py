@@ -1,0 +1,525 @@
+"""The reference page's layout: records in, ``to_training``'s outputs out.
+
+:class:`Native` is what ``to_training`` and the :class:`~zephon_collate.Collator`
+run: it reads the fields the options use from the records (the one reader,
+:mod:`zephon_collate._read`), checks them, stacks them (:mod:`._stack`) into the
+mapping the chain runs on, and names and assembles the outputs. The
+``Collator`` adds its safety on top (``padding``, ``boundary_safe``,
+``refuse_unused``); ``to_training`` keeps the page's defaults.
+
+The stacked mapping (the chain's input), for ``B`` records of ``S`` tokens:
+
+- ``input_ids`` ``[B, S]`` (or ``[B, S, ...]``) in the options' dtype;
+- ``positions``, ``loss_mask`` and each extra field, when read: ``[B, S]``
+  per token (or ``[B, ...]``, one value per record);
+- ``padding_length`` ``[B]`` int64: each record's trailing padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from zephon_collate._checks import warn_user
+from zephon_collate._read import (
+    Names,
+    Ragged,
+    Row,
+    as_numpy,
+    as_tensor,
+    check_fits,
+    check_ids,
+    check_payloads,
+    check_zero_one,
+    concat,
+    is_array_payload,
+    read_field,
+    record_names,
+    resolve_tokens_field,
+    to_row,
+)
+from zephon_collate._text import shown
+from zephon_collate.collate import _host
+from zephon_collate.collate._output import (
+    assemble_outputs,
+    empty_outputs,
+    ids_and_texts,
+    merge_row_outputs,
+    output_names,
+)
+from zephon_collate.collate._plan import Plan, Plans
+from zephon_collate.collate._stack import RowPadding, dense, stack_rows
+from zephon_collate.collate.options import TrainingOptions
+from zephon_collate.functional.segments import segment_starts
+from zephon_collate.keys import (
+    ASSISTANT_MASK,
+    ASSISTANT_MASKS,
+    ATTENTION_MASK,
+    COMPLETION_MASK,
+    INPUT_IDS,
+    INT32_MAX,
+    LABELS,
+    LOSS_MASK,
+    PADDING_LENGTH,
+    POSITIONS,
+)
+from zephon_collate.records import SampleMeta, SampleRecord
+from zephon_collate.transforms import Chain, Transform
+
+__all__ = [
+    "SUPERVISING_FIELDS",
+    "Native",
+    "Stacked",
+    "as_records",
+    "check_boundary_count",
+    "read_padding_lengths",
+]
+
+SUPERVISING_FIELDS = (ATTENTION_MASK, LABELS, ASSISTANT_MASKS, ASSISTANT_MASK, COMPLETION_MASK)
+"""Payload fields that say what is trained (Hugging Face and TRL names); the native path reads none."""
+
+
+def as_records(samples: Sequence[Any]) -> tuple[SampleRecord, ...]:
+    """Records as given, or plain payloads (dicts or token arrays) wrapped in records.
+
+    A plain payload gets ``SampleMeta(sample_id=(0, 0, i), lane_id=0, chunk_id=0,
+    chunk_offset=i)``, ``i`` being its place in the batch, and no tags (so no
+    padding): what Hugging Face datasets and ``transformers.Trainer`` hand over.
+
+    Raises:
+        TypeError: if ``samples`` is not a sequence, or an item is neither a record,
+            a dict nor a token array.
+    """
+    if isinstance(samples, (str, bytes, Mapping)) or not isinstance(samples, Sequence):
+        raise TypeError(f"Collator: expected a list of samples, got {type(samples).__name__}")
+    records = []
+    for index, sample in enumerate(samples):
+        if isinstance(sample, SampleRecord):
+            records.append(sample)
+        elif isinstance(sample, Mapping) or is_array_payload(sample):
+            records.append(SampleRecord(SampleMeta((0, 0, index), 0, 0, index), sample))
+        else:
+            raise TypeError(
+                f"Collator: sample {index} must be a SampleRecord, a payload dict or a token array, "
+                f"got {type(sample).__name__}"
+            )
+    return tuple(records)
+
+
+def check_boundary_count(positions: torch.Tensor, flatten: bool, limit: int, names: Names) -> None:
+    """``ValueError`` naming the first row whose segments do not fit a static ``num_boundaries``.
+
+    Runs where the batch is stacked (a worker's CPU tensors), so the device-side
+    assertion of :class:`~zephon_collate.CuSeqlens` never fires.
+    """
+    if not positions.numel():
+        return
+    needed = segment_starts(positions).sum(dim=1) + 1  # each row's starts, then its end
+    if flatten:
+        total = int(needed.sum()) - len(needed) + 1
+        if total > limit:
+            raise ValueError(
+                f"Collator: the batch has {total - 1} segments, more than num_boundaries - 1 = {limit - 1}; "
+                "raise num_boundaries, or send fewer segments per batch"
+            )
+    elif bool((needed > limit).any()):
+        index = int((needed > limit).nonzero()[0, 0])
+        raise ValueError(
+            f"{names(index)}: has {int(needed[index]) - 1} segments, more than "
+            f"num_boundaries - 1 = {limit - 1}; raise num_boundaries, or pack fewer documents per row"
+        )
+
+
+@dataclass
+class Stacked:
+    """A read, checked and stacked batch: the chain's input and what the outputs need besides.
+
+    ``data`` maps field names to ``[B, ...]`` tensors on the payloads' device;
+    ``per_record`` holds per-record outputs (``ids``, ``texts``); ``metas`` each
+    record's metadata (for :class:`~zephon_collate.StackedBatch`).
+    """
+
+    data: dict[str, torch.Tensor]
+    per_record: dict[str, list[Any]] = field(default_factory=dict)
+    metas: tuple[SampleMeta, ...] = ()
+
+
+def read_padding_lengths(records: Sequence[SampleRecord], lengths: np.ndarray, names: Names) -> np.ndarray:
+    """``[B]`` int64: each record's ``meta.padding_length`` (0 where unset), checked against its row."""
+    counts = np.zeros(len(records), dtype=np.int64)
+    for index, record in enumerate(records):
+        count = record.meta.tags.get("_padding_length") if record.meta.tags else None
+        if count is None:
+            continue
+        length = int(lengths[index])
+        if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or not 0 <= count <= length:
+            raise ValueError(
+                f"{names(index)}: meta.padding_length is {shown(count)} but must be an int from 0 to the "
+                f"token row's length {length}"
+            )
+        counts[index] = count
+    return counts
+
+
+def _aligned(rows: list[Row], lengths: np.ndarray, name: str, names: Names, *, required: bool) -> bool:
+    """True if ``rows`` hold one entry per token; ``required``: else ``ValueError`` naming the record."""
+    for index, row in enumerate(rows):
+        if row.ndim == 0 or row.shape[0] != lengths[index]:
+            if not required:
+                return False
+            got = "a scalar" if row.ndim == 0 else f"{row.shape[0]} entries"
+            raise ValueError(
+                f"{names(index)}: field {shown(name)} has {got} but the token row has {int(lengths[index])}; "
+                "per-token fields must match the tokens one to one"
+            )
+    return True
+
+
+def unused_supervision(
+    payloads: Sequence[Any], tokens: Ragged, read: Mapping[str, Any], loss_mask: Ragged | None, names: Names
+) -> str | None:
+    """What is wrong with the first payload field that would change what gets supervised but is not read.
+
+    An ``attention_mask`` with zeros (Hugging Face's padding), ``labels`` that
+    differ from the tokens (``-100`` on a prompt), or ``assistant_masks`` /
+    ``assistant_mask`` / ``completion_mask`` with zeros (a chat template's,
+    TRL's) would be silently dropped: the padding or the prompt trained on.
+    Harmless copies (an all-ones mask, labels equal to the tokens, a mask equal
+    to the ``loss_mask``) pass; a field that is read (listed in
+    ``extra_fields``) is used. Returns ``None`` when nothing is wrong, else the
+    message, naming the record, the field and the fix.
+    """
+    for index, payload in enumerate(payloads):
+        if not isinstance(payload, Mapping):
+            continue
+        for name in SUPERVISING_FIELDS:
+            if name in read or name not in payload:
+                continue
+            where = names(index)
+            values = as_numpy(to_row(payload[name], where, name, "values"))
+            if name == LABELS:
+                row = as_numpy(tokens.row(index))
+                if values.shape != row.shape or not (values == row).all():
+                    return (
+                        f"{where}: payload has 'labels' that differ from its tokens (e.g. -100 on a prompt), "
+                        "which are not read here: labels are made from the tokens. For Hugging Face "
+                        "examples use Collator.for_transformers(...); else give the supervision as a "
+                        "loss_mask (loss_mask = labels != -100) and drop 'labels'"
+                    )
+            elif not (values == 1).all():
+                if name == ATTENTION_MASK:
+                    return (
+                        f"{where}: payload has an 'attention_mask' with zeros, which is not applied here: "
+                        "those tokens would be trained on as real ones. For Hugging Face examples use "
+                        "Collator.for_transformers(...); else give padding as meta.padding_length (pack_flat "
+                        "writes it) or pad with Collator(pad_token_id=...) and drop the mask"
+                    )
+                if loss_mask is None or not np.array_equal(as_numpy(loss_mask.row(index)), values):
+                    return (
+                        f"{where}: payload has {shown(name)} with zeros, which are not read here: the "
+                        "prompt would be trained on. For Hugging Face examples use "
+                        "Collator.for_transformers(...); else give them as the loss_mask "
+                        f"(loss_mask = {name})"
+                    )
+    return None
+
+
+@dataclass(frozen=True)
+class Native:
+    """The page's layout over records: see the module doc.
+
+    Parameters:
+        options: the checked ``to_training`` arguments.
+        padding: pad ragged rows on the right (the Collator's ``pad_token_id``), or ``None``.
+        boundary_safe: mask labels whose target starts a segment (the Collator's
+            ``boundary_safe_labels``); reads the positions whenever labels are made.
+        refuse_unused: refuse a supervising field the call does not read (the Collator);
+            else, when labels are made, warn once (``to_training``).
+        num_boundaries: a static ``cu_seqlens`` width, or ``None``.
+        check_padding: read and check ``meta.padding_length`` even when the options use no padding.
+    """
+
+    options: TrainingOptions
+    padding: RowPadding | None = None
+    boundary_safe: bool = False
+    refuse_unused: bool = False
+    num_boundaries: int | None = None
+    check_padding: bool = False
+    _plans: Plans = field(default_factory=Plans, init=False, repr=False, compare=False)
+
+    def plan(self, keys: tuple[str, ...]) -> Plan:
+        """The plan of this layout on a stacked batch holding ``keys``, built once."""
+        found = self._plans.get(keys)
+        if found is None:
+            found = self._plans[keys] = Plan(self, keys)
+        return found
+
+    def chain(self, keys: Sequence[str]) -> list[Transform]:
+        """The built-in transforms for a stacked batch holding ``keys``."""
+        return self.options.chain(keys, boundary_safe=self.boundary_safe, num_boundaries=self.num_boundaries)
+
+    def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """:meth:`chain`'s output mapping computed by the fused host pass."""
+        return _host.native(self.options, self.boundary_safe, self.num_boundaries, data)
+
+    def names(self, keys: Sequence[str]) -> list[tuple[str, str]]:
+        """``(key, output name)`` of each output, from the chain's final ``keys``."""
+        return output_names(self.options, keys)
+
+    def empty(self) -> dict[str, Any]:
+        """The outputs of an empty batch: each field the options emit, empty."""
+        options = self.options
+        keys = [INPUT_IDS, PADDING_LENGTH, *options.extra_fields]
+        if options.return_cu_seqlens and POSITIONS not in keys:
+            keys.append(POSITIONS)  # CuSeqlens reads them; emitted only as empty_outputs says
+        return empty_outputs(options, Chain(*self.chain(keys)).output_keys(keys))
+
+    def collate(
+        self,
+        samples: Sequence[Any],
+        plan: Callable[[tuple[str, ...]], Plan],
+        *,
+        python_scalars: bool = True,
+    ) -> dict[str, Any]:
+        """The one-step path: read, stack, run ``plan(keys)``, assemble (ragged list rows one by one)."""
+        records = as_records(samples)
+        if not records:
+            return self.empty()
+        batches = self.read(records, ragged=self.options.output.kind == "list")
+        if len(batches) == 1:
+            batch = batches[0]
+            chosen = plan(tuple(batch.data))
+            result = chosen.run(batch.data)
+            return assemble_outputs(
+                batch.per_record, self.options, result, chosen.pairs, python_scalars=python_scalars
+            )
+        chosen = plan(tuple(batches[0].data))
+        results = [chosen.run(batch.data) for batch in batches]
+        return merge_row_outputs(ids_and_texts(records), self.options, results, chosen.pairs)
+
+    def stack(self, samples: Sequence[Any]) -> Stacked | None:
+        """:meth:`read` for ``Collator.stack``: one batch (``None`` when empty), rows of one length."""
+        records = as_records(samples)
+        if not records:
+            return None
+        batches = self.read(records, ragged=self.options.output.kind == "list")
+        if len(batches) > 1:
+            raise ValueError(
+                "Collator.stack: rows of unequal length cannot be stacked into one TensorDict, even for "
+                "dtype=None (lists); call the collator itself (Collator(...)(samples)), which returns "
+                "ragged lists, or pad the rows (Collator(pad_token_id=...)) or pack them (pack_flat)"
+            )
+        return batches[0]
+
+    def assemble(
+        self,
+        per_record: Mapping[str, list[Any]],
+        result: Mapping[str, Any],
+        pairs: Sequence[tuple[str, str]],
+        python_scalars: bool,
+    ) -> dict[str, Any]:
+        """The output dict of a stacked batch (:func:`~zephon_collate.collate._output.assemble_outputs`)."""
+        return assemble_outputs(per_record, self.options, result, pairs, python_scalars=python_scalars)
+
+    def read(self, records: tuple[SampleRecord, ...], *, ragged: bool = False) -> list[Stacked]:
+        """Read, check and stack ``records`` (non-empty): one :class:`Stacked` batch.
+
+        With ``ragged`` (list output), rows of unequal length come back as one
+        single-row batch each, every error still naming the record by its place.
+
+        Raises:
+            TypeError, ValueError: for every data error, naming the record, the field and the fix.
+        """
+        options = self.options
+        check_payloads(records)
+        names = record_names(records)
+        payloads = [record.payload for record in records]
+        tokens_field = resolve_tokens_field(payloads, options.tokens_field, names)
+        tokens = concat(
+            read_field(payloads, tokens_field, tokens_field, "ids", names, required=True) or [],
+            INPUT_IDS,
+            names,
+        )
+        lengths = tokens.lengths
+        per_token: dict[str, Ragged] = {INPUT_IDS: tokens}
+        per_record: dict[str, torch.Tensor | list[Row]] = {}
+        labels = options.return_labels
+        reads_positions = options.reads_positions or (self.boundary_safe and labels)
+        must_align = labels or options.flatten
+        wanted = [(LOSS_MASK, LOSS_MASK in options.extra_fields, True)]
+        if reads_positions or POSITIONS in options.extra_fields or options.return_cu_seqlens:
+            required = POSITIONS in options.extra_fields or options.return_cu_seqlens
+            wanted.append((POSITIONS, required, True))
+        wanted += [(name, True, must_align) for name in options.data_fields]
+        for name, required, aligned in wanted:
+            kind = "ids" if name == POSITIONS else "values"
+            rows = read_field(payloads, name, tokens_field, kind, names, required=required)
+            if rows is None:
+                continue
+            if _aligned(rows, lengths, name, names, required=aligned):
+                per_token[name] = concat(rows, name, names)
+            else:
+                per_record[name] = rows
+        self._check_unused(payloads, tokens, per_token, per_record, names)
+        self._check_values(per_token, names)
+        padding_length = (
+            read_padding_lengths(records, lengths, names)
+            if options.needs_padding_lengths or self.check_padding
+            else np.zeros(len(records), dtype=np.int64)
+        )
+        per_record_out = ids_and_texts(records)
+        metas = tuple(record.meta for record in records)
+        width = self._width(lengths, names, ragged)
+        if width is None:  # ragged lists: each row a batch of its own
+            return [
+                Stacked(
+                    self._stack(
+                        {name: f.take(index) for name, f in per_token.items()},
+                        {name: rows[index : index + 1] for name, rows in per_record.items()},
+                        padding_length[index : index + 1],
+                        int(lengths[index]),
+                        names,
+                    ),
+                    {key: values[index : index + 1] for key, values in per_record_out.items()},
+                    metas[index : index + 1],
+                )
+                for index in range(len(records))
+            ]
+        if self.padding is not None:
+            padding_length = padding_length + (width - lengths)
+        data = self._stack(per_token, per_record, padding_length, width, names)
+        if self.num_boundaries is not None and options.return_cu_seqlens:
+            positions = data[POSITIONS][:, :-1] if labels else data[POSITIONS]
+            check_boundary_count(positions, options.flatten, self.num_boundaries, names)
+        return [Stacked(data, per_record_out, metas)]
+
+    def _width(self, lengths: np.ndarray, names: Names, ragged: bool) -> int | None:
+        """The stacked row length; ``None`` for ragged list output. Unequal rows without padding raise."""
+        if self.padding is not None:
+            return self.padding.width(lengths)
+        if bool((lengths == lengths[0]).all()):
+            return int(lengths[0])
+        if ragged:
+            return None
+        index = int(np.flatnonzero(lengths != lengths[0])[0])
+        raise ValueError(
+            "cannot stack token rows of unequal shape into a tensor: record 0 has shape "
+            f"({int(lengths[0])},), {names(index)} has ({int(lengths[index])},); pad them "
+            "(Collator(pad_token_id=...)) or pack them (pack_flat), or pass dtype=None for lists"
+        )
+
+    def _check_unused(
+        self,
+        payloads: Sequence[Any],
+        tokens: Ragged,
+        per_token: Mapping[str, Ragged],
+        per_record: Mapping[str, Any],
+        names: Names,
+    ) -> None:
+        if not (self.refuse_unused or self.options.return_labels):
+            return  # without labels nothing is supervised, so nothing is said
+        read = {**per_token, **per_record}
+        problem = unused_supervision(payloads, tokens, read, per_token.get(LOSS_MASK), names)
+        if problem is None:
+            return
+        if self.refuse_unused:
+            raise ValueError(problem)
+        warn_user(f"to_training: {problem}; the labels are made from the tokens, as the reference page says")
+
+    def _check_values(self, per_token: Mapping[str, Ragged], names: Names) -> None:
+        """The data checks that need values: ids >= 0, 0/1 supervision, positions for ``cu_seqlens``."""
+        options = self.options
+        dtype = options.output.torch_dtype
+        tokens = per_token[INPUT_IDS]
+        check_ids(tokens, INPUT_IDS, names)
+        for name, values in per_token.items():
+            if name == LOSS_MASK and options.return_labels:
+                check_zero_one(values, LOSS_MASK, names, "1 for supervised tokens, 0 for the rest")
+            else:
+                check_fits(values, dtype, name, names)
+        if options.eos_mask_loss and tokens.values.ndim != 1:
+            raise ValueError(
+                f"to_training: eos_mask_loss needs scalar token rows ([B, S]), got rows of shape "
+                f"{tuple(tokens.values.shape[1:])} per token"
+            )
+        if options.return_padding_mask and options.output.kind != "list" and tokens.values.ndim != 1:
+            raise ValueError(
+                "to_training: return_padding_mask needs 2-D scalar token rows for tensor/array output, "
+                f"got rows of shape {tuple(tokens.values.shape[1:])} per token"
+            )
+        if options.return_cu_seqlens:
+            self._check_boundary_positions(per_token[POSITIONS], tokens, names)
+
+    def _check_boundary_positions(self, positions: Ragged, tokens: Ragged, names: Names) -> None:
+        if positions.values.ndim != 1:
+            raise ValueError(
+                "to_training: return_cu_seqlens needs one position per token ([B, S]), got positions of "
+                f"shape {tuple(positions.values.shape[1:])} per token"
+            )
+        lengths = tokens.lengths
+        input_lengths = lengths - 1 if self.options.return_labels else lengths
+        width = int(lengths.max()) if self.padding is None else self.padding.width(lengths)
+        input_width = width - 1 if self.options.return_labels and width else width
+        if len(lengths) * input_width > INT32_MAX:
+            raise ValueError(
+                f"to_training: {len(lengths)} x {input_width} input tokens overflow the int32 cu_seqlens; "
+                "use smaller batches"
+            )
+        if not len(positions.values):
+            return
+        # Each row's first position (rows without an input token have none to check).
+        first = as_numpy(positions.values)[np.minimum(positions.offsets[:-1], len(positions.values) - 1)]
+        bad = (first != 0) & (input_lengths > 0)
+        if bad.any():
+            index = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"{names(index)}: positions must start at zero in every row to derive cu_seqlens, but this "
+                f"row starts at {int(first[index])}"
+            )
+
+    def _stack(
+        self,
+        per_token: Mapping[str, Ragged],
+        per_record: Mapping[str, Sequence[Row]],
+        padding_length: np.ndarray,
+        width: int,
+        names: Names,
+    ) -> dict[str, torch.Tensor]:
+        """The chain's input mapping: each field cast to its dtype, then laid out ``[B, width, ...]``."""
+        options = self.options
+        dtype = options.output.torch_dtype
+        pad_id = 0 if self.padding is None else self.padding.pad_token_id
+        data: dict[str, torch.Tensor] = {}
+        for name, values in per_token.items():
+            keep = name == LOSS_MASK and options.return_labels  # the supervision keeps its own dtype
+            cast = values if keep else values.cast(dtype)
+            if (
+                name == POSITIONS
+                and self.padding is not None
+                and width
+                and width - 1 > torch.iinfo(dtype).max
+            ):
+                raise ValueError(
+                    f"to_training: positions padded to {width} tokens do not fit dtype {dtype}; pick a wider "
+                    "dtype"
+                )
+            fill = pad_id if name == INPUT_IDS else 0
+            data[name] = as_tensor(dense(cast, width, fill, restart=name == POSITIONS))
+        for name, rows in per_record.items():
+            stacked = stack_rows(rows, name, names)
+            check_fits(Ragged(stacked.reshape(-1), _flat_offsets(stacked)), dtype, name, names)
+            data[name] = stacked.to(dtype)
+        counts = torch.from_numpy(padding_length)
+        device = data[INPUT_IDS].device
+        data[PADDING_LENGTH] = counts if device.type == "cpu" else counts.to(device)
+        return data
+
+
+def _flat_offsets(stacked: torch.Tensor) -> np.ndarray:
+    """Offsets of a ``[B, ...]`` stacked field read as ``B`` rows of equal size."""
+    per_row = int(np.prod(stacked.shape[1:]))
+    return np.arange(stacked.shape[0] + 1, dtype=np.int64) * per_row

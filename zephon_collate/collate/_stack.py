@@ -1,0 +1,142 @@
+"""Fields to stacked tensors: rows of one length as ``[B, S, ...]``, ragged rows padded on the right.
+
+Every collate entry point reads its fields with :mod:`zephon_collate._read`
+and stacks them here. A per-token field arrives as a :class:`~zephon_collate._read.Ragged`
+(values end to end, and offsets); :func:`dense` lays it out as ``[B, width, ...]``
+with one vectorised scatter (a view, when every row already has the width).
+:class:`RowPadding` decides the width: the longest row, rounded up to
+``pad_to_multiple_of``, or a fixed length.
+
+Padded layout, two rows of 3 and 5 tokens padded to 8 (``pad_to_multiple_of=4``)::
+
+    input_ids  | a a a P P P P P |      P: pad_token_id
+               | b b b b b P P P |
+    positions  | 0 1 2 0 1 2 3 4 |      the padding is a segment of its own, restarting at 0
+               | 0 1 2 3 4 0 1 2 |
+    padding_length  [5, 3]              counted as each record's trailing padding
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from zephon_collate._checks import check_int
+from zephon_collate._read import Names, Ragged, Row, Values, as_numpy
+from zephon_collate._text import shown
+from zephon_collate.keys import INT32_MAX
+
+__all__ = ["MAX_PAD_MULTIPLE", "RowPadding", "dense", "stack_rows"]
+
+MAX_PAD_MULTIPLE = 2**20
+"""The largest ``pad_to_multiple_of`` accepted (a row padded to more than a million tokens is a typo)."""
+
+
+@dataclass(frozen=True)
+class RowPadding:
+    """Pad ragged rows on the right: to the longest row rounded up to ``multiple``, or to ``length``.
+
+    Parameters:
+        pad_token_id: the token id of padding (an int >= 0).
+        multiple: round the padded length up to a multiple of this (1 to :data:`MAX_PAD_MULTIPLE`), or
+            ``None``.
+        length: pad every row to exactly this many tokens (static shapes), or ``None`` for the longest.
+
+    Example:
+        >>> RowPadding(0, 8).width(np.array([3, 13])), RowPadding(0, None).width(np.array([3, 13]))
+        (16, 13)
+    """
+
+    pad_token_id: int
+    multiple: int | None = None
+    length: int | None = None
+
+    @classmethod
+    def create(
+        cls, pad_token_id: object, multiple: object, owner: str = "Collator", length: object = None
+    ) -> RowPadding | None:
+        """The padding ``owner``'s ``pad_token_id`` / ``pad_to_multiple_of`` ask for, checked.
+
+        Raises:
+            TypeError, ValueError: for a non-int or out-of-range value, or a multiple without an id.
+        """
+        if pad_token_id is None:
+            if multiple is not None:
+                raise ValueError(f"{owner}: pad_to_multiple_of needs pad_token_id, the id to pad with")
+            return None
+        token = check_int(owner, "pad_token_id", pad_token_id, 0)
+        step = (
+            None
+            if multiple is None
+            else check_int(owner, "pad_to_multiple_of", multiple, 1, MAX_PAD_MULTIPLE)
+        )
+        fixed = None if length is None else check_int(owner, "max_length", length, 1, INT32_MAX)
+        if step is not None and fixed is not None and fixed % step:
+            fixed = -(-fixed // step) * step  # as HF rounds max_length up to the multiple
+        return cls(token, step, fixed)
+
+    def width(self, lengths: np.ndarray) -> int:
+        """The padded row length for rows of ``lengths``."""
+        if self.length is not None:
+            return self.length
+        longest = int(lengths.max()) if lengths.size else 0
+        return longest if self.multiple is None else -(-longest // self.multiple) * self.multiple
+
+
+def dense(field: Ragged, width: int, fill: int | float, *, restart: bool = False) -> Values:
+    """``[B, width, ...]``: each row's values, then ``fill`` (or 0, 1, ... with ``restart``) to ``width``.
+
+    Rows must not be longer than ``width``. Every row of exactly ``width``
+    gives a view of the values, no copy. Host values give a NumPy array, a
+    tensor a tensor on its device.
+
+    Example:
+        >>> from zephon_collate._read import concat
+        >>> field = concat([np.array([5, 6, 7]), np.array([8])], "input_ids", str)
+        >>> dense(field, 4, 0).tolist(), dense(field, 4, 0, restart=True).tolist()
+        ([[5, 6, 7, 0], [8, 0, 0, 0]], [[5, 6, 7, 0], [8, 0, 1, 2]])
+    """
+    values, lengths = field.values, field.lengths
+    rows = len(lengths)
+    trailing = tuple(values.shape[1:])
+    if rows and bool((lengths == width).all()):
+        return values.reshape(rows, width, *trailing)
+    if restart:  # padding positions count 0, 1, ... after each row's tokens
+        base = np.arange(width, dtype=np.int64)[None] - lengths[:, None]
+        base = base.reshape(rows, width, *([1] * len(trailing)))
+        start: Values = np.broadcast_to(base, (rows, width, *trailing))
+    else:
+        start = np.full((rows, width, *trailing), fill)
+    # The flat destination of every token: its row times the width, plus its place in the row.
+    destination = np.repeat(np.arange(rows, dtype=np.int64) * width - field.offsets[:-1], lengths)
+    destination += np.arange(values.shape[0], dtype=np.int64)
+    if isinstance(values, np.ndarray):
+        out = start.astype(values.dtype)  # a copy, in the values' dtype
+        out.reshape(rows * width, *trailing)[destination] = values
+        return out
+    tensor = torch.from_numpy(np.ascontiguousarray(start)).to(device=values.device, dtype=values.dtype)
+    index = torch.from_numpy(destination).to(values.device)
+    tensor.view(rows * width, *trailing).index_copy_(0, index, values)
+    return tensor
+
+
+def stack_rows(rows: Sequence[Row], name: str, names: Names) -> torch.Tensor:
+    """A per-record field's rows stacked as ``[B, ...]`` (one value or vector per record, never padded).
+
+    Raises:
+        ValueError: if the rows differ in shape.
+    """
+    first = tuple(rows[0].shape)
+    for index, row in enumerate(rows):
+        if tuple(row.shape) != first:
+            raise ValueError(
+                f"cannot stack rows of field {shown(name)} of unequal shape into a tensor: the first payload "
+                f"has shape {first}, {names(index)} has {tuple(row.shape)}; give every payload the same "
+                "shape, or pass dtype=None for lists"
+            )
+    if all(not isinstance(row, torch.Tensor) or row.is_cpu for row in rows):
+        return torch.from_numpy(np.stack([as_numpy(row) for row in rows]))
+    return torch.stack([torch.as_tensor(row) for row in rows])

@@ -1,0 +1,53 @@
+"""The kernel registry: every public kernel, by name, and the input check they share.
+
+Each kernel is one torch function, the specification of what it computes: it
+runs on every device and under ``torch.compile``, takes tensors and returns new
+ones, writes into none of its inputs and loops over no token in Python.
+:data:`KERNELS` lists them, so that one test harness runs every kernel over the
+integer dtypes and edge lengths, on the CPU and on CUDA
+(``tests/test_kernels.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["KERNELS", "check_fill", "check_tensor", "kernel"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+KERNELS: dict[str, Callable[..., Any]] = {}
+"""Every public kernel of :mod:`zephon_collate.functional`, by name."""
+
+
+def kernel(function: F) -> F:
+    """Register ``function`` in :data:`KERNELS` under its name (the function is returned unchanged)."""
+    KERNELS[function.__name__] = function
+    return function
+
+
+def check_tensor(kernel: str, name: str, value: object, min_dim: int = 0, max_dim: int = 64) -> torch.Tensor:
+    """``value`` if a tensor (else ``TypeError``) of ``min_dim`` to ``max_dim`` dims (else ``ValueError``).
+
+    It reads shapes only, never values: no device sync, no graph break.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{kernel}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if not min_dim <= value.dim() <= max_dim:
+        raise ValueError(
+            f"{kernel}: {name} has shape {tuple(value.shape)}; it needs {min_dim} to {max_dim} dims"
+        )
+    return value
+
+
+def check_fill(kernel: str, name: str, value: int, like: torch.Tensor) -> None:
+    """``ValueError`` if integer ``like`` cannot hold ``value`` (writing it would wrap around)."""
+    dtype = like.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return
+    info = torch.iinfo(dtype)
+    if not info.min <= value <= info.max:
+        raise ValueError(f"{kernel}: {name} {value} does not fit dtype {dtype}; give a wider dtype")

@@ -1,0 +1,51 @@
+"""AttentionMask: Hugging Face's ``attention_mask``, 1 on real tokens and 0 on padding."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from zephon_collate._checks import check_key
+from zephon_collate.keys import ATTENTION_MASK, PADDING_MASK
+from zephon_collate.transforms._shapes import check_rank
+from zephon_collate.transforms.base import Transform
+
+__all__ = ["AttentionMask"]
+
+
+class AttentionMask(Transform):
+    """Write ``attention_mask`` (int64, 1 on real tokens, 0 on padding) from a boolean padding mask.
+
+    The padding mask (``padding_key``, True on padding, as :class:`PaddingMask`
+    writes it) is consumed: it is dropped from the output.
+
+    Parameters:
+        padding_key: the boolean ``[B, S]`` padding mask (default ``"padding_mask"``).
+        out_key: where to write the attention mask (default ``"attention_mask"``).
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict(padding_mask=torch.tensor([[False, False, True]]), batch_size=[1])
+        >>> out = AttentionMask()(td)
+        >>> out["attention_mask"].tolist(), "padding_mask" in out
+        ([[1, 1, 0]], False)
+    """
+
+    def __init__(self, padding_key: str = PADDING_MASK, out_key: str = ATTENTION_MASK) -> None:
+        super().__init__()
+        self.padding_key = check_key("AttentionMask", "padding_key", padding_key)
+        self.out_key = check_key("AttentionMask", "out_key", out_key)
+        self.in_keys = [padding_key]
+        self.out_keys = [out_key]
+        if padding_key != out_key:
+            self.dropped_keys = (padding_key,)
+
+    def check(self, data: Mapping[str, torch.Tensor]) -> None:
+        mask = data[self.padding_key]
+        check_rank("AttentionMask", self.padding_key, mask, "a [B, S] boolean mask", 1)
+        if mask.dtype != torch.bool:
+            raise TypeError(f"AttentionMask: {self.padding_key!r} must be a bool mask, got {mask.dtype}")
+
+    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self.out_key: data[self.padding_key].logical_not().to(torch.int64)}
