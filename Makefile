@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine with Python 3.11:
 #   make demo   runs the main job
-#   make test   runs lint and the test suite
+#   make test   runs lint (ruff, mypy --strict) and the test suite
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -23,6 +23,7 @@ test: $(STAMP) lint
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy --strict zephon_collate
 
 format: $(STAMP)
 	$(BIN)/ruff format .

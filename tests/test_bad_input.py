@@ -1229,7 +1229,7 @@ def test_pack_flat_option_arguments(kwargs, error, match):
         ([1j], TypeError, "has dtype complex128"),
         ([1, None], TypeError, r"holds Python objects that are not numbers \(dtype object\)"),
         ("abc", TypeError, "must be a list, tuple, NumPy array or torch tensor of numbers, got str"),
-        ([1, -2, 3], ValueError, r"holds a negative token id \(-2\); ids must be >= 0"),
+        ([1, -2, 3], ValueError, r"token ids must be >= 0, found -2 at input_ids\[1\]"),
         ([2**63], ValueError, "holds values beyond int64"),
         ([2**64], ValueError, "holds values beyond int64"),
         (np.array([2**63], np.uint64), ValueError, "holds values beyond int64"),
@@ -1559,7 +1559,7 @@ def _corrupted(change):
         ),
         (
             lambda s: s["pending"][0].update(tokens=[4, -5, 6]),
-            r"state\['pending'\]\[0\]\['tokens'\] .*negative token id",
+            r"state\['pending'\]\[0\]\['tokens'\] .*token ids must be >= 0",
         ),
         (
             lambda s: s["pending"][0].update(tokens=list(range(1, 10))),

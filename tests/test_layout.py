@@ -107,3 +107,61 @@ def test_context_parallel_layout_uses_the_same_documents():
     assert shard["cu_seqlens"].tolist() == [0, 2, 5, 7, 8, 10]
     assert shard["cu_seqlens_padded"].tolist() == [0, 2, 6, 8, 10, 12]  # each padded to a multiple of 2
     assert cp_partition_index(shard["cu_seqlens_padded"], 1, 0).tolist() == list(range(12))
+
+
+def _modules() -> list[tuple[str, ast.Module]]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        found.append((module, ast.parse(path.read_text())))
+    return found
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A leading underscore means "this module's own": no other module imports such a name."""
+    crossing = []
+    for module, tree in _modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("zephon_collate"):
+                for alias in node.names:
+                    if not alias.name.startswith("_") or alias.name.startswith("__"):
+                        continue
+                    target = PACKAGE.parent / Path(*f"{node.module}.{alias.name}".split("."))
+                    is_module = target.with_suffix(".py").exists() or target.is_dir()
+                    if is_module and node.module == module.rpartition(".")[0]:
+                        continue  # an area's internal module, used inside the area
+                    crossing.append(f"{module} imports {alias.name} from {node.module}")
+    assert crossing == [], crossing
+
+
+def _declared_all(tree: ast.Module) -> list[str] | None:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            try:
+                return list(ast.literal_eval(node.value))
+            except ValueError:  # built from other lists (types re-exports records.__all__)
+                return ["*"]
+    return None
+
+
+def test_every_module_lists_its_public_names_in_all():
+    """Complete ``__all__``: each public def, class and constant of a module is listed; the rest is private."""
+    problems = []
+    for module, tree in _modules():
+        names = _declared_all(tree)
+        public = [
+            target.id if isinstance(node, (ast.Assign, ast.AnnAssign)) else node.name
+            for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign))
+            for target in (node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", node)])
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) or isinstance(target, ast.Name)
+        ]
+        public = [name for name in public if not name.startswith("_") and name != "F"]
+        if names is None:
+            if public and module != "zephon_collate.__main__":
+                problems.append(f"{module}: no __all__ (public names {public})")
+            continue
+        missing = [name for name in public if name not in names and "*" not in names]
+        if missing:
+            problems.append(f"{module}: public but not in __all__: {missing}")
+    assert problems == [], "\n".join(problems)

@@ -218,7 +218,7 @@ def test_boundary_safe_labels_off_keeps_each_first_label_in_the_flat_row() -> No
             ValueError,
             "example 0: 'position_ids' must start at 0",
         ),
-        ([{"input_ids": [5, -6]}], ValueError, "example 0: token ids must be >= 0"),
+        ([{"input_ids": [5, -6]}], ValueError, "example 0: field 'input_ids' token ids must be >= 0"),
         ([{"input_ids": [[5, 6]]}], ValueError, "a batch of one row, as tokenizer"),
         ([{"input_ids": [[5, 6], [7, 8]]}], ValueError, r"one row of token ids, got shape \(2, 2\)"),
         ([{"text": "hi"}], ValueError, "example 0: has no 'input_ids'"),

@@ -163,7 +163,7 @@ def _pad_records(records: list[Any], pad_id: int) -> list[Any]:
     import numpy as np
 
     from zephon_collate import SampleMeta, SampleRecord
-    from zephon_collate._read import TOKEN_FIELD_CANDIDATES
+    from zephon_collate.keys import TOKEN_FIELD_CANDIDATES
 
     def tokens_of(payload: dict[str, Any]) -> str:
         return next(name for name in TOKEN_FIELD_CANDIDATES if name in payload)

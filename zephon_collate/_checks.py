@@ -14,7 +14,8 @@ import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from types import FrameType
+from typing import Any, Literal, TypeGuard, TypeVar
 
 import numpy as np
 import torch
@@ -42,12 +43,13 @@ __all__ = [
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-POSITION_MODES = ("preserve", "sequence")
+_POSITION_MODES = ("preserve", "sequence")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _INTEGER_TORCH_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
+    """True for an integer that is not a bool (NumPy integers included)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
@@ -60,11 +62,13 @@ def check_option_names(owner: str, names: Iterable[str], known: Sequence[str]) -
             raise TypeError(f"{owner}: unknown option {shown(name)}{hint}")
 
 
-def suggest_options(owner: str) -> Callable[[F], F]:
+def suggest_options(owner: str, required: Mapping[str, str] | None = None) -> Callable[[F], F]:
     """Decorate a function whose keywords are written out: a misspelled one gets the closest name.
 
     Python's own ``TypeError`` ("unexpected keyword argument") becomes
-    ``owner: unknown option 'pad_to_multiple'; did you mean 'pad_to_multiple_of'?``.
+    ``owner: unknown option 'pad_to_multiple'; did you mean 'pad_to_multiple_of'?``,
+    and a missing required keyword named in ``required`` says what it is
+    (``owner: pad_token_id is required: the token id of the padding``).
     The signature stays the function's (``inspect`` and type checkers see it),
     and a call with known names costs nothing more.
 
@@ -79,7 +83,8 @@ def suggest_options(owner: str) -> Callable[[F], F]:
     """
 
     def decorate(function: F) -> F:
-        parameters = inspect.signature(function).parameters.values()
+        signature = inspect.signature(function)
+        parameters = signature.parameters.values()
         known = [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
         known = [name for name in known if name not in ("self", "cls")]
 
@@ -89,6 +94,15 @@ def suggest_options(owner: str) -> Callable[[F], F]:
                 return function(*args, **kwargs)
             except TypeError:
                 if all(name in known for name in kwargs):
+                    missing = [name for name in required or {} if name not in kwargs]
+                    if missing:
+                        try:
+                            signature.bind(*args, **kwargs)
+                        except TypeError:
+                            name = missing[0]
+                            raise TypeError(
+                                f"{owner}: {name} is required: {(required or {})[name]}"
+                            ) from None
                     raise
             check_option_names(owner, kwargs, known)
             raise AssertionError("unreachable: an unknown option was found above")  # pragma: no cover
@@ -100,9 +114,9 @@ def suggest_options(owner: str) -> Callable[[F], F]:
 
 def check_eos_token_id(value: object, *, owner: str = "to_training") -> int:
     """Return ``value`` as an int if it is an int (not a bool) in ``[0, 2**63)``; else ``ValueError``."""
-    if not _is_int(value) or not 0 <= value <= INT64_MAX:  # type: ignore[operator]
+    if not _is_int(value) or not 0 <= value <= INT64_MAX:
         raise ValueError(f"{owner}: eos_token_id must be a nonnegative int below 2**63, got {shown(value)}")
-    return int(value)  # type: ignore[call-overload]
+    return int(value)
 
 
 def check_eos_fits(eos_token_id: int, dtype: torch.dtype, *, owner: str = "to_training") -> None:
@@ -120,13 +134,13 @@ def check_ignore_index(value: object, *, owner: str = "to_training", fits: torch
     if it is outside int64, or outside the integer dtype ``fits`` when given."""
     if not _is_int(value):
         raise TypeError(f"{owner}: ignore_index must be an int, got {shown(value)}")
-    if not INT64_MIN <= value <= INT64_MAX:  # type: ignore[operator]
+    if not INT64_MIN <= value <= INT64_MAX:
         raise ValueError(f"{owner}: ignore_index must fit in int64, got {shown(value)}")
     if fits is not None and not (fits.is_floating_point or fits.is_complex or fits == torch.bool):
         info = torch.iinfo(fits)
-        if not info.min <= value <= info.max:  # type: ignore[operator]
+        if not info.min <= value <= info.max:
             raise ValueError(f"{owner}: ignore_index {value} does not fit dtype {fits}; pick a wider dtype")
-    return int(value)  # type: ignore[call-overload]
+    return int(value)
 
 
 def check_key(owner: str, name: str, value: object) -> str:
@@ -147,17 +161,18 @@ def check_keys(owner: str, name: str, value: Iterable[str]) -> tuple[str, ...]:
 
 def warn_user(message: str) -> None:
     """A ``UserWarning`` attributed to the first caller outside this package."""
-    level, frame = 2, sys._getframe(1)
+    level = 2
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
-        level, frame = level + 1, frame.f_back  # type: ignore[assignment]
+        level, frame = level + 1, frame.f_back
     warnings.warn(message, UserWarning, stacklevel=level)
 
 
 def check_position_mode(value: object) -> Literal["preserve", "sequence"]:
     """Return ``value`` if it is ``"preserve"`` or ``"sequence"``, else raise ``ValueError``."""
-    if value not in POSITION_MODES:
-        raise ValueError(f"position_mode must be 'preserve' or 'sequence', got {shown(value)}")
-    return value  # type: ignore[return-value]
+    if value == "preserve" or value == "sequence":
+        return value
+    raise ValueError(f"position_mode must be 'preserve' or 'sequence', got {shown(value)}")
 
 
 def check_bool(name: str, value: object, *, owner: str = "to_training") -> bool:

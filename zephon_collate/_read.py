@@ -444,7 +444,7 @@ class Ragged:
     @functools.cached_property
     def lengths(self) -> np.ndarray:
         """``[B]`` int64 row lengths."""
-        return self.offsets[1:] - self.offsets[:-1]
+        return np.diff(self.offsets)
 
     @property
     def rows(self) -> int:
@@ -472,9 +472,14 @@ class Ragged:
 
     def cast(self, dtype: torch.dtype) -> Ragged:
         """The values in ``dtype`` (no copy when they are in it already)."""
-        if self.on_host:
+        if isinstance(self.values, np.ndarray):
             return Ragged(self.values.astype(numpy_dtype(dtype), copy=False), self.offsets)
         return Ragged(self.values.to(dtype), self.offsets)
+
+    @property
+    def host(self) -> np.ndarray:
+        """The values, read on the host (a tensor on a device is copied back)."""
+        return as_numpy(self.values)
 
 
 _NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {}
@@ -531,7 +536,7 @@ def concat(rows: Sequence[Row], name: str, names: Names) -> Ragged:
                 f"{names(index)}: field {shown(name)} has shape {tuple(row.shape)}, the first payload's "
                 f"{tuple(rows[0].shape)}; rows may differ in length only"
             )
-        if type(row) is np.ndarray:
+        if isinstance(row, np.ndarray):
             host.append(row)
         elif row.is_cpu:
             host.append(as_numpy(row))
@@ -605,7 +610,7 @@ def check_ids(field: Ragged, name: str, names: Names) -> None:
         ...           lambda i: f"example {i}")
         Traceback (most recent call last):
         ...
-        ValueError: example 1: token ids must be >= 0, found -4 at input_ids[1]
+        ValueError: example 1: field 'input_ids' token ids must be >= 0, found -4 at input_ids[1]
     """
     values = host_view(field.values)
     if not _size(values) or _kind(values) in "bu" or values.min() >= 0:  # one reduction on the common path
@@ -614,7 +619,10 @@ def check_ids(field: Ragged, name: str, names: Names) -> None:
     assert found is not None
     row, flat = found
     value = int(values.reshape(-1)[flat])
-    raise ValueError(f"{names(row)}: token ids must be >= 0, found {value} at {_token(field, flat, name)}")
+    raise ValueError(
+        f"{names(row)}: field {shown(name)} token ids must be >= 0, found {value} at "
+        f"{_token(field, flat, name)}"
+    )
 
 
 def check_zero_one(field: Ragged, name: str, names: Names, meaning: str) -> None:
@@ -663,12 +671,16 @@ def check_fits(field: Ragged, dtype: torch.dtype, name: str, names: Names) -> No
         if smallest <= values.min() and values.max() <= largest:
             return
         problems = [((values < smallest) | (values > largest), f"values outside the {dtype} range")]
-    else:
+    else:  # compared in float64, where -2**63 and 2**63 are exact (in float16 they overflow)
+        values = values.astype(np.float64) if isinstance(values, np.ndarray) else values.double()
         finite = np.isfinite(values) if isinstance(values, np.ndarray) else torch.isfinite(values)
         rounded = np.round(values) if isinstance(values, np.ndarray) else values.round()
         problems = [
             (~finite | (values != rounded), "non-integral or non-finite values"),
-            ((values < smallest) | (values >= largest + 1), f"values outside the {dtype} range"),
+            (
+                (values < float(smallest)) | (values >= float(largest) + 1),
+                f"values outside the {dtype} range",
+            ),
         ]
     for bad, problem in problems:
         found = _bad_at(field, bad)

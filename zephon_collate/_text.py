@@ -12,17 +12,17 @@ import reprlib
 
 __all__ = ["shown", "shown_fields"]
 
-LIMIT = 80
+_LIMIT = 80
 """The longest a shown value gets, in characters."""
 
 _REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = LIMIT
+_REPR.maxstring = _REPR.maxother = _LIMIT
 _REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 8
 _REPR.maxlong = 40
 
 
 def shown(value: object) -> str:
-    """``repr(value)``, cut to at most :data:`LIMIT` characters.
+    """``repr(value)``, cut to at most :data:`_LIMIT` characters.
 
     Example:
         >>> shown("input_ids"), shown(list(range(100)))
@@ -31,7 +31,7 @@ def shown(value: object) -> str:
         True
     """
     text = _REPR.repr(value)
-    return text if len(text) <= LIMIT else text[: LIMIT - 3] + "..."
+    return text if len(text) <= _LIMIT else text[: _LIMIT - 3] + "..."
 
 
 def shown_fields(payload: object) -> str:

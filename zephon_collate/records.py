@@ -13,11 +13,15 @@ import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import total_ordering
-from typing import Any, TypeAlias, Union
+from typing import Any, TypeAlias, TypeGuard, Union
 
 from zephon_collate._text import shown
 
 __all__ = [
+    "CONTRIBUTORS_TAG",
+    "FLUSH_TAG",
+    "PADDING_LENGTH_TAG",
+    "TOMBSTONE_TAG",
     "ChunkId",
     "ChunkOffset",
     "ComponentId",
@@ -60,19 +64,20 @@ TOMBSTONE_TAG = "_tombstone"
 FLUSH_TAG = "_flush"
 PADDING_LENGTH_TAG = "_padding_length"
 
-CursorKey: TypeAlias = tuple[int, int, tuple[int, ...], tuple[int, int, int]]
+_CursorKey: TypeAlias = tuple[int, int, tuple[int, ...], tuple[int, int, int]]
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
+    """True for an integer that is not a bool (NumPy integers included)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_int(owner: str, name: str, value: object, *, nonnegative: bool = False) -> int:
     if not _is_int(value):
         raise TypeError(f"{owner}.{name} must be an int, got {shown(value)} ({type(value).__name__})")
-    if nonnegative and value < 0:  # type: ignore[operator]
+    if nonnegative and value < 0:
         raise ValueError(f"{owner}.{name} must be >= 0, got {shown(value)}")
-    return int(value)  # type: ignore[call-overload]
+    return int(value)
 
 
 def _check_sample_id(owner: str, value: object) -> tuple[int, int, int]:
@@ -170,7 +175,7 @@ class SampleCursor:
         index = _check_int("SampleCursor.child", "index", index)
         return SampleCursor(self.chunk_id, self.chunk_offset, self.sample_id, (*self.lineage, index))
 
-    def as_key(self) -> CursorKey:
+    def as_key(self) -> _CursorKey:
         """Return the canonical tuple key used in checkpoints and comparisons."""
         return (self.chunk_id, self.chunk_offset, self.lineage, self.sample_id)
 
@@ -301,7 +306,7 @@ class SampleMeta:
         """Return a SampleCursor ordering key for this metadata."""
         return SampleCursor(self.chunk_id, self.chunk_offset, self.sample_id, self.lineage)
 
-    def as_cursor_key(self) -> CursorKey:
+    def as_cursor_key(self) -> _CursorKey:
         """Convenience helper returning the tuple form used for persistence."""
         return self.cursor.as_key()
 

@@ -115,7 +115,7 @@ def segment_starts(positions: np.ndarray) -> np.ndarray:
     starts = positions == 0
     if starts.shape[-1]:
         starts[..., 0] = True
-    return starts
+    return np.asarray(starts)
 
 
 def _longest(boundaries: np.ndarray) -> np.ndarray:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -179,7 +179,7 @@ def _aligned(rows: list[Row], lengths: np.ndarray, name: str, names: Names, *, r
     return True
 
 
-def unused_supervision(
+def _unused_supervision(
     payloads: Sequence[Any], tokens: Ragged, read: Mapping[str, Any], loss_mask: Ragged | None, names: Names
 ) -> str | None:
     """What is wrong with the first payload field that would change what gets supervised but is not read.
@@ -346,7 +346,7 @@ class Native:
         )
         lengths = tokens.lengths
         per_token: dict[str, Ragged] = {INPUT_IDS: tokens}
-        per_record: dict[str, torch.Tensor | list[Row]] = {}
+        per_record: dict[str, list[Row]] = {}
         labels = options.return_labels
         reads_positions = options.reads_positions or (self.boundary_safe and labels)
         must_align = labels or options.flatten
@@ -356,7 +356,7 @@ class Native:
             wanted.append((POSITIONS, required, True))
         wanted += [(name, True, must_align) for name in options.data_fields]
         for name, required, aligned in wanted:
-            kind = "ids" if name == POSITIONS else "values"
+            kind: Literal["ids", "values"] = "ids" if name == POSITIONS else "values"
             rows = read_field(payloads, name, tokens_field, kind, names, required=required)
             if rows is None:
                 continue
@@ -423,7 +423,7 @@ class Native:
         if not (self.refuse_unused or self.options.return_labels):
             return  # without labels nothing is supervised, so nothing is said
         read = {**per_token, **per_record}
-        problem = unused_supervision(payloads, tokens, read, per_token.get(LOSS_MASK), names)
+        problem = _unused_supervision(payloads, tokens, read, per_token.get(LOSS_MASK), names)
         if problem is None:
             return
         if self.refuse_unused:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -40,13 +40,13 @@ __all__ = [
     "rename_and_exclude",
 ]
 
-NOT_PER_TOKEN = (IDS, TEXTS, NUM_VALID_TOKENS, CU_SEQLENS, MAX_SEQLEN)
+_NOT_PER_TOKEN = (IDS, TEXTS, NUM_VALID_TOKENS, CU_SEQLENS, MAX_SEQLEN)
 
 
-PAGE_ORDER = (IDS, TEXTS, INPUT_IDS, LABELS, POSITIONS, None, NUM_VALID_TOKENS, LOSS_MASK, CU_SEQLENS)
-PAGE_ORDER += (MAX_SEQLEN, PADDING_MASK)
+PAGE_ORDER: tuple[str | None, ...] = (IDS, TEXTS, INPUT_IDS, LABELS, POSITIONS, None, NUM_VALID_TOKENS)
+PAGE_ORDER += (LOSS_MASK, CU_SEQLENS, MAX_SEQLEN, PADDING_MASK)
 """The reference page's order of the outputs; ``None`` is where the extra fields go."""
-INTERNAL = (PADDING_LENGTH,)
+_INTERNAL = (PADDING_LENGTH,)
 """Keys of the stacked batch that no output carries."""
 
 
@@ -60,7 +60,7 @@ def emitted_keys(options: TrainingOptions, keys: Sequence[str]) -> list[str]:
     """
     extras = PAGE_ORDER.index(None)
     ranks = {key: rank for rank, key in enumerate(PAGE_ORDER) if key is not None}
-    found = [key for key in keys if key not in INTERNAL]
+    found = [key for key in keys if key not in _INTERNAL]
 
     def rank(item: tuple[int, str]) -> tuple[int, int]:
         index, key = item
@@ -83,7 +83,7 @@ def rename_and_exclude(
         ValueError: if a rename source is not emitted (nonempty batches only), or
             two fields end with the same name.
     """
-    renames = dict(options.rename_fields)
+    renames = dict(cast(Sequence[tuple[str, str]], options.rename_fields))  # normalised to pairs
     if not empty:
         for source in renames:
             if source not in keys:
@@ -144,7 +144,7 @@ def ids_and_texts(records: Sequence[SampleRecord]) -> dict[str, list[Any]]:
 
 def convert(value: torch.Tensor | np.ndarray, kind: str) -> Any:
     """A chain output (a tensor, or an array from the CPU plan) in the container ``kind`` asks for."""
-    if type(value) is np.ndarray:
+    if isinstance(value, np.ndarray):
         if kind == "list":
             return value.tolist()
         array = np.ascontiguousarray(value)
@@ -184,7 +184,7 @@ def assemble_outputs(
             out[name] = scalar(value.sum())
         elif key == MAX_SEQLEN and options.flatten:
             out[name] = scalar(value)
-        elif options.flatten and key not in NOT_PER_TOKEN and tuple(value.shape[:2]) == tokens:
+        elif options.flatten and key not in _NOT_PER_TOKEN and tuple(value.shape[:2]) == tokens:
             out[name] = convert(value.reshape(-1, *value.shape[2:]), kind)
         else:
             out[name] = convert(value, kind)
@@ -206,10 +206,10 @@ def _join_boundaries(rows: list[list[int]]) -> list[int]:
 
 
 def merge_row_outputs(
-    per_record: dict[str, list[Any]],
+    per_record: Mapping[str, list[Any]],
     options: TrainingOptions,
-    tds: list[Mapping[str, Any]],
-    pairs: list[tuple[str, str]],
+    tds: Sequence[Mapping[str, Any]],
+    pairs: Sequence[tuple[str, str]],
 ) -> dict[str, Any]:
     """List output for rows of unequal length, each run through the chain as a batch of one."""
     out: dict[str, Any] = {}

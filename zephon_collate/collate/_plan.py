@@ -22,7 +22,7 @@ import torch
 from zephon_collate.collate import _host
 from zephon_collate.transforms import Chain, Transform
 
-__all__ = ["CPU_INDUCTOR_OPTIONS", "Layout", "Plan", "Plans", "Result"]
+__all__ = ["CPU_INDUCTOR_OPTIONS", "CollateLayout", "Layout", "Plan", "Plans", "Result"]
 
 Result = dict[str, "torch.Tensor | np.ndarray"]
 """What a plan returns: its chain's output mapping, arrays where the host pass ran."""
@@ -31,7 +31,7 @@ Result = dict[str, "torch.Tensor | np.ndarray"]
 # ``== 0`` into a [8, 8193] bool tensor: 625 us compiled, 40 us eager), so the CPU
 # graphs are compiled to scalar loops; even so, the compiled chain is slower than the
 # eager one on the CPU (403 against 267 us at 8 x 8,193, benchmarks/bench_collator.py).
-CPU_INDUCTOR_OPTIONS = {"cpp.simdlen": 0}
+CPU_INDUCTOR_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"cpp.simdlen": 0}
 
 
 class Layout(Protocol):
@@ -47,6 +47,40 @@ class Layout(Protocol):
 
     def names(self, keys: Sequence[str]) -> list[tuple[str, str]]:
         """``(key, output name)`` pairs of the outputs, from the chain's final ``keys``."""
+        ...
+
+
+class CollateLayout(Layout, Protocol):
+    """What a :class:`~zephon_collate.Collator` needs from its layout: a plan per key set, reading,
+    stacking, the outputs (the page's layout and ``for_transformers``' both are one)."""
+
+    def plan(self, keys: tuple[str, ...]) -> Plan:
+        """The layout's plan on a stacked batch holding ``keys``, built once."""
+        ...
+
+    def stack(self, samples: Any) -> Any:
+        """Read, check and stack ``samples``: a :class:`~zephon_collate.collate._native.Stacked`, or
+        ``None`` for an empty batch."""
+        ...
+
+    def collate(
+        self, samples: Any, plan: Callable[[tuple[str, ...]], Plan], *, python_scalars: bool = True
+    ) -> dict[str, Any]:
+        """The one-step path: read, stack, run ``plan(keys)``, assemble."""
+        ...
+
+    def assemble(
+        self,
+        per_record: Mapping[str, list[Any]],
+        result: Mapping[str, Any],
+        pairs: Sequence[tuple[str, str]],
+        python_scalars: bool,
+    ) -> dict[str, Any]:
+        """The output dict from a plan's result."""
+        ...
+
+    def empty(self) -> dict[str, Any]:
+        """The outputs of an empty batch (or the error a layout raises for one)."""
         ...
 
 
@@ -149,13 +183,13 @@ class Plan:
     @property
     def eager_steps(self) -> list[str]:
         """The steps a compiled plan runs eagerly (data-dependent output sizes); ``[]``: one graph."""
-        return [type(step).__name__ for step in self.chain.transforms if _dynamic(step)]
+        return [type(step).__name__ for step in self.chain.steps if _dynamic(step)]
 
     def _compile(self, device_type: str) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
         options = CPU_INDUCTOR_OPTIONS if device_type == "cpu" else None
         stages: list[tuple[Chain, Callable[[dict[str, Any]], dict[str, Any]]]] = []
         run: list[Any] = []
-        for step in [*self.chain.transforms, None]:
+        for step in [*self.chain.steps, None]:
             if step is not None and not _dynamic(step):
                 run.append(step)
                 continue
@@ -183,5 +217,5 @@ class Plan:
         return run_stages
 
     def __repr__(self) -> str:
-        steps = ", ".join(type(t).__name__ for t in self.chain.transforms)
+        steps = ", ".join(type(t).__name__ for t in self.chain.steps)
         return f"Plan({steps}; outputs {[name for _, name in self.pairs]})"

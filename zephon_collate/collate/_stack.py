@@ -114,7 +114,7 @@ def dense(field: Ragged, width: int, fill: int | float, *, restart: bool = False
     destination = np.repeat(np.arange(rows, dtype=np.int64) * width - field.offsets[:-1], lengths)
     destination += np.arange(values.shape[0], dtype=np.int64)
     if isinstance(values, np.ndarray):
-        out = start.astype(values.dtype)  # a copy, in the values' dtype
+        out = np.asarray(start).astype(values.dtype)  # a copy, in the values' dtype
         out.reshape(rows * width, *trailing)[destination] = values
         return out
     tensor = torch.from_numpy(np.ascontiguousarray(start)).to(device=values.device, dtype=values.dtype)

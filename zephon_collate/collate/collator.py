@@ -31,7 +31,7 @@ from zephon_collate._checks import check_bool, suggest_options
 from zephon_collate._text import shown
 from zephon_collate.collate._native import Native
 from zephon_collate.collate._output import ids_and_texts
-from zephon_collate.collate._plan import Plan, Plans
+from zephon_collate.collate._plan import CollateLayout, Plan, Plans
 from zephon_collate.collate._stack import RowPadding
 from zephon_collate.collate.options import TrainingOptions, options_for
 from zephon_collate.collate.transfer import StackedBatch, WireOutputs
@@ -245,12 +245,13 @@ class Collator:
                     f"Collator: pad_token_id {padding.pad_token_id} does not fit dtype "
                     f"{self.options.output.torch_dtype}; pick a wider dtype"
                 )
-        self.layout: Any = Native(
+        self.layout: CollateLayout = Native(
             self.options,
             padding=padding,
             boundary_safe=settings.boundary_safe_labels,
             refuse_unused=True,
             num_boundaries=settings.num_boundaries,
+            check_padding=chain is not None,  # a chain of yours may read padding_length
         )
         self._plans = Plans()
 
@@ -273,7 +274,7 @@ class Collator:
 
     @property
     def padding(self) -> RowPadding | None:
-        return self.layout.padding
+        return getattr(self.layout, "padding", None)
 
     @property
     def boundary_safe_labels(self) -> bool:
@@ -291,7 +292,7 @@ class Collator:
         """The plan of this collator on a stacked batch holding ``keys``: its chain and output names."""
         settings = self.settings
         if not settings.transforms and settings.chain is None:
-            return self.layout.plan(keys)  # type: ignore[no-any-return]
+            return self.layout.plan(keys)
         plan = self._plans.get(keys)
         if plan is None:
             plan = self._plans[keys] = Plan(self.layout, keys, settings.transforms, settings.chain)
@@ -350,7 +351,9 @@ class Collator:
         td = stacked.td
         if self.device is not None and td.device != self.device:
             td = td.to(self.device, non_blocking=True)  # narrow fields move narrow, then widen there
-        data = dict(td.items())
+        data: dict[str, torch.Tensor] = {
+            key: value for key, value in td.items() if isinstance(value, torch.Tensor)
+        }
         for key, dtype in stacked.dtypes.items():
             data[key] = data[key].to(dtype)
         plan = self.plan_for(tuple(data))

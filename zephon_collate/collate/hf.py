@@ -76,7 +76,7 @@ from zephon_collate._text import shown, shown_fields
 from zephon_collate.collate import _host
 from zephon_collate.collate._native import Stacked, check_boundary_count
 from zephon_collate.collate._output import convert
-from zephon_collate.collate._plan import Plan, Plans, Result
+from zephon_collate.collate._plan import Plan, Plans
 from zephon_collate.collate._stack import MAX_PAD_MULTIPLE, RowPadding, dense
 from zephon_collate.collate.collator import Collator, CollatorOptions
 from zephon_collate.functional.segments import segment_starts
@@ -127,14 +127,14 @@ __all__ = [
     "as_examples",
 ]
 
-OWNER = "Collator.for_transformers"
-MASK_FIELDS = (LOSS_MASK, ASSISTANT_MASKS, ASSISTANT_MASK, COMPLETION_MASK)
+_OWNER = "Collator.for_transformers"
+_MASK_FIELDS = (LOSS_MASK, ASSISTANT_MASKS, ASSISTANT_MASK, COMPLETION_MASK)
 """The 0/1 fields that say, token by token, what is trained."""
-SUPERVISION_FIELDS = (LABELS, *MASK_FIELDS)
-READ_FIELDS = (INPUT_IDS, ATTENTION_MASK, *SUPERVISION_FIELDS, TOKEN_TYPE_IDS, POSITION_IDS, SEQ_LENGTHS)
+_SUPERVISION_FIELDS = (LABELS, *_MASK_FIELDS)
+_READ_FIELDS = (INPUT_IDS, ATTENTION_MASK, *_SUPERVISION_FIELDS, TOKEN_TYPE_IDS, POSITION_IDS, SEQ_LENGTHS)
 """The example fields this collator reads; any other field is not looked at."""
-PADDINGS = {True: "longest", "longest": "longest", "max_length": "max_length", False: "do_not_pad"}
-PADDINGS["do_not_pad"] = "do_not_pad"
+_PADDINGS = {True: "longest", "longest": "longest", "max_length": "max_length", False: "do_not_pad"}
+_PADDINGS["do_not_pad"] = "do_not_pad"
 
 
 def _names(index: int) -> str:
@@ -152,29 +152,29 @@ def as_examples(features: object) -> list[Mapping[str, Any]]:
     if isinstance(features, Mapping):
         if INPUT_IDS not in features:
             raise ValueError(
-                f"{OWNER}: the batch has no 'input_ids' (its fields: {shown_fields(features)}); "
+                f"{_OWNER}: the batch has no 'input_ids' (its fields: {shown_fields(features)}); "
                 "tokenize the examples first"
             )
         ids = features[INPUT_IDS]
         if not hasattr(ids, "__len__") or isinstance(ids, (str, bytes)):
-            raise TypeError(f"{OWNER}: 'input_ids' must be a list of token rows, got {type(ids).__name__}")
+            raise TypeError(f"{_OWNER}: 'input_ids' must be a list of token rows, got {type(ids).__name__}")
         if len(ids) and getattr(ids[0], "ndim", 0 if isinstance(ids[0], (int, np.integer)) else 1) == 0:
             raise ValueError(
-                f"{OWNER}: got one example (a dict whose 'input_ids' is a row of ints), not a batch; "
+                f"{_OWNER}: got one example (a dict whose 'input_ids' is a row of ints), not a batch; "
                 "pass a list of examples ([example]) or a batched dict of lists"
             )
         count = len(ids)
-        fields = [name for name in (*READ_FIELDS, "label", "decoder_input_ids") if name in features]
+        fields = [name for name in (*_READ_FIELDS, "label", "decoder_input_ids") if name in features]
         for name in fields:
             if not hasattr(features[name], "__len__") or len(features[name]) != count:
                 raise ValueError(
-                    f"{OWNER}: the batched field {shown(name)} does not hold one entry per example "
+                    f"{_OWNER}: the batched field {shown(name)} does not hold one entry per example "
                     f"('input_ids' holds {count}); give every field as a list with one row per example"
                 )
         return [{name: features[name][index] for name in fields} for index in range(count)]
     if isinstance(features, (str, bytes)) or not isinstance(features, Sequence):
         raise TypeError(
-            f"{OWNER}: expected a list of example dicts or a batched dict of lists, got "
+            f"{_OWNER}: expected a list of example dicts or a batched dict of lists, got "
             f"{type(features).__name__}"
         )
     return list(features)
@@ -259,16 +259,16 @@ class TransformersOptions:
     def __post_init__(self) -> None:
         put = object.__setattr__
         for name in ("padding_free", "keep_eos", "boundary_safe_labels", "return_flash_attn_kwargs"):
-            put(self, name, check_bool(name, getattr(self, name), owner=OWNER))
-        put(self, "return_seq_idx", check_bool("return_seq_idx", self.return_seq_idx, owner=OWNER))
-        if self.padding not in PADDINGS or (
+            put(self, name, check_bool(name, getattr(self, name), owner=_OWNER))
+        put(self, "return_seq_idx", check_bool("return_seq_idx", self.return_seq_idx, owner=_OWNER))
+        if self.padding not in _PADDINGS or (
             isinstance(self.padding, int) and not isinstance(self.padding, bool)
         ):
             raise ValueError(
-                f"{OWNER}: padding must be True/'longest', 'max_length' or False/'do_not_pad', got "
+                f"{_OWNER}: padding must be True/'longest', 'max_length' or False/'do_not_pad', got "
                 f"{shown(self.padding)}"
             )
-        put(self, "padding", PADDINGS[self.padding])
+        put(self, "padding", _PADDINGS[self.padding])
         choices: tuple[tuple[str, tuple[Any, ...]], ...] = (
             ("truncation_mode", (None, "keep_start", "keep_end")),
         )
@@ -276,30 +276,30 @@ class TransformersOptions:
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 raise ValueError(
-                    f"{OWNER}: {name} must be one of {allowed}, got {shown(getattr(self, name))}"
+                    f"{_OWNER}: {name} must be one of {allowed}, got {shown(getattr(self, name))}"
                 )
         if self.max_length is not None:
-            put(self, "max_length", check_int(OWNER, "max_length", self.max_length, 1, INT32_MAX))
+            put(self, "max_length", check_int(_OWNER, "max_length", self.max_length, 1, INT32_MAX))
         if self.pad_to_multiple_of is not None:
-            multiple = check_int(OWNER, "pad_to_multiple_of", self.pad_to_multiple_of, 1, MAX_PAD_MULTIPLE)
+            multiple = check_int(_OWNER, "pad_to_multiple_of", self.pad_to_multiple_of, 1, MAX_PAD_MULTIPLE)
             put(self, "pad_to_multiple_of", multiple)
         if self.pad_token_id is not None:
-            put(self, "pad_token_id", check_int(OWNER, "pad_token_id", self.pad_token_id, 0))
+            put(self, "pad_token_id", check_int(_OWNER, "pad_token_id", self.pad_token_id, 0))
         for name in ("eos_token_id", "separator_id"):
             if getattr(self, name) is not None:
-                put(self, name, check_ignore_index(getattr(self, name), owner=OWNER).__int__())
-        put(self, "label_pad_token_id", check_ignore_index(self.label_pad_token_id, owner=OWNER))
-        put(self, "position_ids_start", check_int(OWNER, "position_ids_start", self.position_ids_start, 0))
+                put(self, name, check_ignore_index(getattr(self, name), owner=_OWNER).__int__())
+        put(self, "label_pad_token_id", check_ignore_index(self.label_pad_token_id, owner=_OWNER))
+        put(self, "position_ids_start", check_int(_OWNER, "position_ids_start", self.position_ids_start, 0))
         if self.return_position_ids is not None:
             put(
                 self,
                 "return_position_ids",
-                check_bool("return_position_ids", self.return_position_ids, owner=OWNER),
+                check_bool("return_position_ids", self.return_position_ids, owner=_OWNER),
             )
-        if self.supervision is not None and self.supervision not in SUPERVISION_FIELDS:
+        if self.supervision is not None and self.supervision not in _SUPERVISION_FIELDS:
             raise ValueError(
-                f"{OWNER}: supervision must name a field that says what is trained, one of "
-                f"{SUPERVISION_FIELDS}, got {shown(self.supervision)}"
+                f"{_OWNER}: supervision must name a field that says what is trained, one of "
+                f"{_SUPERVISION_FIELDS}, got {shown(self.supervision)}"
             )
         self._check_combinations()
 
@@ -307,38 +307,38 @@ class TransformersOptions:
         if self.padding_free:
             if self.padding == "max_length" or self.padding_side == "left":
                 raise ValueError(
-                    f"{OWNER}: padding_free=True puts the batch in one row; padding='max_length' and "
+                    f"{_OWNER}: padding_free=True puts the batch in one row; padding='max_length' and "
                     "padding_side='left' pad rows of a padded batch: drop them, or pass padding_free=False"
                 )
         elif self.pad_token_id is None:
             raise ValueError(
-                f"{OWNER}: the padded layout needs pad_token_id (or a tokenizer with a pad token; for one "
+                f"{_OWNER}: the padded layout needs pad_token_id (or a tokenizer with a pad token; for one "
                 "without, tokenizer.pad_token = tokenizer.eos_token), or pass padding_free=True"
             )
         if self.pad_to_multiple_of is not None and self.pad_token_id is None:
             raise ValueError(
-                f"{OWNER}: pad_to_multiple_of pads with pad_token_id: give it (or a tokenizer with a pad "
+                f"{_OWNER}: pad_to_multiple_of pads with pad_token_id: give it (or a tokenizer with a pad "
                 "token)"
             )
         if self.padding == "max_length" and self.max_length is None:
-            raise ValueError(f"{OWNER}: padding='max_length' needs max_length, the padded row length")
+            raise ValueError(f"{_OWNER}: padding='max_length' needs max_length, the padded row length")
         if self.truncation_mode is not None and self.max_length is None:
             raise ValueError(
-                f"{OWNER}: truncation_mode={self.truncation_mode!r} needs max_length, the cut length"
+                f"{_OWNER}: truncation_mode={self.truncation_mode!r} needs max_length, the cut length"
             )
         if self.keep_eos and (self.truncation_mode != "keep_start" or self.eos_token_id is None):
             raise ValueError(
-                f"{OWNER}: keep_eos=True puts the EOS back at the end of an example cut by "
+                f"{_OWNER}: keep_eos=True puts the EOS back at the end of an example cut by "
                 "truncation_mode='keep_start'; it needs that mode and eos_token_id (or a tokenizer with one)"
             )
         if self.separator_id is not None and not self.boundary_safe_labels:
             raise ValueError(
-                f"{OWNER}: separator_id is the label of each packed example's first token, which "
+                f"{_OWNER}: separator_id is the label of each packed example's first token, which "
                 "boundary_safe_labels=False keeps as given; drop one of them"
             )
         if not self.padding_free and (self.return_flash_attn_kwargs or self.return_seq_idx):
             raise ValueError(
-                f"{OWNER}: return_flash_attn_kwargs and return_seq_idx describe the padding-free row; "
+                f"{_OWNER}: return_flash_attn_kwargs and return_seq_idx describe the padding-free row; "
                 "pass padding_free=True"
             )
 
@@ -355,7 +355,7 @@ class TransformersOptions:
         length = self.max_length if self.padding == "max_length" else None
         if self.pad_token_id is None:
             return None
-        return RowPadding.create(self.pad_token_id, self.pad_to_multiple_of, OWNER, length)
+        return RowPadding.create(self.pad_token_id, self.pad_to_multiple_of, _OWNER, length)
 
     @staticmethod
     def arguments(scope: Mapping[str, Any]) -> dict[str, Any]:
@@ -439,9 +439,9 @@ class Transformers:
         options = self.options
         examples = as_examples(features)
         if not examples:
-            raise ValueError(f"{OWNER}: the batch holds no examples")
+            raise ValueError(f"{_OWNER}: the batch holds no examples")
         _check_examples(examples, options.supervision)
-        present = set().union(*examples) & set(READ_FIELDS)
+        present = set().union(*examples) & set(_READ_FIELDS)
         token_rows = _read_rows(examples, INPUT_IDS, "ids")
         assert token_rows is not None  # every example has input_ids (_check_examples)
         for index, row in enumerate(token_rows):
@@ -454,7 +454,7 @@ class Transformers:
         tokens = tokens.cast(torch.int64)
         lengths = tokens.lengths
         fields: dict[str, Ragged] = {INPUT_IDS: tokens}
-        for name in (ATTENTION_MASK, *MASK_FIELDS, LABELS, TOKEN_TYPE_IDS, POSITION_IDS):
+        for name in (ATTENTION_MASK, *_MASK_FIELDS, LABELS, TOKEN_TYPE_IDS, POSITION_IDS):
             if name not in present:
                 continue
             kind: Literal["ids", "values"] = (
@@ -492,7 +492,7 @@ class Transformers:
         """The boolean ``[N]`` supervision: where ``labels`` are not -100 and every mask field is 1."""
         tokens = fields[INPUT_IDS]
         trained = np.ones(tokens.values.shape[0], dtype=bool)
-        for name in MASK_FIELDS:
+        for name in _MASK_FIELDS:
             if name in fields:
                 check_zero_one(fields[name], name, _names, "1 where the token is trained")
                 trained &= fields[name].values != 0
@@ -529,7 +529,7 @@ class Transformers:
                 "a 0 before a 1 (left padding, or a hole); pad on the right "
                 "(tokenizer.padding_side = 'right'): this collator pads on the padding side it is given"
             )
-        return keep
+        return np.asarray(keep)
 
     def _positions(self, fields: Mapping[str, Ragged], segment_rows: list[Any] | None) -> Ragged | None:
         """Segment-restarting positions from ``seq_lengths`` or ``position_ids``, or ``None`` (one document
@@ -611,9 +611,9 @@ class Transformers:
         if not rows.size:
             return cut
         last = cut[INPUT_IDS].offsets[rows + 1] - 1
-        new_tokens = cut[INPUT_IDS].values.copy()
+        new_tokens = cut[INPUT_IDS].host.copy()
         new_tokens[last] = self.options.eos_token_id
-        new_mask = cut[LOSS_MASK].values.copy()
+        new_mask = cut[LOSS_MASK].host.copy()
         new_mask[last] = before[LOSS_MASK].values[ends[rows]]
         offsets = cut[INPUT_IDS].offsets
         return {**cut, INPUT_IDS: Ragged(new_tokens, offsets), LOSS_MASK: Ragged(new_mask, offsets)}
@@ -632,7 +632,7 @@ class Transformers:
             )
         if self.options.padding == "do_not_pad" and bool((lengths != width).any()):
             raise ValueError(
-                f"{OWNER}: padding=False (do_not_pad) needs examples of one length, got lengths "
+                f"{_OWNER}: padding=False (do_not_pad) needs examples of one length, got lengths "
                 f"{shown(lengths.tolist())}; pad them (padding=True)"
             )
         data = {
@@ -645,7 +645,7 @@ class Transformers:
     def _flat(self, per_token: Mapping[str, Ragged]) -> Stacked:
         total = int(per_token[INPUT_IDS].values.shape[0])
         if not total:
-            raise ValueError(f"{OWNER}: every example of the batch is empty; padding_free needs a token")
+            raise ValueError(f"{_OWNER}: every example of the batch is empty; padding_free needs a token")
         multiple = self.options.pad_to_multiple_of
         width = total if multiple is None else -(-total // multiple) * multiple
         one_row = np.array([0, total], dtype=np.int64)
@@ -724,7 +724,7 @@ class Transformers:
     def assemble(
         self,
         per_record: Mapping[str, list[Any]],
-        result: Result,
+        result: Mapping[str, Any],
         pairs: Sequence[tuple[str, str]],
         python_scalars: bool,
     ) -> dict[str, Any]:
@@ -747,7 +747,7 @@ class Transformers:
         return out
 
     def empty(self) -> dict[str, Any]:
-        raise ValueError(f"{OWNER}: the batch holds no examples")
+        raise ValueError(f"{_OWNER}: the batch holds no examples")
 
     def stack(self, samples: object) -> Stacked:
         """:meth:`read` for ``Collator.stack``: one batch, its static boundaries checked."""
@@ -909,13 +909,13 @@ class TransformersCollator(Collator):
         collator = {name: scope[name] for name in TRANSFORMERS_COLLATOR_OPTIONS}
         self.settings = CollatorOptions(**collator)
         if (self.settings.device is not None or self.settings.compile) and return_tensors != "pt":
-            raise ValueError(f"{OWNER}: device and compile need torch output; pass return_tensors='pt'")
+            raise ValueError(f"{_OWNER}: device and compile need torch output; pass return_tensors='pt'")
         side = self.hf_options.padding_side or "right"
         self.layout = Transformers(self.hf_options, side, self.settings.num_boundaries)
         self._plans = Plans()
 
     def __repr__(self) -> str:
-        return f"{OWNER}({self.hf_options}, settings={self.settings})"
+        return f"{_OWNER}({self.hf_options}, settings={self.settings})"
 
 
 TRANSFORMERS_COLLATOR_OPTIONS = (

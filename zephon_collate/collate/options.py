@@ -14,7 +14,7 @@ import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from zephon_collate._checks import (
     OutputKind,
@@ -55,11 +55,11 @@ from zephon_collate.transforms import (
 __all__ = ["OPTION_NAMES", "SPECIAL_FIELDS", "TrainingOptions", "options_for"]
 
 SPECIAL_FIELDS = (POSITIONS, LOSS_MASK)
-EOS_WITHOUT_MASKING = (
+_EOS_WITHOUT_MASKING = (
     "to_training: eos_token_id was given but eos_mask_loss=False, so no EOS masking happens; "
     "pass eos_mask_loss=True to mask predictions made from EOS, or drop eos_token_id"
 )
-FLAGS = (
+_FLAGS = (
     "return_labels",
     "flatten",
     "return_num_valid_tokens",
@@ -122,7 +122,7 @@ class TrainingOptions:
             raise TypeError(
                 f"to_training: tokens_field must be a field name or 'auto', got {shown(self.tokens_field)}"
             )
-        for name in FLAGS:
+        for name in _FLAGS:
             put(name, check_bool(name, getattr(self, name)))
         output = resolve_dtype(self.dtype)
         put("output", output)
@@ -137,10 +137,10 @@ class TrainingOptions:
         values = tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.compare)
         put("_hash", hash(values))  # computed once: the collate path looks plans up by options
         if self.eos_token_id is not None and not self.eos_mask_loss:
-            warn_user(EOS_WITHOUT_MASKING)
+            warn_user(_EOS_WITHOUT_MASKING)
 
     def __hash__(self) -> int:
-        return self._hash  # type: ignore[no-any-return]
+        return cast(int, self.__dict__["_hash"])
 
     def _check_combinations(self) -> None:
         labels = self.return_labels
@@ -261,7 +261,7 @@ def options_for(options: Mapping[str, Any]) -> TrainingOptions:
     except TypeError:  # an unhashable value (a list of fields, a rename dict): check afresh
         return TrainingOptions(**options)
     if checked.eos_token_id is not None and not checked.eos_mask_loss:
-        warn_user(EOS_WITHOUT_MASKING)
+        warn_user(_EOS_WITHOUT_MASKING)
     return checked
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -135,7 +135,7 @@ def pack(
         >>> unpack_tensors(buffer, fields)["ids"]
         tensor([[  1, 300]])
     """
-    arrays = {key: value.numpy() for key, value in tensors.items()}
+    arrays: dict[str, np.ndarray] = {key: cast(torch.Tensor, value).numpy() for key, value in tensors.items()}
     fields, offset = [], 0
     for key, array in arrays.items():
         wire = _wire_dtype(array)
@@ -170,7 +170,7 @@ def unpack(buffer: torch.Tensor, fields: tuple[Field, ...], batch_size: torch.Si
     return TensorDict(unpack_tensors(buffer, fields), batch_size=batch_size, device="cpu")
 
 
-class WireOutputs(dict):
+class WireOutputs(dict[str, Any]):
     """A collated output dict leaving a DataLoader worker: it pickles its CPU tensors as one buffer.
 
     What arrives in the main process is a plain ``dict`` with the same keys in
@@ -240,7 +240,7 @@ class StackedBatch:
         """Pin the tensors in page-locked memory (called by the DataLoader's pinning thread)."""
         if self.td is None:
             return self
-        pinned = self.td.pin_memory() if device is None else self.td.pin_memory(device=device)
+        pinned = self.td.pin_memory() if device is None else cast(Any, self.td).pin_memory(device=device)
         return StackedBatch(pinned, self.per_record, self.metas, self.dtypes)
 
     def to(self, device: str | torch.device, non_blocking: bool = False) -> StackedBatch:

@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -41,6 +42,7 @@ __all__ = [
     "COMPONENTS",
     "SOURCE",
     "Document",
+    "fields",
     "load_documents",
     "read_jsonl",
     "split_python",
@@ -49,14 +51,20 @@ __all__ = [
     "to_records",
 ]
 
+
+def fields(record: SampleRecord) -> dict[str, Any]:
+    """A demo record's payload: the dict of NumPy arrays :func:`to_records` and ``pack_flat`` write."""
+    return cast(dict[str, Any], record.payload)
+
+
 SOURCE, CHAT = 0, 1
 COMPONENTS = {SOURCE: "source", CHAT: "docstring->body"}
-SKIPPED_DIRS = {"__pycache__", "test", "tests", "idlelib", "lib2to3", "turtledemo"}
-SKIPPED_DIRS |= {"site-packages", "dist-packages"}  # third-party code
-STDLIB_SKIPPED_DIRS = {"encodings", "pydoc_data"}  # generated tables, not code people wrote
-MAX_BLOCK_CHARS = 4096
-MIN_BLOCK_CHARS = 64
-MIN_RESPONSE_CHARS = 16
+_SKIPPED_DIRS = {"__pycache__", "test", "tests", "idlelib", "lib2to3", "turtledemo"}
+_SKIPPED_DIRS |= {"site-packages", "dist-packages"}  # third-party code
+_STDLIB_SKIPPED_DIRS = {"encodings", "pydoc_data"}  # generated tables, not code people wrote
+_MAX_BLOCK_CHARS = 4096
+_MIN_BLOCK_CHARS = 64
+_MIN_RESPONSE_CHARS = 16
 _TOP_LEVEL = re.compile(r"\n\s*\n(?=\S)")  # a blank line, then an unindented line
 
 
@@ -90,7 +98,7 @@ def _cut(block: str, max_chars: int) -> list[str]:
     return [*pieces, block] if block.strip() else pieces
 
 
-def _blocks(text: str, min_chars: int = MIN_BLOCK_CHARS, max_chars: int = MAX_BLOCK_CHARS) -> list[str]:
+def _blocks(text: str, min_chars: int = _MIN_BLOCK_CHARS, max_chars: int = _MAX_BLOCK_CHARS) -> list[str]:
     """``text`` cut before each unindented line that follows a blank line; short blocks join the
     next one, long ones are cut at line ends into pieces of at most ``max_chars``."""
     cuts = [0, *(match.end() for match in _TOP_LEVEL.finditer(text)), len(text)]
@@ -160,7 +168,7 @@ def split_python(source: str, max_chars: int, shard: int = 0) -> list[Document]:
         split = node.body[0].end_lineno or node.lineno
         end = node.end_lineno or split
         prompt, response = "".join(lines[first:split]), "".join(lines[split:end])
-        if len(prompt) + len(response) > max_chars or len(response.strip()) < MIN_RESPONSE_CHARS:
+        if len(prompt) + len(response) > max_chars or len(response.strip()) < _MIN_RESPONSE_CHARS:
             continue
         prompt, response = _dedent(prompt, node.col_offset), _dedent(response, node.col_offset)
         documents.append(Document(CHAT, prompt=prompt, response=response, shard=shard))
@@ -171,7 +179,7 @@ def split_python(source: str, max_chars: int, shard: int = 0) -> list[Document]:
 
 
 def _folder_files(root: Path, stdlib: bool) -> list[Path]:
-    skipped = SKIPPED_DIRS | STDLIB_SKIPPED_DIRS if stdlib else SKIPPED_DIRS
+    skipped = _SKIPPED_DIRS | _STDLIB_SKIPPED_DIRS if stdlib else _SKIPPED_DIRS
     files = []
     for path in sorted(root.rglob("*.py" if stdlib else "*")):
         parts = path.relative_to(root).parts

@@ -12,6 +12,7 @@ which :func:`zephon_collate.inspection.leakage.check_no_leakage` checks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
 
 
-class Block(nn.Module):
+class _Block(nn.Module):
     """Pre-norm attention and MLP, with residuals."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -64,7 +65,8 @@ class Block(nn.Module):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.out(attended.transpose(1, 2).reshape(rows, length, dim))
-        return x + self.mlp(self.mlp_norm(x))
+        out: torch.Tensor = x + self.mlp(self.mlp_norm(x))
+        return out
 
 
 class DocumentTransformer(nn.Module):
@@ -88,7 +90,7 @@ class DocumentTransformer(nn.Module):
         if config.dim % (2 * config.heads):
             raise ValueError(f"dim ({config.dim}) must be a multiple of 2 * heads ({2 * config.heads})")
         self.embed = nn.Embedding(config.vocab_size, config.dim)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.blocks = nn.ModuleList(_Block(config) for _ in range(config.layers))
         self.norm = nn.RMSNorm(config.dim)
         half = config.dim // config.heads // 2
         frequencies = config.rope_base ** (-torch.arange(half, dtype=torch.float32) / half)
@@ -105,13 +107,15 @@ class DocumentTransformer(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, segment_ids: torch.Tensor
     ) -> torch.Tensor:
-        angles = positions.unsqueeze(-1).float() * self.frequencies  # [B, S, D/2]
+        frequencies = cast(torch.Tensor, self.frequencies)  # a buffer
+        angles = positions.unsqueeze(-1).float() * frequencies  # [B, S, D/2]
         cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)  # [B, 1, S, D/2]
         mask = dense_document_mask(segment_ids)  # [B, 1, S, S]: own document, causal
         x = self.embed(input_ids)
         for block in self.blocks:
             x = block(x, cos.to(x.dtype), sin.to(x.dtype), mask)
-        return self.norm(x) @ self.embed.weight.T  # tied input and output embeddings
+        logits: torch.Tensor = self.norm(x) @ self.embed.weight.T  # tied input and output embeddings
+        return logits
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, stop_token: int | None = None) -> list[int]:

@@ -13,7 +13,7 @@ run :meth:`Collator.stack`, and calls :meth:`Collator.finish` itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,7 +21,7 @@ import torch
 
 from zephon_collate.collate.collator import Collator
 from zephon_collate.collate.transfer import StackedBatch
-from zephon_collate.demo.corpus import load_documents, to_records
+from zephon_collate.demo.corpus import fields, load_documents, to_records
 from zephon_collate.demo.tokenizer import EOS, PAD, ByteTokenizer
 from zephon_collate.packing.pack_flat import pack_flat
 from zephon_collate.records import SampleRecord
@@ -29,10 +29,10 @@ from zephon_collate.records import SampleRecord
 if TYPE_CHECKING:
     from zephon_collate.demo.train import DemoConfig
 
-__all__ = ["demo_batch", "make_collator", "pack_rows"]
+__all__ = ["Rows", "batches", "demo_batch", "make_collator", "pack_rows"]
 
 
-class Rows(torch.utils.data.Dataset):
+class Rows(torch.utils.data.Dataset[SampleRecord]):
     """Packed rows as a map-style dataset (picklable, for worker processes)."""
 
     def __init__(self, rows: list[SampleRecord]) -> None:
@@ -59,7 +59,7 @@ def pack_rows(
     budget = int(rows_wanted * (seq_len + 1) * 1.05)
     documents = load_documents(corpus, max_chars=seq_len - 1, budget_chars=budget, seed=seed)
     records = to_records(documents, ByteTokenizer())
-    fits = [len(r.payload["input_ids"]) <= seq_len + 1 or bool(r.payload["loss_mask"].all()) for r in records]
+    fits = [len(fields(r)["input_ids"]) <= seq_len + 1 or bool(fields(r)["loss_mask"].all()) for r in records]
     records = [record for record, keep in zip(records, fits, strict=True) if keep]
     kept = [document for document, keep in zip(documents, fits, strict=True) if keep]
     rows = pack_flat(records, seq_len + 1, pad_token_id=PAD, strategy="best_fit", buffer_size=512)
@@ -85,9 +85,9 @@ def _worker_init(_: int) -> None:
     torch.set_num_threads(1)  # workers only stack; leave the cores to the model
 
 
-def _batches(
+def batches(
     rows: list[SampleRecord], config: DemoConfig, collator: Collator, pin: bool
-) -> Iterator[StackedBatch]:
+) -> Generator[StackedBatch, None, None]:
     """Stacked batches from worker processes, epoch after epoch (reshuffled each time)."""
     loader = torch.utils.data.DataLoader(
         Rows(rows),
@@ -113,8 +113,8 @@ def _documents_in(row: SampleRecord) -> int:
 def _shows_everything(row: SampleRecord) -> bool:
     """True for a row with a prompt (unsupervised real tokens), two or more documents, and padding."""
     padding = row.meta.padding_length or 0
-    mask = row.payload.get("loss_mask")
-    real = len(row.payload["input_ids"]) - padding
+    mask = fields(row).get("loss_mask")
+    real = len(fields(row)["input_ids"]) - padding
     has_prompt = mask is not None and bool((np.asarray(mask[:real]) == 0).any())
     return padding > 1 and has_prompt and _documents_in(row) >= 2  # one pad token is cut by the shift
 

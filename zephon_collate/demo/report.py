@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from zephon_collate.demo.corpus import COMPONENTS
+from zephon_collate.demo.corpus import COMPONENTS, fields
 from zephon_collate.demo.model import DocumentTransformer
 from zephon_collate.demo.tokenizer import EOS, VOCAB_SIZE, ByteTokenizer
 from zephon_collate.records import SampleRecord
 
-__all__ = ["DemoResult", "summary"]
+__all__ = ["DemoResult", "plot_losses", "progress", "sample", "summary"]
 
 
 @dataclass
@@ -70,15 +70,15 @@ class _PlainProgress:
         pass
 
 
-def _progress(total: int, enabled: bool) -> Any:
+def progress(total: int, enabled: bool) -> Any:
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type stubs
     except ImportError:
         return _PlainProgress(total, enabled)
     return tqdm(total=total, disable=not enabled, unit="step", dynamic_ncols=True, leave=True)
 
 
-def _plot(result: DemoResult, path: Path, title: str) -> Path | None:
+def plot_losses(result: DemoResult, path: Path, title: str) -> Path | None:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -111,7 +111,7 @@ def _plot(result: DemoResult, path: Path, title: str) -> Path | None:
     return path
 
 
-def _sample(
+def sample(
     model: DocumentTransformer, rows: list[SampleRecord], length: int, device: torch.device
 ) -> tuple[str, str] | None:
     """A greedy continuation of a held-out chat example's prompt: ``(prompt, continuation)``."""
@@ -119,7 +119,7 @@ def _sample(
         return None
     tokenizer = ByteTokenizer()
     for row in rows:
-        mask, ids, positions = (row.payload[k] for k in ("loss_mask", "input_ids", "positions"))
+        mask, ids, positions = (fields(row)[k] for k in ("loss_mask", "input_ids", "positions"))
         starts = [int(i) for i in (positions == 0).nonzero()[0]] + [len(ids)]
         for start, end in itertools.pairwise(starts):
             segment = mask[start:end]
@@ -135,7 +135,7 @@ def _sample(
 def summary(result: DemoResult, train_rows: list[SampleRecord]) -> list[str]:
     """The closing lines of the demo."""
     minutes, seconds = divmod(result.seconds, 60)
-    epochs = result.tokens / max(1, len(train_rows) * (len(train_rows[0].payload["input_ids"]) - 1))
+    epochs = result.tokens / max(1, len(train_rows) * (len(fields(train_rows[0])["input_ids"]) - 1))
     lines = [
         "",
         f"done in {int(minutes)}m{seconds:04.1f}s on {result.device}: {result.steps} steps, "

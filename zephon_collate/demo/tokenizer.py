@@ -16,7 +16,7 @@ __all__ = ["BOS", "BYTE_OFFSET", "EOS", "PAD", "VOCAB_SIZE", "ByteTokenizer"]
 PAD, BOS, EOS = 0, 1, 2
 BYTE_OFFSET = 3
 VOCAB_SIZE = 256 + BYTE_OFFSET
-SPECIAL_NAMES = {PAD: "<pad>", BOS: "<bos>", EOS: "<eos>"}
+_SPECIAL_NAMES = {PAD: "<pad>", BOS: "<bos>", EOS: "<eos>"}
 
 
 class ByteTokenizer:
@@ -57,6 +57,6 @@ class ByteTokenizer:
                 continue
             out.append(run.decode("utf-8", errors="backslashreplace"))
             run.clear()
-            out.append(SPECIAL_NAMES.get(token, f"<{token}>"))
+            out.append(_SPECIAL_NAMES.get(token, f"<{token}>"))
         out.append(run.decode("utf-8", errors="backslashreplace"))
         return "".join(out)

@@ -24,24 +24,25 @@ import functools
 import math
 import os
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
 from zephon_collate.demo.corpus import CHAT
 from zephon_collate.demo.model import DocumentTransformer, ModelConfig
-from zephon_collate.demo.pipeline import _batches, make_collator, pack_rows
-from zephon_collate.demo.report import DemoResult, _plot, _progress, _sample, summary
+from zephon_collate.demo.pipeline import batches as stacked_batches
+from zephon_collate.demo.pipeline import make_collator, pack_rows
+from zephon_collate.demo.report import DemoResult, plot_losses, progress, sample, summary
 from zephon_collate.demo.tokenizer import VOCAB_SIZE
 from zephon_collate.functional.attention import segment_ids_from_positions
+from zephon_collate.keys import IGNORE_INDEX
 
 __all__ = ["DemoConfig", "cpu_threads", "run_demo"]
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -69,7 +70,7 @@ class DemoConfig:
     threads: int | None = None
 
 
-def _loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def _loss(model: Callable[..., torch.Tensor], batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy over the supervised labels, and the logits."""
     segment_ids = segment_ids_from_positions(batch["positions"], batch["padding_mask"])
     logits = model(batch["input_ids"], batch["positions"], segment_ids)
@@ -171,8 +172,8 @@ def _run(config: DemoConfig, device: torch.device, log: Any) -> DemoResult:
     if eval_batches:
         result.eval_batch = eval_batches[0]
         result.eval_losses.append((0, _evaluate(model, eval_batches, autocast)))
-    batches = _batches(train_rows, config, collator, pin=device.type == "cuda")
-    bar = _progress(config.steps, config.progress)
+    batches = stacked_batches(train_rows, config, collator, pin=device.type == "cuda")
+    bar = progress(config.steps, config.progress)
     train_start = time.perf_counter()
     for step in range(1, config.steps + 1):
         stacked = next(batches)
@@ -183,7 +184,7 @@ def _run(config: DemoConfig, device: torch.device, log: Any) -> DemoResult:
         with autocast():
             loss, _ = _loss(step_model, batch)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        cast(Any, loss).backward()  # torch types Tensor.backward loosely
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
@@ -203,9 +204,9 @@ def _run(config: DemoConfig, device: torch.device, log: Any) -> DemoResult:
         bar.update()
     bar.close()
     batches.close()  # shuts the workers down
-    result.sample = _sample(model, eval_rows, config.sample_bytes, device)
+    result.sample = sample(model, eval_rows, config.sample_bytes, device)
     result.seconds = time.perf_counter() - started
-    result.plot = _plot(
+    result.plot = plot_losses(
         result,
         Path(config.out) / "loss_curve.png",
         f"zephon_collate demo: {parameters / 1e6:.2f}M-parameter byte-level LM, "

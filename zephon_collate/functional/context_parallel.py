@@ -23,11 +23,12 @@ def check_cp(owner: str, cp_size: object, cp_rank: object) -> tuple[int, int]:
     for name, value in (("cp_size", cp_size), ("cp_rank", cp_rank)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{owner}: {name} must be an int, got {shown(value)}")
-    if cp_size < 1:  # type: ignore[operator]
+    assert isinstance(cp_size, int) and isinstance(cp_rank, int)  # checked just above
+    if cp_size < 1:
         raise ValueError(f"{owner}: cp_size must be >= 1, got {cp_size}")
-    if not 0 <= cp_rank < cp_size:  # type: ignore[operator]
+    if not 0 <= cp_rank < cp_size:
         raise ValueError(f"{owner}: cp_rank must be in [0, {cp_size}), got {cp_rank}")
-    return cp_size, cp_rank  # type: ignore[return-value]
+    return cp_size, cp_rank
 
 
 def partition(

@@ -20,6 +20,7 @@ from zephon_collate.functional._registry import check_tensor, kernel
 from zephon_collate.keys import INT32_MAX
 
 __all__ = [
+    "PADDING_SEGMENT",
     "cu_seqlens_flat",
     "cu_seqlens_rows",
     "flatten_segment_ids",

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zephon_collate.inspection.rows import RowView, _percent, batch_rows, batch_warnings
+from zephon_collate.inspection.rows import RowView, batch_rows, batch_warnings, percent
 from zephon_collate.keys import LABELS
 
 __all__ = ["render_batch", "render_batch_png", "token_text"]
 
-LEGEND = "legend: | starts a segment; mask + supervised, . ignored, _ padding, ! supervised padding"
-MAX_TOKEN_CHARS = 16
+_LEGEND = "legend: | starts a segment; mask + supervised, . ignored, _ padding, ! supervised padding"
+_MAX_TOKEN_CHARS = 16
 _ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r", " ": "␣"}
 _ANSI = {
     "bold": "\x1b[1m",
@@ -59,7 +59,7 @@ def token_text(tokenizer: Any, token: int) -> str:
     )
     if not shown:
         return "''"
-    return shown if len(shown) <= MAX_TOKEN_CHARS else shown[: MAX_TOKEN_CHARS - 1] + "~"
+    return shown if len(shown) <= _MAX_TOKEN_CHARS else shown[: _MAX_TOKEN_CHARS - 1] + "~"
 
 
 def _paint(text: str, style: str | None, color: bool) -> str:
@@ -110,9 +110,9 @@ def _header(row: RowView) -> str:
     sample = f" (sample {row.sample_id})" if row.sample_id is not None else ""
     segments = len(row.starts)
     parts = [f"{length} tokens", f"{segments} segment{'' if segments == 1 else 's'}"]
-    parts.append(f"{row.num_padding} padding ({_percent(row.num_padding, length)})")
+    parts.append(f"{row.num_padding} padding ({percent(row.num_padding, length)})")
     if row.supervised is not None:
-        parts.append(f"{row.num_supervised} supervised ({_percent(row.num_supervised, length)})")
+        parts.append(f"{row.num_supervised} supervised ({percent(row.num_supervised, length)})")
     return f"row {row.index}{sample}: " + ", ".join(parts)
 
 
@@ -214,15 +214,15 @@ def render_batch(
     if rows and rows[0].supervised is not None:
         supervised = sum(row.num_supervised for row in rows)
         what = LABELS if rows[0].labels is not None else "tokens"
-        summary.append(f"{supervised} of {total} {what} supervised ({_percent(supervised, total)})")
-    summary.append(f"{padding} of {total} tokens padding ({_percent(padding, total)})")
+        summary.append(f"{supervised} of {total} {what} supervised ({percent(supervised, total)})")
+    summary.append(f"{padding} of {total} tokens padding ({percent(padding, total)})")
     lines = [_paint("batch: " + "; ".join(summary), "bold", color), ""]
     for row in rows[:max_rows]:
         lines += _render_row(row, tokenizer, color, width, max_tokens, collapse_padding)
         lines.append("")
     if max_rows is not None and len(rows) > max_rows:
         lines += [f"... {len(rows) - max_rows} more rows", ""]
-    lines.append(LEGEND)
+    lines.append(_LEGEND)
     warnings = batch_warnings(rows)
     if warnings:
         lines.append(_paint(f"warnings ({len(warnings)}):", "yellow", color))
@@ -302,7 +302,7 @@ def render_batch_png(
     y = 0.4
     axes.text(0, y, title or "collated batch", fontsize=11, fontweight="bold", va="top")
     y += 1.8
-    mono = {"family": "DejaVu Sans Mono", "ha": "center", "va": "center"}
+    mono: dict[str, Any] = {"family": "DejaVu Sans Mono", "ha": "center", "va": "center"}
     for row, shown, lines in layout:
         axes.text(0, y + 0.2, _header(row), fontsize=8, fontweight="bold", va="top")
         y += header_height

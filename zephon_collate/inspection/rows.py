@@ -19,12 +19,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from zephon_collate._text import shown
+from zephon_collate.functional.segments import segment_starts
 from zephon_collate.keys import CU_SEQLENS, INPUT_IDS, LABELS, LOSS_MASK, PADDING_MASK, POSITIONS
 
-__all__ = ["RowView", "batch_rows", "batch_warnings"]
+__all__ = ["RowView", "batch_rows", "batch_warnings", "percent"]
 
-PADDING_WARN_FRACTION = 0.5
+_PADDING_WARN_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,14 @@ def _as_rows(value: Any, name: str) -> list[list[Any]]:
     return data
 
 
+def _starts(positions: list[int]) -> list[int]:
+    """Where segments start: the package's one rule (:func:`~zephon_collate.functional.segment_starts`)."""
+    if not positions:
+        return []
+    starts = segment_starts(torch.tensor(positions, dtype=torch.int64))
+    return [int(t) for t in starts.nonzero().reshape(-1)]
+
+
 def _trailing_pad(tokens: list[int], pad_token_id: int) -> list[bool]:
     count = 0
     while count < len(tokens) and tokens[len(tokens) - 1 - count] == pad_token_id:
@@ -132,7 +143,7 @@ def batch_rows(
         else:
             padding = [False] * len(row)
         positions = fields.get(POSITIONS, [None] * len(tokens))[index]
-        position_starts = None if positions is None else [t for t, p in enumerate(positions) if p == 0]
+        position_starts = None if positions is None else _starts(positions)
         cu_starts = None
         if cu_rows is not None and index < len(cu_rows):
             cu_starts = sorted({int(v) for v in cu_rows[index] if int(v) < len(row)})
@@ -153,7 +164,7 @@ def batch_rows(
     return rows
 
 
-def _percent(part: int, whole: int) -> str:
+def percent(part: int, whole: int) -> str:
     return f"{100 * part / whole:.0f}%" if whole else "0%"
 
 
@@ -168,7 +179,7 @@ def _row_warnings(row: RowView, padding_fraction: float) -> list[str]:
         )
     if length and row.num_padding / length > padding_fraction:
         found.append(
-            f"{where}: {row.num_padding} of {length} tokens ({_percent(row.num_padding, length)}) are "
+            f"{where}: {row.num_padding} of {length} tokens ({percent(row.num_padding, length)}) are "
             "padding: pack more documents per row, or shorten seq_len"
         )
     if row.position_starts is not None and row.cu_starts is not None and row.position_starts != row.cu_starts:
@@ -219,7 +230,7 @@ def batch_warnings(
     *,
     ignore_index: int = -100,
     pad_token_id: int | None = None,
-    padding_fraction: float = PADDING_WARN_FRACTION,
+    padding_fraction: float = _PADDING_WARN_FRACTION,
 ) -> list[str]:
     """What looks wrong in a collated batch, in words (an empty list when nothing does).
 

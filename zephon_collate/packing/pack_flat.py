@@ -13,16 +13,16 @@ Options and documents are checked and read by :mod:`zephon_collate.packing.reade
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Literal
 
+from zephon_collate._checks import suggest_options
 from zephon_collate._read import describe_record, is_array_payload, record_names, resolve_tokens_field
 from zephon_collate._text import shown
 from zephon_collate.collate.sample_batch import SampleBatch
 from zephon_collate.keys import LOSS_MASK
 from zephon_collate.packing.packer import FlatPacker
-from zephon_collate.packing.reader import PackOptions, _as_array, candidate_fields
+from zephon_collate.packing.reader import REQUIRED, PackOptions, as_array, candidate_fields
 from zephon_collate.records import SampleRecord
 
 __all__ = ["pack_flat"]
@@ -38,10 +38,10 @@ def _shared_fields(records: Sequence[SampleRecord], tokens_name: str) -> tuple[s
         if record.meta.is_sentinel:
             continue
         if isinstance(payload, Mapping) and tokens_name in payload:
-            length = _as_array(payload[tokens_name], where, tokens_name, ids=True).size
+            length = as_array(payload[tokens_name], where, tokens_name, ids=True).size
             found = candidate_fields(payload, tokens_name, length, where) if length else []
         elif is_array_payload(payload):
-            length, found = _as_array(payload, where, tokens_name, ids=True).size, []
+            length, found = as_array(payload, where, tokens_name, ids=True).size, []
         else:
             continue  # Reader.read raises for it
         if not length:
@@ -60,8 +60,18 @@ def _shared_fields(records: Sequence[SampleRecord], tokens_name: str) -> tuple[s
     return tuple(shared or ())
 
 
+@suggest_options("pack_flat", REQUIRED)
 def pack_flat(
-    records: Iterable[SampleRecord] | SampleBatch, seq_len: int, **options: Any
+    records: Iterable[SampleRecord] | SampleBatch,
+    seq_len: int,
+    *,
+    pad_token_id: int,
+    emit_positions: bool = True,
+    tokens_field: str = "auto",
+    strategy: Literal["greedy", "best_fit"] = "greedy",
+    overflow: Literal["auto", "split", "truncate"] = "auto",
+    buffer_size: int | None = None,
+    fields: Sequence[str] | None = None,
 ) -> list[SampleRecord]:
     """Pack tokenized records into flat rows of exactly ``seq_len`` tokens.
 
@@ -140,7 +150,7 @@ def pack_flat(
         >>> rows[0].meta.component_sample_counts, rows[0].meta.component_token_counts
         ({0: 2}, {0: 5})
     """
-    checked = PackOptions.create("pack_flat", seq_len=seq_len, **options)
+    checked = PackOptions.create("pack_flat", **PackOptions.arguments(locals()))
     if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, (Iterable, SampleBatch)):
         raise TypeError(f"pack_flat: records must be a list of SampleRecord, got {type(records).__name__}")
     records = list(records.records if isinstance(records, SampleBatch) else records)
@@ -159,15 +169,3 @@ def pack_flat(
     size = checked.buffer_size or max(1, len(records))
     settings = {**vars(checked), "tokens_field": tokens_name, "buffer_size": size, "fields": shared}
     return list(FlatPacker(**settings).pack(records))
-
-
-pack_flat.__signature__ = PackOptions.signature(  # type: ignore[attr-defined]
-    [
-        inspect.Parameter(
-            "records",
-            inspect.Parameter.POSITIONAL_OR_KEYWORD,
-            annotation="Iterable[SampleRecord] | SampleBatch",
-        )
-    ],
-    "list[SampleRecord]",
-)

@@ -11,19 +11,19 @@ stream emits exactly the rows an uninterrupted run would have emitted next.
 from __future__ import annotations
 
 import copy
-import inspect
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
+from zephon_collate._checks import suggest_options
 from zephon_collate._text import shown
 from zephon_collate.keys import INPUT_IDS
-from zephon_collate.packing.reader import STREAM_BUFFER_SIZE, PackOptions, Reader
+from zephon_collate.packing.reader import REQUIRED, STREAM_BUFFER_SIZE, PackOptions, Reader
 from zephon_collate.packing.rows import Engine, build_row, split_document
 from zephon_collate.packing.state import check_count, corrupt, piece_state, pieces_from_state, same_value
 from zephon_collate.records import SampleRecord
 
-__all__ = ["FlatPacker"]
+__all__ = ["STATE_VERSION", "FlatPacker"]
 
 STATE_VERSION = 1
 
@@ -75,16 +75,27 @@ class FlatPacker:
         [[3, 3, 3, 3, 4]]
     """
 
-    def __init__(self, seq_len: int, **options: Any) -> None:
-        self.options = PackOptions.create(
-            "FlatPacker", seq_len=seq_len, **{"buffer_size": STREAM_BUFFER_SIZE, **options}
-        )
+    @suggest_options("FlatPacker", REQUIRED)
+    def __init__(
+        self,
+        seq_len: int,
+        *,
+        pad_token_id: int,
+        emit_positions: bool = True,
+        tokens_field: str = "auto",
+        strategy: Literal["greedy", "best_fit"] = "greedy",
+        overflow: Literal["auto", "split", "truncate"] = "auto",
+        buffer_size: int = STREAM_BUFFER_SIZE,
+        fields: Sequence[str] | None = None,
+    ) -> None:
+        self.options = PackOptions.create("FlatPacker", **PackOptions.arguments(locals()))
         self._reset()
 
     def _reset(self) -> None:
         options = self.options
         tokens_name = None if options.tokens_field == "auto" else options.tokens_field
-        self._reader = Reader(tokens_name, options.fields, strict=options.fields is None)
+        fields = None if options.fields is None else tuple(options.fields)
+        self._reader = Reader(tokens_name, fields, strict=fields is None)
         self._engine = Engine(options.seq_len, options.strategy == "best_fit", options.buffer_size or 1)
         self._consumed = 0
         self._emitted = 0
@@ -218,8 +229,3 @@ class FlatPacker:
         engine = self._engine
         engine.pending, engine.ready = pending, ready
         engine.used = sum(piece.tokens.size for piece in engine.pending)
-
-
-FlatPacker.__init__.__signature__ = PackOptions.signature(  # type: ignore[attr-defined]
-    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)], None, buffer_size=STREAM_BUFFER_SIZE
-)

@@ -11,17 +11,19 @@ field and the fix. Nothing here writes into a payload.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from zephon_collate._checks import check_int, check_option_names
 from zephon_collate._read import (
+    Ragged,
     as_numpy,
+    check_ids,
+    check_zero_one,
     describe_record,
     first_token_field,
     is_array_payload,
@@ -32,7 +34,18 @@ from zephon_collate._text import shown, shown_fields
 from zephon_collate.keys import INPUT_IDS, INT32_MAX, LOSS_MASK, POSITIONS, TOKEN_FIELD_CANDIDATES
 from zephon_collate.records import SampleRecord
 
-__all__ = ["OVERFLOWS", "STRATEGIES", "STREAM_BUFFER_SIZE", "PackOptions", "Reader", "candidate_fields"]
+__all__ = [
+    "OVERFLOWS",
+    "PACK_OPTION_NAMES",
+    "REQUIRED",
+    "STRATEGIES",
+    "STREAM_BUFFER_SIZE",
+    "PackOptions",
+    "Reader",
+    "as_array",
+    "candidate_fields",
+    "check_loss_mask",
+]
 
 STRATEGIES = ("greedy", "best_fit")
 OVERFLOWS = ("auto", "split", "truncate")
@@ -51,10 +64,10 @@ class PackOptions:
     pad_token_id: int
     emit_positions: bool = True
     tokens_field: str = "auto"
-    strategy: str = "greedy"
-    overflow: str = "auto"
+    strategy: Literal["greedy", "best_fit"] = "greedy"
+    overflow: Literal["auto", "split", "truncate"] = "auto"
     buffer_size: int | None = None
-    fields: tuple[str, ...] | None = None
+    fields: Sequence[str] | None = None
 
     @classmethod
     def create(cls, owner: str, **given: Any) -> PackOptions:
@@ -62,7 +75,7 @@ class PackOptions:
         check_option_names(owner, given, PACK_OPTION_NAMES)
         if "pad_token_id" not in given:
             raise TypeError(f"{owner}: pad_token_id is required: the token id of the padding, an int >= 0")
-        options = {**DEFAULTS, **given}
+        options = {**_DEFAULTS, **given}
         checked = dict(options)
         checked["seq_len"] = check_int(owner, "seq_len", options["seq_len"], 1, INT32_MAX)  # int32 offsets
         checked["pad_token_id"] = check_int(owner, "pad_token_id", options["pad_token_id"], 0)
@@ -99,26 +112,19 @@ class PackOptions:
         return cls(**checked)
 
     @staticmethod
-    def signature(
-        leading: Sequence[inspect.Parameter], returns: object, **defaults: Any
-    ) -> inspect.Signature:
-        """A signature of ``leading`` parameters, ``seq_len``, then the options as keywords
-        (with ``defaults`` overriding this class's)."""
-        seq_len = inspect.Parameter("seq_len", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="int")
-        kind = inspect.Parameter.KEYWORD_ONLY
-        keywords = []
-        for f in dataclasses.fields(PackOptions)[1:]:  # after seq_len
-            default = defaults.get(f.name, f.default)
-            default = inspect.Parameter.empty if default is MISSING else default
-            keywords.append(inspect.Parameter(f.name, kind, default=default, annotation=f.type))
-        return inspect.Signature([*leading, seq_len, *keywords], return_annotation=returns)
+    def arguments(scope: Mapping[str, Any]) -> dict[str, Any]:
+        """The packing options among ``scope`` (a signature's ``locals()``), by name."""
+        return {name: scope[name] for name in PACK_OPTION_NAMES}
 
 
 PACK_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(PackOptions))
-DEFAULTS = {f.name: f.default for f in dataclasses.fields(PackOptions) if f.default is not MISSING}
+"""The packing keywords, in the order ``pack_flat``, ``FlatPacker`` and ``PackedStream`` spell them."""
+REQUIRED = {"pad_token_id": "the token id of the padding, an int >= 0"}
+"""The packing keyword without a default, and what it is (for the error naming it)."""
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PackOptions) if f.default is not MISSING}
 
 
-def _as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
+def as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
     """A 1-D NumPy array of a payload value, read by the one payload reader.
 
     :func:`~zephon_collate._read.to_row` checks the value; token ids come back
@@ -139,20 +145,14 @@ def _as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
     if not ids:
         return row
     row = row.astype(np.int64, copy=False)
-    if row.size and row.min() < 0:
-        raise ValueError(
-            f"{where}: field {shown(name)} holds a negative token id ({row.min()}); ids must be >= 0"
-        )
+    check_ids(Ragged(row, np.array([0, row.size], dtype=np.int64)), name, lambda _: where)
     return row
 
 
-def _check_loss_mask(values: np.ndarray, where: str) -> None:
+def check_loss_mask(values: np.ndarray, where: str) -> None:
     """``ValueError`` unless a packed ``loss_mask`` holds only 0 and 1 (NaN included)."""
-    if values.dtype.kind != "b" and values.size and not np.isin(values, (0, 1)).all():
-        raise ValueError(
-            f"{where}: field 'loss_mask' must hold only 0 and 1 (or booleans): 1 for supervised tokens, "
-            "0 for the rest"
-        )
+    field = Ragged(values, np.array([0, values.shape[0]], dtype=np.int64))
+    check_zero_one(field, LOSS_MASK, lambda _: where, "1 for supervised tokens, 0 for the rest")
 
 
 def candidate_fields(payload: Mapping[Any, Any], tokens_name: str, length: int, where: str) -> list[str]:
@@ -160,13 +160,13 @@ def candidate_fields(payload: Mapping[Any, Any], tokens_name: str, length: int, 
     fields with ``length`` entries, in payload order. Input ``positions`` are never candidates."""
     found = []
     if LOSS_MASK in payload:
-        if len(_as_array(payload[LOSS_MASK], where, LOSS_MASK, ids=False)) != length:
+        if len(as_array(payload[LOSS_MASK], where, LOSS_MASK, ids=False)) != length:
             raise ValueError(f"{where}: field 'loss_mask' does not have one entry per token ({length})")
         found.append(LOSS_MASK)
     for name, value in payload_items(payload):
         if isinstance(name, str) and name not in (tokens_name, POSITIONS, LOSS_MASK):
             try:
-                if len(_as_array(value, where, name, ids=False)) == length:
+                if len(as_array(value, where, name, ids=False)) == length:
                     found.append(name)
             except (TypeError, ValueError):
                 continue
@@ -194,7 +194,7 @@ class Reader:
                     f"{where}: payload must be a dict of fields or a token array (list, tuple, NumPy array "
                     f"or torch tensor), got {type(payload).__name__}"
                 )
-            tokens = _as_array(payload, where, self.tokens_name or INPUT_IDS, ids=True)
+            tokens = as_array(payload, where, self.tokens_name or INPUT_IDS, ids=True)
             if not tokens.size:
                 return None
             self.tokens_name = self.tokens_name or INPUT_IDS
@@ -212,7 +212,7 @@ class Reader:
                 f"{where}: payload has no tokens field {wanted} (its fields: {shown_fields(payload)}); "
                 "pass the right tokens_field"
             )
-        tokens = _as_array(payload[name], where, name, ids=True)
+        tokens = as_array(payload[name], where, name, ids=True)
         if not tokens.size:
             return None
         self.tokens_name = name
@@ -234,9 +234,9 @@ class Reader:
                     f"{where}: payload lacks field {shown(field_name)}, which is packed beside the tokens "
                     f"(fields {self.fields}); give every record this field, or pass fields=(...) without it"
                 )
-            values[field_name] = _as_array(payload[field_name], where, field_name, ids=False)
+            values[field_name] = as_array(payload[field_name], where, field_name, ids=False)
             if field_name == LOSS_MASK:
-                _check_loss_mask(values[field_name], where)
+                check_loss_mask(values[field_name], where)
             if len(values[field_name]) != tokens.size:
                 raise ValueError(
                     f"{where}: field {shown(field_name)} has {len(values[field_name])} entries but the token "

@@ -51,7 +51,7 @@ class Piece(NamedTuple):
     tokens: np.ndarray
     fields: dict[str, np.ndarray]
     base: Base
-    index: int
+    part: int  # which piece of its document, from 0 (the cursor's lineage child index)
     closes: bool
 
 
@@ -186,7 +186,7 @@ def build_row(
         for key, count in _token_split(base.counts, piece.tokens.size).items():
             tokens_per[key] = tokens_per.get(key, 0) + count
             samples[key] = samples.get(key, 0) + (base.counts[key] if piece.closes else 0)
-        cursor = SampleCursor(base.chunk_id, base.chunk_offset, base.sample_id, (*base.lineage, piece.index))
+        cursor = SampleCursor(base.chunk_id, base.chunk_offset, base.sample_id, (*base.lineage, piece.part))
         refs.append(ContributorRef(cursor, piece.closes))
     first = pieces[0].base
     meta = SampleMeta(

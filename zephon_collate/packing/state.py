@@ -16,16 +16,23 @@ import numpy as np
 
 from zephon_collate._text import shown
 from zephon_collate.keys import LOSS_MASK
-from zephon_collate.packing.reader import _as_array, _check_loss_mask
+from zephon_collate.packing.reader import as_array, check_loss_mask
 from zephon_collate.packing.rows import Base, Piece
 from zephon_collate.records import SampleMeta
 
-__all__ = ["check_count", "piece_from_state", "piece_state", "pieces_from_state", "same_value"]
+__all__ = [
+    "check_count",
+    "corrupt",
+    "piece_from_state",
+    "piece_state",
+    "pieces_from_state",
+    "same_value",
+]
 
-OWNER = "FlatPacker.load_state_dict"
+_OWNER = "FlatPacker.load_state_dict"
 
 
-def corrupt(where: str, problem: str, owner: str = OWNER) -> ValueError:
+def corrupt(where: str, problem: str, owner: str = _OWNER) -> ValueError:
     saver = owner.split(".")[0]
     return ValueError(
         f"{owner}: {where} {problem}; the state is corrupt: restore a state_dict() saved by {saver}"
@@ -48,10 +55,10 @@ def piece_state(piece: Piece) -> dict[str, Any]:
     base["counts"] = dict(base["counts"])
     fields = {name: values.copy() for name, values in piece.fields.items()}
     state = {"tokens": piece.tokens.copy(), "fields": fields, "base": base}
-    return {**state, "index": piece.index, "closes": piece.closes}
+    return {**state, "index": piece.part, "closes": piece.closes}
 
 
-def check_count(value: object, where: str, owner: str = OWNER) -> int:
+def check_count(value: object, where: str, owner: str = _OWNER) -> int:
     """A saved counter: an int >= 0 (not a bool)."""
     if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < 0:
         raise corrupt(where, f"must be an int >= 0, got {shown(value)}", owner)
@@ -66,7 +73,7 @@ def piece_from_state(state: object, where: str, seq_len: int, fields: Sequence[s
     if missing:
         raise corrupt(where, f"lacks {missing}")
     try:
-        tokens = _as_array(state["tokens"], f"{OWNER}: {where}", "tokens", ids=True)
+        tokens = as_array(state["tokens"], f"{_OWNER}: {where}", "tokens", ids=True)
     except (TypeError, ValueError) as error:
         raise corrupt(f"{where}['tokens']", f"is not a row of token ids ({error})") from None
     if not 0 < tokens.size <= seq_len:
@@ -79,9 +86,9 @@ def piece_from_state(state: object, where: str, seq_len: int, fields: Sequence[s
     values = {}
     for name in fields:
         try:
-            values[name] = _as_array(saved[name], f"{OWNER}: {where}['fields']", name, ids=False)
+            values[name] = as_array(saved[name], f"{_OWNER}: {where}['fields']", name, ids=False)
             if name == LOSS_MASK:
-                _check_loss_mask(values[name], f"{OWNER}: {where}['fields']")
+                check_loss_mask(values[name], f"{_OWNER}: {where}['fields']")
         except (TypeError, ValueError) as error:
             raise corrupt(f"{where}['fields'][{shown(name)}]", f"is not a packed field ({error})") from None
         if values[name].size != tokens.size:
@@ -123,9 +130,10 @@ def pieces_from_state(
     for key, value in (("pending", pending), ("ready", ready)):
         if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
             raise corrupt(f"state[{shown(key)}]", f"must be a list, got {type(value).__name__}")
+    assert isinstance(pending, Sequence) and isinstance(ready, Sequence)  # checked just above
     open_row = [piece_from_state(p, f"state['pending'][{i}]", seq_len, fields) for i, p in enumerate(pending)]
     rows = []
-    for r, row in enumerate(ready):  # type: ignore[arg-type]
+    for r, row in enumerate(ready):
         if isinstance(row, (str, bytes, Mapping)) or not isinstance(row, Sequence) or not row:
             raise corrupt(f"state['ready'][{r}]", "must be a non-empty list of pieces")
         rows.append(

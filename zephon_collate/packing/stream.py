@@ -17,20 +17,22 @@ lists, tuples, ints, strings and tensors only, so
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
+from zephon_collate._checks import suggest_options
 from zephon_collate._text import shown
 from zephon_collate.packing.packer import FlatPacker
+from zephon_collate.packing.reader import REQUIRED, STREAM_BUFFER_SIZE, PackOptions
 from zephon_collate.packing.state import check_count, corrupt, same_value
 from zephon_collate.records import SampleCursor, SampleRecord
 
-__all__ = ["PackedStream"]
+__all__ = ["STATE_VERSION", "PackedStream", "Source"]
 
 STATE_VERSION = 1
 
@@ -66,7 +68,7 @@ def _key(value: Any) -> Any:
     return tuple(_key(item) for item in value) if isinstance(value, (list, tuple)) else value
 
 
-class PackedStream(IterableDataset):
+class PackedStream(IterableDataset[SampleRecord]):
     """Rows of ``seq_len`` tokens packed from a record source, resumable mid-epoch.
 
     Sharding: shard ``rank * num_workers + worker_id`` of
@@ -90,7 +92,8 @@ class PackedStream(IterableDataset):
 
     Parameters:
         source: the records, as above.
-        seq_len, pad_token_id, **packer_options: the :class:`FlatPacker` options.
+        seq_len, pad_token_id, emit_positions, tokens_field, strategy, overflow, buffer_size, fields:
+            the :class:`FlatPacker` options.
         rank, world_size: this data-parallel rank and the number of ranks
             (default: torch.distributed's, or 0 and 1).
 
@@ -116,18 +119,24 @@ class PackedStream(IterableDataset):
         [[2, 2, 2, 0], [3, 3, 3, 0], [4, 4, 4, 0], [5, 5, 5, 0]]
     """
 
+    @suggest_options("PackedStream", REQUIRED)
     def __init__(
         self,
         source: Source,
         seq_len: int,
         *,
         pad_token_id: int,
+        emit_positions: bool = True,
+        tokens_field: str = "auto",
+        strategy: Literal["greedy", "best_fit"] = "greedy",
+        overflow: Literal["auto", "split", "truncate"] = "auto",
+        buffer_size: int = STREAM_BUFFER_SIZE,
+        fields: Sequence[str] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
-        **packer_options: Any,
     ) -> None:
         super().__init__()
-        self.packer_options = {"seq_len": seq_len, "pad_token_id": pad_token_id, **packer_options}
+        self.packer_options = PackOptions.arguments(locals())
         FlatPacker(**self.packer_options)  # checks the options now
         if not callable(source) and not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
             raise TypeError(
@@ -150,7 +159,7 @@ class PackedStream(IterableDataset):
         self._pending: dict[str, Any] | None = None
         self._latest: _Iterator | None = None
         # Set by an iterator started in a DataLoader worker; shared memory, so this process sees it.
-        self._in_workers = torch.zeros(1, dtype=torch.int8).share_memory_()
+        self._in_workers = cast(Any, torch.zeros(1, dtype=torch.int8)).share_memory_()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

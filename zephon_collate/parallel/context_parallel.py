@@ -17,7 +17,7 @@ from zephon_collate.keys import CU_SEQLENS, MAX_SEQLEN, NUM_VALID_TOKENS
 
 __all__ = ["gather_context_parallel"]
 
-METADATA_KEYS = (CU_SEQLENS, "cu_seqlens_padded", MAX_SEQLEN, NUM_VALID_TOKENS)
+_METADATA_KEYS = (CU_SEQLENS, "cu_seqlens_padded", MAX_SEQLEN, NUM_VALID_TOKENS)
 
 
 def gather_context_parallel(
@@ -25,7 +25,7 @@ def gather_context_parallel(
     *,
     padded_key: str = "cu_seqlens_padded",
     added_key: str = "cp_padding_mask",
-    metadata_keys: Sequence[str] = METADATA_KEYS,
+    metadata_keys: Sequence[str] = _METADATA_KEYS,
     drop_padding: bool = True,
 ) -> TensorDict:
     """Reassemble the THD token stream from the shards of every CP rank (rank order): the inverse of

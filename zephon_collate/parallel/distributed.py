@@ -45,9 +45,15 @@ import torch.distributed as dist
 from zephon_collate._text import shown
 from zephon_collate.keys import NUM_VALID_TOKENS
 
-__all__ = ["data_parallel_size", "global_num_valid_tokens", "is_distributed", "normalize_loss"]
+__all__ = [
+    "collective_device",
+    "data_parallel_size",
+    "global_num_valid_tokens",
+    "is_distributed",
+    "normalize_loss",
+]
 
-Count = int | torch.Tensor | Mapping[str, Any]
+_Count = int | torch.Tensor | Mapping[str, Any]
 
 
 def is_distributed() -> bool:
@@ -93,7 +99,7 @@ def _as_count(item: Any, key: str, device: torch.device | None) -> torch.Tensor:
 
 
 def global_num_valid_tokens(
-    counts: Count | Iterable[Count],
+    counts: _Count | Iterable[_Count],
     *,
     group: Any = None,
     device: str | torch.device | None = None,

@@ -47,5 +47,5 @@ class AttentionMask(Transform):
         if mask.dtype != torch.bool:
             raise TypeError(f"AttentionMask: {self.padding_key!r} must be a bool mask, got {mask.dtype}")
 
-    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {self.out_key: data[self.padding_key].logical_not().to(torch.int64)}

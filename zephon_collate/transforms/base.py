@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -26,13 +26,17 @@ class Transform(TensorDictModuleBase):
 
     - :meth:`check` raises ``ValueError`` for shapes it cannot work on; it never
       reads values (that would synchronise with the device);
-    - :meth:`apply` is the pure core: it returns the new entries and writes
+    - :meth:`compute` is the pure core: it returns the new entries and writes
       nothing. It holds no Python branch on tensor values, so it runs on any
       device and under ``torch.compile``.
 
+    A step whose output size depends on the values (it reads one back from the
+    device) sets ``data_dependent_shape = True``; a compiled plan runs it
+    eagerly between its graphs.
+
     Calling a transform on a TensorDict checks the input (anything but a
     TensorDict raises ``TypeError``; a missing key ``ValueError`` naming it),
-    runs :meth:`check` and :meth:`apply`, and returns a shallow copy holding
+    runs :meth:`check` and :meth:`compute`, and returns a shallow copy holding
     the new entries: the input TensorDict and its tensors are never written.
     A :class:`Chain` runs the cores of its transforms over one mapping and
     wraps the result once. Being a :class:`tensordict.nn.TensorDictModuleBase`,
@@ -41,23 +45,22 @@ class Transform(TensorDictModuleBase):
 
     dropped_keys: tuple[str, ...] = ()
     data_dependent_shape: bool = False
-    """True when an output's size depends on the values (a compiled plan runs such a step eagerly)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if args:
             td = args[0]
             if not isinstance(td, TensorDictBase):
                 raise TypeError(
-                    f"{type(self).__name__}: expects a TensorDict (e.g. batch.to_tensordict()), got "
+                    f"{_name(self)}: expects a TensorDict (e.g. batch.to_tensordict()), got "
                     f"{type(td).__name__}"
                 )
-            check_present(type(self).__name__, self.in_keys, td)
+            check_present(_name(self), self.in_keys, td)
         return super().__call__(*args, **kwargs)
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         """Raise ``ValueError`` if the shapes in ``data`` do not fit this transform (default: no check)."""
 
-    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # pragma: no cover
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # pragma: no cover
         """The new entries computed from ``data`` (which holds every key of ``in_keys``)."""
         raise NotImplementedError
 
@@ -66,28 +69,37 @@ class Transform(TensorDictModuleBase):
         return batch_size
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        self.check(td)
-        updates = self.apply(td)
+        self.check(cast(Mapping[str, torch.Tensor], td))
+        updates = self.compute(cast(Mapping[str, torch.Tensor], td))
         size = self.output_batch_size(td.batch_size)
         if size == td.batch_size:
-            out = td.replace(updates) if updates else td.copy()
+            out = cast(Any, td).replace(updates) if updates else td.copy()
         else:  # e.g. flattened outputs: batch_size=[]
             out = td.copy()
             out.batch_size = size
             out = out.update(updates)
-        return out.exclude(*self.dropped_keys) if self.dropped_keys else out
+        return cast(TensorDictBase, out.exclude(*self.dropped_keys) if self.dropped_keys else out)
 
     def extra_repr(self) -> str:
         return f"in_keys={list(self.in_keys)}, out_keys={list(self.out_keys)}"
+
+
+def _name(module: object) -> str:
+    return type(module).__qualname__
+
+
+def _keys(step: Any, name: str) -> list[str]:
+    """A step's ``in_keys``, ``out_keys`` or ``dropped_keys``, as a list of str."""
+    return list(getattr(step, name, ()))
 
 
 class Chain(Transform):
     """Run transforms in order, each on the previous one's output.
 
     Called on a TensorDict, the chain checks each step's input and runs the
-    transforms' cores (:meth:`Transform.apply`) over one mapping, wrapping the
-    result in a TensorDict once; :meth:`apply` runs the cores alone, for
-    callers that have checked their data (the collate path).
+    transforms' cores (:meth:`Transform.compute`) over one mapping, wrapping the
+    result in a TensorDict once; :meth:`run` runs the cores alone, for callers
+    that have checked their data (the collate path).
 
     The wiring is checked when the chain is built: each transform's
     ``in_keys`` must be written by an earlier transform or be among the
@@ -120,30 +132,35 @@ class Chain(Transform):
     def __init__(self, *transforms: TensorDictModuleBase, input_keys: Sequence[str] | None = None) -> None:
         super().__init__()
         for index, transform in enumerate(transforms):
-            if not isinstance(transform, nn.Module) or not self.is_tdmodule_compatible(transform):
+            compatible = isinstance(transform, nn.Module) and cast(Any, self).is_tdmodule_compatible(
+                transform
+            )
+            if not compatible:
                 raise TypeError(
                     f"Chain: item {index} ({shown(transform)}) is not a transform with in_keys and out_keys"
                 )
         self.transforms = nn.ModuleList(transforms)
+        self.steps: tuple[Any, ...] = tuple(transforms)
         provided = set(check_keys("Chain", "input_keys", input_keys or ()))
         needed: list[str] = []
-        for transform in self.transforms:
-            for key in transform.in_keys:
+        for step in self.steps:
+            for key in _keys(step, "in_keys"):
                 if key in provided:
                     continue
                 if input_keys is not None:
                     raise ValueError(
-                        f"Chain: {type(transform).__name__} reads {shown(key)}, which neither the input "
+                        f"Chain: {_name(step)} reads {shown(key)}, which neither the input "
                         f"(keys {sorted(input_keys)}) nor an earlier transform provides"
                     )
                 needed.append(key)
                 provided.add(key)
-            provided.update(transform.out_keys)
-            provided.difference_update(getattr(transform, "dropped_keys", ()))
-        self.in_keys = needed
-        dropped = {key for t in self.transforms for key in getattr(t, "dropped_keys", ())}
+            provided.update(_keys(step, "out_keys"))
+            provided.difference_update(_keys(step, "dropped_keys"))
+        self.in_keys = cast(Any, needed)  # tensordict types keys as NestedKey; these are str
+        dropped = {key for step in self.steps for key in _keys(step, "dropped_keys")}
         self.dropped_keys = tuple(sorted(dropped - provided))
-        self.out_keys = sorted({key for t in self.transforms for key in t.out_keys})
+        self.out_keys = sorted({key for step in self.steps for key in _keys(step, "out_keys")})
+        self.data_dependent_shape = any(getattr(step, "data_dependent_shape", False) for step in self.steps)
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         check_present("Chain", self.in_keys, data)
@@ -152,7 +169,7 @@ class Chain(Transform):
         """Every step's core over a copy of ``data``, unchecked: the whole resulting mapping."""
         return self._run(dict(data), checked=False)[0]
 
-    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = self.run(data)
         return {key: value for key, value in out.items() if data.get(key) is not value}
 
@@ -163,33 +180,27 @@ class Chain(Transform):
     def _run(
         self, data: dict[str, Any], *, checked: bool, batch_size: torch.Size | None = None
     ) -> tuple[dict[str, Any], torch.Size | None]:
-        for transform in self.transforms:
+        for step in self.steps:
             if checked:
-                check_present(type(transform).__name__, transform.in_keys, data)
-            if isinstance(transform, Transform) and type(transform).forward is Transform.forward:
+                check_present(_name(step), _keys(step, "in_keys"), data)
+            if isinstance(step, Transform) and type(step).forward is Transform.forward:
                 if checked:
-                    transform.check(data)
-                data.update(transform.apply(data))
-                for key in transform.dropped_keys:
-                    if key not in transform.out_keys:
+                    step.check(data)
+                data.update(step.compute(data))
+                for key in step.dropped_keys:
+                    if key not in step.out_keys:
                         data.pop(key, None)
-                batch_size = None if batch_size is None else transform.output_batch_size(batch_size)
+                batch_size = None if batch_size is None else step.output_batch_size(batch_size)
             else:  # any other TensorDict module: wrap, call, unwrap
-                step = TensorDict(data, batch_size=batch_size if batch_size is not None else [])
-                result = transform(step)
+                result = step(TensorDict(data, batch_size=batch_size if batch_size is not None else []))
                 data, batch_size = dict(result.items()), result.batch_size
         return data, batch_size
 
     def output_batch_size(self, batch_size: torch.Size) -> torch.Size:
-        for transform in self.transforms:
-            if isinstance(transform, Transform):
-                batch_size = transform.output_batch_size(batch_size)
+        for step in self.steps:
+            if isinstance(step, Transform):
+                batch_size = step.output_batch_size(batch_size)
         return batch_size
-
-    @property  # type: ignore[override]
-    def data_dependent_shape(self) -> bool:
-        """True when a step's output size depends on the values."""
-        return any(getattr(t, "data_dependent_shape", False) for t in self.transforms)
 
     def output_keys(self, input_keys: Sequence[str]) -> list[str]:
         """The keys a mapping holds after the chain, given those it starts with.
@@ -207,21 +218,24 @@ class Chain(Transform):
             ['input_ids', 'loss_mask', 'padding_length', 'labels', 'num_valid_tokens']
         """
         keys = dict.fromkeys(input_keys)
-        for transform in self.transforms:
-            for key in transform.out_keys:
+        for step in self.steps:
+            written = _keys(step, "out_keys")
+            for key in written:
                 keys[key] = None
-            for key in getattr(transform, "dropped_keys", ()):
-                if key not in transform.out_keys:
+            for key in _keys(step, "dropped_keys"):
+                if key not in written:
                     keys.pop(key, None)
         return list(keys)
 
     def created_keys(self) -> list[str]:
         """The keys some step writes without reading them (``labels``, ``cu_seqlens``, ...), in order."""
-        created = [key for t in self.transforms for key in t.out_keys if key not in t.in_keys]
+        created = [
+            key for step in self.steps for key in _keys(step, "out_keys") if key not in _keys(step, "in_keys")
+        ]
         return list(dict.fromkeys(created))
 
     def __len__(self) -> int:
-        return len(self.transforms)
+        return len(self.steps)
 
-    def __getitem__(self, index: int) -> TensorDictModuleBase:
-        return self.transforms[index]  # type: ignore[return-value]
+    def __getitem__(self, index: int) -> Any:
+        return self.steps[index]

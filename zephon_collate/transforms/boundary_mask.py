@@ -64,7 +64,7 @@ class BoundaryMask(Transform):
             mask = data[self.mask_key]
             check_leading("BoundaryMask", self.mask_key, mask, self.positions_key, positions, 2)
 
-    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         keep = segment_starts(data[self.positions_key]).logical_not()
         mask = data.get(self.mask_key)
         if mask is None:

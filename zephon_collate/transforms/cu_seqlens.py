@@ -91,13 +91,9 @@ class CuSeqlens(Transform):
         self.max_key = check_key("CuSeqlens", "max_key", max_key)
         self.flatten = flatten
         self.num_boundaries = num_boundaries
+        self.data_dependent_shape = num_boundaries is None  # else the boundary count is read back
         self.in_keys = [positions_key]
         self.out_keys = [out_key, max_key]
-
-    @property  # type: ignore[override]
-    def data_dependent_shape(self) -> bool:
-        """Without ``num_boundaries``, the boundary count comes from the data (one read-back)."""
-        return self.num_boundaries is None
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         positions = data[self.positions_key]
@@ -108,7 +104,7 @@ class CuSeqlens(Transform):
                 "use smaller batches"
             )
 
-    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         kernel = cu_seqlens_flat if self.flatten else cu_seqlens_rows
         boundaries, longest = kernel(data[self.positions_key], self.num_boundaries)
         return {self.out_key: boundaries, self.max_key: longest}

@@ -67,6 +67,6 @@ class EosMask(Transform):
         )
         check_ignore_fits("EosMask", self.ignore_index, self.labels_key, labels)
 
-    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         from_eos = eos_label_mask(data[self.inputs_key], self.eos_token_id)
         return {self.labels_key: mask_labels(data[self.labels_key], from_eos, self.ignore_index)}

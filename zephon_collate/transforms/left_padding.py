@@ -54,7 +54,7 @@ class LeftPadding(Transform):
             check_rank("LeftPadding", key, data[key], "[B, S] or [B, S, ...]", 2)
             check_leading("LeftPadding", key, data[key], self.padding_length_key, counts, 1)
 
-    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         counts = data[self.padding_length_key].to(torch.int64)
         updates = {}
         for key in self.keys:

@@ -92,7 +92,7 @@ class LossMask(Transform):
             check_rank("LossMask", self.padding_length_key, padding, "[B] pad counts", 1, 1)
             check_leading("LossMask", self.padding_length_key, padding, self.labels_key, labels, 1)
 
-    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         supervision = None if self.supervision_key is None else data[self.supervision_key]
         padding = None if self.padding_length_key is None else data[self.padding_length_key]
         labels, loss_mask, counts = apply_loss_mask(

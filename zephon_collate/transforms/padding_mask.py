@@ -60,6 +60,6 @@ class PaddingMask(Transform):
         check_rank("PaddingMask", self.padding_length_key, padding, "[B] pad counts", 1, 1)
         check_leading("PaddingMask", self.padding_length_key, padding, self.like_key, like, 1)
 
-    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         length = data[self.like_key].shape[1]
         return {self.out_key: trailing_mask(data[self.padding_length_key], length)}

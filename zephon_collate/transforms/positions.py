@@ -65,7 +65,7 @@ class Positions(Transform):
         if self.mode == "sequence":
             check_rank("Positions", self.like_key, data[self.like_key], "[B, S] or [B, S, ...]", 2)
 
-    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.mode == "preserve":
             return {}
         return {self.out_key: sequence_positions(data[self.like_key])}

@@ -87,7 +87,7 @@ class SegmentIds(Transform):
         self.in_keys = [positions_key, padding_length_key] if mark_padding else [positions_key]
         self.out_keys = [out_key]
 
-    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         positions = data[self.positions_key]
         padding = None
         if self.mark_padding:

@@ -69,7 +69,7 @@ class TokenShift(Transform):
         for key in (*self.input_keys, *self.label_keys):
             check_leading("TokenShift", key, data[key], self.tokens_key, tokens, 2)
 
-    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         tokens = data[self.tokens_key]
         updates = {self.tokens_key: tokens[:, :-1], self.labels_key: tokens[:, 1:]}
         for key in self.input_keys:

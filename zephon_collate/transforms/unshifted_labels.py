@@ -53,5 +53,5 @@ class UnshiftedLabels(Transform):
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         check_rank("UnshiftedLabels", self.tokens_key, data[self.tokens_key], "[B, S] or [B, S, ...]", 2)
 
-    def apply(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {self.labels_key: data[self.tokens_key]}

@@ -1,0 +1,121 @@
+"""Your transforms run wherever the built-in ones run: in ``__call__``, in ``finish`` after the stack
+crossed from DataLoader workers, compiled without recompiles; their keys are outputs like the others."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pytest
+import torch
+from helpers import PAD, as_lists, record
+
+from zephon_collate import (
+    BoundaryMask,
+    Chain,
+    Collator,
+    CuSeqlens,
+    LossMask,
+    TokenShift,
+    Transform,
+)
+
+
+class PositionWeights(Transform):
+    """A per-token loss weight: ``1 / (1 + position)`` on supervised labels, 0 elsewhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_keys, self.out_keys = ["labels", "positions"], ["weights"]
+
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        supervised = (data["labels"] != -100).float()
+        return {"weights": supervised / (1.0 + data["positions"].float())}
+
+
+def packed(index: int, lengths: list[int]) -> object:
+    """One row: documents of ``lengths`` tokens (ids from 3), then 2 pad tokens, positions restarting."""
+    tokens, positions = [], []
+    for n in lengths:
+        tokens += [3 + (index + t) % 20 for t in range(n)]
+        positions += list(range(n))
+    tokens += [PAD, PAD]
+    positions += [0, 1]
+    return record({"input_ids": tokens, "positions": positions}, index, padding=2)
+
+
+def hand(rows: list[object]) -> dict[str, list[list[float]]]:
+    """Labels (boundary-safe, padding ignored) and the weights, one token at a time."""
+    labels, weights = [], []
+    for row in rows:
+        tokens, positions = row.payload["input_ids"], row.payload["positions"]
+        real = len(tokens) - row.meta.padding_length
+        row_labels, row_weights = [], []
+        for t in range(len(tokens) - 1):
+            trained = t + 1 < real and positions[t + 1] != 0  # not padding, not the next document's start
+            row_labels.append(tokens[t + 1] if trained else -100)
+            row_weights.append(1.0 / (1 + positions[t]) if trained else 0.0)
+        labels.append(row_labels)
+        weights.append(row_weights)
+    return {"labels": labels, "weights": weights}
+
+
+OPTIONS = {"return_labels": True, "return_cu_seqlens": True, "return_num_valid_tokens": True}
+
+
+def test_a_transform_of_yours_runs_after_the_builtin_chain_and_names_an_output():
+    rows = [packed(0, [3, 4]), packed(1, [5, 2])]
+    collate = Collator(transforms=[PositionWeights()], **OPTIONS)
+    out = collate(rows)
+    want = hand(rows)
+    assert out["labels"].tolist() == want["labels"]
+    torch.testing.assert_close(out["weights"], torch.tensor(want["weights"]))
+    assert list(out)[-1] == "weights"  # after the page's outputs
+    renamed = Collator(
+        transforms=[PositionWeights()], rename_fields={"weights": "w"}, flatten=True, **OPTIONS
+    )
+    flat = renamed(rows)
+    assert flat["w"].shape == (2 * 8,) and flat["cu_seqlens"].tolist() == [0, 3, 7, 8, 13, 15, 16]
+
+
+def test_a_chain_of_yours_replaces_the_builtin_one():
+    chain = [BoundaryMask(), TokenShift(input_keys=["positions"], label_keys=["loss_mask"]), LossMask()]
+    collate = Collator(chain=[*chain, CuSeqlens()], transforms=[PositionWeights()])
+    rows = [packed(0, [3, 4])]
+    out = collate(rows)
+    assert out["labels"].tolist() == hand(rows)["labels"]
+    assert out["cu_seqlens"].tolist() == [[0, 3, 7, 8]] and out["num_valid_tokens"] == 5
+    with pytest.raises(ValueError, match="chain= replaces the chain that return_labels would build"):
+        Collator(chain=chain, return_labels=True)
+    with pytest.raises(TypeError, match=r"transforms\[0\] .* is not a transform"):
+        Collator(transforms=[lambda data: data])
+    with pytest.raises(ValueError, match="PositionWeights reads 'labels'"):
+        Collator(transforms=[PositionWeights()])([packed(0, [3])])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_workers_stack_and_finish_runs_your_transform(compiled):
+    """stack in 2 DataLoader workers, finish here (compiled: no recompile over new sizes and lengths)."""
+    collate = Collator(transforms=[PositionWeights()], compile=compiled, **OPTIONS)
+    eager = Collator(transforms=[PositionWeights()], **OPTIONS)
+    shapes = [(2, 10), (3, 12), (4, 9), (3, 17), (3, 14)]  # batch sizes 2-4, row lengths 9-17
+    batches = [
+        [packed(10 * b + i, [2 + i, length - 4 - i]) for i in range(size)]
+        for b, (size, length) in enumerate(shapes)
+    ]
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=2, collate_fn=collate.stack)
+    stacked = list(loader)
+    assert [len(s) for s in stacked] == [2, 3, 4, 3, 3]
+    first = collate.finish(stacked[0])  # warm-up: the graphs compile here
+    assert as_lists(first) == as_lists(eager(batches[0]))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for batch, arrived in zip(batches[1:], stacked[1:], strict=True):
+            out = collate.finish(arrived)
+            want = hand(batch)
+            assert out["labels"].tolist() == want["labels"]
+            torch.testing.assert_close(out["weights"], torch.tensor(want["weights"]))
+            assert as_lists(out) == as_lists(eager(batch))
+
+
+def test_a_chain_checks_its_wiring_when_built():
+    with pytest.raises(ValueError, match="PositionWeights reads 'positions'"):
+        Chain(TokenShift(), PositionWeights(), input_keys=["input_ids"])
