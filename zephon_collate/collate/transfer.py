@@ -21,12 +21,10 @@ way (:class:`WireOutputs`).
 
 A buffer of up to :data:`PIPE_LIMIT` bytes goes inline, as ``bytes`` in the
 pickle stream through the worker's pipe, with no round trip; a larger one as a
-tensor, through shared memory, whose fixed cost a large buffer repays. With 2
-workers on 2 cores (``python benchmarks/bench_transfer.py``), an 8 x 8,193
-stacked batch (329 kB) arrives every 0.64-0.70 ms inline against 0.94-1.04 ms
-through shared memory, the 525 kB output dict of the same batch 1.09-1.25x
-faster inline, and at 8 x 32,769 tokens (1.3 MB) shared memory is 1.2-1.8x
-faster: the two cost the same somewhere between, where the limit sits.
+tensor, through shared memory, whose fixed cost a large buffer repays. The
+limit sits where the two cost the same: inline wins at 8 x 8,193 tokens (329 kB
+stacked), shared memory at 8 x 32,769 (1.3 MB); ``python
+benchmarks/bench_transfer.py`` measures both (the README gives the figures).
 """
 
 from __future__ import annotations
