@@ -51,7 +51,6 @@ Any other field (text columns) is not read.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -255,6 +254,7 @@ class TransformersOptions:
     separator_id: int | None = None
     position_ids_start: int = 0
     supervision: str | None = None
+    _row_padding: RowPadding | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -302,6 +302,11 @@ class TransformersOptions:
                 f"{_SUPERVISION_FIELDS}, got {shown(self.supervision)}"
             )
         self._check_combinations()
+        length = self.max_length if self.padding == "max_length" else None
+        padding = None
+        if self.pad_token_id is not None:
+            padding = RowPadding.create(self.pad_token_id, self.pad_to_multiple_of, _OWNER, length)
+        put(self, "_row_padding", padding)  # built once: every padded batch uses it
 
     def _check_combinations(self) -> None:
         if self.padding_free:
@@ -349,13 +354,10 @@ class TransformersOptions:
             return self.padding_free
         return self.return_position_ids
 
-    @functools.cached_property
+    @property
     def row_padding(self) -> RowPadding | None:
         """How padded rows are padded (``None`` without ``pad_token_id``)."""
-        length = self.max_length if self.padding == "max_length" else None
-        if self.pad_token_id is None:
-            return None
-        return RowPadding.create(self.pad_token_id, self.pad_to_multiple_of, _OWNER, length)
+        return self._row_padding
 
     @staticmethod
     def arguments(scope: Mapping[str, Any]) -> dict[str, Any]:
@@ -363,7 +365,7 @@ class TransformersOptions:
         return {name: scope[name] for name in TRANSFORMERS_OPTION_NAMES}
 
 
-TRANSFORMERS_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(TransformersOptions))
+TRANSFORMERS_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(TransformersOptions) if f.init)
 """:class:`TransformersCollator`'s layout keywords, in its signature's order."""
 
 
