@@ -498,3 +498,135 @@ def test_plan_is_a_plan():
     shifted = plan.with_keys(range(100, 100 + len(LENGTHS)))
     assert shifted.held == tuple(100 + i for i in plan.held) and shifted.digest() != plan.digest()
     assert shifted.cells[0][0] == tuple(100 + i for i in plan.cells[0][0])
+
+
+# --- PackedStream(balance=...) -------------------------------------------------------------------
+
+from zephon_collate import SampleMeta, SampleRecord  # noqa: E402
+from zephon_collate.packing.stream import PackedStream  # noqa: E402
+
+STREAM_FREE = BalanceOptions(cost=MIXED, micro_batches=2, max_tokens=48)
+STREAM_ROWS = BalanceOptions(cost=MIXED, micro_batches=2, rows=2, seq_len=24)
+
+
+def stream_documents(count=70, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        SampleRecord(
+            SampleMeta((0, 0, i), 0, i // 10, i % 10),
+            {"input_ids": rng.integers(3, 50, int(rng.integers(1, 30)))},
+        )
+        for i in range(count)
+    ]
+
+
+def balanced_stream(options, rank=0, records=None):
+    seq_len = options.seq_len if options.fixed_rows else 20
+    return PackedStream(
+        records or stream_documents(),
+        seq_len,
+        pad_token_id=0,
+        rank=rank,
+        world_size=2,
+        balance=options,
+        overflow="split",
+    )
+
+
+def step_summary(steps):
+    return [
+        [[row.payload["input_ids"].tolist() for row in micro_batch] for micro_batch in step] for step in steps
+    ]
+
+
+@pytest.mark.parametrize("options", [STREAM_FREE, STREAM_ROWS], ids=["padding-free", "fixed-rows"])
+def test_balanced_stream_gives_each_rank_its_share_of_every_step(options):
+    per_rank = [list(balanced_stream(options, rank)) for rank in range(2)]
+    assert len(per_rank[0]) == len(per_rank[1]) >= 3
+    closed = []
+    for steps in per_rank:
+        for step, other in zip(steps, per_rank[1], strict=True):
+            assert len(step) == len(other)  # the same micro-batches per step on every rank
+            for micro_batch in step:
+                assert micro_batch
+                if options.fixed_rows:
+                    assert len(micro_batch) <= options.rows
+                    assert all(row.payload["input_ids"].size == options.seq_len for row in micro_batch)
+                else:
+                    (row,) = micro_batch
+                    assert (
+                        row.payload["input_ids"].size <= options.max_tokens and row.meta.padding_length == 0
+                    )
+                closed += [
+                    ref.cursor.sample_id
+                    for row in micro_batch
+                    for ref in row.meta.contributors
+                    if ref.is_last_child
+                ]
+    documents = stream_documents()
+    assert sorted(closed) == sorted(record.meta.sample_id for record in documents)  # each document once
+
+
+@pytest.mark.parametrize("options", [STREAM_FREE, STREAM_ROWS], ids=["padding-free", "fixed-rows"])
+def test_balanced_stream_resumes_at_every_step(options):
+    expected = step_summary(balanced_stream(options, 1))
+    for stop in range(len(expected) + 1):
+        stream = balanced_stream(options, 1)
+        steps = iter(stream)
+        seen = step_summary(next(steps) for _ in range(stop))
+        resumed = balanced_stream(options, 1)
+        resumed.load_state_dict(saved(stream.state_dict()))
+        assert seen + step_summary(resumed) == expected, f"resumed after {stop} steps"
+
+
+@no_vital_warning
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_balanced_stream_with_stateful_dataloader(num_workers):
+    stateful = pytest.importorskip("torchdata.stateful_dataloader", exc_type=ImportError)
+    records = stream_documents(120)
+
+    def loader():
+        stream = balanced_stream(STREAM_ROWS, 0, records)
+        return stateful.StatefulDataLoader(
+            stream, batch_size=None, collate_fn=step_summary_one, num_workers=num_workers
+        )
+
+    expected = list(loader())
+    assert expected == step_summary(balanced_stream(STREAM_ROWS, 0, records))  # workers keep the step order
+    for stop in (1, 4):
+        first = loader()
+        steps = iter(first)
+        seen = [next(steps) for _ in range(stop)]
+        state = saved(first.state_dict())
+        del steps
+        resumed = loader()
+        resumed.load_state_dict(state)
+        assert seen + list(resumed) == expected, f"resumed after {stop} steps"
+
+
+def step_summary_one(step):
+    return step_summary([step])[0]
+
+
+def test_balanced_stream_refuses_what_does_not_fit():
+    with pytest.raises(ValueError, match="strategy do not apply with balance="):
+        PackedStream([], 24, pad_token_id=0, balance=STREAM_ROWS, strategy="best_fit")
+    with pytest.raises(ValueError, match="rows of seq_len=24, the stream seq_len=16"):
+        PackedStream([], 16, pad_token_id=0, balance=STREAM_ROWS)
+    with pytest.raises(ValueError, match="exceeds the micro-batch budget max_tokens=48"):
+        PackedStream([], 64, pad_token_id=0, balance=STREAM_FREE)
+    with pytest.raises(TypeError, match=r"balance must be zephon_collate\.BalanceOptions, got dict"):
+        PackedStream([], 24, pad_token_id=0, balance={"rows": 2})
+    packed = PackedStream(stream_documents(), 24, pad_token_id=0)
+    next(iter(packed))
+    with pytest.raises(ValueError, match="saved by a packed stream; resume with the same balance= option"):
+        balanced_stream(STREAM_ROWS).load_state_dict(packed.state_dict())
+    other_world = balanced_stream(STREAM_ROWS)
+    next(iter(other_world))
+    state = other_world.state_dict()
+    single = PackedStream(
+        stream_documents(), 24, pad_token_id=0, rank=0, world_size=1, balance=STREAM_ROWS, overflow="split"
+    )
+    single.load_state_dict(state)
+    with pytest.raises(ValueError, match="saved for 2 ranks, this run has 1"):
+        next(iter(single))

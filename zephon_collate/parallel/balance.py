@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -26,6 +27,9 @@ from zephon_collate.checks import check_int
 from zephon_collate.parallel.cost import COST_LIMIT, CostModel
 from zephon_collate.parallel.placement import UNPLACED, pack_rows, place_items, place_rows
 from zephon_collate.text import shown
+
+if TYPE_CHECKING:
+    from zephon_collate.parallel.schedule import BalanceSchedule
 
 __all__ = ["BalanceOptions", "BalancePlan", "plan_balance"]
 
@@ -98,6 +102,12 @@ class BalanceOptions:
         if self.max_tokens is not None:
             return self.max_tokens
         return int(self.rows or 0) * int(self.seq_len or 0)  # both set in fixed-row mode
+
+    def schedule(self, ranks: int) -> BalanceSchedule:
+        """A fresh :class:`~zephon_collate.parallel.schedule.BalanceSchedule` of these options."""
+        from zephon_collate.parallel.schedule import BalanceSchedule  # it imports this module
+
+        return BalanceSchedule(self, ranks)
 
     def step_tokens(self, ranks: int) -> int:
         """Tokens one step holds over ``ranks`` ranks: ``micro_batches * ranks * micro_batch_tokens``."""
