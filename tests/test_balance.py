@@ -652,3 +652,12 @@ def test_ddp_over_the_balanced_sampler_equals_one_process(tmp_path):
     assert min(report["naive_errors"]) > 1e-4  # a mean per micro-batch is measurably wrong here
     assert any(len(set(counts)) > 1 for counts in report["documents"])  # documents per micro-batch vary
     assert report["counts"][0]["dropped"] == 0
+
+
+def test_balanced_example_runs_under_torchrun():
+    from test_distributed import ROOT, torchrun
+
+    result = torchrun(ROOT / "examples" / "balanced_train.py", "--steps", "4")
+    assert "plans identical on every rank" in result.stdout and "step 3: loss" in result.stdout
+    assert "rank 0: resumed data stream matches" in result.stdout
+    assert "rank 1: resumed data stream matches" in result.stdout
