@@ -38,6 +38,9 @@ UNPLACED = -1
 TOLERANCE_DENOMINATOR = 1000
 """A slot stops refining once its max/mean cost is within ``1 + 1 / TOLERANCE_DENOMINATOR``."""
 
+MIN_GAIN_DENOMINATOR = 100_000
+"""A slot stops refining after a round that lowered its maximum by less than ``1 / MIN_GAIN_DENOMINATOR``."""
+
 Ints = npt.NDArray[np.int64]
 
 
@@ -194,6 +197,7 @@ def _refine(
         if swap is None:
             break
         give, take, other = swap
+        before = int(cost[top])
         where[give] = other
         moved_cost, moved_size = int(item_cost[give]), int(item_size[give])
         if take >= 0:
@@ -207,6 +211,8 @@ def _refine(
         cost[other] += moved_cost
         used[top] -= moved_size
         used[other] += moved_size
+        if (before - int(cost.max())) * MIN_GAIN_DENOMINATOR < before:
+            break  # the round lowered the slot's maximum by less than 1 / MIN_GAIN_DENOMINATOR: stop
     cells[members] = where + first
 
 
