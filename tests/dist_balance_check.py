@@ -103,12 +103,8 @@ def max_error(first: list[torch.Tensor], second: list[torch.Tensor]) -> float:
     return max(float((a - b).abs().max()) for a, b in zip(first, second, strict=True))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--report", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    rank, world = dist.get_rank(), dist.get_world_size()
+def train(rank: int, world: int) -> dict:
+    """The balanced DDP run, each step checked against one process; returns the report."""
     dataset = Documents()
     sampler = BalancedBatchSampler(dataset.lengths, OPTIONS, seed=SEED)  # rank, world from torch.distributed
     plans = list(sampler.plans())
@@ -174,12 +170,24 @@ def main() -> None:
     report["imbalance"] = [float(np.mean(plan.imbalance())) for plan in plans]
     report["counts"] = counts
     report["world_size"] = world
-    dist.barrier()
-    if rank == 0:
-        with open(args.report, "w") as handle:
-            json.dump(report, handle, indent=1)
-    print(f"rank {rank}: OK ({report['steps']} steps)", flush=True)
-    dist.destroy_process_group()
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--report", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        report = train(rank, world)  # DDP and the loaders are gone when the group is destroyed
+        dist.barrier()
+        if rank == 0:
+            with open(args.report, "w") as handle:
+                json.dump(report, handle, indent=1)
+        print(f"rank {rank}: OK ({report['steps']} steps)", flush=True)
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
