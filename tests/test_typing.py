@@ -79,7 +79,12 @@ def test_for_transformers_signature_equals_its_options():
     [
         (pack_flat, 1, {}, []),
         (FlatPacker.__init__, 1, {"buffer_size": 1024}, []),
-        (PackedStream.__init__, 2, {"buffer_size": 1024}, [("rank", None), ("world_size", None)]),
+        (
+            PackedStream.__init__,
+            2,
+            {"buffer_size": 1024},
+            [("rank", None), ("world_size", None), ("balance", None)],
+        ),
     ],
     ids=["pack_flat", "FlatPacker", "PackedStream"],
 )

@@ -33,9 +33,13 @@ from zephon_collate.inspection.rows import batch_warnings
 from zephon_collate.packing.pack_flat import pack_flat
 from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.packing.stream import PackedStream
+from zephon_collate.parallel.balance import BalanceOptions, BalancePlan, plan_balance
 from zephon_collate.parallel.context_parallel import gather_context_parallel
+from zephon_collate.parallel.cost import CostModel
 from zephon_collate.parallel.distributed import global_num_valid_tokens, normalize_loss
 from zephon_collate.parallel.even import EvenBatches
+from zephon_collate.parallel.sampler import BalancedBatchSampler
+from zephon_collate.parallel.schedule import BalanceSchedule
 from zephon_collate.transforms import (
     AttentionMask,
     BoundaryMask,
@@ -76,6 +80,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionMask",
+    "BalanceOptions",
+    "BalancePlan",
+    "BalanceSchedule",
+    "BalancedBatchSampler",
     "BoundaryMask",
     "Chain",
     "ChunkId",
@@ -85,6 +93,7 @@ __all__ = [
     "ComponentId",
     "ContextParallelShard",
     "ContributorRef",
+    "CostModel",
     "CuSeqlens",
     "DatasetId",
     "EosMask",
@@ -122,6 +131,7 @@ __all__ = [
     "global_num_valid_tokens",
     "normalize_loss",
     "pack_flat",
+    "plan_balance",
     "render_batch",
     "render_batch_png",
     "stack_batch",

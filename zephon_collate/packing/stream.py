@@ -13,59 +13,34 @@ the :meth:`~zephon_collate.types.SampleCursor.as_key` of the last record read,
 which the resumed stream checks against the source. It is made of dicts,
 lists, tuples, ints, strings and tensors only, so
 ``torch.save``/``torch.load(weights_only=True)`` keep it.
+
+With ``balance=BalanceOptions(...)`` the stream is balanced across ranks instead
+(:mod:`zephon_collate.packing.balanced`): every rank reads the whole source,
+plans each step as its peers do, and yields one item per step, its own
+micro-batches of packed rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, cast
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
 from zephon_collate._checks import suggest_options
 from zephon_collate._text import shown
+from zephon_collate.packing.balanced import BalancedSteps, check_balance_state
 from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.packing.reader import REQUIRED, STREAM_BUFFER_SIZE, PackOptions
+from zephon_collate.packing.source import Source, cursor_key, restored, saveable, shard_records
 from zephon_collate.packing.state import check_count, corrupt, same_value
 from zephon_collate.records import SampleCursor, SampleRecord
 
 __all__ = ["STATE_VERSION", "PackedStream", "Source"]
 
 STATE_VERSION = 1
-
-Source = Callable[[int, int, int], Iterable[SampleRecord]] | Any
-
-
-def _saveable(value: Any) -> Any:
-    """NumPy data as tensors (dtype kept), so ``torch.load(weights_only=True)`` accepts the state."""
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(value).copy())
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, Mapping):
-        return {key: _saveable(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_saveable(item) for item in value)
-    return value
-
-
-def _restored(value: Any) -> Any:
-    """The inverse of :func:`_saveable`: tensors back to NumPy arrays."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
-    if isinstance(value, Mapping):
-        return {key: _restored(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_restored(item) for item in value)
-    return value
-
-
-def _key(value: Any) -> Any:
-    """A cursor key with lists (as read back from JSON) turned into tuples, for comparisons."""
-    return tuple(_key(item) for item in value) if isinstance(value, (list, tuple)) else value
 
 
 class PackedStream(IterableDataset[SampleRecord]):
@@ -96,10 +71,16 @@ class PackedStream(IterableDataset[SampleRecord]):
             the :class:`FlatPacker` options.
         rank, world_size: this data-parallel rank and the number of ranks
             (default: torch.distributed's, or 0 and 1).
+        balance: a :class:`~zephon_collate.parallel.balance.BalanceOptions` for the balanced mode:
+            no sharding by rank; each item is one step, this rank's micro-batches (each a list
+            of rows) of a plan every rank computes alike (see
+            :mod:`zephon_collate.packing.balanced`). Fixed rows need ``balance.seq_len == seq_len``;
+            padding-free, documents are cut at ``seq_len`` (at most ``balance.max_tokens``).
+            ``strategy`` and ``buffer_size`` do not apply (the plan packs the rows).
 
     Raises:
         TypeError, ValueError: for bad packer options (at construction), a source of
-            neither kind, or a bad ``rank``/``world_size``.
+            neither kind, a bad ``rank``/``world_size``, or ``balance`` options that do not fit.
 
     Example:
         >>> from zephon_collate import SampleMeta
@@ -134,10 +115,14 @@ class PackedStream(IterableDataset[SampleRecord]):
         fields: Sequence[str] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        balance: Any = None,
     ) -> None:
         super().__init__()
         self.packer_options = PackOptions.arguments(locals())
         FlatPacker(**self.packer_options)  # checks the options now
+        if balance is not None:
+            _check_balance(balance, seq_len, self.packer_options)
+        self.balance = balance
         if not callable(source) and not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
             raise TypeError(
                 "PackedStream: source must be a sequence of SampleRecord or a callable "
@@ -157,7 +142,7 @@ class PackedStream(IterableDataset[SampleRecord]):
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
         self._pending: dict[str, Any] | None = None
-        self._latest: _Iterator | None = None
+        self._latest: _Iterator | _BalancedIterator | None = None
         # Set by an iterator started in a DataLoader worker; shared memory, so this process sees it.
         self._in_workers = cast(Any, torch.zeros(1, dtype=torch.int8)).share_memory_()
 
@@ -185,12 +170,27 @@ class PackedStream(IterableDataset[SampleRecord]):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return rank * workers + worker, world * workers  # type: ignore[operator]
 
-    def __iter__(self) -> Iterator[SampleRecord]:
+    def placement(self) -> tuple[int, int, int, int]:
+        """``(rank, world_size, worker, num_workers)`` of the calling process and DataLoader worker."""
+        if self.world_size is not None:
+            rank, world = int(self.rank or 0), self.world_size
+        elif dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world = 0, 1
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return rank, world, worker, workers
+
+    def __iter__(self) -> Iterator[Any]:
         if get_worker_info() is not None:
             self._in_workers.fill_(1)
         state, self._pending = self._pending, None
-        self._latest = _Iterator(self, state)
-        return self._latest
+        latest: _Iterator | _BalancedIterator = (
+            _Iterator(self, state) if self.balance is None else _BalancedIterator(self, state)
+        )
+        self._latest = latest
+        return latest
 
     def state_dict(self) -> dict[str, Any]:
         """The position of the latest iterator: ``version``, ``epoch``, ``shard``, ``num_shards``,
@@ -216,7 +216,7 @@ class PackedStream(IterableDataset[SampleRecord]):
             return dict(self._pending)
         if self._latest is not None:
             return self._latest.state_dict()
-        shard, num_shards = self.shard()
+        shard, num_shards = self.shard() if self.balance is None else self.placement()[2:]
         return _state(self.epoch, shard, num_shards, None, None)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -251,18 +251,28 @@ class PackedStream(IterableDataset[SampleRecord]):
             num_shards = check_count(state["num_shards"], "state['num_shards']", owner)
             if shard >= num_shards:
                 raise corrupt("state['shard']", f"is {shard}, not below num_shards={num_shards}", owner)
+        balance = state.get("balance")
+        if (balance is not None and self.balance is None) or (state["packer"] is not None and self.balance):
+            raise ValueError(
+                f"{owner}: the state was saved by a {'balanced' if balance is not None else 'packed'} "
+                "stream; resume with the same balance= option"
+            )
         if state["packer"] is not None:  # its own checks name the packer's keys
-            FlatPacker(**self.packer_options).load_state_dict(_restored(state["packer"]))
+            FlatPacker(**self.packer_options).load_state_dict(restored(state["packer"]))
+        if balance is not None:
+            check_balance_state(balance, FlatPacker(**self.packer_options).options, None)
         if state["last_cursor"] is not None:
             try:
-                checked["last_cursor"] = SampleCursor.from_key(_key(state["last_cursor"])).as_key()
+                checked["last_cursor"] = SampleCursor.from_key(cursor_key(state["last_cursor"])).as_key()
             except (TypeError, ValueError) as error:
                 raise corrupt("state['last_cursor']", f"is not a cursor key ({error})", owner) from None
         return checked
 
 
-def _state(epoch: int, shard: int, num_shards: int, packer: Any, cursor: Any) -> dict[str, Any]:
-    return {
+def _state(
+    epoch: int, shard: int, num_shards: int, packer: Any, cursor: Any, balance: Any = None
+) -> dict[str, Any]:
+    state = {
         "version": STATE_VERSION,
         "epoch": epoch,
         "shard": shard,
@@ -270,6 +280,35 @@ def _state(epoch: int, shard: int, num_shards: int, packer: Any, cursor: Any) ->
         "packer": packer,
         "last_cursor": cursor,
     }
+    if balance is not None:
+        state["balance"] = balance
+    return state
+
+
+def _check_balance(balance: Any, seq_len: int, packer_options: Mapping[str, Any]) -> None:
+    """``balance`` must be BalanceOptions that fit ``seq_len`` (duck-typed: packing imports no parallel)."""
+    if not callable(getattr(balance, "schedule", None)) or not hasattr(balance, "micro_batch_tokens"):
+        raise TypeError(
+            f"PackedStream: balance must be zephon_collate.BalanceOptions, got {type(balance).__name__}"
+        )
+    defaults = {"strategy": "greedy", "buffer_size": STREAM_BUFFER_SIZE}
+    given = sorted(name for name, default in defaults.items() if packer_options[name] != default)
+    if given:
+        raise ValueError(
+            f"PackedStream: {', '.join(given)} do not apply with balance= (the plan packs the rows); "
+            "drop them"
+        )
+    if balance.fixed_rows and balance.seq_len != seq_len:
+        raise ValueError(
+            f"PackedStream: balance has rows of seq_len={balance.seq_len}, the stream seq_len={seq_len}; "
+            "give both the same row length"
+        )
+    if not balance.fixed_rows and seq_len > balance.micro_batch_tokens:
+        raise ValueError(
+            f"PackedStream: seq_len={seq_len} (the longest piece of a document) exceeds the micro-batch "
+            f"budget max_tokens={balance.micro_batch_tokens}; lower seq_len or raise max_tokens"
+        )
+    balance.schedule(1)  # micro_batches is required: it sets the window's size
 
 
 class _Iterator:
@@ -295,7 +334,7 @@ class _Iterator:
         if self.packer is None and self.state is not None:
             return dict(self.state)
         shard, num_shards = self.stream.shard()
-        packer = None if self.packer is None else _saveable(self.packer.state_dict())
+        packer = None if self.packer is None else saveable(self.packer.state_dict())
         return _state(self.epoch, shard, num_shards, packer, self.last_cursor)
 
     def _start(self) -> Iterator[SampleRecord]:
@@ -312,36 +351,11 @@ class _Iterator:
                     "torchdata.stateful_dataloader.StatefulDataLoader (a plain DataLoader cannot)"
                 )
             if state["packer"] is not None:
-                packer.load_state_dict(_restored(state["packer"]))
-                start, self.last_cursor = packer.records_consumed, _key(state["last_cursor"])
+                packer.load_state_dict(restored(state["packer"]))
+                start, self.last_cursor = packer.records_consumed, cursor_key(state["last_cursor"])
         self.packer = packer
-        records = self._records(shard, num_shards, start, self.last_cursor)
+        records = shard_records(self.stream.source, shard, num_shards, self.epoch, start, self.last_cursor)
         return packer.pack(self._tracked(records))
-
-    def _records(self, shard: int, num_shards: int, start: int, expected: Any) -> Iterator[SampleRecord]:
-        """This shard's records from ``start`` on, after checking (eagerly) the one before it."""
-        source = self.stream.source
-        if callable(source):
-            records = iter(source(shard, num_shards, self.epoch))
-            for position in range(start):
-                record = next(records, None)
-                if record is None:
-                    raise ValueError(
-                        f"PackedStream: the source of shard {shard} ended after {position} records, but the "
-                        f"state had consumed {start}; the source changed since the state was saved"
-                    )
-                if position == start - 1:
-                    _check(record, expected, position, shard)
-            return records
-        indices = range(shard, len(source), num_shards)
-        if start:
-            if start > len(indices):
-                raise ValueError(
-                    f"PackedStream: shard {shard} has {len(indices)} records, but the state had consumed "
-                    f"{start}; the source changed since the state was saved"
-                )
-            _check(source[indices[start - 1]], expected, start - 1, shard)
-        return (source[index] for index in indices[start:])
 
     def _tracked(self, records: Iterable[SampleRecord]) -> Iterator[SampleRecord]:
         for record in records:
@@ -350,10 +364,41 @@ class _Iterator:
             yield record  # the packer names a record that is not a SampleRecord
 
 
-def _check(record: Any, expected: Any, position: int, shard: int) -> None:
-    found = record.meta.as_cursor_key() if isinstance(record, SampleRecord) else None
-    if expected is not None and found != expected:
-        raise ValueError(
-            f"PackedStream: record {position} of shard {shard} has cursor {found}, but the state was "
-            f"saved after cursor {expected}; the source changed since the state was saved"
-        )
+class _BalancedIterator:
+    """One pass of a balanced :class:`PackedStream`; starts reading on the first ``next()``."""
+
+    def __init__(self, stream: PackedStream, state: dict[str, Any] | None) -> None:
+        self.stream = stream
+        self.state = state
+        self.epoch = stream.epoch if state is None else int(state["epoch"])
+        self.steps: BalancedSteps | None = None
+
+    def __iter__(self) -> _BalancedIterator:
+        return self
+
+    def __next__(self) -> list[list[SampleRecord]]:
+        if self.steps is None:
+            self.steps = self._start()
+        return next(self.steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.steps is None and self.state is not None:
+            return dict(self.state)
+        worker, workers = self.stream.placement()[2:]
+        if self.steps is None:
+            return _state(self.epoch, worker, workers, None, None)
+        return _state(self.epoch, worker, workers, None, self.steps.last_cursor, self.steps.state_dict())
+
+    def _start(self) -> BalancedSteps:
+        placement = self.stream.placement()
+        state = self.state
+        saved_by = None if state is None else (state["shard"], state["num_shards"])
+        if saved_by is not None and saved_by[0] is not None and saved_by != placement[2:]:
+            raise ValueError(
+                f"PackedStream: the state was saved by DataLoader worker {saved_by[0]} of {saved_by[1]}, "
+                f"this is worker {placement[2]} of {placement[3]}; resume with the same num_workers "
+                "through torchdata.stateful_dataloader.StatefulDataLoader"
+            )
+        options = FlatPacker(**self.stream.packer_options).options
+        resume = state if state is not None and state.get("balance") is not None else None
+        return BalancedSteps(self.stream.source, options, self.stream.balance, placement, self.epoch, resume)

@@ -1,0 +1,682 @@
+"""Balanced data-parallel steps: which documents each rank gets in each lockstep micro-batch slot.
+
+:class:`~zephon_collate.EvenBatches` gives every rank the same number of steps;
+equal steps are not equal work. :func:`plan_balance` takes a window of documents
+(their lengths, optionally group keys that must stay together) and returns a
+:class:`BalancePlan`: for each micro-batch slot of the step and each rank, the
+documents it gets. Every document appears once (or is held for the next window);
+each micro-batch respects its token budget (``max_tokens`` padding-free, or
+``rows`` rows of ``seq_len``); every rank gets the same number of micro-batches;
+and within each slot, which all ranks run in lockstep, the modelled cost
+(:class:`~zephon_collate.parallel.cost.CostModel`) is balanced across ranks. The
+plan is a pure function of its input: every rank computes the same one, with no
+communication. How: :mod:`zephon_collate.parallel.placement`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from zephon_collate._checks import check_int
+from zephon_collate._text import shown
+from zephon_collate.parallel.cost import COST_LIMIT, CostModel
+from zephon_collate.parallel.placement import UNPLACED, Ints, pack_rows, place_items, place_rows
+
+if TYPE_CHECKING:
+    from zephon_collate.parallel.schedule import BalanceSchedule
+
+__all__ = ["BalanceOptions", "BalancePlan", "Floats", "Ints", "plan_balance"]
+
+Floats = npt.NDArray[np.float64]
+_Cell = tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BalanceOptions:
+    """How a step is planned: the cost model, the micro-batch budget and the slots per step.
+
+    Parameters:
+        cost: the :class:`~zephon_collate.parallel.cost.CostModel` balanced across ranks.
+        micro_batches: lockstep micro-batch slots per step (gradient accumulation); ``None``:
+            as few as the window needs (:func:`plan_balance` only; the sampler and stream need it).
+        max_tokens: padding-free budget, the most tokens one micro-batch holds.
+        rows, seq_len: fixed-row budget instead: a micro-batch's documents pack into ``rows``
+            rows of ``seq_len`` tokens (its cost counts the padding too).
+        hold_back: windows a document may wait so that outliers (documents costing more than
+            a rank's mean share of a slot) come in whole tiers of ``ranks``, as WLB-LLM
+            delays them; documents that do not fit a step always wait for the next one.
+        swap_rounds: pairwise swaps per slot after the longest-first seed.
+
+    Raises:
+        TypeError, ValueError: naming the option, for a wrong type, a value out of range, or
+            neither or both of ``max_tokens`` and ``rows``/``seq_len``.
+
+    Example:
+        >>> options = BalanceOptions(cost=CostModel(linear=1, quadratic=0), max_tokens=8)
+        >>> options.micro_batch_tokens, options.fixed_rows
+        (8, False)
+    """
+
+    cost: CostModel
+    micro_batches: int | None = None
+    max_tokens: int | None = None
+    rows: int | None = None
+    seq_len: int | None = None
+    hold_back: int = 0
+    swap_rounds: int = 16
+
+    def __post_init__(self) -> None:
+        owner = "BalanceOptions"
+        if not isinstance(self.cost, CostModel):
+            raise TypeError(f"{owner}: cost must be a CostModel, got {type(self.cost).__name__}")
+        if self.micro_batches is not None:
+            check_int(owner, "micro_batches", self.micro_batches, 1)
+        if (self.rows is None) != (self.seq_len is None):
+            raise ValueError(f"{owner}: give rows and seq_len together (fixed rows), or max_tokens alone")
+        if (self.max_tokens is None) == (self.rows is None):
+            raise ValueError(
+                f"{owner}: give exactly one budget: max_tokens=N (padding-free) or rows=R, seq_len=S "
+                f"(fixed rows), got max_tokens={shown(self.max_tokens)}, rows={shown(self.rows)}"
+            )
+        for name in ("max_tokens", "rows", "seq_len"):
+            if getattr(self, name) is not None:
+                check_int(owner, name, getattr(self, name), 1)
+        check_int(owner, "hold_back", self.hold_back, 0)
+        check_int(owner, "swap_rounds", self.swap_rounds, 0)
+
+    @property
+    def fixed_rows(self) -> bool:
+        """True for fixed rows (``rows`` x ``seq_len``), False for a padding-free token budget."""
+        return self.rows is not None
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        """The token budget of one micro-batch: ``max_tokens`` or ``rows * seq_len``."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return int(self.rows or 0) * int(self.seq_len or 0)  # both set in fixed-row mode
+
+    def schedule(self, ranks: int) -> BalanceSchedule:
+        """A fresh :class:`~zephon_collate.parallel.schedule.BalanceSchedule` of these options."""
+        from zephon_collate.parallel.schedule import BalanceSchedule  # it imports this module
+
+        return BalanceSchedule(self, ranks)
+
+    def step_tokens(self, ranks: int) -> int:
+        """Tokens one step holds over ``ranks`` ranks: ``micro_batches * ranks * micro_batch_tokens``."""
+        if self.micro_batches is None:
+            raise ValueError("BalanceOptions.step_tokens: needs micro_batches (slots per step)")
+        return self.micro_batches * ranks * self.micro_batch_tokens
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class BalancePlan:
+    """One step: for each micro-batch slot and rank, the documents it gets, and what that costs.
+
+    Attributes:
+        cells: ``cells[slot][rank]``, the documents (indices into the window) of that micro-batch.
+        rows: fixed-row mode: ``rows[slot][rank]`` lists the micro-batch's rows (each a tuple of
+            documents; a plain next-fit over ``cells[slot][rank]`` in order, as
+            ``pack_flat(strategy="greedy")`` does, rebuilds exactly these rows); else ``None``.
+        held: documents left for the next window, in window order.
+        dropped: documents left out for good (see :meth:`without_sparse_slots`), in window order.
+        costs: ``[slots, ranks]`` int64 modelled cost of each micro-batch (padding included).
+        tokens: ``[slots, ranks]`` document tokens; ``computed``: tokens including padding.
+        largest: ``[slots]`` the costliest unit (document or group) of each slot.
+        extra_slots: slots beyond ``micro_batches``, added because documents that may not wait
+            longer did not fit (0 normally).
+        seq_len: the row length in fixed-row mode, else ``None``.
+
+    Example:
+        >>> plan = plan_balance([5, 4, 3, 3, 2, 1], BalanceOptions(cost=CostModel(linear=0, quadratic=1),
+        ...                     max_tokens=10, micro_batches=1), ranks=2)
+        >>> plan.cells  # one slot, two ranks: 25 + 9 = 34 against 16 + 9 + 4 + 1 = 30 (no split gives 32)
+        (((0, 3), (1, 2, 4, 5)),)
+        >>> plan.costs.tolist(), plan.imbalance().tolist(), plan.lower_bound().tolist()
+        ([[34, 30]], [1.0625], [1.0])
+    """
+
+    cells: tuple[tuple[_Cell, ...], ...]
+    rows: tuple[tuple[tuple[_Cell, ...], ...], ...] | None
+    held: _Cell
+    costs: Ints
+    tokens: Ints
+    computed: Ints
+    largest: Ints
+    extra_slots: int = 0
+    seq_len: int | None = field(default=None)
+    dropped: _Cell = ()
+
+    @property
+    def num_slots(self) -> int:
+        """Micro-batch slots in the step (the same for every rank)."""
+        return len(self.cells)
+
+    @property
+    def num_ranks(self) -> int:
+        """Data-parallel ranks the step is planned for."""
+        return int(self.costs.shape[1])
+
+    def for_rank(self, rank: int) -> tuple[_Cell, ...]:
+        """``rank``'s micro-batches, in slot order: one tuple of documents each."""
+        rank = check_int("BalancePlan.for_rank", "rank", rank, 0, self.num_ranks - 1)
+        return tuple(cells[rank] for cells in self.cells)
+
+    def with_keys(self, keys: Sequence[int]) -> BalancePlan:
+        """The same plan with each window position ``i`` replaced by ``keys[i]`` (e.g. dataset indices)."""
+        table = [int(key) for key in keys]
+
+        def swap(cell: _Cell) -> _Cell:
+            return tuple(table[i] for i in cell)
+
+        rows = None
+        if self.rows is not None:
+            rows = tuple(tuple(tuple(swap(row) for row in cell) for cell in slot) for slot in self.rows)
+        return BalancePlan(
+            cells=tuple(tuple(swap(cell) for cell in slot) for slot in self.cells),
+            rows=rows,
+            held=swap(self.held),
+            costs=self.costs,
+            tokens=self.tokens,
+            computed=self.computed,
+            largest=self.largest,
+            extra_slots=self.extra_slots,
+            seq_len=self.seq_len,
+            dropped=swap(self.dropped),
+        )
+
+    def without_sparse_slots(self) -> BalancePlan:
+        """The plan without the slots in which some rank got no document; theirs go to ``dropped``.
+
+        Only a slot holding fewer units than ranks has an empty micro-batch (the
+        longest-first seed gives an empty cell the next unit), so this drops at most
+        the tail of an epoch's last window: a rank with nothing to run would leave the
+        others waiting in the slot's collectives.
+
+        Example:
+            >>> options = BalanceOptions(cost=CostModel(linear=1, quadratic=0), max_tokens=4)
+            >>> plan = plan_balance([4, 4, 4], options, ranks=2)  # 2 slots; the second holds one document
+            >>> plan.cells, plan.without_sparse_slots().cells, plan.without_sparse_slots().dropped
+            ((((0,), (1,)), ((2,), ())), (((0,), (1,)),), (2,))
+        """
+        keep = [slot for slot in range(self.num_slots) if all(self.cells[slot])]
+        if len(keep) == self.num_slots:
+            return self
+        gone = sorted(
+            doc
+            for slot in range(self.num_slots)
+            if slot not in keep
+            for cell in self.cells[slot]
+            for doc in cell
+        )
+        return BalancePlan(
+            cells=tuple(self.cells[slot] for slot in keep),
+            rows=None if self.rows is None else tuple(self.rows[slot] for slot in keep),
+            held=self.held,
+            costs=self.costs[keep],
+            tokens=self.tokens[keep],
+            computed=self.computed[keep],
+            largest=self.largest[keep],
+            extra_slots=self.extra_slots,
+            seq_len=self.seq_len,
+            dropped=tuple(sorted((*self.dropped, *gone))),
+        )
+
+    def imbalance(self) -> Floats:
+        """``[slots]``: the costliest rank's cost over the mean rank cost (1.0 is perfect)."""
+        return _spread(self.costs)
+
+    def lower_bound(self) -> Floats:
+        """``[slots]``: ``max(largest unit, total / ranks) / (total / ranks)``, the best any split reaches."""
+        mean = self.costs.sum(axis=1) / self.num_ranks
+        safe = np.where(mean > 0, mean, 1.0)
+        return np.where(mean > 0, np.maximum(self.largest, mean) / safe, 1.0)
+
+    def padding_fraction(self) -> float:
+        """Padding tokens over computed tokens (0 padding-free)."""
+        computed = int(self.computed.sum())
+        return (computed - int(self.tokens.sum())) / computed if computed else 0.0
+
+    def token_spread(self) -> Floats:
+        """``[slots]``: the most document tokens on a rank over the mean."""
+        return _spread(self.tokens)
+
+    def memory_spread(self) -> Floats:
+        """``[slots]``: the most computed tokens (padding included) on a rank over the mean.
+
+        Activation memory grows with computed tokens under a varlen or block-sparse
+        attention kernel, so this is the memory spread; fixed rows make it 1.
+        """
+        return _spread(self.computed)
+
+    def digest(self) -> str:
+        """A SHA-256 of the cells, rows and held documents: equal plans give equal digests."""
+        text = repr((self.cells, self.rows, self.held)).encode()
+        return hashlib.sha256(text).hexdigest()
+
+    def summary(self) -> str:
+        """A readable table: per slot, documents, the token, memory and cost spreads, the lower bound."""
+        documents = sum(len(cell) for slot in self.cells for cell in slot)
+        mode = f"rows of {self.seq_len}" if self.seq_len is not None else "padding-free"
+        held = f"{len(self.held)} held" + (f", {len(self.dropped)} dropped" if self.dropped else "")
+        lines = [
+            f"BalancePlan: {self.num_slots} slot{'s' * (self.num_slots != 1)} x {self.num_ranks} "
+            f"rank{'s' * (self.num_ranks != 1)} ({mode}), {documents} documents ({held}), "
+            f"{int(self.tokens.sum()):,} tokens, padding {self.padding_fraction():.2%}",
+            "| slot | documents | tokens max/mean | memory max/mean | cost max/mean | lower bound |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        columns = (self.token_spread(), self.memory_spread(), self.imbalance(), self.lower_bound())
+        for slot in range(self.num_slots):
+            count = sum(len(cell) for cell in self.cells[slot])
+            values = " | ".join(f"{column[slot]:.4f}" for column in columns)
+            lines.append(f"| {slot} | {count} | {values} |")
+        if self.num_slots > 1:
+            means = " | ".join(f"{column.mean():.4f}" for column in columns)
+            lines.append(f"| mean | {documents / self.num_slots:.1f} | {means} |")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _spread(values: Ints) -> Floats:
+    """Per row: max over mean (1.0 where the row is all zeros)."""
+    mean = values.mean(axis=1)
+    safe = np.where(mean > 0, mean, 1.0)
+    return np.where(mean > 0, values.max(axis=1) / safe, 1.0)
+
+
+def _as_lengths(values: npt.ArrayLike, name: str, minimum: int) -> Ints:
+    array = np.asarray(values)
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise TypeError(
+            f"plan_balance: {name} must be a 1-D sequence of ints, got {shown(values)} "
+            f"(dtype {array.dtype}, {array.ndim} dims)"
+        )
+    exact: Ints = array.astype(np.int64)
+    if exact.size and int(exact.min()) < minimum:
+        position = int(np.argmin(exact))
+        raise ValueError(
+            f"plan_balance: {name}[{position}] is {int(exact[position])}; every entry must be >= {minimum}"
+        )
+    return exact
+
+
+def plan_balance(
+    lengths: npt.ArrayLike,
+    options: BalanceOptions,
+    *,
+    ranks: int,
+    groups: npt.ArrayLike | None = None,
+    waited: npt.ArrayLike | None = None,
+    final: bool = False,
+) -> BalancePlan:
+    """Plan one step: the window's documents over ``micro_batches`` slots x ``ranks`` ranks, balanced.
+
+    Documents with the same ``groups`` key form one unit: they share a micro-batch
+    (and, in fixed-row mode, a row). Every unit is placed once, or held for the next
+    window when it does not fit the step (or, with ``hold_back``, when it is an outlier
+    that may wait); a unit that has ``waited`` ``max(hold_back, 1)`` windows is never
+    held: extra slots are added if it does not fit (:attr:`BalancePlan.extra_slots`).
+    With ``final`` (the last window of an epoch) or ``micro_batches=None`` nothing is
+    held and the step has as few slots as the documents need.
+
+    Parameters:
+        lengths: ``[n]`` token counts of the window's documents (ints >= 1).
+        options: the :class:`BalanceOptions`.
+        ranks: the number of data-parallel ranks.
+        groups: ``[n]`` integer keys; equal keys stay in one micro-batch.
+        waited: ``[n]`` windows each document has waited already (default 0).
+        final: place everything (the epoch's last window).
+
+    Returns:
+        A :class:`BalancePlan`; the same input gives the same plan everywhere.
+
+    Raises:
+        TypeError, ValueError: naming the argument and the document for bad lengths, groups or
+            waits, a unit longer than the budget (``max_tokens``, or ``seq_len`` in fixed-row
+            mode), or a total cost beyond int64.
+
+    Example:
+        >>> cost = CostModel(linear=1, quadratic=1)
+        >>> options = BalanceOptions(cost=cost, rows=2, seq_len=8, micro_batches=1)
+        >>> plan = plan_balance([8, 6, 5, 3, 2, 2, 1], options, ranks=2)
+        >>> plan.rows  # rank 0: rows [8] and [2, 1] (5 padding); rank 1: [6, 2] and [5, 3]
+        ((((0,), (5, 6)), ((1, 4), (2, 3))),)
+        >>> plan.costs.tolist(), plan.held, plan.padding_fraction()  # cost: L + L**2 per segment
+        ([[110, 90]], (), 0.15625)
+    """
+    ranks = check_int("plan_balance", "ranks", ranks, 1)
+    if not isinstance(options, BalanceOptions):
+        raise TypeError(f"plan_balance: options must be BalanceOptions, got {type(options).__name__}")
+    sizes = _as_lengths(lengths, "lengths", 1)
+    count = sizes.size
+    waits = np.zeros(count, np.int64) if waited is None else _as_lengths(waited, "waited", 0)
+    if waits.size != count:
+        raise ValueError(f"plan_balance: waited has {waits.size} entries for {count} documents")
+    units, first = _units(groups, count)
+    unit_count = first.size
+    costs = options.cost.costs(sizes)
+    if float(costs.astype(np.float64).sum()) > COST_LIMIT:
+        raise ValueError(
+            "plan_balance: the window's total cost exceeds 2**62; use coarser CostModel coefficients "
+            "or a smaller window"
+        )
+    unit_size = np.zeros(unit_count, np.int64)
+    np.add.at(unit_size, units, sizes)
+    unit_cost = np.zeros(unit_count, np.int64)
+    np.add.at(unit_cost, units, costs)
+    unit_wait = np.zeros(unit_count, np.int64)
+    np.maximum.at(unit_wait, units, waits)
+    limit = options.seq_len if options.seq_len is not None else options.micro_batch_tokens
+    too_long = np.flatnonzero(unit_size > limit)
+    if too_long.size:
+        _raise_too_long(int(too_long[0]), first, unit_size, limit, options, groups is not None)
+    step_slots = None if final else options.micro_batches  # None: as few slots as needed, nothing held
+    must = np.full(unit_count, step_slots is None) | (unit_wait >= max(options.hold_back, 1))
+    held = np.zeros(unit_count, np.bool_)
+    if step_slots is not None and options.hold_back:
+        held = _outliers_to_hold(unit_cost, must, ranks, step_slots)
+    rows_of_cells = None
+    if options.rows is not None and options.seq_len is not None:
+        unit_cell, slots, extra, rows_of_cells = _place_fixed(
+            unit_size, unit_cost, must, held, options, ranks, step_slots, options.rows, options.seq_len
+        )
+    else:
+        budget = options.micro_batch_tokens
+        unit_cell, slots, extra = _place_free(
+            unit_size, unit_cost, must, held, options, ranks, step_slots, budget
+        )
+    return _build(
+        sizes,
+        costs,
+        units,
+        unit_cost,
+        unit_cell,
+        slots,
+        ranks,
+        extra,
+        rows_of_cells,
+        options.cost,
+        options.seq_len,
+    )
+
+
+def _units(groups: npt.ArrayLike | None, count: int) -> tuple[Ints, Ints]:
+    """The unit of each document (units numbered by first appearance) and each unit's first document."""
+    if groups is None:
+        identity = np.arange(count, dtype=np.int64)
+        return identity, identity
+    keys = np.asarray(groups)
+    if keys.ndim != 1 or (keys.size and keys.dtype.kind not in "iu"):
+        raise TypeError(f"plan_balance: groups must be a 1-D sequence of int keys, got {shown(groups)}")
+    if keys.size != count:
+        raise ValueError(f"plan_balance: groups has {keys.size} entries for {count} documents")
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    by_appearance = np.argsort(first, kind="stable")
+    rank_of = np.empty(first.size, np.int64)
+    rank_of[by_appearance] = np.arange(first.size)
+    return rank_of[inverse.reshape(-1)], first[by_appearance].astype(np.int64)
+
+
+def _raise_too_long(
+    unit: int, first: Ints, unit_size: Ints, limit: int, options: BalanceOptions, grouped: bool
+) -> None:
+    what = f"the group of document {int(first[unit])}" if grouped else f"document {int(first[unit])}"
+    if options.fixed_rows:
+        raise ValueError(
+            f"plan_balance: {what} has {int(unit_size[unit])} tokens, more than seq_len={limit}; in "
+            "fixed-row mode a document (or group) must fit one row: split long documents first "
+            "(PackedStream and pack_flat do with overflow='split'), raise seq_len, or plan padding-free "
+            "with max_tokens"
+        )
+    raise ValueError(
+        f"plan_balance: {what} has {int(unit_size[unit])} tokens, more than max_tokens={limit}; raise "
+        "max_tokens or split long documents first"
+    )
+
+
+def _outliers_to_hold(
+    unit_cost: Ints, must: npt.NDArray[np.bool_], ranks: int, slots: int
+) -> npt.NDArray[np.bool_]:
+    """Outliers (units costing more than a micro-batch's mean share) beyond the last whole tier of ``ranks``.
+
+    A slot balances when its outliers come ``ranks`` at a time, one per rank; the
+    cheapest outliers beyond a multiple of ``ranks`` that may still wait are held for
+    the next window, where they meet new outliers (WLB-LLM's outlier delay).
+    """
+    held = np.zeros(unit_cost.size, np.bool_)
+    share = int(unit_cost.sum()) // (ranks * slots)  # cost > share  <=>  cost * cells > total (integers)
+    outliers = np.flatnonzero(unit_cost > share)
+    surplus = outliers.size % ranks
+    waitable = outliers[~must[outliers]]
+    if surplus and waitable.size:
+        cheapest = waitable[np.lexsort((-waitable, unit_cost[waitable]))]  # cheapest, then latest
+        held[cheapest[:surplus]] = True
+    return held
+
+
+def _place_free(
+    unit_size: Ints,
+    unit_cost: Ints,
+    must: npt.NDArray[np.bool_],
+    held: npt.NDArray[np.bool_],
+    options: BalanceOptions,
+    ranks: int,
+    step_slots: int | None,
+    budget: int,
+) -> tuple[Ints, int, int]:
+    """Padding-free: the cell of each unit (``UNPLACED`` if held), the slots used and the extra slots."""
+    candidates = np.flatnonzero(~held)
+    if step_slots is not None:
+        slots = step_slots
+    else:
+        slots = max(1, -(-int(unit_size[candidates].sum()) // (ranks * budget)))
+    start = slots
+    while True:
+        cells = place_items(
+            unit_size[candidates],
+            unit_cost[candidates],
+            must[candidates],
+            ranks=ranks,
+            slots=slots,
+            max_tokens=budget,
+            rounds=options.swap_rounds,
+        )
+        if not ((cells == UNPLACED) & must[candidates]).any():
+            break
+        slots += 1  # a unit that may not wait did not fit: one more slot for every rank
+    unit_cell = np.full(unit_size.size, UNPLACED, np.int64)
+    unit_cell[candidates] = cells
+    return unit_cell, slots, slots - start if step_slots is not None else 0
+
+
+def _place_fixed(
+    unit_size: Ints,
+    unit_cost: Ints,
+    must: npt.NDArray[np.bool_],
+    held: npt.NDArray[np.bool_],
+    options: BalanceOptions,
+    ranks: int,
+    step_slots: int | None,
+    per_cell: int,
+    seq_len: int,
+) -> tuple[Ints, int, int, list[list[list[int]]]]:
+    """Fixed rows: the cell of each unit, the slots, the extra slots and each cell's rows (unit lists).
+
+    The units are packed into rows best-fit-decreasing; with ``micro_batches`` the
+    step keeps the fullest rows (the least full ones wait: that keeps padding low),
+    and a unit that may not wait, left in a dropped row, takes the place of the unit
+    that may wait and leaves its kept row fullest (that one waits instead). Then
+    whole rows are placed.
+    """
+    candidates = np.flatnonzero(~held)
+    rows = [[int(candidates[i]) for i in row] for row in pack_rows(unit_size[candidates], seq_len)]
+    per_slot = ranks * per_cell
+    start = slots = max(1, -(-len(rows) // per_slot)) if step_slots is None else step_slots
+    if len(rows) > slots * per_slot:
+        rows, stuck = _keep_fullest(rows, slots * per_slot, unit_size, must, seq_len)
+        rows += stuck  # units that may not wait and found no place: their rows stay, in extra slots
+        slots = max(slots, -(-len(rows) // per_slot))
+    sizes, costs = unit_size.tolist(), unit_cost.tolist()
+    linear, quadratic = options.cost.linear, options.cost.quadratic
+    pads = [seq_len - sum(sizes[u] for u in row) for row in rows]
+    row_costs = np.array(  # a row's padding is a segment of its own, with its own cost
+        [
+            sum(costs[u] for u in row) + linear * pad + quadratic * pad * pad
+            for row, pad in zip(rows, pads, strict=True)
+        ],
+        np.int64,
+    )
+    row_cells = place_rows(
+        row_costs, ranks=ranks, slots=slots, rows_per_cell=per_cell, rounds=options.swap_rounds
+    )
+    unit_cell = np.full(unit_size.size, UNPLACED, np.int64)
+    layout: list[list[list[int]]] = [[] for _ in range(slots * ranks)]
+    for row, cell in zip(rows, row_cells.tolist(), strict=True):
+        unit_cell[row] = cell
+        layout[cell].append(row)
+    return unit_cell, slots, slots - start if step_slots is not None else 0, layout
+
+
+def _keep_fullest(
+    rows: list[list[int]], capacity: int, unit_size: Ints, must: npt.NDArray[np.bool_], seq_len: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The ``capacity`` fullest rows, with every unit that may not wait swapped in; and leftover rows.
+
+    Returns the kept rows and the rows of units that may not wait but found no
+    unit to displace (normally none).
+    """
+    sizes = unit_size.tolist()
+    fill = np.array([sum(sizes[u] for u in row) for row in rows], np.int64)
+    order = np.lexsort((np.arange(len(rows)), -fill)).tolist()
+    kept = [list(rows[r]) for r in order[:capacity]]
+    waiting = [unit for r in order[capacity:] for unit in rows[r] if must[unit]]
+    if not waiting:
+        return kept, []
+    units = np.array([unit for row in kept for unit in row], np.int64)
+    row_of = np.array([k for k, row in enumerate(kept) for _ in row], np.int64)
+    free = seq_len - np.array([sum(sizes[u] for u in row) for row in kept], np.int64)
+    movable = ~must[units]
+    stuck: list[list[int]] = []
+    for unit in waiting:
+        slack = free[row_of] + unit_size[units] - unit_size[unit]
+        fits = movable & (slack >= 0)
+        if not fits.any():
+            stuck.append([unit])
+            continue
+        pick = int(np.flatnonzero(fits)[np.argmin(slack[fits])])
+        row, out = int(row_of[pick]), int(units[pick])
+        kept[row][kept[row].index(out)] = unit
+        free[row] = int(slack[pick])
+        units[pick], movable[pick] = unit, False
+    return kept, stuck
+
+
+def _build(
+    sizes: Ints,
+    costs: Ints,
+    units: Ints,
+    unit_cost: Ints,
+    unit_cell: Ints,
+    slots: int,
+    ranks: int,
+    extra: int,
+    layout: list[list[list[int]]] | None,
+    cost_model: CostModel,
+    seq_len: int | None,
+) -> BalancePlan:
+    """The plan: each cell's documents (and rows), its exact cost, tokens and computed tokens."""
+    doc_cell = unit_cell[units]
+    cell_count = slots * ranks
+    costs_out = np.zeros(cell_count, np.int64)
+    tokens = np.zeros(cell_count, np.int64)
+    computed = np.zeros(cell_count, np.int64)
+    placed = doc_cell != UNPLACED
+    np.add.at(tokens, doc_cell[placed], sizes[placed])
+    np.add.at(costs_out, doc_cell[placed], costs[placed])
+    members: list[list[int]] = [[] for _ in range(unit_cost.size)]
+    for doc, unit in enumerate(units.tolist()):
+        members[unit].append(doc)
+    if layout is None:
+        computed[:] = tokens
+        by_cell: list[list[int]] = [[] for _ in range(cell_count)]
+        for doc in np.lexsort((np.arange(units.size), units)).tolist():  # unit order, members together
+            if doc_cell[doc] != UNPLACED:
+                by_cell[int(doc_cell[doc])].append(doc)
+        cells = [tuple(docs) for docs in by_cell]
+        rows_out = None
+    else:
+        row_len = int(seq_len or 0)  # a layout exists in fixed-row mode only
+        doc_sizes = sizes.tolist()
+        member_sizes = [sum(doc_sizes[doc] for doc in docs) for docs in members]
+        cells, rows_out = [], []
+        for cell, cell_rows in enumerate(layout):
+            order = _next_fit_order(cell_rows, members, doc_sizes, member_sizes)
+            final_rows = _next_fit(order, doc_sizes, row_len)
+            cells.append(tuple(order))
+            rows_out.append(tuple(tuple(row) for row in final_rows))
+            computed[cell] = len(final_rows) * row_len
+            padding = [row_len - sum(doc_sizes[doc] for doc in row) for row in final_rows]
+            costs_out[cell] += sum(
+                cost_model.linear * pad + cost_model.quadratic * pad * pad for pad in padding
+            )
+    largest = np.zeros(slots, np.int64)
+    unit_slot = np.where(unit_cell != UNPLACED, unit_cell // ranks, -1)
+    for slot in range(slots):
+        in_slot = unit_cost[unit_slot == slot]
+        largest[slot] = int(in_slot.max()) if in_slot.size else 0
+    shape = (slots, ranks)
+    return BalancePlan(
+        cells=tuple(tuple(cells[s * ranks : (s + 1) * ranks]) for s in range(slots)),
+        rows=None
+        if rows_out is None
+        else tuple(tuple(rows_out[s * ranks : (s + 1) * ranks]) for s in range(slots)),
+        held=tuple(np.flatnonzero(~placed).tolist()),
+        costs=costs_out.reshape(shape),
+        tokens=tokens.reshape(shape),
+        computed=computed.reshape(shape),
+        largest=largest,
+        extra_slots=extra,
+        seq_len=seq_len,
+    )
+
+
+def _next_fit_order(
+    rows: list[list[int]], members: list[list[int]], sizes: list[int], unit_sizes: list[int]
+) -> list[int]:
+    """A cell's documents in the order a plain next-fit packs back into (at most) these rows.
+
+    Fullest rows first, the longest unit first in each row and the longest document
+    first in each unit: a row then starts with a document too long for the space
+    the row before it left, so next-fit closes rows where the plan does.
+    """
+
+    order: list[int] = []
+    filled = sorted(rows, key=lambda row: (-sum(unit_sizes[u] for u in row), min(row)))
+    for row in filled:
+        for unit in sorted(row, key=lambda u: (-unit_sizes[u], u)):
+            docs = members[unit]
+            order.extend(docs if len(docs) == 1 else sorted(docs, key=lambda doc: (-sizes[doc], doc)))
+    return order
+
+
+def _next_fit(order: list[int], sizes: list[int], seq_len: int) -> list[list[int]]:
+    """Next-fit rows over ``order``, as ``pack_flat(strategy="greedy")`` packs documents."""
+    rows: list[list[int]] = []
+    used = seq_len
+    for doc in order:
+        size = sizes[doc]
+        if used + size > seq_len:
+            rows.append([])
+            used = 0
+        rows[-1].append(doc)
+        used += size
+    return rows

@@ -1,0 +1,246 @@
+"""BalancedBatchSampler: balanced micro-batches of a map-style dataset, each rank its own index lists.
+
+Every rank builds the same sampler (same ``lengths``, options, seed) and so
+computes the same plans, with no communication: the epoch's order is drawn
+from ``numpy.random.default_rng([seed, epoch])``, cut into windows that fill one
+step each (:class:`~zephon_collate.parallel.schedule.BalanceSchedule`), and each
+window is planned by :func:`~zephon_collate.parallel.balance.plan_balance`. A
+rank iterates its own micro-batches, slot after slot: every rank yields the
+same number of them, and micro-batch ``k`` on every rank belongs to the same
+lockstep slot, balanced in modelled cost.
+
+Pass it to ``DataLoader(dataset, batch_sampler=...)`` or torchdata's
+``StatefulDataLoader``, which saves :meth:`BalancedBatchSampler.state_dict`
+with the loader (the sampler records its position as it hands out each
+micro-batch, so prefetching workers do not matter).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from zephon_collate._checks import check_int
+from zephon_collate._text import shown
+from zephon_collate.parallel.balance import BalanceOptions, BalancePlan
+from zephon_collate.parallel.placement import Ints
+from zephon_collate.parallel.schedule import BalanceSchedule
+
+__all__ = ["STATE_VERSION", "BalancedBatchSampler", "Ints"]
+
+STATE_VERSION = 1
+
+
+class BalancedBatchSampler(Sampler[list[int]]):
+    """Index lists of balanced micro-batches for this rank, ``micro_batches`` per step.
+
+    Parameters:
+        lengths: the token count of each dataset item (a document), ints >= 1.
+        options: the :class:`~zephon_collate.parallel.balance.BalanceOptions`; ``micro_batches``
+            is required (the step's micro-batch slots).
+        num_replicas, rank: the data-parallel world size and this rank (default:
+            torch.distributed's, or 1 and 0).
+        groups: an int key >= 0 per item; items with the same key share a micro-batch
+            (and stay next to each other in the epoch's order).
+        shuffle: draw the epoch's order (of groups, when given) from ``(seed, epoch)``;
+            without it, index order.
+        seed: the order's seed, the same on every rank.
+
+    The last window of an epoch places everything left, in as few slots as it
+    needs (the same on every rank). ``len()`` is not defined: the number of
+    micro-batches is known only once the epoch is planned (:meth:`plans`).
+
+    Raises:
+        TypeError, ValueError: for bad lengths, groups, options, rank or world size.
+
+    Example:
+        >>> from zephon_collate.parallel.cost import CostModel
+        >>> options = BalanceOptions(cost=CostModel(linear=1, quadratic=1), max_tokens=8, micro_batches=2)
+        >>> lengths = [8, 1, 6, 2, 5, 3, 4, 4, 7, 1]
+        >>> [list(BalancedBatchSampler(lengths, options, num_replicas=2, rank=r, shuffle=False))
+        ...  for r in range(2)]  # two slots, then the last window's one; document 1 waited a window
+        [[[0], [4, 5], [8]], [[2, 3], [6, 7], [1, 9]]]
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | npt.ArrayLike,
+        options: BalanceOptions,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        groups: Sequence[int] | npt.ArrayLike | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        owner = "BalancedBatchSampler"
+        self.lengths = _int_array(lengths, "lengths", 1)
+        self.groups = None if groups is None else _int_array(groups, "groups", 0)
+        if self.groups is not None and self.groups.size != self.lengths.size:
+            raise ValueError(
+                f"{owner}: groups has {self.groups.size} entries for {self.lengths.size} lengths"
+            )
+        if not isinstance(options, BalanceOptions):
+            raise TypeError(f"{owner}: options must be BalanceOptions, got {type(options).__name__}")
+        self.options = options
+        BalanceSchedule(options, 1)  # checks micro_batches now
+        initialised = dist.is_available() and dist.is_initialized()
+        if num_replicas is None:
+            num_replicas = dist.get_world_size() if initialised else 1
+        if rank is None:
+            rank = dist.get_rank() if initialised else 0
+        self.num_replicas = check_int(owner, "num_replicas", num_replicas, 1)
+        self.rank = check_int(owner, "rank", rank, 0, self.num_replicas - 1)
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"{owner}: shuffle must be a bool, got {shown(shuffle)}")
+        self.shuffle = shuffle
+        self.seed = check_int(owner, "seed", seed, 0)
+        self.epoch = 0
+        self._pending: dict[str, Any] | None = None
+        self._progress = self._start(self.epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch whose order the next ``iter()`` draws (a loaded state's epoch wins once)."""
+        self.epoch = check_int("BalancedBatchSampler.set_epoch", "epoch", epoch, 0)
+        if self._pending is None:
+            self._progress = self._start(self.epoch)
+
+    def order(self, epoch: int) -> Ints:
+        """The epoch's order of dataset indices (groups kept together), the same on every rank."""
+        count = self.lengths.size
+        if self.groups is None:
+            if not self.shuffle:
+                return np.arange(count, dtype=np.int64)
+            return np.random.default_rng([self.seed, epoch]).permutation(count).astype(np.int64)
+        _, first, inverse = np.unique(self.groups, return_index=True, return_inverse=True)
+        place = np.argsort(np.argsort(first, kind="stable"), kind="stable")  # groups by first appearance
+        if self.shuffle:
+            place = np.random.default_rng([self.seed, epoch]).permutation(first.size)[place]
+        return np.lexsort((np.arange(count), place[inverse.reshape(-1)])).astype(np.int64)
+
+    def plans(self) -> Iterator[BalancePlan]:
+        """The current epoch's plans (dataset indices), from the start or a loaded state's window."""
+        start = self._pending or self._start(self.epoch)
+        for plan, _ in self._windows(start):
+            yield plan
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start, self._pending = self._pending or self._start(self.epoch), None
+        skip = int(start["slots_done"])
+        for plan, window in self._windows(start):
+            cells = plan.for_rank(self.rank)
+            for slot in range(skip, len(cells)):
+                self._progress = {**window, "slots_done": slot + 1}  # before the yield: what was handed out
+                yield list(cells[slot])
+            skip = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the iteration stands: the epoch, the window's start in the order, the documents waiting
+        at its start and the micro-batches of it handed out; plus what must match on resume.
+
+        Plain ints, strings and lists: ``torch.load(weights_only=True)`` reads it.
+        """
+        if self._pending is not None:
+            return dict(self._pending)
+        return dict(self._progress)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` at the next ``iter()``.
+
+        Raises:
+            TypeError: if ``state`` is not a mapping.
+            ValueError: if it is not a sampler state of this version, or was saved with other
+                lengths, groups, options, world size, seed or shuffle.
+        """
+        owner = "BalancedBatchSampler.load_state_dict"
+        if not isinstance(state, Mapping):
+            raise TypeError(f"{owner}: state must be a dict, got {type(state).__name__}")
+        expected = self._start(0)
+        missing = sorted(key for key in expected if key not in state)
+        if missing or state["version"] != STATE_VERSION:
+            raise ValueError(
+                f"{owner}: not a version-{STATE_VERSION} BalancedBatchSampler state (missing {missing})"
+            )
+        for key in ("data", "options", "num_replicas", "seed", "shuffle"):
+            if state[key] != expected[key]:
+                raise ValueError(
+                    f"{owner}: the state was saved with another {key} ({shown(state[key])}, here "
+                    f"{shown(expected[key])}); resume with the same dataset lengths and groups, options, "
+                    "world size, seed and shuffle"
+                )
+        checked = dict(state)
+        for key, limit in (("epoch", None), ("cursor", self.lengths.size), ("slots_done", None)):
+            value = check_int(owner, f"state[{key!r}]", state[key], 0)
+            if limit is not None and value > limit:
+                raise ValueError(f"{owner}: state[{key!r}] is {value}, beyond the {limit} items")
+            checked[key] = value
+        BalanceSchedule(self.options, self.num_replicas).load_state_dict(state["waiting"])  # its checks
+        self._pending = checked
+        self.epoch = checked["epoch"]
+
+    def _start(self, epoch: int) -> dict[str, Any]:
+        """The state at the start of ``epoch``."""
+        digest = hashlib.sha256(self.lengths.tobytes())
+        if self.groups is not None:
+            digest.update(self.groups.tobytes())
+        return {
+            "version": STATE_VERSION,
+            "data": digest.hexdigest()[:16],
+            "options": repr(self.options),
+            "num_replicas": self.num_replicas,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "epoch": epoch,
+            "cursor": 0,
+            "waiting": BalanceSchedule(self.options, self.num_replicas).state_dict(),
+            "slots_done": 0,
+        }
+
+    def _windows(self, start: Mapping[str, Any]) -> Iterator[tuple[BalancePlan, dict[str, Any]]]:
+        """Each window's plan from ``start`` on, with the state at the window's start."""
+        epoch = int(start["epoch"])
+        order = self.order(epoch)
+        lengths = self.lengths[order]
+        groups = None if self.groups is None else self.groups[order]
+        ends = np.cumsum(lengths)
+        schedule = BalanceSchedule(self.options, self.num_replicas)
+        schedule.load_state_dict(start["waiting"])
+        cursor = int(start["cursor"])
+        while cursor < order.size or schedule.waiting:
+            window = {**start, "epoch": epoch, "cursor": cursor, "waiting": schedule.state_dict()}
+            taken = int(ends[cursor - 1]) if cursor else 0
+            end = min(order.size, int(np.searchsorted(ends, taken + schedule.room(), side="left")) + 1)
+            if groups is not None:  # finish the group the window ends in
+                while 0 < end < order.size and groups[end] == groups[end - 1]:
+                    end += 1
+            final = end >= order.size
+            keys = order[cursor:end].tolist()
+            plan = schedule.plan(
+                keys,
+                lengths[cursor:end].tolist(),
+                None if groups is None else groups[cursor:end].tolist(),
+                final=final,
+            )
+            cursor = end
+            yield plan, window
+            if final:
+                return
+
+
+def _int_array(values: object, name: str, minimum: int) -> Ints:
+    array = np.asarray(values)
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise TypeError(f"BalancedBatchSampler: {name} must be a 1-D sequence of ints, got {shown(values)}")
+    exact: Ints = array.astype(np.int64)
+    if exact.size and int(exact.min()) < minimum:
+        position = int(np.argmin(exact))
+        raise ValueError(
+            f"BalancedBatchSampler: {name}[{position}] is {int(exact[position])}; each must be >= {minimum}"
+        )
+    return exact
