@@ -36,6 +36,7 @@ from zephon_collate._read import (
     check_payloads,
     check_zero_one,
     concat,
+    host_view,
     is_array_payload,
     read_field,
     record_names,
@@ -67,7 +68,7 @@ from zephon_collate.keys import (
     PADDING_LENGTH,
     POSITIONS,
 )
-from zephon_collate.records import SampleMeta, SampleRecord
+from zephon_collate.records import PADDING_LENGTH_TAG, SampleMeta, SampleRecord
 from zephon_collate.transforms import Chain, Transform
 
 __all__ = [
@@ -150,25 +151,22 @@ class Stacked:
 
 def read_padding_lengths(records: Sequence[SampleRecord], lengths: np.ndarray, names: Names) -> np.ndarray:
     """``[B]`` int64: each record's ``meta.padding_length`` (0 where unset), checked against its row."""
-    counts = np.zeros(len(records), dtype=np.int64)
-    for index, record in enumerate(records):
-        count = record.meta.tags.get("_padding_length") if record.meta.tags else None
-        if count is None:
-            continue
-        length = int(lengths[index])
-        if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or not 0 <= count <= length:
+    counts = [record.meta.tags.get(PADDING_LENGTH_TAG, 0) if record.meta.tags else 0 for record in records]
+    for index, (count, length) in enumerate(zip(counts, lengths.tolist(), strict=True)):
+        if type(count) is not int and (not isinstance(count, np.integer) or isinstance(count, np.bool_)):
+            count = None  # a float, a bool, None...: refused below
+        if count is None or not 0 <= count <= length:
             raise ValueError(
-                f"{names(index)}: meta.padding_length is {shown(count)} but must be an int from 0 to the "
-                f"token row's length {length}"
+                f"{names(index)}: meta.padding_length is {shown(counts[index])} but must be an int from 0 to "
+                f"the token row's length {length}"
             )
-        counts[index] = count
-    return counts
+    return np.array(counts, dtype=np.int64)
 
 
 def _aligned(rows: list[Row], lengths: np.ndarray, name: str, names: Names, *, required: bool) -> bool:
     """True if ``rows`` hold one entry per token; ``required``: else ``ValueError`` naming the record."""
-    for index, row in enumerate(rows):
-        if row.ndim == 0 or row.shape[0] != lengths[index]:
+    for index, (row, length) in enumerate(zip(rows, lengths.tolist(), strict=True)):
+        if row.ndim == 0 or row.shape[0] != length:
             if not required:
                 return False
             got = "a scalar" if row.ndim == 0 else f"{row.shape[0]} entries"
@@ -193,11 +191,12 @@ def _unused_supervision(
     ``extra_fields``) is used. Returns ``None`` when nothing is wrong, else the
     message, naming the record, the field and the fix.
     """
+    candidates = [name for name in SUPERVISING_FIELDS if name not in read]
     for index, payload in enumerate(payloads):
-        if not isinstance(payload, Mapping):
+        if type(payload) is not dict and not isinstance(payload, Mapping):
             continue
-        for name in SUPERVISING_FIELDS:
-            if name in read or name not in payload:
+        for name in candidates:
+            if name not in payload:
                 continue
             where = names(index)
             values = as_numpy(to_row(payload[name], where, name, "values"))
@@ -374,15 +373,16 @@ class Native:
         per_record_out = ids_and_texts(records)
         metas = tuple(record.meta for record in records)
         width = self._width(lengths, names, ragged)
-        if width is None:  # ragged lists: each row a batch of its own
+        if width is None:  # ragged lists: each row a batch of its own, named by its place in the batch
             return [
                 Stacked(
                     self._stack(
                         {name: f.take(index) for name, f in per_token.items()},
                         {name: rows[index : index + 1] for name, rows in per_record.items()},
                         padding_length[index : index + 1],
+                        lengths[index : index + 1],
                         int(lengths[index]),
-                        names,
+                        lambda _, index=index: names(index),  # type: ignore[misc]
                     ),
                     {key: values[index : index + 1] for key, values in per_record_out.items()},
                     metas[index : index + 1],
@@ -391,10 +391,7 @@ class Native:
             ]
         if self.padding is not None:
             padding_length = padding_length + (width - lengths)
-        data = self._stack(per_token, per_record, padding_length, width, names)
-        if self.num_boundaries is not None and options.return_cu_seqlens:
-            positions = data[POSITIONS][:, :-1] if labels else data[POSITIONS]
-            check_boundary_count(positions, options.flatten, self.num_boundaries, names)
+        data = self._stack(per_token, per_record, padding_length, lengths, width, names)
         return [Stacked(data, per_record_out, metas)]
 
     def _width(self, lengths: np.ndarray, names: Names, ragged: bool) -> int | None:
@@ -451,31 +448,28 @@ class Native:
                 "to_training: return_padding_mask needs 2-D scalar token rows for tensor/array output, "
                 f"got rows of shape {tuple(tokens.values.shape[1:])} per token"
             )
-        if options.return_cu_seqlens:
-            self._check_boundary_positions(per_token[POSITIONS], tokens, names)
 
-    def _check_boundary_positions(self, positions: Ragged, tokens: Ragged, names: Names) -> None:
-        if positions.values.ndim != 1:
+    def _check_boundary_positions(self, positions: torch.Tensor, lengths: np.ndarray, names: Names) -> None:
+        """``cu_seqlens`` needs ``[B, S]`` positions, starting at 0 in every row with an input token."""
+        if positions.dim() != 2:
             raise ValueError(
                 "to_training: return_cu_seqlens needs one position per token ([B, S]), got positions of "
-                f"shape {tuple(positions.values.shape[1:])} per token"
+                f"shape {tuple(positions.shape)}"
             )
-        lengths = tokens.lengths
-        input_lengths = lengths - 1 if self.options.return_labels else lengths
-        width = int(lengths.max()) if self.padding is None else self.padding.width(lengths)
-        input_width = width - 1 if self.options.return_labels and width else width
-        if len(lengths) * input_width > INT32_MAX:
+        labels = self.options.return_labels
+        rows, width = positions.shape
+        input_width = width - 1 if labels and width else width
+        if rows * input_width > INT32_MAX:
             raise ValueError(
-                f"to_training: {len(lengths)} x {input_width} input tokens overflow the int32 cu_seqlens; "
+                f"to_training: {rows} x {input_width} input tokens overflow the int32 cu_seqlens; "
                 "use smaller batches"
             )
-        if not len(positions.values):
+        if not input_width:
             return
-        # Each row's first position (rows without an input token have none to check).
-        first = as_numpy(positions.values)[np.minimum(positions.offsets[:-1], len(positions.values) - 1)]
-        bad = (first != 0) & (input_lengths > 0)
+        first = host_view(positions[:, 0])
+        bad = (first != 0) & ((lengths > 1) if labels else (lengths > 0))  # rows with an input token
         if bad.any():
-            index = int(np.flatnonzero(bad)[0])
+            index = int(np.flatnonzero(as_numpy(bad))[0])
             raise ValueError(
                 f"{names(index)}: positions must start at zero in every row to derive cu_seqlens, but this "
                 f"row starts at {int(first[index])}"
@@ -486,10 +480,12 @@ class Native:
         per_token: Mapping[str, Ragged],
         per_record: Mapping[str, Sequence[Row]],
         padding_length: np.ndarray,
+        lengths: np.ndarray,
         width: int,
         names: Names,
     ) -> dict[str, torch.Tensor]:
-        """The chain's input mapping: each field cast to its dtype, then laid out ``[B, width, ...]``."""
+        """The chain's input mapping: each field cast to its dtype, then laid out ``[B, width, ...]``;
+        then the checks that read the stacked positions (``cu_seqlens``, a static boundary count)."""
         options = self.options
         dtype = options.output.torch_dtype
         pad_id = 0 if self.padding is None else self.padding.pad_token_id
@@ -516,6 +512,11 @@ class Native:
         counts = torch.from_numpy(padding_length)
         device = data[INPUT_IDS].device
         data[PADDING_LENGTH] = counts if device.type == "cpu" else counts.to(device)
+        if options.return_cu_seqlens:
+            self._check_boundary_positions(data[POSITIONS], lengths, names)
+            if self.num_boundaries is not None:
+                positions = data[POSITIONS][:, :-1] if options.return_labels else data[POSITIONS]
+                check_boundary_count(positions, options.flatten, self.num_boundaries, names)
         return data
 
 

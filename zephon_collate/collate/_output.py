@@ -135,10 +135,20 @@ def ids_and_texts(records: Sequence[SampleRecord]) -> dict[str, list[Any]]:
     A ``"text"`` that is not a str (e.g. a list of chat messages) is copied, so
     changing the output never changes the record.
     """
-    texts = [payload_get(r.payload, TEXT) if isinstance(r.payload, Mapping) else None for r in records]
+    texts = [
+        r.payload.get(TEXT)
+        if type(r.payload) is dict
+        else payload_get(r.payload, TEXT)
+        if isinstance(r.payload, Mapping)
+        else None
+        for r in records
+    ]
     return {
         IDS: [r.meta.sample_id for r in records],
-        TEXTS: [t if t is None or isinstance(t, (str, bytes)) else copy.deepcopy(t) for t in texts],
+        TEXTS: [
+            t if t is None or type(t) is str or isinstance(t, (str, bytes)) else copy.deepcopy(t)
+            for t in texts
+        ],
     }
 
 

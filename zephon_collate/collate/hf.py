@@ -53,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -179,19 +179,30 @@ def as_examples(features: object) -> list[Mapping[str, Any]]:
     return list(features)
 
 
-def _check_examples(examples: Sequence[object], supervision: str | None) -> None:
-    """The refusals that look at each example's fields, before any is read."""
+def _check_examples(examples: Sequence[object], supervision: str | None) -> set[str]:
+    """The refusals that look at each example's fields, before any is read; the fields present."""
     for index, example in enumerate(examples):
-        where = _names(index)
+        if type(example) is dict:
+            continue  # the common case: the checks below are for anything else
         if isinstance(example, SampleRecord):
             raise TypeError(
-                f"{where}: is a SampleRecord; this collator takes Hugging Face example dicts: pass the "
-                "payloads, or collate records (pack_flat's rows) with Collator(...)"
+                f"{_names(index)}: is a SampleRecord; this collator takes Hugging Face example dicts: pass "
+                "the payloads, or collate records (pack_flat's rows) with Collator(...)"
             )
         if not isinstance(example, Mapping):
             raise TypeError(
-                f"{where}: must be a dict of fields such as 'input_ids', got {type(example).__name__}"
+                f"{_names(index)}: must be a dict of fields such as 'input_ids', got {type(example).__name__}"
             )
+    present: set[str] = set().union(*cast(Sequence[Mapping[str, Any]], examples))
+    wanted = (INPUT_IDS, "label", "decoder_input_ids", supervision, LABELS)
+    if (
+        INPUT_IDS in present
+        and not present.intersection(wanted[1:])
+        and all(INPUT_IDS in example for example in cast(Sequence[Mapping[str, Any]], examples))
+    ):
+        return present  # the common case again: nothing to refuse
+    for index, example in enumerate(cast(Sequence[Mapping[str, Any]], examples)):
+        where = _names(index)
         if INPUT_IDS not in example:
             raise ValueError(
                 f"{where}: has no 'input_ids' (its fields: {shown_fields(example)}); tokenize the examples "
@@ -217,6 +228,7 @@ def _check_examples(examples: Sequence[object], supervision: str | None) -> None
                 "TrainingArguments(remove_unused_columns=False), or build the collator without "
                 "supervision=..."
             )
+    return present
 
 
 def _scalar(value: object) -> bool:
@@ -394,8 +406,15 @@ def _copy_of(tokens: Ragged) -> Callable[[int], np.ndarray]:
     return lambda index: np.asarray(tokens.row(index))
 
 
-def _per_token(rows: list[Any], lengths: np.ndarray, name: str) -> Ragged:
+def _per_token(rows: list[Any], tokens: Ragged, name: str) -> Ragged:
     """``rows`` as a per-token :class:`Ragged`, each row one entry per token (else ``ValueError``)."""
+    try:
+        field = _host_concat(rows, name)
+    except ValueError:
+        field = None  # rows of other shapes: named below
+    if field is not None and field.values.ndim == 1 and np.array_equal(field.offsets, tokens.offsets):
+        return field
+    lengths = tokens.lengths
     for index, row in enumerate(rows):
         if row.ndim != 1 or row.shape[0] != lengths[index]:
             hint = (
@@ -408,7 +427,7 @@ def _per_token(rows: list[Any], lengths: np.ndarray, name: str) -> Ragged:
                 f"{_names(index)}: field {shown(name)} has shape {tuple(row.shape)}, but 'input_ids' has "
                 f"{int(lengths[index])} tokens; give one value per token{hint}"
             )
-    return _host_concat(rows, name)
+    raise AssertionError("unreachable: a row of the wrong shape was found above")  # pragma: no cover
 
 
 @dataclass(frozen=True)
@@ -465,7 +484,7 @@ class Transformers:
             fill = _copy_of(tokens) if name == LABELS else _ones(lengths) if kind == "values" else None
             rows = _read_rows(examples, name, kind, fill)
             if rows is not None:
-                fields[name] = _per_token(rows, lengths, name)
+                fields[name] = _per_token(rows, tokens, name)
         segment_rows = _read_rows(examples, SEQ_LENGTHS, "ids") if SEQ_LENGTHS in present else None
         return [self._interpret(fields, segment_rows)]
 
