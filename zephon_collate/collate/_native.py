@@ -39,6 +39,7 @@ from zephon_collate._read import (
     host_view,
     is_array_payload,
     read_field,
+    read_ragged,
     record_names,
     resolve_tokens_field,
     to_row,
@@ -338,11 +339,8 @@ class Native:
         names = record_names(records)
         payloads = [record.payload for record in records]
         tokens_field = resolve_tokens_field(payloads, options.tokens_field, names)
-        tokens = concat(
-            read_field(payloads, tokens_field, tokens_field, "ids", names, required=True) or [],
-            INPUT_IDS,
-            names,
-        )
+        tokens = read_ragged(payloads, tokens_field, tokens_field, "ids", names, required=True)
+        assert tokens is not None  # required: a payload without it raised
         lengths = tokens.lengths
         per_token: dict[str, Ragged] = {INPUT_IDS: tokens}
         per_record: dict[str, list[Row]] = {}
@@ -466,7 +464,7 @@ class Native:
             )
         if not input_width:
             return
-        first = host_view(positions[:, 0])
+        first = host_view(positions)[:, 0]
         bad = (first != 0) & ((lengths > 1) if labels else (lengths > 0))  # rows with an input token
         if bad.any():
             index = int(np.flatnonzero(as_numpy(bad))[0])

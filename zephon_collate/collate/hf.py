@@ -66,9 +66,9 @@ from zephon_collate._read import (
     as_tensor,
     check_ids,
     check_zero_one,
-    concat,
     payload_get,
     read_field,
+    read_ragged,
     row_of,
 )
 from zephon_collate._text import shown, shown_fields
@@ -381,19 +381,50 @@ TRANSFORMERS_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Transformer
 """:class:`TransformersCollator`'s layout keywords, in its signature's order."""
 
 
-def _read_rows(
+def _read(
     examples: Sequence[Mapping[str, Any]],
     name: str,
     kind: Literal["ids", "values"],
+    tokens: Ragged | None,
     fill: Callable[[int], Any] | None = None,
-) -> list[Any] | None:
-    """``name`` of every example that has it; those without get ``fill(index)`` (all trained)."""
-    return read_field(examples, name, INPUT_IDS, kind, _names, required=False, fill=fill)
+) -> Ragged | None:
+    """``name`` of every example that has it, on the host (a tensor on a device is copied back); those
+    without get ``fill(index)`` (all trained). Each row is one value per token of ``tokens`` (or, for
+    ``tokens=None``, a 1-D row: the tokens themselves), else a ``ValueError`` names the example."""
+    try:
+        field = read_ragged(examples, name, INPUT_IDS, kind, _names, required=False, fill=fill)
+    except ValueError:
+        rows = read_field(examples, name, INPUT_IDS, kind, _names, required=False, fill=fill)
+        _check_shapes(rows or [], tokens, name)  # rows whose shapes differ: named here
+        raise
+    if field is None:
+        return None
+    if not field.on_host:
+        field = Ragged(field.host, field.offsets)
+    if field.values.ndim == 1 and (tokens is None or np.array_equal(field.offsets, tokens.offsets)):
+        return field
+    _check_shapes([field.row(index) for index in range(field.rows)], tokens, name)
+    raise AssertionError("unreachable: a row of the wrong shape is named above")  # pragma: no cover
 
 
-def _host_concat(rows: list[Any], name: str) -> Ragged:
-    """A field's rows end to end on the host (a tensor on a device is copied back)."""
-    return concat([as_numpy(row) for row in rows], name, _names)
+def _check_shapes(rows: Sequence[Any], tokens: Ragged | None, name: str) -> None:
+    """Name the first row that is not one value per token (``tokens=None``: not 1-D)."""
+    for index, row in enumerate(rows):
+        if tokens is None and row.ndim != 1:
+            raise ValueError(
+                f"{_names(index)}: 'input_ids' must be one row of token ids, got shape {tuple(row.shape)}"
+            )
+        if tokens is not None and (row.ndim != 1 or row.shape[0] != tokens.lengths[index]):
+            hint = (
+                " (labels of their own length: an encoder-decoder target; this collator is for causal LMs, "
+                "use transformers.DataCollatorForSeq2Seq(tokenizer, model=model))"
+                if name == LABELS
+                else ""
+            )
+            raise ValueError(
+                f"{_names(index)}: field {shown(name)} has shape {tuple(row.shape)}, but 'input_ids' has "
+                f"{int(tokens.lengths[index])} tokens; give one value per token{hint}"
+            )
 
 
 def _ones(lengths: np.ndarray) -> Callable[[int], np.ndarray]:
@@ -404,30 +435,6 @@ def _ones(lengths: np.ndarray) -> Callable[[int], np.ndarray]:
 def _copy_of(tokens: Ragged) -> Callable[[int], np.ndarray]:
     """What an example without ``labels`` reads as: its tokens, every one trained."""
     return lambda index: np.asarray(tokens.row(index))
-
-
-def _per_token(rows: list[Any], tokens: Ragged, name: str) -> Ragged:
-    """``rows`` as a per-token :class:`Ragged`, each row one entry per token (else ``ValueError``)."""
-    try:
-        field = _host_concat(rows, name)
-    except ValueError:
-        field = None  # rows of other shapes: named below
-    if field is not None and field.values.ndim == 1 and np.array_equal(field.offsets, tokens.offsets):
-        return field
-    lengths = tokens.lengths
-    for index, row in enumerate(rows):
-        if row.ndim != 1 or row.shape[0] != lengths[index]:
-            hint = (
-                " (labels of their own length: an encoder-decoder target; this collator is for causal LMs, "
-                "use transformers.DataCollatorForSeq2Seq(tokenizer, model=model))"
-                if name == LABELS
-                else ""
-            )
-            raise ValueError(
-                f"{_names(index)}: field {shown(name)} has shape {tuple(row.shape)}, but 'input_ids' has "
-                f"{int(lengths[index])} tokens; give one value per token{hint}"
-            )
-    raise AssertionError("unreachable: a row of the wrong shape was found above")  # pragma: no cover
 
 
 @dataclass(frozen=True)
@@ -463,14 +470,8 @@ class Transformers:
             raise ValueError(f"{_OWNER}: the batch holds no examples")
         _check_examples(examples, options.supervision)
         present = set().union(*examples) & set(_READ_FIELDS)
-        token_rows = _read_rows(examples, INPUT_IDS, "ids")
-        assert token_rows is not None  # every example has input_ids (_check_examples)
-        for index, row in enumerate(token_rows):
-            if row.ndim != 1:
-                raise ValueError(
-                    f"{_names(index)}: 'input_ids' must be one row of token ids, got shape {tuple(row.shape)}"
-                )
-        tokens = _host_concat(token_rows, INPUT_IDS)
+        tokens = _read(examples, INPUT_IDS, "ids", None)
+        assert tokens is not None  # every example has input_ids (_check_examples)
         check_ids(tokens, INPUT_IDS, _names)
         tokens = tokens.cast(torch.int64)
         lengths = tokens.lengths
@@ -482,10 +483,14 @@ class Transformers:
                 "ids" if name in (LABELS, TOKEN_TYPE_IDS, POSITION_IDS) else "values"
             )
             fill = _copy_of(tokens) if name == LABELS else _ones(lengths) if kind == "values" else None
-            rows = _read_rows(examples, name, kind, fill)
-            if rows is not None:
-                fields[name] = _per_token(rows, tokens, name)
-        segment_rows = _read_rows(examples, SEQ_LENGTHS, "ids") if SEQ_LENGTHS in present else None
+            field = _read(examples, name, kind, tokens, fill)
+            if field is not None:
+                fields[name] = field
+        segment_rows = (
+            read_field(examples, SEQ_LENGTHS, INPUT_IDS, "ids", _names, required=False)
+            if SEQ_LENGTHS in present
+            else None
+        )
         return [self._interpret(fields, segment_rows)]
 
     def _interpret(self, fields: dict[str, Ragged], segment_rows: list[Any] | None) -> Stacked:
