@@ -584,3 +584,13 @@ def test_packed_attention_example_runs():
     assert result.stdout.count("no leakage: 7 documents") == 2
     assert "flattened [1, 45] layout equals the per-row one" in result.stdout
     assert "attention leaks across documents: 4 of 7 documents" in result.stdout
+
+
+def test_flex_attention_has_no_cpu_backward_as_the_docs_say():
+    """docs/packed_attention.md points CPU training to the SDPA mask because FlexAttention has no
+    backward on the CPU in this torch; if that changes, this fails and the docs get updated."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    q = torch.randn(1, 1, 128, 16, requires_grad=True)
+    mask = flex.create_block_mask(lambda b, h, qi, ki: qi >= ki, 1, 1, 128, 128, device="cpu")
+    with pytest.raises(NotImplementedError, match="does not support backward on CPU"):
+        flex.flex_attention(q, q, q, block_mask=mask).sum().backward()

@@ -926,7 +926,7 @@ def test_collator_samples_of_wrong_type():
         raises(TypeError, r"Collator: expected a list of samples", Collator(), bad)
     raises(
         TypeError,
-        r"Collator: sample 1 must be a SampleRecord, a payload dict or a token array, got NoneType",
+        r"Collator: item 1 must be a SampleRecord, a payload dict or a token array, got NoneType",
         Collator(),
         [{"input_ids": [1]}, None],
     )
@@ -1182,9 +1182,9 @@ def test_pack_flat_records_not_records(bad):
     raises(TypeError, r"pack_flat: records must be a list of SampleRecord", pack_flat, bad, 4, pad_token_id=0)
     raises(
         TypeError,
-        r"pack_flat: records\[1\] must be a SampleRecord, got dict",
+        r"pack_flat: item 1 must be a SampleRecord, a payload dict or a token array, got str",
         pack_flat,
-        [DOCS[0], {"input_ids": [1]}],
+        [DOCS[0], "abc"],
         4,
         pad_token_id=0,
     )
@@ -1322,8 +1322,8 @@ def test_flat_packer_stream_of_wrong_type():
         )
     raises(
         TypeError,
-        r"FlatPacker: item 1 of the stream must be a SampleRecord, got dict",
-        lambda: list(FlatPacker(4, pad_token_id=0).pack([DOCS[0], {"input_ids": [1]}])),
+        r"FlatPacker: item 1 must be a SampleRecord, a payload dict or a token array, got NoneType",
+        lambda: list(FlatPacker(4, pad_token_id=0).pack([DOCS[0], None])),
     )
 
 

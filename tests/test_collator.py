@@ -42,7 +42,7 @@ def test_plain_dict_payloads_get_documented_metadata():
 
 
 def test_bad_samples_and_options():
-    with pytest.raises(TypeError, match="sample 1"):
+    with pytest.raises(TypeError, match="item 1 must be a SampleRecord"):
         Collator()([{"input_ids": [1]}, "text"])
     with pytest.raises(ValueError, match="eos_mask_loss"):
         Collator(eos_mask_loss=True)

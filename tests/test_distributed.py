@@ -176,3 +176,16 @@ def test_even_batches_in_one_process_yield_everything():
     assert list(even) == [1, 2, 3] and even.dropped == 0 and len(even) == 3
     with pytest.raises(TypeError, match="EvenBatches: loader must be an iterable of batches, got int"):
         EvenBatches(3)
+
+
+def test_even_batches_len_and_device_errors_name_the_fix():
+    from zephon_collate import EvenBatches
+
+    even = EvenBatches(x for x in range(3))
+    with pytest.raises(TypeError, match=r"EvenBatches: its loader \(generator\) has no length"):
+        len(even)
+    assert list(even) == [0, 1, 2]  # a generator still iterates
+    with pytest.raises(ValueError, match="EvenBatches: device 'nonsense' is not a device name such as 'cpu'"):
+        EvenBatches([1], device="nonsense")
+    with pytest.raises(TypeError, match="EvenBatches: device must be None, a str"):
+        EvenBatches([1], device=3)

@@ -76,3 +76,13 @@ def test_readme_hugging_face_block_matches_its_comments():
     assert flat["labels"].tolist() == [[-100, -100, 7, 8, -100, 10, 3]]
     assert flat["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2]]
     assert flat["cu_seq_lens_q"].tolist() == [0, 4, 7] and flat["max_length_q"] == 4
+
+
+def test_attributes_the_docs_name_exist():
+    """Every `stacked.<name>` the docs and README tell users to read is an attribute of StackedBatch."""
+    from zephon_collate import Collator
+
+    stacked = Collator().stack([{"input_ids": [1, 2]}])
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    named = {name for page in pages for name in re.findall(r"\bstacked\.([A-Za-z_]\w*)", page.read_text())}
+    assert named and all(hasattr(stacked, name) for name in named), sorted(named)

@@ -3,7 +3,11 @@
 - out-of-range whole-number floats, for every integer output dtype;
 - ``eos_token_id`` against every output dtype, on the NumPy and the torch path;
 - to_training through the NumPy twins against the torch kernels, over the option space;
-- corrupt packer state dicts: a documented error, or a state that packs valid rows.
+- corrupt packer state dicts: a documented error, or a state that packs valid rows;
+- narrow payload dtypes (uint8 to int32, NumPy and torch) through the Collator's padding: the
+  same batch as the int64 payloads of the same values, whatever the pad id and multiple;
+- packing with any ``fields=``: every token kept, and ``overflow="auto"`` refusing a long
+  document with a prompt whether or not its ``loss_mask`` is packed.
 
 ``tests/fuzz/fuzz_to_training.py`` runs these same checks with many more examples.
 """
@@ -23,7 +27,7 @@ from reference import reference_to_training
 from strategies import packed_batches, training_options
 from test_invariants import assert_documented_error
 
-from zephon_collate import FlatPacker, use_host_pass
+from zephon_collate import Collator, FlatPacker, SampleMeta, SampleRecord, pack_flat, use_host_pass
 
 CASES = settings(max_examples=60, deadline=None)
 INT_DTYPES = [torch.int8, torch.int16, torch.int32, torch.int64, np.int8, np.int16, np.int32, np.int64]
@@ -216,3 +220,136 @@ def check_state_case(seq_len: int, state: dict[str, Any]) -> str:
 @given(corrupt_states())
 def test_corrupt_packer_states_are_refused_or_harmless(case: tuple[int, dict[str, Any]]) -> None:
     check_state_case(*case)
+
+
+# --- narrow payload dtypes through padding --------------------------------------------------------
+
+NARROW = [np.uint8, np.int8, np.int16, np.int32, torch.uint8, torch.int8, torch.int16, torch.int32]
+
+
+@st.composite
+def narrow_padding_cases(draw: st.DrawFn) -> tuple[Any, list[list[int]], dict[str, Any]]:
+    """Ragged rows stored in a narrow dtype (tokens and positions), and padding options that overflow
+    it: a pad id beyond the dtype, a multiple that pads positions past its range."""
+    dtype = draw(st.sampled_from(NARROW))
+    top = int(np.iinfo(dtype).max if isinstance(dtype, type) else torch.iinfo(dtype).max)
+    rows = draw(st.lists(st.lists(st.integers(0, min(top, 300)), max_size=12), min_size=1, max_size=4))
+    options: dict[str, Any] = {
+        "pad_token_id": draw(st.sampled_from([0, 7, 127, 128, 255, 256, 40_000, 2**31, 2**40])),
+        "pad_to_multiple_of": draw(st.sampled_from([None, 1, 8, 64, 300])),
+        "return_labels": draw(st.booleans()),
+        "return_cu_seqlens": draw(st.booleans()),
+        "return_padding_mask": True,
+        "extra_fields": ["positions"],
+    }
+    return dtype, rows, options
+
+
+def _narrow_records(dtype: Any, rows: list[list[int]], wide: bool) -> list[SampleRecord]:
+    records = []
+    for i, row in enumerate(rows):
+        # Rows longer than 3 hold two documents: positions restart at token 3.
+        positions = [*range(min(3, len(row))), *range(len(row) - 3)]
+        values = {"input_ids": row, "positions": positions}
+        if wide:
+            payload = {k: np.array(v, dtype=np.int64) for k, v in values.items()}
+        elif isinstance(dtype, type):
+            payload = {k: np.array(v, dtype=dtype) for k, v in values.items()}
+        else:
+            payload = {k: torch.tensor(v, dtype=dtype) for k, v in values.items()}
+        records.append(SampleRecord(SampleMeta((0, 0, i), 0, 0, i), payload))
+    return records
+
+
+def check_narrow_padding_case(dtype: Any, rows: list[list[int]], options: dict[str, Any]) -> str:
+    """The Collator pads in the output dtype: narrow payloads give the int64 payloads' batch exactly
+    (values, dtypes, keys), or the same documented error."""
+    results = []
+    for wide in (True, False):
+        try:
+            results.append(("ok", Collator(**options)(_narrow_records(dtype, rows, wide))))
+        except (ValueError, TypeError) as error:
+            assert_documented_error(error, len(rows))
+            results.append(("error", str(error)))
+    (kind, wide_out), (other, narrow_out) = results
+    assert kind == other, results
+    if kind == "error":
+        assert wide_out == narrow_out
+        return "error"
+    assert as_lists(narrow_out) == as_lists(wide_out)
+    for key, value in wide_out.items():
+        if isinstance(value, torch.Tensor):
+            assert narrow_out[key].dtype == value.dtype, key
+    return "ok"
+
+
+@CASES
+@given(narrow_padding_cases())
+def test_narrow_payload_dtypes_pad_as_int64_payloads(
+    case: tuple[Any, list[list[int]], dict[str, Any]],
+) -> None:
+    check_narrow_padding_case(*case)
+
+
+# --- packing with any fields= ---------------------------------------------------------------------
+
+
+@st.composite
+def packing_field_cases(draw: st.DrawFn) -> tuple[list[dict[str, list[int]]], int, dict[str, Any]]:
+    """Chat-like documents (a loss_mask, a weight field), any fields= selection, strategy and overflow."""
+    seq_len = draw(st.integers(1, 8))
+    documents = []
+    for _ in range(draw(st.integers(1, 5))):
+        length = draw(st.integers(1, 12))
+        prompt = draw(st.integers(0, length))
+        documents.append(
+            {
+                "input_ids": draw(st.lists(st.integers(1, 50), min_size=length, max_size=length)),
+                "loss_mask": [0] * prompt + [1] * (length - prompt),
+                "w": list(range(length)),
+            }
+        )
+    options = {
+        "fields": draw(st.sampled_from([None, (), ("w",), ("loss_mask",), ("loss_mask", "w")])),
+        "strategy": draw(st.sampled_from(["greedy", "best_fit"])),
+        "overflow": draw(st.sampled_from(["auto", "split", "truncate"])),
+    }
+    return documents, seq_len, options
+
+
+def check_packing_fields_case(
+    documents: list[dict[str, list[int]]], seq_len: int, options: dict[str, Any]
+) -> str:
+    """``overflow='auto'`` raises exactly when a document longer than ``seq_len`` has a prompt, whatever
+    ``fields=``; otherwise every token is kept (split) or each document's head (truncate), packed fields
+    aligned with their tokens."""
+    before = copy.deepcopy(documents)
+    records = [SampleRecord(SampleMeta((0, 0, i), 0, 0, i), d) for i, d in enumerate(documents)]
+    must_refuse = options["overflow"] == "auto" and any(
+        len(d["input_ids"]) > seq_len and 0 in d["loss_mask"] for d in documents
+    )
+    try:
+        rows = pack_flat(records, seq_len, pad_token_id=0, **options)
+    except ValueError as error:
+        assert must_refuse, error
+        assert "overflow=" in str(error)
+        assert documents == before
+        return "error"
+    assert not must_refuse, "a long document with a prompt was cut under overflow='auto'"
+    assert documents == before
+    keep = seq_len if options["overflow"] == "truncate" else None
+    expected = sorted(t for d in documents for t in d["input_ids"][:keep])
+    packed = sorted(
+        t for r in rows for t in r.payload["input_ids"][: seq_len - r.meta.padding_length].tolist()
+    )
+    assert packed == expected
+    packed_fields = ("loss_mask", "w") if options["fields"] is None else options["fields"]
+    for row in rows:
+        assert sorted(k for k in row.payload if k not in ("input_ids", "positions")) == sorted(packed_fields)
+    return "ok"
+
+
+@CASES
+@given(packing_field_cases())
+def test_packing_with_any_fields(case: tuple[list[dict[str, list[int]]], int, dict[str, Any]]) -> None:
+    check_packing_fields_case(*case)

@@ -125,7 +125,7 @@ def test_rows_wrap_at_width_and_keep_their_columns():
 def test_max_rows_and_max_tokens_cut_the_view_not_the_summary():
     text = render_batch(LITERAL, max_rows=1, max_tokens=3)
     assert "  in    |1  10 2" in text
-    assert "  ... 4 more tokens" in text
+    assert "  ... 4 more tokens; segments start there at tokens 3" in text  # where documents meet
     assert "... 1 more rows" in text
     assert "row 1" not in text
     assert text.startswith("batch: 2 rows x 7 tokens")
@@ -366,3 +366,66 @@ def test_show_demo_batch(capsys):
     out = capsys.readouterr().out
     assert out.startswith("batch: 2 rows x 48 tokens;")
     assert "row 0" in out and "... 1 more rows" in out
+
+
+# --- Hugging Face layouts ------------------------------------------------------------------------
+
+HF_EXAMPLES = [
+    {"input_ids": [1, 10, 11, 2], "labels": [-100, -100, 11, 2]},
+    {"input_ids": [1, 20, 2], "labels": [-100, 20, 2]},
+]
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_transformers_batches_read_as_the_page_does(padding_free):
+    """Both for_transformers layouts: segments from position_ids / cu_seq_lens_q, padding from
+    attention_mask, unshifted labels drawn as what each token's logits predict; one row per
+    example padded, one row for the batch padding-free."""
+    from zephon_collate import Collator
+
+    collate = Collator.for_transformers(
+        pad_token_id=0, padding_free=padding_free, return_flash_attn_kwargs=padding_free
+    )
+    rows = batch_rows(collate(HF_EXAMPLES))
+    if padding_free:
+        (row,) = rows
+        assert row.input_ids == [1, 10, 11, 2, 1, 20, 2]
+        assert row.starts == [0, 4] and row.position_starts == [0, 4] and row.cu_starts == [0, 4]
+        assert row.labels == [-100, 11, 2, -100, 20, 2, -100]
+        assert row.padding == [False] * 7
+    else:
+        assert [r.labels for r in rows] == [[-100, 11, 2, -100], [20, 2, -100, -100]]
+        assert [r.padding for r in rows] == [[False] * 4, [False, False, False, True]]
+        assert [r.starts for r in rows] == [[0], [0]]
+    assert batch_warnings(rows) == []
+
+
+def test_transformers_batch_warnings_see_labels_across_documents():
+    """A padding-free HF batch whose first labels are trained (DataCollatorWithFlattening without
+    its separator) trains across the documents: the inspector says so instead of 'none'."""
+    from zephon_collate import Collator
+
+    unsafe = Collator.for_transformers(padding_free=True, boundary_safe_labels=False)
+    batch = unsafe([{"input_ids": [1, 10, 2]}, {"input_ids": [1, 20, 2]}])
+    assert batch["labels"].tolist() == [[1, 10, 2, 1, 20, 2]]
+    (warning,) = batch_warnings(batch)
+    assert warning.startswith("row 0: 1 supervised labels cross a segment boundary (first: token 2 -> 3)")
+    assert "warnings: none" not in render_batch(batch)
+
+
+def test_transformers_padded_batch_renders_its_padding_and_shifted_labels():
+    from zephon_collate import Collator
+
+    text = render_batch(Collator.for_transformers(pad_token_id=0)(HF_EXAMPLES), width=60)
+    assert "row 1: 4 tokens, 1 segment, 1 padding (25%), 2 supervised (50%)" in text
+    assert "  label |20 2  - -" in text  # token 1 predicts 20, token 20 predicts 2
+    assert text.rstrip().endswith("warnings: none")
+
+
+def test_cut_rows_still_show_where_documents_meet(tmp_path):
+    """--max-tokens hides tokens, not boundaries: the starts beyond the cut are listed."""
+    batch = {"input_ids": [list(range(1, 41))], "positions": [[*range(20), *range(15), *range(5)]]}
+    text = render_batch(batch, max_tokens=10)
+    assert "  ... 30 more tokens; segments start there at tokens 20, 35" in text
+    assert "row 0: 40 tokens, 3 segments" in text
+    render_batch_png(batch, tmp_path / "cut.png", max_tokens=10)  # the PNG header says the same

@@ -341,7 +341,12 @@ def test_bad_options(kwargs: dict[str, Any], error: type[Exception], match: str)
             ValueError,
             "record 1.*tokens_field",
         ),
-        ([doc(0, 2), "doc"], {}, TypeError, r"records\[1\] must be a SampleRecord"),
+        (
+            [doc(0, 2), "doc"],
+            {},
+            TypeError,
+            r"item 1 must be a SampleRecord, a payload dict or a token array",
+        ),
         (
             [doc(0, 2), SampleRecord(doc(1, 1).meta, [1])],
             {"fields": ["x"]},
@@ -373,7 +378,7 @@ def test_stream_errors_name_the_stream_index() -> None:
                 [doc(0, 2, loss_mask=[1, 1]), SampleRecord(doc(1, 1).meta, [3])]
             )
         )
-    with pytest.raises(TypeError, match="item 1 of the stream"):
+    with pytest.raises(TypeError, match="FlatPacker: item 1 must be a SampleRecord"):
         list(FlatPacker(4, pad_token_id=0).pack([doc(0, 2), 7]))
     with pytest.raises(TypeError, match="records must be a list of SampleRecord"):
         pack_flat(doc(0, 2), 4, pad_token_id=0)  # type: ignore[arg-type]
@@ -617,3 +622,49 @@ def test_to_training_labels_stay_inside_documents(flatten: bool, strategy: str) 
     if flatten:
         assert out["cu_seqlens"].tolist() == [*flat_starts, len(rows) * width]
     assert crossings > 0, "without eos_mask_loss, EOS -> BOS labels cross documents"
+
+
+def test_plain_payload_dicts_pack_as_the_collator_wraps_them():
+    """pack_flat and FlatPacker take plain payloads too, with the Collator's documented metadata:
+    sample_id (0, 0, i), lane 0, chunk 0, chunk_offset i."""
+    payloads = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}, [6, 7, 8, 9]]
+    wrapped = [SampleRecord(SampleMeta((0, 0, i), 0, 0, i), p) for i, p in enumerate(payloads)]
+    rows = pack_flat(payloads, 5, pad_token_id=0)
+    assert [r.payload["input_ids"].tolist() for r in rows] == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 0]]
+    assert [r.meta for r in rows] == [r.meta for r in pack_flat(wrapped, 5, pad_token_id=0)]
+    assert [ref.cursor.sample_id for ref in rows[0].meta.contributors] == [(0, 0, 0), (0, 0, 1)]
+    streamed = list(FlatPacker(5, pad_token_id=0).pack(iter(payloads)))
+    assert [r.meta for r in streamed] == [r.meta for r in rows]
+    assert payloads[0] == {"input_ids": [1, 2, 3]}  # inputs are never changed
+
+
+def test_best_fit_without_buffer_size_is_one_round_over_every_piece():
+    """buffer_size=None runs best fit over the whole list, counted in pieces: a 6-token document
+    split at seq_len=4 is two pieces, so three pieces [4, 2, 2] fill two rows, not three."""
+    docs = [
+        SampleRecord(SampleMeta((0, 0, i), 0, 0, i), {"input_ids": list(range(1, n + 1))})
+        for i, n in enumerate((6, 2))
+    ]
+    rows = pack_flat(docs, 4, pad_token_id=0, strategy="best_fit", overflow="split")
+    assert [r.payload["input_ids"].tolist() for r in rows] == [[1, 2, 3, 4], [5, 6, 1, 2]]
+    streamed = FlatPacker(4, pad_token_id=0, strategy="best_fit", overflow="split", buffer_size=3).pack(docs)
+    assert [r.payload["input_ids"].tolist() for r in streamed] == [[1, 2, 3, 4], [5, 6, 1, 2]]
+
+
+@pytest.mark.parametrize("fields", [(), ("w",)])
+def test_overflow_auto_reads_the_loss_mask_even_when_it_is_not_packed(fields):
+    """overflow='auto' refuses to cut a document with a prompt whatever fields= packs: the
+    loss_mask says where the prompt is even when it is not among the packed fields."""
+    chat = {"input_ids": [1, 2, 3, 4, 5, 6], "loss_mask": [0, 0, 1, 1, 1, 1], "w": [1] * 6}
+    docs = [SampleRecord(SampleMeta((0, 0, 0), 0, 0, 0), chat)]
+    with pytest.raises(ValueError, match=r"record 0 .*more than seq_len=4, and a prompt .*overflow='split'"):
+        pack_flat(docs, 4, pad_token_id=0, fields=fields)
+    with pytest.raises(ValueError, match="more than seq_len=4, and a prompt"):
+        list(FlatPacker(4, pad_token_id=0, fields=fields).pack(docs))
+    rows = pack_flat(docs, 4, pad_token_id=0, fields=fields, overflow="split")  # the explicit choice
+    assert [r.payload["input_ids"].tolist() for r in rows] == [[1, 2, 3, 4], [5, 6, 0, 0]]
+    plain = [SampleRecord(SampleMeta((0, 0, 0), 0, 0, 0), {**chat, "loss_mask": [1] * 6})]
+    assert len(pack_flat(plain, 4, pad_token_id=0, fields=fields)) == 2  # no prompt: split as before
+    bad = [SampleRecord(SampleMeta((0, 0, 0), 0, 0, 0), {**chat, "loss_mask": [0, 2, 1, 1, 1, 1]})]
+    with pytest.raises(ValueError, match="loss_mask"):
+        pack_flat(bad, 4, pad_token_id=0, fields=fields)

@@ -623,6 +623,17 @@ def test_eos_token_id_alone_warns_and_does_not_mask():
     assert out["labels"].tolist() == [[10, EOS, BOS, 11, EOS]]
 
 
+def test_eos_warning_once_per_call_cached_or_not():
+    """The warning fires once per call: on the first call of an option set (built then) as on later
+    calls (served from the options cache), never twice."""
+    options = {"return_labels": True, "eos_token_id": 987_654}  # an option set no other test uses
+    for _ in range(3):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batch({"input_ids": PACKED}).to_training(**options)
+        assert [str(w.message).count("eos_mask_loss=False") for w in caught] == [1]
+
+
 def test_eos_warning_even_for_empty_batch():
     """DECISIONS: argument errors and the warning come before any payload is read, even for empty batches."""
     with pytest.warns(UserWarning):

@@ -26,6 +26,7 @@ from zephon_collate.keys import INT64_MAX, INT64_MIN
 __all__ = [
     "OutputKind",
     "check_bool",
+    "check_device",
     "check_eos_fits",
     "check_eos_token_id",
     "check_field_names",
@@ -110,6 +111,41 @@ def suggest_options(owner: str, required: Mapping[str, str] | None = None) -> Ca
         return wrapper  # type: ignore[return-value]  # the same signature, by functools.wraps
 
     return decorate
+
+
+def check_device(owner: str, device: object) -> torch.device | None:
+    """``device`` as a ``torch.device`` this process can use, or ``None``.
+
+    Raises:
+        TypeError: for anything but ``None``, a str or a ``torch.device``.
+        ValueError: for a name torch does not know, ``"meta"``, or a device this machine lacks.
+    """
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(
+            f"{owner}: device must be None, a str such as 'cuda' or a torch.device, got {shown(device)}"
+        )
+    try:
+        checked = torch.device(device)
+    except RuntimeError:
+        raise ValueError(
+            f"{owner}: device {shown(device)} is not a device name such as 'cpu' or 'cuda:0'"
+        ) from None
+    if checked.type == "meta":
+        raise ValueError(f"{owner}: device 'meta' holds no data; pass 'cpu', an accelerator or None")
+    if checked.type != "cpu":
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is None or accelerator.type != checked.type:
+            raise ValueError(
+                f"{owner}: device {shown(str(checked))} is not available here (accelerator: {accelerator})"
+            )
+        if checked.index is not None and checked.index >= torch.accelerator.device_count():
+            raise ValueError(
+                f"{owner}: device {shown(str(checked))} does not exist: this machine has "
+                f"{torch.accelerator.device_count()} {checked.type} device(s)"
+            )
+    return checked
 
 
 def check_eos_token_id(value: object, *, owner: str = "to_training") -> int:

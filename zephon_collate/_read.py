@@ -28,7 +28,7 @@ import torch
 
 from zephon_collate._text import shown, shown_fields
 from zephon_collate.keys import INT64_MAX, TOKEN_FIELD_CANDIDATES
-from zephon_collate.records import FLUSH_TAG, TOMBSTONE_TAG, SampleRecord
+from zephon_collate.records import FLUSH_TAG, TOMBSTONE_TAG, SampleMeta, SampleRecord
 
 __all__ = [
     "MISSING",
@@ -38,6 +38,7 @@ __all__ = [
     "Row",
     "Values",
     "as_numpy",
+    "as_record",
     "as_record_tuple",
     "as_tensor",
     "check_fits",
@@ -88,6 +89,30 @@ def record_names(records: Sequence[SampleRecord]) -> Names:
 def is_array_payload(payload: object) -> bool:
     """True for a payload that is the token row itself (a list, tuple, NumPy array or tensor)."""
     return isinstance(payload, (list, tuple, np.ndarray, torch.Tensor))
+
+
+def as_record(sample: object, index: int, owner: str) -> SampleRecord:
+    """``sample`` as a record: a record as given, a plain payload (a dict or a token array) wrapped.
+
+    A plain payload gets ``SampleMeta(sample_id=(0, 0, i), lane_id=0, chunk_id=0,
+    chunk_offset=i)``, ``i`` being its place in the batch or stream, and no tags (so
+    no padding): what Hugging Face datasets and ``transformers.Trainer`` hand over.
+
+    Example:
+        >>> as_record({"input_ids": [5, 6]}, 3, "Collator").meta.sample_id
+        (0, 0, 3)
+
+    Raises:
+        TypeError: for an item that is neither a record, a dict nor a token array.
+    """
+    if isinstance(sample, SampleRecord):
+        return sample
+    if isinstance(sample, Mapping) or is_array_payload(sample):
+        return SampleRecord(SampleMeta((0, 0, index), 0, 0, index), sample)
+    raise TypeError(
+        f"{owner}: item {index} must be a SampleRecord, a payload dict or a token array, "
+        f"got {type(sample).__name__}"
+    )
 
 
 def as_record_tuple(batch: object, owner: str) -> tuple[SampleRecord, ...]:

@@ -32,6 +32,10 @@ Properties:
   over the option space.
 - ``states``: a packer state with junk at a random key: a documented error
   naming the state, or valid rows.
+- ``narrow``: narrow payload dtypes through the Collator's padding: the int64
+  payloads' batch, or the same documented error.
+- ``fields``: packing with any ``fields=``: tokens kept, ``overflow="auto"``
+  refusing a long document with a prompt whatever is packed.
 """
 
 from __future__ import annotations
@@ -114,6 +118,8 @@ def build_properties(max_corruptions: int, outcomes: collections.Counter, tried:
         "eos": hostile_round("eos", hostile.eos_cases(), hostile.check_eos_case),
         "paths": hostile_round("paths", hostile.path_cases(), hostile.check_paths_case),
         "states": hostile_round("states", hostile.corrupt_states(), hostile.check_state_case),
+        "narrow": hostile_round("narrow", hostile.narrow_padding_cases(), hostile.check_narrow_padding_case),
+        "fields": hostile_round("fields", hostile.packing_field_cases(), hostile.check_packing_fields_case),
     }
 
 
@@ -141,7 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--property",
         action="append",
-        choices=["to_training", "pack_flat", "transforms", "floats", "eos", "paths", "states"],
+        choices=[
+            "to_training",
+            "pack_flat",
+            "transforms",
+            "floats",
+            "eos",
+            "paths",
+            "states",
+            "narrow",
+            "fields",
+        ],
         help="run only these properties (repeatable; default all, to_training weighted 3)",
     )
     args = parser.parse_args(argv)
@@ -153,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     properties = build_properties(args.max_corruptions, outcomes, tried)
     names = args.property or [
         *["to_training"] * 3,
-        *["pack_flat", "transforms", "floats", "eos", "paths", "states"],
+        *["pack_flat", "transforms", "floats", "eos", "paths", "states", "narrow", "fields"],
     ]
     failures: dict[str, tuple[str, int]] = {}
     start = last_report = time.monotonic()

@@ -30,6 +30,7 @@ from zephon_collate._read import (
     Ragged,
     Row,
     as_numpy,
+    as_record,
     as_tensor,
     check_fits,
     check_ids,
@@ -37,7 +38,6 @@ from zephon_collate._read import (
     check_zero_one,
     concat,
     host_view,
-    is_array_payload,
     read_field,
     read_ragged,
     record_names,
@@ -86,11 +86,7 @@ SUPERVISING_FIELDS = (ATTENTION_MASK, LABELS, ASSISTANT_MASKS, ASSISTANT_MASK, C
 
 
 def as_records(samples: Sequence[Any]) -> tuple[SampleRecord, ...]:
-    """Records as given, or plain payloads (dicts or token arrays) wrapped in records.
-
-    A plain payload gets ``SampleMeta(sample_id=(0, 0, i), lane_id=0, chunk_id=0,
-    chunk_offset=i)``, ``i`` being its place in the batch, and no tags (so no
-    padding): what Hugging Face datasets and ``transformers.Trainer`` hand over.
+    """Records as given, or plain payloads (dicts or token arrays) wrapped (:func:`as_record`).
 
     Raises:
         TypeError: if ``samples`` is not a sequence, or an item is neither a record,
@@ -98,18 +94,7 @@ def as_records(samples: Sequence[Any]) -> tuple[SampleRecord, ...]:
     """
     if isinstance(samples, (str, bytes, Mapping)) or not isinstance(samples, Sequence):
         raise TypeError(f"Collator: expected a list of samples, got {type(samples).__name__}")
-    records = []
-    for index, sample in enumerate(samples):
-        if isinstance(sample, SampleRecord):
-            records.append(sample)
-        elif isinstance(sample, Mapping) or is_array_payload(sample):
-            records.append(SampleRecord(SampleMeta((0, 0, index), 0, 0, index), sample))
-        else:
-            raise TypeError(
-                f"Collator: sample {index} must be a SampleRecord, a payload dict or a token array, "
-                f"got {type(sample).__name__}"
-            )
-    return tuple(records)
+    return tuple(as_record(sample, index, "Collator") for index, sample in enumerate(samples))
 
 
 def check_boundary_count(positions: torch.Tensor, flatten: bool, limit: int, names: Names) -> None:

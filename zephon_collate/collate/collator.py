@@ -27,7 +27,7 @@ import torch
 from tensordict import TensorDict
 from torch.utils.data import get_worker_info
 
-from zephon_collate._checks import check_bool, suggest_options
+from zephon_collate._checks import check_bool, check_device, suggest_options
 from zephon_collate._text import shown
 from zephon_collate.collate._native import Native
 from zephon_collate.collate._output import ids_and_texts
@@ -42,36 +42,6 @@ if TYPE_CHECKING:
     from zephon_collate.collate.hf import TransformersCollator
 
 __all__ = ["COLLATOR_OPTION_NAMES", "Collator", "CollatorOptions"]
-
-
-def _check_device(device: object) -> torch.device | None:
-    """``device`` as a ``torch.device`` this process can use, or ``None``."""
-    if device is None:
-        return None
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(
-            f"Collator: device must be None, a str such as 'cuda' or a torch.device, got {shown(device)}"
-        )
-    try:
-        checked = torch.device(device)
-    except RuntimeError:
-        raise ValueError(
-            f"Collator: device {shown(device)} is not a device name such as 'cpu' or 'cuda:0'"
-        ) from None
-    if checked.type == "meta":
-        raise ValueError("Collator: device 'meta' holds no data; pass 'cpu', an accelerator or None")
-    if checked.type != "cpu":
-        accelerator = torch.accelerator.current_accelerator()
-        if accelerator is None or accelerator.type != checked.type:
-            raise ValueError(
-                f"Collator: device {shown(str(checked))} is not available here (accelerator: {accelerator})"
-            )
-        if checked.index is not None and checked.index >= torch.accelerator.device_count():
-            raise ValueError(
-                f"Collator: device {shown(str(checked))} does not exist: this machine has "
-                f"{torch.accelerator.device_count()} {checked.type} device(s)"
-            )
-    return checked
 
 
 def _check_transforms(name: str, value: object) -> tuple[Transform, ...]:
@@ -108,7 +78,7 @@ class CollatorOptions:
 
     def __post_init__(self) -> None:
         put = object.__setattr__
-        put(self, "device", _check_device(self.device))
+        put(self, "device", check_device("Collator", self.device))
         for name in ("compile", "python_scalars", "boundary_safe_labels"):
             put(self, name, check_bool(name, getattr(self, name), owner="Collator"))
         if self.num_boundaries is not None:

@@ -255,12 +255,14 @@ def options_for(options: Mapping[str, Any]) -> TrainingOptions:
     A cached option set warns again on each call that gives ``eos_token_id``
     without ``eos_mask_loss``, as a fresh one would.
     """
+    misses = _cached.cache_info().misses
     try:
         # The types belong to the key: 1 == True and 2.0 == 2, but only True and 2 are valid.
         checked = _cached(tuple((name, type(value), value) for name, value in options.items()))
     except TypeError:  # an unhashable value (a list of fields, a rename dict): check afresh
         return TrainingOptions(**options)
-    if checked.eos_token_id is not None and not checked.eos_mask_loss:
+    fresh = _cached.cache_info().misses != misses  # built just now: its __post_init__ warned already
+    if not fresh and checked.eos_token_id is not None and not checked.eos_mask_loss:
         warn_user(_EOS_WITHOUT_MASKING)
     return checked
 

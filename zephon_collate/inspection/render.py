@@ -159,8 +159,18 @@ def _render_row(
     if shown < total:
         lines.append(f"  ... {total - shown} more padding tokens")
     if total < len(row.input_ids):
-        lines.append(f"  ... {len(row.input_ids) - total} more tokens")
+        lines.append(f"  ... {len(row.input_ids) - total} more tokens{_hidden_starts(row, total)}")
     return lines
+
+
+def _hidden_starts(row: RowView, shown: int, listed: int = 8) -> str:
+    """Where segments start beyond the ``shown`` tokens, in words (``""`` if none do): a cut row
+    still tells where its documents meet."""
+    hidden = [t for t in row.starts if t >= shown]
+    if not hidden:
+        return ""
+    more = f", ... ({len(hidden)} in all)" if len(hidden) > listed else ""
+    return f"; segments start there at tokens {', '.join(map(str, hidden[:listed]))}{more}"
 
 
 def render_batch(
@@ -304,7 +314,12 @@ def render_batch_png(
     y += 1.8
     mono: dict[str, Any] = {"family": "DejaVu Sans Mono", "ha": "center", "va": "center"}
     for row, shown, lines in layout:
-        axes.text(0, y + 0.2, _header(row), fontsize=8, fontweight="bold", va="top")
+        cut = (
+            f"; {len(row.input_ids) - shown} more tokens{_hidden_starts(row, shown)}"
+            if shown < len(row.input_ids)
+            else ""
+        )
+        axes.text(0, y + 0.2, _header(row) + cut, fontsize=8, fontweight="bold", va="top")
         y += header_height
         starts = set(row.starts)
         for t in range(shown):

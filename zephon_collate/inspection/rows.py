@@ -1,9 +1,12 @@
 """Read a collated batch row by row and put what looks wrong in it into words.
 
 A batch is what :meth:`SampleBatch.to_training` or :class:`Collator` returns
-(``flatten=False`` rows, or a flattened batch as one row). :func:`batch_rows`
-reads ``input_ids`` and, where present, ``labels``, ``loss_mask``, ``positions``,
-``cu_seqlens``, ``padding_mask`` and ``ids``, and gives each row as a
+(``flatten=False`` rows, or a flattened batch as one row), or what
+``Collator.for_transformers`` (or a Hugging Face / TRL collator) returns, in
+either layout. :func:`batch_rows` reads ``input_ids`` and, where present,
+``labels``, ``loss_mask``, ``positions``, ``cu_seqlens``, ``padding_mask`` and
+``ids`` (a Hugging Face batch: ``position_ids``, ``cu_seq_lens_q``,
+``attention_mask`` and its unshifted ``labels``), and gives each row as a
 :class:`RowView`: for every token its input, its label, whether that label is
 supervised, whether it is padding, its position, and where each segment
 begins. :func:`batch_warnings` puts the usual mistakes of chat-template masks
@@ -23,9 +26,19 @@ import torch
 
 from zephon_collate._text import shown
 from zephon_collate.functional.segments import segment_starts
-from zephon_collate.keys import CU_SEQLENS, INPUT_IDS, LABELS, LOSS_MASK, PADDING_MASK, POSITIONS
+from zephon_collate.keys import (
+    ATTENTION_MASK,
+    CU_SEQ_LENS_Q,
+    CU_SEQLENS,
+    INPUT_IDS,
+    LABELS,
+    LOSS_MASK,
+    PADDING_MASK,
+    POSITION_IDS,
+    POSITIONS,
+)
 
-__all__ = ["RowView", "batch_rows", "batch_warnings", "percent"]
+__all__ = ["RowView", "batch_rows", "batch_warnings", "is_transformers_batch", "percent"]
 
 _PADDING_WARN_FRACTION = 0.5
 
@@ -99,6 +112,36 @@ def _trailing_pad(tokens: list[int], pad_token_id: int) -> list[bool]:
     return [False] * (len(tokens) - count) + [True] * count
 
 
+def is_transformers_batch(batch: Mapping[str, Any]) -> bool:
+    """True for a batch in Hugging Face's names: it has ``attention_mask``, ``position_ids`` or
+    ``cu_seq_lens_q``, and none of the reference page's ``positions``, ``cu_seqlens``, ``padding_mask``."""
+    return any(key in batch for key in (ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q)) and not any(
+        key in batch for key in (POSITIONS, CU_SEQLENS, PADDING_MASK)
+    )
+
+
+def _page_view(batch: Mapping[str, Any], ignore_index: int) -> dict[str, Any]:
+    """A Hugging Face batch in the page's names and label convention.
+
+    ``labels`` there are unshifted (the model shifts them: the logits at token
+    ``t`` predict ``labels[t + 1]``); the page's, drawn under each token, are
+    what that token's logits predict. So each row's labels move one to the
+    left and its last gets ``ignore_index``. ``attention_mask`` 0 is padding.
+    """
+    view = {key: value for key, value in batch.items() if key not in (LABELS, ATTENTION_MASK)}
+    if POSITION_IDS in batch:
+        view[POSITIONS] = batch[POSITION_IDS]
+    if batch.get(CU_SEQ_LENS_Q) is not None:
+        view[CU_SEQLENS] = batch[CU_SEQ_LENS_Q]
+    if batch.get(ATTENTION_MASK) is not None:
+        view[PADDING_MASK] = [
+            [not value for value in row] for row in _as_rows(batch[ATTENTION_MASK], ATTENTION_MASK)
+        ]
+    if batch.get(LABELS) is not None:
+        view[LABELS] = [[*row[1:], ignore_index] if row else [] for row in _as_rows(batch[LABELS], LABELS)]
+    return view
+
+
 def batch_rows(
     batch: Mapping[str, Any], *, ignore_index: int = -100, pad_token_id: int | None = None
 ) -> list[RowView]:
@@ -106,6 +149,16 @@ def batch_rows(
 
     Padding comes from ``padding_mask``; without one, with ``pad_token_id``
     given, from the trailing run of that id; otherwise no token is padding.
+    A Hugging Face batch (:func:`is_transformers_batch`) is read in its own
+    names: ``position_ids``, ``cu_seq_lens_q``, ``attention_mask`` (0: padding)
+    and unshifted ``labels``, drawn as what each token's logits predict.
+
+    Example:
+        >>> hf = {"input_ids": [[5, 6, 7, 8, 9]], "labels": [[-100, 6, 7, -100, 9]],
+        ...       "position_ids": [[0, 1, 2, 0, 1]]}
+        >>> row = batch_rows(hf)[0]
+        >>> row.labels, row.starts
+        ([6, 7, -100, 9, -100], [0, 3])
 
     Raises:
         KeyError: if ``batch`` has no ``input_ids``.
@@ -113,6 +166,8 @@ def batch_rows(
     """
     if INPUT_IDS not in batch:
         raise KeyError(f"inspect_batch: the batch has no 'input_ids' (its keys: {sorted(batch)})")
+    if is_transformers_batch(batch):
+        batch = _page_view(batch, ignore_index)
     tokens = _as_rows(batch[INPUT_IDS], INPUT_IDS)
     fields: dict[str, list[list[Any]]] = {}
     for name in (LABELS, LOSS_MASK, POSITIONS, PADDING_MASK):

@@ -17,10 +17,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 from zephon_collate._checks import suggest_options
-from zephon_collate._read import describe_record, is_array_payload, record_names, resolve_tokens_field
+from zephon_collate._read import (
+    as_record,
+    describe_record,
+    is_array_payload,
+    record_names,
+    resolve_tokens_field,
+)
 from zephon_collate._text import shown
 from zephon_collate.collate.sample_batch import SampleBatch
-from zephon_collate.keys import LOSS_MASK
+from zephon_collate.keys import INT64_MAX, LOSS_MASK
 from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.packing.reader import REQUIRED, PackOptions, as_array, candidate_fields
 from zephon_collate.records import SampleRecord
@@ -153,12 +159,8 @@ def pack_flat(
     checked = PackOptions.create("pack_flat", **PackOptions.arguments(locals()))
     if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, (Iterable, SampleBatch)):
         raise TypeError(f"pack_flat: records must be a list of SampleRecord, got {type(records).__name__}")
-    records = list(records.records if isinstance(records, SampleBatch) else records)
-    bad = next((i for i, record in enumerate(records) if not isinstance(record, SampleRecord)), None)
-    if bad is not None:
-        raise TypeError(
-            f"pack_flat: records[{bad}] must be a SampleRecord, got {type(records[bad]).__name__}"
-        )
+    given = records.records if isinstance(records, SampleBatch) else records
+    records = [as_record(record, index, "pack_flat") for index, record in enumerate(given)]
     payloads = [None if record.meta.is_sentinel else record.payload for record in records]
     tokens_name = resolve_tokens_field(payloads, checked.tokens_field, record_names(records))
     if tokens_name in (checked.fields or ()):
@@ -166,6 +168,6 @@ def pack_flat(
             f"pack_flat: the tokens field {shown(tokens_name)} is also listed in fields; drop it from fields"
         )
     shared = _shared_fields(records, tokens_name) if checked.fields is None else checked.fields
-    size = checked.buffer_size or max(1, len(records))
+    size = checked.buffer_size or INT64_MAX  # None: one best-fit round over every piece, however many
     settings = {**vars(checked), "tokens_field": tokens_name, "buffer_size": size, "fields": shared}
     return list(FlatPacker(**settings).pack(records))

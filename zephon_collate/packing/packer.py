@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from zephon_collate._checks import suggest_options
+from zephon_collate._read import as_record
 from zephon_collate._text import shown
 from zephon_collate.keys import INPUT_IDS
 from zephon_collate.packing.reader import REQUIRED, STREAM_BUFFER_SIZE, PackOptions, Reader
@@ -33,8 +34,10 @@ class FlatPacker:
 
     Rows, layout, metadata, sentinels and options are those of
     :func:`~zephon_collate.packing.pack_flat`: ``pack_flat(records, ...)`` equals
-    ``list(FlatPacker(..., buffer_size=len(records)).pack(records))`` (or the
-    ``buffer_size`` given) when the documents agree on their per-token fields.
+    ``list(FlatPacker(..., buffer_size=n).pack(records))`` when the documents
+    agree on their per-token fields, ``n`` being ``pack_flat``'s ``buffer_size``
+    or, for its default ``None``, at least the number of pieces (a document
+    longer than ``seq_len`` is several).
     Differences:
 
     * ``buffer_size`` (default 1024) bounds the best-fit buffer: a round of
@@ -121,12 +124,8 @@ class FlatPacker:
                 f"FlatPacker.pack: records must be an iterable of SampleRecord, got {type(records).__name__}"
             )
         yield from self._drain()
-        for record in records:
-            if not isinstance(record, SampleRecord):
-                raise TypeError(
-                    f"FlatPacker: item {self._consumed} of the stream must be a SampleRecord, "
-                    f"got {type(record).__name__}"
-                )
+        for sample in records:
+            record = as_record(sample, self._consumed, "FlatPacker")
             if record.meta.is_flush_sentinel:
                 self._engine.flush()
             elif not record.meta.tombstone and (document := self._reader.read(record, self._consumed)):

@@ -21,7 +21,7 @@ import numpy as np
 
 from zephon_collate._read import describe_record
 from zephon_collate.keys import LOSS_MASK, POSITIONS
-from zephon_collate.packing.reader import PackOptions
+from zephon_collate.packing.reader import PackOptions, as_array, check_loss_mask
 from zephon_collate.records import (
     CONTRIBUTORS_TAG,
     PADDING_LENGTH_TAG,
@@ -68,6 +68,11 @@ def split_document(
     overflow = options.overflow
     if overflow == "auto" and tokens.size > size:
         mask = fields.get(LOSS_MASK)
+        if mask is None and isinstance(record.payload, Mapping) and LOSS_MASK in record.payload:
+            # Not packed (fields=() or others), but it still says where the prompt is: read it.
+            where = describe_record(index, record)
+            mask = as_array(record.payload[LOSS_MASK], where, LOSS_MASK, ids=False)
+            check_loss_mask(mask, where)
         if mask is not None and not mask.all():
             raise ValueError(
                 f"{describe_record(index, record)}: has {tokens.size} tokens, more than seq_len={size}, "

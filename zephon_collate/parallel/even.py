@@ -14,12 +14,13 @@ silently: log them, or reshuffle so that the next epoch covers them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from zephon_collate._checks import check_device
 from zephon_collate.parallel.distributed import collective_device, is_distributed
 
 __all__ = ["EvenBatches"]
@@ -54,12 +55,22 @@ class EvenBatches:
             )
         self.loader = loader
         self.group = group
-        self.device = None if device is None else torch.device(device)
+        self.device = check_device("EvenBatches", device)
         self.dropped = 0
 
     def __len__(self) -> int:
-        """The loader's own length (the shortest rank may end the pass sooner)."""
-        return len(self.loader)  # type: ignore[arg-type]
+        """The loader's own length (the shortest rank may end the pass sooner).
+
+        Raises:
+            TypeError: for a loader without a length (a generator, an iterable dataset's stream).
+        """
+        if not isinstance(self.loader, Sized):
+            raise TypeError(
+                f"EvenBatches: its loader ({type(self.loader).__name__}) has no length, so neither has "
+                "EvenBatches; iterate it, or wrap a loader with a len() (a DataLoader over a map-style "
+                "dataset)"
+            )
+        return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
         self.dropped = 0
