@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import as_lists, record
@@ -87,3 +88,53 @@ def test_without_pad_token_id_ragged_rows_still_name_the_fix():
         ValueError, match=r"unequal shape.*pad them \(Collator\(pad_token_id=\.\.\.\)\) or pack them"
     ):
         Collator(return_labels=True)([{"input_ids": [1, 2, 3]}, {"input_ids": [4]}])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "pad"),
+    [(np.uint8, 256), (np.int16, 40_000), (torch.uint8, 256), (torch.int16, 40_000), (np.int8, 2**40)],
+)
+def test_padding_writes_in_the_output_dtype_not_the_payloads(dtype, pad):
+    """A pad id beyond the payload row's own dtype is written in the output dtype (int64)."""
+    make = (
+        (lambda v: np.array(v, dtype=dtype))
+        if isinstance(dtype, type)
+        else (lambda v: torch.tensor(v, dtype=dtype))
+    )
+    records = [
+        SampleRecord(SampleMeta((0, 0, 0), 0, 0, 0), {"input_ids": make([1, 2, 3])}),
+        SampleRecord(SampleMeta((0, 0, 1), 0, 0, 1), {"input_ids": make([4])}),
+    ]
+    out = Collator(pad_token_id=pad)(records)
+    assert out["input_ids"].dtype == torch.int64
+    assert out["input_ids"].tolist() == [[1, 2, 3], [4, pad, pad]]
+
+
+def test_narrow_positions_padded_past_their_range_do_not_wrap():
+    """uint8 positions padded to 512: the padding counts 0, 1, ... in int64, never wrapping at 256
+    (a wrap would put a second boundary inside the padding)."""
+    records = [
+        SampleRecord(
+            SampleMeta((0, 0, i), 0, 0, i),
+            {"input_ids": list(range(1, n + 1)), "positions": np.arange(n, dtype=np.uint8)},
+        )
+        for i, n in enumerate((200, 10))
+    ]
+    out = Collator(
+        pad_token_id=0, pad_to_multiple_of=512, extra_fields=["positions"], return_cu_seqlens=True
+    )(records)
+    assert out["positions"].dtype == torch.int64
+    assert out["positions"][1, 10:].tolist() == list(range(502))
+    assert out["cu_seqlens"].tolist() == [[0, 200, 512], [0, 10, 512]]
+
+
+def test_per_record_fields_are_not_padded():
+    """A field with one value per record (not per token) stays [B, 1] with pad_token_id; it is not
+    padded to the row length, and no error advises the option already given."""
+    records = [
+        SampleRecord(SampleMeta((0, 0, 0), 0, 0, 0), {"input_ids": [1, 2, 3], "w": [7]}),
+        SampleRecord(SampleMeta((0, 0, 1), 0, 0, 1), {"input_ids": [4], "w": [8]}),
+    ]
+    out = Collator(pad_token_id=0, extra_fields=["w"])(records)
+    assert out["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert out["w"].tolist() == [[7], [8]]
