@@ -2,10 +2,12 @@
 
 Rows, for 8 x 80 tokens (the fixed cost of a call) and 8 x 8,193 (the benchmark
 workload of bench_to_training.py), every to_training output at once:
-- to_training: argument and payload checks, stacking, the transform chain, output assembly;
-- the transform chain alone, run on the stacked TensorDict;
-- the NumPy passes alone: the same outputs from plain arrays, with no check, no
-  TensorDict and no transform (checked equal to to_training's before timing);
+- to_training: argument and payload checks, stacking, the chain, output assembly;
+- the chain alone on the stacked batch, as the collate path runs it on the CPU:
+  the fused host pass (``use_host_pass``, the default);
+- the chain alone as the torch transforms (what runs on a device or compiled);
+- hand-written NumPy passes: the same outputs from plain arrays, with no check,
+  no reading of records and no chain (checked equal to to_training's first);
 - a memory copy of the output bytes.
 Run: python benchmarks/bench_floor.py
 """
@@ -21,8 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import EOS, FULL_OPTIONS, compare, output_bytes, packed_rows, to_records
 
-from zephon_collate import SampleBatch, TrainingOptions, functional
-from zephon_collate.collate.plan import build_chain
+from zephon_collate import Collator, SampleBatch, use_host_pass
 
 IGNORE = -100
 
@@ -40,7 +41,7 @@ def numpy_passes(batch: SampleBatch) -> dict[str, object]:
     np.copyto(labels, IGNORE, where=tokens[:, :-1] == EOS)
     np.copyto(labels, IGNORE, where=(supervision[:, 1:] == 0) | padding[:, 1:])
     loss_mask = (labels != IGNORE).view(np.uint8).astype(np.float32)
-    cu_seqlens, max_seqlen = functional.cu_seqlens_rows.cpu(positions[:, :-1])  # the NumPy twin
+    cu_seqlens, max_seqlen = _cu_seqlens_rows(positions[:, :-1])
     return {
         "input_ids": torch.from_numpy(np.ascontiguousarray(tokens[:, :-1])),
         "labels": torch.from_numpy(labels),
@@ -53,6 +54,18 @@ def numpy_passes(batch: SampleBatch) -> dict[str, object]:
     }
 
 
+def _cu_seqlens_rows(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row segment boundaries (a row's first token and every position 0), padded with the row length."""
+    rows, length = positions.shape
+    starts = positions == 0
+    starts[:, 0] = True
+    counts = starts.sum(axis=1)
+    boundaries = np.full((rows, int(counts.max()) + 1), length, dtype=np.int32)
+    row, column = np.nonzero(starts)
+    boundaries[row, np.arange(row.size) - np.repeat(np.cumsum(counts) - counts, counts)] = column
+    return boundaries, np.diff(boundaries, axis=1).max(axis=1)
+
+
 def check_equal(batch: SampleBatch) -> None:
     want = batch.to_training(**FULL_OPTIONS)
     for key, value in numpy_passes(batch).items():
@@ -63,32 +76,39 @@ def check_equal(batch: SampleBatch) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
-    options = TrainingOptions(**FULL_OPTIONS)
     print("to_training with every output, CPU, 1 thread; medians of interleaved rounds\n")
     print(
-        "| tokens | to_training | chain alone | NumPy passes alone | copy of the output | NumPy / to_training |"
+        "| tokens | to_training | host pass alone | torch chain alone | NumPy by hand | copy of the output "
+        "| NumPy by hand / to_training |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    collator = Collator(**FULL_OPTIONS)
     for length in (81, 8193):
         batch = SampleBatch(to_records(packed_rows(length=length)))
         check_equal(batch)
-        stacked = batch.to_tensordict(dtype=torch.long)  # the payloads are int64: what to_training stacks
-        chain = build_chain(options, tuple(stacked.keys()))
+        data = dict(collator.stack(list(batch.records)).td.items())
+        plan = collator.plan_for(tuple(data))
         source = torch.ones(output_bytes(batch.to_training(**FULL_OPTIONS)), dtype=torch.uint8)
+
+        def torch_chain(plan=plan, data=data):
+            with use_host_pass(False):
+                return plan.run(data)
+
         us = {
             name: seconds * 1e6
             for name, seconds in compare(
                 {
                     "ours": lambda batch=batch: batch.to_training(**FULL_OPTIONS),
-                    "chain": lambda chain=chain, stacked=stacked: chain(stacked),
+                    "host": lambda plan=plan, data=data: plan.run(data),
+                    "torch": torch_chain,
                     "numpy": lambda batch=batch: numpy_passes(batch),
                     "copy": lambda source=source: source.clone(),
                 }
             ).items()
         }
         print(
-            f"| 8 x {length - 1:,} | {us['ours']:,.0f} us | {us['chain']:,.0f} us | {us['numpy']:,.0f} us "
-            f"| {us['copy']:,.0f} us | {us['numpy'] / us['ours']:.2f} |"
+            f"| 8 x {length - 1:,} | {us['ours']:,.0f} us | {us['host']:,.0f} us | {us['torch']:,.0f} us "
+            f"| {us['numpy']:,.0f} us | {us['copy']:,.0f} us | {us['numpy'] / us['ours']:.2f} |"
         )
 
 

@@ -1670,3 +1670,25 @@ def test_error_messages_stay_short(make):
     with pytest.raises((TypeError, ValueError)) as info:
         make()
     assert len(str(info.value)) < 400, str(info.value)[:500]
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_sequence_positions_beyond_the_dtype_are_refused_on_both_passes(host):
+    """position_mode='sequence' numbers 0 .. S - 1; in int8, 300 tokens would wrap to -128 on the host
+    pass: refused, as the torch kernel refuses it, naming the fix."""
+    from zephon_collate import use_host_pass
+
+    records = [record([1] * 300)]
+    with use_host_pass(host):
+        for call in (
+            lambda: Collator(dtype=torch.int8, position_mode="sequence")(records),
+            lambda: to_training(records, dtype=torch.int8, position_mode="sequence"),
+            lambda: to_training(records, dtype=np.int8, position_mode="sequence", return_labels=True),
+        ):
+            raises(
+                ValueError,
+                r"positions numbered (300|299) tokens do not fit dtype torch.int8 .*wider dtype",
+                call,
+            )
+    short = to_training([record([1] * 128)], dtype=torch.int8, position_mode="sequence")
+    assert short["positions"].tolist() == [list(range(128))]

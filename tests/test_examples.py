@@ -86,3 +86,22 @@ def test_attributes_the_docs_name_exist():
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     named = {name for page in pages for name in re.findall(r"\bstacked\.([A-Za-z_]\w*)", page.read_text())}
     assert named and all(hasattr(stacked, name) for name in named), sorted(named)
+
+
+def test_every_benchmark_imports_and_the_floor_check_holds():
+    """Benchmarks are not run in CI, but each must import against the package as it is (a renamed
+    module breaks `make bench`), and bench_floor's hand-written NumPy passes must equal to_training."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        for path in sorted((ROOT / "benchmarks").glob("*.py")):
+            importlib.import_module(path.stem)
+        floor = importlib.import_module("bench_floor")
+        from common import packed_rows, to_records
+
+        from zephon_collate import SampleBatch
+
+        floor.check_equal(SampleBatch(to_records(packed_rows(length=81))))
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))

@@ -27,9 +27,9 @@ __all__ = [
     "OutputKind",
     "check_bool",
     "check_device",
-    "check_eos_fits",
     "check_eos_token_id",
     "check_field_names",
+    "check_fits_dtype",
     "check_ignore_index",
     "check_int",
     "check_key",
@@ -37,6 +37,7 @@ __all__ = [
     "check_option_names",
     "check_position_mode",
     "check_rename_fields",
+    "fits_dtype",
     "resolve_dtype",
     "suggest_options",
     "warn_user",
@@ -155,14 +156,25 @@ def check_eos_token_id(value: object, *, owner: str = "to_training") -> int:
     return int(value)
 
 
-def check_eos_fits(eos_token_id: int, dtype: torch.dtype, *, owner: str = "to_training") -> None:
-    """``ValueError`` if integer ``dtype`` cannot hold ``eos_token_id`` (it would wrap around)."""
+def fits_dtype(value: int, dtype: torch.dtype) -> bool:
+    """True if ``dtype`` holds the int ``value`` exactly: always for float, complex and bool dtypes
+    (which are not integer storage), else within ``torch.iinfo(dtype)``.
+
+    Example:
+        >>> fits_dtype(300, torch.int8), fits_dtype(-100, torch.int16), fits_dtype(-1, torch.uint8)
+        (False, True, False)
+    """
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        return
-    if eos_token_id > torch.iinfo(dtype).max:
-        raise ValueError(
-            f"{owner}: eos_token_id {eos_token_id} does not fit dtype {dtype}; pick a wider dtype"
-        )
+        return True
+    info = torch.iinfo(dtype)
+    return info.min <= value <= info.max
+
+
+def check_fits_dtype(owner: str, name: str, value: int, dtype: torch.dtype) -> None:
+    """``ValueError`` naming ``name`` unless ``dtype`` holds ``value`` (:func:`fits_dtype`): written into
+    that dtype, it would wrap around."""
+    if not fits_dtype(value, dtype):
+        raise ValueError(f"{owner}: {name} {value} does not fit dtype {dtype}; pick a wider dtype")
 
 
 def check_ignore_index(value: object, *, owner: str = "to_training", fits: torch.dtype | None = None) -> int:
@@ -172,10 +184,8 @@ def check_ignore_index(value: object, *, owner: str = "to_training", fits: torch
         raise TypeError(f"{owner}: ignore_index must be an int, got {shown(value)}")
     if not INT64_MIN <= value <= INT64_MAX:
         raise ValueError(f"{owner}: ignore_index must fit in int64, got {shown(value)}")
-    if fits is not None and not (fits.is_floating_point or fits.is_complex or fits == torch.bool):
-        info = torch.iinfo(fits)
-        if not info.min <= value <= info.max:
-            raise ValueError(f"{owner}: ignore_index {value} does not fit dtype {fits}; pick a wider dtype")
+    if fits is not None:
+        check_fits_dtype(owner, "ignore_index", int(value), fits)
     return int(value)
 
 

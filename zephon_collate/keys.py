@@ -24,6 +24,7 @@ __all__ = [
     "LOSS_MASK",
     "MAX_LENGTH_K",
     "MAX_LENGTH_Q",
+    "MAX_PAD_MULTIPLE",
     "MAX_SEQLEN",
     "NUM_VALID_TOKENS",
     "PADDING_LENGTH",
@@ -33,6 +34,7 @@ __all__ = [
     "SEGMENT_IDS",
     "SEQ_IDX",
     "SEQ_LENGTHS",
+    "SUPERVISION_MASKS",
     "TEXT",
     "TEXTS",
     "TOKEN_FIELD_CANDIDATES",
@@ -82,3 +84,9 @@ IGNORE_INDEX = -100
 INT32_MAX = 2**31 - 1
 """The largest ``cu_seqlens`` entry (int32, as varlen attention kernels take them)."""
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_PAD_MULTIPLE = 2**20
+"""The largest ``pad_to_multiple_of`` accepted (a row padded to more than a million tokens is a typo)."""
+
+SUPERVISION_MASKS = (LOSS_MASK, ASSISTANT_MASKS, ASSISTANT_MASK, COMPLETION_MASK)
+"""The per-token 0/1 fields that say which tokens are trained: this package's ``loss_mask``, and the
+names ``transformers`` (``assistant_masks`` from ``apply_chat_template``) and TRL give it."""

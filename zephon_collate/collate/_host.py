@@ -173,11 +173,9 @@ def native(
             unsupervised = supervision[:, 1:] == 0
             drop = unsupervised | _aligned(drop, unsupervised)
         inputs = tokens[:, :-1]
-        if options.eos_mask_loss:
-            eos = options.eos_token_id
-            info = np.iinfo(inputs.dtype)
-            if eos is not None and info.min <= eos <= info.max:
-                drop = drop | _aligned(inputs == eos, drop)
+        if options.eos_mask_loss and options.eos_token_id is not None:
+            # NumPy compares with an id beyond the dtype exactly (all False), as eos_label_mask does.
+            drop = drop | _aligned(inputs == options.eos_token_id, drop)
         for key in out:
             if key not in (INPUT_IDS, LOSS_MASK, PADDING_LENGTH):
                 out[key] = out[key][:, :-1]

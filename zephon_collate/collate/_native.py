@@ -58,16 +58,14 @@ from zephon_collate.collate._stack import RowPadding, dense, stack_rows
 from zephon_collate.collate.options import TrainingOptions
 from zephon_collate.functional.segments import segment_starts
 from zephon_collate.keys import (
-    ASSISTANT_MASK,
-    ASSISTANT_MASKS,
     ATTENTION_MASK,
-    COMPLETION_MASK,
     INPUT_IDS,
     INT32_MAX,
     LABELS,
     LOSS_MASK,
     PADDING_LENGTH,
     POSITIONS,
+    SUPERVISION_MASKS,
 )
 from zephon_collate.records import PADDING_LENGTH_TAG, SampleMeta, SampleRecord
 from zephon_collate.transforms import Chain, Transform
@@ -81,7 +79,7 @@ __all__ = [
     "read_padding_lengths",
 ]
 
-SUPERVISING_FIELDS = (ATTENTION_MASK, LABELS, ASSISTANT_MASKS, ASSISTANT_MASK, COMPLETION_MASK)
+SUPERVISING_FIELDS = (ATTENTION_MASK, LABELS, *SUPERVISION_MASKS[1:])
 """Payload fields that say what is trained (Hugging Face and TRL names); the native path reads none."""
 
 
@@ -473,19 +471,13 @@ class Native:
         dtype = options.output.torch_dtype
         pad_id = 0 if self.padding is None else self.padding.pad_token_id
         data: dict[str, torch.Tensor] = {}
+        if options.position_mode == "sequence":  # 0 .. count - 1 in every row, after the shift
+            _check_position_count(width - 1 if options.return_labels else width, dtype, "numbered")
         for name, values in per_token.items():
             keep = name == LOSS_MASK and options.return_labels  # the supervision keeps its own dtype
             cast = values if keep else values.cast(dtype)
-            if (
-                name == POSITIONS
-                and self.padding is not None
-                and width
-                and width - 1 > torch.iinfo(dtype).max
-            ):
-                raise ValueError(
-                    f"to_training: positions padded to {width} tokens do not fit dtype {dtype}; pick a wider "
-                    "dtype"
-                )
+            if name == POSITIONS and self.padding is not None:
+                _check_position_count(width, dtype, "padded to")
             fill = pad_id if name == INPUT_IDS else 0
             data[name] = as_tensor(dense(cast, width, fill, restart=name == POSITIONS))
         for name, rows in per_record.items():
@@ -501,6 +493,15 @@ class Native:
                 positions = data[POSITIONS][:, :-1] if options.return_labels else data[POSITIONS]
                 check_boundary_count(positions, options.flatten, self.num_boundaries, names)
         return data
+
+
+def _check_position_count(count: int, dtype: torch.dtype, how: str) -> None:
+    """``ValueError`` unless positions ``0 .. count - 1`` fit ``dtype`` (they would wrap around)."""
+    if count - 1 > torch.iinfo(dtype).max:
+        raise ValueError(
+            f"to_training: positions {how} {count} tokens do not fit dtype {dtype} (at most "
+            f"{torch.iinfo(dtype).max + 1}); pick a wider dtype"
+        )
 
 
 def _flat_offsets(stacked: torch.Tensor) -> np.ndarray:

@@ -27,12 +27,9 @@ import torch
 from zephon_collate._checks import check_int
 from zephon_collate._read import Names, Ragged, Row, Values, as_numpy
 from zephon_collate._text import shown
-from zephon_collate.keys import INT32_MAX
+from zephon_collate.keys import INT32_MAX, MAX_PAD_MULTIPLE
 
-__all__ = ["MAX_PAD_MULTIPLE", "RowPadding", "dense", "stack_rows"]
-
-MAX_PAD_MULTIPLE = 2**20
-"""The largest ``pad_to_multiple_of`` accepted (a row padded to more than a million tokens is a typo)."""
+__all__ = ["RowPadding", "dense", "stack_rows"]
 
 
 @dataclass(frozen=True)

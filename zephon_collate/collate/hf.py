@@ -76,14 +76,11 @@ from zephon_collate.collate import _host
 from zephon_collate.collate._native import Stacked, check_boundary_count
 from zephon_collate.collate._output import convert
 from zephon_collate.collate._plan import Plan, Plans
-from zephon_collate.collate._stack import MAX_PAD_MULTIPLE, RowPadding, dense
+from zephon_collate.collate._stack import RowPadding, dense
 from zephon_collate.collate.collator import Collator, CollatorOptions
 from zephon_collate.functional.segments import segment_starts
 from zephon_collate.keys import (
-    ASSISTANT_MASK,
-    ASSISTANT_MASKS,
     ATTENTION_MASK,
-    COMPLETION_MASK,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
     CU_SEQLENS,
@@ -94,6 +91,7 @@ from zephon_collate.keys import (
     LOSS_MASK,
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
+    MAX_PAD_MULTIPLE,
     MAX_SEQLEN,
     PADDING_LENGTH,
     PADDING_MASK,
@@ -102,6 +100,7 @@ from zephon_collate.keys import (
     SEGMENT_IDS,
     SEQ_IDX,
     SEQ_LENGTHS,
+    SUPERVISION_MASKS,
     TOKEN_TYPE_IDS,
 )
 from zephon_collate.records import SampleRecord
@@ -127,7 +126,7 @@ __all__ = [
 ]
 
 _OWNER = "Collator.for_transformers"
-_MASK_FIELDS = (LOSS_MASK, ASSISTANT_MASKS, ASSISTANT_MASK, COMPLETION_MASK)
+_MASK_FIELDS = SUPERVISION_MASKS
 """The 0/1 fields that say, token by token, what is trained."""
 _SUPERVISION_FIELDS = (LABELS, *_MASK_FIELDS)
 _READ_FIELDS = (INPUT_IDS, ATTENTION_MASK, *_SUPERVISION_FIELDS, TOKEN_TYPE_IDS, POSITION_IDS, SEQ_LENGTHS)

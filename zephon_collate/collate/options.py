@@ -19,9 +19,9 @@ from typing import Any, Literal, cast
 from zephon_collate._checks import (
     OutputKind,
     check_bool,
-    check_eos_fits,
     check_eos_token_id,
     check_field_names,
+    check_fits_dtype,
     check_ignore_index,
     check_position_mode,
     check_rename_fields,
@@ -158,7 +158,7 @@ class TrainingOptions:
         if labels:
             check_ignore_index(self.ignore_index, fits=self.output.torch_dtype)
         if self.eos_token_id is not None:
-            check_eos_fits(self.eos_token_id, self.output.torch_dtype)
+            check_fits_dtype("to_training", "eos_token_id", self.eos_token_id, self.output.torch_dtype)
         generated = self.generated_keys()
         for name in self.extra_fields:
             if name in generated:

@@ -21,6 +21,7 @@ import torch
 from zephon_collate.demo.corpus import COMPONENTS, fields
 from zephon_collate.demo.model import DocumentTransformer
 from zephon_collate.demo.tokenizer import EOS, VOCAB_SIZE, ByteTokenizer
+from zephon_collate.functional import segment_starts
 from zephon_collate.records import SampleRecord
 
 __all__ = ["DemoResult", "plot_losses", "progress", "sample", "summary"]
@@ -120,7 +121,9 @@ def sample(
     tokenizer = ByteTokenizer()
     for row in rows:
         mask, ids, positions = (fields(row)[k] for k in ("loss_mask", "input_ids", "positions"))
-        starts = [int(i) for i in (positions == 0).nonzero()[0]] + [len(ids)]
+        starts = [int(i) for i in segment_starts(torch.as_tensor(positions)).nonzero().reshape(-1)] + [
+            len(ids)
+        ]
         for start, end in itertools.pairwise(starts):
             segment = mask[start:end]
             if ids[start] == 1 and segment.any() and not segment[0]:  # a whole chat example

@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from zephon_collate._checks import check_fits_dtype
+
 __all__ = ["KERNELS", "check_fill", "check_tensor", "kernel"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -45,9 +47,4 @@ def check_tensor(kernel: str, name: str, value: object, min_dim: int = 0, max_di
 
 def check_fill(kernel: str, name: str, value: int, like: torch.Tensor) -> None:
     """``ValueError`` if integer ``like`` cannot hold ``value`` (writing it would wrap around)."""
-    dtype = like.dtype
-    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        return
-    info = torch.iinfo(dtype)
-    if not info.min <= value <= info.max:
-        raise ValueError(f"{kernel}: {name} {value} does not fit dtype {dtype}; give a wider dtype")
+    check_fits_dtype(kernel, name, value, like.dtype)

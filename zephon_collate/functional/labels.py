@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from zephon_collate._checks import fits_dtype
 from zephon_collate.functional._registry import check_fill, check_tensor, kernel
 
 __all__ = [
@@ -145,10 +146,8 @@ def eos_label_mask(inputs: torch.Tensor, eos_token_id: int) -> torch.Tensor:
         [[False, False]]
     """
     check_tensor("eos_label_mask", "inputs", inputs)
-    if not (inputs.dtype.is_floating_point or inputs.dtype.is_complex or inputs.dtype == torch.bool):
-        info = torch.iinfo(inputs.dtype)
-        if not info.min <= eos_token_id <= info.max:
-            return torch.zeros(inputs.shape, dtype=torch.bool, device=inputs.device)
+    if not fits_dtype(eos_token_id, inputs.dtype):  # no token of this dtype can be it
+        return torch.zeros(inputs.shape, dtype=torch.bool, device=inputs.device)
     return inputs == eos_token_id
 
 

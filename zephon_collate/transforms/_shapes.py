@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from zephon_collate._checks import fits_dtype
 from zephon_collate._text import shown
 
 __all__ = ["check_ignore_fits", "check_leading", "check_present", "check_rank"]
@@ -35,10 +36,7 @@ def check_rank(
 
 def check_ignore_fits(owner: str, ignore_index: int, key: str, labels: torch.Tensor) -> None:
     """``ValueError`` if integer ``labels`` cannot hold ``ignore_index`` (it would wrap around)."""
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        return
-    info = torch.iinfo(labels.dtype)
-    if not info.min <= ignore_index <= info.max:
+    if not fits_dtype(ignore_index, labels.dtype):
         raise ValueError(
             f"{owner}: ignore_index {ignore_index} does not fit {shown(key)} of dtype {labels.dtype}"
         )
