@@ -1236,7 +1236,7 @@ def test_pack_flat_option_arguments(kwargs, error, match):
         ([[1, 2], [3, 4]], ValueError, r"must be 1-D \(one entry per token\), got shape \(2, 2\)"),
         ([[1, 2], [3]], ValueError, "is a ragged nested sequence"),
         (torch.arange(3).to_sparse(), TypeError, "is a torch.sparse_coo tensor"),
-        (torch.arange(3, device="meta"), TypeError, "is a meta tensor"),
+        (torch.arange(3, device="meta"), ValueError, "is a tensor on the 'meta' device, which holds no data"),
     ],
 )
 def test_pack_flat_bad_tokens(tokens, error, match):

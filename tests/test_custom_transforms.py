@@ -119,3 +119,27 @@ def test_workers_stack_and_finish_runs_your_transform(compiled):
 def test_a_chain_checks_its_wiring_when_built():
     with pytest.raises(ValueError, match="PositionWeights reads 'positions'"):
         Chain(TokenShift(), PositionWeights(), input_keys=["input_ids"])
+
+
+def test_an_empty_batch_names_your_outputs_too():
+    """An empty batch emits every output the collator's chain would, yours included, empty: in one
+    call and through stack/finish, with transforms= and with chain=."""
+    appended = Collator(transforms=[PositionWeights()], **OPTIONS)
+    assert appended([]) == {
+        "ids": [],
+        "texts": [],
+        "input_ids": [],
+        "labels": [],
+        "num_valid_tokens": 0,
+        "cu_seqlens": [],
+        "max_seqlen": [],
+        "weights": [],
+    }
+    assert appended.finish(appended.stack([])) == appended([])
+    chain = [BoundaryMask(), TokenShift(input_keys=["positions"], label_keys=["loss_mask"]), LossMask()]
+    replaced = Collator(chain=chain, transforms=[PositionWeights()])
+    rows = [packed(0, [3, 4])]
+    empty, full = replaced([]), replaced(rows)
+    assert {"labels", "loss_mask", "weights"} <= set(empty) <= set(full)  # positions: only if listed
+    assert all(value in ([], 0) for value in empty.values())
+    assert replaced.finish(replaced.stack([])) == replaced([])

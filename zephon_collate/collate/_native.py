@@ -253,13 +253,18 @@ class Native:
         """``(key, output name)`` of each output, from the chain's final ``keys``."""
         return output_names(self.options, keys)
 
-    def empty(self) -> dict[str, Any]:
-        """The outputs of an empty batch: each field the options emit, empty."""
+    def empty(self, chain: Callable[[list[str]], Chain] | None = None) -> dict[str, Any]:
+        """The outputs of an empty batch: each field the chain emits, empty.
+
+        ``chain(keys)`` gives the chain run (a collator's, with your transforms); by default
+        the built-in one of the options.
+        """
         options = self.options
         keys = [INPUT_IDS, PADDING_LENGTH, *options.extra_fields]
         if options.return_cu_seqlens and POSITIONS not in keys:
             keys.append(POSITIONS)  # CuSeqlens reads them; emitted only as empty_outputs says
-        return empty_outputs(options, Chain(*self.chain(keys)).output_keys(keys))
+        steps = Chain(*self.chain(keys)) if chain is None else chain(keys)
+        return empty_outputs(options, steps.output_keys(keys))
 
     def collate(
         self,

@@ -79,8 +79,9 @@ class CollateLayout(Layout, Protocol):
         """The output dict from a plan's result."""
         ...
 
-    def empty(self) -> dict[str, Any]:
-        """The outputs of an empty batch (or the error a layout raises for one)."""
+    def empty(self, chain: Callable[[list[str]], Chain] | None = None) -> dict[str, Any]:
+        """The outputs of an empty batch, named by ``chain(keys)`` (default: the layout's own chain),
+        or the error a layout raises for one."""
         ...
 
 

@@ -36,7 +36,7 @@ from zephon_collate.collate._stack import RowPadding
 from zephon_collate.collate.options import TrainingOptions, options_for
 from zephon_collate.collate.transfer import StackedBatch, WireOutputs
 from zephon_collate.keys import IGNORE_INDEX
-from zephon_collate.transforms import CuSeqlens, Transform
+from zephon_collate.transforms import Chain, CuSeqlens, Transform
 
 if TYPE_CHECKING:
     from zephon_collate.collate.hf import TransformersCollator
@@ -258,6 +258,18 @@ class Collator:
     def __repr__(self) -> str:
         return f"Collator(options={self.options}, settings={self.settings}, padding={self.padding})"
 
+    def _empty(self) -> dict[str, Any]:
+        """The outputs of an empty batch, named by this collator's chain (your transforms included)."""
+        settings = self.settings
+        if not settings.transforms and settings.chain is None:
+            return self.layout.empty()
+
+        def chain(keys: list[str]) -> Chain:
+            steps = self.layout.chain(keys) if settings.chain is None else settings.chain
+            return Chain(*steps, *settings.transforms)
+
+        return self.layout.empty(chain)
+
     def plan_for(self, keys: tuple[str, ...]) -> Plan:
         """The plan of this collator on a stacked batch holding ``keys``: its chain and output names."""
         settings = self.settings
@@ -287,6 +299,8 @@ class Collator:
         compact buffer (:class:`~zephon_collate.collate.transfer.WireOutputs`); the main
         process receives a plain dict.
         """
+        if isinstance(samples, Sequence) and not isinstance(samples, (str, bytes)) and not len(samples):
+            return self._empty()
         if self.device is None and not self.compile:
             out = self.layout.collate(samples, self.plan_for, python_scalars=self.python_scalars)
         else:
@@ -317,7 +331,7 @@ class Collator:
                 f"{type(stacked).__name__}"
             )
         if stacked.td is None:
-            return self.layout.empty()
+            return self._empty()
         td = stacked.td
         if self.device is not None and td.device != self.device:
             td = td.to(self.device, non_blocking=True)  # narrow fields move narrow, then widen there

@@ -107,6 +107,7 @@ from zephon_collate.records import SampleRecord
 from zephon_collate.transforms import (
     AttentionMask,
     BoundaryMask,
+    Chain,
     CuSeqlens,
     LeftPadding,
     LossMask,
@@ -771,7 +772,7 @@ class Transformers:
             out[name] = convert(value, kind)
         return out
 
-    def empty(self) -> dict[str, Any]:
+    def empty(self, chain: Callable[[list[str]], Chain] | None = None) -> dict[str, Any]:
         raise ValueError(f"{_OWNER}: the batch holds no examples")
 
     def stack(self, samples: object) -> Stacked:

@@ -130,8 +130,6 @@ def as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
     :func:`~zephon_collate._read.to_row` checks the value; token ids come back
     as int64 and ``>= 0``; an int64 ndarray is not copied.
     """
-    if isinstance(value, torch.Tensor) and value.is_meta:
-        raise TypeError(f"{where}: field {shown(name)} is a meta tensor; give a dense tensor with data")
     if not isinstance(value, (torch.Tensor, np.ndarray, list, tuple)):
         raise TypeError(
             f"{where}: field {shown(name)} must be a list, tuple, NumPy array or torch tensor of numbers, "
