@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import itertools
 import os
@@ -222,12 +223,18 @@ def main() -> None:
             )
 
     # Resume check: a loader restored from the checkpoint yields the micro-batches seen after the save.
-    state = torch.load(io.BytesIO(checkpoint), weights_only=True)
-    resumed, _, _ = make_loader(state["data"])
-    replay = [batch["ids"] for batch in itertools.islice(resumed, len(seen_after))]
-    assert replay == seen_after, "the resumed loader yields other micro-batches"
-    print(f"rank {rank}: resumed data stream matches ({len(replay)} micro-batches)", flush=True)
+    if checkpoint is not None:  # (none with --steps 0)
+        state = torch.load(io.BytesIO(checkpoint), weights_only=True)
+        resumed, _, _ = make_loader(state["data"])
+        replay = [batch["ids"] for batch in itertools.islice(resumed, len(seen_after))]
+        assert replay == seen_after, "the resumed loader yields other micro-batches"
+        print(f"rank {rank}: resumed data stream matches ({len(replay)} micro-batches)", flush=True)
     if launched:
+        # DDP and the loaders hold the process group; free them and meet before it is destroyed, so
+        # no rank leaves while another still talks to it (a hang at exit otherwise).
+        del ddp, batches, micro_batch_iter
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -87,6 +87,6 @@ def test_collator_equals_to_training_on_boundary_masked_records(data: st.DataObj
     options: dict[str, Any] = {**data.draw(training_options(b)), "return_labels": True}
     options.pop("extra_fields", None)
     want = as_lists(type(b)(_masked_by_hand(list(b.records))).to_training(**options))
-    for twins in (True, False):
-        with use_host_pass(twins):
+    for host in (True, False):
+        with use_host_pass(host):
             assert as_lists(Collator(**options)(list(b.records))) == want

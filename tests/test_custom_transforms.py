@@ -143,3 +143,21 @@ def test_an_empty_batch_names_your_outputs_too():
     assert {"labels", "loss_mask", "weights"} <= set(empty) <= set(full)  # positions: only if listed
     assert all(value in ([], 0) for value in empty.values())
     assert replaced.finish(replaced.stack([])) == replaced([])
+
+
+class RowTokenCount(Transform):
+    """A 0-d output: how many tokens the batch holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_keys, self.out_keys = ["input_ids"], ["token_count"]
+
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"token_count": torch.tensor(data["input_ids"].numel())}
+
+
+def test_a_scalar_output_of_yours_in_ragged_list_output():
+    """dtype=None with rows of unequal length runs the chain row by row: a 0-d output of yours comes
+    back as one value per row."""
+    out = Collator(dtype=None, transforms=[RowTokenCount()])([record([1, 2, 3]), record([4])])
+    assert out["input_ids"] == [[1, 2, 3], [4]] and out["token_count"] == [3, 1]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -124,7 +125,26 @@ def torchrun(script: Path, *args: str, timeout: int = 240) -> subprocess.Complet
     ]
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    # A session of its own: on a timeout the whole group (torchrun and its ranks) is killed, so no
+    # rank outlives the test.
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(
+            f"torchrun timed out after {timeout} s\n{stdout[-4000:]}\n{stderr[-8000:]}"
+        ) from None
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     assert result.returncode == 0, (
         f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
     )
@@ -184,6 +204,14 @@ def test_even_batches_len_and_device_errors_name_the_fix():
     even = EvenBatches(x for x in range(3))
     with pytest.raises(TypeError, match=r"EvenBatches: its loader \(generator\) has no length"):
         len(even)
+
+    class Endless(torch.utils.data.Sampler[list[int]]):  # a batch sampler without a length
+        def __iter__(self):
+            yield [0]
+
+    loader = torch.utils.data.DataLoader([1, 2], batch_sampler=Endless())
+    with pytest.raises(TypeError, match=r"EvenBatches: its loader \(DataLoader\) has no length"):
+        len(EvenBatches(loader))
     assert list(even) == [0, 1, 2]  # a generator still iterates
     with pytest.raises(ValueError, match="EvenBatches: device 'nonsense' is not a device name such as 'cpu'"):
         EvenBatches([1], device="nonsense")

@@ -2,7 +2,7 @@
 
 - out-of-range whole-number floats, for every integer output dtype;
 - ``eos_token_id`` against every output dtype, on the NumPy and the torch path;
-- to_training through the NumPy twins against the torch kernels, over the option space;
+- to_training through the fused host pass against the torch chain, over the option space;
 - corrupt packer state dicts: a documented error, or a state that packs valid rows;
 - narrow payload dtypes (uint8 to int32, NumPy and torch) through the Collator's padding: the
   same batch as the int64 payloads of the same values, whatever the pad id and multiple;
@@ -92,8 +92,8 @@ def check_eos_case(dtype: Any, eos: int, tokens: list[int]) -> str:
     b = batch({"input_ids": tokens})
     options = {"return_labels": True, "eos_mask_loss": True, "eos_token_id": eos, "dtype": dtype}
     outs = []
-    for twins in (True, False):
-        with use_host_pass(twins):
+    for host in (True, False):
+        with use_host_pass(host):
             try:
                 outs.append(as_lists(b.to_training(**options)))
             except ValueError as error:
@@ -127,11 +127,11 @@ def path_cases(draw: st.DrawFn) -> tuple[Any, dict[str, Any]]:
 
 
 def check_paths_case(b: Any, options: dict[str, Any]) -> str:
-    """to_training through the NumPy twins equals it through the torch kernels (values and dtypes), or
+    """to_training through the host pass equals it through the torch chain (values and dtypes), or
     both paths raise the same documented error."""
     results = []
-    for twins in (True, False):
-        with use_host_pass(twins):
+    for host in (True, False):
+        with use_host_pass(host):
             try:
                 results.append(("ok", b.to_training(**options)))
             except (ValueError, TypeError) as error:

@@ -6,10 +6,9 @@ import ast
 import inspect
 from pathlib import Path
 
-import pytest
 import torch
 
-from zephon_collate import SampleBatch, functional, to_training, use_host_pass
+from zephon_collate import Collator, SampleBatch, functional, to_training, use_host_pass
 from zephon_collate.functional.attention import cu_seqlens_from_segment_ids
 from zephon_collate.functional.context_parallel import cp_partition_index
 
@@ -80,18 +79,24 @@ def test_to_training_signature_is_the_reference_pages():
 POSITIONS = torch.tensor([[3, 4, 0, 1, 2], [0, 1, 0, 0, 1]])  # row 0 does not start at zero
 
 
-@pytest.mark.parametrize("twins", [True, False], ids=["numpy", "torch"])
-def test_every_boundary_follows_the_one_segment_rule(twins):
-    """Hand-worked: a segment starts at a row's first token and wherever positions are 0."""
-    with use_host_pass(twins):
-        assert functional.segment_starts(POSITIONS).tolist() == [
-            [True, False, True, False, False],
-            [True, False, True, True, False],
-        ]
-        cu, top = functional.cu_seqlens_rows(POSITIONS)
-        assert cu.tolist() == [[0, 2, 5, 5], [0, 2, 3, 5]] and top.tolist() == [3, 2]
-        flat, longest = functional.cu_seqlens_flat(POSITIONS)
-        assert flat.tolist() == [0, 2, 5, 7, 8, 10] and int(longest) == 3
+def test_every_boundary_follows_the_one_segment_rule():
+    """Hand-worked: a segment starts at a row's first token and wherever positions are 0; the fused
+    host pass (its NumPy form) and the collate path on it find the same starts."""
+    from zephon_collate.collate import _host
+
+    starts = [[True, False, True, False, False], [True, False, True, True, False]]
+    assert functional.segment_starts(POSITIONS).tolist() == starts
+    assert _host.segment_starts(POSITIONS.numpy()).tolist() == starts
+    cu, top = functional.cu_seqlens_rows(POSITIONS)
+    assert cu.tolist() == [[0, 2, 5, 5], [0, 2, 3, 5]] and top.tolist() == [3, 2]
+    flat, longest = functional.cu_seqlens_flat(POSITIONS)
+    assert flat.tolist() == [0, 2, 5, 7, 8, 10] and int(longest) == 3
+    starting = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 0, 1]])  # the collator needs rows from 0
+    rows = [{"input_ids": [5] * 5, "positions": p} for p in starting.tolist()]
+    for host in (True, False):
+        with use_host_pass(host):
+            collated = Collator(return_cu_seqlens=True, extra_fields=["positions"])(rows)
+            assert collated["cu_seqlens"].tolist() == functional.cu_seqlens_rows(starting)[0].tolist()
     ids = functional.segment_ids_from_positions(POSITIONS)
     assert ids.tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 2, 2]]
     assert cu_seqlens_from_segment_ids(ids)[0].tolist() == cu.tolist()

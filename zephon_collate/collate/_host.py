@@ -1,9 +1,9 @@
 """The fused host pass: the built-in chain's outputs computed in a few NumPy passes, on the CPU.
 
 On the CPU, torch's elementwise comparisons over integer tensors run several
-times slower than NumPy's (an ``int64 == scalar`` over 65,536 tokens: ~39 us
-against ~9 us on a 2-core AMD EPYC, one thread), and every torch call costs
-1-3 us before it touches data (a slice: 1.6 us; in NumPy 0.2 us). So when a
+times slower than NumPy's, and every torch call has a fixed cost several times
+NumPy's before it touches data (``benchmarks/bench_floor.py`` times the host
+pass beside the torch chain on the same stacked batch). So when a
 plan runs its built-in chain eagerly on plain CPU tensors, it computes the
 chain's outputs here instead, from NumPy views of the stacked tensors (no
 copy): each function below is the whole chain of one layout, fused, with the

@@ -234,6 +234,8 @@ def merge_row_outputs(
             out[name] = _join_boundaries(rows) if options.flatten else _pad_rows([row[0] for row in rows])
         elif key == MAX_SEQLEN:
             out[name] = max(rows) if options.flatten else [row[0] for row in rows]
+        elif any(not isinstance(row, list) for row in rows):  # one value per row (a 0-d output of yours)
+            out[name] = rows
         elif options.flatten:
             out[name] = [item for row in rows for item in row[0]]
         else:

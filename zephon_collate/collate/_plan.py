@@ -28,7 +28,7 @@ Result = dict[str, "torch.Tensor | np.ndarray"]
 """What a plan returns: its chain's output mapping, arrays where the host pass ran."""
 
 # Inductor's vectorised CPU code stores bool results slowly in torch 2.13 (an int64
-# ``== 0`` into a [8, 8193] bool tensor: ~15x the eager time), so the CPU graphs are
+# ``== 0`` into a bool tensor takes many times the eager time), so the CPU graphs are
 # compiled to scalar loops; even so, the compiled chain is slower than the eager one on
 # the CPU (benchmarks/bench_collator.py): compiling is for GPUs.
 CPU_INDUCTOR_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"cpp.simdlen": 0}

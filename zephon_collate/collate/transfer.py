@@ -2,9 +2,9 @@
 
 A tensor leaving a worker travels through shared memory, and each one costs a
 shared-memory segment, its page faults on both sides and a file descriptor
-that the main process fetches from the (busy) worker in a round trip: on a
-2-core machine, three ``[8, 8193]`` int64 tensors take ~2.9 ms per batch with
-no other work, the same tokens as one 9-byte-per-token buffer ~1.2 ms.
+that the main process fetches from the (busy) worker in a round trip; one
+buffer per batch costs markedly less than one tensor per field
+(``benchmarks/bench_transfer.py`` measures both on the same batch).
 So a :class:`StackedBatch` pickles its CPU tensors as **one byte buffer**,
 each integer field in the narrowest integer dtype that holds all its values
 exactly (``uint8``, ``int16`` or ``int32``), a float field of only 0.0 and 1.0

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zephon_collate.keys import INPUT_IDS
 from zephon_collate.packing.reader import PackOptions, Reader
@@ -29,6 +29,9 @@ from zephon_collate.packing.rows import Piece, build_row, split_document
 from zephon_collate.packing.source import Source, cursor_key, restored, saveable, shard_records
 from zephon_collate.packing.state import check_count, corrupt, piece_from_state, piece_state
 from zephon_collate.records import SampleRecord
+
+if TYPE_CHECKING:  # types only: at run time packing reads the options it is given, parallel is beside it
+    from zephon_collate.parallel.balance import BalanceOptions, BalancePlan
 
 __all__ = ["BalancedSteps", "check_balance_state"]
 
@@ -54,7 +57,7 @@ class BalancedSteps:
         self,
         source: Source,
         options: PackOptions,
-        balance: Any,
+        balance: BalanceOptions,
         placement: tuple[int, int, int, int],
         epoch: int,
         state: Mapping[str, Any] | None,
@@ -153,7 +156,7 @@ class BalancedSteps:
         document = self.reader.read(record, index)
         return [] if document is None else split_document(record, index, *document, self.options)
 
-    def _build(self, plan: Any) -> _Step:
+    def _build(self, plan: BalancePlan) -> _Step:
         """This rank's micro-batches of ``plan``: fixed rows as planned, or one padding-free row each."""
         tokens_name = self.reader.tokens_name or INPUT_IDS
         fields = self.reader.fields or ()

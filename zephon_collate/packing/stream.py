@@ -23,7 +23,7 @@ micro-batches of packed rows.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from zephon_collate.packing.reader import REQUIRED, STREAM_BUFFER_SIZE, PackOpti
 from zephon_collate.packing.source import Source, cursor_key, restored, saveable, shard_records
 from zephon_collate.packing.state import check_count, corrupt, same_value
 from zephon_collate.records import SampleCursor, SampleRecord
+
+if TYPE_CHECKING:  # types only: the options are read duck-typed, parallel sits beside packing
+    from zephon_collate.parallel.balance import BalanceOptions
 
 __all__ = ["STATE_VERSION", "PackedStream", "Source"]
 
@@ -115,7 +118,7 @@ class PackedStream(IterableDataset[SampleRecord]):
         fields: Sequence[str] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
-        balance: Any = None,
+        balance: BalanceOptions | None = None,
     ) -> None:
         super().__init__()
         self.packer_options = PackOptions.arguments(locals())
@@ -401,4 +404,6 @@ class _BalancedIterator:
             )
         options = FlatPacker(**self.stream.packer_options).options
         resume = state if state is not None and state.get("balance") is not None else None
-        return BalancedSteps(self.stream.source, options, self.stream.balance, placement, self.epoch, resume)
+        balance = self.stream.balance
+        assert balance is not None  # this iterator exists for balanced streams only
+        return BalancedSteps(self.stream.source, options, balance, placement, self.epoch, resume)

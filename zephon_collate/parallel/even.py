@@ -64,13 +64,16 @@ class EvenBatches:
         Raises:
             TypeError: for a loader without a length (a generator, an iterable dataset's stream).
         """
-        if not isinstance(self.loader, Sized):
-            raise TypeError(
-                f"EvenBatches: its loader ({type(self.loader).__name__}) has no length, so neither has "
-                "EvenBatches; iterate it, or wrap a loader with a len() (a DataLoader over a map-style "
-                "dataset)"
-            )
-        return len(self.loader)
+        try:
+            if isinstance(self.loader, Sized):
+                return len(self.loader)
+        except TypeError:  # a DataLoader whose sampler or dataset has no length
+            pass
+        raise TypeError(
+            f"EvenBatches: its loader ({type(self.loader).__name__}) has no length, so neither has "
+            "EvenBatches; iterate it, or wrap a loader with a len() (a DataLoader over a map-style "
+            "dataset and a sampler with a length)"
+        )
 
     def __iter__(self) -> Iterator[Any]:
         self.dropped = 0
