@@ -34,6 +34,7 @@ __all__ = [
     "check_int",
     "check_key",
     "check_keys",
+    "check_num_boundaries",
     "check_option_names",
     "check_position_mode",
     "check_rename_fields",
@@ -320,4 +321,17 @@ def check_int(owner: str, name: str, value: object, minimum: int, maximum: int =
         raise ValueError(f"{owner}: {name} must be an int >= {minimum}, got {shown(value)}")
     if value > maximum:
         raise ValueError(f"{owner}: {name} must be an int <= {maximum}, got {shown(value)}")
+    return int(value)
+
+
+def check_num_boundaries(owner: str, value: object) -> int | None:
+    """``None``, or ``value`` as an int >= 1: the static boundary count of ``cu_seqlens`` (``TypeError``
+    for a non-int, ``ValueError`` below 1)."""
+    if value is None:
+        return None
+    message = f"{owner}: num_boundaries must be an int >= 1 or None, got {shown(value)}"
+    if not _is_int(value):
+        raise TypeError(message)
+    if value < 1:
+        raise ValueError(message)
     return int(value)

@@ -27,7 +27,7 @@ import torch
 from tensordict import TensorDict
 from torch.utils.data import get_worker_info
 
-from zephon_collate._checks import check_bool, check_device, suggest_options
+from zephon_collate._checks import check_bool, check_device, check_num_boundaries, suggest_options
 from zephon_collate._text import shown
 from zephon_collate.collate._native import Native
 from zephon_collate.collate._output import ids_and_texts
@@ -36,7 +36,7 @@ from zephon_collate.collate._stack import RowPadding
 from zephon_collate.collate.options import TrainingOptions, options_for
 from zephon_collate.collate.transfer import StackedBatch, WireOutputs
 from zephon_collate.keys import IGNORE_INDEX
-from zephon_collate.transforms import Chain, CuSeqlens, Transform
+from zephon_collate.transforms import Chain, Transform
 
 if TYPE_CHECKING:
     from zephon_collate.collate.hf import TransformersCollator
@@ -64,6 +64,14 @@ class CollatorOptions:
 
     Raises:
         TypeError, ValueError: for a value of the wrong type or out of range.
+
+    Example:
+        >>> CollatorOptions(pad_token_id=0, pad_to_multiple_of=8).pad_to_multiple_of
+        8
+        >>> CollatorOptions(num_boundaries=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: Collator: num_boundaries must be an int >= 1 or None, got 0
     """
 
     device: str | torch.device | None = None
@@ -81,8 +89,7 @@ class CollatorOptions:
         put(self, "device", check_device("Collator", self.device))
         for name in ("compile", "python_scalars", "boundary_safe_labels"):
             put(self, name, check_bool(name, getattr(self, name), owner="Collator"))
-        if self.num_boundaries is not None:
-            put(self, "num_boundaries", CuSeqlens(num_boundaries=self.num_boundaries).num_boundaries)
+        put(self, "num_boundaries", check_num_boundaries("Collator", self.num_boundaries))
         put(self, "transforms", _check_transforms("transforms", self.transforms))
         if self.chain is not None:
             put(self, "chain", _check_transforms("chain", self.chain))
@@ -315,6 +322,21 @@ class Collator:
         Rows must have equal lengths, whatever ``dtype`` is, unless the collator
         pads them (``pad_token_id``): ragged rows with ``dtype=None`` and no
         padding work through ``Collator(...)(samples)`` only.
+
+        Returns:
+            a :class:`~zephon_collate.StackedBatch` (``td``: the stacked CPU TensorDict, ``None``
+            for an empty batch; the per-record outputs; each row's ``SampleMeta`` in ``metas``).
+
+        Raises:
+            TypeError, ValueError: for every data error, naming the record, the field and the fix.
+
+        Example:
+            >>> collate = Collator(return_labels=True)
+            >>> stacked = collate.stack([{"input_ids": [5, 6, 7]}])
+            >>> sorted(stacked.td.keys()), stacked.metas[0].sample_id
+            (['input_ids', 'padding_length'], (0, 0, 0))
+            >>> collate.finish(stacked)["labels"].tolist()
+            [[6, 7]]
         """
         batch = self.layout.stack(samples)
         if batch is None:
@@ -324,7 +346,16 @@ class Collator:
         return StackedBatch(td, batch.per_record, batch.metas)
 
     def finish(self, stacked: StackedBatch) -> dict[str, Any]:
-        """Main-process side: move to ``device`` (``non_blocking``), run the chain, build the outputs."""
+        """Main-process side: move to ``device`` (``non_blocking``), run the chain, build the outputs.
+
+        Returns:
+            the outputs of ``collator(samples)`` for the samples ``stacked`` was made from.
+
+        Raises:
+            TypeError: for anything but the :class:`~zephon_collate.StackedBatch` that
+                :meth:`stack` returns.
+            ValueError: from a transform of yours whose inputs the batch lacks.
+        """
         if not isinstance(stacked, StackedBatch):
             raise TypeError(
                 f"Collator.finish: expected the StackedBatch that Collator.stack returns, got "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from zephon_collate._checks import check_num_boundaries
 from zephon_collate.functional._registry import check_tensor, kernel
 from zephon_collate.keys import INT32_MAX
 
@@ -56,10 +57,7 @@ def _check_boundary_input(kernel_name: str, positions: torch.Tensor, num_boundar
             f"{kernel_name}: {tuple(positions.shape)} positions overflow the int32 boundaries; use smaller "
             "batches"
         )
-    if num_boundaries is not None and (
-        not isinstance(num_boundaries, int) or isinstance(num_boundaries, bool) or num_boundaries < 1
-    ):
-        raise ValueError(f"{kernel_name}: num_boundaries must be an int >= 1 or None, got {num_boundaries!r}")
+    check_num_boundaries(kernel_name, num_boundaries)
 
 
 @kernel

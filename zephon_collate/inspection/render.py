@@ -283,8 +283,18 @@ def render_batch_png(
     padding). A purple bar marks each segment start. Row headers and the
     warnings of :func:`batch_warnings` are written in.
 
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
     Raises:
         ImportError: if matplotlib is not installed.
+
+    Example:
+        >>> import tempfile
+        >>> batch = {"input_ids": [[1, 7, 2]], "labels": [[7, 2, -100]], "positions": [[0, 1, 2]]}
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     render_batch_png(batch, Path(folder) / "batch.png").stat().st_size > 0
+        True
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg

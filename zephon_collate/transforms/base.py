@@ -41,6 +41,18 @@ class Transform(TensorDictModuleBase):
     A :class:`Chain` runs the cores of its transforms over one mapping and
     wraps the result once. Being a :class:`tensordict.nn.TensorDictModuleBase`,
     a transform also fits in a :class:`tensordict.nn.TensorDictSequential`.
+
+    Example (a per-token loss weight of yours; ``Collator(transforms=[...])`` runs it
+    after the built-in chain, in workers, on the device and compiled):
+        >>> from tensordict import TensorDict
+        >>> class Halve(Transform):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.in_keys, self.out_keys = ["labels"], ["weights"]
+        ...     def compute(self, data):
+        ...         return {"weights": (data["labels"] != -100).float() / 2}
+        >>> Halve()(TensorDict(labels=torch.tensor([[6, -100]]), batch_size=[1]))["weights"].tolist()
+        [[0.5, 0.0]]
     """
 
     dropped_keys: tuple[str, ...] = ()

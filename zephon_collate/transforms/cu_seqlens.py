@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 
-from zephon_collate._checks import check_key
+from zephon_collate._checks import check_key, check_num_boundaries
 from zephon_collate._text import shown
 from zephon_collate.functional import cu_seqlens_flat, cu_seqlens_rows
 from zephon_collate.keys import CU_SEQLENS, INT32_MAX, MAX_SEQLEN, POSITIONS
@@ -72,18 +70,7 @@ class CuSeqlens(Transform):
         max_key: str = MAX_SEQLEN,
     ) -> None:
         super().__init__()
-        if num_boundaries is not None:
-            if not isinstance(num_boundaries, numbers.Integral) or isinstance(
-                num_boundaries, (bool, np.bool_)
-            ):
-                raise TypeError(
-                    f"CuSeqlens: num_boundaries must be an int >= 1 or None, got {shown(num_boundaries)}"
-                )
-            if num_boundaries < 1:
-                raise ValueError(
-                    f"CuSeqlens: num_boundaries must be an int >= 1 or None, got {shown(num_boundaries)}"
-                )
-            num_boundaries = int(num_boundaries)
+        num_boundaries = check_num_boundaries("CuSeqlens", num_boundaries)
         if not isinstance(flatten, bool):
             raise TypeError(f"CuSeqlens: flatten must be a bool, got {shown(flatten)}")
         self.positions_key = check_key("CuSeqlens", "positions_key", positions_key)
