@@ -58,6 +58,7 @@ __all__ = [
     "read_ragged",
     "record_names",
     "resolve_tokens_field",
+    "row_any",
     "row_of",
     "to_row",
 ]
@@ -654,6 +655,20 @@ def concat(rows: Sequence[Row], name: str, names: Names) -> Ragged:
         return Ragged(np.concatenate([as_numpy(row) for row in rows]), offsets)
     _device_of(rows, name, names)  # raises, naming the row on another device
     return Ragged(torch.cat([torch.as_tensor(row) for row in rows]), offsets)
+
+
+def row_any(flags: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """``[B]`` booleans: does row ``b`` (``flags[offsets[b]:offsets[b + 1]]``) hold a True? Empty rows: no.
+
+    Example:
+        >>> row_any(np.array([False, True, False, False]), np.array([0, 2, 2, 4])).tolist()
+        [True, False, False]
+    """
+    counts = np.zeros(len(offsets) - 1, dtype=np.int64)
+    nonempty = offsets[1:] > offsets[:-1]
+    if flags.size:
+        counts[nonempty] = np.add.reduceat(flags, offsets[:-1][nonempty])
+    return counts > 0
 
 
 def row_of(offsets: np.ndarray, flat_index: int) -> int:

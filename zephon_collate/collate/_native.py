@@ -42,7 +42,7 @@ from zephon_collate._read import (
     read_ragged,
     record_names,
     resolve_tokens_field,
-    to_row,
+    row_any,
 )
 from zephon_collate._text import shown
 from zephon_collate.collate import _host
@@ -172,43 +172,85 @@ def _unused_supervision(
     TRL's) would be silently dropped: the padding or the prompt trained on.
     Harmless copies (an all-ones mask, labels equal to the tokens, a mask equal
     to the ``loss_mask``) pass; a field that is read (listed in
-    ``extra_fields``) is used. Returns ``None`` when nothing is wrong, else the
-    message, naming the record, the field and the fix.
+    ``extra_fields``) is used. Each field is read and compared in one vectorised
+    pass (payloads without it read as harmless). Returns ``None`` when nothing
+    is wrong, else the message, naming the record, the field and the fix.
     """
-    candidates = [name for name in SUPERVISING_FIELDS if name not in read]
-    for index, payload in enumerate(payloads):
-        if type(payload) is not dict and not isinstance(payload, Mapping):
+    found = []  # (first bad row, the field's rank, field)
+    for rank, name in enumerate(SUPERVISING_FIELDS):
+        if name in read or not any(isinstance(p, Mapping) and name in p for p in payloads):
             continue
-        for name in candidates:
-            if name not in payload:
-                continue
-            where = names(index)
-            values = as_numpy(to_row(payload[name], where, name, "values"))
-            if name == LABELS:
-                row = as_numpy(tokens.row(index))
-                if values.shape != row.shape or not (values == row).all():
-                    return (
-                        f"{where}: payload has 'labels' that differ from its tokens (e.g. -100 on a prompt), "
-                        "which are not read here: labels are made from the tokens. For Hugging Face "
-                        "examples use Collator.for_transformers(...); else give the supervision as a "
-                        "loss_mask (loss_mask = labels != -100) and drop 'labels'"
-                    )
-            elif not (values == 1).all():
-                if name == ATTENTION_MASK:
-                    return (
-                        f"{where}: payload has an 'attention_mask' with zeros, which is not applied here: "
-                        "those tokens would be trained on as real ones. For Hugging Face examples use "
-                        "Collator.for_transformers(...); else give padding as meta.padding_length (pack_flat "
-                        "writes it) or pad with Collator(pad_token_id=...) and drop the mask"
-                    )
-                if loss_mask is None or not np.array_equal(as_numpy(loss_mask.row(index)), values):
-                    return (
-                        f"{where}: payload has {shown(name)} with zeros, which are not read here: the "
-                        "prompt would be trained on. For Hugging Face examples use "
-                        "Collator.for_transformers(...); else give them as the loss_mask "
-                        f"(loss_mask = {name})"
-                    )
-    return None
+        row = _first_unused_row(payloads, tokens, name, loss_mask, names)
+        if row is not None:
+            found.append((row, rank, name))
+    if not found:
+        return None
+    row, _, name = min(found)
+    where = names(row)
+    if name == LABELS:
+        return (
+            f"{where}: payload has 'labels' that differ from its tokens (e.g. -100 on a prompt), "
+            "which are not read here: labels are made from the tokens. For Hugging Face "
+            "examples use Collator.for_transformers(...); else give the supervision as a "
+            "loss_mask (loss_mask = labels != -100) and drop 'labels'"
+        )
+    if name == ATTENTION_MASK:
+        return (
+            f"{where}: payload has an 'attention_mask' with zeros, which is not applied here: "
+            "those tokens would be trained on as real ones. For Hugging Face examples use "
+            "Collator.for_transformers(...); else give padding as meta.padding_length (pack_flat "
+            "writes it) or pad with Collator(pad_token_id=...) and drop the mask"
+        )
+    return (
+        f"{where}: payload has {shown(name)} with zeros, which are not read here: the "
+        "prompt would be trained on. For Hugging Face examples use "
+        "Collator.for_transformers(...); else give them as the loss_mask "
+        f"(loss_mask = {name})"
+    )
+
+
+def _first_unused_row(
+    payloads: Sequence[Any], tokens: Ragged, name: str, loss_mask: Ragged | None, names: Names
+) -> int | None:
+    """The first payload whose ``name`` would change what is trained (see :func:`_unused_supervision`).
+
+    ``labels`` must equal the tokens; a mask must be all ones, or equal the ``loss_mask``
+    (``attention_mask``: all ones). A row of another length than its tokens differs.
+    """
+    fill: Callable[[int], Row] = (
+        tokens.row if name == LABELS else (lambda i: np.ones(int(tokens.lengths[i]), dtype=np.int64))
+    )
+    field = read_ragged(payloads, name, "", "values", names, required=False, fill=fill)
+    assert field is not None  # some payload has it
+    if name == LABELS:
+        bad = _rows_differing(field, tokens)
+    else:
+        bad = row_any(_flat(field.host != 1), field.offsets)  # a zero (or any other value)
+        if name != ATTENTION_MASK and loss_mask is not None:
+            bad &= _rows_differing(field, loss_mask)  # a copy of the loss_mask is harmless
+    found = np.flatnonzero(bad)
+    return int(found[0]) if found.size else None
+
+
+def _rows_differing(field: Ragged, like: Ragged) -> np.ndarray:
+    """``[B]`` booleans: does row ``b`` of ``field`` differ from row ``b`` of ``like`` (in length, shape
+    or a value)?"""
+    aligned = field.lengths == like.lengths
+    values, other = field.host, like.host
+    if values.shape[1:] != other.shape[1:]:
+        return np.ones(field.rows, dtype=bool)
+    differs: np.ndarray = ~aligned
+    offsets = np.zeros(int(aligned.sum()) + 1, dtype=np.int64)
+    np.cumsum(field.lengths[aligned], out=offsets[1:])
+    mine = values[np.repeat(aligned, field.lengths)]
+    theirs = other[np.repeat(aligned, like.lengths)]
+    differs[aligned] = row_any(_flat(mine != theirs), offsets)
+    return differs
+
+
+def _flat(flags: np.ndarray) -> np.ndarray:
+    """``[N]`` booleans from ``[N, ...]`` ones: is any entry of token ``n`` True?"""
+    return flags if flags.ndim == 1 else np.asarray(flags.reshape(len(flags), -1).any(axis=1))
 
 
 @dataclass(frozen=True)
