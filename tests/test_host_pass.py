@@ -183,3 +183,69 @@ def test_the_switch_is_per_thread_and_restores():
 )
 def test_the_torch_chain_runs_where_numpy_cannot(value):
     assert not _host.applies({"x": value})
+
+
+@st.composite
+def varied(draw: st.DrawFn) -> tuple[list[SampleRecord], dict]:
+    """What ``packed`` leaves out: ragged rows padded by the Collator (``pad_token_id``, a multiple),
+    per-token and per-record extra fields, ``[S, K]`` token rows, bool and float loss masks, and a
+    ``num_boundaries`` exactly as tight as the batch allows."""
+    rows = draw(st.integers(1, 4))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    wide = draw(st.booleans())  # [S, K] token rows (no padding mask then: it needs [B, S] tokens)
+    mask_dtype = draw(st.sampled_from([np.int64, np.bool_, np.float32]))
+    ragged = not wide and draw(st.booleans())
+    base = draw(st.sampled_from([1, 3, 17, 300]))
+    records, most = [], 1
+    for index in range(rows):
+        length = int(rng.integers(1, base + 1)) if ragged else base
+        length = max(length, 2) if wide else length  # a [1, K] row reads as a batch of one row: refused
+        tokens = rng.integers(0, 50, (length, 2) if wide else length)
+        starts = rng.random(length) < 0.2
+        starts[0] = True
+        positions = np.arange(length) - np.maximum.accumulate(np.where(starts, np.arange(length), 0))
+        most = max(most, int(starts.sum()))
+        payload = {
+            "input_ids": tokens,
+            "positions": positions,
+            "loss_mask": (rng.random(length) < 0.7).astype(mask_dtype),
+            "t": rng.integers(0, 9, length),  # per token
+            "w": rng.integers(0, 9, 1),  # per record
+        }
+        records.append(SampleRecord(SampleMeta((0, 0, index), 0, 0, index), payload))
+    labels = draw(st.booleans())
+    flatten = draw(st.booleans()) and not wide
+    per_record = [] if labels or flatten else ["w"]  # labels and flattening need per-token fields
+    options = {
+        "return_labels": labels,
+        "extra_fields": per_record if wide else ["t", *per_record],
+        "return_cu_seqlens": not wide and draw(st.booleans()),
+        "return_padding_mask": not wide and draw(st.booleans()),
+        "flatten": flatten,
+        "boundary_safe_labels": draw(st.booleans()),
+    }
+    if labels:
+        options["return_loss_mask"] = draw(st.booleans())
+        options["return_num_valid_tokens"] = draw(st.booleans())
+    if ragged or draw(st.booleans()):
+        options.update(
+            pad_token_id=draw(st.sampled_from([0, 99])), pad_to_multiple_of=draw(st.sampled_from([None, 8]))
+        )
+    if options["return_cu_seqlens"] and draw(st.booleans()):
+        options["num_boundaries"] = rows * (most + 2) if options["flatten"] else most + 2  # +2: padding
+    return records, options
+
+
+@CASES
+@given(varied())
+def test_native_host_pass_equals_the_torch_chain_on_varied_batches(case):
+    records, options = case
+    collator = Collator(**options)
+    try:
+        stacked = collator.stack(records)
+    except ValueError as error:  # the one refusal these cases can meet: a too-tight static boundary count
+        assert "num_boundaries" in str(error) or "segments" in str(error), error
+        return
+    data = dict(stacked.td.items())
+    host, spec = both_ways(collator.plan_for(tuple(data)), data)
+    assert_same(host, spec)
