@@ -209,7 +209,12 @@ def test_boundary_safe_labels_off_keeps_each_first_label_in_the_flat_row() -> No
     [
         ([{"input_ids": [5, 6], "labels": [6, -100]}], ValueError, r"example 0: labels\[0\] is 6, neither"),
         ([{"input_ids": [5]}, {"input_ids": [5, 6], "labels": [5]}], ValueError, "example 1: field 'labels'"),
-        ([{"input_ids": [5, 6], "attention_mask": [0, 1]}], ValueError, "left padding"),
+        ([{"input_ids": [5, 6, 7], "attention_mask": [1, 0, 1]}], ValueError, "example 0: .*a hole"),
+        (
+            [{"input_ids": [4]}, {"input_ids": [5, 6, 7, 8], "attention_mask": [0, 1, 0, 1]}],
+            ValueError,
+            "example 1: .*a hole",
+        ),
         ([{"input_ids": [5, 6], "attention_mask": [1, 2]}], ValueError, "'attention_mask' must hold only 0"),
         ([{"input_ids": [5, 6], "loss_mask": [0.5, 1]}], ValueError, "'loss_mask' must hold only 0 and 1"),
         ([{"input_ids": [5, 6], "position_ids": [0, 0]}], ValueError, "example 0: holds several documents"),
@@ -222,7 +227,8 @@ def test_boundary_safe_labels_off_keeps_each_first_label_in_the_flat_row() -> No
         ([{"input_ids": [[5, 6]]}], ValueError, "a batch of one row, as tokenizer"),
         ([{"input_ids": [[5, 6], [7, 8]]}], ValueError, r"one row of token ids, got shape \(2, 2\)"),
         ([{"text": "hi"}], ValueError, "example 0: has no 'input_ids'"),
-        ([[5, 6]], TypeError, "example 0: must be a dict"),
+        ([5, 6], TypeError, "example 0: must be a dict"),
+        ([{"input_ids": [5]}, [5, 6]], TypeError, "example 1: must be a dict"),
         ([SampleRecord(SampleMeta((0, 0, 0), 0, 0), {"input_ids": [5]})], TypeError, "is a SampleRecord"),
         ({"input_ids": [5, 6]}, ValueError, "one example .* not a batch"),
         ({"input_ids": [[5, 6]], "labels": []}, ValueError, "'labels' does not hold one entry per example"),

@@ -70,7 +70,7 @@ def test_for_transformers_signature_equals_its_options():
     expected = fields(TransformersOptions) + [
         (name, collator[name]) for name in TRANSFORMERS_COLLATOR_OPTIONS
     ]
-    assert keywords(TransformersCollator.__init__, 2) == expected
+    assert keywords(TransformersCollator.__init__, 3) == expected  # self, tokenizer, model
     assert Collator.for_transformers is TransformersCollator  # one signature, both spellings
 
 

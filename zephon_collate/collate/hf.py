@@ -37,15 +37,17 @@ An example is a dict with ``input_ids`` and, optionally, fields that say what
 is supervised; every one given is applied (a token is supervised where all agree):
 
 - ``labels``: -100 for unsupervised tokens, else the token at that place.
-- ``attention_mask``: 1 on the tokens, then 0 on trailing (right) padding,
-  which is dropped before the batch is built.
+- ``attention_mask``: 1 on the tokens, 0 on padding before them (left) or
+  after them (right), which is dropped before the batch is built.
 - ``loss_mask``, ``assistant_masks`` / ``assistant_mask`` (chat templates'),
   ``completion_mask`` (TRL's): 1 where the token is trained.
 - ``seq_lengths`` (TRL's packed rows) or segment-restarting ``position_ids``:
   several documents in one example, kept apart (padding-free only).
 - ``token_type_ids``: padded with 0 and passed on.
 
-Any other field (text columns) is not read.
+Any other field (text columns) is not read. A per-example ``label`` (sequence
+classification), ``decoder_input_ids`` or labels of another length (encoder-decoder
+targets) are refused: this collator is for causal LMs.
 """
 
 from __future__ import annotations
@@ -176,7 +178,15 @@ def as_examples(features: object) -> list[Mapping[str, Any]]:
             f"{_OWNER}: expected a list of example dicts or a batched dict of lists, got "
             f"{type(features).__name__}"
         )
-    return list(features)
+    examples = list(features)
+    if examples and type(examples[0]) is not dict and all(_token_row(row) for row in examples):
+        return [{INPUT_IDS: row} for row in examples]  # raw token rows, as DataCollatorForLanguageModeling
+    return examples
+
+
+def _token_row(value: object) -> bool:
+    """Whether ``value`` is a row of token ids given alone (a list, tuple, array or tensor, not a dict)."""
+    return isinstance(value, (list, tuple, np.ndarray, torch.Tensor))
 
 
 def _check_examples(examples: Sequence[object], supervision: str | None) -> set[str]:
@@ -207,6 +217,11 @@ def _check_examples(examples: Sequence[object], supervision: str | None) -> set[
             raise ValueError(
                 f"{where}: has no 'input_ids' (its fields: {shown_fields(example)}); tokenize the examples "
                 "first"
+            )
+        if "label" in example and not _scalar(example["label"]) and example["label"] is not None:
+            raise ValueError(
+                f"{where}: carries 'label' of one value per token; this collator reads per-token labels "
+                "from 'labels': rename the field 'labels'"
             )
         if "label" in example or _scalar(payload_get(example, LABELS, MISSING)):
             raise ValueError(
@@ -508,6 +523,8 @@ class Transformers:
                 per_token = {name: field.select(keep) for name, field in per_token.items()}
         if options.truncation_mode is not None:
             per_token = self._truncated(per_token)
+        elif options.max_length is not None and options.padding != "max_length":
+            self._check_max_length(per_token[INPUT_IDS].lengths, options.max_length)
         if positions is not None and not options.padding_free:
             self._check_one_document(per_token[POSITIONS])
         if POSITIONS not in per_token and (options.padding_free or options.positions_out):
@@ -535,26 +552,36 @@ class Transformers:
                 t = index - int(tokens.offsets[row])
                 raise ValueError(
                     f"{_names(row)}: labels[{t}] is {int(labels[index])}, neither -100 nor the token there "
-                    f"(input_ids[{t}] = {int(tokens.values[index])}); transformers models take unshifted "
-                    "labels (input_ids with -100 where no loss is taken) and shift them in forward: if yours "
-                    "are shifted already, unshift them, or give a loss_mask"
+                    f"(input_ids[{t}] = {int(tokens.values[index])}); causal LMs take unshifted labels "
+                    "(input_ids, -100 where no loss is taken) and shift them in forward: unshift labels "
+                    "shifted already, or give a loss_mask; an encoder-decoder target needs "
+                    "transformers.DataCollatorForSeq2Seq(tokenizer, model=model)"
                 )
             trained &= given
         return Ragged(trained, tokens.offsets)
 
     def _attended(self, mask: Ragged) -> np.ndarray:
-        """``[N]`` booleans: the tokens an ``attention_mask`` keeps (1s, then 0s on right padding)."""
+        """``[N]`` booleans: the tokens an ``attention_mask`` keeps (its 1s, with 0s on padding before them,
+        left padding, or after them, right padding)."""
         check_zero_one(mask, ATTENTION_MASK, _names, "1 on tokens")
         keep = mask.values != 0
         rise = np.flatnonzero(keep[1:] & ~keep[:-1]) + 1  # a 1 after a 0 ...
         rise = rise[~np.isin(rise, mask.offsets)]  # ... inside one example
         if rise.size:
-            row = row_of(mask.offsets, int(rise[0]))
-            raise ValueError(
-                f"{_names(row)}: 'attention_mask' must be 1 on the tokens then 0 on trailing padding; it has "
-                "a 0 before a 1 (left padding, or a hole); pad on the right "
-                "(tokenizer.padding_side = 'right'): this collator pads on the padding side it is given"
-            )
+            fall = np.flatnonzero(~keep[1:] & keep[:-1]) + 1  # a 0 after a 1 inside one example
+            fall = fall[~np.isin(fall, mask.offsets)]
+            # a rise after a fall of the same example: 1s, 0s, then 1s again
+            before = np.searchsorted(fall, rise) - 1
+            hole = before >= 0
+            rows = np.searchsorted(mask.offsets, rise[hole], side="right")
+            hole[hole] = np.searchsorted(mask.offsets, fall[before[hole]], side="right") == rows
+            if hole.any():
+                row = row_of(mask.offsets, int(rise[np.flatnonzero(hole)[0]]))
+                raise ValueError(
+                    f"{_names(row)}: 'attention_mask' must be 1 on the tokens, with 0s only on padding "
+                    "before or after them; it has 0s between 1s (a hole): give each example's tokens without "
+                    "holes"
+                )
         return np.asarray(keep)
 
     def _positions(self, fields: Mapping[str, Ragged], segment_rows: list[Any] | None) -> Ragged | None:
@@ -644,18 +671,28 @@ class Transformers:
         offsets = cut[INPUT_IDS].offsets
         return {**cut, INPUT_IDS: Ragged(new_tokens, offsets), LOSS_MASK: Ragged(new_mask, offsets)}
 
+    def _check_max_length(self, lengths: np.ndarray, limit: int) -> None:
+        """Refuse an example longer than ``limit``: ``max_length`` without ``truncation_mode`` is a limit,
+        never ignored (with ``padding='max_length'``, the padded row length: rounded up to
+        ``pad_to_multiple_of``)."""
+        longer = np.flatnonzero(lengths > limit)
+        if longer.size:
+            index = int(longer[0])
+            given = self.options.max_length
+            rounded = "" if limit == given else f" (rounded up to pad_to_multiple_of: {limit})"
+            raise ValueError(
+                f"{_names(index)}: has {int(lengths[index])} tokens, more than max_length={given}{rounded}; "
+                "pass truncation_mode='keep_start' (TRL's default) or 'keep_end' to cut such examples, or "
+                "raise max_length"
+            )
+
     def _padded(self, per_token: Mapping[str, Ragged]) -> Stacked:
         padding = self.options.row_padding
         assert padding is not None
         lengths = per_token[INPUT_IDS].lengths
         width = padding.width(lengths)
-        if bool((lengths > width).any()):
-            index = int(np.flatnonzero(lengths > width)[0])
-            raise ValueError(
-                f"{_names(index)}: has {int(lengths[index])} tokens, more than max_length={width} "
-                "(padding='max_length'); pass truncation_mode='keep_start' (or 'keep_end') to cut such "
-                "examples, or raise max_length"
-            )
+        if self.options.padding == "max_length":
+            self._check_max_length(lengths, width)
         if self.options.padding == "do_not_pad" and bool((lengths != width).any()):
             raise ValueError(
                 f"{_OWNER}: padding=False (do_not_pad) needs examples of one length, got lengths "
@@ -813,6 +850,21 @@ def _separated(labels: Any, positions: Any, separator: int) -> Any:
     return labels.masked_fill(segment_starts(positions), separator)
 
 
+def _check_model(model: Any) -> None:
+    """Refuse an encoder-decoder ``model`` (``DataCollatorForSeq2Seq(tokenizer, model=model)``'s)."""
+    if model is None:
+        return
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False) is True or hasattr(
+        model, "prepare_decoder_input_ids_from_labels"
+    ):
+        raise ValueError(
+            f"{_OWNER}: model {type(model).__name__} is an encoder-decoder model, which takes "
+            "decoder_input_ids made from labels of their own length; this collator is for causal LMs, whose "
+            "labels align with input_ids: use transformers.DataCollatorForSeq2Seq(tokenizer, model=model)"
+        )
+
+
 def _from_tokenizer(tokenizer: Any, name: str, given: Any) -> Any:
     """``given``, or the tokenizer's attribute ``name`` where ``given`` is ``None``."""
     if given is not None or tokenizer is None:
@@ -830,7 +882,10 @@ class TransformersCollator(Collator):
 
     Parameters:
         tokenizer: a ``transformers`` tokenizer, or ``None``; it gives ``pad_token_id``,
-            ``padding_side`` and ``eos_token_id`` where those are not passed.
+            ``padding_side`` (padded layout) and ``eos_token_id`` where those are not passed.
+        model: accepted for the literal swap of ``DataCollatorForSeq2Seq(tokenizer,
+            model=model)`` and not kept: a causal LM changes nothing (as there); an
+            encoder-decoder model is refused (this collator is for causal LMs).
         padding_free: put the batch in one row with ``position_ids``
             (``DataCollatorWithFlattening``'s layout) instead of padding it
             (``DataCollatorForSeq2Seq``'s).
@@ -838,8 +893,9 @@ class TransformersCollator(Collator):
         padding: ``True``/``"longest"`` (pad to the longest example),
             ``"max_length"`` (to ``max_length``: static shapes for XLA, Neuron, CUDA
             graphs) or ``False``/``"do_not_pad"`` (examples must be of one length).
-        max_length: the length of ``padding="max_length"`` rows, and the cut of
-            ``truncation_mode``; rounded up to ``pad_to_multiple_of``.
+        max_length: the length of ``padding="max_length"`` rows (rounded up to
+            ``pad_to_multiple_of``), and the cut of ``truncation_mode``; without
+            ``truncation_mode`` a longer example is refused, never passed on longer.
         truncation_mode: cut examples longer than ``max_length`` keeping their
             first (``"keep_start"``) or last (``"keep_end"``) tokens, as TRL does;
             ``None`` cuts nothing (a longer example is refused with
@@ -854,7 +910,8 @@ class TransformersCollator(Collator):
         pad_to_multiple_of: round the padded length (or, padding-free, the row's
             length) up to a multiple of this (at most 2**20).
         padding_side: ``"right"`` or ``"left"`` (default: the tokenizer's, else
-            right); left padding puts each row's padding first, in every field.
+            right); left padding puts each row's padding first, in every field
+            (padded layout only: padding-free rows are padded at their end).
         label_pad_token_id: the label of padding (HF's ``label_pad_token_id``);
             unsupervised real tokens always get -100.
         return_tensors: ``"pt"`` (torch tensors) or ``"np"`` (NumPy arrays).
@@ -874,8 +931,10 @@ class TransformersCollator(Collator):
         device, compile, num_boundaries, python_scalars, transforms, chain: as for
             :class:`Collator` (``python_scalars=False`` keeps ``max_length_q/k`` as tensors).
 
-    Returns (from a call on a list of examples, or a batched dict of lists):
-        the dict of tensors described in the module doc.
+    Returns (from a call on a list of examples, a batched dict of lists, or a list of
+    token rows, read as examples of ``input_ids`` alone):
+        the dict of tensors (NumPy arrays with ``return_tensors="np"``) described in
+        the module doc.
 
     Raises:
         TypeError, ValueError: for bad arguments, and for a bad example, naming it
@@ -901,6 +960,7 @@ class TransformersCollator(Collator):
     def __init__(
         self,
         tokenizer: Any = None,
+        model: Any = None,
         *,
         padding_free: bool = False,
         pad_token_id: int | None = None,
@@ -928,8 +988,10 @@ class TransformersCollator(Collator):
         chain: Sequence[Transform] | None = None,
     ) -> None:
         scope = locals()
+        _check_model(model)
         arguments = TransformersOptions.arguments(scope)
-        for name in ("pad_token_id", "padding_side", "eos_token_id"):
+        # Padding-free rows have no padding side: a left-padding tokenizer's does not apply to them.
+        for name in ("pad_token_id", "eos_token_id") + (() if padding_free else ("padding_side",)):
             arguments[name] = _from_tokenizer(tokenizer, name, arguments[name])
         self.hf_options = TransformersOptions(**arguments)
         collator = {name: scope[name] for name in TRANSFORMERS_COLLATOR_OPTIONS}
