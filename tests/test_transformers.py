@@ -334,3 +334,190 @@ def test_trainer_runs_on_a_datasets_dataset(tmp_path) -> None:
         )
         result = trainer.train()
         assert result.global_step == 3 and np.isfinite(result.training_loss)
+
+
+# Hugging Face and TRL fields: each used as its peer uses it, or refused with the fix named.
+
+
+def test_trl_seq_lengths_restart_positions_and_mask_each_document_start() -> None:
+    """TRL's packed rows (SFTTrainer(packing=True), bfd) keep their documents apart."""
+    rows = [
+        {"input_ids": [5, 6, 7, 8, 9], "seq_lengths": [3, 2]},
+        {"input_ids": [10, 11], "seq_lengths": [2]},
+    ]
+    flat = Collator.for_transformers(padding_free=True)(rows)
+    assert flat["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1]]
+    assert flat["labels"].tolist() == [[-100, 6, 7, -100, 9, -100, 11]]
+    assert Collator.for_transformers(padding_free=True, return_flash_attn_kwargs=True)(rows)[
+        "cu_seq_lens_q"
+    ].tolist() == [0, 3, 5, 7]
+    with pytest.raises(ValueError, match=r"example 0: 'seq_lengths' .* add up to the example's 5 tokens"):
+        Collator.for_transformers(padding_free=True)([{"input_ids": [5, 6, 7, 8, 9], "seq_lengths": [3, 3]}])
+
+
+@pytest.mark.parametrize("name", ["completion_mask", "assistant_mask", "assistant_masks", "loss_mask"])
+def test_every_mask_field_is_applied_like_loss_mask(name: str) -> None:
+    examples = [{"input_ids": [5, 6, 7], name: [0, 1, 1]}, {"input_ids": [8, 9], name: [0, 1]}]
+    padded = Collator.for_transformers(pad_token_id=PAD)(examples)
+    assert padded["labels"].tolist() == [[-100, 6, 7], [-100, 9, -100]]
+    flat = Collator.for_transformers(padding_free=True, boundary_safe_labels=False)(examples)
+    assert flat["labels"].tolist() == [[-100, 6, 7, -100, 9]]
+
+
+def test_token_type_ids_are_padded_and_passed_on() -> None:
+    examples = [
+        {"input_ids": [5, 6, 7], "token_type_ids": [0, 0, 1]},
+        {"input_ids": [8, 9], "token_type_ids": [1, 1]},
+    ]
+    padded = Collator.for_transformers(pad_token_id=PAD)(examples)
+    assert list(padded) == ["input_ids", "token_type_ids", "attention_mask", "labels"]
+    assert padded["token_type_ids"].tolist() == [[0, 0, 1], [1, 1, 0]]
+    flat = Collator.for_transformers(padding_free=True)(examples)
+    assert flat["token_type_ids"].tolist() == [[0, 0, 1, 1, 1]]
+
+
+@pytest.mark.parametrize(
+    ("example", "match"),
+    [
+        ({"input_ids": [5, 6], "labels": 1}, "example 0: carries one label for the whole example"),
+        (
+            {"input_ids": [5, 6], "labels": torch.tensor(1)},
+            "example 0: carries one label for the whole example",
+        ),
+        ({"input_ids": [5, 6], "label": 1}, r"example 0: carries one label .*DataCollatorWithPadding"),
+        (
+            {"input_ids": [5, 6], "label": [5, 6]},
+            "example 0: carries 'label' of one value per token.*'labels'",
+        ),
+        (
+            {"input_ids": [5, 6], "decoder_input_ids": [0, 5]},
+            "example 0: carries 'decoder_input_ids'.*causal LMs",
+        ),
+        ({"input_ids": [5, 6, 7], "labels": [8, 9]}, "labels of their own length: an encoder-decoder target"),
+        (
+            {"input_ids": torch.tensor([5, 6], device="meta")},
+            "example 0: field 'input_ids' is a tensor on the 'meta'",
+        ),
+        (
+            {"input_ids": [5, 6], "labels": torch.tensor([5, 6], device="meta")},
+            "example 0: field 'labels' is a tensor on the 'meta' device",
+        ),
+    ],
+)
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_supervising_fields_nobody_reads_are_refused_with_the_fix(
+    example: dict, match: str, padding_free: bool
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        Collator.for_transformers(pad_token_id=PAD, padding_free=padding_free)(
+            [{"input_ids": [4]}, example][1:]
+        )
+
+
+def test_plain_position_ids_are_one_document() -> None:
+    example = {"input_ids": [5, 6, 7], "position_ids": [0, 1, 2]}
+    padded = Collator.for_transformers(pad_token_id=PAD, return_position_ids=True)(
+        [example, {"input_ids": [8]}]
+    )
+    assert padded["position_ids"].tolist() == [[0, 1, 2], [0, 0, 0]]
+    assert padded["labels"].tolist() == [[5, 6, 7], [8, -100, -100]]
+    with pytest.raises(ValueError, match="example 0: holds several documents"):
+        Collator.for_transformers(pad_token_id=PAD)([{"input_ids": [5, 6, 7], "position_ids": [0, 1, 0]}])
+
+
+def test_declared_supervision_missing_names_remove_unused_columns() -> None:
+    collate = Collator.for_transformers(pad_token_id=PAD, supervision="assistant_masks")
+    with pytest.raises(ValueError, match=r"example 0: lacks 'assistant_masks'.*remove_unused_columns=False"):
+        collate([{"input_ids": [5, 6, 7]}])
+    out = collate([{"input_ids": [5, 6, 7], "assistant_masks": [0, 1, 1]}])
+    assert out["labels"].tolist() == [[-100, 6, 7]]
+    with pytest.raises(ValueError, match="supervision must name a field"):
+        Collator.for_transformers(pad_token_id=PAD, supervision="assistant_mask_")
+
+
+def test_trainer_dropping_the_supervision_column_is_refused(tmp_path) -> None:
+    """transformers.Trainer drops a column its model's forward does not name (remove_unused_columns=True, the
+    default): the declared field then arrives missing, and the first batch says how to keep it."""
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("accelerate")
+    rows = [{"input_ids": tokens, "assistant_masks": mask} for tokens, mask in CHATS * 4]
+    collate = Collator.for_transformers(pad_token_id=PAD, supervision="assistant_masks")
+    for keep in (False, True):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, use_cpu=True,
+            report_to=[], save_strategy="no", disable_tqdm=True, remove_unused_columns=not keep,
+        )  # fmt: skip
+        trainer = transformers.Trainer(
+            model=tiny_gpt2().train(),
+            args=args,
+            train_dataset=datasets.Dataset.from_list(rows),
+            data_collator=collate,
+        )
+        if not keep:
+            with pytest.raises(ValueError, match=r"lacks 'assistant_masks'.*remove_unused_columns=False"):
+                trainer.train()
+        else:
+            assert trainer.train().global_step == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"pad_token_id": 0, "truncation_mode": "keep_start"},
+            "truncation_mode='keep_start' needs max_length",
+        ),
+        ({"pad_token_id": 0, "padding": "max_length"}, "padding='max_length' needs max_length"),
+        ({"pad_token_id": 0, "padding": "maximum"}, "padding must be True/'longest'"),
+        ({"pad_token_id": 0, "padding": False, "pad_to_multiple_of": 8}, "padding=False pads nothing"),
+        (
+            {"padding_free": True, "padding": "max_length", "max_length": 8},
+            "padding_free=True puts the batch",
+        ),
+        ({"padding_free": True, "padding_side": "left"}, "padding_free=True puts the batch"),
+        (
+            {"pad_token_id": 0, "keep_eos": True, "max_length": 4, "truncation_mode": "keep_end"},
+            "keep_eos=True",
+        ),
+        (
+            {"pad_token_id": 0, "keep_eos": True, "max_length": 4, "truncation_mode": "keep_start"},
+            "eos_token_id",
+        ),
+        ({"padding_free": True, "separator_id": 7, "boundary_safe_labels": False}, "separator_id"),
+        ({"pad_token_id": 0, "return_flash_attn_kwargs": True}, "pass padding_free=True"),
+        ({"pad_token_id": 0, "return_seq_idx": True}, "pass padding_free=True"),
+        ({"pad_token_id": 0, "return_tensors": "tf"}, "return_tensors must be one of"),
+        ({"pad_token_id": 0, "return_tensors": "np", "compile": True}, "need torch output"),
+        ({"pad_token_id": 0, "pad_to_multiple_of": 2**40}, "pad_to_multiple_of must be an int"),
+        ({"pad_token_id": 0, "max_length": 0}, "max_length must be an int >= 1"),
+        ({"pad_token_id": 0, "padding_side": "top"}, "padding_side must be one of"),
+        ({"pad_token_id": 0, "label_pad_token_id": 1.5}, "ignore_index"),
+    ],
+)
+def test_contradicting_or_bad_options_are_refused_at_construction(kwargs: dict, match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        Collator.for_transformers(**kwargs)
+
+
+def test_options_by_hand() -> None:
+    examples = [{"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]}, {"input_ids": [10, 11]}]
+    out = Collator.for_transformers(pad_token_id=PAD, label_pad_token_id=-1, return_tensors="np")(examples)
+    assert isinstance(out["labels"], np.ndarray) and out["labels"].dtype == np.int64
+    assert out["labels"].tolist() == [[-100, -100, 7, 8, 9], [10, 11, -1, -1, -1]]
+    static = Collator.for_transformers(
+        pad_token_id=PAD, padding="max_length", max_length=6, pad_to_multiple_of=4
+    )
+    assert static(examples)["input_ids"].shape == (2, 8)
+    cut = Collator.for_transformers(
+        pad_token_id=PAD, max_length=3, truncation_mode="keep_end", padding_side="left"
+    )
+    assert cut(examples)["input_ids"].tolist() == [[7, 8, 9], [0, 10, 11]]
+    assert cut(examples)["labels"].tolist() == [[7, 8, 9], [-100, 10, 11]]
+    flat = Collator.for_transformers(
+        pad_token_id=PAD, padding_free=True, pad_to_multiple_of=4, return_seq_idx=True
+    )
+    out = flat(examples)
+    assert out["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 0]]
+    assert out["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 0]]
+    assert out["labels"].tolist() == [[-100, -100, 7, 8, 9, -100, 11, -100]]
+    assert out["seq_idx"].tolist() == [[0, 0, 0, 0, 0, 1, 1, 2]]

@@ -134,6 +134,7 @@ _MASK_FIELDS = SUPERVISION_MASKS
 _SUPERVISION_FIELDS = (LABELS, *_MASK_FIELDS)
 _READ_FIELDS = (INPUT_IDS, ATTENTION_MASK, *_SUPERVISION_FIELDS, TOKEN_TYPE_IDS, POSITION_IDS, SEQ_LENGTHS)
 """The example fields this collator reads; any other field is not looked at."""
+_READ_SET = frozenset(_READ_FIELDS)
 _PADDINGS = {True: "longest", "longest": "longest", "max_length": "max_length", False: "do_not_pad"}
 _PADDINGS["do_not_pad"] = "do_not_pad"
 
@@ -204,10 +205,10 @@ def _check_examples(examples: Sequence[object], supervision: str | None) -> set[
                 f"{_names(index)}: must be a dict of fields such as 'input_ids', got {type(example).__name__}"
             )
     present: set[str] = set().union(*cast(Sequence[Mapping[str, Any]], examples))
-    wanted = (INPUT_IDS, "label", "decoder_input_ids", supervision, LABELS)
     if (
         INPUT_IDS in present
-        and not present.intersection(wanted[1:])
+        and supervision is None  # a declared field is looked for in every example below
+        and not present.intersection(("label", "decoder_input_ids", LABELS))
         and all(INPUT_IDS in example for example in cast(Sequence[Mapping[str, Any]], examples))
     ):
         return present  # the common case again: nothing to refuse
@@ -244,6 +245,19 @@ def _check_examples(examples: Sequence[object], supervision: str | None) -> set[
                 "supervision=..."
             )
     return present
+
+
+def _none_labels_dropped(examples: list[Any]) -> list[Any]:
+    """The examples, those whose ``labels`` is ``None`` without it: no labels given, as
+    ``DataCollatorForSeq2Seq`` reads them."""
+    if not any(isinstance(e, Mapping) and payload_get(e, LABELS, MISSING) is None for e in examples):
+        return examples
+    return [
+        {key: e[key] for key in e if key != LABELS}
+        if isinstance(e, Mapping) and payload_get(e, LABELS, MISSING) is None
+        else e
+        for e in examples
+    ]
 
 
 def _scalar(value: object) -> bool:
@@ -352,6 +366,11 @@ class TransformersOptions:
                 f"{_OWNER}: pad_to_multiple_of pads with pad_token_id: give it (or a tokenizer with a pad "
                 "token)"
             )
+        if self.padding == "do_not_pad" and self.pad_to_multiple_of is not None and not self.padding_free:
+            raise ValueError(
+                f"{_OWNER}: padding=False pads nothing, so pad_to_multiple_of cannot apply: drop it, or pass "
+                "padding=True"
+            )
         if self.padding == "max_length" and self.max_length is None:
             raise ValueError(f"{_OWNER}: padding='max_length' needs max_length, the padded row length")
         if self.truncation_mode is not None and self.max_length is None:
@@ -447,6 +466,16 @@ def _ones(lengths: np.ndarray) -> Callable[[int], np.ndarray]:
     return lambda index: np.ones(int(lengths[index]), dtype=np.int64)
 
 
+def _counting(lengths: np.ndarray) -> Callable[[int], np.ndarray]:
+    """What an example without ``position_ids`` reads as: one document, 0, 1, 2, ..."""
+    return lambda index: np.arange(int(lengths[index]), dtype=np.int64)
+
+
+def _whole(lengths: np.ndarray) -> Callable[[int], np.ndarray]:
+    """What an example without ``seq_lengths`` reads as: one document of all its tokens."""
+    return lambda index: np.array([int(lengths[index])], dtype=np.int64)
+
+
 def _copy_of(tokens: Ragged) -> Callable[[int], np.ndarray]:
     """What an example without ``labels`` reads as: its tokens, every one trained."""
     return lambda index: np.asarray(tokens.row(index))
@@ -483,8 +512,8 @@ class Transformers:
         examples = as_examples(features)
         if not examples:
             raise ValueError(f"{_OWNER}: the batch holds no examples")
-        _check_examples(examples, options.supervision)
-        present = set().union(*examples) & set(_READ_FIELDS)
+        examples = _none_labels_dropped(examples)
+        present = _check_examples(examples, options.supervision) & _READ_SET
         tokens = _read(examples, INPUT_IDS, "ids", None)
         assert tokens is not None  # every example has input_ids (_check_examples)
         check_ids(tokens, INPUT_IDS, _names)
@@ -497,12 +526,15 @@ class Transformers:
             kind: Literal["ids", "values"] = (
                 "ids" if name in (LABELS, TOKEN_TYPE_IDS, POSITION_IDS) else "values"
             )
-            fill = _copy_of(tokens) if name == LABELS else _ones(lengths) if kind == "values" else None
+            if name in (LABELS, POSITION_IDS):  # missing: the tokens all trained; one document
+                fill: Callable[[int], Any] | None = _copy_of(tokens) if name == LABELS else _counting(lengths)
+            else:
+                fill = _ones(lengths) if kind == "values" else None
             field = _read(examples, name, kind, tokens, fill)
             if field is not None:
                 fields[name] = field
         segment_rows = (
-            read_field(examples, SEQ_LENGTHS, INPUT_IDS, "ids", _names, required=False)
+            read_field(examples, SEQ_LENGTHS, INPUT_IDS, "ids", _names, required=False, fill=_whole(lengths))
             if SEQ_LENGTHS in present
             else None
         )
