@@ -36,12 +36,18 @@ Properties:
   payloads' batch, or the same documented error.
 - ``fields``: packing with any ``fields=``: tokens kept, ``overflow="auto"``
   refusing a long document with a prompt whatever is packed.
+- ``hf``: Hugging Face field combinations (``tests/test_hf_peers.py``) through
+  ``Collator.for_transformers`` and the collator it replaces
+  (``DataCollatorForSeq2Seq``, ``DataCollatorWithFlattening``,
+  ``DataCollatorForLanguageModeling``, TRL's): equal batches, both refusing, or
+  a documented difference (needs ``transformers`` and ``trl``; left out without).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import sys
 import time
 import traceback
@@ -110,7 +116,13 @@ def build_properties(max_corruptions: int, outcomes: collections.Counter, tried:
 
         return make
 
+    def hf_round(config):
+        import test_hf_peers  # transformers and TRL: imported for this property only
+
+        return hostile_round("hf", test_hf_peers.hf_cases(), test_hf_peers.check_hf_case)(config)
+
     return {
+        "hf": hf_round,
         "to_training": to_training_round,
         "pack_flat": pack_flat_round,
         "transforms": transforms_round,
@@ -157,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             "states",
             "narrow",
             "fields",
+            "hf",
         ],
         help="run only these properties (repeatable; default all, to_training weighted 3)",
     )
@@ -167,9 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     outcomes: collections.Counter = collections.Counter()
     tried: collections.Counter = collections.Counter()
     properties = build_properties(args.max_corruptions, outcomes, tried)
+    peers = all(importlib.util.find_spec(name) for name in ("transformers", "trl"))
     names = args.property or [
         *["to_training"] * 3,
         *["pack_flat", "transforms", "floats", "eos", "paths", "states", "narrow", "fields"],
+        *(["hf"] if peers else []),
     ]
     failures: dict[str, tuple[str, int]] = {}
     start = last_report = time.monotonic()
