@@ -56,12 +56,20 @@ def test_every_readme_python_block_runs():
 
 
 def test_hf_trainer_example_learns_and_both_layouts_train_the_same_tokens():
-    out = run_example("hf_trainer.py", "--steps", "40")
+    out = run_example("hf_trainer.py", "--steps", "40", "--sft-steps", "20")
     assert "trained: . . . . . . . . . . . . w9 w21" in out  # the prompt is not trained
     padded = re.search(r"padded: loss ([\d.]+) -> ([\d.]+) over 40 steps\n  every 10 steps: (.*)\n", out)
     flat = re.search(r"padding-free: loss ([\d.]+) -> ([\d.]+) over 40 steps\n  every 10 steps: (.*)\n", out)
     assert float(padded.group(2)) < float(padded.group(1)) - 0.4
     assert padded.group(3) == flat.group(3)
+    # TRL's SFTTrainer on bfd-packed rows: TRL's own batch, documents kept apart, learning
+    assert "batch equal to TRL's DataCollatorForLanguageModeling(padding_free=True): True" in out
+    packed, alone = re.search(r"packed loss ([\d.]+), documents one at a time ([\d.]+)", out).groups()
+    assert packed == alone
+    first, last = map(
+        float, re.search(r"SFTTrainer packed padding-free: loss ([\d.]+) -> ([\d.]+)", out).groups()
+    )
+    assert last < first
 
 
 def test_readme_hugging_face_block_matches_its_comments():
