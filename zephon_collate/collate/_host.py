@@ -236,9 +236,18 @@ def transformers(
     if not options.padding_free:
         out[ATTENTION_MASK] = (~padding).view(np.uint8).astype(np.int64)
         if left:
+            # One flat gather index for every field: each row rotated right by its pad count.
+            rows = tokens.shape[0]
+            shift = (np.arange(length) - counts[:, None]) % max(length, 1)
+            gather = (shift + (np.arange(rows, dtype=np.int64) * length)[:, None]).reshape(-1)
             for key in (INPUT_IDS, POSITIONS, TOKEN_TYPE_IDS, ATTENTION_MASK, LABELS):
                 if key in out:
-                    out[key] = _left(out[key], counts)
+                    value = out[key]
+                    out[key] = (
+                        value.reshape(-1)[gather].reshape(value.shape)
+                        if value.ndim == 2
+                        else _left(value, counts)
+                    )
         return out
     if options.return_flash_attn_kwargs:
         out[CU_SEQLENS], out[MAX_SEQLEN] = cu_seqlens_flat(data[POSITIONS], num_boundaries)

@@ -250,7 +250,13 @@ def _check_examples(examples: Sequence[object], supervision: str | None) -> set[
 def _none_labels_dropped(examples: list[Any]) -> list[Any]:
     """The examples, those whose ``labels`` is ``None`` without it: no labels given, as
     ``DataCollatorForSeq2Seq`` reads them."""
-    if not any(isinstance(e, Mapping) and payload_get(e, LABELS, MISSING) is None for e in examples):
+    for example in examples:  # a plain loop: the common case is one dict lookup per example
+        if type(example) is dict:
+            if example.get(LABELS, MISSING) is None:
+                break
+        elif isinstance(example, Mapping) and payload_get(example, LABELS, MISSING) is None:
+            break
+    else:
         return examples
     return [
         {key: e[key] for key in e if key != LABELS}
