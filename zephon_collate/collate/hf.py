@@ -71,6 +71,7 @@ from zephon_collate._read import (
     payload_get,
     read_field,
     read_ragged,
+    row_any,
     row_of,
 )
 from zephon_collate._text import shown, shown_fields
@@ -683,7 +684,10 @@ class Transformers:
         cut = {name: field.select(keep) for name, field in per_token.items()}
         if options.keep_eos:
             cut = self._eos_kept(per_token, cut, lengths > limit)
-        lost = np.flatnonzero(_any_per_row(per_token[LOSS_MASK]) & ~_any_per_row(cut[LOSS_MASK]))
+        before, after = per_token[LOSS_MASK], cut[LOSS_MASK]
+        lost = np.flatnonzero(
+            row_any(before.host != 0, before.offsets) & ~row_any(after.host != 0, after.offsets)
+        )
         if lost.size:
             raise ValueError(
                 f"{_names(int(lost[0]))}: has no supervised token left after truncation to "
@@ -862,15 +866,6 @@ class Transformers:
         batch = self.read(samples)[0]
         chosen: Plan = plan(tuple(batch.data))
         return self.assemble(batch.per_record, chosen.run(batch.data), chosen.pairs, python_scalars)
-
-
-def _any_per_row(field: Ragged) -> np.ndarray:
-    """``[B]`` booleans: does each row hold a nonzero value?"""
-    values = field.values != 0
-    counts = (
-        np.add.reduceat(values, field.offsets[:-1]) if values.size else np.zeros(field.rows, dtype=np.int64)
-    )
-    return (counts > 0) & (field.lengths > 0)
 
 
 def _restarting(offsets: np.ndarray) -> Ragged:
