@@ -26,6 +26,7 @@ from zephon_collate.collate import (
     to_training,
     use_host_pass,
 )
+from zephon_collate.fields import FloatField
 from zephon_collate.functional import attention
 from zephon_collate.inspection.leakage import check_no_leakage
 from zephon_collate.inspection.render import render_batch, render_batch_png
@@ -99,6 +100,7 @@ __all__ = [
     "EosMask",
     "EvenBatches",
     "FlatPacker",
+    "FloatField",
     "LaneId",
     "LeftPadding",
     "LineageIndex",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 import torch
 from tensordict import TensorDict
@@ -35,7 +35,17 @@ from zephon_collate.collate._plan import CollateLayout, Plan, Plans
 from zephon_collate.collate._stack import RowPadding
 from zephon_collate.collate.options import TrainingOptions, options_for
 from zephon_collate.collate.transfer import StackedBatch, WireOutputs
-from zephon_collate.keys import IGNORE_INDEX
+from zephon_collate.fields import FloatField, check_float_fields
+from zephon_collate.keys import (
+    IGNORE_INDEX,
+    INPUT_IDS,
+    LABELS,
+    LOSS_MASK,
+    PADDING_LENGTH,
+    PADDING_MASK,
+    POSITION_IDS,
+    POSITIONS,
+)
 from zephon_collate.transforms import CuSeqlens, Transform
 
 if TYPE_CHECKING:
@@ -103,6 +113,7 @@ class CollatorOptions:
     pad_token_id: int | None = None
     pad_to_multiple_of: int | None = None
     boundary_safe_labels: bool = True
+    float_fields: Sequence[str | FloatField] = ()
     transforms: Sequence[Transform] = ()
     chain: Sequence[Transform] | None = None
 
@@ -113,6 +124,7 @@ class CollatorOptions:
             put(self, name, check_bool(name, getattr(self, name), owner="Collator"))
         if self.num_boundaries is not None:
             put(self, "num_boundaries", CuSeqlens(num_boundaries=self.num_boundaries).num_boundaries)
+        put(self, "float_fields", check_float_fields("Collator", self.float_fields))
         put(self, "transforms", _check_transforms("transforms", self.transforms))
         if self.chain is not None:
             put(self, "chain", _check_transforms("chain", self.chain))
@@ -125,6 +137,9 @@ class CollatorOptions:
 
 COLLATOR_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(CollatorOptions))
 """The :class:`Collator`'s own keyword arguments, after ``to_training``'s, in its signature's order."""
+
+_WRITTEN = (INPUT_IDS, LABELS, POSITIONS, POSITION_IDS, LOSS_MASK, PADDING_LENGTH, PADDING_MASK)
+"""Names a float field may not take: fields the collate path reads or writes itself."""
 
 _CHAIN_OPTIONS = (
     "return_labels",
@@ -175,6 +190,14 @@ class Collator:
             their defaults); they run on the stacked batch (``input_ids``,
             ``positions``, ``loss_mask`` and extra fields when read,
             ``padding_length``).
+        float_fields: float payload fields (log-probs, advantages, rewards): names, or
+            :class:`~zephon_collate.fields.FloatField` specs. Each keeps its own float
+            dtype (float32 by default, whatever ``dtype`` is), is 0.0 on padding, and is
+            shifted with the labels as its alignment says: a token-aligned field (value
+            ``t`` belongs to token ``t``, the default) is cut ``[:, 1:]`` with
+            ``return_labels``, so ``out[name][:, j]`` belongs to ``labels[:, j]``
+            (:mod:`zephon_collate.fields`). ``to_training`` has no such option: its
+            extra fields follow ``dtype``, as the reference page says.
 
     Raises:
         TypeError, ValueError: for bad options, as ``to_training`` raises them;
@@ -216,6 +239,7 @@ class Collator:
         pad_token_id: int | None = None,
         pad_to_multiple_of: int | None = None,
         boundary_safe_labels: bool = True,
+        float_fields: Sequence[str | FloatField] = (),
         transforms: Sequence[Transform] = (),
         chain: Sequence[Transform] | None = None,
     ) -> None:
@@ -223,6 +247,9 @@ class Collator:
         self.options = options_for(TrainingOptions.arguments(scope))
         self.settings = CollatorOptions(**CollatorOptions.arguments(scope))
         settings = self.settings
+        specs = cast(tuple[FloatField, ...], settings.float_fields)  # normalised by CollatorOptions
+        reserved = (*self.options.generated_keys(), *self.options.extra_fields, *_WRITTEN)
+        check_float_fields("Collator", specs, reserved)
         if chain is not None:
             defaults = TrainingOptions()
             given = [
@@ -252,6 +279,7 @@ class Collator:
             refuse_unused=True,
             num_boundaries=settings.num_boundaries,
             check_padding=chain is not None,  # a chain of yours may read padding_length
+            float_fields=specs,
         )
         self._plans = Plans()
 
@@ -335,8 +363,9 @@ class Collator:
         batch = self.layout.stack(samples)
         if batch is None:
             return StackedBatch(None, ids_and_texts(()))
-        rows = next(iter(batch.data.values())).shape[0]
-        td = TensorDict(batch.data, batch_size=[rows], device=batch.data["input_ids"].device)
+        rows = {value.shape[0] if value.dim() else -1 for value in batch.data.values()}
+        size = list(rows) if len(rows) == 1 and -1 not in rows else []  # [] when some hold one entry per row
+        td = TensorDict(batch.data, batch_size=size, device=batch.data["input_ids"].device)
         return StackedBatch(td, batch.per_record, batch.metas)
 
     def finish(self, stacked: StackedBatch) -> dict[str, Any]:
