@@ -50,6 +50,8 @@ from zephon_collate.transforms import CuSeqlens, Transform
 
 if TYPE_CHECKING:
     from zephon_collate.collate.hf import TransformersCollator
+    from zephon_collate.collate.preference import PreferenceCollator
+    from zephon_collate.collate.rollouts import RolloutCollator
 
 __all__ = ["COLLATOR_OPTION_NAMES", "Collator", "CollatorOptions"]
 
@@ -312,6 +314,14 @@ class Collator:
     """``Collator.for_transformers(...)`` is :class:`~zephon_collate.TransformersCollator`: the
     ``collate_fn`` for Hugging Face ``transformers`` models and ``Trainer(data_collator=...)``,
     over the same reader, chain, stack/finish, device and compile (set by :mod:`.hf`)."""
+
+    for_preference: ClassVar[type[PreferenceCollator]]
+    """``Collator.for_preference(...)`` is :class:`~zephon_collate.collate.preference.PreferenceCollator`:
+    preference pairs to one exact batch of chosen and rejected sequences (set by :mod:`.preference`)."""
+
+    for_rollouts: ClassVar[type[RolloutCollator]]
+    """``Collator.for_rollouts(...)`` is :class:`~zephon_collate.collate.rollouts.RolloutCollator`: RL
+    rollouts (prompt + completion, float fields) to one exact batch (set by :mod:`.rollouts`)."""
 
     def __repr__(self) -> str:
         return f"Collator(options={self.options}, settings={self.settings}, padding={self.padding})"

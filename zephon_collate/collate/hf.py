@@ -145,10 +145,14 @@ def _names(index: int) -> str:
     return f"example {index}"
 
 
-def as_examples(features: object, extra: Sequence[str] = ()) -> list[Mapping[str, Any]]:
+def as_examples(
+    features: object, extra: Sequence[str] = (), *, key: str = INPUT_IDS, owner: str = _OWNER
+) -> list[Mapping[str, Any]]:
     """Per-example dicts from a list of them, or from a batched dict of lists (``dataset[:8]``).
 
-    A batched dict keeps the fields this collator reads, and those named in ``extra``.
+    A batched dict keeps the fields this collator reads, and those named in
+    ``extra``; ``key`` is the field every batch has (its rows tell the batch
+    size), ``owner`` the collator that errors name.
 
     Raises:
         TypeError: for anything else, naming what was given.
@@ -156,31 +160,32 @@ def as_examples(features: object, extra: Sequence[str] = ()) -> list[Mapping[str
             batched field without one entry per example.
     """
     if isinstance(features, Mapping):
-        if INPUT_IDS not in features:
+        if key not in features:
             raise ValueError(
-                f"{_OWNER}: the batch has no 'input_ids' (its fields: {shown_fields(features)}); "
+                f"{owner}: the batch has no {shown(key)} (its fields: {shown_fields(features)}); "
                 "tokenize the examples first"
             )
-        ids = features[INPUT_IDS]
+        ids = features[key]
         if not hasattr(ids, "__len__") or isinstance(ids, (str, bytes)):
-            raise TypeError(f"{_OWNER}: 'input_ids' must be a list of token rows, got {type(ids).__name__}")
+            raise TypeError(f"{owner}: {shown(key)} must be a list of token rows, got {type(ids).__name__}")
         if len(ids) and getattr(ids[0], "ndim", 0 if isinstance(ids[0], (int, np.integer)) else 1) == 0:
             raise ValueError(
-                f"{_OWNER}: got one example (a dict whose 'input_ids' is a row of ints), not a batch; "
+                f"{owner}: got one example (a dict whose {shown(key)} is a row of ints), not a batch; "
                 "pass a list of examples ([example]) or a batched dict of lists"
             )
         count = len(ids)
-        fields = [name for name in (*_READ_FIELDS, "label", "decoder_input_ids", *extra) if name in features]
+        known = (*_READ_FIELDS, "label", "decoder_input_ids", *extra)
+        fields = [name for name in dict.fromkeys((key, *known)) if name in features]
         for name in fields:
             if not hasattr(features[name], "__len__") or len(features[name]) != count:
                 raise ValueError(
-                    f"{_OWNER}: the batched field {shown(name)} does not hold one entry per example "
-                    f"('input_ids' holds {count}); give every field as a list with one row per example"
+                    f"{owner}: the batched field {shown(name)} does not hold one entry per example "
+                    f"({shown(key)} holds {count}); give every field as a list with one row per example"
                 )
         return [{name: features[name][index] for name in fields} for index in range(count)]
     if isinstance(features, (str, bytes)) or not isinstance(features, Sequence):
         raise TypeError(
-            f"{_OWNER}: expected a list of example dicts or a batched dict of lists, got "
+            f"{owner}: expected a list of example dicts or a batched dict of lists, got "
             f"{type(features).__name__}"
         )
     return list(features)
