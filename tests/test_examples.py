@@ -76,3 +76,24 @@ def test_readme_hugging_face_block_matches_its_comments():
     assert flat["labels"].tolist() == [[-100, -100, 7, 8, -100, 10, 3]]
     assert flat["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2]]
     assert flat["cu_seq_lens_q"].tolist() == [0, 4, 7] and flat["max_length_q"] == 4
+
+
+def test_dpo_example_learns_on_packed_pairs_with_shared_prompts():
+    out = run_example("dpo_packed.py", "--steps", "20")
+    first, last = map(float, re.search(r"DPO loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first - 0.1
+    assert float(re.search(r"\(([\d.]+)% of the padded tokens saved\)", out).group(1)) > 30
+    shared = re.search(
+        r"shared prompts: ([\d,]+) prompt tokens no longer computed twice \(of ([\d,]+)\)", out
+    )
+    assert shared.group(1) == shared.group(2)  # every pair's prompt computed once
+
+
+def test_grpo_example_learns_on_packed_rollouts_with_shared_prompts():
+    out = run_example("grpo_packed.py", "--iterations", "4")
+    first, last = map(float, re.search(r"clipped loss \(token-mean\) (-?[\d.]+) -> (-?[\d.]+)", out).groups())
+    assert last < first
+    before, after = map(float, re.search(r"reward ([\d.]+) -> ([\d.]+)", out).groups())
+    assert after > before
+    assert float(re.search(r"\(([\d.]+)% of the padded tokens saved\)", out).group(1)) > 30
+    assert int(re.search(r"shared prompts: ([\d,]+) prompt tokens", out).group(1).replace(",", "")) > 0

@@ -23,7 +23,7 @@ LEVELS = [
     {"functional"},
     {"transforms"},
     {"collate", "types"},
-    {"packing", "parallel"},
+    {"packing", "parallel", "losses"},
     {"inspection"},
     {"demo", "__main__", "__init__"},
 ]
