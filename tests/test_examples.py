@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -11,12 +12,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_example(name: str, *args: str) -> str:
+    """The example's output, run on this tree's package (as the torchrun tests run theirs)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / name), *args],
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
+        env={**os.environ, "PYTHONPATH": path},
     )
     return result.stdout
 

@@ -185,10 +185,11 @@ def native(
             info = np.iinfo(inputs.dtype)
             if eos is not None and info.min <= eos <= info.max:
                 drop = drop | _aligned(inputs == eos, drop)
+        kept = (INPUT_IDS, LOSS_MASK, PADDING_LENGTH, *unshifted)
         for key in out:
             if key in like_labels:
                 out[key] = out[key][:, 1:]
-            elif key not in (INPUT_IDS, LOSS_MASK, PADDING_LENGTH, *unshifted):
+            elif key not in kept:
                 out[key] = out[key][:, :-1]
         out[INPUT_IDS] = inputs
         labels = np.where(

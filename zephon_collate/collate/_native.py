@@ -17,6 +17,7 @@ The stacked mapping (the chain's input), for ``B`` records of ``S`` tokens:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -263,7 +264,7 @@ class Native:
 
     def chain(self, keys: Sequence[str]) -> list[Transform]:
         """The built-in transforms for a stacked batch holding ``keys``."""
-        like_labels, unshifted = self._float_shifts()
+        like_labels, unshifted = self._float_shifts
         return self.options.chain(
             keys,
             boundary_safe=self.boundary_safe,
@@ -274,11 +275,12 @@ class Native:
 
     def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """:meth:`chain`'s output mapping computed by the fused host pass."""
-        like_labels, unshifted = self._float_shifts()
+        like_labels, unshifted = self._float_shifts
         return _host.native(
             self.options, self.boundary_safe, self.num_boundaries, data, like_labels, unshifted
         )
 
+    @functools.cached_property
     def _float_shifts(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The float fields a shift cuts like the labels, and those it leaves alone (one per sequence)."""
         like_labels = tuple(spec.name for spec in self.float_fields if spec.shifted_like_labels)
