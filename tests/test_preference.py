@@ -69,7 +69,8 @@ def test_shared_prompt_layouts_hand_worked():
     assert flat["sequence_index"] == [[-1, -1, -1, 0, 0, 1, -1, -1, 2, 3, 3, 3]]
     padded = lists(Collator.for_preference(pad_token_id=0, shared_prompt=True, pad_to_multiple_of=8)(PAIRS))
     assert padded["input_ids"] == [[1, 2, 3, 4, 5, 6, 0, 0], [7, 8, 9, 10, 11, 12, 0, 0]]
-    assert padded["attention_mask"] == [[1] * 6 + [0] * 2] * 2
+    assert "attention_mask" not in padded  # a padding mask would let a response see its sibling
+    assert padded["document_ids"] == [[0] * 6 + [-1] * 2, [1] * 6 + [-1] * 2]
     assert padded["position_ids"] == [[0, 1, 2, 3, 4, 3, 0, 0], [0, 1, 2, 2, 3, 4, 0, 0]]
     assert padded["branch_ids"] == [[0, 0, 0, 1, 1, 2, -1, -1], [0, 0, 1, 2, 2, 2, -1, -1]]
     assert padded["logits_index"] == [[-1, 0, 1, 2, 3, 2, -1, -1], [-1, 0, 1, 1, 3, 4, -1, -1]]

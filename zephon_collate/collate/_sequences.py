@@ -26,6 +26,11 @@ every loss exact (:mod:`zephon_collate.losses`):
 - ``sequence_index`` ``[R, L]`` int64: the sequence a token belongs to, -1 on
   padding and on a shared prompt; ``num_sequences`` (an int).
 
+A shared-prompt batch has no ``attention_mask`` (a padding mask would let a
+response attend to its sibling): build the attention from the ids
+(:func:`~zephon_collate.functional.attention.dense_branch_mask` for SDPA,
+:func:`~zephon_collate.functional.attention.branch_block_mask` for FlexAttention).
+
 Prompt tokens are never supervised, so every supervised token belongs to one
 sequence. A prompt is shared only when it and the responses are not empty,
 and the sequences agree on it token for token (float fields included).
@@ -46,6 +51,7 @@ from zephon_collate.collate._output import convert
 from zephon_collate.collate.hf import Transformers, TransformersOptions
 from zephon_collate.fields import FloatField
 from zephon_collate.keys import (
+    ATTENTION_MASK,
     BRANCH_IDS,
     DOCUMENT_IDS,
     INPUT_IDS,
@@ -264,6 +270,13 @@ class Sequences(Transformers):
             data[name] = torch.from_numpy(np.ascontiguousarray(extra))
         data[NUM_SEQUENCES] = torch.tensor(batch.count, dtype=torch.int64)
         return stacked
+
+    def names(self, keys: Sequence[str]) -> list[tuple[str, str]]:
+        """The ``transformers`` outputs, then the sequence map. With a shared prompt there is no
+        ``attention_mask``: a 2-D padding mask would let a response attend to its sibling; the attention
+        comes from ``document_ids`` and ``branch_ids`` (padding is document -1)."""
+        pairs = super().names(keys)
+        return [pair for pair in pairs if pair[1] != ATTENTION_MASK] if self.shared_prompt else pairs
 
     def assemble(
         self,

@@ -389,7 +389,7 @@ class TransformersOptions:
     @property
     def token_floats(self) -> tuple[str, ...]:
         """The float fields that hold one value per token."""
-        return tuple(spec.name for spec in self.floats if spec.per_token)
+        return tuple(spec.name for spec in self.floats if spec.per_token) if self.float_fields else ()
 
     @property
     def row_padding(self) -> RowPadding | None:
@@ -483,7 +483,9 @@ class Transformers:
             TypeError, ValueError: for a bad example, naming it, the field and the fix.
         """
         options = self.options
-        examples = as_examples(features, [spec.name for spec in options.floats])
+        examples = as_examples(
+            features, [spec.name for spec in options.floats] if options.float_fields else ()
+        )
         if not examples:
             raise ValueError(f"{_OWNER}: the batch holds no examples")
         _check_examples(examples, options.supervision)
@@ -532,8 +534,9 @@ class Transformers:
         per_token: dict[str, Ragged] = {INPUT_IDS: fields[INPUT_IDS], LOSS_MASK: self._supervision(fields)}
         if TOKEN_TYPE_IDS in fields:
             per_token[TOKEN_TYPE_IDS] = fields[TOKEN_TYPE_IDS]
-        for name in options.token_floats:
-            per_token[name] = fields[name]
+        if options.float_fields:
+            for name in options.token_floats:
+                per_token[name] = fields[name]
         positions = self._positions(fields, segment_rows)
         if positions is not None:
             per_token[POSITIONS] = positions
@@ -547,16 +550,19 @@ class Transformers:
             self._check_one_document(per_token[POSITIONS])
         if POSITIONS not in per_token and (options.padding_free or options.positions_out):
             per_token[POSITIONS] = _restarting(per_token[INPUT_IDS].offsets)
-        labelled = [spec.name for spec in options.floats if spec.align == "label"]
+        labelled = (
+            [spec.name for spec in options.floats if spec.align == "label"] if options.float_fields else []
+        )
         if labelled:  # moved to the token each prediction is scored against
             starts = _sequence_starts(per_token)
             for name in labelled:
                 per_token[name] = to_label_positions(per_token[name], starts)
         stacked = self._flat(per_token) if options.padding_free else self._padded(per_token)
-        for spec in options.floats:
-            if not spec.per_token:
-                stacked.data[spec.name] = torch.from_numpy(np.stack((per_sequence or {})[spec.name]))
-            stacked.data[spec.name] = stacked.data[spec.name].to(spec.dtype)
+        if options.float_fields:
+            for spec in options.floats:
+                if not spec.per_token:
+                    stacked.data[spec.name] = torch.from_numpy(np.stack((per_sequence or {})[spec.name]))
+                stacked.data[spec.name] = stacked.data[spec.name].to(spec.dtype)
         return stacked
 
     def _supervision(self, fields: Mapping[str, Ragged]) -> Ragged:

@@ -272,7 +272,7 @@ class PreferenceCollator(Collator):
         device, compile, num_boundaries, python_scalars, transforms, chain: as for :class:`Collator`.
 
     Returns (from a call on a list of pairs, or a batched dict of lists):
-        ``input_ids``, ``attention_mask`` (padded), ``labels``, ``position_ids`` (when emitted), the
+        ``input_ids``, ``attention_mask`` (padded, unshared), ``labels``, ``position_ids`` (when emitted), the
         flash-attention keys (when asked), ``document_ids``, ``branch_ids``, ``logits_index``,
         ``sequence_index``, ``chosen_index``, ``rejected_index``, ``ref_chosen_logps`` /
         ``ref_rejected_logps`` (float32 ``[num_pairs]``, when the pairs carry them) and

@@ -206,7 +206,7 @@ class RolloutCollator(Collator):
         device, compile, num_boundaries, python_scalars, transforms, chain: as for :class:`Collator`.
 
     Returns:
-        ``input_ids``, ``attention_mask`` (padded), ``labels``, ``position_ids`` (when emitted), the
+        ``input_ids``, ``attention_mask`` (padded, unshared), ``labels``, ``position_ids`` (when emitted), the
         flash-attention keys (when asked), each float field (per token, or ``[num_rollouts]``),
         ``document_ids``, ``branch_ids``, ``logits_index``, ``sequence_index`` and ``num_sequences``.
 
