@@ -160,7 +160,7 @@ def test_unpack_of_the_batch_round_trips_every_field(rollouts, layout, shared):
     for p, extra, n, adv in rollouts:
         prompt = prompts[p] + [20 + k for k in range(extra if p else 0)]
         examples.append(rollout(prompt, [30 + k for k in range(n)], adv))
-    examples = [e for e in examples if e["input_ids"]] or [rollout([1], [2])]
+    examples = examples if any(e["input_ids"] for e in examples) else [rollout([1], [2])]  # empty ones too
     batch = Collator.for_rollouts(shared_prompt=shared, float_fields=SPECS, **layout)(examples)
     assert batch["num_sequences"] == len(examples)
     tokens = unpack(batch["input_ids"], batch)
@@ -171,6 +171,9 @@ def test_unpack_of_the_batch_round_trips_every_field(rollouts, layout, shared):
         assert tokens[i].tolist() == example["input_ids"]
         assert old[i].tolist() == pytest.approx(example["old"])
         mask = example["completion_mask"]
+        if not mask:
+            assert adv[i].numel() == 0 and labels[i].tolist() == [-7] * labels.shape[1]
+            continue
         prompt = mask.index(1) if 1 in mask else len(mask)
         got = adv[i].tolist()
         assert got[prompt:] == pytest.approx([example["adv"]] * (len(mask) - prompt))
@@ -181,3 +184,38 @@ def test_unpack_of_the_batch_round_trips_every_field(rollouts, layout, shared):
         row = labels[i].tolist()
         assert row[: len(expected)] == expected and set(row[len(expected) :]) <= {-7}
     assert np.isfinite(batch["old"].numpy()).all()
+
+
+def test_the_presets_never_change_their_inputs():
+    """Tensors, arrays and lists in the examples: unchanged (values and tensor versions) after a call."""
+    import copy
+
+    rollouts = [
+        {
+            "input_ids": torch.tensor([1, 2, 3]),
+            "completion_mask": np.array([0, 1, 1]),
+            "old": torch.tensor([0.0, -1.0, -2.0]),
+        },
+        {
+            "input_ids": [1, 2, 4],
+            "completion_mask": [0, 1, 1],
+            "old": np.array([0.0, -0.5, -0.5], dtype=np.float64),
+        },
+    ]
+    pairs = [{"prompt_input_ids": np.array([1, 2]), "chosen_input_ids": torch.tensor([3]), "rejected_input_ids": [4, 5],
+              "rejected_attention_mask": [1, 1]}]  # fmt: skip
+    for examples, collate in (
+        (rollouts, Collator.for_rollouts(padding_free=True, shared_prompt=True, float_fields=["old"])),
+        (pairs, Collator.for_preference(padding_free=True, shared_prompt=True)),
+    ):
+        before = copy.deepcopy(examples)
+        versions = [v._version for e in examples for v in e.values() if isinstance(v, torch.Tensor)]
+        out = collate(examples)
+        for value in out.values():  # writing into the outputs changes no input: they own their memory
+            if isinstance(value, torch.Tensor) and value.dtype != torch.bool:
+                value.add_(1)
+        for got, want in zip(examples, before, strict=True):
+            assert set(got) == set(want)
+            for key in got:
+                assert np.array_equal(np.asarray(got[key]), np.asarray(want[key])), key
+        assert versions == [v._version for e in examples for v in e.values() if isinstance(v, torch.Tensor)]

@@ -281,7 +281,8 @@ def unpack(
         starts = torch.full((documents + 1,), 0, dtype=torch.int64, device=device)
         starts = starts.scatter_reduce(0, key, flat, reduce="amin", include_self=False)
         mine = document[own_start.clamp(max=max(sequence.numel() - 1, 0))] if count else own_start
-        trunk_start, trunk_length = starts[mine], lengths[mine]
+        trunk_start = starts[mine]
+        trunk_length = torch.where(own_length > 0, lengths[mine], 0)  # an empty sequence has no prompt here
     total = trunk_length + own_length
     spans_start = torch.stack([trunk_start, own_start], dim=1).reshape(-1)
     spans_length = torch.stack([trunk_length, own_length], dim=1).reshape(-1)
