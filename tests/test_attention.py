@@ -594,3 +594,38 @@ def test_flex_attention_has_no_cpu_backward_as_the_docs_say():
     mask = flex.create_block_mask(lambda b, h, qi, ki: qi >= ki, 1, 1, 128, 128, device="cpu")
     with pytest.raises(NotImplementedError, match="does not support backward on CPU"):
         flex.flex_attention(q, q, q, block_mask=mask).sum().backward()
+
+
+def test_shared_prompt_masks_agree_and_keep_branches_apart():
+    """branch_mask_mod, its BlockMask and the dense mask agree; FlexAttention (eager, CPU) over a shared
+    prompt equals each branch run with its prompt alone, and a sibling's values never reach it."""
+    from zephon_collate import Collator
+    from zephon_collate.functional.attention import branch_block_mask, branch_mask_mod, dense_branch_mask
+
+    pairs = [
+        {"prompt_input_ids": [1, 2, 3], "chosen_input_ids": [4, 5], "rejected_input_ids": [6]},
+        {"prompt_input_ids": [7, 8], "chosen_input_ids": [9], "rejected_input_ids": [10, 11, 12]},
+    ]
+    batch = Collator.for_preference(padding_free=True, shared_prompt=True)(pairs)
+    docs, branches = batch["document_ids"], batch["branch_ids"]
+    dense = dense_branch_mask(docs, branches)
+    length = docs.shape[1]
+    assert torch.equal(
+        create_mask(branch_mask_mod(docs, branches), 1, None, length, length, device="cpu"), dense
+    )
+    block = branch_block_mask(docs, branches, block_size=4)
+    assert block.shape == (1, 1, length, length)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 1, 2, length, 8).unbind(0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        flex = flex_attention(q, k, v, block_mask=branch_block_mask(docs, branches))
+    assert torch.allclose(flex, F.scaled_dot_product_attention(q, k, v, attn_mask=dense), atol=1e-5)
+    for index in range(batch["num_sequences"]):  # prompt + own branch alone, causal
+        own = (batch["sequence_index"][0] == index).nonzero()[:, 0]
+        doc = int(docs[0, own[0]])
+        keep = torch.cat([((docs[0] == doc) & (branches[0] == 0)).nonzero()[:, 0], own])
+        alone = F.scaled_dot_product_attention(
+            q[..., keep, :], k[..., keep, :], v[..., keep, :], is_causal=True
+        )
+        assert torch.allclose(flex[..., keep, :], alone, atol=1e-5)

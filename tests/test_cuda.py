@@ -97,3 +97,45 @@ def test_static_shape_chain_makes_no_host_sync(compile):
     for key in ("input_ids", "labels", "loss_mask", "cu_seqlens", "padding_mask"):
         assert out[key].device.type == "cuda", key
         assert out[key].cpu().tolist() == as_lists(want[key]), key
+
+
+def test_float_fields_and_the_loss_helpers_on_cuda():
+    """Float fields keep their dtype through the pinned copy to the device; the loss helpers run there and
+    give the CPU's numbers."""
+    from zephon_collate import FloatField, aggregate_loss, sequence_logprobs, token_logprobs, unpack
+
+    rollouts = [
+        {
+            "input_ids": [1, 2, 3, 4],
+            "completion_mask": [0, 0, 1, 1],
+            "old": [0.0, 0.0, -0.5, -1.0],
+            "adv": 1.0,
+        },
+        {"input_ids": [1, 2, 5], "completion_mask": [0, 0, 1], "old": [0.0, 0.0, -2.0], "adv": -1.0},
+    ]
+    specs = ["old", FloatField("adv", "sequence", broadcast=True)]
+    on_gpu = Collator.for_rollouts(padding_free=True, shared_prompt=True, float_fields=specs, device="cuda")
+    batch = on_gpu.finish(on_gpu.stack(rollouts).pin_memory())
+    assert batch["old"].device.type == "cuda" and batch["old"].dtype == torch.float32
+    cpu = Collator.for_rollouts(padding_free=True, shared_prompt=True, float_fields=specs)(rollouts)
+    logits = torch.randn(1, batch["input_ids"].shape[1], 8, generator=torch.Generator().manual_seed(0))
+    for key in ("old", "adv", "logits_index", "sequence_index"):
+        assert torch.equal(batch[key].cpu(), cpu[key]), key
+    cuda_lp = token_logprobs(logits.cuda(), batch)
+    assert torch.allclose(cuda_lp.cpu(), token_logprobs(logits, cpu), atol=1e-6)
+    sums = sequence_logprobs(logits.cuda(), batch).sums
+    assert torch.allclose(sums.cpu(), sequence_logprobs(logits, cpu).sums, atol=1e-6)
+    assert [t.tolist() for t in unpack(batch["input_ids"], batch)] == [r["input_ids"] for r in rollouts]
+    loss = aggregate_loss(-cuda_lp, batch, mode="seq-mean-token-mean")
+    assert loss.device.type == "cuda"
+    assert float(loss) == pytest.approx(
+        float(aggregate_loss(-token_logprobs(logits, cpu), cpu, mode="seq-mean-token-mean"))
+    )
+    native = Collator(return_labels=True, device="cuda", float_fields=["lp"])
+    records = [
+        SampleRecord(r.meta, {**r.payload, "lp": torch.linspace(-1, 0, r.payload["input_ids"].numel())})
+        for r in cpu_records()
+    ]
+    out = native.finish(native.stack(records).pin_memory())
+    assert out["lp"].device.type == "cuda" and out["lp"].dtype == torch.float32
+    assert torch.equal(out["lp"].cpu(), Collator(return_labels=True, float_fields=["lp"])(records)["lp"])

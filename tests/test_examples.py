@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -11,12 +12,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_example(name: str, *args: str) -> str:
+    """The example's output, run on this tree's package (as the torchrun tests run theirs)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / name), *args],
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
+        env={**os.environ, "PYTHONPATH": path},
     )
     return result.stdout
 
@@ -113,3 +117,24 @@ def test_every_benchmark_imports_and_the_floor_check_holds():
         floor.check_equal(SampleBatch(to_records(packed_rows(length=81))))
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_dpo_example_learns_on_packed_pairs_with_shared_prompts():
+    out = run_example("dpo_packed.py", "--steps", "20")
+    first, last = map(float, re.search(r"DPO loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first - 0.1
+    assert float(re.search(r"\(([\d.]+)% of the padded tokens saved\)", out).group(1)) > 30
+    shared = re.search(
+        r"shared prompts: ([\d,]+) prompt tokens no longer computed twice \(of ([\d,]+)\)", out
+    )
+    assert shared.group(1) == shared.group(2)  # every pair's prompt computed once
+
+
+def test_grpo_example_learns_on_packed_rollouts_with_shared_prompts():
+    out = run_example("grpo_packed.py", "--iterations", "4")
+    first, last = map(float, re.search(r"clipped loss \(token-mean\) (-?[\d.]+) -> (-?[\d.]+)", out).groups())
+    assert last < first
+    before, after = map(float, re.search(r"reward ([\d.]+) -> ([\d.]+)", out).groups())
+    assert after > before
+    assert float(re.search(r"\(([\d.]+)% of the padded tokens saved\)", out).group(1)) > 30
+    assert int(re.search(r"shared prompts: ([\d,]+) prompt tokens", out).group(1).replace(",", "")) > 0

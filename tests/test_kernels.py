@@ -145,6 +145,39 @@ def _ref_dense(ids):
     ]
 
 
+def _branch_case(dtype: torch.dtype, length: int, rng: random.Random) -> tuple[Any, ...]:
+    """Documents of a prompt (branch 0) and responses (branches 1, 2, ...), padding -1 (signed dtypes)."""
+    docs, branches = [], []
+    for _ in range(ROWS):
+        doc_row, branch_row, doc, branch = [], [], -1, 0
+        for t in range(length):
+            if t == 0 or rng.random() < 0.1:
+                doc, branch = doc + 1, 0
+            elif rng.random() < 0.2:
+                branch += 1
+            doc_row.append(doc)
+            branch_row.append(branch)
+        pad = rng.randint(0, length) if length else 0
+        docs.append(doc_row[: length - pad] + [-1] * pad)
+        branches.append(branch_row[: length - pad] + [-1] * pad)
+    return torch.tensor(docs, dtype=dtype), torch.tensor(branches, dtype=dtype)
+
+
+def _ref_branch(docs, branches):
+    return [
+        [
+            [
+                [
+                    (d[q] == d[k] and d[q] >= 0 and k <= q and (b[k] == 0 or b[k] == b[q])) or q == k
+                    for k in range(len(d))
+                ]
+                for q in range(len(d))
+            ]
+        ]
+        for d, b in zip(docs.tolist(), branches.tolist(), strict=True)
+    ]
+
+
 def _ref_from_ids(ids):
     rows = ids.tolist()
     bounds = [[t for t in range(len(row)) if t == 0 or row[t] != row[t - 1]] + [len(row)] for row in rows]
@@ -253,6 +286,9 @@ CASES: dict[str, Case] = {
         lambda dtype, length, rng: _segment_case_ids(dtype, min(length, 40), rng), _ref_dense
     ),
     "cu_seqlens_from_segment_ids": Case(_segment_case_ids, _ref_from_ids),
+    "dense_branch_mask": Case(
+        lambda dtype, length, rng: _branch_case(dtype, min(length, 40), rng), _ref_branch, tuple(DTYPES[:4])
+    ),
 }
 
 

@@ -18,11 +18,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "zephon_collate"
 LEVELS = [
     {"keys", "_text"},
     {"records"},
-    {"_checks", "_read"},
+    {"_checks", "_read", "fields"},
     {"functional"},
     {"transforms"},
     {"collate", "types"},
-    {"packing", "parallel"},
+    {"packing", "parallel", "losses"},
     {"inspection"},
     {"demo", "__main__", "__init__"},
 ]

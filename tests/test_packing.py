@@ -140,7 +140,8 @@ def test_one_signature_for_the_packing_options() -> None:
         list(listed.parameters)[:2] == ["records", "seq_len"] and next(iter(streamed.parameters)) == "seq_len"
     )
     assert list(listed.parameters)[2:] == list(streamed.parameters)[1:] == [
-        "pad_token_id", "emit_positions", "tokens_field", "strategy", "overflow", "buffer_size", "fields"
+        "pad_token_id", "emit_positions", "tokens_field", "strategy", "overflow", "buffer_size", "fields",
+        "float_fields", "group_key",
     ]  # fmt: skip
     assert listed.parameters["overflow"].default == streamed.parameters["overflow"].default == "auto"
     assert (listed.parameters["buffer_size"].default, streamed.parameters["buffer_size"].default) == (
@@ -220,6 +221,9 @@ def test_payload_kinds_fields_and_names() -> None:
     assert list(rows[0].payload) == ["input_ids"] and ids(rows[0]) == [5, 6, 7, 8]
     tokens = [SampleRecord(meta, {"tokens": torch.tensor([5, 6]), "text": "ab", "weights": np.array([0.5, 1.0]),
                                   "positions": [7, 7], "scalar": 3, "pair": [[1, 2], [3, 4]]})]  # fmt: skip
+    with pytest.raises(ValueError, match="'positions' starts at 7; the packer keeps a document's segments"):
+        pack_flat(tokens, 3, pad_token_id=9)  # input positions are the document's segments: never dropped
+    tokens[0].payload["positions"] = [0, 1]
     (row,) = pack_flat(tokens, 3, pad_token_id=9)
     assert list(row.payload) == ["tokens", "weights", "positions"]
     assert row.payload["tokens"].tolist() == [5, 6, 9]
@@ -229,6 +233,7 @@ def test_payload_kinds_fields_and_names() -> None:
     mixed = [doc(0, 2, w=[1, 2], v=[1, 2]), doc(1, 3, w=[1, 2, 3], v=[1])]
     assert list(pack_flat(mixed, 5, pad_token_id=0)[0].payload) == ["input_ids", "w", "positions"]
     assert list(pack_flat(mixed, 5, pad_token_id=0, fields=())[0].payload) == ["input_ids", "positions"]
+    tokens[0].payload["positions"] = [7, 7]
     (row,) = pack_flat(tokens, 3, pad_token_id=9, emit_positions=False, fields=["positions"])
     assert row.payload["positions"].tolist() == [7, 7, 0]
 

@@ -30,6 +30,7 @@ from zephon_collate import (
     pack_flat,
     to_training,
 )
+from zephon_collate.collate import PreferenceCollator, PreferenceOptions, RolloutCollator, RolloutOptions
 from zephon_collate.collate.hf import TRANSFORMERS_COLLATOR_OPTIONS
 from zephon_collate.packing.reader import PackOptions
 
@@ -75,6 +76,20 @@ def test_for_transformers_signature_equals_its_options():
 
 
 @pytest.mark.parametrize(
+    ("collator", "options", "name"),
+    [
+        (PreferenceCollator, PreferenceOptions, "for_preference"),
+        (RolloutCollator, RolloutOptions, "for_rollouts"),
+    ],
+)
+def test_post_training_signatures_equal_their_options(collator, options, name):
+    collator_options = dict(fields(CollatorOptions))
+    expected = fields(options) + [(key, collator_options[key]) for key in TRANSFORMERS_COLLATOR_OPTIONS]
+    assert keywords(collator.__init__, 2) == expected
+    assert getattr(Collator, name) is collator
+
+
+@pytest.mark.parametrize(
     ("function", "skip", "overrides", "extra"),
     [
         (pack_flat, 1, {}, []),
@@ -101,6 +116,7 @@ hf = Collator.for_transformers(pad_token_id=0, pad_to_multiple=8)
 rows = pack_flat([], 8, pad_token_id=0, stratgy="greedy")
 packer = FlatPacker(8, pad_token_id=0, overflow="drop")
 batch = to_training([], return_labels=1.5)
+pairs = Collator.for_preference(padding_free=True, shared_promt=True)
 """
 
 
@@ -133,3 +149,4 @@ def test_the_type_checker_reports_misspelled_and_wrong_options(tmp_path):
     assert '"overflow"' in report and "drop" in report  # not one of the Literal choices
     assert '"return_labels"' in report  # a float where a bool belongs
     assert "user_code.py:4:" in report and "user_code.py:5:" in report
+    assert 'Unexpected keyword argument "shared_promt"' in report  # the presets' signatures too

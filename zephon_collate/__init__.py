@@ -18,6 +18,8 @@ layout, the worker transfer),
 from zephon_collate.collate import (
     Collator,
     CollatorOptions,
+    PreferenceCollator,
+    RolloutCollator,
     StackedBatch,
     TrainingOptions,
     TransformersCollator,
@@ -26,10 +28,19 @@ from zephon_collate.collate import (
     to_training,
     use_host_pass,
 )
+from zephon_collate.fields import FloatField
 from zephon_collate.functional import attention
 from zephon_collate.inspection.leakage import check_no_leakage
 from zephon_collate.inspection.render import render_batch, render_batch_png
 from zephon_collate.inspection.rows import batch_warnings
+from zephon_collate.losses import (
+    MODES,
+    aggregate_loss,
+    global_loss_count,
+    sequence_logprobs,
+    token_logprobs,
+    unpack,
+)
 from zephon_collate.packing.pack_flat import pack_flat
 from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.packing.stream import PackedStream
@@ -79,6 +90,7 @@ from zephon_collate import functional  # isort: skip (the module, after its name
 __version__ = "0.1.0"
 
 __all__ = [
+    "MODES",
     "AttentionMask",
     "BalanceOptions",
     "BalancePlan",
@@ -99,6 +111,7 @@ __all__ = [
     "EosMask",
     "EvenBatches",
     "FlatPacker",
+    "FloatField",
     "LaneId",
     "LeftPadding",
     "LineageIndex",
@@ -107,6 +120,8 @@ __all__ = [
     "PackedStream",
     "PaddingMask",
     "Positions",
+    "PreferenceCollator",
+    "RolloutCollator",
     "SampleBatch",
     "SampleCursor",
     "SampleMeta",
@@ -123,18 +138,23 @@ __all__ = [
     "TransformersOptions",
     "UnshiftedLabels",
     "__version__",
+    "aggregate_loss",
     "attention",
     "batch_warnings",
     "check_no_leakage",
     "functional",
     "gather_context_parallel",
+    "global_loss_count",
     "global_num_valid_tokens",
     "normalize_loss",
     "pack_flat",
     "plan_balance",
     "render_batch",
     "render_batch_png",
+    "sequence_logprobs",
     "stack_batch",
     "to_training",
+    "token_logprobs",
+    "unpack",
     "use_host_pass",
 ]

@@ -809,8 +809,14 @@ def check_fits(field: Ragged, dtype: torch.dtype, name: str, names: Names) -> No
         found = _bad_at(field, bad)
         if found is not None:
             row, flat = found
+            floats = (
+                "; float data (log-probs, advantages) keeps a float dtype of its own in "
+                f"Collator(float_fields=[{shown(name)}])"
+                if problem.startswith("non-integral")
+                else ""
+            )
             raise ValueError(
                 f"{names(row)}: field {shown(name)} holds {problem} (e.g. "
                 f"{shown(values.reshape(-1)[flat].item())} at {_token(field, flat, name)}), which {dtype} "
-                "cannot represent exactly; fix the data or pick a wider dtype"
+                f"cannot represent exactly; fix the data or pick a wider dtype{floats}"
             )

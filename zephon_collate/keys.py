@@ -10,10 +10,16 @@ __all__ = [
     "ASSISTANT_MASK",
     "ASSISTANT_MASKS",
     "ATTENTION_MASK",
+    "BRANCH_IDS",
+    "CHOSEN_ATTENTION_MASK",
+    "CHOSEN_IDS",
+    "CHOSEN_INDEX",
+    "CHOSEN_INPUT_IDS",
     "COMPLETION_MASK",
     "CU_SEQLENS",
     "CU_SEQ_LENS_K",
     "CU_SEQ_LENS_Q",
+    "DOCUMENT_IDS",
     "IDS",
     "IGNORE_INDEX",
     "INPUT_IDS",
@@ -21,17 +27,29 @@ __all__ = [
     "INT64_MAX",
     "INT64_MIN",
     "LABELS",
+    "LOGITS_INDEX",
     "LOSS_MASK",
     "MAX_LENGTH_K",
     "MAX_LENGTH_Q",
     "MAX_PAD_MULTIPLE",
     "MAX_SEQLEN",
+    "NUM_SEQUENCES",
     "NUM_VALID_TOKENS",
     "PADDING_LENGTH",
     "PADDING_MASK",
     "POSITIONS",
     "POSITION_IDS",
+    "PROMPT_ATTENTION_MASK",
+    "PROMPT_IDS",
+    "PROMPT_INPUT_IDS",
+    "REF_CHOSEN_LOGPS",
+    "REF_REJECTED_LOGPS",
+    "REJECTED_ATTENTION_MASK",
+    "REJECTED_IDS",
+    "REJECTED_INDEX",
+    "REJECTED_INPUT_IDS",
     "SEGMENT_IDS",
+    "SEQUENCE_INDEX",
     "SEQ_IDX",
     "SEQ_LENGTHS",
     "SUPERVISION_MASKS",
@@ -74,6 +92,35 @@ SEQ_IDX = "seq_idx"
 SEQ_LENGTHS = "seq_lengths"
 """The document lengths of a packed row, as TRL's ``pack_dataset`` writes them."""
 TOKEN_TYPE_IDS = "token_type_ids"
+
+# Post-training: preference pairs (TRL's names, both spellings) and the sequence map of a batch.
+PROMPT_INPUT_IDS, CHOSEN_INPUT_IDS, REJECTED_INPUT_IDS = (
+    "prompt_input_ids",
+    "chosen_input_ids",
+    "rejected_input_ids",
+)
+"""A tokenized preference pair, as TRL's preference datasets name it (TRL <= 0.28 and most recipes)."""
+PROMPT_IDS, CHOSEN_IDS, REJECTED_IDS = "prompt_ids", "chosen_ids", "rejected_ids"
+"""The same pair as TRL 1.x's ``DPOTrainer`` tokenizes it."""
+PROMPT_ATTENTION_MASK = "prompt_attention_mask"
+CHOSEN_ATTENTION_MASK = "chosen_attention_mask"
+REJECTED_ATTENTION_MASK = "rejected_attention_mask"
+"""Per-side padding masks (1 on tokens, 0 on padding), as pre-padded pair datasets carry them."""
+REF_CHOSEN_LOGPS, REF_REJECTED_LOGPS = "ref_chosen_logps", "ref_rejected_logps"
+"""Precomputed reference log-probs of each side, one number per pair (TRL's names)."""
+CHOSEN_INDEX, REJECTED_INDEX = "chosen_index", "rejected_index"
+"""``[num_pairs]`` int64: the sequence index of each pair's chosen and rejected side."""
+DOCUMENT_IDS = "document_ids"
+"""``[B, S]`` int32: the document a token belongs to (a sequence, or a shared prompt and its responses), -1 on
+padding."""
+BRANCH_IDS = "branch_ids"
+"""``[B, S]`` int32: 0 on a document's shared prompt, ``k >= 1`` on its ``k``-th response, -1 on padding."""
+LOGITS_INDEX = "logits_index"
+"""``[B, S]`` int64: where in its row is the position whose logits predict the token (-1: nowhere)."""
+SEQUENCE_INDEX = "sequence_index"
+"""``[B, S]`` int64: the sequence a token belongs to, -1 on padding and on a prompt sequences share."""
+NUM_SEQUENCES = "num_sequences"
+"""The number of sequences in a batch (an int, like ``max_length_q``)."""
 
 TOKEN_FIELD_CANDIDATES = (INPUT_IDS, "tokens", "token_ids", "ids")
 """The payload fields ``tokens_field="auto"`` tries, in order."""

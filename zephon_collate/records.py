@@ -21,6 +21,7 @@ __all__ = [
     "CONTRIBUTORS_TAG",
     "FLUSH_TAG",
     "PADDING_LENGTH_TAG",
+    "SEGMENTS_TAG",
     "TOMBSTONE_TAG",
     "ChunkId",
     "ChunkOffset",
@@ -63,6 +64,8 @@ CONTRIBUTORS_TAG = "_contributors"
 TOMBSTONE_TAG = "_tombstone"
 FLUSH_TAG = "_flush"
 PADDING_LENGTH_TAG = "_padding_length"
+SEGMENTS_TAG = "_segments"
+"""A packed row's segments, in order: where each came from (written by ``pack_flat``)."""
 
 _CursorKey: TypeAlias = tuple[int, int, tuple[int, ...], tuple[int, int, int]]
 

@@ -11,6 +11,9 @@ worker transfer.
 - :mod:`~zephon_collate.collate.collator`: the DataLoader ``collate_fn``, transforms of yours included.
 - :mod:`~zephon_collate.collate.hf`: ``Collator.for_transformers``, Hugging Face examples to a
   ``transformers`` batch, over the same machinery.
+- :mod:`~zephon_collate.collate.preference` and :mod:`~zephon_collate.collate.rollouts`:
+  ``Collator.for_preference`` and ``Collator.for_rollouts``, post-training batches over the
+  ``transformers`` layout (:mod:`~zephon_collate.collate._sequences`: sequences, shared prompts).
 - :mod:`~zephon_collate.collate.transfer`: what a worker sends, as one narrow buffer.
 """
 
@@ -18,12 +21,18 @@ from zephon_collate.collate._host import use_host_pass
 from zephon_collate.collate.collator import Collator, CollatorOptions
 from zephon_collate.collate.hf import TransformersCollator, TransformersOptions
 from zephon_collate.collate.options import TrainingOptions
+from zephon_collate.collate.preference import PreferenceCollator, PreferenceOptions
+from zephon_collate.collate.rollouts import RolloutCollator, RolloutOptions
 from zephon_collate.collate.sample_batch import SampleBatch, stack_batch, to_training
 from zephon_collate.collate.transfer import StackedBatch
 
 __all__ = [
     "Collator",
     "CollatorOptions",
+    "PreferenceCollator",
+    "PreferenceOptions",
+    "RolloutCollator",
+    "RolloutOptions",
     "SampleBatch",
     "StackedBatch",
     "TrainingOptions",

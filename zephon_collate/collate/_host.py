@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -152,9 +152,16 @@ def _aligned(mask: np.ndarray, like: np.ndarray) -> np.ndarray:
 
 
 def native(
-    options: TrainingOptions, boundary_safe: bool, num_boundaries: int | None, data: Mapping[str, np.ndarray]
+    options: TrainingOptions,
+    boundary_safe: bool,
+    num_boundaries: int | None,
+    data: Mapping[str, np.ndarray],
+    like_labels: Sequence[str] = (),
+    unshifted: Sequence[str] = (),
 ) -> dict[str, np.ndarray]:
     """The outputs of ``options.chain(...)`` over the stacked arrays ``data``; see the module doc.
+
+    ``like_labels`` and ``unshifted`` are the chain's (float fields cut ``[:, 1:]``, or not at all).
 
     The same keys as the chain's output mapping, the same values, dtypes and shapes.
     """
@@ -176,8 +183,11 @@ def native(
         if options.eos_mask_loss and options.eos_token_id is not None:
             # NumPy compares with an id beyond the dtype exactly (all False), as eos_label_mask does.
             drop = drop | _aligned(inputs == options.eos_token_id, drop)
+        kept = (INPUT_IDS, LOSS_MASK, PADDING_LENGTH, *unshifted)
         for key in out:
-            if key not in (INPUT_IDS, LOSS_MASK, PADDING_LENGTH):
+            if key in like_labels:
+                out[key] = out[key][:, 1:]
+            elif key not in kept:
                 out[key] = out[key][:, :-1]
         out[INPUT_IDS] = inputs
         labels = np.where(
@@ -240,7 +250,7 @@ def transformers(
             rows = tokens.shape[0]
             shift = (np.arange(length) - counts[:, None]) % max(length, 1)
             gather = (shift + (np.arange(rows, dtype=np.int64) * length)[:, None]).reshape(-1)
-            for key in (INPUT_IDS, POSITIONS, TOKEN_TYPE_IDS, ATTENTION_MASK, LABELS):
+            for key in (INPUT_IDS, POSITIONS, TOKEN_TYPE_IDS, *options.token_floats, ATTENTION_MASK, LABELS):
                 if key in out:
                     value = out[key]
                     out[key] = (

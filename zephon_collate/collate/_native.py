@@ -17,6 +17,7 @@ The stacked mapping (the chain's input), for ``B`` records of ``S`` tokens:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -56,6 +57,7 @@ from zephon_collate.collate._output import (
 from zephon_collate.collate._plan import Plan, Plans
 from zephon_collate.collate._stack import RowPadding, dense, stack_rows
 from zephon_collate.collate.options import TrainingOptions
+from zephon_collate.fields import FloatField, read_floats
 from zephon_collate.functional.segments import segment_starts
 from zephon_collate.keys import (
     ATTENTION_MASK,
@@ -266,6 +268,8 @@ class Native:
             else, when labels are made, warn once (``to_training``).
         num_boundaries: a static ``cu_seqlens`` width, or ``None``.
         check_padding: read and check ``meta.padding_length`` even when the options use no padding.
+        float_fields: float fields (the Collator's ``float_fields``), each in its own float dtype,
+            shifted with the labels as its alignment says (:mod:`zephon_collate.fields`).
     """
 
     options: TrainingOptions
@@ -274,6 +278,7 @@ class Native:
     refuse_unused: bool = False
     num_boundaries: int | None = None
     check_padding: bool = False
+    float_fields: tuple[FloatField, ...] = ()
     _plans: Plans = field(default_factory=Plans, init=False, repr=False, compare=False)
 
     def plan(self, keys: tuple[str, ...]) -> Plan:
@@ -285,11 +290,28 @@ class Native:
 
     def chain(self, keys: Sequence[str]) -> list[Transform]:
         """The built-in transforms for a stacked batch holding ``keys``."""
-        return self.options.chain(keys, boundary_safe=self.boundary_safe, num_boundaries=self.num_boundaries)
+        like_labels, unshifted = self._float_shifts
+        return self.options.chain(
+            keys,
+            boundary_safe=self.boundary_safe,
+            num_boundaries=self.num_boundaries,
+            like_labels=like_labels,
+            unshifted=unshifted,
+        )
 
     def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """:meth:`chain`'s output mapping computed by the fused host pass."""
-        return _host.native(self.options, self.boundary_safe, self.num_boundaries, data)
+        like_labels, unshifted = self._float_shifts
+        return _host.native(
+            self.options, self.boundary_safe, self.num_boundaries, data, like_labels, unshifted
+        )
+
+    @functools.cached_property
+    def _float_shifts(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The float fields a shift cuts like the labels, and those it leaves alone (one per sequence)."""
+        like_labels = tuple(spec.name for spec in self.float_fields if spec.shifted_like_labels)
+        unshifted = tuple(spec.name for spec in self.float_fields if not spec.per_token)
+        return like_labels, unshifted
 
     def names(self, keys: Sequence[str]) -> list[tuple[str, str]]:
         """``(key, output name)`` of each output, from the chain's final ``keys``."""
@@ -302,7 +324,7 @@ class Native:
         the built-in one of the options.
         """
         options = self.options
-        keys = [INPUT_IDS, PADDING_LENGTH, *options.extra_fields]
+        keys = [INPUT_IDS, PADDING_LENGTH, *options.extra_fields, *(spec.name for spec in self.float_fields)]
         if options.return_cu_seqlens and POSITIONS not in keys:
             keys.append(POSITIONS)  # CuSeqlens reads them; emitted only as empty_outputs says
         steps = Chain(*self.chain(keys)) if chain is None else chain(keys)
@@ -393,6 +415,13 @@ class Native:
                 per_record[name] = rows
         self._check_unused(payloads, tokens, per_token, per_record, names)
         self._check_values(per_token, names)
+        for spec in self.float_fields:  # checked by read_floats: finite, one value per token or sequence
+            rows = read_field(payloads, spec.name, tokens_field, "values", names, required=True) or []
+            floats = read_floats(rows, lengths, spec, names)
+            if isinstance(floats, Ragged):
+                per_token[spec.name] = floats
+            else:
+                per_record[spec.name] = list(floats)
         padding_length = (
             read_padding_lengths(records, lengths, names)
             if options.needs_padding_lengths or self.check_padding
@@ -520,7 +549,12 @@ class Native:
         data: dict[str, torch.Tensor] = {}
         if options.position_mode == "sequence":  # 0 .. count - 1 in every row, after the shift
             _check_position_count(width - 1 if options.return_labels else width, dtype, "numbered")
+        floats = {spec.name: spec for spec in self.float_fields}
         for name, values in per_token.items():
+            spec = floats.get(name)
+            if spec is not None:  # a float field: its own dtype, 0.0 on padding
+                data[name] = as_tensor(dense(values, width, 0.0)).to(spec.dtype)
+                continue
             keep = name == LOSS_MASK and options.return_labels  # the supervision keeps its own dtype
             cast = values if keep else values.cast(dtype)
             if name == POSITIONS and self.padding is not None:
@@ -529,6 +563,9 @@ class Native:
             data[name] = as_tensor(dense(cast, width, fill, restart=name == POSITIONS))
         for name, rows in per_record.items():
             stacked = stack_rows(rows, name, names)
+            if name in floats:
+                data[name] = stacked.to(floats[name].dtype)
+                continue
             check_fits(Ragged(stacked.reshape(-1), _flat_offsets(stacked)), dtype, name, names)
             data[name] = stacked.to(dtype)
         counts = torch.from_numpy(padding_length)

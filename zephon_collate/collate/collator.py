@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 import torch
 from tensordict import TensorDict
@@ -35,11 +35,23 @@ from zephon_collate.collate._plan import CollateLayout, Plan, Plans
 from zephon_collate.collate._stack import RowPadding
 from zephon_collate.collate.options import TrainingOptions, options_for
 from zephon_collate.collate.transfer import StackedBatch, WireOutputs
-from zephon_collate.keys import IGNORE_INDEX
+from zephon_collate.fields import FloatField, check_float_fields
+from zephon_collate.keys import (
+    IGNORE_INDEX,
+    INPUT_IDS,
+    LABELS,
+    LOSS_MASK,
+    PADDING_LENGTH,
+    PADDING_MASK,
+    POSITION_IDS,
+    POSITIONS,
+)
 from zephon_collate.transforms import Chain, Transform
 
 if TYPE_CHECKING:
     from zephon_collate.collate.hf import TransformersCollator
+    from zephon_collate.collate.preference import PreferenceCollator
+    from zephon_collate.collate.rollouts import RolloutCollator
 
 __all__ = ["COLLATOR_OPTION_NAMES", "Collator", "CollatorOptions"]
 
@@ -81,6 +93,7 @@ class CollatorOptions:
     pad_token_id: int | None = None
     pad_to_multiple_of: int | None = None
     boundary_safe_labels: bool = True
+    float_fields: Sequence[str | FloatField] = ()
     transforms: Sequence[Transform] = ()
     chain: Sequence[Transform] | None = None
 
@@ -90,6 +103,7 @@ class CollatorOptions:
         for name in ("compile", "python_scalars", "boundary_safe_labels"):
             put(self, name, check_bool(name, getattr(self, name), owner="Collator"))
         put(self, "num_boundaries", check_num_boundaries("Collator", self.num_boundaries))
+        put(self, "float_fields", check_float_fields("Collator", self.float_fields))
         put(self, "transforms", _check_transforms("transforms", self.transforms))
         if self.chain is not None:
             put(self, "chain", _check_transforms("chain", self.chain))
@@ -102,6 +116,9 @@ class CollatorOptions:
 
 COLLATOR_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(CollatorOptions))
 """The :class:`Collator`'s own keyword arguments, after ``to_training``'s, in its signature's order."""
+
+_WRITTEN = (INPUT_IDS, LABELS, POSITIONS, POSITION_IDS, LOSS_MASK, PADDING_LENGTH, PADDING_MASK)
+"""Names a float field may not take: fields the collate path reads or writes itself."""
 
 _CHAIN_OPTIONS = (
     "return_labels",
@@ -152,6 +169,14 @@ class Collator:
             their defaults); they run on the stacked batch (``input_ids``,
             ``positions``, ``loss_mask`` and extra fields when read,
             ``padding_length``).
+        float_fields: float payload fields (log-probs, advantages, rewards): names, or
+            :class:`~zephon_collate.fields.FloatField` specs. Each keeps its own float
+            dtype (float32 by default, whatever ``dtype`` is), is 0.0 on padding, and is
+            shifted with the labels as its alignment says: a token-aligned field (value
+            ``t`` belongs to token ``t``, the default) is cut ``[:, 1:]`` with
+            ``return_labels``, so ``out[name][:, j]`` belongs to ``labels[:, j]``
+            (:mod:`zephon_collate.fields`). ``to_training`` has no such option: its
+            extra fields follow ``dtype``, as the reference page says.
 
     Raises:
         TypeError, ValueError: for bad options, as ``to_training`` raises them;
@@ -193,6 +218,7 @@ class Collator:
         pad_token_id: int | None = None,
         pad_to_multiple_of: int | None = None,
         boundary_safe_labels: bool = True,
+        float_fields: Sequence[str | FloatField] = (),
         transforms: Sequence[Transform] = (),
         chain: Sequence[Transform] | None = None,
     ) -> None:
@@ -200,6 +226,9 @@ class Collator:
         self.options = options_for(TrainingOptions.arguments(scope))
         self.settings = CollatorOptions(**CollatorOptions.arguments(scope))
         settings = self.settings
+        specs = cast(tuple[FloatField, ...], settings.float_fields)  # normalised by CollatorOptions
+        reserved = (*self.options.generated_keys(), *self.options.extra_fields, *_WRITTEN)
+        check_float_fields("Collator", specs, reserved)
         if chain is not None:
             defaults = TrainingOptions()
             given = [
@@ -229,6 +258,7 @@ class Collator:
             refuse_unused=True,
             num_boundaries=settings.num_boundaries,
             check_padding=chain is not None,  # a chain of yours may read padding_length
+            float_fields=specs,
         )
         self._plans = Plans()
 
@@ -261,6 +291,14 @@ class Collator:
     """``Collator.for_transformers(...)`` is :class:`~zephon_collate.TransformersCollator`: the
     ``collate_fn`` for Hugging Face ``transformers`` models and ``Trainer(data_collator=...)``,
     over the same reader, chain, stack/finish, device and compile (set by :mod:`.hf`)."""
+
+    for_preference: ClassVar[type[PreferenceCollator]]
+    """``Collator.for_preference(...)`` is :class:`~zephon_collate.collate.preference.PreferenceCollator`:
+    preference pairs to one exact batch of chosen and rejected sequences (set by :mod:`.preference`)."""
+
+    for_rollouts: ClassVar[type[RolloutCollator]]
+    """``Collator.for_rollouts(...)`` is :class:`~zephon_collate.collate.rollouts.RolloutCollator`: RL
+    rollouts (prompt + completion, float fields) to one exact batch (set by :mod:`.rollouts`)."""
 
     def __repr__(self) -> str:
         return f"Collator(options={self.options}, settings={self.settings}, padding={self.padding})"
@@ -341,8 +379,9 @@ class Collator:
         batch = self.layout.stack(samples)
         if batch is None:
             return StackedBatch(None, ids_and_texts(()))
-        rows = next(iter(batch.data.values())).shape[0]
-        td = TensorDict(batch.data, batch_size=[rows], device=batch.data["input_ids"].device)
+        rows = {value.shape[0] if value.dim() else -1 for value in batch.data.values()}
+        size = list(rows) if len(rows) == 1 and -1 not in rows else []  # [] when some hold one entry per row
+        td = TensorDict(batch.data, batch_size=size, device=batch.data["input_ids"].device)
         return StackedBatch(td, batch.per_record, batch.metas)
 
     def finish(self, stacked: StackedBatch) -> dict[str, Any]:

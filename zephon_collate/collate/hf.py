@@ -44,6 +44,10 @@ is supervised; every one given is applied (a token is supervised where all agree
 - ``seq_lengths`` (TRL's packed rows) or segment-restarting ``position_ids``:
   several documents in one example, kept apart (padding-free only).
 - ``token_type_ids``: padded with 0 and passed on.
+- the ``float_fields`` named (log-probs, advantages, rewards): each in its own
+  float dtype, 0.0 on padding, placed with the unshifted labels as its
+  alignment says (:mod:`zephon_collate.fields`); one value per sequence gives a
+  ``[B]`` output (or is broadcast to the tokens).
 
 Any other field (text columns) is not read. A per-example ``label`` (sequence
 classification), ``decoder_input_ids`` or labels of another length (encoder-decoder
@@ -81,6 +85,7 @@ from zephon_collate.collate._output import convert
 from zephon_collate.collate._plan import Plan, Plans
 from zephon_collate.collate._stack import RowPadding, dense
 from zephon_collate.collate.collator import Collator, CollatorOptions
+from zephon_collate.fields import FloatField, check_float_fields, read_floats, to_label_positions
 from zephon_collate.functional.segments import segment_starts
 from zephon_collate.keys import (
     ATTENTION_MASK,
@@ -144,8 +149,14 @@ def _names(index: int) -> str:
     return f"example {index}"
 
 
-def as_examples(features: object) -> list[Mapping[str, Any]]:
+def as_examples(
+    features: object, extra: Sequence[str] = (), *, key: str = INPUT_IDS, owner: str = _OWNER
+) -> list[Mapping[str, Any]]:
     """Per-example dicts from a list of them, or from a batched dict of lists (``dataset[:8]``).
+
+    A batched dict keeps the fields this collator reads, and those named in
+    ``extra``; ``key`` is the field every batch has (its rows tell the batch
+    size), ``owner`` the collator that errors name.
 
     Raises:
         TypeError: for anything else, naming what was given.
@@ -153,31 +164,32 @@ def as_examples(features: object) -> list[Mapping[str, Any]]:
             batched field without one entry per example.
     """
     if isinstance(features, Mapping):
-        if INPUT_IDS not in features:
+        if key not in features:
             raise ValueError(
-                f"{_OWNER}: the batch has no 'input_ids' (its fields: {shown_fields(features)}); "
+                f"{owner}: the batch has no {shown(key)} (its fields: {shown_fields(features)}); "
                 "tokenize the examples first"
             )
-        ids = features[INPUT_IDS]
+        ids = features[key]
         if not hasattr(ids, "__len__") or isinstance(ids, (str, bytes)):
-            raise TypeError(f"{_OWNER}: 'input_ids' must be a list of token rows, got {type(ids).__name__}")
+            raise TypeError(f"{owner}: {shown(key)} must be a list of token rows, got {type(ids).__name__}")
         if len(ids) and getattr(ids[0], "ndim", 0 if isinstance(ids[0], (int, np.integer)) else 1) == 0:
             raise ValueError(
-                f"{_OWNER}: got one example (a dict whose 'input_ids' is a row of ints), not a batch; "
+                f"{owner}: got one example (a dict whose {shown(key)} is a row of ints), not a batch; "
                 "pass a list of examples ([example]) or a batched dict of lists"
             )
         count = len(ids)
-        fields = [name for name in (*_READ_FIELDS, "label", "decoder_input_ids") if name in features]
+        known = (*_READ_FIELDS, "label", "decoder_input_ids", *extra)
+        fields = [name for name in dict.fromkeys((key, *known)) if name in features]
         for name in fields:
             if not hasattr(features[name], "__len__") or len(features[name]) != count:
                 raise ValueError(
-                    f"{_OWNER}: the batched field {shown(name)} does not hold one entry per example "
-                    f"('input_ids' holds {count}); give every field as a list with one row per example"
+                    f"{owner}: the batched field {shown(name)} does not hold one entry per example "
+                    f"({shown(key)} holds {count}); give every field as a list with one row per example"
                 )
         return [{name: features[name][index] for name in fields} for index in range(count)]
     if isinstance(features, (str, bytes)) or not isinstance(features, Sequence):
         raise TypeError(
-            f"{_OWNER}: expected a list of example dicts or a batched dict of lists, got "
+            f"{owner}: expected a list of example dicts or a batched dict of lists, got "
             f"{type(features).__name__}"
         )
     examples = list(features)
@@ -302,6 +314,7 @@ class TransformersOptions:
     separator_id: int | None = None
     position_ids_start: int = 0
     supervision: str | None = None
+    float_fields: Sequence[str | FloatField] = ()
     _row_padding: RowPadding | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -349,6 +362,8 @@ class TransformersOptions:
                 f"{_OWNER}: supervision must name a field that says what is trained, one of "
                 f"{_SUPERVISION_FIELDS}, got {shown(self.supervision)}"
             )
+        reserved = (*_READ_FIELDS, "label", LABELS, POSITIONS, PADDING_LENGTH, CU_SEQ_LENS_Q, CU_SEQ_LENS_K)
+        put(self, "float_fields", check_float_fields(_OWNER, self.float_fields, (*reserved, SEQ_IDX)))
         self._check_combinations()
         length = self.max_length if self.padding == "max_length" else None
         padding = None
@@ -406,6 +421,16 @@ class TransformersOptions:
         if self.return_position_ids is None:
             return self.padding_free
         return self.return_position_ids
+
+    @property
+    def floats(self) -> tuple[FloatField, ...]:
+        """The float fields, as specs (checked in ``__post_init__``)."""
+        return cast(tuple[FloatField, ...], self.float_fields)
+
+    @property
+    def token_floats(self) -> tuple[str, ...]:
+        """The float fields that hold one value per token."""
+        return tuple(spec.name for spec in self.floats if spec.per_token) if self.float_fields else ()
 
     @property
     def row_padding(self) -> RowPadding | None:
@@ -516,7 +541,9 @@ class Transformers:
             TypeError, ValueError: for a bad example, naming it, the field and the fix.
         """
         options = self.options
-        examples = as_examples(features)
+        examples = as_examples(
+            features, [spec.name for spec in options.floats] if options.float_fields else ()
+        )
         if not examples:
             raise ValueError(f"{_OWNER}: the batch holds no examples")
         examples = _none_labels_dropped(examples)
@@ -545,14 +572,30 @@ class Transformers:
             if SEQ_LENGTHS in present
             else None
         )
-        return [self._interpret(fields, segment_rows)]
+        per_sequence: dict[str, list[np.ndarray]] = {}
+        for spec in options.floats:
+            rows = read_field(examples, spec.name, INPUT_IDS, "values", _names, required=True) or []
+            floats = read_floats(rows, lengths, spec, _names)
+            if isinstance(floats, Ragged):
+                fields[spec.name] = floats
+            else:
+                per_sequence[spec.name] = floats
+        return [self._interpret(fields, segment_rows, per_sequence)]
 
-    def _interpret(self, fields: dict[str, Ragged], segment_rows: list[Any] | None) -> Stacked:
+    def _interpret(
+        self,
+        fields: dict[str, Ragged],
+        segment_rows: list[Any] | None,
+        per_sequence: Mapping[str, list[np.ndarray]] | None = None,
+    ) -> Stacked:
         """The read fields to the chain's input: supervision, padding dropped, truncation, layout."""
         options = self.options
         per_token: dict[str, Ragged] = {INPUT_IDS: fields[INPUT_IDS], LOSS_MASK: self._supervision(fields)}
         if TOKEN_TYPE_IDS in fields:
             per_token[TOKEN_TYPE_IDS] = fields[TOKEN_TYPE_IDS]
+        if options.float_fields:
+            for name in options.token_floats:
+                per_token[name] = fields[name]
         positions = self._positions(fields, segment_rows)
         if positions is not None:
             per_token[POSITIONS] = positions
@@ -568,7 +611,20 @@ class Transformers:
             self._check_one_document(per_token[POSITIONS])
         if POSITIONS not in per_token and (options.padding_free or options.positions_out):
             per_token[POSITIONS] = _restarting(per_token[INPUT_IDS].offsets)
-        return self._flat(per_token) if options.padding_free else self._padded(per_token)
+        labelled = (
+            [spec.name for spec in options.floats if spec.align == "label"] if options.float_fields else []
+        )
+        if labelled:  # moved to the token each prediction is scored against
+            starts = _sequence_starts(per_token)
+            for name in labelled:
+                per_token[name] = to_label_positions(per_token[name], starts)
+        stacked = self._flat(per_token) if options.padding_free else self._padded(per_token)
+        if options.float_fields:
+            for spec in options.floats:
+                if not spec.per_token:
+                    stacked.data[spec.name] = torch.from_numpy(np.stack((per_sequence or {})[spec.name]))
+                stacked.data[spec.name] = stacked.data[spec.name].to(spec.dtype)
+        return stacked
 
     def _supervision(self, fields: Mapping[str, Ragged]) -> Ragged:
         """The boolean ``[N]`` supervision: where ``labels`` are not -100 and every mask field is 1."""
@@ -794,10 +850,8 @@ class Transformers:
                 transforms.append(SegmentIds(flatten=True))
             return transforms
         if self.padding_side == "left":
-            moved = [k for k in (INPUT_IDS, POSITIONS, TOKEN_TYPE_IDS) if k in keys] + [
-                ATTENTION_MASK,
-                LABELS,
-            ]
+            moved = [k for k in (INPUT_IDS, POSITIONS, TOKEN_TYPE_IDS, *options.token_floats) if k in keys]
+            moved += [ATTENTION_MASK, LABELS]
             transforms.append(LeftPadding(moved))
         return transforms
 
@@ -852,7 +906,10 @@ class Transformers:
         return out
 
     def empty(self, chain: Callable[[list[str]], Chain] | None = None) -> dict[str, Any]:
-        raise ValueError(f"{_OWNER}: the batch holds no examples")
+        """An empty batch is refused, as the collators this layout stands in for refuse it: by
+        :meth:`read` (each preset with its own words)."""
+        self.read([])
+        raise AssertionError("unreachable: read refuses an empty batch")  # pragma: no cover
 
     def stack(self, samples: object) -> Stacked:
         """:meth:`read` for ``Collator.stack``: one batch, its static boundaries checked."""
@@ -866,6 +923,16 @@ class Transformers:
         batch = self.read(samples)[0]
         chosen: Plan = plan(tuple(batch.data))
         return self.assemble(batch.per_record, chosen.run(batch.data), chosen.pairs, python_scalars)
+
+
+def _sequence_starts(per_token: Mapping[str, Ragged]) -> np.ndarray:
+    """``[N]`` booleans: each example's first token, and each packed document's (``positions == 0``)."""
+    tokens = per_token[INPUT_IDS]
+    starts = np.zeros(tokens.values.shape[0], dtype=bool)
+    starts[tokens.offsets[:-1][tokens.lengths > 0]] = True
+    if POSITIONS in per_token:
+        starts |= np.asarray(per_token[POSITIONS].values) == 0
+    return starts
 
 
 def _restarting(offsets: np.ndarray) -> Ragged:
@@ -961,6 +1028,9 @@ class TransformersCollator(Collator):
             ``"loss_mask"``, ``"assistant_masks"``, ...), or ``None``; an example
             without it is refused, naming ``remove_unused_columns=False``
             (``Trainer`` drops dataset columns its model's ``forward`` does not name).
+        float_fields: float example fields (names or :class:`~zephon_collate.fields.FloatField`
+            specs): per token ``[B, L]`` (padding-free ``[1, N]``) beside the labels, 0.0 on
+            padding, in their own dtype (float32 by default); one value per sequence ``[B]``.
         device, compile, num_boundaries, python_scalars, transforms, chain: as for
             :class:`Collator` (``python_scalars=False`` keeps ``max_length_q/k`` as tensors).
 
@@ -1013,6 +1083,7 @@ class TransformersCollator(Collator):
         separator_id: int | None = None,
         position_ids_start: int = 0,
         supervision: str | None = None,
+        float_fields: Sequence[str | FloatField] = (),
         device: str | torch.device | None = None,
         compile: bool = False,
         num_boundaries: int | None = None,

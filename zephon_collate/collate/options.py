@@ -186,7 +186,13 @@ class TrainingOptions:
         return (IDS, TEXTS, INPUT_IDS, *Chain(*self.chain(keys)).created_keys())
 
     def chain(
-        self, keys: Sequence[str], *, boundary_safe: bool = False, num_boundaries: int | None = None
+        self,
+        keys: Sequence[str],
+        *,
+        boundary_safe: bool = False,
+        num_boundaries: int | None = None,
+        like_labels: Sequence[str] = (),
+        unshifted: Sequence[str] = (),
     ) -> list[Transform]:
         """The transforms these options run on a stacked batch holding ``keys``, in order.
 
@@ -195,7 +201,11 @@ class TrainingOptions:
         Collator's ``boundary_safe_labels``) adds ``BoundaryMask`` when there are
         labels and positions; ``num_boundaries`` gives ``CuSeqlens`` a static
         shape. ``Positions("sequence")`` comes after ``CuSeqlens`` because it
-        overwrites the payload positions that ``CuSeqlens`` reads.
+        overwrites the payload positions that ``CuSeqlens`` reads. ``TokenShift``
+        cuts every per-token field like the inputs (``[:, :-1]``), except the
+        ``loss_mask`` and the keys of ``like_labels`` (token-aligned float fields),
+        which it cuts like the labels (``[:, 1:]``), and the keys of ``unshifted``
+        (one value per record), which it leaves alone.
 
         Example:
             >>> options = TrainingOptions(return_labels=True, return_padding_mask=True)
@@ -210,9 +220,12 @@ class TrainingOptions:
             transforms.append(BoundaryMask())
         has_loss_mask = LOSS_MASK in keys or boundary
         if self.return_labels:
-            aligned = [k for k in keys if k not in (INPUT_IDS, LOSS_MASK, PADDING_LENGTH)]
+            skipped = (INPUT_IDS, LOSS_MASK, PADDING_LENGTH, *like_labels, *unshifted)
+            aligned = [k for k in keys if k not in skipped]
             aligned += [PADDING_MASK] if self.return_padding_mask else []
-            transforms.append(TokenShift(input_keys=aligned, label_keys=[LOSS_MASK] if has_loss_mask else []))
+            shifted = [LOSS_MASK] if has_loss_mask else []
+            shifted += [k for k in like_labels if k in keys]
+            transforms.append(TokenShift(input_keys=aligned, label_keys=shifted))
             if self.eos_mask_loss:
                 assert self.eos_token_id is not None  # _check_combinations requires it
                 transforms.append(EosMask(self.eos_token_id, self.ignore_index))

@@ -12,6 +12,11 @@ restarting at 0), and never from token values:
 - a FlexAttention ``mask_mod`` (:func:`document_mask_mod`) and its
   ``BlockMask`` (:func:`document_block_mask`);
 - a dense boolean ``[B, 1, S, S]`` mask for SDPA (:func:`dense_document_mask`);
+- for shared prompts (a prompt computed once, several responses after it), the
+  same three from document ids and *branch* ids (:func:`branch_mask_mod`,
+  :func:`branch_block_mask`, :func:`dense_branch_mask`): branch 0 is a
+  document's shared prompt, branch ``k >= 1`` its ``k``-th response, which
+  attends to the prompt and to itself, never to a sibling;
 - ``cu_seqlens`` for varlen kernels come from
   :func:`zephon_collate.functional.cu_seqlens_rows` /
   :func:`~zephon_collate.functional.cu_seqlens_flat` (the :class:`CuSeqlens`
@@ -56,8 +61,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PADDING_SEGMENT",
+    "branch_block_mask",
+    "branch_mask_mod",
     "check_consistent",
     "cu_seqlens_from_segment_ids",
+    "dense_branch_mask",
     "dense_document_mask",
     "document_block_mask",
     "document_mask_mod",
@@ -166,6 +174,89 @@ def dense_document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     query = ids.unsqueeze(2)
     same_document = (query == ids.unsqueeze(1)) & (query >= 0) & causal
     return (same_document | diagonal).unsqueeze(1)
+
+
+def branch_mask_mod(document_ids: torch.Tensor, branch_ids: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """A FlexAttention ``mask_mod`` for shared prompts: causal in a document, a branch never sees a sibling.
+
+    ``document_ids`` and ``branch_ids`` are ``[B, S]`` (or ``[N]`` for a ``[1, N]``
+    layout), as ``Collator.for_preference`` / ``for_rollouts`` write them. Query
+    ``q`` attends key ``k`` when both lie in the same real document, ``k <= q``,
+    and ``k`` is on the shared prompt (branch 0) or on ``q``'s own branch.
+    Padding (document -1) attends to itself only. With one branch per
+    document (every branch id 1) this is :func:`document_mask_mod`.
+
+    Example:
+        >>> docs, branches = torch.tensor([[0, 0, 0, 0, 0]]), torch.tensor([[0, 0, 1, 1, 2]])
+        >>> mod = branch_mask_mod(docs, branches)
+        >>> at = lambda q, k: bool(mod(torch.tensor(0), torch.tensor(0), torch.tensor(q), torch.tensor(k)))
+        >>> at(4, 1), at(4, 3), at(3, 2)  # branch 2 sees the prompt, not branch 1
+        (True, False, True)
+    """
+    docs, branches = _as_rows(document_ids), _as_rows(branch_ids)
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        q_doc, k_branch = docs[b, q_idx], branches[b, kv_idx]
+        visible = (k_branch == 0) | (k_branch == branches[b, q_idx])
+        same = (q_doc == docs[b, kv_idx]) & (q_doc >= 0) & (kv_idx <= q_idx) & visible
+        return same | (q_idx == kv_idx)
+
+    return mask_mod
+
+
+def branch_block_mask(
+    document_ids: torch.Tensor,
+    branch_ids: torch.Tensor,
+    *,
+    block_size: int | tuple[int, int] = 128,
+    compile: bool = False,
+) -> BlockMask:
+    """The FlexAttention ``BlockMask`` of :func:`branch_mask_mod`, on the device of the ids.
+
+    ``[B, S]`` ids give a mask of shape ``(B, 1, S, S)``, ``[N]`` ids ``(1, 1, N, N)``;
+    ``block_size`` and ``compile`` as for :func:`document_block_mask`.
+
+    Example:
+        >>> mask = branch_block_mask(torch.tensor([[0, 0, 0, 0]]), torch.tensor([[0, 1, 2, 2]]), block_size=2)
+        >>> mask.shape
+        (1, 1, 4, 4)
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    docs = _as_rows(document_ids)
+    rows, length = docs.shape
+    return create_block_mask(
+        branch_mask_mod(docs, _as_rows(branch_ids)),
+        rows,
+        None,
+        length,
+        length,
+        device=docs.device,
+        BLOCK_SIZE=block_size,
+        _compile=compile,
+    )
+
+
+@kernel
+def dense_branch_mask(document_ids: torch.Tensor, branch_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[B, 1, S, S]`` mask (True: may attend) of :func:`branch_mask_mod`, for SDPA.
+
+    A ``transformers`` model with ``attn_implementation="sdpa"`` takes it as its
+    ``attention_mask`` (a 4-D mask is used as given). ``[N]`` ids give ``[1, 1, N, N]``.
+
+    Example:
+        >>> dense_branch_mask(torch.tensor([[0, 0, 0, 0]]), torch.tensor([[0, 1, 2, 2]]))[0, 0].int().tolist()
+        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]
+    """
+    docs, branches = _as_rows(document_ids), _as_rows(branch_ids)
+    index = torch.arange(docs.shape[1], device=docs.device)
+    causal = index.unsqueeze(1) >= index.unsqueeze(0)
+    diagonal = index.unsqueeze(1) == index.unsqueeze(0)
+    query = docs.unsqueeze(2)
+    key_branch = branches.unsqueeze(1)
+    visible = (key_branch == 0) | (key_branch == branches.unsqueeze(2))
+    same = (query == docs.unsqueeze(1)) & (query >= 0) & causal & visible
+    return (same | diagonal).unsqueeze(1)
 
 
 def _starts_as_positions(segment_ids: torch.Tensor) -> torch.Tensor:

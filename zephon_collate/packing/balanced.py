@@ -68,7 +68,11 @@ class BalancedSteps:
         self.schedule = balance.schedule(self.ranks)
         fields = None if options.fields is None else tuple(options.fields)
         self.reader = Reader(
-            None if options.tokens_field == "auto" else options.tokens_field, fields, strict=fields is None
+            None if options.tokens_field == "auto" else options.tokens_field,
+            fields,
+            strict=fields is None,
+            floats=options.floats,
+            segments=options.emit_positions,
         )
         self.pieces: dict[int, Piece] = {}
         self.consumed = self.next_key = self.steps = 0
@@ -154,12 +158,12 @@ class BalancedSteps:
         if record.meta.is_sentinel:
             return []  # a flush means nothing here: every window is planned whole
         document = self.reader.read(record, index)
-        return [] if document is None else split_document(record, index, *document, self.options)
+        return [] if document is None else split_document(record, index, document, self.options)
 
     def _build(self, plan: BalancePlan) -> _Step:
         """This rank's micro-batches of ``plan``: fixed rows as planned, or one padding-free row each."""
         tokens_name = self.reader.tokens_name or INPUT_IDS
-        fields = self.reader.fields or ()
+        fields = self.reader.packed
         if plan.rows is not None:
             return [
                 [
@@ -203,10 +207,9 @@ def check_balance_state(state: Any, options: PackOptions, ranks: int | None) -> 
     waiting = state["waiting"]
     if not isinstance(waiting, list):
         raise corrupt("state['balance']['waiting']", "must be a list of pieces", _OWNER)
+    packed = (*(checked["fields"] or ()), *(spec.name for spec in options.floats))
     checked["pieces"] = [
-        piece_from_state(
-            restored(piece), f"state['balance']['waiting'][{i}]", options.seq_len, checked["fields"] or ()
-        )
+        piece_from_state(restored(piece), f"state['balance']['waiting'][{i}]", options.seq_len, packed)
         for i, piece in enumerate(waiting)
     ]
     return checked

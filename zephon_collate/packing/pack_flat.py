@@ -26,6 +26,7 @@ from zephon_collate._read import (
 )
 from zephon_collate._text import shown
 from zephon_collate.collate.sample_batch import SampleBatch
+from zephon_collate.fields import FloatField
 from zephon_collate.keys import INT64_MAX, LOSS_MASK
 from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.packing.reader import REQUIRED, PackOptions, as_array, candidate_fields
@@ -34,7 +35,9 @@ from zephon_collate.records import SampleRecord
 __all__ = ["pack_flat"]
 
 
-def _shared_fields(records: Sequence[SampleRecord], tokens_name: str) -> tuple[str, ...]:
+def _shared_fields(
+    records: Sequence[SampleRecord], tokens_name: str, skipped: Sequence[str]
+) -> tuple[str, ...]:
     """The per-token fields every document with tokens shares; ``loss_mask`` in only some: ``ValueError``."""
     shared: list[str] | None = None
     with_mask: int | None = None
@@ -45,7 +48,7 @@ def _shared_fields(records: Sequence[SampleRecord], tokens_name: str) -> tuple[s
             continue
         if isinstance(payload, Mapping) and tokens_name in payload:
             length = as_array(payload[tokens_name], where, tokens_name, ids=True).size
-            found = candidate_fields(payload, tokens_name, length, where) if length else []
+            found = candidate_fields(payload, tokens_name, length, where, skipped) if length else []
         elif is_array_payload(payload):
             length, found = as_array(payload, where, tokens_name, ids=True).size, []
         else:
@@ -78,6 +81,8 @@ def pack_flat(
     overflow: Literal["auto", "split", "truncate"] = "auto",
     buffer_size: int | None = None,
     fields: Sequence[str] | None = None,
+    float_fields: Sequence[str | FloatField] = (),
+    group_key: str | None = None,
 ) -> list[SampleRecord]:
     """Pack tokenized records into flat rows of exactly ``seq_len`` tokens.
 
@@ -89,8 +94,28 @@ def pack_flat(
     restarting at 0 on every segment. The trailing padding (``pad_token_id``,
     0 in other fields) is a segment of its own, so its positions restart too;
     ``meta.padding_length`` (the ``"_padding_length"`` tag) is its length, 0
-    when the row is full. Input ``positions`` are never packed unless listed
-    in ``fields`` with ``emit_positions=False``.
+    when the row is full. A record's own ``positions`` are its segment
+    structure, kept (with ``emit_positions``): a record holding a chosen and a
+    rejected sequence, whose positions restart at 0 between them, stays two
+    segments (positions must then start at 0 and give one per token); with
+    ``emit_positions=False`` they are packed as data only when listed in
+    ``fields``. ``float_fields`` (:mod:`zephon_collate.fields`) are packed in
+    their float dtype (float32 by default; bfloat16 is held as float32, which
+    NumPy can hold), a per-document value broadcast to its tokens when declared
+    ``FloatField(name, align="sequence", broadcast=True)``.
+
+    Groups: with ``group_key``, consecutive records with the same value of that
+    payload field (an int or a str: a preference pair, the completions of one
+    prompt) form a group that no strategy separates: its records go into one
+    row, in order (chosen before rejected, as given). A group longer than
+    ``seq_len`` raises by default (``overflow="auto"``); ``"truncate"`` cuts
+    each record to its head, the longest first and to equal length, until the
+    group fits; ``"split"`` lays it over consecutive rows, each record whole
+    while it fits in a row. Every row records its segments, in order
+    (``meta.tags["_segments"]``, read with
+    :func:`~zephon_collate.packing.rows.row_segments`): the ``sample_id`` each
+    came from and its side, its place among its group's segments (chosen 0,
+    rejected 1).
 
     Layout: ``strategy="greedy"`` keeps arrival order and starts a new row when
     the next document does not fit. ``"best_fit"`` collects ``buffer_size``
@@ -130,6 +155,8 @@ def pack_flat(
         buffer_size: pieces per best-fit round (int >= 1), or ``None`` for all.
         fields: the per-token fields to pack, or ``None`` for those all documents share
             (``loss_mask`` in only some documents is then an error).
+        float_fields: float fields to pack (names, or :class:`~zephon_collate.FloatField` specs).
+        group_key: the payload field holding each record's group id, or ``None`` (no groups).
 
     Returns:
         The rows, a list of :class:`SampleRecord`.
@@ -138,8 +165,10 @@ def pack_flat(
         TypeError: for an option of the wrong type, an item that is not a SampleRecord, a
             payload that is neither a dict nor an array, or non-integer token ids.
         ValueError: for an option out of range, a missing tokens field, per-token fields
-            of the wrong length or shape, ``loss_mask`` in only some documents, or (with
-            ``overflow="auto"``) a document with a prompt that is longer than ``seq_len``.
+            of the wrong length or shape, ``loss_mask`` in only some documents, positions
+            that do not start at 0, a float field that is not finite, a missing group key,
+            or (with ``overflow="auto"``) a document with a prompt or several segments, or a
+            group, that is longer than ``seq_len``.
 
     Example:
         >>> from zephon_collate.types import SampleMeta
@@ -167,7 +196,8 @@ def pack_flat(
         raise ValueError(
             f"pack_flat: the tokens field {shown(tokens_name)} is also listed in fields; drop it from fields"
         )
-    shared = _shared_fields(records, tokens_name) if checked.fields is None else checked.fields
+    floats = [spec.name for spec in checked.floats] + ([checked.group_key] if checked.group_key else [])
+    shared = _shared_fields(records, tokens_name, floats) if checked.fields is None else checked.fields
     size = checked.buffer_size or INT64_MAX  # None: one best-fit round over every piece, however many
     settings = {**vars(checked), "tokens_field": tokens_name, "buffer_size": size, "fields": shared}
     return list(FlatPacker(**settings).pack(records))

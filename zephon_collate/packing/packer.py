@@ -13,15 +13,23 @@ from __future__ import annotations
 import copy
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from zephon_collate._checks import suggest_options
-from zephon_collate._read import as_record
+from zephon_collate._read import as_record, describe_record
 from zephon_collate._text import shown
+from zephon_collate.fields import FloatField
 from zephon_collate.keys import INPUT_IDS
 from zephon_collate.packing.reader import REQUIRED, STREAM_BUFFER_SIZE, PackOptions, Reader
-from zephon_collate.packing.rows import Engine, build_row, split_document
-from zephon_collate.packing.state import check_count, corrupt, piece_state, pieces_from_state, same_value
+from zephon_collate.packing.rows import Engine, Piece, build_row, document_piece, group_pieces, split_document
+from zephon_collate.packing.state import (
+    check_count,
+    corrupt,
+    piece_from_state,
+    piece_state,
+    pieces_from_state,
+    same_value,
+)
 from zephon_collate.records import SampleRecord
 
 __all__ = ["STATE_VERSION", "FlatPacker"]
@@ -49,13 +57,16 @@ class FlatPacker:
       ``loss_mask`` when the first had none, raises ``ValueError``. With
       ``tokens_field="auto"`` the first document fixes the token field name
       too (``"input_ids"`` if it is an array payload).
+    * With ``group_key``, a group is complete when a record with another key (or a
+      flush sentinel, or the end of the input) arrives: its records are held
+      until then, beside the buffer.
     * The packer keeps views of the input arrays until their row is emitted;
       do not write into them in the meantime. Run one :meth:`pack` at a time,
       and restore a state before calling it.
 
     Parameters:
-        seq_len, pad_token_id, emit_positions, tokens_field, strategy, overflow, fields:
-            as for :func:`~zephon_collate.packing.pack_flat`.
+        seq_len, pad_token_id, emit_positions, tokens_field, strategy, overflow, fields, float_fields,
+        group_key: as for :func:`~zephon_collate.packing.pack_flat`.
         buffer_size: pieces per best-fit round, an int >= 1.
 
     Raises:
@@ -90,6 +101,8 @@ class FlatPacker:
         overflow: Literal["auto", "split", "truncate"] = "auto",
         buffer_size: int = STREAM_BUFFER_SIZE,
         fields: Sequence[str] | None = None,
+        float_fields: Sequence[str | FloatField] = (),
+        group_key: str | None = None,
     ) -> None:
         self.options = PackOptions.create("FlatPacker", **PackOptions.arguments(locals()))
         self._reset()
@@ -98,10 +111,18 @@ class FlatPacker:
         options = self.options
         tokens_name = None if options.tokens_field == "auto" else options.tokens_field
         fields = None if options.fields is None else tuple(options.fields)
-        self._reader = Reader(tokens_name, fields, strict=fields is None)
+        self._reader = Reader(
+            tokens_name,
+            fields,
+            strict=fields is None,
+            floats=options.floats,
+            segments=options.emit_positions,
+            group_key=options.group_key,
+        )
         self._engine = Engine(options.seq_len, options.strategy == "best_fit", options.buffer_size or 1)
         self._consumed = 0
         self._emitted = 0
+        self._group: _Group | None = None
 
     @property
     def records_consumed(self) -> int:
@@ -127,42 +148,61 @@ class FlatPacker:
         for sample in records:
             record = as_record(sample, self._consumed, "FlatPacker")
             if record.meta.is_flush_sentinel:
+                self._close_group()
                 self._engine.flush()
             elif not record.meta.tombstone and (document := self._reader.read(record, self._consumed)):
-                self._engine.push(split_document(record, self._consumed, *document, self.options))
+                if self.options.group_key is None:
+                    self._engine.push(split_document(record, self._consumed, document, self.options))
+                else:
+                    if self._group is not None and not same_value(document.group, self._group.key):
+                        self._close_group()
+                    if self._group is None:
+                        where = describe_record(self._consumed, record)
+                        self._group = _Group(document.group, where, [])
+                    self._group.members.append(document_piece(record, document))
             self._consumed += 1
             yield from self._drain()
+        self._close_group()
         self._engine.flush()
         yield from self._drain()
+
+    def _close_group(self) -> None:
+        """Hand the group being read to the engine, as one unit."""
+        group, self._group = self._group, None
+        if group is not None:
+            self._engine.push(group_pieces(group.members, group.where, group.key, self.options))
 
     def _drain(self) -> Iterator[SampleRecord]:
         ready = self._engine.ready
         while ready:
             pieces = ready.popleft()
             self._emitted += 1
-            yield build_row(
-                pieces, self.options, self._reader.tokens_name or INPUT_IDS, self._reader.fields or ()
-            )
+            yield build_row(pieces, self.options, self._reader.tokens_name or INPUT_IDS, self._reader.packed)
 
     def state_dict(self) -> dict[str, Any]:
         """The packer's state as plain, picklable Python/NumPy data (copies, not views).
 
         Keys: ``version``, ``options``, ``tokens_field`` and ``fields`` (as fixed by
         the first document, or ``None``), ``records_consumed``, ``rows_emitted``,
-        ``pending`` (pieces of the open row or best-fit buffer) and ``ready``
-        (closed rows not yet yielded). Save it between rows; resume the input
-        at ``records_consumed``.
+        ``pending`` (pieces of the open row or best-fit buffer), ``ready``
+        (closed rows not yet yielded) and ``group`` (with ``group_key``: the group
+        being read, its key, where it starts and its records, else ``None``).
+        Save it between rows; resume the input at ``records_consumed``.
         """
         engine = self._engine
+        group = self._group
         return {
             "version": STATE_VERSION,
-            "options": copy.deepcopy(vars(self.options)),
+            "options": copy.deepcopy(self.options.plain()),
             "tokens_field": self._reader.tokens_name,
             "fields": None if self._reader.fields is None else list(self._reader.fields),
             "records_consumed": self._consumed,
             "rows_emitted": self._emitted,
             "pending": [piece_state(piece) for piece in engine.pending],
             "ready": [[piece_state(piece) for piece in row] for row in engine.ready],
+            "group": None
+            if group is None
+            else {"key": group.key, "where": group.where, "members": [piece_state(p) for p in group.members]},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -195,7 +235,7 @@ class FlatPacker:
                 "FlatPacker.load_state_dict: the state is corrupt (its options are not a dict); "
                 "restore a state_dict() saved by FlatPacker, unchanged"
             )
-        saved, mine = dict(state["options"]), vars(self.options)
+        saved, mine = dict(state["options"]), self.options.plain()
         differ = sorted(
             key for key in mine.keys() | saved.keys() if not same_value(saved.get(key), mine.get(key))
         )
@@ -218,13 +258,51 @@ class FlatPacker:
         consumed = check_count(state["records_consumed"], "state['records_consumed']")
         emitted = check_count(state["rows_emitted"], "state['rows_emitted']")
         opts = self.options
+        packed = (*(fields or ()), *(spec.name for spec in opts.floats))
         pending, rows = pieces_from_state(
-            state["pending"], state["ready"], opts.seq_len, fields or (), opts.strategy == "greedy"
+            state["pending"], state["ready"], opts.seq_len, packed, opts.strategy == "greedy"
         )
+        group = _group_from_state(state.get("group"), opts.seq_len, packed)  # absent from older states
         ready = deque(rows)
         self._reset()
+        self._group = group
         self._reader.tokens_name, self._reader.fields = tokens_name, fields
         self._consumed, self._emitted = consumed, emitted
         engine = self._engine
         engine.pending, engine.ready = pending, ready
         engine.used = sum(piece.tokens.size for piece in engine.pending)
+
+
+class _Group(NamedTuple):
+    """The group being read: its key, where it starts (for errors), its records as whole pieces."""
+
+    key: Any
+    where: str
+    members: list[Piece]
+
+
+def _group_from_state(state: object, seq_len: int, fields: Sequence[str]) -> _Group | None:
+    if state is None:
+        return None
+    if not isinstance(state, Mapping) or set(state) != {"key", "where", "members"}:
+        raise corrupt("state['group']", "must be None or a dict with the keys ['key', 'members', 'where']")
+    key, where, members = state["key"], state["where"], state["members"]
+    if isinstance(key, bool) or not isinstance(key, (int, str)) or not isinstance(where, str):
+        raise corrupt(
+            "state['group']", f"holds a key {shown(key)} or a place {shown(where)} of the wrong type"
+        )
+    if isinstance(members, (str, bytes, Mapping)) or not isinstance(members, Sequence) or not members:
+        raise corrupt("state['group']['members']", "must be a non-empty list of records")
+    pieces = [
+        piece_from_state(
+            member, f"state['group']['members'][{i}]", max(seq_len, _member_size(member)), fields
+        )
+        for i, member in enumerate(members)
+    ]
+    return _Group(key, where, pieces)
+
+
+def _member_size(state: object) -> int:
+    """The token count a saved group member claims (a whole record may be longer than a row)."""
+    tokens: Any = state.get("tokens") if isinstance(state, Mapping) else None
+    return len(tokens) if hasattr(tokens, "__len__") else 0

@@ -2,10 +2,12 @@
 
 :class:`PackOptions` checks the options of :func:`zephon_collate.packing.pack_flat`
 and :class:`zephon_collate.packing.packer.FlatPacker`. :class:`Reader` reads one
-record at a time: its token row as int64 ids >= 0 and the per-token fields
-packed beside it (``loss_mask`` holding only 0 and 1), each a 1-D NumPy view of
-the payload, with a ``TypeError``/``ValueError`` that names the record, the
-field and the fix. Nothing here writes into a payload.
+record at a time (a :class:`Document`): its token row as int64 ids >= 0, the
+per-token fields packed beside it (``loss_mask`` holding only 0 and 1), each a
+1-D NumPy view of the payload, its float fields (:mod:`zephon_collate.fields`),
+its own segment structure (payload ``positions``, restarting at 0 where a
+segment starts) and its group key, with a ``TypeError``/``ValueError`` that
+names the record, the field and the fix. Nothing here writes into a payload.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -31,6 +33,7 @@ from zephon_collate._read import (
     to_row,
 )
 from zephon_collate._text import shown, shown_fields
+from zephon_collate.fields import FloatField, check_float_fields, read_floats
 from zephon_collate.keys import INPUT_IDS, INT32_MAX, LOSS_MASK, POSITIONS, TOKEN_FIELD_CANDIDATES
 from zephon_collate.records import SampleRecord
 
@@ -40,6 +43,7 @@ __all__ = [
     "REQUIRED",
     "STRATEGIES",
     "STREAM_BUFFER_SIZE",
+    "Document",
     "PackOptions",
     "Reader",
     "as_array",
@@ -68,6 +72,8 @@ class PackOptions:
     overflow: Literal["auto", "split", "truncate"] = "auto"
     buffer_size: int | None = None
     fields: Sequence[str] | None = None
+    float_fields: Sequence[str | FloatField] = ()
+    group_key: str | None = None
 
     @classmethod
     def create(cls, owner: str, **given: Any) -> PackOptions:
@@ -109,7 +115,48 @@ class PackOptions:
                     )
             if len(set(fields)) != len(fields):
                 raise ValueError(f"{owner}: fields lists a name twice: {shown(fields)}")
+        reserved = (
+            *(fields or ()),
+            POSITIONS,
+            LOSS_MASK,
+            *([tokens_field] if tokens_field != "auto" else []),
+        )
+        specs = check_float_fields(owner, options["float_fields"], reserved)
+        for spec in specs:
+            if not spec.per_token:
+                raise ValueError(
+                    f"{owner}: float field {shown(spec.name)} holds one value per document, but a packed row "
+                    "holds several documents: declare FloatField(name, align='sequence', broadcast=True) to "
+                    "repeat each document's value over its tokens"
+                )
+        checked["float_fields"] = specs
+        group = options["group_key"]
+        if group is not None:
+            if not isinstance(group, str) or not group:
+                raise TypeError(
+                    f"{owner}: group_key must be None or a payload field name, got {shown(group)}"
+                )
+            if group in (*reserved, *(spec.name for spec in specs)):
+                raise ValueError(
+                    f"{owner}: group_key {shown(group)} names a field that is packed beside the tokens; name "
+                    "the payload field that holds each record's group id"
+                )
         return cls(**checked)
+
+    @property
+    def floats(self) -> tuple[FloatField, ...]:
+        """The float fields, as specs (checked by :meth:`create`)."""
+        return cast(tuple[FloatField, ...], self.float_fields)
+
+    def plain(self) -> dict[str, Any]:
+        """The options as plain data (float fields as tuples), for a state that ``torch.load`` reads back."""
+        values = dict(vars(self))
+        values["float_fields"] = [
+            [spec.name, spec.align, str(spec.dtype), spec.broadcast] for spec in self.floats
+        ]
+        if values["fields"] is not None:
+            values["fields"] = list(values["fields"])
+        return values
 
     @staticmethod
     def arguments(scope: Mapping[str, Any]) -> dict[str, Any]:
@@ -153,16 +200,19 @@ def check_loss_mask(values: np.ndarray, where: str) -> None:
     check_zero_one(field, LOSS_MASK, lambda _: where, "1 for supervised tokens, 0 for the rest")
 
 
-def candidate_fields(payload: Mapping[Any, Any], tokens_name: str, length: int, where: str) -> list[str]:
+def candidate_fields(
+    payload: Mapping[Any, Any], tokens_name: str, length: int, where: str, skipped: Sequence[str] = ()
+) -> list[str]:
     """The per-token fields of one dict payload: ``loss_mask`` (checked strictly), then numeric 1-D
-    fields with ``length`` entries, in payload order. Input ``positions`` are never candidates."""
+    fields with ``length`` entries, in payload order. Input ``positions`` (the document's segments) and
+    the ``skipped`` names (float fields, read by their specs) are never candidates."""
     found = []
     if LOSS_MASK in payload:
         if len(as_array(payload[LOSS_MASK], where, LOSS_MASK, ids=False)) != length:
             raise ValueError(f"{where}: field 'loss_mask' does not have one entry per token ({length})")
         found.append(LOSS_MASK)
     for name, value in payload_items(payload):
-        if isinstance(name, str) and name not in (tokens_name, POSITIONS, LOSS_MASK):
+        if isinstance(name, str) and name not in (tokens_name, POSITIONS, LOSS_MASK, *skipped):
             try:
                 if len(as_array(value, where, name, ids=False)) == length:
                     found.append(name)
@@ -171,20 +221,52 @@ def candidate_fields(payload: Mapping[Any, Any], tokens_name: str, length: int, 
     return found
 
 
+class Document(NamedTuple):
+    """One record as the packer reads it: tokens, packed fields, its own segments, its group."""
+
+    tokens: np.ndarray
+    fields: dict[str, np.ndarray]
+    positions: np.ndarray | None  # the payload's segment-restarting positions, or None (one segment)
+    group: Any  # the group key's value (an int or a str), or None without group_key
+
+
+_NO_GROUP: Any = None
+
+
 class Reader:
     """Reads documents: the token field and the packed fields of each record.
 
     ``tokens_name``/``fields`` set to ``None`` are fixed by the first record
     with tokens (``strict``: later records must then agree on ``loss_mask``).
+    ``floats`` are read by their specs, ``positions`` (with ``segments``, the
+    packer's ``emit_positions``) as the document's segment structure, and
+    ``group_key`` as its group.
     """
 
-    def __init__(self, tokens_name: str | None, fields: tuple[str, ...] | None, *, strict: bool) -> None:
+    def __init__(
+        self,
+        tokens_name: str | None,
+        fields: tuple[str, ...] | None,
+        *,
+        strict: bool,
+        floats: tuple[FloatField, ...] = (),
+        segments: bool = False,
+        group_key: str | None = None,
+    ) -> None:
         self.tokens_name = tokens_name
         self.fields = fields
         self.strict = strict
+        self.floats = floats
+        self.segments = segments
+        self.group_key = group_key
 
-    def read(self, record: SampleRecord, index: int) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
-        """``(tokens, {field: values})`` of a record, or ``None`` for a document without tokens."""
+    @property
+    def packed(self) -> tuple[str, ...]:
+        """Every field packed beside the tokens: the per-token fields, then the float fields."""
+        return (*(self.fields or ()), *(spec.name for spec in self.floats))
+
+    def read(self, record: SampleRecord, index: int) -> Document | None:
+        """The :class:`Document` of a record, or ``None`` for a document without tokens."""
         payload, where = record.payload, describe_record(index, record)
         if not isinstance(payload, Mapping):
             if not is_array_payload(payload):
@@ -197,12 +279,13 @@ class Reader:
                 return None
             self.tokens_name = self.tokens_name or INPUT_IDS
             self.fields = () if self.fields is None else self.fields
-            if self.fields:
+            if self.packed or self.group_key is not None:
+                read = list(self.packed) or [str(self.group_key)]
                 raise ValueError(
-                    f"{where}: an array payload holds only its token row, but fields {self.fields} are "
-                    "packed beside the tokens; give it a dict payload with them, or pass fields=()"
+                    f"{where}: an array payload holds only its token row, but fields {read} are "
+                    "read beside the tokens; give it a dict payload with them, or pass fields=()"
                 )
-            return tokens, {}
+            return Document(tokens, {}, None, _NO_GROUP)
         name = self.tokens_name or first_token_field(payload)
         if name is None or name not in payload:
             wanted = repr(name) if name else f"any of {', '.join(TOKEN_FIELD_CANDIDATES)}"
@@ -219,7 +302,8 @@ class Reader:
                 f"{where}: the tokens field {shown(name)} is also listed in fields; drop it from fields"
             )
         if self.fields is None:
-            self.fields = tuple(candidate_fields(payload, name, tokens.size, where))
+            skipped = [spec.name for spec in self.floats] + ([self.group_key] if self.group_key else [])
+            self.fields = tuple(candidate_fields(payload, name, tokens.size, where, skipped))
         elif self.strict and LOSS_MASK in payload and LOSS_MASK not in self.fields:
             raise ValueError(
                 f"{where}: payload has a 'loss_mask' but earlier records have none; give every record a "
@@ -241,4 +325,58 @@ class Reader:
                     "row "
                     f"has {tokens.size}; per-token fields must match the tokens one to one"
                 )
-        return tokens, values
+        lengths = np.array([tokens.size], dtype=np.int64)
+        for spec in self.floats:
+            if spec.name not in payload:
+                raise ValueError(
+                    f"{where}: payload lacks float field {shown(spec.name)} (its fields: "
+                    f"{shown_fields(payload)}); give every record this field, or drop it from float_fields"
+                )
+            row = to_row(payload[spec.name], where, spec.name, "values")
+            floats = read_floats([row], lengths, spec, lambda _: where)
+            values[spec.name] = np.asarray(cast(Ragged, floats).values)
+        positions = self._positions(payload, tokens.size, where) if self.segments else None
+        group = self._group(payload, where) if self.group_key is not None else _NO_GROUP
+        return Document(tokens, values, positions, group)
+
+    def _positions(self, payload: Mapping[Any, Any], length: int, where: str) -> np.ndarray | None:
+        """The payload's ``positions``: the document's segments (a segment starts wherever they are 0)."""
+        if POSITIONS not in payload:
+            return None
+        positions = as_array(payload[POSITIONS], where, POSITIONS, ids=True)
+        if positions.size != length or positions[0] != 0:
+            problem = (
+                f"has {positions.size} entries for {length} tokens"
+                if positions.size != length
+                else f"starts at {int(positions[0])}"
+            )
+            raise ValueError(
+                f"{where}: field 'positions' {problem}; the packer keeps a document's segments (a segment "
+                "starts wherever positions are 0), so they must start at 0 and give one per token. Drop "
+                "them for one segment per document, or pass emit_positions=False to pack them as data"
+            )
+        if not (positions[1:] == 0).any():
+            return None  # one segment: what the packer writes anyway
+        return positions
+
+    def _group(self, payload: Mapping[Any, Any], where: str) -> Any:
+        """The group key's value: an int or a str (a 0-d integer array or tensor reads as an int)."""
+        key = cast(str, self.group_key)
+        if key not in payload:
+            raise ValueError(
+                f"{where}: payload lacks the group key {shown(key)} (its fields: {shown_fields(payload)}); "
+                "give every record its group id (e.g. the index of its prompt)"
+            )
+        value = payload[key]
+        if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
+            value = int(value)
+        elif isinstance(value, torch.Tensor) and value.ndim == 0 and not value.dtype.is_floating_point:
+            value = int(value) if value.dtype != torch.bool else value
+        elif isinstance(value, np.integer):
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise TypeError(
+                f"{where}: group key {shown(key)} must be an int or a str (records with equal keys in a row "
+                f"form a group), got {shown(value)}"
+            )
+        return value

@@ -20,18 +20,34 @@ from typing import NamedTuple
 import numpy as np
 
 from zephon_collate._read import describe_record
+from zephon_collate._text import shown
 from zephon_collate.keys import LOSS_MASK, POSITIONS
-from zephon_collate.packing.reader import PackOptions, as_array, check_loss_mask
+from zephon_collate.packing.reader import Document, PackOptions, as_array, check_loss_mask
 from zephon_collate.records import (
     CONTRIBUTORS_TAG,
     PADDING_LENGTH_TAG,
+    SEGMENTS_TAG,
     ContributorRef,
     SampleCursor,
     SampleMeta,
     SampleRecord,
 )
 
-__all__ = ["Base", "Engine", "Piece", "build_row", "split_document"]
+__all__ = [
+    "CONTINUES",
+    "OPENS_ROW",
+    "OPENS_UNIT",
+    "Base",
+    "Engine",
+    "Piece",
+    "Segment",
+    "build_row",
+    "document_piece",
+    "group_pieces",
+    "row_segments",
+    "split_document",
+    "units",
+]
 
 
 class Base(NamedTuple):
@@ -45,41 +61,37 @@ class Base(NamedTuple):
     counts: dict[int, int]
 
 
+OPENS_UNIT, OPENS_ROW, CONTINUES = 2, 1, 0
+"""How a piece starts (:attr:`Piece.opens`): a placement unit of its own (a document, or a group's first
+piece), a new row of its unit (a group laid over several rows), or it continues its unit's row."""
+
+
 class Piece(NamedTuple):
-    """A document, or one piece of a split one: at most ``seq_len`` tokens and their fields."""
+    """A document, or one piece of a split one: at most ``seq_len`` tokens and their fields.
+
+    ``positions`` are the piece's own segment-restarting positions (``None``: one
+    segment), ``side`` the place of its first segment among its group's segments
+    (a lone record's segments count from 0), ``opens`` how it starts
+    (:data:`OPENS_UNIT`, :data:`OPENS_ROW`, :data:`CONTINUES`): the engine never
+    separates the pieces of one unit.
+    """
 
     tokens: np.ndarray
     fields: dict[str, np.ndarray]
     base: Base
     part: int  # which piece of its document, from 0 (the cursor's lineage child index)
     closes: bool
+    positions: np.ndarray | None = None
+    side: int = 0
+    opens: int = OPENS_UNIT
 
 
-def split_document(
-    record: SampleRecord, index: int, tokens: np.ndarray, fields: dict[str, np.ndarray], options: PackOptions
-) -> list[Piece]:
-    """The pieces of one document: itself, or ``seq_len`` slices (split) or its head (truncate).
+def _segment_count(piece: Piece) -> int:
+    return 1 if piece.positions is None else int(np.count_nonzero(piece.positions == 0))
 
-    Raises:
-        ValueError: with ``overflow="auto"``, for a document longer than ``seq_len`` whose
-            ``loss_mask`` has a 0: cut, its response would be trained without its prompt.
-    """
-    size = options.seq_len
-    overflow = options.overflow
-    if overflow == "auto" and tokens.size > size:
-        mask = fields.get(LOSS_MASK)
-        if mask is None and isinstance(record.payload, Mapping) and LOSS_MASK in record.payload:
-            # Not packed (fields=() or others), but it still says where the prompt is: read it.
-            where = describe_record(index, record)
-            mask = as_array(record.payload[LOSS_MASK], where, LOSS_MASK, ids=False)
-            check_loss_mask(mask, where)
-        if mask is not None and not mask.all():
-            raise ValueError(
-                f"{describe_record(index, record)}: has {tokens.size} tokens, more than seq_len={size}, "
-                "and a prompt (0s in its loss_mask); cut, its response would be trained without its "
-                "prompt. Drop or shorten such documents, raise seq_len, or pass overflow='truncate' "
-                "(keep the head) or overflow='split' (cut into segments)"
-            )
+
+def document_piece(record: SampleRecord, document: Document) -> Piece:
+    """A whole document as one piece (its record's metadata as the base)."""
     meta = record.meta
     base = Base(
         meta.sample_id,
@@ -89,17 +101,194 @@ def split_document(
         meta.lineage,
         dict(meta.component_sample_counts),
     )
+    return Piece(document.tokens, document.fields, base, 0, True, document.positions)
+
+
+def _cut(piece: Piece, cut: slice, part: int, closes: bool) -> Piece:
+    """``piece`` (a whole document) cut to ``cut``; a segment the cut enters restarts at 0."""
+    positions = None
+    side = piece.side
+    if piece.positions is not None:
+        positions = piece.positions[cut].copy()
+        zeros = np.flatnonzero(positions == 0)
+        head = int(zeros[0]) if zeros.size else positions.size
+        positions[:head] -= positions[0]  # the continuation of a segment starts a segment of its own
+        side += int(np.count_nonzero(piece.positions[: (cut.start or 0) + 1] == 0)) - 1
+        if int(np.count_nonzero(positions == 0)) == 1:
+            positions = None
+    fields = {name: values[cut] for name, values in piece.fields.items()}
+    return Piece(piece.tokens[cut], fields, piece.base, part, closes, positions, side, piece.opens)
+
+
+def _split(piece: Piece, where: str, options: PackOptions) -> list[Piece]:
+    """The pieces of one whole document: itself, or ``seq_len`` slices (split) or its head (truncate).
+
+    Raises:
+        ValueError: with ``overflow="auto"``, for a document longer than ``seq_len`` whose
+            ``loss_mask`` has a 0 or whose positions hold several segments: cut, its response
+            would be trained without its prompt, or one side of it without the other.
+    """
+    size = options.seq_len
+    tokens = piece.tokens
+    overflow = options.overflow
+    if overflow == "auto" and tokens.size > size:
+        mask = piece.fields.get(LOSS_MASK)
+        if mask is not None and not mask.all():
+            raise _prompt_cut(where, tokens.size, size)
+        if piece.positions is not None:
+            raise ValueError(
+                f"{where}: has {tokens.size} tokens, more than seq_len={size}, in {_segment_count(piece)} "
+                "segments (its positions restart at 0); cut, one of them would be trained apart from the "
+                "others (a chosen side without its rejected one). Drop or shorten such documents, raise "
+                "seq_len, or pass overflow='truncate' or overflow='split'"
+            )
+    if tokens.size <= size:
+        return [piece]
     count = 1 if overflow == "truncate" else -(-tokens.size // size)
     cuts = [slice(i * size, (i + 1) * size) for i in range(count)]
-    return [
-        Piece(tokens[cut], {k: v[cut] for k, v in fields.items()}, base, i, i == count - 1)
-        for i, cut in enumerate(cuts)
-    ]
+    pieces = [_cut(piece, cut, i, i == count - 1) for i, cut in enumerate(cuts)]
+    return [p._replace(opens=OPENS_UNIT) for p in pieces]
+
+
+def split_document(record: SampleRecord, index: int, document: Document, options: PackOptions) -> list[Piece]:
+    """The pieces of one document: itself, or ``seq_len`` slices (split) or its head (truncate).
+
+    Each piece is a placement unit of its own (documents are placed piece by piece).
+
+    Raises:
+        ValueError: with ``overflow="auto"``, for a document longer than ``seq_len`` whose
+            ``loss_mask`` has a 0 (a prompt) or that holds several segments.
+    """
+    where = describe_record(index, record)
+    payload = record.payload
+    if (
+        options.overflow == "auto"
+        and document.tokens.size > options.seq_len
+        and LOSS_MASK not in document.fields
+        and isinstance(payload, Mapping)
+        and LOSS_MASK in payload
+    ):  # not packed (fields=() or others), but it still says where the prompt is: read it
+        mask = as_array(payload[LOSS_MASK], where, LOSS_MASK, ids=False)
+        check_loss_mask(mask, where)
+        if not mask.all():
+            raise _prompt_cut(where, document.tokens.size, options.seq_len)
+    return _split(document_piece(record, document), where, options)
+
+
+def _prompt_cut(where: str, length: int, size: int) -> ValueError:
+    """The refusal of ``overflow="auto"`` to cut a document with a prompt (0s in its ``loss_mask``)."""
+    return ValueError(
+        f"{where}: has {length} tokens, more than seq_len={size}, "
+        "and a prompt (0s in its loss_mask); cut, its response would be trained without its "
+        "prompt. Drop or shorten such documents, raise seq_len, or pass overflow='truncate' "
+        "(keep the head) or overflow='split' (cut into segments)"
+    )
+
+
+def _water_filled(sizes: list[int], room: int) -> list[int]:
+    """Head lengths for ``sizes`` that fill at most ``room``: the longest cut first, to equal length."""
+    order = sorted(sizes)
+    keep, rest, cap = 0, len(order), 0
+    for size in order:  # the largest cap c with sum(min(size, c)) <= room
+        if keep + size * rest <= room:
+            keep += size
+            rest -= 1
+            continue
+        cap = (room - keep) // rest
+        break
+    else:
+        return list(sizes)
+    heads = [min(size, cap) for size in sizes]
+    spare = room - sum(heads)
+    for index, size in enumerate(sizes):  # the remainder to the first members that were cut
+        if spare and size > cap:
+            heads[index] += 1
+            spare -= 1
+    return heads
+
+
+def group_pieces(members: list[Piece], where: str, key: object, options: PackOptions) -> list[Piece]:
+    """The pieces of a group (records with one group key, in order): one unit the engine never separates.
+
+    A group that fits in a row is one row's worth; a longer one follows ``overflow``:
+    ``"auto"`` raises, ``"truncate"`` cuts each member to its head (the longest first,
+    to equal length) until the group fits, ``"split"`` lays the members over
+    consecutive rows, each whole while it fits in a row. A group of one record longer
+    than a row is cut as a document is (:func:`split_document`'s rules), its pieces
+    in consecutive rows.
+
+    Raises:
+        ValueError: with ``overflow="auto"``, for a group longer than ``seq_len``; with
+            ``"truncate"``, for a group of more records than ``seq_len`` tokens.
+    """
+    side = 0
+    placed = []
+    for member in members:
+        placed.append(member._replace(side=side))
+        side += _segment_count(member)
+    size = options.seq_len
+    total = sum(member.tokens.size for member in placed)
+    if len(placed) == 1 and total > size and options.overflow != "split":
+        placed = _split(
+            placed[0], where, options
+        )  # a lone record: a document's rules (its pieces stay a unit)
+        total = sum(piece.tokens.size for piece in placed)
+        if len(placed) > 1:
+            return [p._replace(opens=OPENS_UNIT if i == 0 else OPENS_ROW) for i, p in enumerate(placed)]
+    if total > size and options.overflow == "auto":
+        raise ValueError(
+            f"{where}: starts a group of {len(placed)} records (group key {shown(key)}) with {total} tokens, "
+            f"more than seq_len={size}; a group stays in one row. Drop or shorten such groups, raise "
+            "seq_len, or pass overflow='truncate' (cut each record's tail, the longest first) or "
+            "overflow='split' (lay the group over consecutive rows)"
+        )
+    if total > size and options.overflow == "truncate":
+        if len(placed) > size:
+            raise ValueError(
+                f"{where}: starts a group of {len(placed)} records (group key {shown(key)}), more than "
+                f"seq_len={size} tokens can hold one each; raise seq_len"
+            )
+        heads = _water_filled([member.tokens.size for member in placed], size)
+        placed = [
+            _cut(member, slice(0, head), 0, True) if head < member.tokens.size else member
+            for member, head in zip(placed, heads, strict=True)
+        ]
+        total = size
+    if total <= size:
+        return [member._replace(opens=OPENS_UNIT if i == 0 else CONTINUES) for i, member in enumerate(placed)]
+    pieces: list[Piece] = []
+    used = 0
+    for member in placed:
+        for piece in _split(member, where, options) if member.tokens.size > size else [member]:
+            opens = CONTINUES
+            if used + piece.tokens.size > size:
+                opens, used = OPENS_ROW, 0
+            pieces.append(piece._replace(opens=opens))
+            used += piece.tokens.size
+    return [pieces[0]._replace(opens=OPENS_UNIT), *pieces[1:]]
+
+
+def units(pieces: Iterable[Piece]) -> list[list[list[Piece]]]:
+    """Pieces in placement units, each a list of rows (lists of pieces), from their ``opens`` marks."""
+    found: list[list[list[Piece]]] = []
+    for piece in pieces:
+        if piece.opens == OPENS_UNIT or not found:
+            found.append([[piece]])
+        elif piece.opens == OPENS_ROW:
+            found[-1].append([piece])
+        else:
+            found[-1][-1].append(piece)
+    return found
+
+
+def _size(row: Sequence[Piece]) -> int:
+    return sum(piece.tokens.size for piece in row)
 
 
 class Engine:
     """Places pieces into rows: ``pending`` is the open row (greedy) or the unplaced buffer (best fit);
-    ``ready`` holds closed rows (lists of pieces) in emission order."""
+    ``ready`` holds closed rows (lists of pieces) in emission order. A unit (a group) is never separated:
+    it goes into one row, or, laid over several, into rows emitted one after another."""
 
     def __init__(self, seq_len: int, best_fit: bool, buffer_size: int) -> None:
         self.seq_len, self.best_fit, self.buffer_size = seq_len, best_fit, buffer_size
@@ -108,16 +297,21 @@ class Engine:
         self.ready: deque[list[Piece]] = deque()
 
     def push(self, pieces: Iterable[Piece]) -> None:
-        for piece in pieces:
+        for unit in units(pieces):
             if self.best_fit:
-                self.pending.append(piece)
+                self.pending.extend(piece for row in unit for piece in row)
                 if len(self.pending) >= self.buffer_size:
                     self.flush()
                 continue
-            if self.used + piece.tokens.size > self.seq_len:
+            if len(unit) > 1:  # a group laid over rows: its own rows, one after another
                 self.flush()
-            self.pending.append(piece)
-            self.used += piece.tokens.size
+                self.ready.extend(unit[:-1])
+                unit = unit[-1:]
+            size = _size(unit[0])
+            if self.used + size > self.seq_len:
+                self.flush()
+            self.pending.extend(unit[0])
+            self.used += size
             if self.used == self.seq_len:
                 self.flush()
 
@@ -132,18 +326,20 @@ class Engine:
     def _best_fit_decreasing(self, pieces: list[Piece]) -> list[list[Piece]]:
         rows: list[list[Piece]] = []
         free: list[tuple[int, int]] = []  # (space left, row index), sorted: least space, earliest row first
-        for piece in sorted(pieces, key=lambda p: -p.tokens.size):
-            size = piece.tokens.size
-            slot = bisect.bisect_left(free, (size, -1))
+        for unit in sorted(units(pieces), key=lambda u: -sum(_size(row) for row in u)):
+            for row in unit[:-1]:  # a group laid over rows: full rows of its own
+                rows.append(list(row))
+            size = _size(unit[-1])
+            slot = bisect.bisect_left(free, (size, -1)) if len(unit) == 1 else len(free)
             if slot == len(free):
-                rows.append([piece])
-                left, row = self.seq_len - size, len(rows) - 1
+                rows.append(list(unit[-1]))
+                left, row_index = self.seq_len - size, len(rows) - 1
             else:
-                space, row = free.pop(slot)
-                rows[row].append(piece)
+                space, row_index = free.pop(slot)
+                rows[row_index].extend(unit[-1])
                 left = space - size
             if left:
-                bisect.insort(free, (left, row))
+                bisect.insort(free, (left, row_index))
         return rows
 
 
@@ -159,6 +355,34 @@ def _token_split(counts: Mapping[int, int], size: int) -> dict[int, int]:
     for key in order[: size - sum(shares.values())]:
         shares[key] += 1
     return shares
+
+
+class Segment(NamedTuple):
+    """One segment of a packed row: the record it came from, its side, where it lies in the row.
+
+    ``side`` is its place among its group's segments (:func:`pack_flat`'s
+    ``group_key``; a lone record is a group of one): in a preference pair
+    packed as two records, or as one record whose positions restart, the
+    chosen sequence is side 0 and the rejected one side 1.
+    """
+
+    sample_id: tuple[int, int, int]
+    side: int
+    start: int
+    length: int
+
+
+def row_segments(row: SampleRecord) -> tuple[Segment, ...]:
+    """The segments of a packed row (``pack_flat``'s), in order; the padding is not one of them.
+
+    Example:
+        >>> from zephon_collate import pack_flat
+        >>> docs = [SampleRecord(SampleMeta((0, 0, i), 0, 0, i), {"input_ids": [5] * n, "pair": 0})
+        ...         for i, n in enumerate([2, 3])]
+        >>> [tuple(s) for s in row_segments(pack_flat(docs, 8, pad_token_id=0, group_key="pair")[0])]
+        [((0, 0, 0), 0, 0, 2), ((0, 0, 1), 1, 2, 3)]
+    """
+    return tuple(row.meta.tags.get(SEGMENTS_TAG, ()))
 
 
 def build_row(
@@ -178,11 +402,26 @@ def build_row(
         values = np.zeros(size, np.result_type(*{part.dtype for part in parts}))
         np.concatenate(parts, out=values[:used])
         payload[name] = values
-    if options.emit_positions:
-        segments = np.array([*lengths, padding] if padding else lengths, np.int64)
-        payload[POSITIONS] = np.arange(size, dtype=np.int64) - np.repeat(
-            np.cumsum(segments) - segments, segments
-        )
+    segments: list[Segment] = []
+    offset = 0
+    for piece, length in zip(pieces, lengths, strict=True):
+        if piece.positions is None:
+            segments.append(Segment(piece.base.sample_id, piece.side, offset, length))
+        else:
+            starts = [*np.flatnonzero(piece.positions == 0).tolist(), length]
+            for k in range(len(starts) - 1):
+                segment = Segment(
+                    piece.base.sample_id, piece.side + k, offset + starts[k], starts[k + 1] - starts[k]
+                )
+                segments.append(segment)
+        offset += length
+    if options.emit_positions:  # each piece's own positions (0, 1, ... for one segment), then the padding's
+        sizes = np.array([*lengths, padding] if padding else lengths, np.int64)
+        positions = np.arange(size, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        for piece, start in zip(pieces, np.cumsum(sizes)[: len(pieces)] - sizes[: len(pieces)], strict=True):
+            if piece.positions is not None:
+                positions[start : start + piece.positions.size] = piece.positions
+        payload[POSITIONS] = positions
     samples: dict[int, int] = {}
     tokens_per: dict[int, int] = {}
     refs = []
@@ -202,6 +441,6 @@ def build_row(
         dict(sorted(samples.items())),
         dict(sorted(tokens_per.items())),
         refs[0].cursor.lineage,
-        {CONTRIBUTORS_TAG: tuple(refs), PADDING_LENGTH_TAG: padding},
+        {CONTRIBUTORS_TAG: tuple(refs), PADDING_LENGTH_TAG: padding, SEGMENTS_TAG: tuple(segments)},
     )
     return SampleRecord(meta, payload)

@@ -17,7 +17,7 @@ import numpy as np
 from zephon_collate._text import shown
 from zephon_collate.keys import LOSS_MASK
 from zephon_collate.packing.reader import as_array, check_loss_mask
-from zephon_collate.packing.rows import Base, Piece
+from zephon_collate.packing.rows import CONTINUES, OPENS_ROW, OPENS_UNIT, Base, Piece
 from zephon_collate.records import SampleMeta
 
 __all__ = [
@@ -55,7 +55,9 @@ def piece_state(piece: Piece) -> dict[str, Any]:
     base["counts"] = dict(base["counts"])
     fields = {name: values.copy() for name, values in piece.fields.items()}
     state = {"tokens": piece.tokens.copy(), "fields": fields, "base": base}
-    return {**state, "index": piece.part, "closes": piece.closes}
+    positions = None if piece.positions is None else piece.positions.copy()
+    extra = {"positions": positions, "side": piece.side, "opens": piece.opens}
+    return {**state, "index": piece.part, "closes": piece.closes, **extra}
 
 
 def check_count(value: object, where: str, owner: str = _OWNER) -> int:
@@ -99,9 +101,20 @@ def piece_from_state(state: object, where: str, seq_len: int, fields: Sequence[s
     index = check_count(state["index"], f"{where}['index']")
     if not isinstance(state["closes"], (bool, np.bool_)):
         raise corrupt(f"{where}['closes']", f"must be a bool, got {shown(state['closes'])}")
-    return Piece(
-        tokens, values, _base_from_state(state["base"], f"{where}['base']"), index, bool(state["closes"])
-    )
+    positions = state.get("positions")  # absent from states saved before segments were kept
+    if positions is not None:
+        try:
+            positions = as_array(positions, f"{_OWNER}: {where}", "positions", ids=True)
+        except (TypeError, ValueError) as error:
+            raise corrupt(f"{where}['positions']", f"is not a row of positions ({error})") from None
+        if positions.size != tokens.size or positions[0] != 0:
+            raise corrupt(f"{where}['positions']", f"must hold {tokens.size} positions starting at 0")
+    side = check_count(state.get("side", 0), f"{where}['side']")
+    opens = check_count(state.get("opens", OPENS_UNIT), f"{where}['opens']")
+    if opens not in (OPENS_UNIT, OPENS_ROW, CONTINUES):
+        raise corrupt(f"{where}['opens']", f"must be {CONTINUES}, {OPENS_ROW} or {OPENS_UNIT}, got {opens}")
+    base = _base_from_state(state["base"], f"{where}['base']")
+    return Piece(tokens, values, base, index, bool(state["closes"]), positions, side, opens)
 
 
 def _base_from_state(state: object, where: str) -> Base:

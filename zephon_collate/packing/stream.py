@@ -31,6 +31,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from zephon_collate._checks import suggest_options
 from zephon_collate._text import shown
+from zephon_collate.fields import FloatField
 from zephon_collate.packing.balanced import BalancedSteps, check_balance_state
 from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.packing.reader import REQUIRED, STREAM_BUFFER_SIZE, PackOptions
@@ -70,8 +71,8 @@ class PackedStream(IterableDataset[SampleRecord]):
 
     Parameters:
         source: the records, as above.
-        seq_len, pad_token_id, emit_positions, tokens_field, strategy, overflow, buffer_size, fields:
-            the :class:`FlatPacker` options.
+        seq_len, pad_token_id, emit_positions, tokens_field, strategy, overflow, buffer_size, fields,
+        float_fields, group_key: the :class:`FlatPacker` options.
         rank, world_size: this data-parallel rank and the number of ranks
             (default: torch.distributed's, or 0 and 1).
         balance: a :class:`~zephon_collate.parallel.balance.BalanceOptions` for the balanced mode:
@@ -79,7 +80,7 @@ class PackedStream(IterableDataset[SampleRecord]):
             of rows) of a plan every rank computes alike (see
             :mod:`zephon_collate.packing.balanced`). Fixed rows need ``balance.seq_len == seq_len``;
             padding-free, documents are cut at ``seq_len`` (at most ``balance.max_tokens``).
-            ``strategy`` and ``buffer_size`` do not apply (the plan packs the rows).
+            ``strategy``, ``buffer_size`` and ``group_key`` do not apply (the plan packs the rows).
 
     Raises:
         TypeError, ValueError: for bad packer options (at construction), a source of
@@ -116,6 +117,8 @@ class PackedStream(IterableDataset[SampleRecord]):
         overflow: Literal["auto", "split", "truncate"] = "auto",
         buffer_size: int = STREAM_BUFFER_SIZE,
         fields: Sequence[str] | None = None,
+        float_fields: Sequence[str | FloatField] = (),
+        group_key: str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         balance: BalanceOptions | None = None,
@@ -294,7 +297,7 @@ def _check_balance(balance: Any, seq_len: int, packer_options: Mapping[str, Any]
         raise TypeError(
             f"PackedStream: balance must be zephon_collate.BalanceOptions, got {type(balance).__name__}"
         )
-    defaults = {"strategy": "greedy", "buffer_size": STREAM_BUFFER_SIZE}
+    defaults = {"strategy": "greedy", "buffer_size": STREAM_BUFFER_SIZE, "group_key": None}
     given = sorted(name for name, default in defaults.items() if packer_options[name] != default)
     if given:
         raise ValueError(

@@ -1,0 +1,171 @@
+"""Collator.for_preference: hand-worked layouts, TRL's collator on the same pairs, padded sides, bad input."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from zephon_collate import Collator, SampleMeta, SampleRecord
+from zephon_collate.collate.preference import PreferenceOptions
+
+PAIRS = [
+    {"prompt_input_ids": [1, 2, 3], "chosen_input_ids": [4, 5], "rejected_input_ids": [6]},
+    {"prompt_input_ids": [7, 8], "chosen_input_ids": [9], "rejected_input_ids": [10, 11, 12]},
+]
+
+
+def lists(batch: dict) -> dict:
+    return {key: value.tolist() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+
+
+def test_padded_pairs_equal_trls_collator():
+    """TRL 1.16's DataCollatorForPreference on the same pairs: the same rows, chosen first; labels are
+    input_ids where its completion_mask is 1."""
+    trl = pytest.importorskip("trl.trainer.dpo_trainer")
+    reference = [dict(e, ref_chosen_logps=-1.5 * i, ref_rejected_logps=-2.5 * i) for i, e in enumerate(PAIRS)]
+    trl_pairs = [
+        {key.replace("_input_ids", "_ids"): value for key, value in e.items()} for e in reference
+    ]  # TRL 1.x spells them prompt_ids, chosen_ids, rejected_ids; both are read
+    for multiple in (None, 4):
+        theirs = trl.DataCollatorForPreference(pad_token_id=0, pad_to_multiple_of=multiple)(trl_pairs)
+        for pairs in (reference, trl_pairs):
+            ours = Collator.for_preference(pad_token_id=0, pad_to_multiple_of=multiple)(pairs)
+            assert torch.equal(ours["input_ids"], theirs["input_ids"])
+            assert torch.equal(ours["attention_mask"], theirs["attention_mask"])
+            expected = theirs["input_ids"].masked_fill(theirs["completion_mask"] == 0, -100)
+            assert torch.equal(ours["labels"], expected)
+            for key in ("ref_chosen_logps", "ref_rejected_logps"):
+                assert torch.equal(ours[key], theirs[key]) and ours[key].dtype == torch.float32
+            assert ours["chosen_index"].tolist() == [0, 1] and ours["rejected_index"].tolist() == [2, 3]
+
+
+def test_padding_free_layout_hand_worked():
+    out = lists(
+        Collator.for_preference(padding_free=True, return_flash_attn_kwargs=True, return_seq_idx=True)(PAIRS)
+    )
+    assert out["input_ids"] == [[1, 2, 3, 4, 5, 1, 2, 3, 6, 7, 8, 9, 7, 8, 10, 11, 12]]
+    assert out["labels"] == [
+        [-100, -100, -100, 4, 5, -100, -100, -100, 6, -100, -100, 9, -100, -100, 10, 11, 12]
+    ]
+    assert out["position_ids"] == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]]
+    assert out["cu_seq_lens_q"] == [0, 5, 9, 12, 17] and out["max_length_q"] == 5
+    assert out["seq_idx"] == [[0] * 5 + [1] * 4 + [2] * 3 + [3] * 5]
+    assert out["document_ids"] == out["seq_idx"] and out["branch_ids"] == [[1] * 17]
+    assert out["logits_index"] == [[-1, 0, 1, 2, 3, -1, 5, 6, 7, -1, 9, 10, -1, 12, 13, 14, 15]]
+    assert out["chosen_index"] == [0, 2] and out["rejected_index"] == [1, 3] and out["num_sequences"] == 4
+
+
+def test_shared_prompt_layouts_hand_worked():
+    """The prompt once, both responses after it, positions continuing from the prompt in each."""
+    flat = lists(Collator.for_preference(padding_free=True, shared_prompt=True)(PAIRS))
+    assert flat["input_ids"] == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+    assert flat["position_ids"] == [[0, 1, 2, 3, 4, 3, 0, 1, 2, 2, 3, 4]]
+    assert flat["labels"] == [[-100, -100, -100, 4, 5, 6, -100, -100, 9, 10, 11, 12]]
+    assert flat["branch_ids"] == [[0, 0, 0, 1, 1, 2, 0, 0, 1, 2, 2, 2]]
+    assert flat["document_ids"] == [[0] * 6 + [1] * 6]
+    assert flat["logits_index"] == [[-1, 0, 1, 2, 3, 2, -1, 6, 7, 7, 9, 10]]  # 6 and 10 from the prompt's end
+    assert flat["sequence_index"] == [[-1, -1, -1, 0, 0, 1, -1, -1, 2, 3, 3, 3]]
+    padded = lists(Collator.for_preference(pad_token_id=0, shared_prompt=True, pad_to_multiple_of=8)(PAIRS))
+    assert padded["input_ids"] == [[1, 2, 3, 4, 5, 6, 0, 0], [7, 8, 9, 10, 11, 12, 0, 0]]
+    assert "attention_mask" not in padded  # a padding mask would let a response see its sibling
+    assert padded["document_ids"] == [[0] * 6 + [-1] * 2, [1] * 6 + [-1] * 2]
+    assert padded["position_ids"] == [[0, 1, 2, 3, 4, 3, 0, 0], [0, 1, 2, 2, 3, 4, 0, 0]]
+    assert padded["branch_ids"] == [[0, 0, 0, 1, 1, 2, -1, -1], [0, 0, 1, 2, 2, 2, -1, -1]]
+    assert padded["logits_index"] == [[-1, 0, 1, 2, 3, 2, -1, -1], [-1, 0, 1, 1, 3, 4, -1, -1]]
+    assert padded["chosen_index"] == [0, 2] and padded["rejected_index"] == [1, 3]
+
+
+def test_consecutive_pairs_of_one_prompt_share_it_once():
+    pairs = [dict(PAIRS[0], chosen_input_ids=[4]), dict(PAIRS[0], rejected_input_ids=[9, 9])]
+    out = lists(Collator.for_preference(padding_free=True, shared_prompt=True)(pairs))
+    assert out["input_ids"] == [[1, 2, 3, 4, 6, 4, 5, 9, 9]]
+    assert out["branch_ids"] == [[0, 0, 0, 1, 2, 3, 3, 4, 4]] and out["num_sequences"] == 4
+
+
+def test_a_padded_side_never_moves_the_other_sides_sequences():
+    """Pre-padded sides (padding anywhere but inside): the batch equals that of the unpadded pairs.
+
+    open-instruct's packed DPO collator derived the rejected side's boundaries from the chosen
+    side's padded length; here every sequence is built from its side's own tokens."""
+    padded = [
+        {"prompt_input_ids": [0, 0, 1, 2, 3], "prompt_attention_mask": [0, 0, 1, 1, 1],
+         "chosen_input_ids": [4, 5, 0, 0], "chosen_attention_mask": [1, 1, 0, 0],
+         "rejected_input_ids": [6, 0, 0, 0], "rejected_attention_mask": [1, 0, 0, 0]},
+        {"prompt_input_ids": [0, 0, 0, 7, 8], "prompt_attention_mask": [0, 0, 0, 1, 1],
+         "chosen_input_ids": [9, 0, 0, 0], "chosen_attention_mask": [1, 0, 0, 0],
+         "rejected_input_ids": [10, 11, 12, 0], "rejected_attention_mask": [1, 1, 1, 0]},
+    ]  # fmt: skip
+    for options in (
+        {"pad_token_id": 0},
+        {"padding_free": True},
+        {"padding_free": True, "shared_prompt": True},
+    ):
+        collate = Collator.for_preference(**options)
+        assert lists(collate(padded)) == lists(collate(PAIRS)), options
+    hole = [dict(padded[0], chosen_attention_mask=[1, 0, 1, 0]), padded[1]]
+    with pytest.raises(ValueError, match=r"example 0: 'chosen_attention_mask' has a 0 between 1s"):
+        Collator.for_preference(padding_free=True)(hole)
+
+
+def test_batched_dicts_workers_and_the_tokenizer():
+    batched = {key: [p[key] for p in PAIRS] for key in PAIRS[0]}
+    collate = Collator.for_preference(padding_free=True, shared_prompt=True)
+    assert lists(collate(batched)) == lists(collate(PAIRS))
+    arrived = collate.finish(pickle.loads(pickle.dumps(collate.stack(PAIRS))))
+    assert lists(arrived) == lists(collate(PAIRS))
+
+    class Tokenizer:
+        pad_token_id = 3
+
+    assert Collator.for_preference(Tokenizer())(PAIRS)["input_ids"][1].tolist() == [7, 8, 9, 3, 3]
+    assert Collator.for_preference is type(collate)
+
+
+@pytest.mark.parametrize(
+    ("pairs", "error", "match"),
+    [
+        ([], ValueError, "holds no pairs"),
+        ([{"prompt_input_ids": [1], "chosen_input_ids": [2]}], ValueError, "no rejected tokens"),
+        (
+            [PAIRS[0], {"prompt_input_ids": [1], "chosen_input_ids": [2], "rejected_ids": [3]}],
+            ValueError,
+            r"example 1: payload lacks field 'rejected_input_ids'",
+        ),
+        ([dict(PAIRS[0], chosen_input_ids=[4, -5])], ValueError, r"example 0: .*'chosen_input_ids'.*>= 0"),
+        ([dict(PAIRS[0], chosen_input_ids=[[4, 5]])], ValueError, "a batch of one row"),
+        ([dict(PAIRS[0], chosen_input_ids=[[4, 5], [6, 7]])], ValueError, "one row of token ids"),
+        ([dict(PAIRS[0], chosen_input_ids=[4.5])], TypeError, "integer token ids"),
+        (
+            [dict(PAIRS[0], chosen_attention_mask=[1])],
+            ValueError,
+            "has shape .1,., but 'chosen_input_ids' has 2",
+        ),
+        ([dict(PAIRS[0], ref_chosen_logps=-1.0)], ValueError, "carry 'ref_chosen_logps' but not"),
+        ([dict(PAIRS[0], ref_chosen_logps=float("nan"), ref_rejected_logps=0.0)], ValueError, "finite"),
+        ([SampleRecord(SampleMeta((0, 0, 0), 0, 0), PAIRS[0])], TypeError, "must be a dict"),
+    ],
+)
+def test_bad_pairs_name_the_example_and_the_fix(pairs, error, match):
+    with pytest.raises(error, match=match):
+        Collator.for_preference(padding_free=True)(pairs)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({}, r"Collator.for_preference: the padded layout needs pad_token_id"),
+        ({"padding_free": True, "shared_prompt": True, "return_flash_attn_kwargs": True}, "cannot describe"),
+        ({"padding_free": True, "shared_prompt": True, "return_seq_idx": True}, "cannot describe"),
+        ({"padding_free": True, "shared_prompt": True, "return_position_ids": False}, "needs position_ids"),
+        ({"pad_token_id": 0, "return_flash_attn_kwargs": True}, "padding_free=True"),
+    ],
+)
+def test_bad_options(options, match):
+    with pytest.raises(ValueError, match=match):
+        Collator.for_preference(**options)
+    with pytest.raises(TypeError, match="shared_prompt"):
+        PreferenceOptions(shared_prompt=1, padding_free=True)
+    with pytest.raises(TypeError, match="did you mean 'shared_prompt'"):
+        Collator.for_preference(padding_free=True, share_prompt=True)

@@ -1,0 +1,296 @@
+"""The post-training layout: sequences (a prompt, then a response) to a ``transformers`` batch, exactly.
+
+``Collator.for_preference`` and ``Collator.for_rollouts`` read their examples
+into a :class:`SequenceBatch` (each sequence's tokens, what is supervised, its
+prompt length, its float fields) and :class:`Sequences`, a
+:class:`~zephon_collate.collate.hf.Transformers` layout, lays it out: the
+``for_transformers`` keys (padded ``[R, L]`` or padding-free ``[1, N]``,
+labels unshifted, -100 where no loss is taken) and the sequence map that makes
+every loss exact (:mod:`zephon_collate.losses`):
+
+- ``document_ids``, ``branch_ids`` ``[R, L]`` int32: each token's document and
+  branch (-1 on padding). Unshared, every sequence is a document of its own,
+  branch 1. With a shared prompt, consecutive sequences whose prompts are equal
+  form one document: the prompt once (branch 0), then each response (branch
+  ``k``), which attends to the prompt and to itself, never to a sibling
+  (:func:`~zephon_collate.functional.attention.branch_mask_mod`)::
+
+      unshared   [p p a a] [p p b b b]       positions 0 1 2 3 | 0 1 2 3 4
+      shared     [p p a a b b b]             positions 0 1 2 3 2 3 4
+                  0 0 1 1 2 2 2  branch      (each response continues from the prompt)
+
+- ``logits_index`` ``[R, L]`` int64: for every token, the place in its row of
+  the position whose logits predict it (a response's first token is predicted
+  from the prompt's last one), -1 where none does (a document's first token,
+  padding);
+- ``sequence_index`` ``[R, L]`` int64: the sequence a token belongs to, -1 on
+  padding and on a shared prompt; ``num_sequences`` (an int).
+
+A shared-prompt batch has no ``attention_mask`` (a padding mask would let a
+response attend to its sibling): build the attention from the ids
+(:func:`~zephon_collate.functional.attention.dense_branch_mask` for SDPA,
+:func:`~zephon_collate.functional.attention.branch_block_mask` for FlexAttention).
+
+Prompt tokens are never supervised, so every supervised token belongs to one
+sequence. A prompt is shared only when it and the responses are not empty,
+and the sequences agree on it token for token (float fields included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from zephon_collate._read import Ragged
+from zephon_collate.collate._native import Stacked
+from zephon_collate.collate._output import convert
+from zephon_collate.collate.hf import Transformers, TransformersOptions
+from zephon_collate.fields import FloatField
+from zephon_collate.keys import (
+    ATTENTION_MASK,
+    BRANCH_IDS,
+    DOCUMENT_IDS,
+    INPUT_IDS,
+    LOGITS_INDEX,
+    LOSS_MASK,
+    NUM_SEQUENCES,
+    POSITIONS,
+    SEQUENCE_INDEX,
+)
+
+__all__ = [
+    "SEQUENCE_MAP",
+    "SequenceBatch",
+    "Sequences",
+    "gather_spans",
+    "places",
+    "sequence_of",
+    "share_groups",
+    "transformers_options",
+]
+
+SEQUENCE_MAP = (DOCUMENT_IDS, BRANCH_IDS, LOGITS_INDEX, SEQUENCE_INDEX)
+"""The per-token keys of the sequence map (each stored + 1 until stacked, so that padding reads -1)."""
+
+
+def sequence_of(offsets: np.ndarray) -> np.ndarray:
+    """``[N]``: the row of every value of a :class:`Ragged` with these offsets."""
+    return np.repeat(np.arange(len(offsets) - 1, dtype=np.int64), np.diff(offsets))
+
+
+def places(offsets: np.ndarray) -> np.ndarray:
+    """``[N]``: every value's place in its row."""
+    lengths = np.diff(offsets)
+    return np.asarray(np.arange(int(offsets[-1]), dtype=np.int64) - np.repeat(offsets[:-1], lengths))
+
+
+def gather_spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The indices ``starts[i] .. starts[i] + lengths[i] - 1`` of every span, end to end.
+
+    Example:
+        >>> gather_spans(np.array([5, 0, 9]), np.array([2, 0, 3])).tolist()
+        [5, 6, 9, 10, 11]
+    """
+    total = int(lengths.sum())
+    ends = np.cumsum(lengths)
+    return np.asarray(np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths))
+
+
+def transformers_options(
+    owner: str,
+    *,
+    shared_prompt: bool,
+    float_fields: Sequence[str | FloatField] = (),
+    supervision: str | None = None,
+    **layout: Any,
+) -> TransformersOptions:
+    """The :class:`~zephon_collate.TransformersOptions` of a post-training preset (errors name ``owner``).
+
+    A shared prompt needs ``position_ids`` (they continue from the prompt) and
+    cannot be described by ``cu_seq_lens``/``seq_idx``.
+
+    Raises:
+        TypeError, ValueError: for options that do not fit each other or the layout.
+    """
+    if shared_prompt:
+        if layout.get("return_flash_attn_kwargs") or layout.get("return_seq_idx"):
+            raise ValueError(
+                f"{owner}: shared_prompt=True puts several responses after one prompt, which cu_seq_lens and "
+                "seq_idx cannot describe (a varlen kernel would let a response attend to its sibling); build "
+                "the attention from document_ids and branch_ids (attention.branch_block_mask or "
+                "dense_branch_mask), or pass shared_prompt=False"
+            )
+        if layout.get("return_position_ids") is False:
+            raise ValueError(
+                f"{owner}: shared_prompt=True needs position_ids (each response's positions continue from "
+                "the prompt); drop return_position_ids=False"
+            )
+        layout["return_position_ids"] = True
+    try:
+        return TransformersOptions(**layout, supervision=supervision, float_fields=float_fields)
+    except (TypeError, ValueError) as error:
+        raise type(error)(str(error).replace("Collator.for_transformers", owner)) from None
+
+
+@dataclass
+class SequenceBatch:
+    """Sequences to lay out, each a prompt then a response, all per-token fields end to end.
+
+    ``tokens`` (int64) and ``supervised`` (bool) are per token, their offsets
+    the sequences'; ``prompt_lengths`` ``[S]``; ``floats`` per-token float fields
+    (already placed with the unshifted labels), ``per_sequence`` one float per
+    sequence; ``extras`` batch-level outputs (``chosen_index``, ...).
+    """
+
+    tokens: Ragged
+    supervised: Ragged
+    prompt_lengths: np.ndarray
+    floats: dict[str, Ragged] = field(default_factory=dict)
+    per_sequence: dict[str, np.ndarray] = field(default_factory=dict)
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+    broadcast: tuple[str, ...] = ()  # float fields holding one value per sequence, 0 on a shared prompt
+
+    @property
+    def count(self) -> int:
+        return len(self.prompt_lengths)
+
+
+def _spans_equal(
+    values: np.ndarray, first: np.ndarray, second: np.ndarray, lengths: np.ndarray
+) -> np.ndarray:
+    """``[K]`` booleans: do the ``lengths[k]`` values at ``first[k]`` equal those at ``second[k]``?"""
+    if not len(lengths):
+        return np.zeros(0, dtype=bool)
+    differ = values[gather_spans(first, lengths)] != values[gather_spans(second, lengths)]
+    counts = np.bincount(np.repeat(np.arange(len(lengths)), lengths), weights=differ, minlength=len(lengths))
+    return np.asarray(counts == 0)
+
+
+def share_groups(batch: SequenceBatch) -> np.ndarray:
+    """``[S]`` int64: the group of sequences each shares its prompt with (consecutive), -1 for none.
+
+    Consecutive sequences share when their prompts have the same length, hold
+    the same tokens and the same float values there, and each sequence has a
+    prompt and a response. A group of one still lays out as a prompt and one
+    branch (the same attention and positions as unshared).
+    """
+    offsets = batch.tokens.offsets
+    lengths = np.diff(offsets)
+    prompt = batch.prompt_lengths
+    eligible = (prompt > 0) & (lengths > prompt)
+    link = np.zeros(max(batch.count - 1, 0), dtype=bool)
+    if batch.count > 1:
+        link = eligible[:-1] & eligible[1:] & (prompt[:-1] == prompt[1:])
+        pairs = np.flatnonzero(link)
+        starts_a, starts_b, sizes = offsets[pairs], offsets[pairs + 1], prompt[pairs]
+        same = _spans_equal(np.asarray(batch.tokens.values), starts_a, starts_b, sizes)
+        for name, values in batch.floats.items():
+            if name not in batch.broadcast:
+                same &= _spans_equal(np.asarray(values.values), starts_a, starts_b, sizes)
+        link[pairs] = same
+    opens = eligible & ~np.concatenate([[False], link])
+    group = np.cumsum(opens) - 1
+    return np.where(eligible, group, -1).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Sequences(Transformers):
+    """The post-training layout over the ``transformers`` one: see the module doc.
+
+    ``shared_prompt`` lays consecutive sequences with equal prompts out as one
+    document (the prompt once); ``floats`` are the float fields' specs.
+    """
+
+    shared_prompt: bool = False
+    floats: tuple[FloatField, ...] = ()
+
+    def layout(self, batch: SequenceBatch) -> Stacked:
+        """The chain's input for ``batch``: documents, their sequence map, padded or padding-free."""
+        offsets = batch.tokens.offsets
+        seq = sequence_of(offsets)
+        place = places(offsets)
+        prompt = batch.prompt_lengths[seq]
+        group = share_groups(batch) if self.shared_prompt else np.full(batch.count, -1, dtype=np.int64)
+        shared = group >= 0
+        first = np.ones(batch.count, dtype=bool)  # does sequence s open a document?
+        first[1:] = ~(shared[1:] & (group[1:] == group[:-1]))
+        member = np.arange(batch.count) - np.maximum.accumulate(np.where(first, np.arange(batch.count), 0))
+        in_prompt = place < prompt
+        keep = ~(in_prompt & shared[seq] & ~first[seq])  # a shared prompt once, with its first sequence
+        trunk = in_prompt & shared[seq]
+        document = np.cumsum(first) - 1
+        doc = document[seq]
+        branch = np.where(trunk, 0, np.where(shared[seq], member[seq] + 1, 1))
+        sequence_index = np.where(trunk, -1, seq)
+        # Documents as rows of the kept tokens: each token's place in its document.
+        kept = np.flatnonzero(keep)
+        doc_kept = doc[kept]
+        doc_offsets = np.zeros(int(document[-1]) + 2 if batch.count else 1, dtype=np.int64)
+        np.cumsum(np.bincount(doc_kept, minlength=len(doc_offsets) - 1), out=doc_offsets[1:])
+        local = places(doc_offsets)
+        predictor = np.where(
+            place[kept] == 0,
+            -1,
+            np.where(shared[seq[kept]] & (place[kept] == prompt[kept]), prompt[kept] - 1, local - 1),
+        )
+        if self.options.padding_free:  # one row: the place of the predictor in it
+            predictor = np.where(predictor >= 0, predictor + doc_offsets[doc_kept], -1)
+        per_token: dict[str, Ragged] = {
+            INPUT_IDS: Ragged(np.asarray(batch.tokens.values)[kept], doc_offsets),
+            LOSS_MASK: Ragged(np.asarray(batch.supervised.values)[kept], doc_offsets),
+        }
+        if self.options.padding_free or self.options.positions_out:
+            per_token[POSITIONS] = Ragged(place[kept], doc_offsets)
+        for name, values in batch.floats.items():
+            kept_values = np.asarray(values.values)[kept]
+            if name in batch.broadcast:  # one value per sequence: a shared prompt belongs to several
+                kept_values = np.where(trunk[kept], 0, kept_values).astype(kept_values.dtype)
+            per_token[name] = Ragged(kept_values, doc_offsets)
+        # Each + 1: padding, filled with 0, reads -1 once stacked.
+        per_token[DOCUMENT_IDS] = Ragged((doc_kept + 1).astype(np.int32), doc_offsets)
+        per_token[BRANCH_IDS] = Ragged((branch[kept] + 1).astype(np.int32), doc_offsets)
+        per_token[LOGITS_INDEX] = Ragged((predictor + 1).astype(np.int64), doc_offsets)
+        per_token[SEQUENCE_INDEX] = Ragged((sequence_index[kept] + 1).astype(np.int64), doc_offsets)
+        stacked = self._flat(per_token) if self.options.padding_free else self._padded(per_token)
+        data = stacked.data
+        for name in SEQUENCE_MAP:
+            data[name] = data[name] - 1
+        specs = {spec.name: spec for spec in self.floats}
+        for name in batch.floats:
+            if name in specs:
+                data[name] = data[name].to(specs[name].dtype)
+        for name, scalars in batch.per_sequence.items():
+            tensor = torch.from_numpy(np.ascontiguousarray(scalars))
+            data[name] = tensor.to(specs[name].dtype) if name in specs else tensor
+        for name, extra in batch.extras.items():
+            data[name] = torch.from_numpy(np.ascontiguousarray(extra))
+        data[NUM_SEQUENCES] = torch.tensor(batch.count, dtype=torch.int64)
+        return stacked
+
+    def names(self, keys: Sequence[str]) -> list[tuple[str, str]]:
+        """The ``transformers`` outputs, then the sequence map. With a shared prompt there is no
+        ``attention_mask``: a 2-D padding mask would let a response attend to its sibling; the attention
+        comes from ``document_ids`` and ``branch_ids`` (padding is document -1)."""
+        pairs = super().names(keys)
+        return [pair for pair in pairs if pair[1] != ATTENTION_MASK] if self.shared_prompt else pairs
+
+    def assemble(
+        self,
+        per_record: Mapping[str, list[Any]],
+        result: Mapping[str, Any],
+        pairs: Sequence[tuple[str, str]],
+        python_scalars: bool,
+    ) -> dict[str, Any]:
+        """The ``transformers`` outputs, then the sequence map (``num_sequences``: an int)."""
+        out = super().assemble(
+            per_record, result, [p for p in pairs if p[0] != NUM_SEQUENCES], python_scalars
+        )
+        if NUM_SEQUENCES in result:
+            count = result[NUM_SEQUENCES]
+            kind = "numpy" if self.options.return_tensors == "np" else "torch"
+            out[NUM_SEQUENCES] = int(count) if python_scalars else convert(count, kind)
+        return out

@@ -1,0 +1,275 @@
+"""RolloutCollator: RL rollouts (a prompt and a completion, float fields) to one exact training batch.
+
+``Collator.for_rollouts(...)`` takes one example per rollout, as RL stacks keep
+them: ``input_ids`` (prompt + completion), a field that says which tokens are
+the completion (``completion_mask``, ``loss_mask``, ``assistant_masks`` or
+``labels`` with -100, every one given applied, as ``for_transformers`` does;
+at least one is required), an optional ``attention_mask`` (trailing padding,
+dropped) and the ``float_fields`` named: per-token log-probs of the behaviour
+policy, per-token rewards, or one number per rollout (a GRPO advantage,
+``FloatField(name, align="sequence")``, broadcast to its tokens with
+``broadcast=True``). It returns the ``for_transformers`` keys (padded
+``[num_rollouts, L]`` or padding-free ``[1, N]``), each float field placed
+with the unshifted labels (:mod:`zephon_collate.fields`), and the sequence
+map (:mod:`._sequences`); sequence ``i`` is example ``i``.
+
+The prompt of a rollout is its tokens before the first supervised one. With
+``shared_prompt=True``, consecutive rollouts with the same prompt (a GRPO
+group) share it: it is laid out once, each completion after it, attending to
+the prompt and to itself only (the attention from ``document_ids`` and
+``branch_ids``, :mod:`zephon_collate.functional.attention`), its positions
+continuing from the prompt; a per-token float field must then agree on the
+shared prompt (else the prompt is not shared), and a per-sequence one holds 0
+there. Score tokens with :func:`zephon_collate.losses.token_logprobs`, which
+reads ``logits_index``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from zephon_collate._checks import check_bool, suggest_options
+from zephon_collate._read import Ragged
+from zephon_collate._text import shown
+from zephon_collate.collate._native import Stacked
+from zephon_collate.collate._plan import Plans
+from zephon_collate.collate._sequences import (
+    SequenceBatch,
+    Sequences,
+    places,
+    sequence_of,
+    transformers_options,
+)
+from zephon_collate.collate.collator import Collator, CollatorOptions
+from zephon_collate.collate.hf import TRANSFORMERS_COLLATOR_OPTIONS
+from zephon_collate.fields import FloatField, to_label_positions
+from zephon_collate.keys import (
+    ASSISTANT_MASK,
+    ASSISTANT_MASKS,
+    ATTENTION_MASK,
+    COMPLETION_MASK,
+    INPUT_IDS,
+    LABELS,
+    LOSS_MASK,
+    POSITION_IDS,
+    TOKEN_TYPE_IDS,
+)
+from zephon_collate.transforms import Transform
+
+__all__ = ["ROLLOUT_OPTION_NAMES", "RolloutCollator", "RolloutOptions", "Rollouts"]
+
+_OWNER = "Collator.for_rollouts"
+_SUPERVISING = (COMPLETION_MASK, LOSS_MASK, ASSISTANT_MASKS, ASSISTANT_MASK, LABELS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutOptions:
+    """The layout options of :class:`RolloutCollator`, checked once (see it for each one).
+
+    Raises:
+        TypeError, ValueError: for a value of the wrong type, or options that contradict each other.
+    """
+
+    padding_free: bool = False
+    shared_prompt: bool = False
+    pad_token_id: int | None = None
+    pad_to_multiple_of: int | None = None
+    return_position_ids: bool | None = None
+    return_flash_attn_kwargs: bool = False
+    return_seq_idx: bool = False
+    supervision: str | None = None
+    float_fields: Sequence[str | FloatField] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("padding_free", "shared_prompt", "return_flash_attn_kwargs", "return_seq_idx"):
+            object.__setattr__(self, name, check_bool(name, getattr(self, name), owner=_OWNER))
+        if self.supervision is not None and self.supervision not in _SUPERVISING:
+            raise ValueError(
+                f"{_OWNER}: supervision must name the field that marks the completion, one of "
+                f"{_SUPERVISING}, got {shown(self.supervision)}"
+            )
+        object.__setattr__(self, "float_fields", self.transformers().floats)
+
+    @staticmethod
+    def arguments(scope: Mapping[str, Any]) -> dict[str, Any]:
+        """The layout options among ``scope`` (a signature's ``locals()``), by name."""
+        return {name: scope[name] for name in ROLLOUT_OPTION_NAMES}
+
+    def transformers(self) -> Any:
+        """The :class:`~zephon_collate.TransformersOptions` of the underlying layout."""
+        return transformers_options(
+            _OWNER,
+            shared_prompt=self.shared_prompt,
+            float_fields=self.float_fields,
+            supervision=self.supervision,
+            padding_free=self.padding_free,
+            pad_token_id=self.pad_token_id,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            return_position_ids=self.return_position_ids,
+            return_flash_attn_kwargs=self.return_flash_attn_kwargs,
+            return_seq_idx=self.return_seq_idx,
+        )
+
+
+ROLLOUT_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(RolloutOptions) if f.init)
+""":class:`RolloutCollator`'s layout keywords, in its signature's order."""
+
+
+def _prompt_lengths(supervised: Ragged) -> np.ndarray:
+    """``[S]``: each sequence's tokens before its first supervised one."""
+    offsets = supervised.offsets
+    prompt = np.diff(offsets).astype(np.int64)
+    trained = np.flatnonzero(np.asarray(supervised.values))
+    if trained.size:
+        rows = sequence_of(offsets)[trained]
+        np.minimum.at(prompt, rows, places(offsets)[trained])
+    return prompt
+
+
+@dataclass(frozen=True)
+class Rollouts(Sequences):
+    """The rollout layout: one sequence per example (see the module doc)."""
+
+    def _interpret(
+        self,
+        fields: dict[str, Ragged],
+        segment_rows: list[Any] | None,
+        per_sequence: Mapping[str, list[np.ndarray]] | None = None,
+    ) -> Stacked:
+        """The read examples to sequences: supervision, padding dropped, float fields, the layout."""
+        tokens = fields[INPUT_IDS]
+        for name, problem in (
+            (POSITION_IDS, "pre-packed 'position_ids'"),
+            (TOKEN_TYPE_IDS, "'token_type_ids'"),
+        ):
+            if name in fields:
+                raise ValueError(
+                    f"{_OWNER}: the examples carry {problem}; a rollout is one sequence (prompt and "
+                    "completion) for a causal LM: drop the field"
+                )
+        if segment_rows is not None:
+            raise ValueError(
+                f"{_OWNER}: the examples carry 'seq_lengths' (several documents packed in one example); give "
+                "one rollout per example, which this collator packs itself (padding_free=True)"
+            )
+        if not any(name in fields for name in _SUPERVISING):
+            raise ValueError(
+                f"{_OWNER}: the examples carry none of {', '.join(_SUPERVISING)}, so nothing says which "
+                "tokens are the completion; give a completion_mask (1 on completion tokens)"
+            )
+        supervised = self._supervision(fields)
+        floats = {spec.name: fields[spec.name] for spec in self.options.floats if spec.per_token}
+        if ATTENTION_MASK in fields:
+            keep = self._attended(fields[ATTENTION_MASK])
+            if not keep.all():
+                tokens, supervised = tokens.select(keep), supervised.select(keep)
+                floats = {name: values.select(keep) for name, values in floats.items()}
+        starts = places(tokens.offsets) == 0
+        for spec in self.options.floats:
+            if spec.align == "label":  # moved to the token each prediction is scored against
+                floats[spec.name] = to_label_positions(floats[spec.name], starts)
+        batch = SequenceBatch(
+            tokens,
+            Ragged(np.asarray(supervised.values, dtype=bool), tokens.offsets),
+            _prompt_lengths(supervised),
+            floats=floats,
+            per_sequence={name: np.stack(values) for name, values in (per_sequence or {}).items()},
+            broadcast=tuple(spec.name for spec in self.options.floats if spec.broadcast),
+        )
+        return self.layout(batch)
+
+
+class RolloutCollator(Collator):
+    """The ``collate_fn`` of :meth:`Collator.for_rollouts`: RL rollouts to an exact training batch.
+
+    Parameters:
+        tokenizer: a ``transformers`` tokenizer, or ``None``; it gives ``pad_token_id`` where not passed.
+        padding_free: one row ``[1, N]`` with ``position_ids`` instead of padded rows.
+        shared_prompt: lay consecutive rollouts of one prompt out as the prompt once, then each
+            completion (see the module doc).
+        pad_token_id: the id padding gets; required for the padded layout.
+        pad_to_multiple_of: round the padded length (or, padding-free, the row's length) up to a
+            multiple of this.
+        return_position_ids: emit ``position_ids`` (default: padding-free or shared prompt).
+        return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free, unshared).
+        return_seq_idx: emit ``seq_idx`` (padding-free, unshared).
+        supervision: the field that marks the completion, required in every example
+            (``"completion_mask"``, ``"loss_mask"``, ``"assistant_masks"``, ``"labels"``), or ``None``:
+            every such field given is applied, and one is required.
+        float_fields: float example fields (names or :class:`~zephon_collate.FloatField` specs).
+        device, compile, num_boundaries, python_scalars, transforms, chain: as for :class:`Collator`.
+
+    Returns:
+        ``input_ids``, ``attention_mask`` (padded, unshared), ``labels``, ``position_ids`` (when emitted), the
+        flash-attention keys (when asked), each float field (per token, or ``[num_rollouts]``),
+        ``document_ids``, ``branch_ids``, ``logits_index``, ``sequence_index`` and ``num_sequences``.
+
+    Raises:
+        TypeError, ValueError: for bad arguments, and for a bad rollout, naming it and the fix.
+
+    Example:
+        >>> from zephon_collate import Collator, FloatField
+        >>> rollouts = [
+        ...     {"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1], "old": [0, 0, -0.5, -1]},
+        ...     {"input_ids": [1, 2, 5], "completion_mask": [0, 0, 1], "old": [0, 0, -2]},
+        ... ]
+        >>> rollouts[0]["adv"], rollouts[1]["adv"] = 1.0, -1.0  # one advantage per rollout
+        >>> collate = Collator.for_rollouts(
+        ...     padding_free=True, shared_prompt=True, float_fields=["old", FloatField("adv", "sequence")]
+        ... )
+        >>> batch = collate(rollouts)
+        >>> batch["input_ids"].tolist(), batch["position_ids"].tolist(), batch["labels"].tolist()
+        ([[1, 2, 3, 4, 5]], [[0, 1, 2, 3, 2]], [[-100, -100, 3, 4, 5]])
+        >>> batch["old"].tolist(), batch["adv"].tolist(), batch["logits_index"].tolist()
+        ([[0.0, 0.0, -0.5, -1.0, -2.0]], [1.0, -1.0], [[-1, 0, 1, 2, 1]])
+    """
+
+    @suggest_options(_OWNER)
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        *,
+        padding_free: bool = False,
+        shared_prompt: bool = False,
+        pad_token_id: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        return_position_ids: bool | None = None,
+        return_flash_attn_kwargs: bool = False,
+        return_seq_idx: bool = False,
+        supervision: str | None = None,
+        float_fields: Sequence[str | FloatField] = (),
+        device: str | torch.device | None = None,
+        compile: bool = False,
+        num_boundaries: int | None = None,
+        python_scalars: bool = True,
+        transforms: Sequence[Transform] = (),
+        chain: Sequence[Transform] | None = None,
+    ) -> None:
+        scope = locals()
+        arguments = RolloutOptions.arguments(scope)
+        if arguments["pad_token_id"] is None and tokenizer is not None:
+            arguments["pad_token_id"] = getattr(tokenizer, "pad_token_id", None)
+        self.rollout_options = RolloutOptions(**arguments)
+        self.settings = CollatorOptions(**{name: scope[name] for name in TRANSFORMERS_COLLATOR_OPTIONS})
+        options = self.rollout_options
+        transformers = options.transformers()
+        self.layout = Rollouts(
+            transformers,
+            "right",
+            self.settings.num_boundaries,
+            shared_prompt=options.shared_prompt,
+            floats=transformers.floats,
+        )
+        self._plans = Plans()
+
+    def __repr__(self) -> str:
+        return f"{_OWNER}({self.rollout_options}, settings={self.settings})"
+
+
+Collator.for_rollouts = RolloutCollator
