@@ -521,3 +521,61 @@ def test_options_by_hand() -> None:
     assert out["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 0]]
     assert out["labels"].tolist() == [[-100, -100, 7, 8, 9, -100, 11, -100]]
     assert out["seq_idx"].tolist() == [[0, 0, 0, 0, 0, 1, 1, 2]]
+
+
+def test_static_boundary_count_is_checked_in_every_path():
+    """num_boundaries is checked where the batch is read: in one call as in stack/finish, on the host
+    pass and the torch chain alike (a call used to lose the documents beyond the count silently)."""
+    from zephon_collate import use_host_pass
+
+    collate = Collator.for_transformers(padding_free=True, return_flash_attn_kwargs=True, num_boundaries=3)
+    three = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}, {"input_ids": [6]}]
+    for host in (True, False):
+        with use_host_pass(host):
+            with pytest.raises(ValueError, match="3 segments, more than num_boundaries - 1 = 2"):
+                collate(three)
+            with pytest.raises(ValueError, match="3 segments"):
+                collate.stack(three)
+            assert collate(three[:2])["cu_seq_lens_q"].tolist() == [0, 3, 5]
+
+
+def test_a_chain_of_yours_names_the_outputs_it_makes():
+    """chain= replaces the built-in chain: the outputs are those it leaves, in Hugging Face's names
+    (it used to fail with a raw KeyError on the outputs the built-in chain would have made)."""
+    from zephon_collate import CuSeqlens, UnshiftedLabels
+
+    examples = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]
+    flat = Collator.for_transformers(
+        padding_free=True, return_flash_attn_kwargs=True, chain=[CuSeqlens(flatten=True)]
+    )
+    out = flat(examples)
+    assert list(out) == [
+        "input_ids",
+        "position_ids",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+    ]
+    assert out["cu_seq_lens_q"].tolist() == [0, 3, 5] and out["max_length_q"] == 3
+    padded = Collator.for_transformers(pad_token_id=0, chain=[UnshiftedLabels()])(examples)
+    assert list(padded) == ["input_ids", "labels"]
+    assert padded["labels"].tolist() == [[1, 2, 3], [4, 5, 0]]  # no LossMask in your chain: nothing masked
+
+
+def test_separator_id_marks_documents_not_padding():
+    """separator_id goes on each document's first label; padding (pad_to_multiple_of, each pad a
+    segment of its own) keeps label_pad_token_id, on the host pass and the torch chain."""
+    from zephon_collate import use_host_pass
+
+    examples = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]
+    for host in (True, False):
+        with use_host_pass(host):
+            collate = Collator.for_transformers(
+                padding_free=True, pad_token_id=0, pad_to_multiple_of=8, separator_id=-7
+            )
+            assert collate(examples)["labels"].tolist() == [[-7, 6, 7, -7, 9, -100, -100, -100]]
+            np_out = Collator.for_transformers(
+                padding_free=True, pad_token_id=0, pad_to_multiple_of=8, separator_id=-7, return_tensors="np"
+            )(examples)
+            assert np_out["labels"].tolist() == [[-7, 6, 7, -7, 9, -100, -100, -100]]

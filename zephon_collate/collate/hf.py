@@ -64,7 +64,13 @@ from typing import Any, Literal, cast
 import numpy as np
 import torch
 
-from zephon_collate._checks import check_bool, check_ignore_index, check_int, suggest_options
+from zephon_collate._checks import (
+    check_bool,
+    check_eos_token_id,
+    check_ignore_index,
+    check_int,
+    suggest_options,
+)
 from zephon_collate._read import (
     MISSING,
     Ragged,
@@ -346,9 +352,10 @@ class TransformersOptions:
             put(self, "pad_to_multiple_of", multiple)
         if self.pad_token_id is not None:
             put(self, "pad_token_id", check_int(_OWNER, "pad_token_id", self.pad_token_id, 0))
-        for name in ("eos_token_id", "separator_id"):
-            if getattr(self, name) is not None:
-                put(self, name, check_ignore_index(getattr(self, name), owner=_OWNER).__int__())
+        if self.eos_token_id is not None:  # a token id: >= 0 (a negative one would match no token)
+            put(self, "eos_token_id", check_eos_token_id(self.eos_token_id, owner=_OWNER))
+        if self.separator_id is not None:  # a label value: -100 and other negatives allowed
+            put(self, "separator_id", check_ignore_index(self.separator_id, owner=_OWNER))
         put(self, "label_pad_token_id", check_ignore_index(self.label_pad_token_id, owner=_OWNER))
         put(self, "position_ids_start", check_int(_OWNER, "position_ids_start", self.position_ids_start, 0))
         if self.return_position_ids is not None:
@@ -877,6 +884,7 @@ class Transformers:
         if options.padding_free and TOKEN_TYPE_IDS in keys:
             pairs.append((TOKEN_TYPE_IDS, TOKEN_TYPE_IDS))
         known = {key for key, _ in pairs} | {LOSS_MASK, PADDING_LENGTH, PADDING_MASK, POSITIONS}
+        pairs = [(key, name) for key, name in pairs if key in keys]  # a chain of yours may make fewer
         pairs += [(key, key) for key in keys if key not in known]  # what transforms of yours add
         return pairs
 
@@ -901,7 +909,7 @@ class Transformers:
             if key == POSITIONS and options.position_ids_start:
                 value = value + options.position_ids_start
             if key == LABELS and options.separator_id is not None and options.padding_free:
-                value = _separated(value, result[POSITIONS], options.separator_id)
+                value = _separated(value, result[POSITIONS], result[PADDING_LENGTH], options.separator_id)
             out[name] = convert(value, kind)
         return out
 
@@ -912,7 +920,8 @@ class Transformers:
         raise AssertionError("unreachable: read refuses an empty batch")  # pragma: no cover
 
     def stack(self, samples: object) -> Stacked:
-        """:meth:`read` for ``Collator.stack``: one batch, its static boundaries checked."""
+        """:meth:`read` for ``Collator.stack`` and the one-step path: one batch, its static
+        boundaries checked (a row with more documents than ``num_boundaries`` allows is named)."""
         batch = self.read(samples)[0]
         if self.num_boundaries is not None and self.options.return_flash_attn_kwargs:
             check_boundary_count(batch.data[POSITIONS], True, self.num_boundaries, _names)
@@ -920,7 +929,7 @@ class Transformers:
 
     def collate(self, samples: object, plan: Any, *, python_scalars: bool = True) -> dict[str, Any]:
         """The one-step path: read, stack, run ``plan(keys)``, assemble."""
-        batch = self.read(samples)[0]
+        batch = self.stack(samples)
         chosen: Plan = plan(tuple(batch.data))
         return self.assemble(batch.per_record, chosen.run(batch.data), chosen.pairs, python_scalars)
 
@@ -942,12 +951,20 @@ def _restarting(offsets: np.ndarray) -> Ragged:
     return Ragged(np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1], lengths), offsets)
 
 
-def _separated(labels: Any, positions: Any, separator: int) -> Any:
-    """``labels`` with ``separator`` at each segment's first token (``DataCollatorWithFlattening``'s
-    ``separator_id``)."""
+def _separated(labels: Any, positions: Any, padding: Any, separator: int) -> Any:
+    """``labels`` with ``separator`` at each document's first token (``DataCollatorWithFlattening``'s
+    ``separator_id``); the trailing ``padding`` tokens (``pad_to_multiple_of``, each a segment of
+    its own) keep their label."""
     if isinstance(labels, np.ndarray):
-        return np.where(_host.segment_starts(np.asarray(positions)), labels.dtype.type(separator), labels)
-    return labels.masked_fill(segment_starts(positions), separator)
+        width = labels.shape[-1]
+        real = np.arange(width) < width - np.asarray(padding).reshape(-1, 1)
+        starts = _host.segment_starts(np.asarray(positions)) & real
+        return np.where(starts, labels.dtype.type(separator), labels)
+    width = labels.shape[-1]
+    real = torch.arange(width, device=labels.device) < width - torch.as_tensor(
+        padding, device=labels.device
+    ).reshape(-1, 1)
+    return labels.masked_fill(segment_starts(positions) & real, separator)
 
 
 def _check_model(model: Any) -> None:
