@@ -720,8 +720,8 @@ class Transformers:
 
     def _check_one_document(self, positions: Ragged) -> None:
         """Padded rows must hold one document each: packed rows would attend across their documents."""
-        starts = np.flatnonzero(positions.values == 0)
-        inner = starts[~np.isin(starts, positions.offsets)]
+        inner = np.flatnonzero(_sequence_starts({INPUT_IDS: positions, POSITIONS: positions}))
+        inner = inner[~np.isin(inner, positions.offsets)]  # a start that is not its example's first token
         if inner.size:
             row = row_of(positions.offsets, int(inner[0]))
             raise ValueError(
@@ -935,7 +935,8 @@ class Transformers:
 
 
 def _sequence_starts(per_token: Mapping[str, Ragged]) -> np.ndarray:
-    """``[N]`` booleans: each example's first token, and each packed document's (``positions == 0``)."""
+    """``[N]`` booleans: each example's first token, and each packed document's (``positions == 0``):
+    the segment rule (:func:`~zephon_collate.functional.segment_starts`) on ragged examples."""
     tokens = per_token[INPUT_IDS]
     starts = np.zeros(tokens.values.shape[0], dtype=bool)
     starts[tokens.offsets[:-1][tokens.lengths > 0]] = True
