@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "zephon_collate"
 LEVELS = [
     {"keys", "_text"},
     {"records"},
-    {"_checks", "_read"},
+    {"_checks", "_read", "_columns"},
     {"functional"},
     {"transforms"},
     {"collate", "types"},
