@@ -1322,7 +1322,7 @@ def test_flat_packer_stream_of_wrong_type():
         )
     raises(
         TypeError,
-        r"FlatPacker: item 1 of the stream must be a SampleRecord, got dict",
+        r"FlatPacker: item 1 of the stream must be a SampleRecord or a columnar batch .*, got dict",
         lambda: list(FlatPacker(4, pad_token_id=0).pack([DOCS[0], {"input_ids": [1]}])),
     )
 

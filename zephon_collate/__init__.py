@@ -18,6 +18,7 @@ layout, the worker transfer),
 from zephon_collate.collate import (
     Collator,
     CollatorOptions,
+    ColumnarDataset,
     StackedBatch,
     TrainingOptions,
     TransformersCollator,
@@ -30,6 +31,7 @@ from zephon_collate.functional import attention
 from zephon_collate.inspection.leakage import check_no_leakage
 from zephon_collate.inspection.render import render_batch, render_batch_png
 from zephon_collate.inspection.rows import batch_warnings
+from zephon_collate.packing.columns import PackedColumns, pack_columns
 from zephon_collate.packing.pack_flat import pack_flat
 from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.packing.stream import PackedStream
@@ -90,6 +92,7 @@ __all__ = [
     "ChunkOffset",
     "Collator",
     "CollatorOptions",
+    "ColumnarDataset",
     "ComponentId",
     "ContextParallelShard",
     "ContributorRef",
@@ -104,6 +107,7 @@ __all__ = [
     "LineageIndex",
     "LocalSampleId",
     "LossMask",
+    "PackedColumns",
     "PackedStream",
     "PaddingMask",
     "Positions",
@@ -130,6 +134,7 @@ __all__ = [
     "gather_context_parallel",
     "global_num_valid_tokens",
     "normalize_loss",
+    "pack_columns",
     "pack_flat",
     "plan_balance",
     "render_batch",

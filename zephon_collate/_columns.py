@@ -33,7 +33,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
@@ -41,7 +41,11 @@ import torch
 from zephon_collate._read import Kind, Names, Ragged, Row, as_numpy, to_row
 from zephon_collate._text import shown, shown_fields
 
-__all__ = ["ARROW_EXTRA", "Columns", "columns_of", "example_names", "is_columnar"]
+__all__ = ["ARROW_EXTRA", "ColumnarBatch", "Columns", "columns_of", "example_names", "is_columnar"]
+
+ColumnarBatch: TypeAlias = Any
+"""A columnar batch (see the module doc): a ``pyarrow.Table`` or ``RecordBatch``, a list of them, an
+object with ``__arrow_c_stream__``, or a dict of Arrow columns, ``(values, offsets)`` pairs and 1-D arrays."""
 
 ARROW_EXTRA = "pip install 'zephon_collate[arrow]'"
 """How to install what Arrow input needs (quoted by the error raised without ``pyarrow``)."""

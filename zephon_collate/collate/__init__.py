@@ -12,10 +12,13 @@ worker transfer.
 - :mod:`~zephon_collate.collate.hf`: ``Collator.for_transformers``, Hugging Face examples to a
   ``transformers`` batch, over the same machinery.
 - :mod:`~zephon_collate.collate.transfer`: what a worker sends, as one narrow buffer.
+- :mod:`~zephon_collate.collate.columnar`: ``ColumnarDataset``, a ``datasets.Dataset`` handing over
+  whole batches of columns (read by :mod:`zephon_collate._columns`).
 """
 
 from zephon_collate.collate._host import use_host_pass
 from zephon_collate.collate.collator import Collator, CollatorOptions
+from zephon_collate.collate.columnar import ColumnarDataset
 from zephon_collate.collate.hf import TransformersCollator, TransformersOptions
 from zephon_collate.collate.options import TrainingOptions
 from zephon_collate.collate.sample_batch import SampleBatch, stack_batch, to_training
@@ -24,6 +27,7 @@ from zephon_collate.collate.transfer import StackedBatch
 __all__ = [
     "Collator",
     "CollatorOptions",
+    "ColumnarDataset",
     "SampleBatch",
     "StackedBatch",
     "TrainingOptions",

@@ -415,9 +415,12 @@ class Native:
     def read_columns(self, columns: Columns, *, ragged: bool = False) -> list[Stacked]:
         """:meth:`read` of a columnar batch (non-empty): the same fields, read column by column.
 
-        Its rows are named ``example 3``; each has ``ids`` ``(0, 0, index)`` and
-        no padding (as plain payloads have), ``texts`` from a ``"text"`` column;
-        a columnar batch carries no records, so the batch's ``metas`` are empty.
+        Its rows are named ``example 3``; each has ``ids`` ``(0, 0, index)``,
+        ``texts`` from a ``"text"`` column, and the trailing padding a
+        ``"_padding_length"`` column gives (``meta.padding_length``'s tag, as
+        :class:`~zephon_collate.packing.columns.PackedColumns` writes it), else
+        none, as plain payloads have; a columnar batch carries no records, so the
+        batch's ``metas`` are empty.
 
         Raises:
             TypeError, ValueError: as :meth:`read`; ImportError for Arrow data without ``pyarrow``.
@@ -454,6 +457,16 @@ class Native:
                 self._check_unused(views, tokens, per_token, per_record, names)
         self._check_values(per_token, names)
         padding_length = np.zeros(columns.rows, dtype=np.int64)
+        if PADDING_LENGTH_TAG in columns and (options.needs_padding_lengths or self.check_padding):
+            padding_length = columns.values(PADDING_LENGTH_TAG, "ids", names).astype(np.int64)
+            bad = np.flatnonzero((padding_length < 0) | (padding_length > lengths))
+            if bad.size:
+                index = int(bad[0])
+                raise ValueError(
+                    f"{names(index)}: field {shown(PADDING_LENGTH_TAG)} (the trailing padding) is "
+                    f"{int(padding_length[index])} but must be from 0 to the token row's length "
+                    f"{int(lengths[index])}"
+                )
         ids = [(0, 0, index) for index in range(columns.rows)]
         texts = columns.pylist(TEXT) if TEXT in columns else [None] * columns.rows
         per_record_out = per_record_outputs(ids, texts)

@@ -16,10 +16,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from zephon_collate._checks import suggest_options
+from zephon_collate._columns import ColumnarBatch, Columns, columns_of, example_names
 from zephon_collate._text import shown
 from zephon_collate.keys import INPUT_IDS
 from zephon_collate.packing.reader import REQUIRED, STREAM_BUFFER_SIZE, PackOptions, Reader
-from zephon_collate.packing.rows import Engine, build_row, split_document
+from zephon_collate.packing.rows import Base, Engine, build_row, cut_document, split_document
 from zephon_collate.packing.state import check_count, corrupt, piece_state, pieces_from_state, same_value
 from zephon_collate.records import SampleRecord
 
@@ -49,6 +50,13 @@ class FlatPacker:
     * The packer keeps views of the input arrays until their row is emitted;
       do not write into them in the meantime. Run one :meth:`pack` at a time,
       and restore a state before calling it.
+    * The stream may hold columnar batches of documents (a ``pyarrow.Table``,
+      a dict of ``(values, offsets)`` pairs, ...: see ``Collator``), as
+      ``dataset.with_format("arrow").iter(batch_size)`` yields them: each is read
+      and checked at once, then packed document by document. Document ``i`` of
+      the stream (counting every record and every row of every batch) is named
+      ``example i`` and has ``SampleMeta((0, 0, i), 0, 0, i)``, as a plain payload
+      at that place would; ``records_consumed`` counts documents.
 
     Parameters:
         seq_len, pad_token_id, emit_positions, tokens_field, strategy, overflow, fields:
@@ -110,7 +118,7 @@ class FlatPacker:
         """Rows yielded so far."""
         return self._emitted
 
-    def pack(self, records: Iterable[SampleRecord]) -> Iterator[SampleRecord]:
+    def pack(self, records: Iterable[SampleRecord | ColumnarBatch]) -> Iterator[SampleRecord]:
         """Yield packed rows from ``records``, as soon as each is closed; the end of ``records`` flushes.
 
         Rows already closed (from a restored state) come first. Each record
@@ -123,10 +131,14 @@ class FlatPacker:
         yield from self._drain()
         for record in records:
             if not isinstance(record, SampleRecord):
-                raise TypeError(
-                    f"FlatPacker: item {self._consumed} of the stream must be a SampleRecord, "
-                    f"got {type(record).__name__}"
-                )
+                columns = columns_of(record)
+                if columns is None:
+                    raise TypeError(
+                        f"FlatPacker: item {self._consumed} of the stream must be a SampleRecord or a "
+                        f"columnar batch of documents (a pyarrow.Table, ...), got {type(record).__name__}"
+                    )
+                yield from self._pack_columns(columns)
+                continue
             if record.meta.is_flush_sentinel:
                 self._engine.flush()
             elif not record.meta.tombstone and (document := self._reader.read(record, self._consumed)):
@@ -135,6 +147,23 @@ class FlatPacker:
             yield from self._drain()
         self._engine.flush()
         yield from self._drain()
+
+    def _pack_columns(self, columns: Columns) -> Iterator[SampleRecord]:
+        """The documents of a columnar batch, read at once, then pushed one by one."""
+        first = self._consumed
+        tokens, fields = self._reader.read_columns(columns, first)
+        starts, ends = tokens.offsets[:-1].tolist(), tokens.offsets[1:].tolist()
+        values = tokens.host
+        hosts = {name: field.host for name, field in fields.items()}
+        for row, (start, end) in enumerate(zip(starts, ends, strict=True)):
+            index = first + row
+            if end > start:
+                base = Base((0, 0, index), 0, 0, index, (), {})
+                piece_fields = {name: field[start:end] for name, field in hosts.items()}
+                where = lambda index=index: example_names(index)  # noqa: E731
+                self._engine.push(cut_document(base, where, values[start:end], piece_fields, self.options))
+            self._consumed += 1
+            yield from self._drain()
 
     def _drain(self) -> Iterator[SampleRecord]:
         ready = self._engine.ready

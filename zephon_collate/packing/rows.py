@@ -12,15 +12,15 @@ save and restore them.
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from zephon_collate._read import describe_record
 from zephon_collate.keys import LOSS_MASK, POSITIONS
+from zephon_collate.packing._plan import best_fit_rows, greedy_breaks
 from zephon_collate.packing.reader import PackOptions
 from zephon_collate.records import (
     CONTRIBUTORS_TAG,
@@ -31,7 +31,7 @@ from zephon_collate.records import (
     SampleRecord,
 )
 
-__all__ = ["Base", "Engine", "Piece", "build_row", "split_document"]
+__all__ = ["Base", "Engine", "Piece", "build_row", "cut_document", "refuse_cut_prompt", "split_document"]
 
 
 class Base(NamedTuple):
@@ -64,17 +64,6 @@ def split_document(
         ValueError: with ``overflow="auto"``, for a document longer than ``seq_len`` whose
             ``loss_mask`` has a 0: cut, its response would be trained without its prompt.
     """
-    size = options.seq_len
-    overflow = options.overflow
-    if overflow == "auto" and tokens.size > size:
-        mask = fields.get(LOSS_MASK)
-        if mask is not None and not mask.all():
-            raise ValueError(
-                f"{describe_record(index, record)}: has {tokens.size} tokens, more than seq_len={size}, "
-                "and a prompt (0s in its loss_mask); cut, its response would be trained without its "
-                "prompt. Drop or shorten such documents, raise seq_len, or pass overflow='truncate' "
-                "(keep the head) or overflow='split' (cut into segments)"
-            )
     meta = record.meta
     base = Base(
         meta.sample_id,
@@ -84,6 +73,32 @@ def split_document(
         meta.lineage,
         dict(meta.component_sample_counts),
     )
+    return cut_document(base, lambda: describe_record(index, record), tokens, fields, options)
+
+
+def refuse_cut_prompt(where: str, length: int, seq_len: int) -> ValueError:
+    """The error of ``overflow="auto"`` for a document of ``length`` tokens with a prompt."""
+    return ValueError(
+        f"{where}: has {length} tokens, more than seq_len={seq_len}, and a prompt (0s in its loss_mask); "
+        "cut, its response would be trained without its prompt. Drop or shorten such documents, raise "
+        "seq_len, or pass overflow='truncate' (keep the head) or overflow='split' (cut into segments)"
+    )
+
+
+def cut_document(
+    base: Base,
+    where: Callable[[], str],
+    tokens: np.ndarray,
+    fields: dict[str, np.ndarray],
+    options: PackOptions,
+) -> list[Piece]:
+    """:func:`split_document` of a document known by its ``base`` (``where()`` names it in errors)."""
+    size = options.seq_len
+    overflow = options.overflow
+    if overflow == "auto" and tokens.size > size:
+        mask = fields.get(LOSS_MASK)
+        if mask is not None and not mask.all():
+            raise refuse_cut_prompt(where(), tokens.size, size)
     count = 1 if overflow == "truncate" else -(-tokens.size // size)
     cuts = [slice(i * size, (i + 1) * size) for i in range(count)]
     return [
@@ -102,19 +117,23 @@ class Engine:
         self.used = 0
         self.ready: deque[list[Piece]] = deque()
 
-    def push(self, pieces: Iterable[Piece]) -> None:
-        for piece in pieces:
-            if self.best_fit:
+    def push(self, pieces: Sequence[Piece]) -> None:
+        if self.best_fit:
+            for piece in pieces:
                 self.pending.append(piece)
                 if len(self.pending) >= self.buffer_size:
                     self.flush()
-                continue
-            if self.used + piece.tokens.size > self.seq_len:
-                self.flush()
-            self.pending.append(piece)
-            self.used += piece.tokens.size
-            if self.used == self.seq_len:
-                self.flush()
+            return
+        lengths = [piece.tokens.size for piece in pieces]
+        start = 0
+        for end in greedy_breaks(lengths, self.seq_len, self.used):  # each break closes the open row
+            self.pending.extend(pieces[start:end])
+            self.flush()
+            start = end
+        self.pending.extend(pieces[start:])
+        self.used += sum(lengths[start:])
+        if self.used == self.seq_len:
+            self.flush()
 
     def flush(self) -> None:
         """Close every pending row (best fit: place the buffer first)."""
@@ -125,21 +144,8 @@ class Engine:
         self.pending, self.used = [], 0
 
     def _best_fit_decreasing(self, pieces: list[Piece]) -> list[list[Piece]]:
-        rows: list[list[Piece]] = []
-        free: list[tuple[int, int]] = []  # (space left, row index), sorted: least space, earliest row first
-        for piece in sorted(pieces, key=lambda p: -p.tokens.size):
-            size = piece.tokens.size
-            slot = bisect.bisect_left(free, (size, -1))
-            if slot == len(free):
-                rows.append([piece])
-                left, row = self.seq_len - size, len(rows) - 1
-            else:
-                space, row = free.pop(slot)
-                rows[row].append(piece)
-                left = space - size
-            if left:
-                bisect.insort(free, (left, row))
-        return rows
+        rows = best_fit_rows([piece.tokens.size for piece in pieces], self.seq_len)
+        return [[pieces[index] for index in row] for row in rows]
 
 
 def _token_split(counts: Mapping[int, int], size: int) -> dict[int, int]:
