@@ -4,10 +4,13 @@ The chat dataset, tokenizer and model of ``hf_trainer.py`` (built here, nothing
 is downloaded), trained padding-free twice: once from the ``datasets.Dataset``
 itself (examples as dicts, ``remove_unused_columns=False`` so that the
 ``assistant_masks`` column survives), once from ``ColumnarDataset(dataset)``
-with Trainer's defaults: each step's batch arrives as one Arrow table and is
-read column by column. ``Trainer`` cannot drop the ``assistant_masks`` column
-there (the wrapper is not a ``datasets.Dataset``, and its batch is not an
-example dict), so the same tokens are trained: both runs log the same losses.
+with Trainer's defaults: each step's batch arrives as one columnar batch (a
+``ColumnBatch`` of ``(values, offsets)`` pairs) and is read column by column.
+``Trainer`` cannot drop the ``assistant_masks`` column there (the wrapper is
+not a ``datasets.Dataset``, and its batch is not an example dict), so the same
+tokens are trained: both runs log the same losses. The collator is told
+``supervision="assistant_masks"``: a batch without that column would be
+refused, never trained whole.
 
 Needs the ``hf`` and ``arrow`` extras: pip install -e ".[hf,arrow]"
 Run: python examples/columnar_trainer.py [--steps 60]
@@ -80,9 +83,8 @@ def main() -> None:
     dataset = chat_dataset(tokenizer, count=2048).shuffle(seed=0)  # an indices mapping, as shuffled sets have
     columnar = ColumnarDataset(dataset)
     batch = columnar.__getitems__([0, 1])
-    print(
-        f"one batch: {type(batch[0]).__name__} of {batch[0].num_rows} rows, columns {batch[0].column_names}"
-    )
+    values, offsets = batch[0]["input_ids"]
+    print(f"one batch: {batch[0]!r}, {len(offsets) - 1} rows, {len(values)} tokens")
     rows = train(dataset, len(tokenizer), args.steps, remove_unused_columns=False)
     columns = train(columnar, len(tokenizer), args.steps)  # Trainer's defaults: remove_unused_columns=True
     for name, losses in (("examples", rows), ("columns", columns)):

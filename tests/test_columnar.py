@@ -263,17 +263,17 @@ def test_int32_and_int64_offsets(kind):
 
 
 class WatchedChunks:
-    """A chunked column that records how it is read: it has ``chunks`` and refuses to be combined."""
+    """A chunked column that records how it is read: chunk by chunk; it refuses to be combined."""
 
     __module__ = "pyarrow.lib"  # read as an Arrow object
 
     def __init__(self, chunked: Any) -> None:
         self.chunked, self.reads = chunked, 0
+        self.num_chunks = chunked.num_chunks
 
-    @property
-    def chunks(self) -> list[Any]:
+    def chunk(self, index: int) -> Any:
         self.reads += 1
-        return self.chunked.chunks
+        return self.chunked.chunk(index)
 
     def __len__(self) -> int:
         return len(self.chunked)
@@ -289,7 +289,7 @@ def test_chunked_columns_are_read_chunk_by_chunk_without_combine_chunks():
     assert _flat(table)["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10]]
     watched = WatchedChunks(pa.chunked_array([pa.array(ROWS[:2]), pa.array(ROWS[2:]).slice(0)]))
     out = _flat({"input_ids": watched})  # any use of combine_chunks would raise
-    assert out["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10]] and watched.reads == 1
+    assert out["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10]] and watched.reads == 2  # each chunk once
     assert out["cu_seq_lens_q"].tolist() == [0, 3, 4, 6]
 
 
@@ -418,9 +418,13 @@ def test_columnar_dataset_honours_the_indices_mapping():
     dataset = _dataset().shuffle(seed=3).select(range(5, 25))
     wrapper = ColumnarDataset(dataset, columns=["input_ids", "labels"])
     assert len(wrapper) == 20
-    [table] = wrapper.__getitems__([0, 19, 4, -1])
-    assert table.column("input_ids").to_pylist() == [dataset[i]["input_ids"] for i in (0, 19, 4, 19)]
-    assert table.column_names == ["input_ids", "labels"]
+    [batch] = wrapper.__getitems__([0, 19, 4, -1])
+    values, offsets = batch["input_ids"]
+    rows = [values[a:b].tolist() for a, b in itertools.pairwise(offsets)]
+    assert rows == [dataset[i]["input_ids"] for i in (0, 19, 4, 19)]
+    assert list(batch) == ["input_ids", "labels"] and not isinstance(batch, dict)
+    [text] = ColumnarDataset(dataset, columns=["text"]).__getitems__([3, 0])
+    assert text["text"].to_pylist() == [dataset[3]["text"], dataset[0]["text"]]  # other columns: Arrow
     with pytest.raises(IndexError, match="index 20 is out of range for 20 rows"):
         wrapper.__getitems__([20])
 
@@ -542,34 +546,67 @@ def test_pack_columns_hits_the_goal_shape():
 # --- bad columnar input -------------------------------------------------------------------------
 
 
-def test_bad_columnar_batches_are_refused_naming_the_field():
-    flat = Collator.for_transformers(padding_free=True)
+FLAT = Collator.for_transformers(padding_free=True)
+
+
+def test_columns_mixed_with_python_lists_are_refused():
     with pytest.raises(
         TypeError, match="field 'labels' is a list, while the batch's other fields are columns"
     ):
-        flat({"input_ids": (np.array([1, 2]), np.array([0, 2])), "labels": [[1, 2]]})
+        FLAT({"input_ids": (np.array([1, 2]), np.array([0, 2])), "labels": [[1, 2]]})
+
+
+def test_pair_offsets_that_do_not_fit_their_values_name_the_row():
     with pytest.raises(ValueError, match="example 1: field 'input_ids': the offsets of its"):
-        flat({"input_ids": (np.array([1, 2, 3]), np.array([0, 2, 1]))})
+        FLAT({"input_ids": (np.array([1, 2, 3]), np.array([0, 2, 1]))})
+    with pytest.raises(ValueError, match=r"the offsets of its .* at most the 3 values"):
+        FLAT({"input_ids": (np.array([1, 2, 3]), np.array([0, 2, 4]))})
+    with pytest.raises(
+        TypeError, match="offsets of a \\(values, offsets\\) pair must be a 1-D integer array"
+    ):
+        FLAT({"input_ids": (np.array([1, 2, 3]), np.array([0.0, 3.0]))})
+
+
+def test_columns_that_are_not_lists_of_numbers_are_refused():
     with pytest.raises(TypeError, match="Arrow column of type string"):
-        flat(pa.table({"input_ids": ["a", "b"]}))
+        FLAT(pa.table({"input_ids": ["a", "b"]}))
     with pytest.raises(TypeError, match="a list of lists per example"):
-        flat(pa.table({"input_ids": [[[1, 2]], [[3]]]}))
+        FLAT(pa.table({"input_ids": [[[1, 2]], [[3]]]}))
     with pytest.raises(TypeError, match="integer token ids"):
-        flat(pa.table({"input_ids": [[1.5, 2.0]]}))
+        FLAT(pa.table({"input_ids": [[1.5, 2.0]]}))
+    with pytest.raises(TypeError, match="a column of one int64 per example"):
+        FLAT(pa.table({"input_ids": [1, 2]}))
+
+
+def test_columns_of_different_lengths_are_refused():
     with pytest.raises(ValueError, match="the columns of the batch differ in length"):
-        flat({"input_ids": pa.array([[1], [2]]), "labels": pa.array([[1]])})
+        FLAT({"input_ids": pa.array([[1], [2]]), "labels": pa.array([[1]])})
+
+
+def test_a_table_iterated_into_nameless_columns_names_remove_unused_columns():
     with pytest.raises(TypeError, match="a list of Arrow columns without their names"):
-        flat(list(pa.table({"input_ids": [[1, 2]]})))
+        FLAT(list(pa.table({"input_ids": [[1, 2]]})))
+
+
+def test_empty_columnar_batches_and_missing_token_columns():
     with pytest.raises(ValueError, match="the batch holds no examples"):
-        flat(pa.table({"input_ids": pa.array([], type=pa.list_(pa.int64()))}))
+        FLAT(pa.table({"input_ids": pa.array([], type=pa.list_(pa.int64()))}))
     with pytest.raises(ValueError, match="example 0: has no 'input_ids'"):
-        flat(pa.table({"ids_": [[1, 2]]}))
+        FLAT(pa.table({"ids_": [[1, 2]]}))
+    assert Collator()(pa.table({"input_ids": pa.array([], type=pa.list_(pa.int64()))}))["input_ids"] == []
+    with pytest.raises(ValueError, match="example 0: payload lacks field 'positions'"):
+        Collator(return_cu_seqlens=True)(pa.table({"input_ids": [[1, 2]]}))
+
+
+def test_packers_and_the_wrapper_refuse_what_is_not_columns():
     with pytest.raises(TypeError, match="pack_columns: documents must be a columnar batch"):
         pack_columns([{"input_ids": [1, 2]}], 4, pad_token_id=0)
     with pytest.raises(TypeError, match=r"expected a datasets\.Dataset or a pyarrow\.Table"):
         ColumnarDataset([{"input_ids": [1]}])
     with pytest.raises(ValueError, match="the dataset has no column 'labels'"):
         ColumnarDataset(pa.table({"input_ids": [[1]]}), columns=["labels"])
+    with pytest.raises(IndexError, match="index 3 is out of range for 1 rows"):
+        ColumnarDataset(pa.table({"input_ids": [[1]]})).__getitems__([0, 3])
 
 
 def test_padding_length_column_is_checked_like_meta_padding_length():
@@ -582,3 +619,30 @@ def test_padding_length_column_is_checked_like_meta_padding_length():
     batch["_padding_length"] = np.array([1, 0])
     out = Collator(return_labels=True, return_num_valid_tokens=True)(batch)
     assert out["num_valid_tokens"] == 3  # the padded token's label is not counted
+
+
+def test_trl_packed_rows_and_other_hf_fields_as_columns():
+    """seq_lengths, position_ids, token_type_ids, attention_mask as columns: the row-wise batch."""
+    rows = [
+        {"input_ids": [5, 6, 7, 8, 9], "seq_lengths": [3, 2], "token_type_ids": [0, 0, 0, 1, 1]},
+        {"input_ids": [1, 2, 3, 4], "seq_lengths": [4], "token_type_ids": [1, 1, 1, 1]},
+    ]
+    table = pa.table({name: [row[name] for row in rows] for name in rows[0]})
+    for options in ({"padding_free": True, "return_flash_attn_kwargs": True}, {"padding_free": True}):
+        collate = Collator.for_transformers(**options)
+        same(collate(table), collate(rows))
+    positions = [{"input_ids": [5, 6, 7], "position_ids": [0, 1, 0]}, {"input_ids": [8], "position_ids": [0]}]
+    table = pa.table({name: [row[name] for row in positions] for name in positions[0]})
+    collate = Collator.for_transformers(padding_free=True, return_flash_attn_kwargs=True)
+    same(collate(table), collate(positions))
+    masked = [
+        {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 0]},
+        {"input_ids": [8, 9], "attention_mask": [1, 1]},
+    ]
+    table = pa.table({name: [row[name] for row in masked] for name in masked[0]})
+    for options in ({"pad_token_id": 0}, {"padding_free": True}):
+        collate = Collator.for_transformers(**options)
+        same(collate(table), collate(masked))
+    bad = pa.table({"input_ids": [[5, 6, 7], [8]], "seq_lengths": [[3], [2]]})
+    with pytest.raises(ValueError, match=r"example 1: 'seq_lengths' \[2\] must be lengths >= 0 that add up"):
+        collate(bad)

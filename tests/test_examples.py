@@ -66,7 +66,7 @@ def test_hf_trainer_example_learns_and_both_layouts_train_the_same_tokens():
 
 def test_columnar_trainer_example_trains_the_same_tokens_from_columns():
     out = run_example("columnar_trainer.py", "--steps", "20")
-    assert "one batch: Table of 2 rows, columns ['input_ids', 'attention_mask', 'assistant_masks']" in out
+    assert "one batch: ColumnBatch(input_ids, attention_mask, assistant_masks), 2 rows" in out
     assert "same losses: True" in out
 
 

@@ -13,7 +13,9 @@ as it does the fields it reads from rows. A columnar batch is:
   ``DataFrame``, for one), read through ``pyarrow.table``;
 - a ``dict`` whose fields are ``pyarrow.Array`` / ``ChunkedArray`` columns,
   ``(values, offsets)`` pairs of NumPy arrays or tensors (row ``b`` is
-  ``values[offsets[b]:offsets[b + 1]]``), or 1-D arrays (one value per row).
+  ``values[offsets[b]:offsets[b + 1]]``), or 1-D arrays (one value per row);
+- a :class:`ColumnBatch` (such a mapping that is not a ``dict``, as
+  ``ColumnarDataset`` hands over), or a list of them.
 
 Arrow's layouts are read as they are: ``list`` (int32 offsets), ``large_list``
 (int64) and ``fixed_size_list`` columns, sliced arrays (offsets that do not
@@ -31,7 +33,8 @@ batch raises ``ImportError`` naming the ``zephon_collate[arrow]`` extra, and
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any, TypeAlias
 
@@ -41,7 +44,16 @@ import torch
 from zephon_collate._read import Kind, Names, Ragged, Row, as_numpy, to_row
 from zephon_collate._text import shown, shown_fields
 
-__all__ = ["ARROW_EXTRA", "ColumnarBatch", "Columns", "columns_of", "example_names", "is_columnar"]
+__all__ = [
+    "ARROW_EXTRA",
+    "ColumnBatch",
+    "ColumnarBatch",
+    "Columns",
+    "arrow",
+    "columns_of",
+    "example_names",
+    "is_columnar",
+]
 
 ColumnarBatch: TypeAlias = Any
 """A columnar batch (see the module doc): a ``pyarrow.Table`` or ``RecordBatch``, a list of them, an
@@ -51,13 +63,48 @@ ARROW_EXTRA = "pip install 'zephon_collate[arrow]'"
 """How to install what Arrow input needs (quoted by the error raised without ``pyarrow``)."""
 
 
+class ColumnBatch(Mapping[str, Any]):
+    """A columnar batch as a read-only mapping of field name to column (see the module doc).
+
+    It is not a ``dict``: wrappers that edit example dicts (``transformers.Trainer``'s
+    ``RemoveColumnsCollator`` drops the keys the model's ``forward`` does not name)
+    pass it through as it is, every column kept.
+
+    Example:
+        >>> import numpy as np
+        >>> batch = ColumnBatch({"input_ids": (np.array([5, 6, 7]), np.array([0, 2, 3]))})
+        >>> list(batch), isinstance(batch, dict), is_columnar([batch])
+        (['input_ids'], False, True)
+    """
+
+    __slots__ = ("_columns",)
+
+    def __init__(self, columns: Mapping[str, Any]) -> None:
+        self._columns = dict(columns)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._columns[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._columns)
+
+    def __len__(self) -> int:
+        return len(self._columns)
+
+    def __repr__(self) -> str:
+        return f"ColumnBatch({', '.join(self._columns)})"
+
+
 def example_names(index: int) -> str:
     """How errors name the row of a columnar batch at ``index``: ``example 3``."""
     return f"example {index}"
 
 
-def _pyarrow() -> ModuleType:
+def arrow() -> ModuleType:
     """The ``pyarrow`` module, or ``ImportError`` naming the extra that installs it."""
+    module = sys.modules.get("pyarrow")
+    if module is not None:
+        return module
     try:
         return importlib.import_module("pyarrow")
     except ImportError:
@@ -101,7 +148,8 @@ def is_columnar(batch: object) -> bool:
     """
     kind = type(batch)
     if kind is list or kind is tuple:
-        return bool(batch) and _is_table(batch[0])  # type: ignore[index]  # a non-empty list or tuple
+        first = batch[0] if batch else None  # type: ignore[index]  # a list or tuple
+        return first is not None and (type(first) is ColumnBatch or _is_table(first))
     if isinstance(batch, Mapping):
         return any(_from_arrow(value) or _is_pair(value) for value in batch.values())
     return kind is not dict and _is_table(batch)
@@ -117,12 +165,14 @@ def columns_of(batch: object) -> Columns | None:
     """
     if not is_columnar(batch):
         return None
+    if type(batch) in (list, tuple) and type(batch[0]) is ColumnBatch:  # type: ignore[index]
+        return _joined_batches(list(batch))  # type: ignore[call-overload]
     if isinstance(batch, Mapping):
         sources = dict(batch)
         if any(_from_arrow(value) for value in sources.values()):
-            _pyarrow()
+            arrow()
         return Columns(sources)
-    pa = _pyarrow()
+    pa = arrow()
     tables = list(batch) if type(batch) in (list, tuple) else [batch]  # type: ignore[call-overload]
     read = []
     for index, table in enumerate(tables):
@@ -149,9 +199,24 @@ def columns_of(batch: object) -> Columns | None:
                 f"Arrow table {index} has columns {table.schema.names}, table 0 {names}; give tables of "
                 "one schema"
             )
-    if len(read) == 1:
-        return Columns({name: read[0].column(name) for name in names})
-    return Columns({name: [table.column(name) for table in read] for name in names})
+    return Columns(tables=read)
+
+
+def _joined_batches(batches: list[Any]) -> Columns:
+    """A list of :class:`ColumnBatch` as one batch: their rows one after the other."""
+    for index, batch in enumerate(batches):
+        if type(batch) is not ColumnBatch or list(batch) != list(batches[0]):
+            raise TypeError(
+                f"a list of ColumnBatch holds a {type(batch).__name__} of other fields at item {index}; give "
+                "batches of the same fields only"
+            )
+    if len(batches) == 1:
+        sources = dict(batches[0])
+    else:
+        sources = {name: [batch[name] for batch in batches] for name in batches[0]}
+    if any(_from_arrow(batch[name]) for batch in batches for name in batch):
+        arrow()
+    return Columns(sources)
 
 
 class Columns:
@@ -162,6 +227,8 @@ class Columns:
             list of them, one after the other), a ``(values, offsets)`` pair, or a
             1-D array or tensor (one value per row); any other value (a list of
             strings, say) is a field that is never read.
+        tables: instead, Arrow tables or record batches of one schema, their rows one after
+            the other (a column is looked up only when a field is read).
 
     Raises:
         ValueError: if the columns hold different numbers of rows.
@@ -174,11 +241,18 @@ class Columns:
         (2, [5, 6, 7, 8], [0, 3, 4])
     """
 
-    __slots__ = ("_chunks", "_sources", "rows")
+    __slots__ = ("_chunks", "_names", "_sources", "_tables", "rows")
 
-    def __init__(self, sources: Mapping[str, Any]) -> None:
-        self._sources = dict(sources)
+    def __init__(self, sources: Mapping[str, Any] | None = None, *, tables: Sequence[Any] = ()) -> None:
         self._chunks: dict[str, list[Any]] = {}
+        self._tables = list(tables)
+        if self._tables:
+            self._sources: dict[str, Any] = {}
+            self._names = tuple(self._tables[0].schema.names)
+            self.rows: int = sum(table.num_rows for table in self._tables)
+            return
+        self._sources = dict(sources or {})
+        self._names = tuple(self._sources)
         rows: int | None = None
         first = ""
         for name, source in self._sources.items():
@@ -194,18 +268,35 @@ class Columns:
                     f"the columns of the batch differ in length: {shown(first)} holds {rows} rows, "
                     f"{shown(name)} {count}; give every field one entry per example"
                 )
-        self.rows: int = rows or 0
+        self.rows = rows or 0
 
     def __contains__(self, name: object) -> bool:
-        return name in self._sources
+        return name in self._names
 
     @property
     def names(self) -> tuple[str, ...]:
         """Every field of the batch, columns or not, in the batch's order."""
-        return tuple(self._sources)
+        return self._names
+
+    def _chunk_list(self, name: str) -> list[Any] | None:
+        """The chunks of column ``name`` (looked up in the tables once), or ``None`` if it is no column."""
+        chunks = self._chunks.get(name)
+        if chunks is None and self._tables and name in self._names:
+            chunks = []
+            for table in self._tables:
+                column = table.column(name)
+                count = getattr(column, "num_chunks", None)  # a RecordBatch's columns are arrays
+                chunks += [column] if count is None else [column.chunk(i) for i in range(count)]
+            self._chunks[name] = chunks
+        return chunks
 
     def is_list(self, name: str) -> bool:
         """True if ``name`` is a list column (a row of values per example), False for one value per row."""
+        if self._tables:
+            return (
+                name in self._names
+                and _list_type(arrow(), self._tables[0].schema.field(name).type) is not None
+            )
         chunks = self._chunks.get(name)
         if not chunks:
             return False
@@ -214,7 +305,7 @@ class Columns:
             return True
         if isinstance(chunk, (np.ndarray, torch.Tensor)):
             return False
-        pa = _pyarrow()
+        pa = arrow()
         return bool(_list_type(pa, chunk.type))
 
     def example(self) -> dict[str, Any]:
@@ -223,7 +314,9 @@ class Columns:
         The refusals that look only at which fields an example has (or whether one
         is a single value) run on it once, for every row at a time.
         """
-        return {name: () if self.is_list(name) or name not in self._chunks else 0 for name in self._sources}
+        if self._tables:
+            return {name: () if self.is_list(name) else 0 for name in self._names}
+        return {name: () if self.is_list(name) or name not in self._chunks else 0 for name in self._names}
 
     def ragged(self, name: str, kind: Kind, names: Names) -> Ragged:
         """List column ``name`` as a :class:`Ragged`: read-only views of the input where the layout allows.
@@ -246,7 +339,7 @@ class Columns:
                     "as a row of values per example; give it as a (values, offsets) pair or a list column"
                 )
             else:
-                pieces.append(_arrow_list(_pyarrow(), chunk, name, first, names))
+                pieces.append(_arrow_list(arrow(), chunk, name, first, names))
             first += len(pieces[-1][1]) - 1
         if len(pieces) == 1:
             values, offsets = pieces[0]
@@ -279,7 +372,7 @@ class Columns:
             if isinstance(chunk, (np.ndarray, torch.Tensor)):
                 part = _read_only(as_numpy(chunk))
             else:
-                part = _arrow_values(_pyarrow(), chunk, name, first, names)
+                part = _arrow_values(arrow(), chunk, name, first, names)
             parts.append(part)
             first += len(part)
         joined = parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -299,22 +392,19 @@ class Columns:
     def pylist(self, name: str) -> list[Any]:
         """Field ``name`` as one Python object per row (for ``texts``): an Arrow column converted, a list
         as given."""
-        source = self._sources[name]
-        if isinstance(source, list) and not (source and _from_arrow(source[0])):
-            return list(source)
-        chunks = self._chunks.get(name)
+        chunks = self._chunk_list(name)
         if chunks is None:
-            return list(source)
+            return list(self._sources[name])
         return [item for chunk in chunks for item in _pylist(chunk)]
 
     def _column(self, name: str, names: Names) -> list[Any]:
-        chunks = self._chunks.get(name)
+        chunks = self._chunk_list(name)
         if chunks is not None:
             return chunks
         if name not in self._sources:
             raise ValueError(
                 f"{names(0)}: the batch has no field {shown(name)} (its fields: "
-                f"{shown_fields(self._sources)})"
+                f"{shown_fields(dict.fromkeys(self._names))})"
             )
         raise TypeError(
             f"field {shown(name)} is a {type(self._sources[name]).__name__}, while the batch's other "
@@ -329,12 +419,15 @@ def _chunks_of(source: Any) -> list[Any] | None:
         return [source]
     if isinstance(source, (np.ndarray, torch.Tensor)):
         return [source] if source.ndim == 1 else None
-    if isinstance(source, list) and source and all(_from_arrow(item) for item in source):
+    if isinstance(source, list) and source and all(_from_arrow(item) or _is_pair(item) for item in source):
         return [chunk for item in source for chunk in _chunks_of(item) or ()]
     if not _from_arrow(source):
         return None
-    chunks = getattr(source, "chunks", None)  # a ChunkedArray: its chunks, each read as it is
-    return list(chunks) if chunks is not None else [source]
+    count = getattr(source, "num_chunks", None)  # a ChunkedArray: its chunks, each read as it is
+    if count is None:
+        return [source]
+    chunk = getattr(source, "chunk", None)
+    return [chunk(index) for index in range(count)] if chunk is not None else list(source.chunks)
 
 
 def _rows_in(chunk: Any) -> int:
@@ -397,12 +490,29 @@ def _pair(pair: tuple[Any, Any], name: str, first: int, names: Names) -> tuple[R
     return view, offsets - start if start else offsets
 
 
+_TYPES: dict[int, str] = {}
+"""Arrow type id to what this module makes of it: ``"list"``, ``"large_list"``, ``"fixed_size_list"``,
+``"bool"``, or a NumPy dtype name (integers and floats, whose values buffer NumPy reads as it is)."""
+
+
+def _type(pa: ModuleType, kind: Any) -> str | None:
+    """What Arrow type ``kind`` is here (see :data:`_TYPES`), or ``None`` for anything else."""
+    if not _TYPES:
+        _TYPES[pa.list_(pa.int8()).id] = "list"
+        _TYPES[pa.large_list(pa.int8()).id] = "large_list"
+        _TYPES[pa.list_(pa.int8(), 1).id] = "fixed_size_list"
+        _TYPES[pa.bool_().id] = "bool"
+        for name in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"):
+            _TYPES[getattr(pa, name)().id] = name
+        for name in ("float16", "float32", "float64"):  # Arrow's names are NumPy's
+            _TYPES[getattr(pa, name)().id] = name
+    return _TYPES.get(kind.id)
+
+
 def _list_type(pa: ModuleType, kind: Any) -> str | None:
     """``"list"``, ``"large_list"`` or ``"fixed_size_list"`` for those Arrow types, else ``None``."""
-    for name in ("list", "large_list", "fixed_size_list"):
-        if getattr(pa.types, f"is_{name}")(kind):
-            return name
-    return None
+    found = _type(pa, kind)
+    return found if found in ("list", "large_list", "fixed_size_list") else None
 
 
 def _first_null(pa: ModuleType, array: Any) -> int:
@@ -410,14 +520,16 @@ def _first_null(pa: ModuleType, array: Any) -> int:
 
 
 def _number_type(pa: ModuleType, kind: Any) -> bool:
-    return bool(pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind))
+    found = _type(pa, kind)
+    return found is not None and found not in ("list", "large_list", "fixed_size_list")
 
 
 def _arrow_list(
     pa: ModuleType, array: Any, name: str, first: int, names: Names
 ) -> tuple[np.ndarray, np.ndarray]:
     """One Arrow list chunk as values (a read-only view, bools unpacked) and offsets from 0."""
-    layout = _list_type(pa, array.type)
+    kind = array.type
+    layout = _list_type(pa, kind)
     if layout is None:
         if _number_type(pa, array.type):
             raise TypeError(
@@ -428,7 +540,8 @@ def _arrow_list(
             f"field {shown(name)} is an Arrow column of type {array.type}; it must be a list column of "
             "numbers (list<int64>, large_list<int32>, ...)"
         )
-    value_type = array.type.value_type
+    value_type = kind.value_type
+    value_kind = _type(pa, value_type)
     if not _number_type(pa, value_type):
         what = "a list of lists" if _list_type(pa, value_type) else f"a list of {value_type}"
         raise TypeError(
@@ -440,25 +553,49 @@ def _arrow_list(
             f"{names(first + _first_null(pa, array))}: field {shown(name)} is null (a missing row); every "
             "example needs one: fill it (dataset.map) or drop the example (dataset.filter)"
         )
+    rows = len(array)
     if layout == "fixed_size_list":
         size = array.type.list_size
-        offsets = np.arange(len(array) + 1, dtype=np.int64) * size
+        offsets = np.arange(rows + 1, dtype=np.int64) * size
         start = array.offset * size
     else:
-        offsets = array.offsets.to_numpy()  # int32 or int64, a view; from the slice's first row
-        start = int(offsets[0]) if len(offsets) else 0
+        offsets = _view(
+            array, 1, np.dtype(np.int32 if layout == "list" else np.int64), array.offset, rows + 1
+        )
+        if offsets is None:
+            offsets = array.offsets.to_numpy()
+        start = int(offsets[0])  # a slice's offsets start inside the buffer
         offsets = offsets.astype(np.int64, copy=False)
         offsets = offsets - start if start else offsets
-    count = int(offsets[-1]) if len(offsets) else 0
-    child = array.values.slice(start, count)
+    count = int(offsets[-1])
+    child = array.values
     if child.null_count:
-        flat = _first_null(pa, child)
-        row = int(np.searchsorted(offsets, flat, side="right")) - 1
-        raise ValueError(
-            f"{names(first + row)}: field {shown(name)} holds a null at {name}[{flat - int(offsets[row])}]; "
-            "give numbers only: fill the nulls (dataset.map) or drop the example (dataset.filter)"
-        )
-    return child.to_numpy(zero_copy_only=False), offsets  # no copy, but for bools (Arrow packs them in bits)
+        part = child.slice(start, count)
+        if part.null_count:
+            flat = _first_null(pa, part)
+            row = int(np.searchsorted(offsets, flat, side="right")) - 1
+            raise ValueError(
+                f"{names(first + row)}: field {shown(name)} holds a null at "
+                f"{name}[{flat - int(offsets[row])}]; give numbers only: fill the nulls (dataset.map) or "
+                "drop the example (dataset.filter)"
+            )
+    values = None
+    if value_kind != "bool":
+        values = _view(child, 1, np.dtype(value_kind), child.offset + start, count)
+    if values is None:  # bools (Arrow packs them in bits): unpacked, a copy
+        values = child.slice(start, count).to_numpy(zero_copy_only=False)
+    return values, offsets
+
+
+def _view(array: Any, buffer: int, dtype: np.dtype, start: int, count: int) -> np.ndarray | None:
+    """``count`` items of ``dtype`` from ``start`` in ``array``'s buffer ``buffer`` (read-only, no copy),
+    or ``None`` where the buffer does not hold them (an empty array may have none)."""
+    data = array.buffers()[buffer]
+    if data is None or data.size < (start + count) * dtype.itemsize:
+        return None
+    view: np.ndarray = np.frombuffer(data, dtype=dtype, count=count, offset=start * dtype.itemsize)
+    view.flags.writeable = False  # this view only; a mutable Arrow buffer stays mutable for its owner
+    return view
 
 
 def _arrow_values(pa: ModuleType, array: Any, name: str, first: int, names: Names) -> np.ndarray:

@@ -1,12 +1,13 @@
 """ColumnarDataset: a Hugging Face ``datasets.Dataset`` that hands a DataLoader whole batches of columns.
 
-``datasets``' own ``__getitems__`` fetches a batch as columns, then splits it
-into one Python dict per example, which a collator reads back one by one.
-This wrapper keeps the batch as it is stored: ``__getitems__(indices)`` maps
-the indices through the dataset's indices mapping (what ``shuffle``,
-``select`` and ``train_test_split`` leave) with one NumPy lookup, gathers the
-rows with one Arrow ``take``, and returns them as one Arrow table, which every
-``Collator`` reads column by column (no loop over the examples).
+``datasets``' own ``__getitems__`` maps each index through the indices mapping
+(what ``shuffle``, ``select`` and ``train_test_split`` leave) one by one,
+slices each row out of its chunk, then splits the batch into one Python dict
+per example, which a collator reads back one by one. This wrapper keeps the
+batch as it is stored: ``__getitems__(indices)`` maps the indices with one
+NumPy lookup and gathers every column with one vectorised gather, and hands
+the rows over as one columnar batch, which every ``Collator`` reads column by
+column (no loop over the examples).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from zephon_collate._columns import ColumnBatch, arrow
 from zephon_collate._text import shown
 
 __all__ = ["ColumnarDataset"]
@@ -25,15 +27,22 @@ __all__ = ["ColumnarDataset"]
 class ColumnarDataset(torch.utils.data.Dataset[Any]):
     """A map-style dataset of columnar batches over a ``datasets.Dataset`` (or a ``pyarrow.Table``).
 
-    ``__getitems__(indices)`` returns the rows at ``indices`` as ``[table]``: a
-    list holding one ``pyarrow.Table``, which the collators read as one batch.
-    The list is what lets it through ``transformers.Trainer``: for a dataset
-    that is not a ``datasets.Dataset``, ``Trainer``'s ``remove_unused_columns``
-    wraps the collator in a ``RemoveColumnsCollator``, which drops the keys of
-    example dicts that the model's ``forward`` does not name (``loss_mask``,
-    ``assistant_masks``, ``seq_lengths``...) and passes any other item as it is:
-    the table, with every column, reaches the collator. ``__getitem__(index)``
-    returns one row the same way.
+    ``__getitems__(indices)`` returns the rows at ``indices`` as ``[batch]``: a
+    list holding one :class:`~zephon_collate._columns.ColumnBatch`, a read-only
+    mapping of each column to its ``(values, offsets)`` pair (numbers) or Arrow
+    array (anything else, text say), which the collators read as one batch.
+    Neither the list nor the mapping is a ``dict``: ``transformers.Trainer``, for
+    a dataset that is not a ``datasets.Dataset``, wraps the collator in a
+    ``RemoveColumnsCollator``, which drops the keys of example dicts that the
+    model's ``forward`` does not name (``loss_mask``, ``assistant_masks``,
+    ``seq_lengths``...) and passes anything else as it is: every column
+    reaches the collator. ``__getitem__(index)`` returns one row the same way.
+
+    Each process reads the columns once, when it fetches its first batch: as
+    views of the dataset's Arrow buffers when a column is stored in one chunk
+    (a memory-mapped dataset stays on disk), else joined into one contiguous
+    copy (Arrow's own ``take`` over a chunked column joins the chunks on every
+    call).
 
     Parameters:
         dataset: a ``datasets.Dataset`` (its indices mapping, if any, is honoured)
@@ -51,17 +60,16 @@ class ColumnarDataset(torch.utils.data.Dataset[Any]):
         >>> table = pa.table({"input_ids": [[5, 6, 7], [8, 9], [4]], "text": ["a", "b", "c"]})
         >>> dataset = ColumnarDataset(table, columns=["input_ids"])
         >>> batch = dataset.__getitems__([2, 0])
-        >>> batch[0].column("input_ids").to_pylist()
-        [[4], [5, 6, 7]]
+        >>> values, offsets = batch[0]["input_ids"]
+        >>> values.tolist(), offsets.tolist()
+        ([4, 5, 6, 7], [0, 1, 4])
         >>> Collator.for_transformers(padding_free=True)(batch)["input_ids"].tolist()
         [[4, 5, 6, 7]]
     """
 
     def __init__(self, dataset: Any, *, columns: Sequence[str] | None = None) -> None:
-        table: Any = (
-            dataset if _is_arrow_table(dataset) else getattr(getattr(dataset, "data", None), "table", None)
-        )
-        if not _is_arrow_table(table):
+        table = _table_of(dataset)
+        if table is None:
             raise TypeError(
                 "ColumnarDataset: expected a datasets.Dataset or a pyarrow.Table, got "
                 f"{type(dataset).__name__}"
@@ -79,38 +87,43 @@ class ColumnarDataset(torch.utils.data.Dataset[Any]):
                 )
         self.dataset = dataset
         self.columns = tuple(names if columns is None else columns)
-        self._table: Any = None
-        self._indices: np.ndarray | None = None
-        self._rows = 0
-        self._load()
-
-    def _load(self) -> None:
-        """The table of the chosen columns and the indices mapping as NumPy (once per process)."""
-        dataset = self.dataset
-        table = dataset if _is_arrow_table(dataset) else dataset.data.table
-        self._table = table.select(list(self.columns))
-        mapping = None if _is_arrow_table(dataset) else getattr(dataset, "_indices", None)
-        if mapping is None:
-            self._indices = None
-            self._rows = table.num_rows
-        else:  # shuffle / select: row i of the dataset is row indices[i] of the table
-            self._indices = mapping.column(0).to_numpy().astype(np.int64)
-            self._rows = len(self._indices)
+        mapping = getattr(dataset, "_indices", None) if table is not dataset else None
+        # Row i of the dataset is row indices[i] of the table (shuffle, select): one NumPy array.
+        self._indices = None if mapping is None else mapping.column(0).to_numpy().astype(np.int64)
+        self._rows = table.num_rows if self._indices is None else len(self._indices)
+        self._read: dict[str, Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        # Workers rebuild the table from the dataset (memory-mapped datasets pickle as their files).
-        return {"dataset": self.dataset, "columns": self.columns}
+        # Workers read the columns themselves (a memory-mapped dataset pickles as its files).
+        return {
+            "dataset": self.dataset,
+            "columns": self.columns,
+            "indices": self._indices,
+            "rows": self._rows,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.dataset = state["dataset"]
-        self.columns = state["columns"]
-        self._load()
+        self.dataset, self.columns = state["dataset"], state["columns"]
+        self._indices, self._rows, self._read = state["indices"], state["rows"], None
 
     def __len__(self) -> int:
         return self._rows
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """The rows at ``indices``, in that order, as ``[table]`` (one vectorised lookup and one ``take``).
+    def _columns(self) -> dict[str, Any]:
+        """Each column as ``(values, offsets)`` NumPy arrays (numbers) or one Arrow array, read once."""
+        if self._read is None:
+            pa = arrow()
+            table = _table_of(self.dataset)
+            read: dict[str, Any] = {}
+            for name in self.columns:
+                column = table.column(name)
+                array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+                read[name] = _numbers(pa, array) or array
+            self._read = read
+        return self._read
+
+    def __getitems__(self, indices: Sequence[int]) -> list[ColumnBatch]:
+        """The rows at ``indices``, in that order, as ``[batch]``: one lookup, one gather per column.
 
         Raises:
             IndexError: for an index outside the dataset.
@@ -122,10 +135,26 @@ class ColumnarDataset(torch.utils.data.Dataset[Any]):
         rows = np.where(rows < 0, rows + self._rows, rows)
         if self._indices is not None:
             rows = self._indices[rows]
-        return [self._table.take(rows)]
+        batch: dict[str, Any] = {}
+        for name, column in self._columns().items():
+            if type(column) is not tuple:
+                batch[name] = column.take(rows)  # text and other columns: Arrow's gather
+                continue
+            values, offsets = column
+            if offsets is None:  # one number per row
+                batch[name] = values[rows]
+                continue
+            starts = offsets[rows]
+            lengths = offsets[rows + 1] - starts
+            out = np.zeros(len(rows) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=out[1:])
+            index = np.repeat(starts - out[:-1], lengths)
+            index += np.arange(int(out[-1]), dtype=np.int64)
+            batch[name] = (values[index], out)
+        return [ColumnBatch(batch)]
 
-    def __getitem__(self, index: int) -> list[Any]:
-        """Row ``index`` as a batch of one: ``[table]``."""
+    def __getitem__(self, index: int) -> list[ColumnBatch]:
+        """Row ``index`` as a batch of one: ``[batch]``."""
         return self.__getitems__([index])
 
     def __repr__(self) -> str:
@@ -133,5 +162,29 @@ class ColumnarDataset(torch.utils.data.Dataset[Any]):
         return f"ColumnarDataset({self._rows} rows, columns {list(self.columns)}{shuffled})"
 
 
-def _is_arrow_table(value: object) -> bool:
-    return type(value).__name__ == "Table" and type(value).__module__.partition(".")[0] == "pyarrow"
+def _table_of(dataset: Any) -> Any:
+    """The ``pyarrow.Table`` of a table or of a ``datasets.Dataset``, or ``None``."""
+    for candidate in (dataset, getattr(getattr(dataset, "data", None), "table", None)):
+        if type(candidate).__name__ == "Table" and type(candidate).__module__.partition(".")[0] == "pyarrow":
+            return candidate
+    return None
+
+
+def _numbers(pa: Any, array: Any) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """A column of numbers without nulls as NumPy: ``(values, offsets)`` of a list column (offsets int64
+    from the array's first value), ``(values, None)`` of a scalar one; ``None`` for anything else."""
+    kind = array.type
+    if array.null_count:
+        return None
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
+        return array.to_numpy(zero_copy_only=False), None
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+        return None
+    child = kind.value_type
+    if not (pa.types.is_integer(child) or pa.types.is_floating(child) or pa.types.is_boolean(child)):
+        return None
+    offsets = array.offsets.to_numpy().astype(np.int64)
+    values = array.values
+    if values.null_count:
+        return None
+    return values.to_numpy(zero_copy_only=False), offsets

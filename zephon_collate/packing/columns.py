@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 
 from zephon_collate._checks import suggest_options
-from zephon_collate._columns import ColumnarBatch, columns_of, example_names
+from zephon_collate._columns import ColumnarBatch, ColumnBatch, columns_of, example_names
 from zephon_collate.keys import INPUT_IDS, LOSS_MASK, POSITIONS
 from zephon_collate.packing._plan import best_fit_rows, greedy_breaks
 from zephon_collate.packing.reader import REQUIRED, PackOptions, Reader
@@ -44,10 +44,11 @@ class PackedColumns:
     0), ``closes`` whether it is its document's last.
 
     A map-style dataset of rows: ``len()`` is the number of rows, and
-    ``__getitems__(indices)`` returns those rows as a columnar batch
-    (``(values, offsets)`` pairs, and each row's trailing padding under
-    ``"_padding_length"``) that :class:`~zephon_collate.Collator` reads as it
-    reads ``pack_flat``'s records.
+    ``__getitems__(indices)`` returns those rows as ``[batch]``, one columnar
+    batch (a ``ColumnBatch`` of ``(values, offsets)`` pairs, and each row's
+    trailing padding under ``"_padding_length"``) that
+    :class:`~zephon_collate.Collator` reads as it reads ``pack_flat``'s records
+    (as ``ColumnarDataset``'s, it passes ``Trainer``'s column filter untouched).
     """
 
     fields: dict[str, np.ndarray]
@@ -60,8 +61,8 @@ class PackedColumns:
     def __len__(self) -> int:
         return len(self.padding_length)
 
-    def __getitems__(self, indices: Sequence[int]) -> dict[str, Any]:
-        """Rows ``indices`` as a columnar batch (copies)."""
+    def __getitems__(self, indices: Sequence[int]) -> list[ColumnBatch]:
+        """Rows ``indices`` as ``[batch]`` (copies)."""
         rows = np.asarray(indices, dtype=np.int64)
         width = next(iter(self.fields.values())).shape[1] if self.fields else 0
         offsets = np.arange(len(rows) + 1, dtype=np.int64) * width
@@ -69,10 +70,10 @@ class PackedColumns:
             name: (values[rows].reshape(-1), offsets) for name, values in self.fields.items()
         }
         batch[PADDING_LENGTH_TAG] = self.padding_length[rows]
-        return batch
+        return [ColumnBatch(batch)]
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        """Row ``index`` as a columnar batch of one row."""
+    def __getitem__(self, index: int) -> list[ColumnBatch]:
+        """Row ``index`` as a batch of one row: ``[batch]``."""
         return self.__getitems__([index])
 
 
@@ -204,7 +205,8 @@ def pack_columns(
         )
         np.copyto(gathered, options.pad_token_id if field is tokens else 0, where=padding)
         out[field_name] = gathered.reshape(rows, size)
-    if options.emit_positions:
-        out[POSITIONS] = (slots - np.repeat(place, length)).reshape(rows, size)
+    if options.emit_positions:  # each slot's place in its segment, computed where the slots were
+        slots -= np.repeat(place, length)
+        out[POSITIONS] = slots.reshape(rows, size)
     last = np.zeros_like(lengths) if options.overflow == "truncate" else -(-lengths // size) - 1
     return PackedColumns(out, size - used, offsets, pieces, parts, parts == last[pieces])
