@@ -320,6 +320,13 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xscale("log")
+    ticks = [t for t in (0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10) if min(progress) / 2 <= t <= max(progress) * 2]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
+    for y, value in enumerate(progress):
+        ax.annotate(
+            f"{value:.2f}", (value, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7
+        )
     ax.set_xlabel("measured / goal (1 = goal met; green: met)")
     ax.set_title("Columnar batches: each goal, CPU, side by side in one run")
     ax.grid(True, axis="x", which="both", alpha=0.3)

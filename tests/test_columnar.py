@@ -23,12 +23,21 @@ from zephon_collate import (
     pack_columns,
     pack_flat,
 )
-from zephon_collate._columns import columns_of, example_names
+from zephon_collate._columns import ColumnBatch, columns_of, example_names
 
 pa = pytest.importorskip("pyarrow")
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-KINDS = ("table", "record_batch", "chunked", "tables", "pairs_numpy", "pairs_torch", "arrays")
+SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+KINDS = (
+    "table",
+    "record_batch",
+    "chunked",
+    "tables",
+    "pairs_numpy",
+    "pairs_torch",
+    "arrays",
+    "column_batches",
+)
 
 
 # --- building one batch in every form -----------------------------------------------------------
@@ -79,6 +88,11 @@ def build(fields: dict[str, list[np.ndarray]], kind: str, *, wide: bool, pad: in
         return [pa.table(arrays(a, b)) for a, b in itertools.pairwise(bounds)]
     if kind == "arrays":  # a dict of plain Arrow arrays
         return arrays(0, count)
+    if kind == "column_batches":  # what ColumnarDataset hands over, one batch per chunk
+        return [
+            ColumnBatch({n: _pair(fields[n][a:b], dtype[n], wide, pad, False) for n in names})
+            for a, b in itertools.pairwise(bounds)
+        ]
     return {n: _pair(fields[n], dtype[n], wide, pad, kind == "pairs_torch") for n in names}
 
 

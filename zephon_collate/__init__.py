@@ -7,8 +7,9 @@ the ``collate_fn`` for a DataLoader, :meth:`Collator.for_transformers` the one
 for Hugging Face ``transformers`` models and ``Trainer``.
 
 The tree, bottom to top: ``records``, ``keys`` and ``text`` (the data model,
-field names and limits, how errors quote values), ``checks`` and ``read``
-(argument checks, the one payload reader),
+field names and limits, how errors quote values), ``checks``, ``read`` and
+``columns`` (argument checks, the one payload reader, columnar batches read as
+its fields),
 ``functional/`` (pure kernels), ``transforms/``, ``collate/`` (options, plan,
 stacking, output, ``to_training``, the Collator and its ``transformers``
 layout, the worker transfer),

@@ -21,7 +21,7 @@ import numpy as np
 
 from zephon_collate._checks import suggest_options
 from zephon_collate._columns import ColumnarBatch, ColumnBatch, columns_of, example_names
-from zephon_collate.keys import INPUT_IDS, LOSS_MASK, POSITIONS
+from zephon_collate.keys import INPUT_IDS, INT32_MAX, LOSS_MASK, POSITIONS
 from zephon_collate.packing._plan import best_fit_rows, greedy_breaks
 from zephon_collate.packing.reader import REQUIRED, PackOptions, Reader
 from zephon_collate.packing.rows import refuse_cut_prompt
@@ -191,22 +191,24 @@ def pack_columns(
     pad = np.concatenate([np.zeros(len(sizes), dtype=bool), np.ones(len(padded), dtype=bool)])
     by_place = np.argsort(place, kind="stable")
     place, source, length, pad = place[by_place], source[by_place], length[by_place], pad[by_place]
-    # One gather: output slot j of a segment takes input token source + (j - place).
-    slots = np.arange(rows * size, dtype=np.int64)
-    index = np.repeat(source - place, length)
-    index += slots
-    padding = np.repeat(pad, length)
+    # One gather: slot j of a segment takes input token source + (j - place).
+    total = rows * size
+    narrow = np.int32 if max(total, int(tokens.offsets[-1])) < INT32_MAX else np.int64  # faster repeats
+    slots = np.arange(total, dtype=np.int64)
+    index = slots + np.repeat((source - place).astype(narrow), length)
+    pad_slots = np.repeat(place[pad] - np.cumsum(length[pad]) + length[pad], length[pad])
+    pad_slots += np.arange(pad_slots.size, dtype=np.int64)  # the slots of the trailing padding
     out: dict[str, np.ndarray] = {}
     for field_name, field in [(reader.tokens_name or INPUT_IDS, tokens), *values.items()]:
         host = field.host
         dtype = np.dtype(np.int64) if field is tokens else host.dtype  # token ids widened here, once
         gathered = (
-            host.take(index, mode="clip").astype(dtype, copy=False) if host.size else slots.astype(dtype)
+            host.take(index, mode="clip").astype(dtype, copy=False) if host.size else index.astype(dtype)
         )
-        np.copyto(gathered, options.pad_token_id if field is tokens else 0, where=padding)
+        gathered[pad_slots] = options.pad_token_id if field is tokens else 0
         out[field_name] = gathered.reshape(rows, size)
-    if options.emit_positions:  # each slot's place in its segment, computed where the slots were
-        slots -= np.repeat(place, length)
+    if options.emit_positions:  # each slot's place in its segment, computed in the slots' buffer
+        slots -= np.repeat(place.astype(narrow), length)
         out[POSITIONS] = slots.reshape(rows, size)
     last = np.zeros_like(lengths) if options.overflow == "truncate" else -(-lengths // size) - 1
     return PackedColumns(out, size - used, offsets, pieces, parts, parts == last[pieces])
