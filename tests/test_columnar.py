@@ -660,3 +660,22 @@ def test_trl_packed_rows_and_other_hf_fields_as_columns():
     bad = pa.table({"input_ids": [[5, 6, 7], [8]], "seq_lengths": [[3], [2]]})
     with pytest.raises(ValueError, match=r"example 1: 'seq_lengths' \[2\] must be lengths >= 0 that add up"):
         collate(bad)
+
+
+def test_stack_and_finish_take_columns_and_never_share_the_inputs_memory():
+    """Collator.stack (workers) then finish; the inputs' arrays are neither written nor flagged nor shared."""
+    values, offsets = np.array([5, 6, 7, 8, 9, 10]), np.array([0, 3, 6])
+    positions = np.array([0, 1, 2, 0, 1, 2])
+    batch = {"input_ids": (values, offsets), "positions": (positions, offsets)}
+    collate = Collator(return_labels=True, return_cu_seqlens=True)
+    want = collate(batch)
+    same(collate.finish(collate.stack(batch)), want)
+    flat = Collator.for_transformers(padding_free=True, return_flash_attn_kwargs=True)
+    rows = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9, 10]}]
+    same(flat.finish(flat.stack(pa.table({"input_ids": [[5, 6, 7], [8, 9, 10]]}))), flat(rows))
+    for out in (want, flat({"input_ids": (values, offsets)})):
+        for value in out.values():
+            if isinstance(value, torch.Tensor):
+                assert not np.shares_memory(value.numpy(), values)
+                value.add_(1)
+    assert values.tolist() == [5, 6, 7, 8, 9, 10] and values.flags.writeable and offsets.tolist() == [0, 3, 6]

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zephon_collate._columns import ColumnBatch, arrow
+from zephon_collate._columns import ColumnBatch, Columns, example_names
 from zephon_collate._text import shown
 
 __all__ = ["ColumnarDataset"]
@@ -110,15 +110,23 @@ class ColumnarDataset(torch.utils.data.Dataset[Any]):
         return self._rows
 
     def _columns(self) -> dict[str, Any]:
-        """Each column as ``(values, offsets)`` NumPy arrays (numbers) or one Arrow array, read once."""
+        """Each column as ``(values, offsets)`` NumPy arrays (numbers, read by the one columnar reader)
+        or one Arrow array (text, nested lists, nulls: gathered by Arrow, refused or read by the
+        collator), read once."""
         if self._read is None:
-            pa = arrow()
             table = _table_of(self.dataset)
+            columns = Columns(tables=[table])
             read: dict[str, Any] = {}
             for name in self.columns:
-                column = table.column(name)
-                array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-                read[name] = _numbers(pa, array) or array
+                try:
+                    if columns.is_list(name):
+                        field = columns.ragged(name, "values", example_names)
+                        read[name] = (field.host, field.offsets)
+                    else:
+                        read[name] = (columns.values(name, "values", example_names), None)
+                except (TypeError, ValueError):
+                    column = table.column(name)
+                    read[name] = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
             self._read = read
         return self._read
 
@@ -168,23 +176,3 @@ def _table_of(dataset: Any) -> Any:
         if type(candidate).__name__ == "Table" and type(candidate).__module__.partition(".")[0] == "pyarrow":
             return candidate
     return None
-
-
-def _numbers(pa: Any, array: Any) -> tuple[np.ndarray, np.ndarray | None] | None:
-    """A column of numbers without nulls as NumPy: ``(values, offsets)`` of a list column (offsets int64
-    from the array's first value), ``(values, None)`` of a scalar one; ``None`` for anything else."""
-    kind = array.type
-    if array.null_count:
-        return None
-    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
-        return array.to_numpy(zero_copy_only=False), None
-    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
-        return None
-    child = kind.value_type
-    if not (pa.types.is_integer(child) or pa.types.is_floating(child) or pa.types.is_boolean(child)):
-        return None
-    offsets = array.offsets.to_numpy().astype(np.int64)
-    values = array.values
-    if values.null_count:
-        return None
-    return values.to_numpy(zero_copy_only=False), offsets
