@@ -919,7 +919,8 @@ class TransformersCollator(Collator):
         device, compile, num_boundaries, python_scalars, transforms, chain: as for
             :class:`Collator` (``python_scalars=False`` keeps ``max_length_q/k`` as tensors).
 
-    Returns (from a call on a list of examples, or a batched dict of lists):
+    Returns (from a call on a list of examples, a batched dict of lists, or a columnar
+    batch: an Arrow table, ``(values, offsets)`` pairs, see :mod:`zephon_collate._columns`):
         the dict of tensors described in the module doc.
 
     Raises:
