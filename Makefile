@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_collator.py
 	$(BIN)/python benchmarks/bench_transfer.py
 	$(BIN)/python benchmarks/bench_packing.py
+	$(BIN)/python benchmarks/bench_columnar.py
 	$(BIN)/python benchmarks/bench_balance.py
 
 clean:

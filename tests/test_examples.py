@@ -76,6 +76,12 @@ def test_hf_trainer_example_learns_and_both_layouts_train_the_same_tokens():
     assert last < first
 
 
+def test_columnar_trainer_example_trains_the_same_tokens_from_columns():
+    out = run_example("columnar_trainer.py", "--steps", "20")
+    assert "one batch: ColumnBatch(input_ids, attention_mask, assistant_masks), 2 rows" in out
+    assert "same losses: True" in out
+
+
 def test_readme_hugging_face_block_matches_its_comments():
     readme = (ROOT / "README.md").read_text()
     block = re.search(r"## Coming from Hugging Face\n.*?```python\n(.*?)```", readme, re.S).group(1)

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "zephon_collate"
 LEVELS = [
     {"keys", "_text"},
     {"records"},
-    {"_checks", "_read", "fields"},
+    {"_checks", "_read", "_columns", "fields"},
     {"functional"},
     {"transforms"},
     {"collate", "types"},

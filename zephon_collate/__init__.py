@@ -7,8 +7,9 @@ the ``collate_fn`` for a DataLoader, :meth:`Collator.for_transformers` the one
 for Hugging Face ``transformers`` models and ``Trainer``.
 
 The tree, bottom to top: ``records``, ``keys`` and ``text`` (the data model,
-field names and limits, how errors quote values), ``checks`` and ``read``
-(argument checks, the one payload reader),
+field names and limits, how errors quote values), ``checks``, ``read`` and
+``columns`` (argument checks, the one payload reader, columnar batches read as
+its fields),
 ``functional/`` (pure kernels), ``transforms/``, ``collate/`` (options, plan,
 stacking, output, ``to_training``, the Collator and its ``transformers``
 layout, the worker transfer),
@@ -18,6 +19,7 @@ layout, the worker transfer),
 from zephon_collate.collate import (
     Collator,
     CollatorOptions,
+    ColumnarDataset,
     PreferenceCollator,
     RolloutCollator,
     StackedBatch,
@@ -41,6 +43,7 @@ from zephon_collate.losses import (
     token_logprobs,
     unpack,
 )
+from zephon_collate.packing.columns import PackedColumns, pack_columns
 from zephon_collate.packing.pack_flat import pack_flat
 from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.packing.stream import PackedStream
@@ -102,6 +105,7 @@ __all__ = [
     "ChunkOffset",
     "Collator",
     "CollatorOptions",
+    "ColumnarDataset",
     "ComponentId",
     "ContextParallelShard",
     "ContributorRef",
@@ -117,6 +121,7 @@ __all__ = [
     "LineageIndex",
     "LocalSampleId",
     "LossMask",
+    "PackedColumns",
     "PackedStream",
     "PaddingMask",
     "Positions",
@@ -147,6 +152,7 @@ __all__ = [
     "global_loss_count",
     "global_num_valid_tokens",
     "normalize_loss",
+    "pack_columns",
     "pack_flat",
     "plan_balance",
     "render_batch",

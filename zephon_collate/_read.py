@@ -572,9 +572,11 @@ class Ragged:
         return Ragged(self.values[mask], kept[self.offsets])
 
     def cast(self, dtype: torch.dtype) -> Ragged:
-        """The values in ``dtype`` (no copy when they are in it already)."""
+        """The values in ``dtype``: no copy when they are in it already, unless they are read-only (a
+        view of columnar input), which the batch never hands out."""
         if isinstance(self.values, np.ndarray):
-            return Ragged(self.values.astype(numpy_dtype(dtype), copy=False), self.offsets)
+            copy = not self.values.flags.writeable
+            return Ragged(self.values.astype(numpy_dtype(dtype), copy=copy), self.offsets)
         return Ragged(self.values.to(dtype), self.offsets)
 
     @property

@@ -15,10 +15,13 @@ worker transfer.
   ``Collator.for_preference`` and ``Collator.for_rollouts``, post-training batches over the
   ``transformers`` layout (:mod:`~zephon_collate.collate._sequences`: sequences, shared prompts).
 - :mod:`~zephon_collate.collate.transfer`: what a worker sends, as one narrow buffer.
+- :mod:`~zephon_collate.collate.columnar`: ``ColumnarDataset``, a ``datasets.Dataset`` handing over
+  whole batches of columns (read by :mod:`zephon_collate._columns`).
 """
 
 from zephon_collate.collate._host import use_host_pass
 from zephon_collate.collate.collator import Collator, CollatorOptions
+from zephon_collate.collate.columnar import ColumnarDataset
 from zephon_collate.collate.hf import TransformersCollator, TransformersOptions
 from zephon_collate.collate.options import TrainingOptions
 from zephon_collate.collate.preference import PreferenceCollator, PreferenceOptions
@@ -29,6 +32,7 @@ from zephon_collate.collate.transfer import StackedBatch
 __all__ = [
     "Collator",
     "CollatorOptions",
+    "ColumnarDataset",
     "PreferenceCollator",
     "PreferenceOptions",
     "RolloutCollator",

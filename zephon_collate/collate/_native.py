@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from zephon_collate._checks import warn_user
+from zephon_collate._columns import Columns, columns_of, example_names
 from zephon_collate._read import (
     Names,
     Ragged,
@@ -53,6 +54,7 @@ from zephon_collate.collate._output import (
     ids_and_texts,
     merge_row_outputs,
     output_names,
+    per_record_outputs,
 )
 from zephon_collate.collate._plan import Plan, Plans
 from zephon_collate.collate._stack import RowPadding, dense, stack_rows
@@ -61,6 +63,7 @@ from zephon_collate.fields import FloatField, read_floats
 from zephon_collate.functional.segments import segment_starts
 from zephon_collate.keys import (
     ATTENTION_MASK,
+    IDS,
     INPUT_IDS,
     INT32_MAX,
     LABELS,
@@ -68,6 +71,8 @@ from zephon_collate.keys import (
     PADDING_LENGTH,
     POSITIONS,
     SUPERVISION_MASKS,
+    TEXT,
+    TEXTS,
 )
 from zephon_collate.records import PADDING_LENGTH_TAG, SampleMeta, SampleRecord
 from zephon_collate.transforms import Chain, Transform
@@ -255,6 +260,23 @@ def _flat(flags: np.ndarray) -> np.ndarray:
     return flags if flags.ndim == 1 else np.asarray(flags.reshape(len(flags), -1).any(axis=1))
 
 
+def _harmless(name: str, field: Ragged, tokens: Ragged, loss_mask: Ragged | None) -> bool:
+    """True if an unread supervising column passes :func:`_unused_supervision` at every row, tested on
+    the whole column at once: labels equal to the tokens, a mask of ones, or one equal to the
+    ``loss_mask``. False leaves the verdict, and the naming of the row, to that row-wise rule."""
+    values = field.host
+    if name == LABELS:
+        return np.array_equal(field.offsets, tokens.offsets) and np.array_equal(values, tokens.host)
+    if bool((values == 1).all()):
+        return True
+    return (
+        name != ATTENTION_MASK
+        and loss_mask is not None
+        and np.array_equal(field.offsets, loss_mask.offsets)
+        and np.array_equal(values, loss_mask.host)
+    )
+
+
 @dataclass(frozen=True)
 class Native:
     """The page's layout over records: see the module doc.
@@ -338,10 +360,9 @@ class Native:
         python_scalars: bool = True,
     ) -> dict[str, Any]:
         """The one-step path: read, stack, run ``plan(keys)``, assemble (ragged list rows one by one)."""
-        records = as_records(samples)
-        if not records:
+        batches = self._batches(samples)
+        if not batches:
             return self.empty()
-        batches = self.read(records, ragged=self.options.output.kind == "list")
         if len(batches) == 1:
             batch = batches[0]
             chosen = plan(tuple(batch.data))
@@ -351,14 +372,14 @@ class Native:
             )
         chosen = plan(tuple(batches[0].data))
         results = [chosen.run(batch.data) for batch in batches]
-        return merge_row_outputs(ids_and_texts(records), self.options, results, chosen.pairs)
+        per_record = {key: [v for batch in batches for v in batch.per_record[key]] for key in (IDS, TEXTS)}
+        return merge_row_outputs(per_record, self.options, results, chosen.pairs)
 
     def stack(self, samples: Sequence[Any]) -> Stacked | None:
         """:meth:`read` for ``Collator.stack``: one batch (``None`` when empty), rows of one length."""
-        records = as_records(samples)
-        if not records:
+        batches = self._batches(samples)
+        if not batches:
             return None
-        batches = self.read(records, ragged=self.options.output.kind == "list")
         if len(batches) > 1:
             raise ValueError(
                 "Collator.stack: rows of unequal length cannot be stacked into one TensorDict, even for "
@@ -376,6 +397,30 @@ class Native:
     ) -> dict[str, Any]:
         """The output dict of a stacked batch (:func:`~zephon_collate.collate._output.assemble_outputs`)."""
         return assemble_outputs(per_record, self.options, result, pairs, python_scalars=python_scalars)
+
+    def _batches(self, samples: Any) -> list[Stacked]:
+        """:meth:`read` of records or plain payloads, :meth:`read_columns` of a columnar batch; ``[]``
+        for an empty batch."""
+        ragged = self.options.output.kind == "list"
+        columns = columns_of(samples)
+        if columns is not None:
+            return self.read_columns(columns, ragged=ragged) if columns.rows else []
+        records = as_records(samples)
+        return self.read(records, ragged=ragged) if records else []
+
+    def _wanted(self) -> list[tuple[str, bool, bool]]:
+        """``(field, required, aligned)`` of each field read besides the tokens: ``aligned`` fields must
+        hold one entry per token, the others may hold one per record."""
+        options = self.options
+        labels = options.return_labels
+        reads_positions = options.reads_positions or (self.boundary_safe and labels)
+        must_align = labels or options.flatten
+        wanted = [(LOSS_MASK, LOSS_MASK in options.extra_fields, True)]
+        if reads_positions or POSITIONS in options.extra_fields or options.return_cu_seqlens:
+            required = POSITIONS in options.extra_fields or options.return_cu_seqlens
+            wanted.append((POSITIONS, required, True))
+        wanted += [(name, True, must_align) for name in options.data_fields]
+        return wanted
 
     def read(self, records: tuple[SampleRecord, ...], *, ragged: bool = False) -> list[Stacked]:
         """Read, check and stack ``records`` (non-empty): one :class:`Stacked` batch.
@@ -395,16 +440,8 @@ class Native:
         assert tokens is not None  # required: a payload without it raised
         lengths = tokens.lengths
         per_token: dict[str, Ragged] = {INPUT_IDS: tokens}
-        per_record: dict[str, list[Row]] = {}
-        labels = options.return_labels
-        reads_positions = options.reads_positions or (self.boundary_safe and labels)
-        must_align = labels or options.flatten
-        wanted = [(LOSS_MASK, LOSS_MASK in options.extra_fields, True)]
-        if reads_positions or POSITIONS in options.extra_fields or options.return_cu_seqlens:
-            required = POSITIONS in options.extra_fields or options.return_cu_seqlens
-            wanted.append((POSITIONS, required, True))
-        wanted += [(name, True, must_align) for name in options.data_fields]
-        for name, required, aligned in wanted:
+        per_record: dict[str, Sequence[Row] | np.ndarray] = {}
+        for name, required, aligned in self._wanted():
             kind: Literal["ids", "values"] = "ids" if name == POSITIONS else "values"
             rows = read_field(payloads, name, tokens_field, kind, names, required=required)
             if rows is None:
@@ -427,8 +464,83 @@ class Native:
             if options.needs_padding_lengths or self.check_padding
             else np.zeros(len(records), dtype=np.int64)
         )
-        per_record_out = ids_and_texts(records)
         metas = tuple(record.meta for record in records)
+        return self._stacked(
+            per_token, per_record, padding_length, ids_and_texts(records), metas, names, ragged
+        )
+
+    def read_columns(self, columns: Columns, *, ragged: bool = False) -> list[Stacked]:
+        """:meth:`read` of a columnar batch (non-empty): the same fields, read column by column.
+
+        Its rows are named ``example 3``; each has ``ids`` ``(0, 0, index)``,
+        ``texts`` from a ``"text"`` column, and the trailing padding a
+        ``"_padding_length"`` column gives (``meta.padding_length``'s tag, as
+        :class:`~zephon_collate.packing.columns.PackedColumns` writes it), else
+        none, as plain payloads have; a columnar batch carries no records, so the
+        batch's ``metas`` are empty.
+
+        Raises:
+            TypeError, ValueError: as :meth:`read`; ImportError for Arrow data without ``pyarrow``.
+        """
+        options = self.options
+        names = example_names
+        example = columns.example()
+        tokens_field = resolve_tokens_field([example], options.tokens_field, names)
+        tokens = columns.ragged(tokens_field, "ids", names)
+        lengths = tokens.lengths
+        per_token: dict[str, Ragged] = {INPUT_IDS: tokens}
+        per_record: dict[str, Sequence[Row] | np.ndarray] = {}
+        for name, required, aligned in self._wanted():
+            kind: Literal["ids", "values"] = "ids" if name == POSITIONS else "values"
+            if name not in columns:
+                if required:
+                    read_field([example], name, tokens_field, kind, names, required=True)  # raises
+                continue
+            if columns.is_list(name):
+                field = columns.ragged(name, kind, names)
+                if np.array_equal(field.offsets, tokens.offsets):
+                    per_token[name] = field
+                    continue
+            rows = columns.per_record(name, kind, names)
+            _aligned(list(rows), lengths, name, names, required=aligned)  # raises where they must align
+            per_record[name] = rows
+        read = {**per_token, **per_record}
+        unread = [n for n in SUPERVISING_FIELDS if n in columns and n not in read and columns.is_list(n)]
+        if unread and (self.refuse_unused or options.return_labels):
+            loss_mask = per_token.get(LOSS_MASK)
+            fields = {name: columns.ragged(name, "values", names) for name in unread}
+            if not all(_harmless(name, field, tokens, loss_mask) for name, field in fields.items()):
+                views = [{name: field.row(i) for name, field in fields.items()} for i in range(columns.rows)]
+                self._check_unused(views, tokens, per_token, per_record, names)
+        self._check_values(per_token, names)
+        padding_length = np.zeros(columns.rows, dtype=np.int64)
+        if PADDING_LENGTH_TAG in columns and (options.needs_padding_lengths or self.check_padding):
+            padding_length = columns.values(PADDING_LENGTH_TAG, "ids", names).astype(np.int64)
+            bad = np.flatnonzero((padding_length < 0) | (padding_length > lengths))
+            if bad.size:
+                index = int(bad[0])
+                raise ValueError(
+                    f"{names(index)}: field {shown(PADDING_LENGTH_TAG)} (the trailing padding) is "
+                    f"{int(padding_length[index])} but must be from 0 to the token row's length "
+                    f"{int(lengths[index])}"
+                )
+        ids = [(0, 0, index) for index in range(columns.rows)]
+        texts = columns.pylist(TEXT) if TEXT in columns else [None] * columns.rows
+        per_record_out = per_record_outputs(ids, texts)
+        return self._stacked(per_token, per_record, padding_length, per_record_out, (), names, ragged)
+
+    def _stacked(
+        self,
+        per_token: dict[str, Ragged],
+        per_record: dict[str, Sequence[Row] | np.ndarray],
+        padding_length: np.ndarray,
+        per_record_out: dict[str, list[Any]],
+        metas: tuple[SampleMeta, ...],
+        names: Names,
+        ragged: bool,
+    ) -> list[Stacked]:
+        """The read and checked fields stacked: one :class:`Stacked`, or one per row (``ragged``)."""
+        lengths = per_token[INPUT_IDS].lengths
         width = self._width(lengths, names, ragged)
         if width is None:  # ragged lists: each row a batch of its own, named by its place in the batch
             return [
@@ -444,7 +556,7 @@ class Native:
                     {key: values[index : index + 1] for key, values in per_record_out.items()},
                     metas[index : index + 1],
                 )
-                for index in range(len(records))
+                for index in range(len(lengths))
             ]
         if self.padding is not None:
             padding_length = padding_length + (width - lengths)
@@ -535,7 +647,7 @@ class Native:
     def _stack(
         self,
         per_token: Mapping[str, Ragged],
-        per_record: Mapping[str, Sequence[Row]],
+        per_record: Mapping[str, Sequence[Row] | np.ndarray],
         padding_length: np.ndarray,
         lengths: np.ndarray,
         width: int,

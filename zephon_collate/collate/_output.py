@@ -37,6 +37,7 @@ __all__ = [
     "ids_and_texts",
     "merge_row_outputs",
     "output_names",
+    "per_record_outputs",
     "rename_and_exclude",
 ]
 
@@ -143,8 +144,14 @@ def ids_and_texts(records: Sequence[SampleRecord]) -> dict[str, list[Any]]:
         else None
         for r in records
     ]
+    return per_record_outputs([r.meta.sample_id for r in records], texts)
+
+
+def per_record_outputs(ids: list[Any], texts: Sequence[Any]) -> dict[str, list[Any]]:
+    """``{"ids": ids, "texts": texts}``, each text that is not a str copied (the output never shares an
+    object with the input)."""
     return {
-        IDS: [r.meta.sample_id for r in records],
+        IDS: ids,
         TEXTS: [
             t if t is None or type(t) is str or isinstance(t, (str, bytes)) else copy.deepcopy(t)
             for t in texts

@@ -87,7 +87,8 @@ def dense(field: Ragged, width: int, fill: int | float, *, restart: bool = False
     """``[B, width, ...]``: each row's values, then ``fill`` (or 0, 1, ... with ``restart``) to ``width``.
 
     Rows must not be longer than ``width``. Every row of exactly ``width``
-    gives a view of the values, no copy. Host values give a NumPy array, a
+    gives a view of the values, no copy (a copy of read-only values: a view of
+    columnar input is never handed out). Host values give a NumPy array, a
     tensor a tensor on its device.
 
     Example:
@@ -100,6 +101,8 @@ def dense(field: Ragged, width: int, fill: int | float, *, restart: bool = False
     rows = len(lengths)
     trailing = tuple(values.shape[1:])
     if rows and bool((lengths == width).all()):
+        if isinstance(values, np.ndarray) and not values.flags.writeable:
+            return values.reshape(rows, width, *trailing).copy()
         return values.reshape(rows, width, *trailing)
     if restart:  # padding positions count 0, 1, ... after each row's tokens
         base = np.arange(width, dtype=np.int64)[None] - lengths[:, None]
@@ -120,12 +123,16 @@ def dense(field: Ragged, width: int, fill: int | float, *, restart: bool = False
     return tensor
 
 
-def stack_rows(rows: Sequence[Row], name: str, names: Names) -> torch.Tensor:
+def stack_rows(rows: Sequence[Row] | np.ndarray, name: str, names: Names) -> torch.Tensor:
     """A per-record field's rows stacked as ``[B, ...]`` (one value or vector per record, never padded).
+
+    ``rows`` may be stacked already (a ``[B, ...]`` array, as a column reads): it is copied.
 
     Raises:
         ValueError: if the rows differ in shape.
     """
+    if isinstance(rows, np.ndarray):
+        return torch.from_numpy(np.array(rows))
     first = tuple(rows[0].shape)
     for index, row in enumerate(rows):
         if tuple(row.shape) != first:

@@ -340,6 +340,9 @@ class Collator:
     def __call__(self, samples: Sequence[Any]) -> dict[str, Any]:
         """Collate in one step: :meth:`stack` then :meth:`finish`.
 
+        ``samples``: records, plain payloads, or a columnar batch (an Arrow table,
+        ``(values, offsets)`` pairs: see :mod:`zephon_collate._columns`).
+
         In a DataLoader worker the dict returned pickles its CPU tensors as one
         compact buffer (:class:`~zephon_collate.collate.transfer.WireOutputs`); the main
         process receives a plain dict.

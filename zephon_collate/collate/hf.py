@@ -71,6 +71,7 @@ from zephon_collate._checks import (
     check_int,
     suggest_options,
 )
+from zephon_collate._columns import Columns, columns_of
 from zephon_collate._read import (
     MISSING,
     Ragged,
@@ -78,6 +79,7 @@ from zephon_collate._read import (
     as_tensor,
     check_ids,
     check_zero_one,
+    concat,
     payload_get,
     read_field,
     read_ragged,
@@ -543,11 +545,22 @@ class Transformers:
 
         Examples are read on the host (their fields as NumPy arrays), whatever
         device a tensor field is on; the collator's ``device`` moves the batch.
+        A columnar batch (an Arrow table, ``(values, offsets)`` pairs: see
+        :mod:`zephon_collate._columns`) is read column by column, then goes the same way.
 
         Raises:
             TypeError, ValueError: for a bad example, naming it, the field and the fix.
+            ImportError: for Arrow data without ``pyarrow``.
         """
         options = self.options
+        columns = columns_of(features)
+        if columns is not None:
+            if options.float_fields:
+                raise ValueError(
+                    f"{_OWNER}: float_fields are read from example dicts; give the batch as a list of "
+                    "examples, or leave the float fields out of the columnar batch"
+                )
+            return [self._interpret(*self._read_columns(columns))]
         examples = as_examples(
             features, [spec.name for spec in options.floats] if options.float_fields else ()
         )
@@ -579,6 +592,9 @@ class Transformers:
             if SEQ_LENGTHS in present
             else None
         )
+        segments = None
+        if segment_rows is not None:  # each example's document lengths, end to end
+            segments = concat([as_numpy(row).reshape(-1) for row in segment_rows], SEQ_LENGTHS, _names)
         per_sequence: dict[str, list[np.ndarray]] = {}
         for spec in options.floats:
             rows = read_field(examples, spec.name, INPUT_IDS, "values", _names, required=True) or []
@@ -587,12 +603,42 @@ class Transformers:
                 fields[spec.name] = floats
             else:
                 per_sequence[spec.name] = floats
-        return [self._interpret(fields, segment_rows, per_sequence)]
+        return [self._interpret(fields, segments, per_sequence)]
+
+    def _read_columns(self, columns: Columns) -> tuple[dict[str, Ragged], Ragged | None]:
+        """The fields of a columnar batch, as :meth:`read` reads them from examples, and its
+        ``seq_lengths``; the refusals that look at an example's fields run once for all rows."""
+        if not columns.rows:
+            raise ValueError(f"{_OWNER}: the batch holds no examples")
+        _check_examples([columns.example()], self.options.supervision)
+        tokens = columns.ragged(INPUT_IDS, "ids", _names)
+        if tokens.values.ndim != 1:
+            raise ValueError(
+                f"{_names(0)}: 'input_ids' must be one row of token ids, got rows of shape "
+                f"{tuple(tokens.values.shape[1:])} per token"
+            )
+        check_ids(tokens, INPUT_IDS, _names)
+        tokens = tokens.cast(torch.int64)
+        fields: dict[str, Ragged] = {INPUT_IDS: tokens}
+        for name in (ATTENTION_MASK, *_MASK_FIELDS, LABELS, TOKEN_TYPE_IDS, POSITION_IDS):
+            if name not in columns:
+                continue
+            kind: Literal["ids", "values"] = (
+                "ids" if name in (LABELS, TOKEN_TYPE_IDS, POSITION_IDS) else "values"
+            )
+            field = columns.ragged(name, kind, _names)
+            if field.values.ndim != 1 or not np.array_equal(field.offsets, tokens.offsets):
+                _check_shapes(_rows_of(field), tokens, name)  # names the first example that does not fit
+            fields[name] = field
+        segments = columns.ragged(SEQ_LENGTHS, "ids", _names) if SEQ_LENGTHS in columns else None
+        if segments is not None and segments.values.ndim != 1:  # nested lengths: each example's, flattened
+            segments = concat([np.reshape(row, -1) for row in _rows_of(segments)], SEQ_LENGTHS, _names)
+        return fields, segments
 
     def _interpret(
         self,
         fields: dict[str, Ragged],
-        segment_rows: list[Any] | None,
+        segments: Ragged | None,
         per_sequence: Mapping[str, list[np.ndarray]] | None = None,
     ) -> Stacked:
         """The read fields to the chain's input: supervision, padding dropped, truncation, layout."""
@@ -603,7 +649,7 @@ class Transformers:
         if options.float_fields:
             for name in options.token_floats:
                 per_token[name] = fields[name]
-        positions = self._positions(fields, segment_rows)
+        positions = self._positions(fields, segments)
         if positions is not None:
             per_token[POSITIONS] = positions
         if ATTENTION_MASK in fields:
@@ -686,24 +732,29 @@ class Transformers:
                 )
         return np.asarray(keep)
 
-    def _positions(self, fields: Mapping[str, Ragged], segment_rows: list[Any] | None) -> Ragged | None:
-        """Segment-restarting positions from ``seq_lengths`` or ``position_ids``, or ``None`` (one document
-        per example)."""
+    def _positions(self, fields: Mapping[str, Ragged], segments: Ragged | None) -> Ragged | None:
+        """Segment-restarting positions from ``seq_lengths`` (each example's document lengths, end to
+        end) or ``position_ids``, or ``None`` (one document per example)."""
         tokens = fields[INPUT_IDS]
-        if segment_rows is not None:
-            sizes = []
-            for index, row in enumerate(segment_rows):
-                values = as_numpy(row).reshape(-1).astype(np.int64)
-                if (values.size and values.min() < 0) or int(values.sum()) != tokens.lengths[index]:
-                    raise ValueError(
-                        f"{_names(index)}: 'seq_lengths' {shown(values.tolist())} must be lengths >= 0 "
-                        f"that add up to the example's {int(tokens.lengths[index])} tokens (as TRL's packing "
-                        "writes them)"
-                    )
-                sizes.append(values[values > 0])
-            starts = np.zeros(sum(len(v) for v in sizes) + 1, dtype=np.int64)
-            np.cumsum(np.concatenate(sizes) if sizes else [], out=starts[1:])
-            return Ragged(_restarting(starts).values, tokens.offsets)
+        if segments is not None:
+            sizes = np.asarray(segments.values).astype(np.int64, copy=False)
+            totals = np.zeros(sizes.size + 1, dtype=np.int64)
+            np.cumsum(sizes, out=totals[1:])
+            negative = np.zeros(sizes.size + 1, dtype=np.int64)
+            np.cumsum(sizes < 0, out=negative[1:])
+            starts, ends = segments.offsets[:-1], segments.offsets[1:]
+            bad = (totals[ends] - totals[starts] != tokens.lengths) | (negative[ends] > negative[starts])
+            if bad.any():
+                index = int(np.flatnonzero(bad)[0])
+                raise ValueError(
+                    f"{_names(index)}: 'seq_lengths' {shown(sizes[starts[index] : ends[index]].tolist())} "
+                    f"must be lengths >= 0 that add up to the example's {int(tokens.lengths[index])} tokens "
+                    "(as TRL's packing writes them)"
+                )
+            documents = sizes[sizes > 0]
+            bounds = np.zeros(documents.size + 1, dtype=np.int64)
+            np.cumsum(documents, out=bounds[1:])
+            return Ragged(_restarting(bounds).values, tokens.offsets)
         if POSITION_IDS not in fields:
             return None
         given = fields[POSITION_IDS]
@@ -945,6 +996,11 @@ def _sequence_starts(per_token: Mapping[str, Ragged]) -> np.ndarray:
     return starts
 
 
+def _rows_of(field: Ragged) -> list[Any]:
+    """Each row of ``field`` (a view): for the row-wise checks that name the example at fault."""
+    return [field.row(index) for index in range(field.rows)]
+
+
 def _restarting(offsets: np.ndarray) -> Ragged:
     """Positions 0, 1, ... restarting at every offset: one segment per row."""
     lengths = np.diff(offsets)
@@ -1052,8 +1108,9 @@ class TransformersCollator(Collator):
         device, compile, num_boundaries, python_scalars, transforms, chain: as for
             :class:`Collator` (``python_scalars=False`` keeps ``max_length_q/k`` as tensors).
 
-    Returns (from a call on a list of examples, a batched dict of lists, or a list of
-    token rows, read as examples of ``input_ids`` alone):
+    Returns (from a call on a list of examples, a batched dict of lists, a list of
+    token rows, read as examples of ``input_ids`` alone, or a columnar batch: an Arrow
+    table, ``(values, offsets)`` pairs, see :mod:`zephon_collate._columns`):
         the dict of tensors (NumPy arrays with ``return_tensors="np"``) described in
         the module doc.
 

@@ -139,7 +139,7 @@ class Rollouts(Sequences):
     def _interpret(
         self,
         fields: dict[str, Ragged],
-        segment_rows: list[Any] | None,
+        segments: Ragged | None,
         per_sequence: Mapping[str, list[np.ndarray]] | None = None,
     ) -> Stacked:
         """The read examples to sequences: supervision, padding dropped, float fields, the layout."""
@@ -153,7 +153,7 @@ class Rollouts(Sequences):
                     f"{_OWNER}: the examples carry {problem}; a rollout is one sequence (prompt and "
                     "completion) for a causal LM: drop the field"
                 )
-        if segment_rows is not None:
+        if segments is not None:
             raise ValueError(
                 f"{_OWNER}: the examples carry 'seq_lengths' (several documents packed in one example); give "
                 "one rollout per example, which this collator packs itself (padding_free=True)"

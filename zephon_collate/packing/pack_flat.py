@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 from zephon_collate._checks import suggest_options
+from zephon_collate._columns import ColumnarBatch, columns_of
 from zephon_collate._read import (
     as_record,
     describe_record,
@@ -71,7 +72,7 @@ def _shared_fields(
 
 @suggest_options("pack_flat", REQUIRED)
 def pack_flat(
-    records: Iterable[SampleRecord] | SampleBatch,
+    records: Iterable[SampleRecord] | SampleBatch | ColumnarBatch,
     seq_len: int,
     *,
     pad_token_id: int,
@@ -142,8 +143,16 @@ def pack_flat(
     component, or splits them in proportion to its sample counts (largest
     remainder). A record with no components counts in neither.
 
+    Documents given as columns (a ``pyarrow.Table`` of ``input_ids`` and
+    ``loss_mask`` lists, say, or a dict of ``(values, offsets)`` pairs) are
+    read and checked at once and packed as the same documents given as plain
+    payloads would be: document ``i`` is named ``example i`` and has
+    ``SampleMeta((0, 0, i), 0, 0, i)``. :func:`~zephon_collate.packing.columns.pack_columns`
+    packs them into arrays instead of records, vectorised.
+
     Parameters:
-        records: the records (dict payloads or token arrays; sentinels allowed), or a SampleBatch.
+        records: the records (dict payloads or token arrays; sentinels allowed), a SampleBatch,
+            or a columnar batch of documents.
         seq_len: tokens per row, an int >= 1.
         pad_token_id: the padding token, an int >= 0.
         emit_positions: write segment-restarting ``"positions"``.
@@ -186,6 +195,11 @@ def pack_flat(
         ({0: 2}, {0: 5})
     """
     checked = PackOptions.create("pack_flat", **PackOptions.arguments(locals()))
+    columns = columns_of(records)
+    if columns is not None:
+        checked.check_columnar("pack_flat")
+        size = checked.buffer_size or INT64_MAX  # None: one best-fit round over every piece
+        return list(FlatPacker(**{**vars(checked), "buffer_size": size}).pack([records]))
     if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, (Iterable, SampleBatch)):
         raise TypeError(f"pack_flat: records must be a list of SampleRecord, got {type(records).__name__}")
     given = records.records if isinstance(records, SampleBatch) else records

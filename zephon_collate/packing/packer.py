@@ -16,11 +16,12 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 from zephon_collate._checks import suggest_options
+from zephon_collate._columns import ColumnarBatch, Columns, columns_of
 from zephon_collate._read import as_record, describe_record
 from zephon_collate._text import shown
 from zephon_collate.fields import FloatField
 from zephon_collate.keys import INPUT_IDS
-from zephon_collate.packing.reader import REQUIRED, STREAM_BUFFER_SIZE, PackOptions, Reader
+from zephon_collate.packing.reader import REQUIRED, STREAM_BUFFER_SIZE, Document, PackOptions, Reader
 from zephon_collate.packing.rows import Engine, Piece, build_row, document_piece, group_pieces, split_document
 from zephon_collate.packing.state import (
     check_count,
@@ -30,7 +31,7 @@ from zephon_collate.packing.state import (
     pieces_from_state,
     same_value,
 )
-from zephon_collate.records import SampleRecord
+from zephon_collate.records import SampleMeta, SampleRecord
 
 __all__ = ["STATE_VERSION", "FlatPacker"]
 
@@ -63,6 +64,13 @@ class FlatPacker:
     * The packer keeps views of the input arrays until their row is emitted;
       do not write into them in the meantime. Run one :meth:`pack` at a time,
       and restore a state before calling it.
+    * The stream may hold columnar batches of documents (a ``pyarrow.Table``,
+      a dict of ``(values, offsets)`` pairs, ...: see ``Collator``), as
+      ``dataset.with_format("arrow").iter(batch_size)`` yields them: each is read
+      and checked at once, then packed document by document. Document ``i`` of
+      the stream (counting every record and every row of every batch) is named
+      ``example i`` and has ``SampleMeta((0, 0, i), 0, 0, i)``, as a plain payload
+      at that place would; ``records_consumed`` counts documents.
 
     Parameters:
         seq_len, pad_token_id, emit_positions, tokens_field, strategy, overflow, fields, float_fields,
@@ -134,7 +142,7 @@ class FlatPacker:
         """Rows yielded so far."""
         return self._emitted
 
-    def pack(self, records: Iterable[SampleRecord]) -> Iterator[SampleRecord]:
+    def pack(self, records: Iterable[SampleRecord | ColumnarBatch]) -> Iterator[SampleRecord]:
         """Yield packed rows from ``records``, as soon as each is closed; the end of ``records`` flushes.
 
         Rows already closed (from a restored state) come first. Each record
@@ -146,6 +154,11 @@ class FlatPacker:
             )
         yield from self._drain()
         for sample in records:
+            if not isinstance(sample, SampleRecord):
+                columns = columns_of(sample)
+                if columns is not None:
+                    yield from self._pack_columns(columns)
+                    continue
             record = as_record(sample, self._consumed, "FlatPacker")
             if record.meta.is_flush_sentinel:
                 self._close_group()
@@ -171,6 +184,26 @@ class FlatPacker:
         group, self._group = self._group, None
         if group is not None:
             self._engine.push(group_pieces(group.members, group.where, group.key, self.options))
+
+    def _pack_columns(self, columns: Columns) -> Iterator[SampleRecord]:
+        """The documents of a columnar batch, read and checked at once, then pushed one by one (each
+        with the metadata a plain payload gets: ``sample_id=(0, 0, i)``, ``i`` its place in the stream)."""
+        self.options.check_columnar("FlatPacker")
+        self._close_group()
+        first = self._consumed
+        tokens, fields = self._reader.read_columns(columns, first)
+        starts, ends = tokens.offsets[:-1].tolist(), tokens.offsets[1:].tolist()
+        values = tokens.host
+        hosts = {name: field.host for name, field in fields.items()}
+        for row, (start, end) in enumerate(zip(starts, ends, strict=True)):
+            index = first + row
+            if end > start:
+                record = SampleRecord(SampleMeta((0, 0, index), 0, 0, index), {})
+                piece_fields = {name: field[start:end] for name, field in hosts.items()}
+                document = Document(values[start:end], piece_fields, None, None)
+                self._engine.push(split_document(record, index, document, self.options))
+            self._consumed += 1
+            yield from self._drain()
 
     def _drain(self) -> Iterator[SampleRecord]:
         ready = self._engine.ready

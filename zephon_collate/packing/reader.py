@@ -21,7 +21,9 @@ import numpy as np
 import torch
 
 from zephon_collate._checks import check_int, check_option_names
+from zephon_collate._columns import Columns, example_names
 from zephon_collate._read import (
+    Names,
     Ragged,
     as_numpy,
     check_ids,
@@ -47,6 +49,7 @@ __all__ = [
     "PackOptions",
     "Reader",
     "as_array",
+    "candidate_columns",
     "candidate_fields",
     "check_loss_mask",
 ]
@@ -85,7 +88,7 @@ class PackOptions:
         checked = dict(options)
         checked["seq_len"] = check_int(owner, "seq_len", options["seq_len"], 1, INT32_MAX)  # int32 offsets
         checked["pad_token_id"] = check_int(owner, "pad_token_id", options["pad_token_id"], 0)
-        if options["buffer_size"] is not None or owner != "pack_flat":
+        if options["buffer_size"] is not None or owner not in ("pack_flat", "pack_columns"):  # None: all
             checked["buffer_size"] = check_int(owner, "buffer_size", options["buffer_size"], 1)
         if not isinstance(options["emit_positions"], bool):
             raise TypeError(f"{owner}: emit_positions must be a bool, got {shown(options['emit_positions'])}")
@@ -142,6 +145,15 @@ class PackOptions:
                     "the payload field that holds each record's group id"
                 )
         return cls(**checked)
+
+    def check_columnar(self, owner: str) -> None:
+        """Refuse the options a columnar batch cannot serve: groups and float fields are read record by
+        record (their values are Python lists per record, which the columns do not carry)."""
+        if self.group_key is not None or self.float_fields:
+            raise ValueError(
+                f"{owner}: group_key= and float_fields= are read record by record; give the documents as "
+                "records or payload dicts (pack_flat), not as a columnar batch"
+            )
 
     @property
     def floats(self) -> tuple[FloatField, ...]:
@@ -231,6 +243,38 @@ class Document(NamedTuple):
 
 
 _NO_GROUP: Any = None
+
+
+def _aligned_rows(field: Ragged, tokens: Ragged) -> np.ndarray:
+    """``[B]`` booleans: does each document with tokens hold one entry of ``field`` per token?"""
+    aligned: np.ndarray = (field.lengths == tokens.lengths) | (tokens.lengths == 0)
+    return aligned
+
+
+def candidate_columns(columns: Columns, tokens_name: str, tokens: Ragged, names: Names) -> list[str]:
+    """:func:`candidate_fields` of a columnar batch: ``loss_mask`` (one entry per token in every document
+    with tokens, else ``ValueError``), then each list column of numbers with one entry per token in every
+    such document, in the batch's order. Input ``positions`` are never candidates."""
+    found = []
+    if LOSS_MASK in columns:
+        bad = np.flatnonzero(~_aligned_rows(columns.ragged(LOSS_MASK, "values", names), tokens))
+        if bad.size:
+            row = int(bad[0])
+            raise ValueError(
+                f"{names(row)}: field 'loss_mask' does not have one entry per token "
+                f"({int(tokens.lengths[row])})"
+            )
+        found.append(LOSS_MASK)
+    for name in columns.names:
+        if name in (tokens_name, POSITIONS, LOSS_MASK) or not columns.is_list(name):
+            continue
+        try:
+            field = columns.ragged(name, "values", names)
+        except (TypeError, ValueError):
+            continue
+        if field.values.ndim == 1 and bool(_aligned_rows(field, tokens).all()):
+            found.append(name)
+    return found
 
 
 class Reader:
@@ -380,3 +424,69 @@ class Reader:
                 f"form a group), got {shown(value)}"
             )
         return value
+
+    def read_columns(self, columns: Columns, first: int) -> tuple[Ragged, dict[str, Ragged]]:
+        """:meth:`read` of every document of a columnar batch at once: ``(tokens, {field: values})``, the
+        tokens ids >= 0 (in their stored dtype) and each field holding one entry per token of its
+        document (documents without tokens hold none). Row ``b`` is named ``example {first + b}``.
+        """
+        names: Names = lambda row: example_names(first + row)  # noqa: E731 (a Names, by its place)
+        example = columns.example()
+        name = self.tokens_name or first_token_field(example)
+        if name is None or name not in columns:
+            wanted = repr(name) if name else f"any of {', '.join(TOKEN_FIELD_CANDIDATES)}"
+            raise ValueError(
+                f"{names(0)}: payload has no tokens field {wanted} (its fields: {shown_fields(example)}); "
+                "pass the right tokens_field"
+            )
+        read = columns.ragged(name, "ids", names)
+        tokens = Ragged(read.host, read.offsets)  # the packer works on the host
+        if tokens.values.ndim != 1:
+            raise ValueError(
+                f"{names(0)}: field {shown(name)} must be 1-D (one entry per token), got rows of shape "
+                f"{tuple(tokens.values.shape[1:])} per token"
+            )
+        check_ids(tokens, name, names)
+        if self.fields and name in self.fields:
+            raise ValueError(
+                f"{names(0)}: the tokens field {shown(name)} is also listed in fields; drop it from fields"
+            )
+        has_tokens = tokens.lengths > 0
+        if not has_tokens.any():
+            return tokens, {}
+        self.tokens_name = name
+        if self.fields is None:
+            self.fields = tuple(candidate_columns(columns, name, tokens, names))
+        elif self.strict and LOSS_MASK in columns and LOSS_MASK not in self.fields:
+            raise ValueError(
+                f"{names(0)}: payload has a 'loss_mask' but earlier records have none; give every record a "
+                "loss_mask (1 = supervised), or pass fields=(...) to choose the packed fields"
+            )
+        values = {}
+        for field_name in self.fields:
+            if field_name not in columns:
+                raise ValueError(
+                    f"{names(0)}: payload lacks field {shown(field_name)}, which is packed beside the tokens "
+                    f"(fields {self.fields}); give every record this field, or pass fields=(...) without it"
+                )
+            read = columns.ragged(field_name, "values", names)
+            field = Ragged(read.host, read.offsets)
+            if field.values.ndim != 1:
+                raise ValueError(
+                    f"{names(0)}: field {shown(field_name)} must be 1-D (one entry per token), got rows of "
+                    f"shape {tuple(field.values.shape[1:])} per token"
+                )
+            bad = np.flatnonzero(~_aligned_rows(field, tokens))
+            if bad.size:
+                row = int(bad[0])
+                raise ValueError(
+                    f"{names(row)}: field {shown(field_name)} has {int(field.lengths[row])} entries but "
+                    f"the token row has {int(tokens.lengths[row])}; per-token fields must match the tokens "
+                    "one to one"
+                )
+            if not np.array_equal(field.offsets, tokens.offsets):  # entries of documents without tokens
+                field = field.select(np.repeat(has_tokens, field.lengths))
+            if field_name == LOSS_MASK:
+                check_zero_one(field, LOSS_MASK, names, "1 for supervised tokens, 0 for the rest")
+            values[field_name] = field
+        return tokens, values

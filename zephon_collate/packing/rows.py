@@ -12,7 +12,6 @@ save and restore them.
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
@@ -22,6 +21,7 @@ import numpy as np
 from zephon_collate._read import describe_record
 from zephon_collate._text import shown
 from zephon_collate.keys import LOSS_MASK, POSITIONS
+from zephon_collate.packing._plan import best_fit_rows, greedy_breaks
 from zephon_collate.packing.reader import Document, PackOptions, as_array, check_loss_mask
 from zephon_collate.records import (
     CONTRIBUTORS_TAG,
@@ -44,6 +44,7 @@ __all__ = [
     "build_row",
     "document_piece",
     "group_pieces",
+    "refuse_cut_prompt",
     "row_segments",
     "split_document",
     "units",
@@ -134,7 +135,7 @@ def _split(piece: Piece, where: str, options: PackOptions) -> list[Piece]:
     if overflow == "auto" and tokens.size > size:
         mask = piece.fields.get(LOSS_MASK)
         if mask is not None and not mask.all():
-            raise _prompt_cut(where, tokens.size, size)
+            raise refuse_cut_prompt(where, tokens.size, size)
         if piece.positions is not None:
             raise ValueError(
                 f"{where}: has {tokens.size} tokens, more than seq_len={size}, in {_segment_count(piece)} "
@@ -171,11 +172,11 @@ def split_document(record: SampleRecord, index: int, document: Document, options
         mask = as_array(payload[LOSS_MASK], where, LOSS_MASK, ids=False)
         check_loss_mask(mask, where)
         if not mask.all():
-            raise _prompt_cut(where, document.tokens.size, options.seq_len)
+            raise refuse_cut_prompt(where, document.tokens.size, options.seq_len)
     return _split(document_piece(record, document), where, options)
 
 
-def _prompt_cut(where: str, length: int, size: int) -> ValueError:
+def refuse_cut_prompt(where: str, length: int, size: int) -> ValueError:
     """The refusal of ``overflow="auto"`` to cut a document with a prompt (0s in its ``loss_mask``)."""
     return ValueError(
         f"{where}: has {length} tokens, more than seq_len={size}, "
@@ -297,23 +298,38 @@ class Engine:
         self.ready: deque[list[Piece]] = deque()
 
     def push(self, pieces: Iterable[Piece]) -> None:
-        for unit in units(pieces):
-            if self.best_fit:
+        found = units(pieces)
+        if self.best_fit:
+            for unit in found:
                 self.pending.extend(piece for row in unit for piece in row)
                 if len(self.pending) >= self.buffer_size:
                     self.flush()
-                continue
+            return
+        run: list[list[Piece]] = []  # consecutive one-row units, placed by the greedy rule at once
+        for unit in found:
             if len(unit) > 1:  # a group laid over rows: its own rows, one after another
+                self._greedy(run)
                 self.flush()
                 self.ready.extend(unit[:-1])
-                unit = unit[-1:]
-            size = _size(unit[0])
-            if self.used + size > self.seq_len:
-                self.flush()
-            self.pending.extend(unit[0])
-            self.used += size
-            if self.used == self.seq_len:
-                self.flush()
+                run = []
+            run.append(unit[-1])
+        self._greedy(run)
+
+    def _greedy(self, rows: list[list[Piece]]) -> None:
+        """Each of ``rows`` (pieces kept in one row) into the open row, or a new one where it does not
+        fit (:func:`~zephon_collate.packing._plan.greedy_breaks`, the one greedy rule)."""
+        sizes = [_size(row) for row in rows]
+        start = 0
+        for end in greedy_breaks(sizes, self.seq_len, self.used):
+            for row in rows[start:end]:
+                self.pending.extend(row)
+            self.flush()
+            start = end
+        for row in rows[start:]:
+            self.pending.extend(row)
+        self.used += sum(sizes[start:])
+        if self.used == self.seq_len:
+            self.flush()
 
     def flush(self) -> None:
         """Close every pending row (best fit: place the buffer first)."""
@@ -324,22 +340,20 @@ class Engine:
         self.pending, self.used = [], 0
 
     def _best_fit_decreasing(self, pieces: list[Piece]) -> list[list[Piece]]:
+        """The buffer's units by :func:`~zephon_collate.packing._plan.best_fit_rows` (the one best-fit
+        rule): each unit's last row placed by its size, units taken by their whole size; a unit laid
+        over several rows opens its last one, right after its full rows."""
+        found = units(pieces)
+        placed = best_fit_rows(
+            [_size(unit[-1]) for unit in found],
+            self.seq_len,
+            order=[sum(_size(row) for row in unit) for unit in found],
+            fresh=[len(unit) > 1 for unit in found],
+        )
         rows: list[list[Piece]] = []
-        free: list[tuple[int, int]] = []  # (space left, row index), sorted: least space, earliest row first
-        for unit in sorted(units(pieces), key=lambda u: -sum(_size(row) for row in u)):
-            for row in unit[:-1]:  # a group laid over rows: full rows of its own
-                rows.append(list(row))
-            size = _size(unit[-1])
-            slot = bisect.bisect_left(free, (size, -1)) if len(unit) == 1 else len(free)
-            if slot == len(free):
-                rows.append(list(unit[-1]))
-                left, row_index = self.seq_len - size, len(rows) - 1
-            else:
-                space, row_index = free.pop(slot)
-                rows[row_index].extend(unit[-1])
-                left = space - size
-            if left:
-                bisect.insort(free, (left, row_index))
+        for members in placed:
+            rows.extend(list(row) for row in found[members[0]][:-1])  # a fresh unit opens its row
+            rows.append([piece for member in members for piece in found[member][-1]])
         return rows
 
 

@@ -1,0 +1,623 @@
+"""Columnar batches read as the reader's fields: Arrow columns and ``(values, offsets)`` pairs.
+
+A list column is one buffer of values and one of offsets: exactly a
+:class:`~zephon_collate._read.Ragged`. :func:`columns_of` recognises a
+columnar batch and :class:`Columns` reads each field it is asked for as a
+``Ragged`` (a list column) or one value per row (a scalar column), with no
+loop over the examples; every entry point then checks and stacks those fields
+as it does the fields it reads from rows. A columnar batch is:
+
+- a ``pyarrow.Table`` or ``RecordBatch`` (``dataset.with_format("arrow")[indices]``,
+  ``.iter(batch_size)``), or a list of them (their rows one after the other);
+- any object with the Arrow C stream interface (``__arrow_c_stream__``: a polars
+  ``DataFrame``, for one), read through ``pyarrow.table``;
+- a ``dict`` whose fields are ``pyarrow.Array`` / ``ChunkedArray`` columns,
+  ``(values, offsets)`` pairs of NumPy arrays or tensors (row ``b`` is
+  ``values[offsets[b]:offsets[b + 1]]``), or 1-D arrays (one value per row);
+- a :class:`ColumnBatch` (such a mapping that is not a ``dict``, as
+  ``ColumnarDataset`` hands over), or a list of them.
+
+Arrow's layouts are read as they are: ``list`` (int32 offsets), ``large_list``
+(int64) and ``fixed_size_list`` columns, sliced arrays (offsets that do not
+start at 0), chunked columns chunk by chunk (one copy joins them, never
+``combine_chunks``). Values are read-only views of the input wherever the
+layout allows: the checks only read them, and the copy that makes a batch
+its own is the one that casts it on the way out (int32 ids are widened
+there, once). A null entry is refused, naming the row.
+
+``pyarrow`` is imported only when an Arrow object arrives; without it such a
+batch raises ``ImportError`` naming the ``zephon_collate[arrow]`` extra, and
+``(values, offsets)`` pairs need nothing beyond NumPy and torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from types import ModuleType
+from typing import Any, TypeAlias
+
+import numpy as np
+import torch
+
+from zephon_collate._read import Kind, Names, Ragged, Row, as_numpy, to_row
+from zephon_collate._text import shown, shown_fields
+
+__all__ = [
+    "ARROW_EXTRA",
+    "ColumnBatch",
+    "ColumnarBatch",
+    "Columns",
+    "arrow",
+    "columns_of",
+    "example_names",
+    "is_columnar",
+]
+
+ColumnarBatch: TypeAlias = Any
+"""A columnar batch (see the module doc): a ``pyarrow.Table`` or ``RecordBatch``, a list of them, an
+object with ``__arrow_c_stream__``, or a dict of Arrow columns, ``(values, offsets)`` pairs and 1-D arrays."""
+
+ARROW_EXTRA = "pip install 'zephon_collate[arrow]'"
+"""How to install what Arrow input needs (quoted by the error raised without ``pyarrow``)."""
+
+
+class ColumnBatch(Mapping[str, Any]):
+    """A columnar batch as a read-only mapping of field name to column (see the module doc).
+
+    It is not a ``dict``: wrappers that edit example dicts (``transformers.Trainer``'s
+    ``RemoveColumnsCollator`` drops the keys the model's ``forward`` does not name)
+    pass it through as it is, every column kept.
+
+    Example:
+        >>> import numpy as np
+        >>> batch = ColumnBatch({"input_ids": (np.array([5, 6, 7]), np.array([0, 2, 3]))})
+        >>> list(batch), isinstance(batch, dict), is_columnar([batch])
+        (['input_ids'], False, True)
+    """
+
+    __slots__ = ("_columns",)
+
+    def __init__(self, columns: Mapping[str, Any]) -> None:
+        self._columns = dict(columns)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._columns[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._columns)
+
+    def __len__(self) -> int:
+        return len(self._columns)
+
+    def __repr__(self) -> str:
+        return f"ColumnBatch({', '.join(self._columns)})"
+
+
+def example_names(index: int) -> str:
+    """How errors name the row of a columnar batch at ``index``: ``example 3``."""
+    return f"example {index}"
+
+
+def arrow() -> ModuleType:
+    """The ``pyarrow`` module, or ``ImportError`` naming the extra that installs it."""
+    module = sys.modules.get("pyarrow")
+    if module is not None:
+        return module
+    try:
+        return importlib.import_module("pyarrow")
+    except ImportError:
+        raise ImportError(
+            f"this batch is Arrow data (a pyarrow or Arrow C stream object), which needs pyarrow: "
+            f"{ARROW_EXTRA} (or pip install pyarrow); without it, give each field as a "
+            "(values, offsets) pair of NumPy arrays, or the examples as dicts"
+        ) from None
+
+
+def _from_arrow(value: object) -> bool:
+    """True for an object of ``pyarrow``'s own types (known without importing it)."""
+    return type(value).__module__.partition(".")[0] == "pyarrow"
+
+
+def _is_pair(value: object) -> bool:
+    """True for a ``(values, offsets)`` pair: a tuple of two NumPy arrays or tensors."""
+    return (
+        type(value) is tuple
+        and len(value) == 2
+        and all(isinstance(part, (np.ndarray, torch.Tensor)) for part in value)
+    )
+
+
+def _is_table(value: object) -> bool:
+    """True for an Arrow table-like batch: a ``pyarrow`` object, or one with the Arrow C stream."""
+    return _from_arrow(value) or (
+        hasattr(type(value), "__arrow_c_stream__") and not isinstance(value, (Mapping, Sequence))
+    )
+
+
+def is_columnar(batch: object) -> bool:
+    """True if ``batch`` is a columnar batch (see the module doc); cheap for row-wise input.
+
+    Example:
+        >>> import numpy as np
+        >>> is_columnar({"input_ids": (np.array([5, 6, 7]), np.array([0, 2, 3]))})
+        True
+        >>> is_columnar([{"input_ids": [5, 6]}]), is_columnar({"input_ids": [[5, 6], [7]]})
+        (False, False)
+    """
+    kind = type(batch)
+    if kind is list or kind is tuple:
+        first = batch[0] if batch else None  # type: ignore[index]  # a list or tuple
+        return first is not None and (type(first) is ColumnBatch or _is_table(first))
+    if isinstance(batch, Mapping):
+        return any(_from_arrow(value) or _is_pair(value) for value in batch.values())
+    return kind is not dict and _is_table(batch)
+
+
+def columns_of(batch: object) -> Columns | None:
+    """``batch`` as :class:`Columns`, or ``None`` if it is not a columnar batch.
+
+    Raises:
+        ImportError: for Arrow data without ``pyarrow`` (naming the extra).
+        TypeError: for a list mixing tables with other items, or tables whose columns differ.
+        ValueError: for columns of different lengths.
+    """
+    if not is_columnar(batch):
+        return None
+    if type(batch) in (list, tuple) and type(batch[0]) is ColumnBatch:  # type: ignore[index]
+        return _joined_batches(list(batch))  # type: ignore[call-overload]
+    if isinstance(batch, Mapping):
+        sources = dict(batch)
+        if any(_from_arrow(value) for value in sources.values()):
+            arrow()
+        return Columns(sources)
+    pa = arrow()
+    tables = list(batch) if type(batch) in (list, tuple) else [batch]  # type: ignore[call-overload]
+    read = []
+    for index, table in enumerate(tables):
+        if isinstance(table, (pa.Array, pa.ChunkedArray)):
+            raise TypeError(
+                f"got a list of Arrow columns without their names (item {index} is a "
+                f"{type(table).__name__}): what iterating a pyarrow.Table gives, as transformers.Trainer's "
+                "RemoveColumnsCollator does; "
+                "hand the collator the table itself, or a list of tables (ColumnarDataset does), or pass "
+                "TrainingArguments(remove_unused_columns=False)"
+            )
+        if not _is_table(table):
+            raise TypeError(
+                f"a list of Arrow tables holds {type(table).__name__} at item {index}; give tables or "
+                "record batches only (their rows one after the other), or a list of example dicts"
+            )
+        if not isinstance(table, (pa.Table, pa.RecordBatch)):
+            table = pa.table(table)  # the Arrow C stream interface (polars, DuckDB, ...)
+        read.append(table)
+    names = read[0].schema.names
+    for index, table in enumerate(read[1:], start=1):
+        if table.schema.names != names:
+            raise TypeError(
+                f"Arrow table {index} has columns {table.schema.names}, table 0 {names}; give tables of "
+                "one schema"
+            )
+    return Columns(tables=read)
+
+
+def _joined_batches(batches: list[Any]) -> Columns:
+    """A list of :class:`ColumnBatch` as one batch: their rows one after the other."""
+    for index, batch in enumerate(batches):
+        if type(batch) is not ColumnBatch or list(batch) != list(batches[0]):
+            raise TypeError(
+                f"a list of ColumnBatch holds a {type(batch).__name__} of other fields at item {index}; give "
+                "batches of the same fields only"
+            )
+    if len(batches) == 1:
+        sources = dict(batches[0])
+    else:
+        sources = {name: [batch[name] for batch in batches] for name in batches[0]}
+    if any(_from_arrow(batch[name]) for batch in batches for name in batch):
+        arrow()
+    return Columns(sources)
+
+
+class Columns:
+    """The fields of a columnar batch, each read when asked for (see the module doc).
+
+    Parameters:
+        sources: field name to column: a ``pyarrow`` array or chunked array (or a
+            list of them, one after the other), a ``(values, offsets)`` pair, or a
+            1-D array or tensor (one value per row); any other value (a list of
+            strings, say) is a field that is never read.
+        tables: instead, Arrow tables or record batches of one schema, their rows one after
+            the other (a column is looked up only when a field is read).
+
+    Raises:
+        ValueError: if the columns hold different numbers of rows.
+
+    Example:
+        >>> import numpy as np
+        >>> columns = Columns({"input_ids": (np.array([5, 6, 7, 8]), np.array([0, 3, 4]))})
+        >>> field = columns.ragged("input_ids", "ids", example_names)
+        >>> columns.rows, field.values.tolist(), field.offsets.tolist()
+        (2, [5, 6, 7, 8], [0, 3, 4])
+    """
+
+    __slots__ = ("_chunks", "_names", "_sources", "_tables", "rows")
+
+    def __init__(self, sources: Mapping[str, Any] | None = None, *, tables: Sequence[Any] = ()) -> None:
+        self._chunks: dict[str, list[Any]] = {}
+        self._tables = list(tables)
+        if self._tables:
+            self._sources: dict[str, Any] = {}
+            self._names = tuple(self._tables[0].schema.names)
+            self.rows: int = sum(table.num_rows for table in self._tables)
+            return
+        self._sources = dict(sources or {})
+        self._names = tuple(self._sources)
+        rows: int | None = None
+        first = ""
+        for name, source in self._sources.items():
+            chunks = _chunks_of(source)
+            if chunks is None:
+                continue  # not a column: a field no entry point reads (text kept as lists, say)
+            self._chunks[name] = chunks
+            count = sum(_rows_in(chunk) for chunk in chunks)
+            if rows is None:
+                rows, first = count, name
+            elif count != rows:
+                raise ValueError(
+                    f"the columns of the batch differ in length: {shown(first)} holds {rows} rows, "
+                    f"{shown(name)} {count}; give every field one entry per example"
+                )
+        self.rows = rows or 0
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every field of the batch, columns or not, in the batch's order."""
+        return self._names
+
+    def _chunk_list(self, name: str) -> list[Any] | None:
+        """The chunks of column ``name`` (looked up in the tables once), or ``None`` if it is no column."""
+        chunks = self._chunks.get(name)
+        if chunks is None and self._tables and name in self._names:
+            chunks = []
+            for table in self._tables:
+                column = table.column(name)
+                count = getattr(column, "num_chunks", None)  # a RecordBatch's columns are arrays
+                chunks += [column] if count is None else [column.chunk(i) for i in range(count)]
+            self._chunks[name] = chunks
+        return chunks
+
+    def is_list(self, name: str) -> bool:
+        """True if ``name`` is a list column (a row of values per example), False for one value per row."""
+        if self._tables:
+            return (
+                name in self._names
+                and _list_type(arrow(), self._tables[0].schema.field(name).type) is not None
+            )
+        chunks = self._chunks.get(name)
+        if not chunks:
+            return False
+        chunk = chunks[0]
+        if _is_pair(chunk):
+            return True
+        if isinstance(chunk, (np.ndarray, torch.Tensor)):
+            return False
+        pa = arrow()
+        return bool(_list_type(pa, chunk.type))
+
+    def example(self) -> dict[str, Any]:
+        """A stand-in for every example's fields: each name to ``()`` (a list column) or ``0`` (a value).
+
+        The refusals that look only at which fields an example has (or whether one
+        is a single value) run on it once, for every row at a time.
+        """
+        if self._tables:
+            return {name: () if self.is_list(name) else 0 for name in self._names}
+        return {name: () if self.is_list(name) or name not in self._chunks else 0 for name in self._names}
+
+    def ragged(self, name: str, kind: Kind, names: Names) -> Ragged:
+        """List column ``name`` as a :class:`Ragged`: read-only views of the input where the layout allows.
+
+        Raises:
+            TypeError: if the field is not a list column of numbers (strings, nested lists, a
+                mix of columns and Python lists), or of the wrong ``kind``.
+            ValueError: for a null row or value, or a pair whose offsets do not fit its values,
+                naming the row.
+        """
+        chunks = self._column(name, names)
+        pieces: list[tuple[Row, np.ndarray]] = []
+        first = 0
+        for chunk in chunks:
+            if _is_pair(chunk):
+                pieces.append(_pair(chunk, name, first, names))
+            elif isinstance(chunk, (np.ndarray, torch.Tensor)):
+                raise TypeError(
+                    f"field {shown(name)} is given as one value per example (a 1-D array), but it is read "
+                    "as a row of values per example; give it as a (values, offsets) pair or a list column"
+                )
+            else:
+                pieces.append(_arrow_list(arrow(), chunk, name, first, names))
+            first += len(pieces[-1][1]) - 1
+        if len(pieces) == 1:
+            values, offsets = pieces[0]
+        else:  # chunk by chunk: one copy joins the values, each chunk's offsets shifted
+            values = _joined([values for values, _ in pieces])
+            offsets = np.zeros(first + 1, dtype=np.int64)
+            row, total = 0, 0
+            for _, part_offsets in pieces:
+                count = len(part_offsets) - 1
+                offsets[row + 1 : row + count + 1] = part_offsets[1:] + total
+                row, total = row + count, total + int(part_offsets[-1])
+        checked = to_row(values, names(0), name, kind)  # the reader's dtype rules, on every value at once
+        return Ragged(_host(checked), offsets)
+
+    def values(self, name: str, kind: Kind, names: Names) -> np.ndarray:
+        """Scalar column ``name``: ``[B]`` (one value per row), read-only where it is a view.
+
+        Raises:
+            TypeError: if it is not a column of numbers.
+            ValueError: for a null entry, naming the row.
+        """
+        parts = []
+        first = 0
+        for chunk in self._column(name, names):
+            if _is_pair(chunk):
+                raise TypeError(
+                    f"field {shown(name)} is a (values, offsets) pair, a row of values per example, but it "
+                    "is read as one value per example; give a 1-D array"
+                )
+            if isinstance(chunk, (np.ndarray, torch.Tensor)):
+                part = _read_only(as_numpy(chunk))
+            else:
+                part = _arrow_values(arrow(), chunk, name, first, names)
+            parts.append(part)
+            first += len(part)
+        joined = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return as_numpy(to_row(joined, names(0), name, kind))
+
+    def per_record(self, name: str, kind: Kind, names: Names) -> np.ndarray | list[Row]:
+        """Field ``name`` one entry per example: ``[B]`` values, ``[B, L, ...]`` rows of one length, or
+        each row (rows of other lengths, which stacking refuses, naming the first that differs)."""
+        if not self.is_list(name):
+            return self.values(name, kind, names)
+        field = self.ragged(name, kind, names)
+        lengths = field.lengths
+        if field.rows and bool((lengths == lengths[0]).all()):
+            return np.asarray(field.values).reshape(field.rows, int(lengths[0]), *field.values.shape[1:])
+        return [field.row(index) for index in range(field.rows)]
+
+    def pylist(self, name: str) -> list[Any]:
+        """Field ``name`` as one Python object per row (for ``texts``): an Arrow column converted, a list
+        as given."""
+        chunks = self._chunk_list(name)
+        if chunks is None:
+            return list(self._sources[name])
+        return [item for chunk in chunks for item in _pylist(chunk)]
+
+    def _column(self, name: str, names: Names) -> list[Any]:
+        chunks = self._chunk_list(name)
+        if chunks is not None:
+            return chunks
+        if name not in self._sources:
+            raise ValueError(
+                f"{names(0)}: the batch has no field {shown(name)} (its fields: "
+                f"{shown_fields(dict.fromkeys(self._names))})"
+            )
+        raise TypeError(
+            f"field {shown(name)} is a {type(self._sources[name]).__name__}, while the batch's other "
+            "fields are columns; give it as a column too (a pyarrow array, a (values, offsets) pair or a "
+            "1-D array), or give every field as rows"
+        )
+
+
+def _chunks_of(source: Any) -> list[Any] | None:
+    """The chunks of one column, or ``None`` for a value that is not a column."""
+    if _is_pair(source):
+        return [source]
+    if isinstance(source, (np.ndarray, torch.Tensor)):
+        return [source] if source.ndim == 1 else None
+    if isinstance(source, list) and source and all(_from_arrow(item) or _is_pair(item) for item in source):
+        return [chunk for item in source for chunk in _chunks_of(item) or ()]
+    if not _from_arrow(source):
+        return None
+    count = getattr(source, "num_chunks", None)  # a ChunkedArray: its chunks, each read as it is
+    if count is None:
+        return [source]
+    chunk = getattr(source, "chunk", None)
+    return [chunk(index) for index in range(count)] if chunk is not None else list(source.chunks)
+
+
+def _rows_in(chunk: Any) -> int:
+    if _is_pair(chunk):
+        return max(0, len(chunk[1]) - 1)
+    return len(chunk)
+
+
+def _read_only(values: np.ndarray) -> np.ndarray:
+    """A read-only view of ``values`` (the input's own flags are left as they are)."""
+    if not values.flags.writeable:
+        return values
+    view = values.view()
+    view.flags.writeable = False
+    return view
+
+
+def _host(values: Row) -> np.ndarray | torch.Tensor:
+    """Values as the reader holds them: host data as NumPy (a CPU tensor viewed, read-only), a device
+    tensor copied where it is (the batch never shares memory with its input)."""
+    if isinstance(values, np.ndarray):
+        return values
+    if values.device.type == "cpu":
+        return _read_only(as_numpy(values))
+    return values.detach().clone()
+
+
+def _joined(parts: Sequence[Row]) -> np.ndarray | torch.Tensor:
+    """Chunks' values end to end (a copy, owned by the batch)."""
+    if all(isinstance(part, np.ndarray) for part in parts):
+        return np.concatenate(parts)
+    return torch.cat([torch.as_tensor(part) for part in parts])
+
+
+def _pair(pair: tuple[Any, Any], name: str, first: int, names: Names) -> tuple[Row, np.ndarray]:
+    """A ``(values, offsets)`` pair as values from its first offset to its last, offsets from 0."""
+    values, given = pair
+    offsets = as_numpy(given) if isinstance(given, torch.Tensor) else given
+    if offsets.ndim != 1 or offsets.dtype.kind not in "iu" or not offsets.size:
+        raise TypeError(
+            f"field {shown(name)}: the offsets of a (values, offsets) pair must be a 1-D integer array of "
+            f"one entry per example plus one, got dtype {offsets.dtype} and shape {tuple(offsets.shape)}"
+        )
+    offsets = offsets.astype(np.int64, copy=False)
+    if values.ndim == 0:
+        raise TypeError(f"field {shown(name)}: the values of a (values, offsets) pair must be an array")
+    steps = offsets[1:] - offsets[:-1]
+    if offsets[0] < 0 or (steps < 0).any() or offsets[-1] > values.shape[0]:
+        bad = np.flatnonzero(steps < 0)
+        where = names(first + int(bad[0])) if bad.size else names(first)
+        raise ValueError(
+            f"{where}: field {shown(name)}: the offsets of its (values, offsets) pair must rise from >= 0 to "
+            f"at most the {values.shape[0]} values (row b is values[offsets[b]:offsets[b + 1]]), got "
+            f"{shown(offsets[:8].tolist())}{' ...' if offsets.size > 8 else ''}"
+        )
+    start, end = int(offsets[0]), int(offsets[-1])
+    view = values[start:end] if start or end != values.shape[0] else values
+    if isinstance(view, np.ndarray):
+        view = _read_only(view)
+    return view, offsets - start if start else offsets
+
+
+_TYPES: dict[int, str] = {}
+"""Arrow type id to what this module makes of it: ``"list"``, ``"large_list"``, ``"fixed_size_list"``,
+``"bool"``, or a NumPy dtype name (integers and floats, whose values buffer NumPy reads as it is)."""
+
+
+def _type(pa: ModuleType, kind: Any) -> str | None:
+    """What Arrow type ``kind`` is here (see :data:`_TYPES`), or ``None`` for anything else."""
+    if not _TYPES:
+        _TYPES[pa.list_(pa.int8()).id] = "list"
+        _TYPES[pa.large_list(pa.int8()).id] = "large_list"
+        _TYPES[pa.list_(pa.int8(), 1).id] = "fixed_size_list"
+        _TYPES[pa.bool_().id] = "bool"
+        for name in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"):
+            _TYPES[getattr(pa, name)().id] = name
+        for name in ("float16", "float32", "float64"):  # Arrow's names are NumPy's
+            _TYPES[getattr(pa, name)().id] = name
+    return _TYPES.get(kind.id)
+
+
+def _list_type(pa: ModuleType, kind: Any) -> str | None:
+    """``"list"``, ``"large_list"`` or ``"fixed_size_list"`` for those Arrow types, else ``None``."""
+    found = _type(pa, kind)
+    return found if found in ("list", "large_list", "fixed_size_list") else None
+
+
+def _first_null(pa: ModuleType, array: Any) -> int:
+    return int(np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0])
+
+
+def _number_type(pa: ModuleType, kind: Any) -> bool:
+    found = _type(pa, kind)
+    return found is not None and found not in ("list", "large_list", "fixed_size_list")
+
+
+def _arrow_list(
+    pa: ModuleType, array: Any, name: str, first: int, names: Names
+) -> tuple[np.ndarray, np.ndarray]:
+    """One Arrow list chunk as values (a read-only view, bools unpacked) and offsets from 0."""
+    kind = array.type
+    layout = _list_type(pa, kind)
+    if layout is None:
+        if _number_type(pa, array.type):
+            raise TypeError(
+                f"field {shown(name)} is a column of one {array.type} per example, but it is read as a row "
+                "of values per example; give it as a list column (one list per example)"
+            )
+        raise TypeError(
+            f"field {shown(name)} is an Arrow column of type {array.type}; it must be a list column of "
+            "numbers (list<int64>, large_list<int32>, ...)"
+        )
+    value_type = kind.value_type
+    value_kind = _type(pa, value_type)
+    if not _number_type(pa, value_type):
+        what = "a list of lists" if _list_type(pa, value_type) else f"a list of {value_type}"
+        raise TypeError(
+            f"field {shown(name)} is {what} per example (Arrow type {array.type}); it must hold one list of "
+            "numbers per example"
+        )
+    if array.null_count:
+        raise ValueError(
+            f"{names(first + _first_null(pa, array))}: field {shown(name)} is null (a missing row); every "
+            "example needs one: fill it (dataset.map) or drop the example (dataset.filter)"
+        )
+    rows = len(array)
+    if layout == "fixed_size_list":
+        size = array.type.list_size
+        offsets = np.arange(rows + 1, dtype=np.int64) * size
+        start = array.offset * size
+    else:
+        offsets = _view(
+            array, 1, np.dtype(np.int32 if layout == "list" else np.int64), array.offset, rows + 1
+        )
+        if offsets is None:
+            offsets = array.offsets.to_numpy()
+        start = int(offsets[0])  # a slice's offsets start inside the buffer
+        offsets = offsets.astype(np.int64, copy=False)
+        offsets = offsets - start if start else offsets
+    count = int(offsets[-1])
+    child = array.values
+    if child.null_count:
+        part = child.slice(start, count)
+        if part.null_count:
+            flat = _first_null(pa, part)
+            row = int(np.searchsorted(offsets, flat, side="right")) - 1
+            raise ValueError(
+                f"{names(first + row)}: field {shown(name)} holds a null at "
+                f"{name}[{flat - int(offsets[row])}]; give numbers only: fill the nulls (dataset.map) or "
+                "drop the example (dataset.filter)"
+            )
+    values = None
+    if value_kind != "bool":
+        values = _view(child, 1, np.dtype(value_kind), child.offset + start, count)
+    if values is None:  # bools (Arrow packs them in bits): unpacked, a copy
+        values = child.slice(start, count).to_numpy(zero_copy_only=False)
+    return values, offsets
+
+
+def _view(array: Any, buffer: int, dtype: np.dtype, start: int, count: int) -> np.ndarray | None:
+    """``count`` items of ``dtype`` from ``start`` in ``array``'s buffer ``buffer`` (read-only, no copy),
+    or ``None`` where the buffer does not hold them (an empty array may have none)."""
+    data = array.buffers()[buffer]
+    if data is None or data.size < (start + count) * dtype.itemsize:
+        return None
+    view: np.ndarray = np.frombuffer(data, dtype=dtype, count=count, offset=start * dtype.itemsize)
+    view.flags.writeable = False  # this view only; a mutable Arrow buffer stays mutable for its owner
+    return view
+
+
+def _arrow_values(pa: ModuleType, array: Any, name: str, first: int, names: Names) -> np.ndarray:
+    """One Arrow scalar chunk as ``[rows]`` values (a read-only view, bools unpacked)."""
+    if not _number_type(pa, array.type):
+        raise TypeError(
+            f"field {shown(name)} is an Arrow column of type {array.type}; it must hold numbers, one per "
+            "example"
+        )
+    if array.null_count:
+        raise ValueError(
+            f"{names(first + _first_null(pa, array))}: field {shown(name)} is null (a missing value); every "
+            "example needs one: fill it (dataset.map) or drop the example (dataset.filter)"
+        )
+    values: np.ndarray = array.to_numpy(zero_copy_only=False)
+    return values
+
+
+def _pylist(chunk: Any) -> list[Any]:
+    if _is_pair(chunk):
+        values, offsets = chunk
+        return [values[int(offsets[i]) : int(offsets[i + 1])].tolist() for i in range(len(offsets) - 1)]
+    if isinstance(chunk, (np.ndarray, torch.Tensor)):
+        return list(chunk.tolist())
+    return list(chunk.to_pylist())

@@ -1,0 +1,178 @@
+"""ColumnarDataset: a Hugging Face ``datasets.Dataset`` that hands a DataLoader whole batches of columns.
+
+``datasets``' own ``__getitems__`` maps each index through the indices mapping
+(what ``shuffle``, ``select`` and ``train_test_split`` leave) one by one,
+slices each row out of its chunk, then splits the batch into one Python dict
+per example, which a collator reads back one by one. This wrapper keeps the
+batch as it is stored: ``__getitems__(indices)`` maps the indices with one
+NumPy lookup and gathers every column with one vectorised gather, and hands
+the rows over as one columnar batch, which every ``Collator`` reads column by
+column (no loop over the examples).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from zephon_collate._columns import ColumnBatch, Columns, example_names
+from zephon_collate._text import shown
+
+__all__ = ["ColumnarDataset"]
+
+
+class ColumnarDataset(torch.utils.data.Dataset[Any]):
+    """A map-style dataset of columnar batches over a ``datasets.Dataset`` (or a ``pyarrow.Table``).
+
+    ``__getitems__(indices)`` returns the rows at ``indices`` as ``[batch]``: a
+    list holding one :class:`~zephon_collate._columns.ColumnBatch`, a read-only
+    mapping of each column to its ``(values, offsets)`` pair (numbers) or Arrow
+    array (anything else, text say), which the collators read as one batch.
+    Neither the list nor the mapping is a ``dict``: ``transformers.Trainer``, for
+    a dataset that is not a ``datasets.Dataset``, wraps the collator in a
+    ``RemoveColumnsCollator``, which drops the keys of example dicts that the
+    model's ``forward`` does not name (``loss_mask``, ``assistant_masks``,
+    ``seq_lengths``...) and passes anything else as it is: every column
+    reaches the collator. ``__getitem__(index)`` returns one row the same way.
+
+    Each process reads the columns once, when it fetches its first batch: as
+    views of the dataset's Arrow buffers when a column is stored in one chunk
+    (a memory-mapped dataset stays on disk), else joined into one contiguous
+    copy (Arrow's own ``take`` over a chunked column joins the chunks on every
+    call).
+
+    Parameters:
+        dataset: a ``datasets.Dataset`` (its indices mapping, if any, is honoured)
+            or a ``pyarrow.Table``; read, never changed.
+        columns: the columns to hand over (default: all), e.g. to leave text
+            columns behind.
+
+    Raises:
+        TypeError: for anything else than a ``datasets.Dataset`` or a ``pyarrow.Table``.
+        ValueError: for a column the dataset does not have.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> from zephon_collate import Collator
+        >>> table = pa.table({"input_ids": [[5, 6, 7], [8, 9], [4]], "text": ["a", "b", "c"]})
+        >>> dataset = ColumnarDataset(table, columns=["input_ids"])
+        >>> batch = dataset.__getitems__([2, 0])
+        >>> values, offsets = batch[0]["input_ids"]
+        >>> values.tolist(), offsets.tolist()
+        ([4, 5, 6, 7], [0, 1, 4])
+        >>> Collator.for_transformers(padding_free=True)(batch)["input_ids"].tolist()
+        [[4, 5, 6, 7]]
+    """
+
+    def __init__(self, dataset: Any, *, columns: Sequence[str] | None = None) -> None:
+        table = _table_of(dataset)
+        if table is None:
+            raise TypeError(
+                "ColumnarDataset: expected a datasets.Dataset or a pyarrow.Table, got "
+                f"{type(dataset).__name__}"
+            )
+        names = list(table.schema.names)
+        if columns is not None:
+            if isinstance(columns, str):
+                raise TypeError(
+                    f"ColumnarDataset: columns must be a list of names, not the str {shown(columns)}"
+                )
+            missing = [name for name in columns if name not in names]
+            if missing:
+                raise ValueError(
+                    f"ColumnarDataset: the dataset has no column {shown(missing[0])} (its columns: {names})"
+                )
+        self.dataset = dataset
+        self.columns = tuple(names if columns is None else columns)
+        mapping = getattr(dataset, "_indices", None) if table is not dataset else None
+        # Row i of the dataset is row indices[i] of the table (shuffle, select): one NumPy array.
+        self._indices = None if mapping is None else mapping.column(0).to_numpy().astype(np.int64)
+        self._rows = table.num_rows if self._indices is None else len(self._indices)
+        self._read: dict[str, Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers read the columns themselves (a memory-mapped dataset pickles as its files).
+        return {
+            "dataset": self.dataset,
+            "columns": self.columns,
+            "indices": self._indices,
+            "rows": self._rows,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.dataset, self.columns = state["dataset"], state["columns"]
+        self._indices, self._rows, self._read = state["indices"], state["rows"], None
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def _columns(self) -> dict[str, Any]:
+        """Each column as ``(values, offsets)`` NumPy arrays (numbers, read by the one columnar reader)
+        or one Arrow array (text, nested lists, nulls: gathered by Arrow, refused or read by the
+        collator), read once."""
+        if self._read is None:
+            table = _table_of(self.dataset)
+            columns = Columns(tables=[table])
+            read: dict[str, Any] = {}
+            for name in self.columns:
+                try:
+                    if columns.is_list(name):
+                        field = columns.ragged(name, "values", example_names)
+                        read[name] = (field.host, field.offsets)
+                    else:
+                        read[name] = (columns.values(name, "values", example_names), None)
+                except (TypeError, ValueError):
+                    column = table.column(name)
+                    read[name] = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+            self._read = read
+        return self._read
+
+    def __getitems__(self, indices: Sequence[int]) -> list[ColumnBatch]:
+        """The rows at ``indices``, in that order, as ``[batch]``: one lookup, one gather per column.
+
+        Raises:
+            IndexError: for an index outside the dataset.
+        """
+        rows = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if rows.size and (int(rows.min()) < -self._rows or int(rows.max()) >= self._rows):
+            bad = int(rows[(rows < -self._rows) | (rows >= self._rows)][0])
+            raise IndexError(f"ColumnarDataset: index {bad} is out of range for {self._rows} rows")
+        rows = np.where(rows < 0, rows + self._rows, rows)
+        if self._indices is not None:
+            rows = self._indices[rows]
+        batch: dict[str, Any] = {}
+        for name, column in self._columns().items():
+            if type(column) is not tuple:
+                batch[name] = column.take(rows)  # text and other columns: Arrow's gather
+                continue
+            values, offsets = column
+            if offsets is None:  # one number per row
+                batch[name] = values[rows]
+                continue
+            starts = offsets[rows]
+            lengths = offsets[rows + 1] - starts
+            out = np.zeros(len(rows) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=out[1:])
+            index = np.repeat(starts - out[:-1], lengths)
+            index += np.arange(int(out[-1]), dtype=np.int64)
+            batch[name] = (values[index], out)
+        return [ColumnBatch(batch)]
+
+    def __getitem__(self, index: int) -> list[ColumnBatch]:
+        """Row ``index`` as a batch of one: ``[batch]``."""
+        return self.__getitems__([index])
+
+    def __repr__(self) -> str:
+        shuffled = ", indices mapping" if self._indices is not None else ""
+        return f"ColumnarDataset({self._rows} rows, columns {list(self.columns)}{shuffled})"
+
+
+def _table_of(dataset: Any) -> Any:
+    """The ``pyarrow.Table`` of a table or of a ``datasets.Dataset``, or ``None``."""
+    for candidate in (dataset, getattr(getattr(dataset, "data", None), "table", None)):
+        if type(candidate).__name__ == "Table" and type(candidate).__module__.partition(".")[0] == "pyarrow":
+            return candidate
+    return None

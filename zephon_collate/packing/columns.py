@@ -1,0 +1,222 @@
+"""pack_columns: documents given as columns packed into arrays of rows, vectorised.
+
+The documents (a ``pyarrow.Table``, a dict of ``(values, offsets)`` pairs,
+...) are read and checked at once, cut into pieces of at most ``seq_len``
+tokens, placed into rows by the packer's own rule
+(:mod:`zephon_collate.packing._plan`: greedy, or best-fit-decreasing over
+rounds of ``buffer_size`` pieces) from their lengths alone, and every field is
+then laid out with one gather over the whole batch. The rows are those
+:func:`~zephon_collate.pack_flat` packs from the same documents, as
+``[rows, seq_len]`` arrays instead of records.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from zephon_collate._checks import suggest_options
+from zephon_collate._columns import ColumnarBatch, ColumnBatch, columns_of, example_names
+from zephon_collate.fields import FloatField
+from zephon_collate.keys import INPUT_IDS, INT32_MAX, INT64_MAX, LOSS_MASK, POSITIONS
+from zephon_collate.packing._plan import best_fit_rows, greedy_breaks
+from zephon_collate.packing.reader import REQUIRED, PackOptions, Reader
+from zephon_collate.packing.rows import refuse_cut_prompt
+from zephon_collate.records import PADDING_LENGTH_TAG
+
+__all__ = ["PackedColumns", "pack_columns"]
+
+
+@dataclass(frozen=True)
+class PackedColumns:
+    """Packed rows as arrays, and where each piece of each row came from.
+
+    ``fields`` maps the tokens field (int64), each packed field (in its own
+    dtype) and, with ``emit_positions``, ``"positions"`` (int64, restarting at
+    0 on every segment, the trailing padding included) to a ``[R, seq_len]``
+    array; ``padding_length`` is each row's ``[R]`` trailing padding. The
+    pieces of row ``r`` are ``pieces[offsets[r]:offsets[r + 1]]`` in the order
+    the row holds them: ``documents`` gives each piece's document (its row in
+    the input batch), ``parts`` its place among its document's pieces (from
+    0), ``closes`` whether it is its document's last.
+
+    A map-style dataset of rows: ``len()`` is the number of rows, and
+    ``__getitems__(indices)`` returns those rows as ``[batch]``, one columnar
+    batch (a ``ColumnBatch`` of ``(values, offsets)`` pairs, and each row's
+    trailing padding under ``"_padding_length"``) that
+    :class:`~zephon_collate.Collator` reads as it reads ``pack_flat``'s records
+    (as ``ColumnarDataset``'s, it passes ``Trainer``'s column filter untouched).
+    """
+
+    fields: dict[str, np.ndarray]
+    padding_length: np.ndarray
+    offsets: np.ndarray
+    documents: np.ndarray
+    parts: np.ndarray
+    closes: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.padding_length)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[ColumnBatch]:
+        """Rows ``indices`` as ``[batch]`` (copies)."""
+        rows = np.asarray(indices, dtype=np.int64)
+        width = next(iter(self.fields.values())).shape[1] if self.fields else 0
+        offsets = np.arange(len(rows) + 1, dtype=np.int64) * width
+        batch: dict[str, Any] = {
+            name: (values[rows].reshape(-1), offsets) for name, values in self.fields.items()
+        }
+        batch[PADDING_LENGTH_TAG] = self.padding_length[rows]
+        return [ColumnBatch(batch)]
+
+    def __getitem__(self, index: int) -> list[ColumnBatch]:
+        """Row ``index`` as a batch of one row: ``[batch]``."""
+        return self.__getitems__([index])
+
+
+def _pieces(lengths: np.ndarray, seq_len: int, truncate: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(documents, parts, sizes)`` of every piece, documents in order: a document without tokens
+    has none, one of up to ``seq_len`` tokens one, a longer one ``seq_len`` slices and a shorter
+    last (or, ``truncate``, its head only)."""
+    counts = np.where(lengths > 0, 1 if truncate else -(-lengths // seq_len), 0)
+    documents = np.repeat(np.arange(len(lengths), dtype=np.int64), counts)
+    firsts = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=firsts[1:])
+    parts = np.arange(len(documents), dtype=np.int64) - np.repeat(firsts[:-1], counts)
+    sizes = np.minimum(lengths[documents] - parts * seq_len, seq_len)
+    return documents, parts, sizes
+
+
+def _rows(sizes: np.ndarray, seq_len: int, best_fit: bool, buffer_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, offsets)``: the pieces of row ``r`` are ``order[offsets[r]:offsets[r + 1]]``."""
+    lengths = sizes.tolist()
+    if not best_fit:
+        bounds = [0, *greedy_breaks(lengths, seq_len), len(lengths)] if lengths else [0]
+        return np.arange(len(lengths), dtype=np.int64), np.array(bounds, dtype=np.int64)
+    rows: list[list[int]] = []
+    for start in range(0, len(lengths), buffer_size):  # the streaming packer's rounds
+        rows += [
+            [start + i for i in row] for row in best_fit_rows(lengths[start : start + buffer_size], seq_len)
+        ]
+    order = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=len(lengths))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum([len(row) for row in rows], out=offsets[1:])
+    return order, offsets
+
+
+@suggest_options("pack_columns", REQUIRED)
+def pack_columns(
+    documents: ColumnarBatch,
+    seq_len: int,
+    *,
+    pad_token_id: int,
+    emit_positions: bool = True,
+    tokens_field: str = "auto",
+    strategy: Literal["greedy", "best_fit"] = "greedy",
+    overflow: Literal["auto", "split", "truncate"] = "auto",
+    buffer_size: int | None = None,
+    fields: Sequence[str] | None = None,
+    float_fields: Sequence[str | FloatField] = (),
+    group_key: str | None = None,
+) -> PackedColumns:
+    """Pack documents given as columns into ``[rows, seq_len]`` arrays: :func:`~zephon_collate.pack_flat`'s
+    rows, computed over the whole batch at once.
+
+    The options, the layout and the checks are :func:`~zephon_collate.pack_flat`'s
+    (``buffer_size``: pieces per best-fit round, ``None`` for all); document ``i``
+    of the batch is named ``example i`` in errors. Placement looks at lengths
+    only; the tokens and every field are then moved by one gather.
+
+    Parameters:
+        documents: a columnar batch (a ``pyarrow.Table`` or ``RecordBatch``, a list of them, a dict of
+            Arrow columns or ``(values, offsets)`` pairs), one document per row.
+        seq_len, pad_token_id, emit_positions, tokens_field, strategy, overflow, buffer_size, fields:
+            as for :func:`~zephon_collate.pack_flat`.
+        float_fields, group_key: accepted so that one set of options serves both entry points, and
+            refused unless empty/``None``: columns carry integer tokens and fields only (pack records
+            with :func:`~zephon_collate.pack_flat` for float fields or groups).
+
+    Returns:
+        A :class:`PackedColumns`.
+
+    Raises:
+        TypeError: for an option of the wrong type, ``documents`` that are not columns, or a field
+            that is not numbers.
+        ValueError: as :func:`~zephon_collate.pack_flat` raises them, naming the document; for
+            ``float_fields`` or ``group_key``.
+
+    Example:
+        >>> import numpy as np
+        >>> ids = (np.array([5, 6, 7, 8, 9, 1, 2, 3, 4]), np.array([0, 3, 5, 9]))
+        >>> packed = pack_columns({"input_ids": ids}, 5, pad_token_id=0)
+        >>> packed.fields["input_ids"].tolist(), packed.padding_length.tolist()
+        ([[5, 6, 7, 8, 9], [1, 2, 3, 4, 0]], [0, 1])
+        >>> packed.fields["positions"].tolist(), packed.documents.tolist()
+        ([[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]], [0, 1, 2])
+    """
+    options = PackOptions.create("pack_columns", **PackOptions.arguments(locals()))
+    options.check_columnar("pack_columns")
+    columns = columns_of(documents)
+    if columns is None:
+        raise TypeError(
+            f"pack_columns: documents must be a columnar batch (a pyarrow.Table, a dict of (values, offsets) "
+            f"pairs, ...), got {type(documents).__name__}; pack records with pack_flat"
+        )
+    tokens_name = None if options.tokens_field == "auto" else options.tokens_field
+    given = None if options.fields is None else tuple(options.fields)
+    reader = Reader(tokens_name, given, strict=given is None)
+    tokens, values = reader.read_columns(columns, 0)
+    size = options.seq_len
+    lengths = tokens.lengths
+    if options.overflow == "auto" and LOSS_MASK in values and bool((lengths > size).any()):
+        mask = values[LOSS_MASK]
+        zeros = np.zeros(len(mask.values) + 1, dtype=np.int64)
+        np.cumsum(mask.host == 0, out=zeros[1:])
+        prompts = zeros[mask.offsets[1:]] > zeros[mask.offsets[:-1]]
+        cut = np.flatnonzero((lengths > size) & prompts)
+        if cut.size:
+            raise refuse_cut_prompt(example_names(int(cut[0])), int(lengths[cut[0]]), size)
+    pieces, parts, sizes = _pieces(lengths, size, options.overflow == "truncate")
+    best_fit = options.strategy == "best_fit"
+    # buffer_size=None: as pack_flat, one best-fit round over every piece, however many.
+    order, offsets = _rows(sizes, size, best_fit, options.buffer_size or INT64_MAX)
+    pieces, parts, sizes = pieces[order], parts[order], sizes[order]
+    rows = len(offsets) - 1
+    used = np.add.reduceat(sizes, offsets[:-1]) if rows else np.zeros(0, dtype=np.int64)
+    # Segments, in row-major order: each row's pieces, then its padding (where it has some).
+    padded = np.flatnonzero(used < size)
+    ends = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=ends[1:])
+    within = ends[:-1] - np.repeat(ends[offsets[:-1]], np.diff(offsets))  # each piece's start in its row
+    row_of = np.repeat(np.arange(rows, dtype=np.int64), np.diff(offsets))
+    place = np.concatenate([row_of * size + within, padded * size + used[padded]])
+    source = np.concatenate([tokens.offsets[pieces] + parts * size, np.zeros(len(padded), dtype=np.int64)])
+    length = np.concatenate([sizes, size - used[padded]])
+    pad = np.concatenate([np.zeros(len(sizes), dtype=bool), np.ones(len(padded), dtype=bool)])
+    by_place = np.argsort(place, kind="stable")
+    place, source, length, pad = place[by_place], source[by_place], length[by_place], pad[by_place]
+    # One gather: slot j of a segment takes input token source + (j - place).
+    total = rows * size
+    narrow = np.int32 if max(total, int(tokens.offsets[-1])) < INT32_MAX else np.int64  # faster repeats
+    slots = np.arange(total, dtype=np.int64)
+    index = slots + np.repeat((source - place).astype(narrow), length)
+    pad_slots = np.repeat(place[pad] - np.cumsum(length[pad]) + length[pad], length[pad])
+    pad_slots += np.arange(pad_slots.size, dtype=np.int64)  # the slots of the trailing padding
+    out: dict[str, np.ndarray] = {}
+    for field_name, field in [(reader.tokens_name or INPUT_IDS, tokens), *values.items()]:
+        host = field.host
+        dtype = np.dtype(np.int64) if field is tokens else host.dtype  # token ids widened here, once
+        gathered = (
+            host.take(index, mode="clip").astype(dtype, copy=False) if host.size else index.astype(dtype)
+        )
+        gathered[pad_slots] = options.pad_token_id if field is tokens else 0
+        out[field_name] = gathered.reshape(rows, size)
+    if options.emit_positions:  # each slot's place in its segment, computed in the slots' buffer
+        slots -= np.repeat(place.astype(narrow), length)
+        out[POSITIONS] = slots.reshape(rows, size)
+    last = np.zeros_like(lengths) if options.overflow == "truncate" else -(-lengths // size) - 1
+    return PackedColumns(out, size - used, offsets, pieces, parts, parts == last[pieces])
