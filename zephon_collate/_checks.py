@@ -6,6 +6,7 @@ value received and what is expected, or returns the normalised value.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import inspect
@@ -15,7 +16,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Literal, TypeGuard, TypeVar
+from typing import Any, Literal, TypeGuard, TypeVar, cast
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ from zephon_collate._text import shown
 from zephon_collate.keys import INT64_MAX, INT64_MIN
 
 __all__ = [
+    "Keywords",
     "OutputKind",
     "check_bool",
     "check_device",
@@ -54,6 +56,31 @@ _INTEGER_TORCH_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 def _is_int(value: object) -> TypeGuard[int]:
     """True for an integer that is not a bool (NumPy integers included)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+class Keywords:
+    """Base of the options dataclasses: their keywords, and a written-out signature's arguments among them.
+
+    Example:
+        >>> @dataclasses.dataclass(frozen=True, kw_only=True)
+        ... class Options(Keywords):
+        ...     seq_len: int
+        ...     greedy: bool = True
+        >>> def pack(seq_len: int, *, greedy: bool = True, verbose: bool = False) -> Options:
+        ...     return Options(**Options.arguments(locals()))
+        >>> Options.names(), pack(8, verbose=True)
+        (('seq_len', 'greedy'), Options(seq_len=8, greedy=True))
+    """
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The keywords, in the order of the fields (those ``__init__`` takes)."""
+        return tuple(field.name for field in dataclasses.fields(cast(Any, cls)) if field.init)
+
+    @classmethod
+    def arguments(cls, scope: Mapping[str, Any]) -> dict[str, Any]:
+        """The keywords among ``scope`` (a signature's ``locals()``), by name."""
+        return {name: scope[name] for name in cls.names()}
 
 
 def check_option_names(owner: str, names: Iterable[str], known: Sequence[str]) -> None:

@@ -18,7 +18,6 @@ training.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
@@ -27,7 +26,7 @@ import torch
 from tensordict import TensorDict
 from torch.utils.data import get_worker_info
 
-from zephon_collate._checks import check_bool, check_device, check_num_boundaries, suggest_options
+from zephon_collate._checks import Keywords, check_bool, check_device, check_num_boundaries, suggest_options
 from zephon_collate._text import shown
 from zephon_collate.collate._native import Native
 from zephon_collate.collate._output import ids_and_texts
@@ -69,7 +68,7 @@ def _check_transforms(name: str, value: object) -> tuple[Transform, ...]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CollatorOptions:
+class CollatorOptions(Keywords):
     """The :class:`Collator`'s own keyword arguments (besides ``to_training``'s), checked once.
 
     See :class:`Collator` for each one's meaning.
@@ -108,13 +107,8 @@ class CollatorOptions:
         if self.chain is not None:
             put(self, "chain", _check_transforms("chain", self.chain))
 
-    @staticmethod
-    def arguments(scope: Mapping[str, Any]) -> dict[str, Any]:
-        """The collator options among ``scope`` (a signature's ``locals()``), by name."""
-        return {name: scope[name] for name in COLLATOR_OPTION_NAMES}
 
-
-COLLATOR_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(CollatorOptions))
+COLLATOR_OPTION_NAMES = CollatorOptions.names()
 """The :class:`Collator`'s own keyword arguments, after ``to_training``'s, in its signature's order."""
 
 _WRITTEN = (INPUT_IDS, LABELS, POSITIONS, POSITION_IDS, LOSS_MASK, PADDING_LENGTH, PADDING_MASK)

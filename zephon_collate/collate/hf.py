@@ -65,6 +65,7 @@ import numpy as np
 import torch
 
 from zephon_collate._checks import (
+    Keywords,
     check_bool,
     check_eos_token_id,
     check_ignore_index,
@@ -149,6 +150,15 @@ _SUPERVISION_FIELDS = (LABELS, *_MASK_FIELDS)
 _READ_FIELDS = (INPUT_IDS, ATTENTION_MASK, *_SUPERVISION_FIELDS, TOKEN_TYPE_IDS, POSITION_IDS, SEQ_LENGTHS)
 """The example fields this collator reads; any other field is not looked at."""
 _READ_SET = frozenset(_READ_FIELDS)
+_PER_TOKEN: tuple[tuple[str, Literal["ids", "values"]], ...] = (
+    (ATTENTION_MASK, "values"),
+    *((name, "values") for name in _MASK_FIELDS),
+    (LABELS, "ids"),
+    (TOKEN_TYPE_IDS, "ids"),
+    (POSITION_IDS, "ids"),
+)
+"""The per-token fields beside ``input_ids``, in the order they are read, and how: 0/1 ``values`` or
+``ids`` (integers; ``labels`` -100 too)."""
 _PADDINGS = {True: "longest", "longest": "longest", "max_length": "max_length", False: "do_not_pad"}
 _PADDINGS["do_not_pad"] = "do_not_pad"
 
@@ -296,7 +306,7 @@ def _scalar(value: object) -> bool:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TransformersOptions:
+class TransformersOptions(Keywords):
     """The layout options of :class:`TransformersCollator`, checked once (see it for each one).
 
     Raises:
@@ -446,13 +456,8 @@ class TransformersOptions:
         """How padded rows are padded (``None`` without ``pad_token_id``)."""
         return self._row_padding
 
-    @staticmethod
-    def arguments(scope: Mapping[str, Any]) -> dict[str, Any]:
-        """The layout options among ``scope`` (a signature's ``locals()``), by name."""
-        return {name: scope[name] for name in TRANSFORMERS_OPTION_NAMES}
 
-
-TRANSFORMERS_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(TransformersOptions) if f.init)
+TRANSFORMERS_OPTION_NAMES = TransformersOptions.names()
 """:class:`TransformersCollator`'s layout keywords, in its signature's order."""
 
 
@@ -574,12 +579,9 @@ class Transformers:
         tokens = tokens.cast(torch.int64)
         lengths = tokens.lengths
         fields: dict[str, Ragged] = {INPUT_IDS: tokens}
-        for name in (ATTENTION_MASK, *_MASK_FIELDS, LABELS, TOKEN_TYPE_IDS, POSITION_IDS):
+        for name, kind in _PER_TOKEN:
             if name not in present:
                 continue
-            kind: Literal["ids", "values"] = (
-                "ids" if name in (LABELS, TOKEN_TYPE_IDS, POSITION_IDS) else "values"
-            )
             if name in (LABELS, POSITION_IDS):  # missing: the tokens all trained; one document
                 fill: Callable[[int], Any] | None = _copy_of(tokens) if name == LABELS else _counting(lengths)
             else:
@@ -620,12 +622,9 @@ class Transformers:
         check_ids(tokens, INPUT_IDS, _names)
         tokens = tokens.cast(torch.int64)
         fields: dict[str, Ragged] = {INPUT_IDS: tokens}
-        for name in (ATTENTION_MASK, *_MASK_FIELDS, LABELS, TOKEN_TYPE_IDS, POSITION_IDS):
+        for name, kind in _PER_TOKEN:
             if name not in columns:
                 continue
-            kind: Literal["ids", "values"] = (
-                "ids" if name in (LABELS, TOKEN_TYPE_IDS, POSITION_IDS) else "values"
-            )
             field = columns.ragged(name, kind, _names)
             if field.values.ndim != 1 or not np.array_equal(field.offsets, tokens.offsets):
                 _check_shapes(_rows_of(field), tokens, name)  # names the first example that does not fit

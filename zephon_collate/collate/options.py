@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from zephon_collate._checks import (
+    Keywords,
     OutputKind,
     check_bool,
     check_eos_token_id,
@@ -71,7 +72,7 @@ _FLAGS = (
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainingOptions:
+class TrainingOptions(Keywords):
     """The keyword arguments of :meth:`SampleBatch.to_training`, validated and normalised.
 
     Constructing one raises every error that the arguments alone decide (and
@@ -108,11 +109,6 @@ class TrainingOptions:
     eos_token_id: int | None = None
     position_mode: Literal["preserve", "sequence"] = "preserve"
     output: OutputKind = field(init=False, repr=False, compare=False)
-
-    @staticmethod
-    def arguments(scope: Mapping[str, Any]) -> dict[str, Any]:
-        """The options among ``scope``, by name: a signature that spells them out passes ``locals()``."""
-        return {name: scope[name] for name in OPTION_NAMES}
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -280,5 +276,5 @@ def options_for(options: Mapping[str, Any]) -> TrainingOptions:
     return checked
 
 
-OPTION_NAMES = tuple(f.name for f in dataclasses.fields(TrainingOptions) if f.init)
+OPTION_NAMES = TrainingOptions.names()
 """The keyword arguments of ``to_training``, in the reference page's order."""

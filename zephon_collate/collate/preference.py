@@ -32,7 +32,6 @@ sequence map is built from each side's own tokens.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -40,7 +39,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from zephon_collate._checks import check_bool, suggest_options
+from zephon_collate._checks import Keywords, check_bool, suggest_options
 from zephon_collate._read import Ragged, as_numpy, check_ids, check_zero_one, concat, read_field
 from zephon_collate._text import shown, shown_fields
 from zephon_collate.collate._native import Stacked
@@ -84,7 +83,7 @@ def _names(index: int) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PreferenceOptions:
+class PreferenceOptions(Keywords):
     """The layout options of :class:`PreferenceCollator`, checked once (see it for each one).
 
     Raises:
@@ -104,11 +103,6 @@ class PreferenceOptions:
             object.__setattr__(self, name, check_bool(name, getattr(self, name), owner=_OWNER))
         self.transformers()  # checks the rest, naming this collator
 
-    @staticmethod
-    def arguments(scope: Mapping[str, Any]) -> dict[str, Any]:
-        """The layout options among ``scope`` (a signature's ``locals()``), by name."""
-        return {name: scope[name] for name in PREFERENCE_OPTION_NAMES}
-
     def transformers(self) -> Any:
         """The :class:`~zephon_collate.TransformersOptions` of the underlying layout."""
         return transformers_options(
@@ -123,7 +117,7 @@ class PreferenceOptions:
         )
 
 
-PREFERENCE_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(PreferenceOptions) if f.init)
+PREFERENCE_OPTION_NAMES = PreferenceOptions.names()
 """:class:`PreferenceCollator`'s layout keywords, in its signature's order."""
 
 

@@ -26,7 +26,6 @@ reads ``logits_index``.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zephon_collate._checks import check_bool, suggest_options
+from zephon_collate._checks import Keywords, check_bool, suggest_options
 from zephon_collate._read import Ragged
 from zephon_collate._text import shown
 from zephon_collate.collate._native import Stacked
@@ -69,7 +68,7 @@ _SUPERVISING = (COMPLETION_MASK, LOSS_MASK, ASSISTANT_MASKS, ASSISTANT_MASK, LAB
 
 
 @dataclass(frozen=True, kw_only=True)
-class RolloutOptions:
+class RolloutOptions(Keywords):
     """The layout options of :class:`RolloutCollator`, checked once (see it for each one).
 
     Raises:
@@ -96,11 +95,6 @@ class RolloutOptions:
             )
         object.__setattr__(self, "float_fields", self.transformers().floats)
 
-    @staticmethod
-    def arguments(scope: Mapping[str, Any]) -> dict[str, Any]:
-        """The layout options among ``scope`` (a signature's ``locals()``), by name."""
-        return {name: scope[name] for name in ROLLOUT_OPTION_NAMES}
-
     def transformers(self) -> Any:
         """The :class:`~zephon_collate.TransformersOptions` of the underlying layout."""
         return transformers_options(
@@ -117,7 +111,7 @@ class RolloutOptions:
         )
 
 
-ROLLOUT_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(RolloutOptions) if f.init)
+ROLLOUT_OPTION_NAMES = RolloutOptions.names()
 """:class:`RolloutCollator`'s layout keywords, in its signature's order."""
 
 

@@ -13,14 +13,14 @@ names the record, the field and the fix. Nothing here writes into a payload.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass
 from typing import Any, Literal, NamedTuple, cast
 
 import numpy as np
 import torch
 
-from zephon_collate._checks import check_int, check_option_names
+from zephon_collate._checks import Keywords, check_int, check_option_names
 from zephon_collate._columns import Columns, example_names
 from zephon_collate._read import (
     Names,
@@ -63,7 +63,7 @@ STREAM_BUFFER_SIZE = 1024
 
 
 @dataclass(frozen=True, kw_only=True)
-class PackOptions:
+class PackOptions(Keywords):
     """The packing options: the one home of the keywords (and defaults) of :func:`pack_flat`,
     ``FlatPacker`` and ``PackedStream``, checked by :meth:`create`."""
 
@@ -170,13 +170,8 @@ class PackOptions:
             values["fields"] = list(values["fields"])
         return values
 
-    @staticmethod
-    def arguments(scope: Mapping[str, Any]) -> dict[str, Any]:
-        """The packing options among ``scope`` (a signature's ``locals()``), by name."""
-        return {name: scope[name] for name in PACK_OPTION_NAMES}
 
-
-PACK_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(PackOptions))
+PACK_OPTION_NAMES = PackOptions.names()
 """The packing keywords, in the order ``pack_flat``, ``FlatPacker`` and ``PackedStream`` spell them."""
 REQUIRED = {"pad_token_id": "the token id of the padding, an int >= 0"}
 """The packing keyword without a default, and what it is (for the error naming it)."""
@@ -348,18 +343,10 @@ class Reader:
         if self.fields is None:
             skipped = [spec.name for spec in self.floats] + ([self.group_key] if self.group_key else [])
             self.fields = tuple(candidate_fields(payload, name, tokens.size, where, skipped))
-        elif self.strict and LOSS_MASK in payload and LOSS_MASK not in self.fields:
-            raise ValueError(
-                f"{where}: payload has a 'loss_mask' but earlier records have none; give every record a "
-                "loss_mask (1 = supervised), or pass fields=(...) to choose the packed fields"
-            )
+        else:
+            self._check_present(payload, where)
         values = {}
         for field_name in self.fields:
-            if field_name not in payload:
-                raise ValueError(
-                    f"{where}: payload lacks field {shown(field_name)}, which is packed beside the tokens "
-                    f"(fields {self.fields}); give every record this field, or pass fields=(...) without it"
-                )
             values[field_name] = as_array(payload[field_name], where, field_name, ids=False)
             if field_name == LOSS_MASK:
                 check_loss_mask(values[field_name], where)
@@ -382,6 +369,22 @@ class Reader:
         positions = self._positions(payload, tokens.size, where) if self.segments else None
         group = self._group(payload, where) if self.group_key is not None else _NO_GROUP
         return Document(tokens, values, positions, group)
+
+    def _check_present(self, given: Container[str], where: str) -> None:
+        """A record (or the first row of columns) after the first: it has every packed field, and no
+        ``loss_mask`` the earlier ones lacked (found fields, ``strict``), which would go unpacked."""
+        assert self.fields is not None
+        if self.strict and LOSS_MASK in given and LOSS_MASK not in self.fields:
+            raise ValueError(
+                f"{where}: payload has a 'loss_mask' but earlier records have none; give every record a "
+                "loss_mask (1 = supervised), or pass fields=(...) to choose the packed fields"
+            )
+        for field_name in self.fields:
+            if field_name not in given:
+                raise ValueError(
+                    f"{where}: payload lacks field {shown(field_name)}, which is packed beside the tokens "
+                    f"(fields {self.fields}); give every record this field, or pass fields=(...) without it"
+                )
 
     def _positions(self, payload: Mapping[Any, Any], length: int, where: str) -> np.ndarray | None:
         """The payload's ``positions``: the document's segments (a segment starts wherever they are 0)."""
@@ -457,18 +460,10 @@ class Reader:
         self.tokens_name = name
         if self.fields is None:
             self.fields = tuple(candidate_columns(columns, name, tokens, names))
-        elif self.strict and LOSS_MASK in columns and LOSS_MASK not in self.fields:
-            raise ValueError(
-                f"{names(0)}: payload has a 'loss_mask' but earlier records have none; give every record a "
-                "loss_mask (1 = supervised), or pass fields=(...) to choose the packed fields"
-            )
+        else:
+            self._check_present(columns, names(0))
         values = {}
         for field_name in self.fields:
-            if field_name not in columns:
-                raise ValueError(
-                    f"{names(0)}: payload lacks field {shown(field_name)}, which is packed beside the tokens "
-                    f"(fields {self.fields}); give every record this field, or pass fields=(...) without it"
-                )
             read = columns.ragged(field_name, "values", names)
             field = Ragged(read.host, read.offsets)
             if field.values.ndim != 1:
