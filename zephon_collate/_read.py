@@ -457,7 +457,8 @@ def _joined_ints(values: list[Any]) -> Ragged | None:
     except (OverflowError, TypeError):
         return None  # beyond int64, or not ints after the first: the row-by-row read names it
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets[1:] = lengths
+    offsets.cumsum(out=offsets)  # in place, on the array: np.cumsum of a list converts it again
     return Ragged(np.frombuffer(buffer, dtype=np.int64) if buffer else np.empty(0, np.int64), offsets)
 
 

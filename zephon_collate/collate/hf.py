@@ -1002,7 +1002,7 @@ def _rows_of(field: Ragged) -> list[Any]:
 
 def _restarting(offsets: np.ndarray) -> Ragged:
     """Positions 0, 1, ... restarting at every offset: one segment per row."""
-    lengths = np.diff(offsets)
+    lengths = offsets[1:] - offsets[:-1]
     total = int(offsets[-1])
     return Ragged(np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1], lengths), offsets)
 
