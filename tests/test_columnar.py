@@ -96,7 +96,7 @@ def build(fields: dict[str, list[np.ndarray]], kind: str, *, wide: bool, pad: in
     return {n: _pair(fields[n], dtype[n], wide, pad, kind == "pairs_torch") for n in names}
 
 
-def same(left: dict[str, Any], right: dict[str, Any]) -> None:
+def assert_same(left: dict[str, Any], right: dict[str, Any]) -> None:
     """Key for key, in order, and dtype for dtype."""
     assert list(left) == list(right)
     for key, value in left.items():
@@ -177,7 +177,7 @@ def test_every_columnar_kind_equals_the_row_wise_path_for_transformers(data, opt
     got, want = outcome(collate, columns), outcome(collate, rows)
     assert got[0] == want[0], (got, want)
     if want[0] == "ok":
-        same(got[1], want[1])
+        assert_same(got[1], want[1])
 
 
 NATIVE = [
@@ -199,7 +199,7 @@ def test_every_columnar_kind_equals_the_row_wise_path_for_the_collator(data, opt
     got, want = outcome(collate, columns), outcome(collate, rows)
     assert got[0] == want[0], (got, want)
     if want[0] == "ok":
-        same(got[1], want[1])
+        assert_same(got[1], want[1])
 
 
 @SETTINGS
@@ -378,7 +378,7 @@ class ArrowStream:
 
 def test_arrow_c_stream_objects_are_read_as_tables():
     table = pa.table({"input_ids": pa.array(ROWS, type=pa.list_(pa.int32()))})
-    same(_flat(ArrowStream(table)), _flat(table))
+    assert_same(_flat(ArrowStream(table)), _flat(table))
 
 
 def test_without_pyarrow_columnar_input_names_the_arrow_extra(monkeypatch):
@@ -392,8 +392,8 @@ def test_without_pyarrow_columnar_input_names_the_arrow_extra(monkeypatch):
             _flat(batch)
     with pytest.raises(ImportError, match=r"zephon_collate\[arrow\]"):
         pack_flat(table, 4, pad_token_id=0)
-    same(_flat(rows), expected)  # everything else works
-    same(_flat({"input_ids": (values, offsets)}), expected)
+    assert_same(_flat(rows), expected)  # everything else works
+    assert_same(_flat({"input_ids": (values, offsets)}), expected)
     assert pack_columns({"input_ids": (values, offsets)}, 4, pad_token_id=0).fields["input_ids"].shape == (
         2,
         4,
@@ -419,13 +419,13 @@ def test_datasets_arrow_batches_equal_its_rows():
     collate = Collator.for_transformers(padding_free=True, return_flash_attn_kwargs=True)
     indices = [7, 3, 21, 3]
     arrow = dataset.with_format("arrow")
-    same(collate(arrow[indices]), collate([dataset[i] for i in indices]))
-    same(collate(arrow[5:13]), collate(dataset[5:13]))
+    assert_same(collate(arrow[indices]), collate([dataset[i] for i in indices]))
+    assert_same(collate(arrow[5:13]), collate(dataset[5:13]))
     for batch, start in zip(arrow.iter(batch_size=16), range(0, 40, 16), strict=True):
-        same(collate(batch), collate([dataset[i] for i in range(start, min(start + 16, 40))]))
+        assert_same(collate(batch), collate([dataset[i] for i in range(start, min(start + 16, 40))]))
     streaming = dataset.to_iterable_dataset(num_shards=2).with_format("arrow")
     first = next(iter(streaming.iter(batch_size=8)))
-    same(collate(first), collate([dataset[i] for i in range(8)]))
+    assert_same(collate(first), collate([dataset[i] for i in range(8)]))
 
 
 def test_columnar_dataset_honours_the_indices_mapping():
@@ -462,7 +462,7 @@ def test_columnar_dataset_under_a_shuffling_dataloader_with_workers(workers):
     ]
     seen = 0
     for columnar, rows in zip(*loaders, strict=True):
-        same(columnar, rows)
+        assert_same(columnar, rows)
         seen += len(columnar["cu_seq_lens_q"]) - 1
     assert seen == 60
 
@@ -478,7 +478,7 @@ def test_columnar_batches_pass_trainers_remove_columns_collator():
     wrapped = RemoveColumnsCollator(collate, signature_columns=["input_ids", "labels"])
     indices = [3, 1, 4]
     expected = collate([{k: dataset[i][k] for k in ("input_ids", "assistant_masks")} for i in indices])
-    same(wrapped(wrapper.__getitems__(indices)), expected)
+    assert_same(wrapped(wrapper.__getitems__(indices)), expected)
     with pytest.raises(TypeError, match="remove_unused_columns=False"):
         wrapped(pa.table({"input_ids": [[1, 2]]}))  # a bare table: iterated into nameless columns
 
@@ -540,7 +540,7 @@ def test_packed_columns_feed_the_collator_as_pack_flats_records_do():
     for index, batch in enumerate(loader):
         want = collate(rows[4 * index : 4 * index + 4])
         want["ids"] = batch["ids"]  # rows of PackedColumns are named by their place in the batch
-        same(batch, want)
+        assert_same(batch, want)
 
 
 def test_pack_columns_hits_the_goal_shape():
@@ -658,11 +658,11 @@ def test_trl_packed_rows_and_other_hf_fields_as_columns():
     table = pa.table({name: [row[name] for row in rows] for name in rows[0]})
     for options in ({"padding_free": True, "return_flash_attn_kwargs": True}, {"padding_free": True}):
         collate = Collator.for_transformers(**options)
-        same(collate(table), collate(rows))
+        assert_same(collate(table), collate(rows))
     positions = [{"input_ids": [5, 6, 7], "position_ids": [0, 1, 0]}, {"input_ids": [8], "position_ids": [0]}]
     table = pa.table({name: [row[name] for row in positions] for name in positions[0]})
     collate = Collator.for_transformers(padding_free=True, return_flash_attn_kwargs=True)
-    same(collate(table), collate(positions))
+    assert_same(collate(table), collate(positions))
     masked = [
         {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 0]},
         {"input_ids": [8, 9], "attention_mask": [1, 1]},
@@ -670,7 +670,7 @@ def test_trl_packed_rows_and_other_hf_fields_as_columns():
     table = pa.table({name: [row[name] for row in masked] for name in masked[0]})
     for options in ({"pad_token_id": 0}, {"padding_free": True}):
         collate = Collator.for_transformers(**options)
-        same(collate(table), collate(masked))
+        assert_same(collate(table), collate(masked))
     bad = pa.table({"input_ids": [[5, 6, 7], [8]], "seq_lengths": [[3], [2]]})
     with pytest.raises(ValueError, match=r"example 1: 'seq_lengths' \[2\] must be lengths >= 0 that add up"):
         collate(bad)
@@ -683,10 +683,10 @@ def test_stack_and_finish_take_columns_and_never_share_the_inputs_memory():
     batch = {"input_ids": (values, offsets), "positions": (positions, offsets)}
     collate = Collator(return_labels=True, return_cu_seqlens=True)
     want = collate(batch)
-    same(collate.finish(collate.stack(batch)), want)
+    assert_same(collate.finish(collate.stack(batch)), want)
     flat = Collator.for_transformers(padding_free=True, return_flash_attn_kwargs=True)
     rows = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9, 10]}]
-    same(flat.finish(flat.stack(pa.table({"input_ids": [[5, 6, 7], [8, 9, 10]]}))), flat(rows))
+    assert_same(flat.finish(flat.stack(pa.table({"input_ids": [[5, 6, 7], [8, 9, 10]]}))), flat(rows))
     for out in (want, flat({"input_ids": (values, offsets)})):
         for value in out.values():
             if isinstance(value, torch.Tensor):

@@ -643,7 +643,11 @@ def test_eos_warning_even_for_empty_batch():
 def test_no_warning_when_masking():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        batch({"input_ids": PACKED}).to_training(return_labels=True, eos_mask_loss=True, eos_token_id=EOS)
+        out = batch({"input_ids": PACKED}).to_training(
+            return_labels=True, eos_mask_loss=True, eos_token_id=EOS
+        )
+    # labels of [BOS, 10, EOS, BOS, 11, EOS] are the next tokens; the one after each EOS is masked
+    assert out["labels"].tolist() == [[10, EOS, -100, 11, EOS]]
 
 
 # --- position_mode --------------------------------------------------------------------------
