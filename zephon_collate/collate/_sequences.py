@@ -40,11 +40,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from zephon_collate._checks import Keywords, check_bool
 from zephon_collate._read import Ragged
 from zephon_collate.collate._native import Stacked
 from zephon_collate.collate._output import convert
@@ -65,12 +66,12 @@ from zephon_collate.keys import (
 __all__ = [
     "SEQUENCE_MAP",
     "SequenceBatch",
+    "SequenceOptions",
     "Sequences",
     "gather_spans",
     "places",
     "sequence_of",
     "share_groups",
-    "transformers_options",
 ]
 
 SEQUENCE_MAP = (DOCUMENT_IDS, BRANCH_IDS, LOGITS_INDEX, SEQUENCE_INDEX)
@@ -100,40 +101,56 @@ def gather_spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.asarray(np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths))
 
 
-def transformers_options(
-    owner: str,
-    *,
-    shared_prompt: bool,
-    float_fields: Sequence[str | FloatField] = (),
-    supervision: str | None = None,
-    **layout: Any,
-) -> TransformersOptions:
-    """The :class:`~zephon_collate.TransformersOptions` of a post-training preset (errors name ``owner``).
+@dataclass(frozen=True, kw_only=True)
+class SequenceOptions(Keywords):
+    """The layout options the post-training presets share, checked once; errors name ``OWNER``.
 
     A shared prompt needs ``position_ids`` (they continue from the prompt) and
-    cannot be described by ``cu_seq_lens``/``seq_idx``.
+    cannot be described by ``cu_seq_lens``/``seq_idx``. A preset adds its own
+    fields after these; every field is an option of the underlying
+    :class:`~zephon_collate.TransformersOptions` but ``shared_prompt``.
 
     Raises:
-        TypeError, ValueError: for options that do not fit each other or the layout.
+        TypeError, ValueError: for a value of the wrong type, or options that do not fit each other
+            or the layout.
     """
-    if shared_prompt:
-        if layout.get("return_flash_attn_kwargs") or layout.get("return_seq_idx"):
-            raise ValueError(
-                f"{owner}: shared_prompt=True puts several responses after one prompt, which cu_seq_lens and "
-                "seq_idx cannot describe (a varlen kernel would let a response attend to its sibling); build "
-                "the attention from document_ids and branch_ids (attention.branch_block_mask or "
-                "dense_branch_mask), or pass shared_prompt=False"
-            )
-        if layout.get("return_position_ids") is False:
-            raise ValueError(
-                f"{owner}: shared_prompt=True needs position_ids (each response's positions continue from "
-                "the prompt); drop return_position_ids=False"
-            )
-        layout["return_position_ids"] = True
-    try:
-        return TransformersOptions(**layout, supervision=supervision, float_fields=float_fields)
-    except (TypeError, ValueError) as error:
-        raise type(error)(str(error).replace("Collator.for_transformers", owner)) from None
+
+    OWNER: ClassVar[str] = "Collator.for_transformers"
+    padding_free: bool = False
+    shared_prompt: bool = False
+    pad_token_id: int | None = None
+    pad_to_multiple_of: int | None = None
+    return_position_ids: bool | None = None
+    return_flash_attn_kwargs: bool = False
+    return_seq_idx: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("padding_free", "shared_prompt", "return_flash_attn_kwargs", "return_seq_idx"):
+            object.__setattr__(self, name, check_bool(name, getattr(self, name), owner=self.OWNER))
+        self.transformers()  # checks the rest, naming the preset
+
+    def transformers(self) -> TransformersOptions:
+        """The :class:`~zephon_collate.TransformersOptions` of the underlying layout."""
+        owner = self.OWNER
+        layout = {name: getattr(self, name) for name in self.names() if name != "shared_prompt"}
+        if self.shared_prompt:
+            if self.return_flash_attn_kwargs or self.return_seq_idx:
+                raise ValueError(
+                    f"{owner}: shared_prompt=True puts several responses after one prompt, which cu_seq_lens "
+                    "and seq_idx cannot describe (a varlen kernel would let a response attend to its "
+                    "sibling); build the attention from document_ids and branch_ids "
+                    "(attention.branch_block_mask or dense_branch_mask), or pass shared_prompt=False"
+                )
+            if self.return_position_ids is False:
+                raise ValueError(
+                    f"{owner}: shared_prompt=True needs position_ids (each response's positions continue "
+                    "from the prompt); drop return_position_ids=False"
+                )
+            layout["return_position_ids"] = True
+        try:
+            return TransformersOptions(**layout)
+        except (TypeError, ValueError) as error:
+            raise type(error)(str(error).replace("Collator.for_transformers", owner)) from None
 
 
 @dataclass

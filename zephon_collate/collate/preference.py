@@ -34,17 +34,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
 
-from zephon_collate._checks import Keywords, check_bool, suggest_options
+from zephon_collate._checks import suggest_options
 from zephon_collate._read import Ragged, as_numpy, check_ids, check_zero_one, concat, read_field
 from zephon_collate._text import shown, shown_fields
 from zephon_collate.collate._native import Stacked
 from zephon_collate.collate._plan import Plans
-from zephon_collate.collate._sequences import SequenceBatch, Sequences, gather_spans, transformers_options
+from zephon_collate.collate._sequences import SequenceBatch, SequenceOptions, Sequences, gather_spans
 from zephon_collate.collate.collator import Collator, CollatorOptions
 from zephon_collate.collate.hf import TRANSFORMERS_COLLATOR_OPTIONS, as_examples
 from zephon_collate.fields import FloatField, read_floats
@@ -83,38 +83,14 @@ def _names(index: int) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PreferenceOptions(Keywords):
+class PreferenceOptions(SequenceOptions):
     """The layout options of :class:`PreferenceCollator`, checked once (see it for each one).
 
     Raises:
         TypeError, ValueError: for a value of the wrong type, or options that contradict each other.
     """
 
-    padding_free: bool = False
-    shared_prompt: bool = False
-    pad_token_id: int | None = None
-    pad_to_multiple_of: int | None = None
-    return_position_ids: bool | None = None
-    return_flash_attn_kwargs: bool = False
-    return_seq_idx: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("padding_free", "shared_prompt", "return_flash_attn_kwargs", "return_seq_idx"):
-            object.__setattr__(self, name, check_bool(name, getattr(self, name), owner=_OWNER))
-        self.transformers()  # checks the rest, naming this collator
-
-    def transformers(self) -> Any:
-        """The :class:`~zephon_collate.TransformersOptions` of the underlying layout."""
-        return transformers_options(
-            _OWNER,
-            shared_prompt=self.shared_prompt,
-            padding_free=self.padding_free,
-            pad_token_id=self.pad_token_id,
-            pad_to_multiple_of=self.pad_to_multiple_of,
-            return_position_ids=self.return_position_ids,
-            return_flash_attn_kwargs=self.return_flash_attn_kwargs,
-            return_seq_idx=self.return_seq_idx,
-        )
+    OWNER: ClassVar[str] = _OWNER
 
 
 PREFERENCE_OPTION_NAMES = PreferenceOptions.names()

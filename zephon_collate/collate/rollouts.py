@@ -28,22 +28,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from zephon_collate._checks import Keywords, check_bool, suggest_options
+from zephon_collate._checks import suggest_options
 from zephon_collate._read import Ragged
 from zephon_collate._text import shown
 from zephon_collate.collate._native import Stacked
 from zephon_collate.collate._plan import Plans
 from zephon_collate.collate._sequences import (
     SequenceBatch,
+    SequenceOptions,
     Sequences,
     places,
     sequence_of,
-    transformers_options,
 )
 from zephon_collate.collate.collator import Collator, CollatorOptions
 from zephon_collate.collate.hf import TRANSFORMERS_COLLATOR_OPTIONS
@@ -68,47 +68,25 @@ _SUPERVISING = (COMPLETION_MASK, LOSS_MASK, ASSISTANT_MASKS, ASSISTANT_MASK, LAB
 
 
 @dataclass(frozen=True, kw_only=True)
-class RolloutOptions(Keywords):
+class RolloutOptions(SequenceOptions):
     """The layout options of :class:`RolloutCollator`, checked once (see it for each one).
 
     Raises:
         TypeError, ValueError: for a value of the wrong type, or options that contradict each other.
     """
 
-    padding_free: bool = False
-    shared_prompt: bool = False
-    pad_token_id: int | None = None
-    pad_to_multiple_of: int | None = None
-    return_position_ids: bool | None = None
-    return_flash_attn_kwargs: bool = False
-    return_seq_idx: bool = False
+    OWNER: ClassVar[str] = _OWNER
     supervision: str | None = None
     float_fields: Sequence[str | FloatField] = ()
 
     def __post_init__(self) -> None:
-        for name in ("padding_free", "shared_prompt", "return_flash_attn_kwargs", "return_seq_idx"):
-            object.__setattr__(self, name, check_bool(name, getattr(self, name), owner=_OWNER))
         if self.supervision is not None and self.supervision not in _SUPERVISING:
             raise ValueError(
                 f"{_OWNER}: supervision must name the field that marks the completion, one of "
                 f"{_SUPERVISING}, got {shown(self.supervision)}"
             )
+        super().__post_init__()
         object.__setattr__(self, "float_fields", self.transformers().floats)
-
-    def transformers(self) -> Any:
-        """The :class:`~zephon_collate.TransformersOptions` of the underlying layout."""
-        return transformers_options(
-            _OWNER,
-            shared_prompt=self.shared_prompt,
-            float_fields=self.float_fields,
-            supervision=self.supervision,
-            padding_free=self.padding_free,
-            pad_token_id=self.pad_token_id,
-            pad_to_multiple_of=self.pad_to_multiple_of,
-            return_position_ids=self.return_position_ids,
-            return_flash_attn_kwargs=self.return_flash_attn_kwargs,
-            return_seq_idx=self.return_seq_idx,
-        )
 
 
 ROLLOUT_OPTION_NAMES = RolloutOptions.names()
