@@ -244,7 +244,7 @@ def test_ragged_rows():
     for dtype in ("auto", np.int64, torch.int32):
         raises(
             ValueError,
-            r"unequal shape into a tensor: record 0 has shape \(3,\), record 1 .* has \(1,\); .*dtype=None",
+            r"unequal shape into a tensor: record 0 .*has shape \(3,\), record 1 .* has \(1,\); .*dtype=None",
             b.to_training,
             dtype=dtype,
         )

@@ -623,15 +623,22 @@ def test_packers_and_the_wrapper_refuse_what_is_not_columns():
         ColumnarDataset(pa.table({"input_ids": [[1]]})).__getitems__([0, 3])
 
 
-def test_float_fields_and_groups_are_refused_for_columns_by_every_packer():
+def test_float_fields_and_groups_are_refused_for_columns_by_every_entry_point():
     table = pa.table({"input_ids": [[1, 2], [3]], "advantages": [[0.5, 0.5], [1.0]], "group": [0, 0]})
-    message = "group_key= and float_fields= are read record by record; give the documents as records"
-    with pytest.raises(ValueError, match=f"pack_columns: {message}"):
+    message = "are read example by example, not from columns; give the batch as a list of examples"
+    with pytest.raises(ValueError, match=f"pack_columns: float_fields {message}"):
         pack_columns(table, 4, pad_token_id=0, float_fields=["advantages"])
-    with pytest.raises(ValueError, match=f"pack_flat: {message}"):
+    with pytest.raises(ValueError, match=f"pack_flat: group_key groups {message}"):
         pack_flat(table, 4, pad_token_id=0, group_key="group")
-    with pytest.raises(ValueError, match=f"FlatPacker: {message}"):
+    with pytest.raises(ValueError, match=f"FlatPacker: float_fields {message}"):
         list(FlatPacker(4, pad_token_id=0, float_fields=["advantages"]).pack([table]))
+    # The collators: never a batch without the float fields (they weight the loss)
+    with pytest.raises(ValueError, match=f"^Collator: float_fields {message}"):
+        Collator(return_labels=True, float_fields=["advantages"])(table)
+    with pytest.raises(ValueError, match=f"Collator.for_transformers: float_fields {message}"):
+        Collator.for_transformers(padding_free=True, float_fields=["advantages"])(table)
+    padded = Collator(return_labels=True, pad_token_id=0, float_fields=["advantages"])(table.to_pylist())
+    assert padded["advantages"].tolist() == [[0.5], [0.0]]
     # The same documents as records pack with both.
     rows = pack_flat(table.to_pylist(), 4, pad_token_id=0, float_fields=["advantages"], group_key="group")
     assert rows[0].payload["advantages"].tolist() == [0.5, 0.5, 1.0, 0.0]
@@ -693,3 +700,113 @@ def test_stack_and_finish_take_columns_and_never_share_the_inputs_memory():
                 assert not np.shares_memory(value.numpy(), values)
                 value.add_(1)
     assert values.tolist() == [5, 6, 7, 8, 9, 10] and values.flags.writeable and offsets.tolist() == [0, 3, 6]
+
+
+def test_a_positions_column_with_segments_is_refused_by_every_packer():
+    segmented = pa.table({"input_ids": [[1, 2, 3, 4], [5, 6]], "positions": [[0, 1, 0, 1], [0, 1]]})
+    message = r"example 0: field 'positions' does not count 0, 1, \.\.\. over the document's tokens"
+    with pytest.raises(ValueError, match=message):
+        pack_columns(segmented, 8, pad_token_id=0)
+    with pytest.raises(ValueError, match=message):
+        pack_flat(segmented, 8, pad_token_id=0)
+    with pytest.raises(ValueError, match=message):
+        list(FlatPacker(8, pad_token_id=0).pack([segmented]))
+    # as records the segments are kept: positions restart inside the first document
+    rows = pack_flat(segmented.to_pylist(), 8, pad_token_id=0)
+    assert rows[0].payload["positions"].tolist() == [0, 1, 0, 1, 0, 1, 0, 1]
+    # positions of one segment per document change nothing: the rows packed without the column
+    plain = pa.table({"input_ids": [[1, 2, 3, 4], [5, 6]], "positions": [[0, 1, 2, 3], [0, 1]]})
+    packed = pack_columns(plain, 8, pad_token_id=0)
+    assert packed.fields["positions"].tolist() == [[0, 1, 2, 3, 0, 1, 0, 1]]
+    assert packed.fields["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 0, 0]]
+
+
+def test_auto_overflow_reads_an_unpacked_loss_mask_column_as_records_do():
+    table = pa.table(
+        {
+            "input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]],
+            "loss_mask": [[0, 1, 1], [1, 1], [0, 0, 1, 1, 1]],
+        }
+    )
+    message = "example 2: has 5 tokens, more than seq_len=4, and a prompt"
+    with pytest.raises(ValueError, match=r"record 2 .*has 5 tokens, more than seq_len=4, and a prompt"):
+        pack_flat(table.to_pylist(), 4, pad_token_id=0, fields=())
+    for pack in (
+        lambda: pack_columns(table, 4, pad_token_id=0, fields=()),
+        lambda: pack_flat(table, 4, pad_token_id=0, fields=()),
+        lambda: list(FlatPacker(4, pad_token_id=0, fields=()).pack([table])),
+        lambda: pack_columns(table, 4, pad_token_id=0),  # packed too
+    ):
+        with pytest.raises(ValueError, match=message):
+            pack()
+    # split as asked: rows [1, 2, 3], [4, 5], [6, 7, 8, 9], [10] (greedy, one open row), as from the records
+    split = pack_columns(table, 4, pad_token_id=0, fields=(), overflow="split").fields["input_ids"]
+    assert split.tolist() == [[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 9], [10, 0, 0, 0]]
+    records = pack_flat(table.to_pylist(), 4, pad_token_id=0, fields=(), overflow="split")
+    assert [row.payload["input_ids"].tolist() for row in records] == split.tolist()
+
+
+def test_supervision_that_is_not_a_column_is_refused_beside_columns():
+    values, offsets = np.array([1, 2, 3, 4, 5]), np.array([0, 3, 5])
+    collate = Collator(pad_token_id=0, return_labels=True)
+    message = "field '{}' is not a list column .* so what it supervises cannot be checked"
+    with pytest.raises(TypeError, match=message.format("labels")):
+        collate({"input_ids": (values, offsets), "labels": [[-100, 2, 3], [4, 5]]})
+    with pytest.raises(TypeError, match=message.format("attention_mask")):
+        collate({"input_ids": (values, offsets), "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])})
+    with pytest.raises(TypeError, match=message.format("labels")):
+        collate(pa.table({"input_ids": [[1, 2], [3, 4]], "labels": [3, 4]}))
+    # the rows say what is wrong too: a per-example label is not a token field
+    with pytest.raises(
+        ValueError, match=r"record 0 .*field 'labels' is one value \(3\), but it is read as a row"
+    ):
+        collate([{"input_ids": [1, 2], "labels": 3}, {"input_ids": [3, 4], "labels": 4}])
+
+
+@pytest.mark.parametrize(
+    "offsets", [np.array([[0, 3, 5]]), np.array([], dtype=np.int64), np.array([0.0, 3.0, 5.0])]
+)
+def test_offsets_that_are_not_one_integer_row_are_refused_by_every_entry_point(offsets):
+    batch = {"input_ids": (np.array([1, 2, 3, 4, 5]), offsets)}
+    message = "the offsets of a \\(values, offsets\\) pair must be a 1-D integer array"
+    for collate in (
+        Collator(pad_token_id=0, return_labels=True),
+        Collator.for_transformers(padding_free=True),
+        lambda b: pack_columns(b, 4, pad_token_id=0),
+        lambda b: pack_flat(b, 4, pad_token_id=0),
+    ):
+        with pytest.raises(TypeError, match=message):
+            collate(batch)
+
+
+def test_for_transformers_refuses_packed_columns_naming_the_native_collator():
+    packed = pack_columns(
+        pa.table({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]}), 6, pad_token_id=0
+    )
+    batch = packed.__getitems__([0, 1])
+    with pytest.raises(
+        ValueError, match=r"'_padding_length' column: packed rows .* Collator\(return_labels=True"
+    ):
+        Collator.for_transformers(padding_free=True)(batch)
+    labels = Collator(return_labels=True, return_cu_seqlens=True)(batch)["labels"]
+    assert labels.tolist() == [[2, 3, -100, 5, -100], [7, 8, 9, 10, -100]]
+
+
+def test_a_list_of_column_batches_with_scalar_columns_is_one_batch():
+    packed = pack_columns(
+        pa.table({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]}), 6, pad_token_id=0
+    )
+    collate = Collator(return_labels=True, return_cu_seqlens=True)
+    joined = collate(packed.__getitems__([0]) + packed.__getitems__([1]))
+    assert_same(joined, collate(packed.__getitems__([0, 1])))
+
+
+def test_a_table_of_no_chunks_packs_to_no_rows():
+    schema = pa.schema([("input_ids", pa.list_(pa.int64()))])
+    for empty in (
+        pa.table({"input_ids": [[1, 2]]}).filter(pa.array([False])),
+        pa.Table.from_batches([], schema),
+    ):
+        assert pack_columns(empty, 4, pad_token_id=0).fields["input_ids"].shape == (0, 4)
+        assert pack_flat(empty, 4, pad_token_id=0) == []
+        assert list(FlatPacker(4, pad_token_id=0).pack([empty])) == []

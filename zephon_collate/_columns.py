@@ -53,6 +53,7 @@ __all__ = [
     "columns_of",
     "example_names",
     "is_columnar",
+    "read_by_rows",
 ]
 
 ColumnarBatch: TypeAlias = Any
@@ -98,6 +99,15 @@ class ColumnBatch(Mapping[str, Any]):
 def example_names(index: int) -> str:
     """How errors name the row of a columnar batch at ``index``: ``example 3``."""
     return f"example {index}"
+
+
+def read_by_rows(owner: str, what: str) -> ValueError:
+    """The refusal of an option that is read example by example (``what``: ``"float_fields"``, ...) for
+    a columnar batch: one wording for every entry point."""
+    return ValueError(
+        f"{owner}: {what} are read example by example, not from columns; give the batch as a list of "
+        "examples (records or payload dicts), or drop the option"
+    )
 
 
 def arrow() -> ModuleType:
@@ -213,10 +223,20 @@ def _joined_batches(batches: list[Any]) -> Columns:
     if len(batches) == 1:
         sources = dict(batches[0])
     else:
-        sources = {name: [batch[name] for batch in batches] for name in batches[0]}
+        sources = {name: _joined_column([batch[name] for batch in batches]) for name in batches[0]}
     if any(_from_arrow(batch[name]) for batch in batches for name in batch):
         arrow()
     return Columns(sources)
+
+
+def _joined_column(parts: list[Any]) -> Any:
+    """One field of several :class:`ColumnBatch`: 1-D arrays (one value per row) end to end, anything
+    else as the list of its chunks."""
+    if all(isinstance(part, np.ndarray) and part.ndim == 1 for part in parts):
+        return np.concatenate(parts)
+    if all(isinstance(part, torch.Tensor) and part.ndim == 1 for part in parts):
+        return torch.cat(parts)
+    return parts
 
 
 class Columns:
@@ -260,7 +280,7 @@ class Columns:
             if chunks is None:
                 continue  # not a column: a field no entry point reads (text kept as lists, say)
             self._chunks[name] = chunks
-            count = sum(_rows_in(chunk) for chunk in chunks)
+            count = sum(_rows_in(chunk, name) for chunk in chunks)
             if rows is None:
                 rows, first = count, name
             elif count != rows:
@@ -341,7 +361,10 @@ class Columns:
             else:
                 pieces.append(_arrow_list(arrow(), chunk, name, first, names))
             first += len(pieces[-1][1]) - 1
-        if len(pieces) == 1:
+        values: Row
+        if not pieces:  # a table of no chunks (a filter that kept nothing): no rows
+            values, offsets = np.empty(0, dtype=np.int64), np.zeros(1, dtype=np.int64)
+        elif len(pieces) == 1:
             values, offsets = pieces[0]
         else:  # chunk by chunk: one copy joins the values, each chunk's offsets shifted
             values = _joined([values for values, _ in pieces])
@@ -375,7 +398,10 @@ class Columns:
                 part = _arrow_values(arrow(), chunk, name, first, names)
             parts.append(part)
             first += len(part)
-        joined = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if len(parts) == 1:
+            joined = parts[0]
+        else:  # chunk by chunk (none: a table of no chunks, no rows)
+            joined = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
         return as_numpy(to_row(joined, names(0), name, kind))
 
     def per_record(self, name: str, kind: Kind, names: Names) -> np.ndarray | list[Row]:
@@ -430,10 +456,22 @@ def _chunks_of(source: Any) -> list[Any] | None:
     return [chunk(index) for index in range(count)] if chunk is not None else list(source.chunks)
 
 
-def _rows_in(chunk: Any) -> int:
+def _rows_in(chunk: Any, name: str) -> int:
     if _is_pair(chunk):
-        return max(0, len(chunk[1]) - 1)
+        return len(_offsets_of(chunk[1], name)) - 1
     return len(chunk)
+
+
+def _offsets_of(given: Any, name: str) -> np.ndarray:
+    """The offsets of a ``(values, offsets)`` pair as int64, checked to be a 1-D integer array of at least
+    one entry (one per example plus one)."""
+    offsets = as_numpy(given) if isinstance(given, torch.Tensor) else given
+    if offsets.ndim != 1 or offsets.dtype.kind not in "iu" or not offsets.size:
+        raise TypeError(
+            f"field {shown(name)}: the offsets of a (values, offsets) pair must be a 1-D integer array of "
+            f"one entry per example plus one, got dtype {offsets.dtype} and shape {tuple(offsets.shape)}"
+        )
+    return np.asarray(offsets.astype(np.int64, copy=False))
 
 
 def _read_only(values: np.ndarray) -> np.ndarray:
@@ -465,13 +503,7 @@ def _joined(parts: Sequence[Row]) -> np.ndarray | torch.Tensor:
 def _pair(pair: tuple[Any, Any], name: str, first: int, names: Names) -> tuple[Row, np.ndarray]:
     """A ``(values, offsets)`` pair as values from its first offset to its last, offsets from 0."""
     values, given = pair
-    offsets = as_numpy(given) if isinstance(given, torch.Tensor) else given
-    if offsets.ndim != 1 or offsets.dtype.kind not in "iu" or not offsets.size:
-        raise TypeError(
-            f"field {shown(name)}: the offsets of a (values, offsets) pair must be a 1-D integer array of "
-            f"one entry per example plus one, got dtype {offsets.dtype} and shape {tuple(offsets.shape)}"
-        )
-    offsets = offsets.astype(np.int64, copy=False)
+    offsets = _offsets_of(given, name)
     if values.ndim == 0:
         raise TypeError(f"field {shown(name)}: the values of a (values, offsets) pair must be an array")
     steps = offsets[1:] - offsets[:-1]

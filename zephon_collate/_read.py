@@ -49,17 +49,20 @@ __all__ = [
     "describe",
     "describe_record",
     "first_token_field",
+    "gather_spans",
     "host_view",
     "is_array_payload",
     "numpy_dtype",
     "payload_get",
     "payload_items",
+    "places",
     "read_field",
     "read_ragged",
     "record_names",
     "resolve_tokens_field",
     "row_any",
     "row_of",
+    "sequence_of",
     "to_row",
 ]
 
@@ -625,11 +628,20 @@ def concat(rows: Sequence[Row], name: str, names: Names) -> Ragged:
     Rows on the CPU give host values, rows on an accelerator a tensor there.
 
     Raises:
-        ValueError: if rows differ beyond their first dim, or lie on different devices.
+        ValueError: if a row is one value (0-d), if rows differ beyond their first dim, or lie on
+            different devices.
     """
     if not rows:
         return Ragged(np.empty(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
-    lengths = [row.shape[0] for row in rows]
+    try:
+        lengths = [row.shape[0] for row in rows]
+    except IndexError:  # a 0-d row: named here, off the common path
+        index = next(i for i, row in enumerate(rows) if row.ndim == 0)
+        raise ValueError(
+            f"{names(index)}: field {shown(name)} is one value ({rows[index].item()!r}), but it is read as "
+            "a row of values, one per token; give it one value per token, or drop it (a per-example "
+            "label, as for sequence classification, is not a token field)"
+        ) from None
     if len(set(lengths)) == 1:  # rows of one length (packed rows): no running sum to take
         offsets = np.arange(len(rows) + 1, dtype=np.int64) * lengths[0]
     else:
@@ -672,6 +684,29 @@ def row_any(flags: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     if flags.size:
         counts[nonempty] = np.add.reduceat(flags, offsets[:-1][nonempty])
     return counts > 0
+
+
+def sequence_of(offsets: np.ndarray) -> np.ndarray:
+    """``[N]``: the row of every value of a :class:`Ragged` with these offsets."""
+    return np.repeat(np.arange(len(offsets) - 1, dtype=np.int64), np.diff(offsets))
+
+
+def places(offsets: np.ndarray) -> np.ndarray:
+    """``[N]``: every value's place in its row."""
+    lengths = np.diff(offsets)
+    return np.asarray(np.arange(int(offsets[-1]), dtype=np.int64) - np.repeat(offsets[:-1], lengths))
+
+
+def gather_spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The indices ``starts[i] .. starts[i] + lengths[i] - 1`` of every span, end to end.
+
+    Example:
+        >>> gather_spans(np.array([5, 0, 9]), np.array([2, 0, 3])).tolist()
+        [5, 6, 9, 10, 11]
+    """
+    total = int(lengths.sum())
+    ends = np.cumsum(lengths)
+    return np.asarray(np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths))
 
 
 def row_of(offsets: np.ndarray, flat_index: int) -> int:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from zephon_collate._checks import warn_user
-from zephon_collate._columns import Columns, columns_of, example_names
+from zephon_collate._columns import Columns, columns_of, example_names, read_by_rows
 from zephon_collate._read import (
     Names,
     Ragged,
@@ -484,6 +484,8 @@ class Native:
         """
         options = self.options
         names = example_names
+        if self.float_fields:
+            raise read_by_rows("Collator", "float_fields")
         example = columns.example()
         tokens_field = resolve_tokens_field([example], options.tokens_field, names)
         tokens = columns.ragged(tokens_field, "ids", names)
@@ -505,8 +507,15 @@ class Native:
             _aligned(list(rows), lengths, name, names, required=aligned)  # raises where they must align
             per_record[name] = rows
         read = {**per_token, **per_record}
-        unread = [n for n in SUPERVISING_FIELDS if n in columns and n not in read and columns.is_list(n)]
+        unread = [n for n in SUPERVISING_FIELDS if n in columns and n not in read]
         if unread and (self.refuse_unused or options.return_labels):
+            for name in unread:
+                if not columns.is_list(name):  # one value per example, or no column: it cannot be checked
+                    raise TypeError(
+                        f"field {shown(name)} is not a list column (one row of values per example) beside "
+                        "the batch's columns, so what it supervises cannot be checked; give it as a list "
+                        "column or a (values, offsets) pair, or drop it"
+                    )
             loss_mask = per_token.get(LOSS_MASK)
             fields = {name: columns.ragged(name, "values", names) for name in unread}
             if not all(_harmless(name, field, tokens, loss_mask) for name, field in fields.items()):
@@ -573,7 +582,7 @@ class Native:
             return None
         index = int(np.flatnonzero(lengths != lengths[0])[0])
         raise ValueError(
-            "cannot stack token rows of unequal shape into a tensor: record 0 has shape "
+            f"cannot stack token rows of unequal shape into a tensor: {names(0)} has shape "
             f"({int(lengths[0])},), {names(index)} has ({int(lengths[index])},); pad them "
             "(Collator(pad_token_id=...)) or pack them (pack_flat), or pass dtype=None for lists"
         )

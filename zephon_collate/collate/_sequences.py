@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from zephon_collate._checks import Keywords, check_bool
-from zephon_collate._read import Ragged
+from zephon_collate._read import Ragged, gather_spans, places, sequence_of
 from zephon_collate.collate._native import Stacked
 from zephon_collate.collate._output import convert
 from zephon_collate.collate.hf import Transformers, TransformersOptions
@@ -68,37 +68,11 @@ __all__ = [
     "SequenceBatch",
     "SequenceOptions",
     "Sequences",
-    "gather_spans",
-    "places",
-    "sequence_of",
     "share_groups",
 ]
 
 SEQUENCE_MAP = (DOCUMENT_IDS, BRANCH_IDS, LOGITS_INDEX, SEQUENCE_INDEX)
 """The per-token keys of the sequence map (each stored + 1 until stacked, so that padding reads -1)."""
-
-
-def sequence_of(offsets: np.ndarray) -> np.ndarray:
-    """``[N]``: the row of every value of a :class:`Ragged` with these offsets."""
-    return np.repeat(np.arange(len(offsets) - 1, dtype=np.int64), np.diff(offsets))
-
-
-def places(offsets: np.ndarray) -> np.ndarray:
-    """``[N]``: every value's place in its row."""
-    lengths = np.diff(offsets)
-    return np.asarray(np.arange(int(offsets[-1]), dtype=np.int64) - np.repeat(offsets[:-1], lengths))
-
-
-def gather_spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The indices ``starts[i] .. starts[i] + lengths[i] - 1`` of every span, end to end.
-
-    Example:
-        >>> gather_spans(np.array([5, 0, 9]), np.array([2, 0, 3])).tolist()
-        [5, 6, 9, 10, 11]
-    """
-    total = int(lengths.sum())
-    ends = np.cumsum(lengths)
-    return np.asarray(np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths))
 
 
 @dataclass(frozen=True, kw_only=True)

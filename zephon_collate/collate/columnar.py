@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from zephon_collate._columns import ColumnBatch, Columns, example_names
+from zephon_collate._read import gather_spans
 from zephon_collate._text import shown
 
 __all__ = ["ColumnarDataset"]
@@ -156,9 +157,7 @@ class ColumnarDataset(torch.utils.data.Dataset[Any]):
             lengths = offsets[rows + 1] - starts
             out = np.zeros(len(rows) + 1, dtype=np.int64)
             np.cumsum(lengths, out=out[1:])
-            index = np.repeat(starts - out[:-1], lengths)
-            index += np.arange(int(out[-1]), dtype=np.int64)
-            batch[name] = (values[index], out)
+            batch[name] = (values[gather_spans(starts, lengths)], out)
         return [ColumnBatch(batch)]
 
     def __getitem__(self, index: int) -> list[ColumnBatch]:

@@ -72,7 +72,7 @@ from zephon_collate._checks import (
     check_int,
     suggest_options,
 )
-from zephon_collate._columns import Columns, columns_of
+from zephon_collate._columns import Columns, columns_of, read_by_rows
 from zephon_collate._read import (
     MISSING,
     Ragged,
@@ -82,6 +82,7 @@ from zephon_collate._read import (
     check_zero_one,
     concat,
     payload_get,
+    places,
     read_field,
     read_ragged,
     row_any,
@@ -120,7 +121,7 @@ from zephon_collate.keys import (
     SUPERVISION_MASKS,
     TOKEN_TYPE_IDS,
 )
-from zephon_collate.records import SampleRecord
+from zephon_collate.records import PADDING_LENGTH_TAG, SampleRecord
 from zephon_collate.transforms import (
     AttentionMask,
     BoundaryMask,
@@ -561,10 +562,7 @@ class Transformers:
         columns = columns_of(features)
         if columns is not None:
             if options.float_fields:
-                raise ValueError(
-                    f"{_OWNER}: float_fields are read from example dicts; give the batch as a list of "
-                    "examples, or leave the float fields out of the columnar batch"
-                )
+                raise read_by_rows(_OWNER, "float_fields")
             return [self._interpret(*self._read_columns(columns))]
         examples = as_examples(
             features, [spec.name for spec in options.floats] if options.float_fields else ()
@@ -612,6 +610,13 @@ class Transformers:
         ``seq_lengths``; the refusals that look at an example's fields run once for all rows."""
         if not columns.rows:
             raise ValueError(f"{_OWNER}: the batch holds no examples")
+        if PADDING_LENGTH_TAG in columns:
+            raise ValueError(
+                f"{_OWNER}: the batch has a {shown(PADDING_LENGTH_TAG)} column: packed rows (as pack_columns "
+                "writes them), whose documents and padding this layout does not read; collate them with "
+                "Collator(return_labels=True, return_cu_seqlens=True), or pack Hugging Face examples with "
+                "trl.pack_dataset (seq_lengths)"
+            )
         _check_examples([columns.example()], self.options.supervision)
         tokens = columns.ragged(INPUT_IDS, "ids", _names)
         if tokens.values.ndim != 1:
@@ -789,7 +794,7 @@ class Transformers:
         lengths = tokens.lengths
         if not bool((lengths > limit).any()):
             return per_token
-        place = np.arange(tokens.values.shape[0]) - np.repeat(tokens.offsets[:-1], lengths)
+        place = places(tokens.offsets)
         if options.truncation_mode == "keep_start":
             keep = place < limit
         else:
@@ -1002,9 +1007,7 @@ def _rows_of(field: Ragged) -> list[Any]:
 
 def _restarting(offsets: np.ndarray) -> Ragged:
     """Positions 0, 1, ... restarting at every offset: one segment per row."""
-    lengths = offsets[1:] - offsets[:-1]
-    total = int(offsets[-1])
-    return Ragged(np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1], lengths), offsets)
+    return Ragged(places(offsets), offsets)
 
 
 def _separated(labels: Any, positions: Any, padding: Any, separator: int) -> Any:

@@ -40,11 +40,11 @@ import numpy as np
 import torch
 
 from zephon_collate._checks import suggest_options
-from zephon_collate._read import Ragged, as_numpy, check_ids, check_zero_one, concat, read_field
+from zephon_collate._read import Ragged, as_numpy, check_ids, check_zero_one, concat, gather_spans, read_field
 from zephon_collate._text import shown, shown_fields
 from zephon_collate.collate._native import Stacked
 from zephon_collate.collate._plan import Plans
-from zephon_collate.collate._sequences import SequenceBatch, SequenceOptions, Sequences, gather_spans
+from zephon_collate.collate._sequences import SequenceBatch, SequenceOptions, Sequences
 from zephon_collate.collate.collator import Collator, CollatorOptions
 from zephon_collate.collate.hf import TRANSFORMERS_COLLATOR_OPTIONS, as_examples
 from zephon_collate.fields import FloatField, read_floats

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from zephon_collate._checks import suggest_options
-from zephon_collate._read import Ragged
+from zephon_collate._read import Ragged, places, sequence_of
 from zephon_collate._text import shown
 from zephon_collate.collate._native import Stacked
 from zephon_collate.collate._plan import Plans
@@ -42,8 +42,6 @@ from zephon_collate.collate._sequences import (
     SequenceBatch,
     SequenceOptions,
     Sequences,
-    places,
-    sequence_of,
 )
 from zephon_collate.collate.collator import Collator, CollatorOptions
 from zephon_collate.collate.hf import TRANSFORMERS_COLLATOR_OPTIONS

@@ -22,10 +22,10 @@ import numpy as np
 from zephon_collate._checks import suggest_options
 from zephon_collate._columns import ColumnarBatch, ColumnBatch, columns_of, example_names
 from zephon_collate.fields import FloatField
-from zephon_collate.keys import INPUT_IDS, INT32_MAX, INT64_MAX, LOSS_MASK, POSITIONS
+from zephon_collate.keys import INPUT_IDS, INT32_MAX, INT64_MAX, POSITIONS
 from zephon_collate.packing._plan import best_fit_rows, greedy_breaks
 from zephon_collate.packing.reader import REQUIRED, PackOptions, Reader
-from zephon_collate.packing.rows import refuse_cut_prompt
+from zephon_collate.packing.rows import refuse_cut_columns
 from zephon_collate.records import PADDING_LENGTH_TAG
 
 __all__ = ["PackedColumns", "pack_columns"]
@@ -168,18 +168,11 @@ def pack_columns(
         )
     tokens_name = None if options.tokens_field == "auto" else options.tokens_field
     given = None if options.fields is None else tuple(options.fields)
-    reader = Reader(tokens_name, given, strict=given is None)
+    reader = Reader(tokens_name, given, strict=given is None, segments=options.emit_positions)
     tokens, values = reader.read_columns(columns, 0)
     size = options.seq_len
     lengths = tokens.lengths
-    if options.overflow == "auto" and LOSS_MASK in values and bool((lengths > size).any()):
-        mask = values[LOSS_MASK]
-        zeros = np.zeros(len(mask.values) + 1, dtype=np.int64)
-        np.cumsum(mask.host == 0, out=zeros[1:])
-        prompts = zeros[mask.offsets[1:]] > zeros[mask.offsets[:-1]]
-        cut = np.flatnonzero((lengths > size) & prompts)
-        if cut.size:
-            raise refuse_cut_prompt(example_names(int(cut[0])), int(lengths[cut[0]]), size)
+    refuse_cut_columns(columns, tokens, options, example_names)
     pieces, parts, sizes = _pieces(lengths, size, options.overflow == "truncate")
     best_fit = options.strategy == "best_fit"
     # buffer_size=None: as pack_flat, one best-fit round over every piece, however many.

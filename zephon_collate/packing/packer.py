@@ -16,13 +16,21 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 from zephon_collate._checks import suggest_options
-from zephon_collate._columns import ColumnarBatch, Columns, columns_of
+from zephon_collate._columns import ColumnarBatch, Columns, columns_of, example_names
 from zephon_collate._read import as_record, describe_record
 from zephon_collate._text import shown
 from zephon_collate.fields import FloatField
 from zephon_collate.keys import INPUT_IDS
 from zephon_collate.packing.reader import REQUIRED, STREAM_BUFFER_SIZE, Document, PackOptions, Reader
-from zephon_collate.packing.rows import Engine, Piece, build_row, document_piece, group_pieces, split_document
+from zephon_collate.packing.rows import (
+    Engine,
+    Piece,
+    build_row,
+    document_piece,
+    group_pieces,
+    refuse_cut_columns,
+    split_document,
+)
 from zephon_collate.packing.state import (
     check_count,
     corrupt,
@@ -192,6 +200,7 @@ class FlatPacker:
         self._close_group()
         first = self._consumed
         tokens, fields = self._reader.read_columns(columns, first)
+        refuse_cut_columns(columns, tokens, self.options, lambda row: example_names(first + row))
         starts, ends = tokens.offsets[:-1].tolist(), tokens.offsets[1:].tolist()
         values = tokens.host
         hosts = {name: field.host for name, field in fields.items()}

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from zephon_collate._checks import Keywords, check_int, check_option_names
-from zephon_collate._columns import Columns, example_names
+from zephon_collate._columns import Columns, example_names, read_by_rows
 from zephon_collate._read import (
     Names,
     Ragged,
@@ -32,6 +32,8 @@ from zephon_collate._read import (
     first_token_field,
     is_array_payload,
     payload_items,
+    places,
+    row_any,
     to_row,
 )
 from zephon_collate._text import shown, shown_fields
@@ -149,11 +151,10 @@ class PackOptions(Keywords):
     def check_columnar(self, owner: str) -> None:
         """Refuse the options a columnar batch cannot serve: groups and float fields are read record by
         record (their values are Python lists per record, which the columns do not carry)."""
-        if self.group_key is not None or self.float_fields:
-            raise ValueError(
-                f"{owner}: group_key= and float_fields= are read record by record; give the documents as "
-                "records or payload dicts (pack_flat), not as a columnar batch"
-            )
+        if self.float_fields:
+            raise read_by_rows(owner, "float_fields")
+        if self.group_key is not None:
+            raise read_by_rows(owner, "group_key groups")
 
     @property
     def floats(self) -> tuple[FloatField, ...]:
@@ -270,6 +271,27 @@ def candidate_columns(columns: Columns, tokens_name: str, tokens: Ragged, names:
         if field.values.ndim == 1 and bool(_aligned_rows(field, tokens).all()):
             found.append(name)
     return found
+
+
+def _check_one_segment(positions: Ragged, tokens: Ragged, names: Names) -> None:
+    """A ``positions`` column beside columnar documents: each must count 0, 1, ... over its tokens (one
+    segment), for columns carry no per-document segments into the packer (records do)."""
+    aligned = _aligned_rows(positions, tokens)
+    if positions.values.ndim != 1 or not aligned.all():
+        bad = ~aligned | (positions.values.ndim != 1)
+    else:
+        if not np.array_equal(positions.offsets, tokens.offsets):  # entries of documents without tokens
+            positions = positions.select(np.repeat(tokens.lengths > 0, positions.lengths))
+        bad = row_any(positions.host != places(tokens.offsets), tokens.offsets)
+    found = np.flatnonzero(bad)
+    if found.size:
+        raise ValueError(
+            f"{names(int(found[0]))}: field 'positions' does not count 0, 1, ... over the document's tokens "
+            "(it restarts: segments, or is misaligned); packing keeps a document's segments for records "
+            "only: give these documents as records or payload dicts (pack_flat), drop the column for one "
+            "segment per document, or pass emit_positions=False with fields=(..., 'positions') to pack it "
+            "as data"
+        )
 
 
 class Reader:
@@ -454,6 +476,8 @@ class Reader:
             raise ValueError(
                 f"{names(0)}: the tokens field {shown(name)} is also listed in fields; drop it from fields"
             )
+        if self.segments and POSITIONS in columns:
+            _check_one_segment(columns.ragged(POSITIONS, "ids", names), tokens, names)
         has_tokens = tokens.lengths > 0
         if not has_tokens.any():
             return tokens, {}

@@ -18,7 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from zephon_collate._read import describe_record
+from zephon_collate._columns import Columns
+from zephon_collate._read import Names, Ragged, check_zero_one, describe_record, row_any
 from zephon_collate._text import shown
 from zephon_collate.keys import LOSS_MASK, POSITIONS
 from zephon_collate.packing._plan import best_fit_rows, greedy_breaks
@@ -44,6 +45,7 @@ __all__ = [
     "build_row",
     "document_piece",
     "group_pieces",
+    "refuse_cut_columns",
     "refuse_cut_prompt",
     "row_segments",
     "split_document",
@@ -184,6 +186,22 @@ def refuse_cut_prompt(where: str, length: int, size: int) -> ValueError:
         "prompt. Drop or shorten such documents, raise seq_len, or pass overflow='truncate' "
         "(keep the head) or overflow='split' (cut into segments)"
     )
+
+
+def refuse_cut_columns(columns: Columns, tokens: Ragged, options: PackOptions, names: Names) -> None:
+    """:func:`split_document`'s ``overflow="auto"`` refusal over a columnar batch, every document at once:
+    the first one longer than ``seq_len`` whose ``loss_mask`` column (packed or not) has a 0 is named."""
+    if options.overflow != "auto" or LOSS_MASK not in columns:
+        return
+    longer = tokens.lengths > options.seq_len
+    if not longer.any():
+        return
+    mask = columns.ragged(LOSS_MASK, "values", names)
+    check_zero_one(mask, LOSS_MASK, names, "1 for supervised tokens, 0 for the rest")
+    cut = np.flatnonzero(longer & row_any(mask.host == 0, mask.offsets))
+    if cut.size:
+        row = int(cut[0])
+        raise refuse_cut_prompt(names(row), int(tokens.lengths[row]), options.seq_len)
 
 
 def _water_filled(sizes: list[int], room: int) -> list[int]:
