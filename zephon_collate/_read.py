@@ -52,6 +52,7 @@ __all__ = [
     "gather_spans",
     "host_view",
     "is_array_payload",
+    "misaligned",
     "numpy_dtype",
     "payload_get",
     "payload_items",
@@ -707,6 +708,16 @@ def gather_spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     total = int(lengths.sum())
     ends = np.cumsum(lengths)
     return np.asarray(np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths))
+
+
+def misaligned(where: str, name: str, entries: int | None, length: int) -> ValueError:
+    """The refusal of a per-token field whose row does not hold one entry per token (``entries=None``:
+    one value, not a row)."""
+    got = "a scalar" if entries is None else f"{entries} entries"
+    return ValueError(
+        f"{where}: field {shown(name)} has {got} but the token row has {length}; per-token fields must "
+        "match the tokens one to one"
+    )
 
 
 def row_of(offsets: np.ndarray, flat_index: int) -> int:

@@ -40,6 +40,7 @@ from zephon_collate._read import (
     check_zero_one,
     concat,
     host_view,
+    misaligned,
     read_field,
     read_ragged,
     record_names,
@@ -160,11 +161,7 @@ def _aligned(rows: list[Row], lengths: np.ndarray, name: str, names: Names, *, r
         if row.ndim == 0 or row.shape[0] != length:
             if not required:
                 return False
-            got = "a scalar" if row.ndim == 0 else f"{row.shape[0]} entries"
-            raise ValueError(
-                f"{names(index)}: field {shown(name)} has {got} but the token row has {int(lengths[index])}; "
-                "per-token fields must match the tokens one to one"
-            )
+            raise misaligned(names(index), name, None if row.ndim == 0 else row.shape[0], int(lengths[index]))
     return True
 
 

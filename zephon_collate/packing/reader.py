@@ -31,6 +31,7 @@ from zephon_collate._read import (
     describe_record,
     first_token_field,
     is_array_payload,
+    misaligned,
     payload_items,
     places,
     row_any,
@@ -373,11 +374,7 @@ class Reader:
             if field_name == LOSS_MASK:
                 check_loss_mask(values[field_name], where)
             if len(values[field_name]) != tokens.size:
-                raise ValueError(
-                    f"{where}: field {shown(field_name)} has {len(values[field_name])} entries but the token "
-                    "row "
-                    f"has {tokens.size}; per-token fields must match the tokens one to one"
-                )
+                raise misaligned(where, field_name, len(values[field_name]), tokens.size)
         lengths = np.array([tokens.size], dtype=np.int64)
         for spec in self.floats:
             if spec.name not in payload:
@@ -498,11 +495,7 @@ class Reader:
             bad = np.flatnonzero(~_aligned_rows(field, tokens))
             if bad.size:
                 row = int(bad[0])
-                raise ValueError(
-                    f"{names(row)}: field {shown(field_name)} has {int(field.lengths[row])} entries but "
-                    f"the token row has {int(tokens.lengths[row])}; per-token fields must match the tokens "
-                    "one to one"
-                )
+                raise misaligned(names(row), field_name, int(field.lengths[row]), int(tokens.lengths[row]))
             if not np.array_equal(field.offsets, tokens.offsets):  # entries of documents without tokens
                 field = field.select(np.repeat(has_tokens, field.lengths))
             if field_name == LOSS_MASK:
