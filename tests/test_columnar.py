@@ -801,6 +801,16 @@ def test_a_list_of_column_batches_with_scalar_columns_is_one_batch():
     assert_same(joined, collate(packed.__getitems__([0, 1])))
 
 
+def test_a_pair_that_is_not_two_arrays_is_named():
+    offsets = np.array([0, 3, 5])
+    with pytest.raises(
+        TypeError, match=r"got a dict; field 'input_ids' looks like a \(values, offsets\) pair"
+    ):
+        Collator()({"input_ids": ([1, 2, 3, 4, 5], offsets)})
+    with pytest.raises(TypeError, match="got a dict; a batch of columns is a dict of Arrow columns"):
+        Collator()({"input_ids": [[1, 2, 3], [4, 5]]})
+
+
 def test_a_table_of_no_chunks_packs_to_no_rows():
     schema = pa.schema([("input_ids", pa.list_(pa.int64()))])
     for empty in (

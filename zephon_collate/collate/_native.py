@@ -98,7 +98,16 @@ def as_records(samples: Sequence[Any]) -> tuple[SampleRecord, ...]:
         TypeError: if ``samples`` is not a sequence, or an item is neither a record,
             a dict nor a token array.
     """
-    if isinstance(samples, (str, bytes, Mapping)) or not isinstance(samples, Sequence):
+    if isinstance(samples, Mapping):
+        pairs = [name for name, value in samples.items() if type(value) is tuple and len(value) == 2]
+        hint = (
+            f"; field {shown(pairs[0])} looks like a (values, offsets) pair: give both as NumPy arrays or "
+            "tensors"
+            if pairs
+            else "; a batch of columns is a dict of Arrow columns or (values, offsets) pairs"
+        )
+        raise TypeError(f"Collator: expected a list of samples, got a {type(samples).__name__}{hint}")
+    if isinstance(samples, (str, bytes)) or not isinstance(samples, Sequence):
         raise TypeError(f"Collator: expected a list of samples, got {type(samples).__name__}")
     return tuple(as_record(sample, index, "Collator") for index, sample in enumerate(samples))
 
