@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from zephon_collate import BalanceOptions, BalanceSchedule, CostModel, SampleMeta, SampleRecord
-from zephon_collate.packing.reader import PackOptions
+from zephon_collate.packing.reader import Document, PackOptions
 from zephon_collate.packing.rows import Engine, split_document
 from zephon_collate.parallel.placement import pack_rows
 
@@ -184,7 +184,7 @@ def check_row_mirrors(lengths: np.ndarray, seq_len: int) -> None:
         engine = Engine(seq_len, best_fit, 1024)
         for i, size in enumerate(lengths.tolist()):
             record = SampleRecord(SampleMeta((0, 0, i), 0, 0, i), {"input_ids": tokens[:size]})
-            engine.push(split_document(record, i, tokens[:size], {}, options))
+            engine.push(split_document(record, i, Document(tokens[:size], {}, None, None), options))
         engine.flush()
         rows = [[piece.base.sample_id[2] for piece in row] for row in engine.ready]
         assert [sorted(r) for r in rows] == [sorted(r) for r in mirror(lengths, seq_len)], mirror.__name__

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -121,6 +123,10 @@ def test_every_benchmark_imports_and_the_floor_check_holds():
         from zephon_collate import SampleBatch
 
         floor.check_equal(SampleBatch(to_records(packed_rows(length=81))))
+        # bench_balance's mirrors of the packer's placement: they must place as the row engine does
+        balance = importlib.import_module("bench_balance")
+        lengths = np.random.default_rng(0).integers(1, 700, 400)
+        balance.check_row_mirrors(lengths, 512)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
 
