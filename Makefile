@@ -39,7 +39,6 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_packing.py
 	$(BIN)/python benchmarks/bench_columnar.py
 	$(BIN)/python benchmarks/bench_balance.py
-	$(BIN)/python benchmarks/bench_balance.py
 
 clean:
 	rm -rf $(VENV)
