@@ -170,7 +170,8 @@ class Collator:
             ``t`` belongs to token ``t``, the default) is cut ``[:, 1:]`` with
             ``return_labels``, so ``out[name][:, j]`` belongs to ``labels[:, j]``
             (:mod:`zephon_collate.fields`). ``to_training`` has no such option: its
-            extra fields follow ``dtype``, as the reference page says.
+            extra fields follow ``dtype``, as the reference page says. Float fields are
+            read example by example: a columnar batch with ``float_fields`` is refused.
 
     Raises:
         TypeError, ValueError: for bad options, as ``to_training`` raises them;
