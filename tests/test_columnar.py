@@ -820,3 +820,15 @@ def test_a_table_of_no_chunks_packs_to_no_rows():
         assert pack_columns(empty, 4, pad_token_id=0).fields["input_ids"].shape == (0, 4)
         assert pack_flat(empty, 4, pad_token_id=0) == []
         assert list(FlatPacker(4, pad_token_id=0).pack([empty])) == []
+
+
+def test_token_rows_of_more_than_one_value_per_token_are_refused_in_one_wording():
+    batch = {"input_ids": (np.ones((5, 2), dtype=np.int64), np.array([0, 3, 5]))}
+    message = r"example 0: field 'input_ids' must be 1-D \(one entry per token\), got rows of shape \(2,\)"
+    for collate in (
+        Collator.for_transformers(padding_free=True),
+        lambda b: pack_columns(b, 4, pad_token_id=0),
+        lambda b: pack_flat(b, 4, pad_token_id=0),
+    ):
+        with pytest.raises(ValueError, match=message):
+            collate(batch)

@@ -42,6 +42,7 @@ __all__ = [
     "as_record_tuple",
     "as_tensor",
     "check_fits",
+    "check_flat",
     "check_ids",
     "check_payloads",
     "check_zero_one",
@@ -708,6 +709,15 @@ def gather_spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     total = int(lengths.sum())
     ends = np.cumsum(lengths)
     return np.asarray(np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths))
+
+
+def check_flat(field: Ragged, name: str, where: str) -> None:
+    """``ValueError`` unless ``field`` holds one value per token (1-D values), naming ``where``."""
+    if field.values.ndim != 1:
+        raise ValueError(
+            f"{where}: field {shown(name)} must be 1-D (one entry per token), got rows of shape "
+            f"{tuple(field.values.shape[1:])} per token"
+        )
 
 
 def misaligned(where: str, name: str, entries: int | None, length: int) -> ValueError:

@@ -78,6 +78,7 @@ from zephon_collate._read import (
     Ragged,
     as_numpy,
     as_tensor,
+    check_flat,
     check_ids,
     check_zero_one,
     concat,
@@ -619,11 +620,7 @@ class Transformers:
             )
         _check_examples([columns.example()], self.options.supervision)
         tokens = columns.ragged(INPUT_IDS, "ids", _names)
-        if tokens.values.ndim != 1:
-            raise ValueError(
-                f"{_names(0)}: 'input_ids' must be one row of token ids, got rows of shape "
-                f"{tuple(tokens.values.shape[1:])} per token"
-            )
+        check_flat(tokens, INPUT_IDS, _names(0))
         check_ids(tokens, INPUT_IDS, _names)
         tokens = tokens.cast(torch.int64)
         fields: dict[str, Ragged] = {INPUT_IDS: tokens}

@@ -26,6 +26,7 @@ from zephon_collate._read import (
     Names,
     Ragged,
     as_numpy,
+    check_flat,
     check_ids,
     check_zero_one,
     describe_record,
@@ -463,11 +464,7 @@ class Reader:
             )
         read = columns.ragged(name, "ids", names)
         tokens = Ragged(read.host, read.offsets)  # the packer works on the host
-        if tokens.values.ndim != 1:
-            raise ValueError(
-                f"{names(0)}: field {shown(name)} must be 1-D (one entry per token), got rows of shape "
-                f"{tuple(tokens.values.shape[1:])} per token"
-            )
+        check_flat(tokens, name, names(0))
         check_ids(tokens, name, names)
         if self.fields and name in self.fields:
             raise ValueError(
@@ -487,11 +484,7 @@ class Reader:
         for field_name in self.fields:
             read = columns.ragged(field_name, "values", names)
             field = Ragged(read.host, read.offsets)
-            if field.values.ndim != 1:
-                raise ValueError(
-                    f"{names(0)}: field {shown(field_name)} must be 1-D (one entry per token), got rows of "
-                    f"shape {tuple(field.values.shape[1:])} per token"
-                )
+            check_flat(field, field_name, names(0))
             bad = np.flatnonzero(~_aligned_rows(field, tokens))
             if bad.size:
                 row = int(bad[0])
