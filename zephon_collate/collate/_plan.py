@@ -85,6 +85,13 @@ class CollateLayout(Layout, Protocol):
         ...
 
 
+def stage_input(stage: Chain, data: Mapping[str, Any]) -> dict[str, Any]:
+    """What a compiled stage is fed: the keys it needs, and the optional keys it reads that are present."""
+    given = {key: data[key] for key in stage.in_keys}
+    given.update((key, data[key]) for key in stage.optional_keys if key in data)
+    return given
+
+
 def _dynamic(transform: Any) -> bool:
     """True for a step whose output size depends on the data (it cannot sit inside a compiled graph)."""
     return bool(getattr(transform, "data_dependent_shape", False))
@@ -207,10 +214,12 @@ class Plan:
         def run_stages(data: Mapping[str, Any]) -> dict[str, Any]:
             out = dict(data)
             for stage, function in stages:
-                # A graph gets the keys it reads only: a key it passes through would add shape guards
-                # (and recompiles) for nothing.
-                result = function({key: out[key] for key in stage.in_keys})
-                out.update(result)
+                # A graph gets the keys its steps declare only (a key it passes through would add shape
+                # guards, and recompiles, for nothing): the keys each step sees eagerly too.
+                if stage.reads_every_key:  # it reshapes the whole batch: its output is the batch
+                    out = function(dict(out))
+                    continue
+                out.update(function(stage_input(stage, out)))
                 for key in stage.dropped_keys:
                     out.pop(key, None)
             return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -14,7 +14,7 @@ from zephon_collate._checks import check_keys
 from zephon_collate._text import shown
 from zephon_collate.transforms._shapes import check_present
 
-__all__ = ["Chain", "Transform"]
+__all__ = ["Chain", "Transform", "UndeclaredKeyError", "declared", "declared_keys"]
 
 
 class Transform(TensorDictModuleBase):
@@ -33,6 +33,15 @@ class Transform(TensorDictModuleBase):
     A step whose output size depends on the values (it reads one back from the
     device) sets ``data_dependent_shape = True``; a compiled plan runs it
     eagerly between its graphs.
+
+    **A step sees only what it declares.** :meth:`check` and :meth:`compute`
+    get ``in_keys`` and ``optional_keys`` (inputs read when present: ``get``
+    returns ``None`` when absent), nothing else, in every mode: called alone,
+    in a :class:`Chain`, on the CPU host path and compiled. Reading, testing
+    (``in``) or ``get``-ting any other key raises :class:`UndeclaredKeyError` in
+    eager mode, so a forgotten declaration fails in the first test instead of
+    silently differing once compiled (a compiled graph is fed the declared keys
+    only).
 
     Calling a transform on a TensorDict checks the input (anything but a
     TensorDict raises ``TypeError``; a missing key ``ValueError`` naming it),
@@ -56,6 +65,7 @@ class Transform(TensorDictModuleBase):
     """
 
     dropped_keys: tuple[str, ...] = ()
+    optional_keys: tuple[str, ...] = ()
     data_dependent_shape: bool = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -81,8 +91,9 @@ class Transform(TensorDictModuleBase):
         return batch_size
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        self.check(cast(Mapping[str, torch.Tensor], td))
-        updates = self.compute(cast(Mapping[str, torch.Tensor], td))
+        view = declared(self, cast(Mapping[str, torch.Tensor], td))
+        self.check(view)
+        updates = self.compute(view)
         size = self.output_batch_size(td.batch_size)
         if size == td.batch_size:
             out = cast(Any, td).replace(updates) if updates else td.copy()
@@ -98,6 +109,72 @@ class Transform(TensorDictModuleBase):
 
 def _name(module: object) -> str:
     return type(module).__qualname__
+
+
+class UndeclaredKeyError(KeyError):
+    """A step read a key it does not declare in ``in_keys`` / ``optional_keys``."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; this one is a sentence
+        return str(self.args[0])
+
+
+class _Declared(Mapping[str, Any]):
+    """The keys of ``data`` that ``step`` declares, and nothing else: see :class:`Transform`."""
+
+    __slots__ = ("_data", "_keys", "_step")
+
+    def __init__(self, step: object, data: Mapping[str, Any], keys: frozenset[str]) -> None:
+        self._step, self._data, self._keys = step, data, keys
+
+    def _refuse(self, key: object) -> UndeclaredKeyError:
+        return UndeclaredKeyError(
+            f"{_name(self._step)} reads {shown(key)}, which it does not declare (in_keys "
+            f"{_keys(self._step, 'in_keys')}, optional_keys {_keys(self._step, 'optional_keys')}); add it to "
+            "in_keys (or optional_keys): a compiled graph is fed the declared keys only"
+        )
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._keys:
+            raise self._refuse(key)
+        return self._data[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key not in self._keys:
+            raise self._refuse(key)
+        return self._data[key] if key in self._data else default  # noqa: SIM401 (any Mapping, TensorDicts too)
+
+    def __contains__(self, key: object) -> bool:
+        if key not in self._keys:
+            raise self._refuse(key)
+        return key in self._data
+
+    def __iter__(self) -> Iterator[str]:
+        return (key for key in self._data if key in self._keys)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def declared_keys(step: object) -> frozenset[str]:
+    """The keys ``step`` may read: its ``in_keys`` and ``optional_keys``."""
+    return frozenset((*_keys(step, "in_keys"), *_keys(step, "optional_keys")))
+
+
+def declared(step: object, data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """What ``step`` sees of ``data``: its declared keys only (see :class:`Transform`).
+
+    Under ``torch.compile`` a plain dict of the declared keys present (the same
+    content, which dynamo traces without a wrapper class); else a view that
+    raises :class:`UndeclaredKeyError` on any other key. A step that sets
+    ``reads_every_key = True`` (one that reshapes the whole batch, such as
+    :class:`~zephon_collate.ContextParallelShard`) sees everything.
+    """
+    if getattr(step, "reads_every_key", False):
+        return data
+    keys = declared_keys(step)
+    if torch.compiler.is_compiling():
+        return {key: data[key] for key in keys if key in data}
+    return _Declared(step, data, keys)
 
 
 def _keys(step: Any, name: str) -> list[str]:
@@ -169,21 +246,37 @@ class Chain(Transform):
             provided.update(_keys(step, "out_keys"))
             provided.difference_update(_keys(step, "dropped_keys"))
         self.in_keys = cast(Any, needed)  # tensordict types keys as NestedKey; these are str
+        # Read when present, and written by no earlier step: the chain's own optional inputs.
+        self.optional_keys = tuple(dict.fromkeys(key for key in self._optional() if key not in needed))
+        self.reads_every_key = any(getattr(step, "reads_every_key", False) for step in self.steps)
         dropped = {key for step in self.steps for key in _keys(step, "dropped_keys")}
         self.dropped_keys = tuple(sorted(dropped - provided))
         self.out_keys = sorted({key for step in self.steps for key in _keys(step, "out_keys")})
         self.data_dependent_shape = any(getattr(step, "data_dependent_shape", False) for step in self.steps)
 
+    def _optional(self) -> list[str]:
+        """Each step's optional keys that no earlier step writes, in order."""
+        found: list[str] = []
+        written: set[str] = set()
+        for step in self.steps:
+            found += [key for key in _keys(step, "optional_keys") if key not in written]
+            written.update(_keys(step, "out_keys"))
+        return found
+
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         check_present("Chain", self.in_keys, data)
 
     def run(self, data: Mapping[str, Any]) -> dict[str, Any]:
-        """Every step's core over a copy of ``data``, unchecked: the whole resulting mapping."""
+        """Every step's core over a copy of ``data``, unchecked: the whole resulting mapping.
+
+        Each step sees its declared keys only (:func:`declared`), as everywhere.
+        """
         return self._run(dict(data), checked=False)[0]
 
     def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = self.run(data)
-        return {key: value for key, value in out.items() if data.get(key) is not value}
+        given = dict(data)
+        out = self.run(given)
+        return {key: value for key, value in out.items() if given.get(key) is not value}
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         data, batch_size = self._run(dict(td.items()), checked=True, batch_size=td.batch_size)
@@ -196,16 +289,22 @@ class Chain(Transform):
             if checked:
                 check_present(_name(step), _keys(step, "in_keys"), data)
             if isinstance(step, Transform) and type(step).forward is Transform.forward:
+                view = declared(step, data)
                 if checked:
-                    step.check(data)
-                data.update(step.compute(data))
+                    step.check(view)
+                data.update(step.compute(view))
                 for key in step.dropped_keys:
                     if key not in step.out_keys:
                         data.pop(key, None)
                 batch_size = None if batch_size is None else step.output_batch_size(batch_size)
-            else:  # any other TensorDict module: wrap, call, unwrap
+            elif getattr(step, "reads_every_key", False):  # it reshapes the whole batch: its output is all
                 result = step(TensorDict(data, batch_size=batch_size if batch_size is not None else []))
                 data, batch_size = dict(result.items()), result.batch_size
+            else:  # any other TensorDict module: wrap its declared keys, call, merge what it returns
+                given = dict(declared(step, data))
+                result = step(TensorDict(given, batch_size=batch_size if batch_size is not None else []))
+                data.update((key, value) for key, value in result.items() if given.get(key) is not value)
+                batch_size = result.batch_size
         return data, batch_size
 
     def output_batch_size(self, batch_size: torch.Size) -> torch.Size:

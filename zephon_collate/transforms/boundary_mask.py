@@ -55,6 +55,7 @@ class BoundaryMask(Transform):
         self.positions_key = check_key("BoundaryMask", "positions_key", positions_key)
         self.mask_key = check_key("BoundaryMask", "mask_key", mask_key)
         self.in_keys = [positions_key]
+        self.optional_keys = (mask_key,)  # combined with when given, else created
         self.out_keys = [mask_key]
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:

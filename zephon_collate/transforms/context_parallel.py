@@ -210,7 +210,9 @@ class ContextParallelShard(Transform):
             raise TypeError(f"{owner}: fill_values must be a dict of key -> value, got {shown(fill_values)}")
         self.fill_values = {**defaults, **dict(fill_values or {})}
         self.in_keys = [positions_key, *(k for k in (self.keys or ()) if k != positions_key)]
+        self.optional_keys = (cu_seqlens_key,)  # the segments, when given
         self.out_keys = [*(self.keys or ()), positions_key, *written]
+        self.reads_every_key = keys is None  # every per-token field is sharded
 
     data_dependent_shape = True  # the shard's length depends on the document lengths
 
