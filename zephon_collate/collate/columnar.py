@@ -8,11 +8,19 @@ batch as it is stored: ``__getitems__(indices)`` maps the indices with one
 NumPy lookup and gathers every column with one vectorised gather, and hands
 the rows over as one columnar batch, which every ``Collator`` reads column by
 column (no loop over the examples).
+
+The dataset's format is honoured where it says what the rows hold: its
+``set_format(columns=...)`` columns are the ones handed over (unless
+``columns=`` names others), and a ``set_transform``/``with_transform`` function,
+which would run on each batch of rows ``datasets`` hands over but never on the
+stored columns, is refused with the fix. A format's type (``"numpy"``,
+``"torch"``, ``"arrow"``...) changes only the containers, which the batch
+replaces.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,12 +56,14 @@ class ColumnarDataset(torch.utils.data.Dataset[Any]):
     Parameters:
         dataset: a ``datasets.Dataset`` (its indices mapping, if any, is honoured)
             or a ``pyarrow.Table``; read, never changed.
-        columns: the columns to hand over (default: all), e.g. to leave text
-            columns behind.
+        columns: the columns to hand over (default: those the dataset's format shows,
+            ``set_format(columns=...)``'s, else all), e.g. to leave text columns behind.
 
     Raises:
         TypeError: for anything else than a ``datasets.Dataset`` or a ``pyarrow.Table``.
-        ValueError: for a column the dataset does not have.
+        ValueError: for a column the dataset does not have, or a dataset with a transform
+            (``set_transform``/``with_transform``: apply it with ``dataset.map`` first); a
+            transform set later is refused when the rows are read.
 
     Example:
         >>> import pyarrow as pa
@@ -75,7 +85,11 @@ class ColumnarDataset(torch.utils.data.Dataset[Any]):
                 "ColumnarDataset: expected a datasets.Dataset or a pyarrow.Table, got "
                 f"{type(dataset).__name__}"
             )
+        _check_no_transform(dataset)
         names = list(table.schema.names)
+        shown_columns = _format_columns(dataset) if table is not dataset else None
+        if columns is None and shown_columns is not None:
+            columns = [name for name in names if name in shown_columns]  # the table's order, as datasets
         if columns is not None:
             if isinstance(columns, str):
                 raise TypeError(
@@ -136,7 +150,9 @@ class ColumnarDataset(torch.utils.data.Dataset[Any]):
 
         Raises:
             IndexError: for an index outside the dataset.
+            ValueError: if the dataset was given a transform since (``set_transform``).
         """
+        _check_no_transform(self.dataset)
         rows = np.asarray(indices, dtype=np.int64).reshape(-1)
         if rows.size and (int(rows.min()) < -self._rows or int(rows.max()) >= self._rows):
             bad = int(rows[(rows < -self._rows) | (rows >= self._rows)][0])
@@ -175,3 +191,37 @@ def _table_of(dataset: Any) -> Any:
         if type(candidate).__name__ == "Table" and type(candidate).__module__.partition(".")[0] == "pyarrow":
             return candidate
     return None
+
+
+def _format_of(dataset: Any) -> Mapping[str, Any]:
+    """A ``datasets.Dataset``'s ``format`` (type, format_kwargs, columns, output_all_columns), or ``{}``."""
+    found = getattr(dataset, "format", None) if _table_of(dataset) is not dataset else None
+    return found if isinstance(found, Mapping) else {}
+
+
+def _format_columns(dataset: Any) -> list[str] | None:
+    """The columns the dataset's format shows (``set_format(columns=...)``), or ``None`` for all."""
+    found = _format_of(dataset)
+    columns = found.get("columns")
+    if found.get("output_all_columns") or not isinstance(columns, (list, tuple)):
+        return None
+    return [name for name in columns if isinstance(name, str)]
+
+
+def _check_no_transform(dataset: Any) -> None:
+    """``ValueError`` for a dataset with a ``set_transform``/``with_transform`` function, which the
+    stored columns this wrapper hands over would skip, naming it and the fix."""
+    found = _format_of(dataset)
+    kwargs = found.get("format_kwargs")
+    transform = kwargs.get("transform") if isinstance(kwargs, Mapping) else None
+    if transform is None and found.get("type") != "custom":
+        return
+    name = getattr(transform, "__name__", None)
+    called = name if isinstance(name, str) and name.isidentifier() else "transform"
+    raise ValueError(
+        f"ColumnarDataset: the dataset has a transform ({name or shown(transform)}, set by set_transform or "
+        "with_transform), which datasets runs on the rows it hands over, but this wrapper hands over the "
+        f"stored columns: it would never run. Apply it once with dataset = dataset.map({called}, "
+        "batched=True) and wrap that, or give the dataset itself to the DataLoader (the collators read "
+        "its rows), or drop it with dataset.reset_format()"
+    )

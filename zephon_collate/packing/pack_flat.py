@@ -128,7 +128,8 @@ def pack_flat(
     each piece a segment) or keeps its first ``seq_len`` tokens
     (``"truncate"``). The default, ``"auto"``, splits a document unless its
     ``loss_mask`` has a 0 (a prompt, which a cut would part from its
-    response): that raises ``ValueError`` naming ``overflow=``. Documents
+    response; so does a prompt in a supervising field listed in ``fields``):
+    that raises ``ValueError`` naming ``overflow=``. Documents
     without tokens and tombstones are skipped and appear in no row; a flush
     sentinel closes every pending row (padded) and is not emitted.
 
@@ -142,6 +143,18 @@ def pack_flat(
     ``component_token_counts`` gives a document's tokens to its only
     component, or splits them in proportion to its sample counts (largest
     remainder). A record with no components counts in neither.
+
+    Supervision is read as ``loss_mask`` only. A document that spells it
+    otherwise, as Hugging Face and TRL do (``labels`` with -100 on a prompt,
+    ``assistant_masks`` / ``assistant_mask`` / ``completion_mask`` with 0s, an
+    ``attention_mask`` with 0s on padding), is refused (``ValueError`` naming
+    it, the field and the fix: ``loss_mask = [int(l != -100) for l in labels]``,
+    or ``trl.pack_dataset`` with ``Collator.for_transformers``), as the
+    Collator would refuse the rows; such a field that changes nothing (labels
+    equal to the tokens, a mask of ones or equal to the ``loss_mask``) is
+    accepted and not packed. Listed in ``fields``, the field is packed as data
+    (the Collator reads it with ``extra_fields``, else refuses it), and
+    ``overflow="auto"`` reads its prompt as a ``loss_mask``'s.
 
     Documents given as columns (a ``pyarrow.Table`` of ``input_ids`` and
     ``loss_mask`` lists, say, or a dict of ``(values, offsets)`` pairs) are
@@ -163,7 +176,8 @@ def pack_flat(
             ``"truncate"``, or ``"auto"`` (split, but raise for one with a prompt).
         buffer_size: pieces per best-fit round (int >= 1), or ``None`` for all.
         fields: the per-token fields to pack, or ``None`` for those all documents share
-            (``loss_mask`` in only some documents is then an error).
+            (``loss_mask`` in only some documents is then an error; supervising fields under
+            other names are never found, only listed).
         float_fields: float fields to pack (names, or :class:`~zephon_collate.FloatField` specs).
         group_key: the payload field holding each record's group id, or ``None`` (no groups).
 
@@ -174,7 +188,8 @@ def pack_flat(
         TypeError: for an option of the wrong type, an item that is not a SampleRecord, a
             payload that is neither a dict nor an array, or non-integer token ids.
         ValueError: for an option out of range, a missing tokens field, per-token fields
-            of the wrong length or shape, ``loss_mask`` in only some documents, positions
+            of the wrong length or shape, ``loss_mask`` in only some documents, supervision
+            under another name (``labels``, ``assistant_masks``, ...) not listed in ``fields``, positions
             that do not start at 0, a float field that is not finite, a missing group key,
             or (with ``overflow="auto"``) a document with a prompt or several segments, or a
             group, that is longer than ``seq_len``.

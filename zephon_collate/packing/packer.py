@@ -62,7 +62,9 @@ class FlatPacker:
       sentinel and at the end of the input. Greedy holds only the open row.
     * With ``fields=None`` the packed per-token fields are those of the first
       document with tokens (``loss_mask`` and each numeric 1-D field with one
-      entry per token); a later document lacking one of them, or carrying a
+      entry per token, supervision under other names aside: see
+      :func:`~zephon_collate.packing.pack_flat`, whose refusal of it every
+      document meets); a later document lacking one of them, or carrying a
       ``loss_mask`` when the first had none, raises ``ValueError``. With
       ``tokens_field="auto"`` the first document fixes the token field name
       too (``"input_ids"`` if it is an array payload).

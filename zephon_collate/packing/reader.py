@@ -8,6 +8,15 @@ per-token fields packed beside it (``loss_mask`` holding only 0 and 1), each a
 its own segment structure (payload ``positions``, restarting at 0 where a
 segment starts) and its group key, with a ``TypeError``/``ValueError`` that
 names the record, the field and the fix. Nothing here writes into a payload.
+
+Supervision is read as ``loss_mask`` only. The fields that spell it otherwise
+(:data:`SUPERVISING_FIELDS`: ``labels`` with -100 on a prompt, ``assistant_masks``,
+``assistant_mask``, ``completion_mask``, a padding ``attention_mask``) follow the
+native Collator's rule, written once here for records and columns
+(:func:`unread_supervision`): one that would change what is trained is refused
+unless ``fields`` lists it (then it is a data field, whose prompt
+``overflow="auto"`` still keeps whole: :func:`prompt_entries`); a harmless copy
+is accepted and never packed.
 """
 
 from __future__ import annotations
@@ -40,15 +49,27 @@ from zephon_collate._read import (
 )
 from zephon_collate._text import shown, shown_fields
 from zephon_collate.fields import FloatField, check_float_fields, read_floats
-from zephon_collate.keys import INPUT_IDS, INT32_MAX, LOSS_MASK, POSITIONS, TOKEN_FIELD_CANDIDATES
+from zephon_collate.keys import (
+    ATTENTION_MASK,
+    IGNORE_INDEX,
+    INPUT_IDS,
+    INT32_MAX,
+    LABELS,
+    LOSS_MASK,
+    POSITIONS,
+    SUPERVISION_MASKS,
+    TOKEN_FIELD_CANDIDATES,
+)
 from zephon_collate.records import SampleRecord
 
 __all__ = [
     "OVERFLOWS",
     "PACK_OPTION_NAMES",
+    "PROMPT_FIELDS",
     "REQUIRED",
     "STRATEGIES",
     "STREAM_BUFFER_SIZE",
+    "SUPERVISING_FIELDS",
     "Document",
     "PackOptions",
     "Reader",
@@ -56,6 +77,11 @@ __all__ = [
     "candidate_columns",
     "candidate_fields",
     "check_loss_mask",
+    "check_supervision",
+    "check_supervision_columns",
+    "prompt_entries",
+    "supervision_rows",
+    "unread_supervision",
 ]
 
 STRATEGIES = ("greedy", "best_fit")
@@ -64,6 +90,12 @@ OVERFLOWS = ("auto", "split", "truncate")
 
 STREAM_BUFFER_SIZE = 1024
 """``FlatPacker``'s default ``buffer_size`` (``pack_flat``'s is the whole list)."""
+
+PROMPT_FIELDS = (LABELS, *SUPERVISION_MASKS[1:])
+"""Supervising fields that mark a prompt (``labels`` -100, a mask's 0s), as a ``loss_mask``'s 0s do."""
+SUPERVISING_FIELDS = (ATTENTION_MASK, *PROMPT_FIELDS)
+"""Payload fields that say what is trained under another name than ``loss_mask`` (Hugging Face's and
+TRL's): the native Collator's, in its order. Never packed unless ``fields`` lists them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,19 +242,175 @@ def check_loss_mask(values: np.ndarray, where: str) -> None:
     check_zero_one(field, LOSS_MASK, lambda _: where, "1 for supervised tokens, 0 for the rest")
 
 
+def prompt_entries(name: str, values: np.ndarray) -> np.ndarray:
+    """Entry-wise booleans: does a packed supervising field (one of :data:`PROMPT_FIELDS`, listed in
+    ``fields``) mark a prompt token here, as a ``loss_mask``'s 0 does? ``labels``: -100; a mask: 0.
+    ``overflow="auto"`` never cuts a document holding one.
+
+    Example:
+        >>> prompt_entries("labels", np.array([-100, 5, 6])).tolist()
+        [True, False, False]
+    """
+    flags: np.ndarray = values == IGNORE_INDEX if name == LABELS else values == 0
+    return flags
+
+
+def unread_supervision(where: str, name: str) -> ValueError:
+    """The refusal of a supervising field that would change what is trained but is not packed, naming
+    the document, the field and the fix (see :func:`supervision_rows`)."""
+    unread = (
+        "the packer reads supervision as 'loss_mask' only: packed as data, a cut (overflow='auto') "
+        "would not keep the prompt with its answer, and the Collator refuses it"
+    )
+    hf = (
+        "or pack Hugging Face examples with trl.pack_dataset and collate them with "
+        "Collator.for_transformers(...)"
+    )
+    if name == LABELS:
+        return ValueError(
+            f"{where}: payload has 'labels' that differ from its tokens (e.g. -100 on a prompt), but "
+            f"{unread}. Give the supervision as a loss_mask (loss_mask = [int(l != -100) for l in "
+            f"labels]) and drop 'labels', {hf}"
+        )
+    if name == ATTENTION_MASK:
+        return ValueError(
+            f"{where}: payload has an 'attention_mask' with zeros (padding inside the document), which the "
+            "packer would pack as real tokens, and the Collator refuses it. Give the documents without "
+            f"their padding (drop the padded tokens and the mask: each row is padded when packed), {hf}"
+        )
+    return ValueError(
+        f"{where}: payload has {shown(name)} with zeros, but {unread}. Give it as the loss_mask "
+        f"(loss_mask = {name}) and drop {shown(name)}, {hf}"
+    )
+
+
+def supervision_rows(name: str, field: Ragged, tokens: Ragged, loss_mask: Ragged | None) -> np.ndarray:
+    """``[B]`` booleans: would row ``b`` of supervising field ``name`` change what is trained?
+
+    The native Collator's rule: ``labels`` must equal the tokens; a mask must be
+    all ones, or (``assistant_masks``, ``assistant_mask``, ``completion_mask``) equal
+    the ``loss_mask``; a row of another length or shape differs. Records are read as
+    batches of one row, so records and columns follow this one rule.
+
+    Example:
+        >>> one = np.array([0, 3])
+        >>> tokens = Ragged(np.array([5, 6, 7]), one)
+        >>> [bool(supervision_rows("labels", Ragged(np.array(row), one), tokens, None)[0])
+        ...  for row in ([5, 6, 7], [-100, 6, 7])]
+        [False, True]
+    """
+    if name == LABELS:
+        return _rows_differing(field, tokens)
+    bad = row_any(_any_entry(field.host != 1), field.offsets)
+    if name != ATTENTION_MASK and loss_mask is not None:
+        bad &= _rows_differing(field, loss_mask)  # a copy of the loss_mask is harmless
+    return bad
+
+
+def _rows_differing(field: Ragged, like: Ragged) -> np.ndarray:
+    """``[B]`` booleans: does row ``b`` of ``field`` differ from row ``b`` of ``like`` (in length, shape
+    or a value)?"""
+    values, other = field.host, like.host
+    if values.shape[1:] != other.shape[1:]:
+        return np.ones(field.rows, dtype=bool)
+    aligned = field.lengths == like.lengths
+    differs: np.ndarray = ~aligned
+    offsets = np.zeros(int(aligned.sum()) + 1, dtype=np.int64)
+    np.cumsum(field.lengths[aligned], out=offsets[1:])
+    mine = values[np.repeat(aligned, field.lengths)]
+    theirs = other[np.repeat(aligned, like.lengths)]
+    differs[aligned] = row_any(_any_entry(mine != theirs), offsets)
+    return differs
+
+
+def _any_entry(flags: np.ndarray) -> np.ndarray:
+    """``[N]`` booleans from ``[N, ...]`` ones: is any entry of token ``n`` True?"""
+    return flags if flags.ndim == 1 else np.asarray(flags.reshape(len(flags), -1).any(axis=1))
+
+
+def _per_document(where: str, name: str) -> ValueError:
+    """The refusal of a supervising field given as one value per document."""
+    return ValueError(
+        f"{where}: field {shown(name)} holds one value per document, not one per token, so what it "
+        "supervises cannot be checked; give it one value per token (as a loss_mask: 1 = supervised), or "
+        "drop it (a per-example label, as for sequence classification, is not a token field)"
+    )
+
+
+def _payload_row(payload: Mapping[Any, Any], name: str, where: str) -> Ragged:
+    """A payload field as a batch of one row; one value for the document: ``ValueError``."""
+    values = as_numpy(to_row(payload[name], where, name, "values"))
+    if values.ndim == 0:
+        raise _per_document(where, name)
+    return Ragged(values, np.array([0, len(values)], dtype=np.int64))
+
+
+def check_supervision(
+    payload: Mapping[Any, Any], tokens: np.ndarray, where: str, packed: Container[str]
+) -> None:
+    """Refuse a record's first supervising field that is not ``packed`` and would change what is
+    trained (:func:`supervision_rows`).
+
+    Raises:
+        TypeError: for a supervising field that is not numbers (the payload reader's error).
+        ValueError: :func:`unread_supervision`'s; for one given as one value per document.
+    """
+    found = [name for name in SUPERVISING_FIELDS if name in payload and name not in packed]
+    if not found:
+        return
+    row = Ragged(tokens, np.array([0, tokens.size], dtype=np.int64))
+    loss_mask = _payload_row(payload, LOSS_MASK, where) if LOSS_MASK in payload else None
+    for name in found:
+        if supervision_rows(name, _payload_row(payload, name, where), row, loss_mask)[0]:
+            raise unread_supervision(where, name)
+
+
+def check_supervision_columns(columns: Columns, tokens: Ragged, packed: Container[str], names: Names) -> None:
+    """:func:`check_supervision` over a columnar batch, each field in one pass: the first document with
+    tokens that a supervising column (not ``packed``) would train otherwise is named, as the Collator
+    names it (the earliest document, then the field in :data:`SUPERVISING_FIELDS` order).
+
+    Raises:
+        TypeError: for a supervising field that is not numbers (as the columnar reader refuses it).
+        ValueError: :func:`unread_supervision`'s; for one given as one value per document.
+    """
+    found = [name for name in SUPERVISING_FIELDS if name in columns and name not in packed]
+    if not found:
+        return
+    loss_mask = columns.ragged(LOSS_MASK, "values", names) if columns.is_list(LOSS_MASK) else None
+    first = []
+    for rank, name in enumerate(found):
+        if not columns.is_list(name) and columns.example().get(name) == 0:
+            raise _per_document(names(0), name)
+        field = columns.ragged(name, "values", names)  # a field that is no column of numbers: TypeError
+        bad = np.flatnonzero(supervision_rows(name, field, tokens, loss_mask) & (tokens.lengths > 0))
+        if bad.size:
+            first.append((int(bad[0]), rank, name))
+    if first:
+        row, _, name = min(first)
+        raise unread_supervision(names(row), name)
+
+
 def candidate_fields(
     payload: Mapping[Any, Any], tokens_name: str, length: int, where: str, skipped: Sequence[str] = ()
 ) -> list[str]:
     """The per-token fields of one dict payload: ``loss_mask`` (checked strictly), then numeric 1-D
-    fields with ``length`` entries, in payload order. Input ``positions`` (the document's segments) and
-    the ``skipped`` names (float fields, read by their specs) are never candidates."""
+    fields with ``length`` entries, in payload order. Input ``positions`` (the document's segments), the
+    ``skipped`` names (float fields, read by their specs) and the :data:`SUPERVISING_FIELDS` (refused or
+    harmless: :func:`unread_supervision`) are never candidates."""
     found = []
     if LOSS_MASK in payload:
         if len(as_array(payload[LOSS_MASK], where, LOSS_MASK, ids=False)) != length:
             raise ValueError(f"{where}: field 'loss_mask' does not have one entry per token ({length})")
         found.append(LOSS_MASK)
     for name, value in payload_items(payload):
-        if isinstance(name, str) and name not in (tokens_name, POSITIONS, LOSS_MASK, *skipped):
+        if isinstance(name, str) and name not in (
+            tokens_name,
+            POSITIONS,
+            LOSS_MASK,
+            *SUPERVISING_FIELDS,
+            *skipped,
+        ):
             try:
                 if len(as_array(value, where, name, ids=False)) == length:
                     found.append(name)
@@ -252,7 +440,8 @@ def _aligned_rows(field: Ragged, tokens: Ragged) -> np.ndarray:
 def candidate_columns(columns: Columns, tokens_name: str, tokens: Ragged, names: Names) -> list[str]:
     """:func:`candidate_fields` of a columnar batch: ``loss_mask`` (one entry per token in every document
     with tokens, else ``ValueError``), then each list column of numbers with one entry per token in every
-    such document, in the batch's order. Input ``positions`` are never candidates."""
+    such document, in the batch's order. Input ``positions`` and the :data:`SUPERVISING_FIELDS` are never
+    candidates."""
     found = []
     if LOSS_MASK in columns:
         bad = np.flatnonzero(~_aligned_rows(columns.ragged(LOSS_MASK, "values", names), tokens))
@@ -264,7 +453,7 @@ def candidate_columns(columns: Columns, tokens_name: str, tokens: Ragged, names:
             )
         found.append(LOSS_MASK)
     for name in columns.names:
-        if name in (tokens_name, POSITIONS, LOSS_MASK) or not columns.is_list(name):
+        if name in (tokens_name, POSITIONS, LOSS_MASK, *SUPERVISING_FIELDS) or not columns.is_list(name):
             continue
         try:
             field = columns.ragged(name, "values", names)
@@ -369,6 +558,7 @@ class Reader:
             self.fields = tuple(candidate_fields(payload, name, tokens.size, where, skipped))
         else:
             self._check_present(payload, where)
+        check_supervision(payload, tokens, where, self._listed)
         values = {}
         for field_name in self.fields:
             values[field_name] = as_array(payload[field_name], where, field_name, ids=False)
@@ -389,6 +579,11 @@ class Reader:
         positions = self._positions(payload, tokens.size, where) if self.segments else None
         group = self._group(payload, where) if self.group_key is not None else _NO_GROUP
         return Document(tokens, values, positions, group)
+
+    @property
+    def _listed(self) -> tuple[str, ...]:
+        """The fields read as the user listed them: packed ones and the group key (never supervision)."""
+        return (*self.packed, *([self.group_key] if self.group_key is not None else []))
 
     def _check_present(self, given: Container[str], where: str) -> None:
         """A record (or the first row of columns) after the first: it has every packed field, and no
@@ -480,6 +675,7 @@ class Reader:
             self.fields = tuple(candidate_columns(columns, name, tokens, names))
         else:
             self._check_present(columns, names(0))
+        check_supervision_columns(columns, tokens, self._listed, names)
         values = {}
         for field_name in self.fields:
             read = columns.ragged(field_name, "values", names)

@@ -2,7 +2,8 @@
 
 :func:`split_document` cuts a document into pieces of at most ``seq_len``
 tokens (``overflow="split"``) or keeps its head (``"truncate"``); by default
-(``"auto"``) a document with a prompt (a 0 in its ``loss_mask``) is never cut.
+(``"auto"``) a document with a prompt (a 0 in its ``loss_mask``, or a prompt in a
+supervising field packed as data: ``labels`` -100, a mask's 0) is never cut.
 :class:`Engine` places pieces into rows, greedily in arrival order or by
 best-fit-decreasing over a bounded buffer, and :func:`build_row` lays a row's
 pieces end to end with a padding segment and writes its new metadata. Pieces
@@ -21,9 +22,16 @@ import numpy as np
 from zephon_collate._columns import Columns
 from zephon_collate._read import Names, Ragged, check_zero_one, describe_record, row_any
 from zephon_collate._text import shown
-from zephon_collate.keys import LOSS_MASK, POSITIONS
+from zephon_collate.keys import LABELS, LOSS_MASK, POSITIONS
 from zephon_collate.packing._plan import best_fit_rows, greedy_breaks
-from zephon_collate.packing.reader import Document, PackOptions, as_array, check_loss_mask
+from zephon_collate.packing.reader import (
+    PROMPT_FIELDS,
+    Document,
+    PackOptions,
+    as_array,
+    check_loss_mask,
+    prompt_entries,
+)
 from zephon_collate.records import (
     CONTRIBUTORS_TAG,
     PADDING_LENGTH_TAG,
@@ -128,8 +136,9 @@ def _split(piece: Piece, where: str, options: PackOptions) -> list[Piece]:
 
     Raises:
         ValueError: with ``overflow="auto"``, for a document longer than ``seq_len`` whose
-            ``loss_mask`` has a 0 or whose positions hold several segments: cut, its response
-            would be trained without its prompt, or one side of it without the other.
+            ``loss_mask`` has a 0 (or a packed supervising field a prompt: :func:`prompt_entries`)
+            or whose positions hold several segments: cut, its response would be trained without
+            its prompt, or one side of it without the other.
     """
     size = options.seq_len
     tokens = piece.tokens
@@ -138,6 +147,10 @@ def _split(piece: Piece, where: str, options: PackOptions) -> list[Piece]:
         mask = piece.fields.get(LOSS_MASK)
         if mask is not None and not mask.all():
             raise refuse_cut_prompt(where, tokens.size, size)
+        for name in PROMPT_FIELDS:
+            values = piece.fields.get(name)
+            if values is not None and prompt_entries(name, values).any():
+                raise refuse_cut_prompt(where, tokens.size, size, name)
         if piece.positions is not None:
             raise ValueError(
                 f"{where}: has {tokens.size} tokens, more than seq_len={size}, in {_segment_count(piece)} "
@@ -178,11 +191,18 @@ def split_document(record: SampleRecord, index: int, document: Document, options
     return _split(document_piece(record, document), where, options)
 
 
-def refuse_cut_prompt(where: str, length: int, size: int) -> ValueError:
-    """The refusal of ``overflow="auto"`` to cut a document with a prompt (0s in its ``loss_mask``)."""
+def refuse_cut_prompt(where: str, length: int, size: int, name: str = LOSS_MASK) -> ValueError:
+    """The refusal of ``overflow="auto"`` to cut a document with a prompt: 0s in its ``loss_mask``, or
+    a prompt in ``name``, a supervising field packed as data
+    (:func:`~zephon_collate.packing.reader.prompt_entries`)."""
+    marks = (
+        "0s in its loss_mask"
+        if name == LOSS_MASK
+        else f"{'-100' if name == LABELS else '0s'} in its {shown(name)}"
+    )
     return ValueError(
         f"{where}: has {length} tokens, more than seq_len={size}, "
-        "and a prompt (0s in its loss_mask); cut, its response would be trained without its "
+        f"and a prompt ({marks}); cut, its response would be trained without its "
         "prompt. Drop or shorten such documents, raise seq_len, or pass overflow='truncate' "
         "(keep the head) or overflow='split' (cut into segments)"
     )
@@ -190,18 +210,25 @@ def refuse_cut_prompt(where: str, length: int, size: int) -> ValueError:
 
 def refuse_cut_columns(columns: Columns, tokens: Ragged, options: PackOptions, names: Names) -> None:
     """:func:`split_document`'s ``overflow="auto"`` refusal over a columnar batch, every document at once:
-    the first one longer than ``seq_len`` whose ``loss_mask`` column (packed or not) has a 0 is named."""
-    if options.overflow != "auto" or LOSS_MASK not in columns:
+    the first one longer than ``seq_len`` whose ``loss_mask`` column (packed or not) has a 0, or a
+    supervising column listed in ``fields`` a prompt, is named (the ``loss_mask`` first, as for records)."""
+    listed = [name for name in PROMPT_FIELDS if name in (options.fields or ()) and name in columns]
+    if options.overflow != "auto" or not (LOSS_MASK in columns or listed):
         return
     longer = tokens.lengths > options.seq_len
     if not longer.any():
         return
-    mask = columns.ragged(LOSS_MASK, "values", names)
-    check_zero_one(mask, LOSS_MASK, names, "1 for supervised tokens, 0 for the rest")
-    cut = np.flatnonzero(longer & row_any(mask.host == 0, mask.offsets))
-    if cut.size:
-        row = int(cut[0])
-        raise refuse_cut_prompt(names(row), int(tokens.lengths[row]), options.seq_len)
+    found = []  # (first document cut, the field's rank, field)
+    for rank, name in enumerate([LOSS_MASK, *listed] if LOSS_MASK in columns else listed):
+        field = columns.ragged(name, "values", names)
+        if name == LOSS_MASK:
+            check_zero_one(field, LOSS_MASK, names, "1 for supervised tokens, 0 for the rest")
+        cut = np.flatnonzero(longer & row_any(prompt_entries(name, field.host), field.offsets))
+        if cut.size:
+            found.append((int(cut[0]), rank, name))
+    if found:
+        row, _, name = min(found)
+        raise refuse_cut_prompt(names(row), int(tokens.lengths[row]), options.seq_len, name)
 
 
 def _water_filled(sizes: list[int], room: int) -> list[int]:
