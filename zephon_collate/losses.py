@@ -4,11 +4,8 @@ A packed batch holds many sequences in a few rows (or one); a shared prompt
 holds one prompt for several of them. Computed naively, a per-sequence loss
 (DPO's sequence log-probs, a GRPO sequence mean) changes with the packing, and
 a mean over micro-batches or ranks weights each token by its micro-batch. The
-helpers here read the batch's sequence map (what ``Collator.for_preference``
-and ``Collator.for_rollouts`` write: ``logits_index``, ``sequence_index``,
-``num_sequences``, ``document_ids`` / ``branch_ids``; a ``for_transformers``
-batch is read from its ``attention_mask`` or ``position_ids``) and give every
-layout, packed or not, shared prompt or not, the same numbers:
+helpers here read the batch's sequences and give every layout, packed or not,
+shared prompt or not, the same numbers:
 
 - :func:`token_logprobs`: ``log p(token t | its context)`` for every token;
 - :func:`sequence_logprobs`: per-sequence sums over supervised tokens, and counts;
@@ -17,15 +14,45 @@ layout, packed or not, shared prompt or not, the same numbers:
   in verl's four ``loss_agg_mode`` s, with :func:`global_loss_count` for the
   denominator of a step that spans micro-batches and ranks.
 
+The sequences are read from what the collator wrote, never guessed:
+
+- the batch's sequence map, where it has one: ``logits_index``,
+  ``sequence_index``, ``num_sequences`` (and ``document_ids`` / ``branch_ids``
+  for a shared prompt), what ``Collator.for_preference`` and
+  ``Collator.for_rollouts`` write (and ``Collator.for_transformers(...,
+  return_sequence_map=True)``);
+- a padded ``for_transformers`` batch: one sequence per row, on its
+  ``attention_mask``;
+- a padding-free ``for_transformers`` batch (``position_ids``, no
+  ``attention_mask``): a sequence starts at each row's first token and at every
+  token whose position equals the row's first position (each sequence's first
+  position is ``position_ids_start``, 0 by default). The padding of
+  ``pad_to_multiple_of`` (one-token segments labelled -100 at the row's end)
+  reads exactly like one-token examples there, so :func:`sequence_logprobs` and
+  :func:`unpack`, which return the sequences, refuse a row that ends with
+  one-token sequences without a label: collate with
+  ``Collator.for_transformers(..., return_sequence_map=True)``. The other
+  helpers give the same numbers either way (the first token of a sequence is
+  never supervised) and read such a row.
+
 A token is *supervised* when its label is not -100 and some position predicts
 it (``logits_index >= 0``). Every function takes logits ``[R, L, V]`` aligned
 with ``input_ids`` ``[R, L]`` (what a ``transformers`` causal LM returns), runs
 on any device and keeps the gradient; those that need the number of sequences
 read ``num_sequences`` (a Python int: no device sync) when the batch has it.
+What a call checks in the batch's values (token ids inside the vocabulary, a
+map's indices inside its row and ``num_sequences``) is read at once, with a
+padding-free row's count of sequences: free on the CPU, one device sync on an
+accelerator (:func:`unpack` then reads its sizes). :func:`aggregate_loss` and
+:func:`global_loss_count` leave out the checks of a sequence map on an
+accelerator rather than sync for them (the presets write it consistent). A
+batch that cannot be read is a ``ValueError`` or ``TypeError`` naming the
+field and the fix.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal, NamedTuple, TypeAlias
 
@@ -68,6 +95,7 @@ MODES: tuple[Mode, ...] = (
 )
 """verl's ``loss_agg_mode`` values (``verl.trainer.ppo.core_algos.agg_loss``), for :func:`aggregate_loss`."""
 _Batch: TypeAlias = Mapping[str, Any]
+_FIX = "pass the batch the collator returned"
 
 
 class SequenceLogprobs(NamedTuple):
@@ -78,26 +106,74 @@ class SequenceLogprobs(NamedTuple):
 
 
 class _Map(NamedTuple):
+    input_ids: torch.Tensor  # [R, L] int64
     logits_index: torch.Tensor  # [R, L] int64
     sequence_index: torch.Tensor  # [R, L] int64
     num_sequences: int
 
 
-def _tensor(batch: _Batch, key: str, like: torch.Tensor | None = None) -> torch.Tensor:
+def _tensor(
+    batch: _Batch, key: str, like: torch.Tensor | None = None, *, integers: bool = True
+) -> torch.Tensor:
+    """``batch[key]`` as a tensor (of integers unless ``integers=False``), of ``like``'s shape and device."""
     value = batch[key]
+    kind = "a tensor [R, L] of integers" if integers else "a tensor [R, L]"
     if not isinstance(value, torch.Tensor):
-        value = torch.as_tensor(value)
+        try:
+            value = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            raise TypeError(f"batch[{shown(key)}] must be {kind}, got {shown(value)}; {_FIX}") from None
+    if integers and (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+        raise TypeError(
+            f"batch[{shown(key)}] holds {value.dtype}; it must be {kind} (token ids, labels or indices, as "
+            f"the collator writes them); {_FIX}"
+        )
     if like is not None and value.shape != like.shape:
         raise ValueError(
-            f"batch[{shown(key)}] has shape {tuple(value.shape)}, but 'input_ids' has {tuple(like.shape)}; "
-            "pass the batch the collator returned"
+            f"batch[{shown(key)}] has shape {tuple(value.shape)}, but 'input_ids' has "
+            f"{tuple(like.shape)}; {_FIX}"
         )
     return value if like is None else value.to(like.device)
 
 
-def _sequence_map(batch: _Batch) -> _Map:
-    """The batch's sequence map: written by the post-training presets, else read from a ``for_transformers``
-    batch (padded rows: its ``attention_mask``; padding-free: its restarting ``position_ids``)."""
+def _labels(batch: _Batch, like: torch.Tensor) -> torch.Tensor:
+    if LABELS not in batch:
+        raise ValueError(
+            "the batch has no 'labels'; the loss helpers read what is supervised from them (-100 where no "
+            f"loss is taken): {_FIX}, labels included"
+        )
+    return _tensor(batch, LABELS, like)
+
+
+def _count(value: object) -> int:
+    """``batch["num_sequences"]``, checked: an int >= 0."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(
+            f"batch['num_sequences'] must be an int (the number of sequences), got {shown(value)}; {_FIX}"
+        ) from None
+    if number < 0:
+        raise ValueError(f"batch['num_sequences'] must be >= 0, got {number}; {_FIX}")
+    return number
+
+
+def _sequence_map(batch: _Batch, *, split: bool = False, logits_shape: tuple[int, ...] | None = None) -> _Map:
+    """The batch's sequences, read from what the collator wrote (the module doc says how), checked.
+
+    Parameters:
+        split: the caller returns the sequences themselves (:func:`sequence_logprobs`, :func:`unpack`):
+            refuse a padding-free row that ends with one-token sequences without a label (padding or
+            examples: no one can tell).
+        logits_shape: the logits' shape (:func:`token_logprobs`): check it fits, and that every token id
+            is inside its vocabulary.
+
+    Every value read (the checks, a padding-free row's count of sequences) is read at once: one
+    device sync at most, none on the CPU. The checks of a map that would need a sync of their own
+    (on an accelerator, neither ``split`` nor ``logits_shape``, ``num_sequences`` given) are left out.
+    """
     if not isinstance(batch, Mapping) or INPUT_IDS not in batch:
         raise TypeError(
             "expected a batch dict from Collator.for_preference, for_rollouts or for_transformers"
@@ -105,56 +181,134 @@ def _sequence_map(batch: _Batch) -> _Map:
     ids = _tensor(batch, INPUT_IDS)
     if ids.dim() != 2:
         raise ValueError(f"batch['input_ids'] must be [R, L], got shape {tuple(ids.shape)}")
-    place = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    ids = ids.long()
+    rows, length = ids.shape
+    if logits_shape is not None:
+        if len(logits_shape) != 3 or tuple(logits_shape[:2]) != (rows, length):
+            raise ValueError(
+                f"logits have shape {tuple(logits_shape)}; they must be [R, L, V] for input_ids of shape "
+                f"{(rows, length)} (the model's output for this batch, unshifted)"
+            )
+        if logits_shape[2] == 0:
+            raise ValueError(
+                f"logits have shape {tuple(logits_shape)}: no vocabulary to score the tokens over; give the "
+                "model's logits over the whole vocabulary"
+            )
+    place = torch.arange(length, device=ids.device).expand_as(ids)
+    read: dict[str, torch.Tensor] = {}  # the values to read, at once
+    if logits_shape is not None and ids.numel():
+        read["low"], read["high"] = ids.aminmax()
+    count: int | None = None
     if LOGITS_INDEX in batch and SEQUENCE_INDEX in batch:
-        index, sequence = _tensor(batch, LOGITS_INDEX, ids), _tensor(batch, SEQUENCE_INDEX, ids)
-        count = batch.get(NUM_SEQUENCES)
-        number = int(count) if count is not None else int(sequence.max()) + 1 if sequence.numel() else 0
-        return _Map(index.long(), sequence.long(), number)
-    if ATTENTION_MASK in batch:  # padded: a sequence per row, on its mask
-        mask = _tensor(batch, ATTENTION_MASK, ids) != 0
+        index, sequence = _tensor(batch, LOGITS_INDEX, ids).long(), _tensor(batch, SEQUENCE_INDEX, ids).long()
+        given = batch.get(NUM_SEQUENCES)
+        count = None if given is None else _count(given)
+        checked = split or logits_shape is not None or ids.device.type == "cpu" or count is None
+        if checked and ids.numel():
+            read["index"], read["sequence"] = index.max(), sequence.max()
+    elif ATTENTION_MASK in batch:  # padded: a sequence per row, on its mask
+        mask = _tensor(batch, ATTENTION_MASK, ids, integers=False) != 0
         before = torch.zeros_like(mask)
         before[:, 1:] = mask[:, :-1]
         index = torch.where(mask & before, place - 1, -1)
-        rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
-        return _Map(index, torch.where(mask, rows, -1), ids.shape[0])
-    if POSITION_IDS in batch:  # padding-free: a sequence wherever the positions restart
-        starts = _tensor(batch, POSITION_IDS, ids) == 0
-        starts[:, 0] = True
+        rows_of = torch.arange(rows, device=ids.device)[:, None].expand_as(ids)
+        sequence, count = torch.where(mask, rows_of, -1), rows
+    elif POSITION_IDS in batch:  # padding-free: a sequence wherever the row's first position comes back
+        positions = _tensor(batch, POSITION_IDS, ids)
+        starts = positions == positions[:, :1]  # the row's first token included
         sequence = (starts.reshape(-1).cumsum(0) - 1).reshape(ids.shape)
-        return _Map(torch.where(starts, -1, place - 1), sequence, int(starts.sum()))
-    raise ValueError(
-        "the batch has no sequence map ('logits_index', 'sequence_index'), 'attention_mask' or "
-        "'position_ids'; collate it with Collator.for_preference, Collator.for_rollouts or "
-        "Collator.for_transformers"
-    )
+        index = torch.where(starts, -1, place - 1)
+        read["count"] = starts.sum()
+        if split and ids.numel():
+            # Each row's closing run of one-token sequences, and whether any of them has a label.
+            run = starts.flip(1).long().cumprod(1).flip(1).bool()
+            labelled = (
+                _tensor(batch, LABELS, ids) != IGNORE_INDEX if LABELS in batch else torch.zeros_like(run)
+            )
+            unlabelled = ~(run & labelled).any(1)
+            read["trailing"] = torch.where(unlabelled, run.sum(1), 0).max()
+    else:
+        raise ValueError(
+            "the batch has no sequence map ('logits_index', 'sequence_index'), 'attention_mask' or "
+            "'position_ids'; collate it with Collator.for_preference, Collator.for_rollouts or "
+            "Collator.for_transformers"
+        )
+    values = dict(zip(read, torch.stack(list(read.values())).tolist(), strict=True)) if read else {}
+    if values.get("trailing", 0) > 0:
+        raise ValueError(
+            "a row of the padding-free batch (position_ids, no attention_mask) ends with "
+            f"{values['trailing']} one-token sequence(s) without a label: that is what "
+            "pad_to_multiple_of padding looks like, and what one-token examples look like, so the loss "
+            "helpers cannot tell padding from one-token sequences at the end of the row; collate with "
+            "Collator.for_transformers(..., return_sequence_map=True), which writes where the sequences "
+            "are, or leave out pad_to_multiple_of"
+        )
+    if "count" in values:
+        count = values["count"]
+    if count is None:
+        count = max(values.get("sequence", -1) + 1, 0)
+    if values.get("index", -1) >= length:
+        raise ValueError(
+            f"batch['logits_index'] points at place {values['index']}, past the end of its row of {length} "
+            f"tokens; {_FIX}"
+        )
+    if values.get("sequence", -1) >= count:
+        raise ValueError(
+            f"batch['sequence_index'] holds sequence {values['sequence']}, but batch['num_sequences'] is "
+            f"{count}: the sequences are numbered 0 to num_sequences - 1; {_FIX}"
+        )
+    if logits_shape is not None and "high" in values:
+        vocabulary = logits_shape[2]
+        if values["high"] >= vocabulary:
+            raise ValueError(
+                f"logits have shape {tuple(logits_shape)}, but the largest token id in input_ids is "
+                f"{values['high']}: {vocabulary} logits score ids 0 to {vocabulary - 1} only; give the "
+                "logits over the whole vocabulary (the model's output, not a slice of it)"
+            )
+        if values["low"] < 0:
+            raise ValueError(
+                f"input_ids hold a negative token id {values['low']}; token ids index the logits' "
+                f"vocabulary (0 to {vocabulary - 1}): {_FIX}"
+            )
+    return _Map(ids, index, sequence, count)
 
 
 def _supervised(batch: _Batch, view: _Map) -> torch.Tensor:
-    labels = _tensor(batch, LABELS, view.logits_index)
+    labels = _labels(batch, view.logits_index)
     return (labels != IGNORE_INDEX) & (view.logits_index >= 0) & (view.sequence_index >= 0)
+
+
+def _check_tensor(value: object, name: str, shape: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {shape}, aligned with input_ids; got {shown(value)}")
+    return value
 
 
 def token_logprobs(logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
     """Per-token log-probs, token-aligned: ``out[r, t] = log p(input_ids[r, t] | its context)``.
 
     Token ``t`` is scored with the logits of the position that predicts it
-    (``logits_index``: the token before it, or the shared prompt's last token
-    for a response's first), in float32 (or the logits' dtype, if wider); 0
-    where no position predicts it (a sequence's first token, padding). The
-    result is aligned with ``labels`` and with every token-aligned float field
-    (a behaviour policy's ``old_logprobs``), so ``out - batch["old_logprobs"]``
-    is a per-token log-ratio in any layout.
+    (``logits_index``: the token before it in its sequence, or the shared
+    prompt's last token for a response's first), in float32 (or the logits'
+    dtype, if wider); 0 where no position predicts it (a sequence's first token,
+    padding). The result is aligned with ``labels`` and with every token-aligned
+    float field (a behaviour policy's ``old_logprobs``), so
+    ``out - batch["old_logprobs"]`` is a per-token log-ratio in any layout.
+    Every token id must be inside the logits' vocabulary: the check reads the
+    ids' range (free when ``input_ids`` is on the CPU, one device sync on an
+    accelerator). ``labels`` are not read.
 
     Parameters:
-        logits: ``[R, L, V]``, the model's output for ``batch["input_ids"]``.
+        logits: ``[R, L, V]``, the model's output for ``batch["input_ids"]``, over the whole vocabulary.
         batch: a batch of ``Collator.for_preference`` / ``for_rollouts`` (or ``for_transformers``).
 
     Returns:
         ``[R, L]`` float, differentiable with respect to ``logits``.
 
     Raises:
-        ValueError: if ``logits`` do not match ``input_ids``.
+        TypeError: if ``logits`` are not a tensor, or a field of the batch is not one of integers.
+        ValueError: if ``logits`` do not match ``input_ids``, a token id is outside ``0 .. V - 1``, or the
+            batch's sequences cannot be read (the message names the field).
 
     Example:
         >>> from zephon_collate import Collator
@@ -165,16 +319,18 @@ def token_logprobs(logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
         >>> logits = torch.zeros(1, 5, 4)  # uniform over 4 tokens: every log-prob is log(1/4)
         >>> token_logprobs(logits, batch).double().round(decimals=4).tolist()
         [[0.0, -1.3863, -1.3863, 0.0, -1.3863]]
+        >>> token_logprobs(torch.zeros(1, 5, 3), batch)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: logits have shape (1, 5, 3), but the largest token id in input_ids is 3: ...
     """
-    view = _sequence_map(batch)
-    index = view.logits_index
-    if logits.dim() != 3 or logits.shape[:2] != index.shape:
-        raise ValueError(
-            f"logits have shape {tuple(logits.shape)}; they must be [R, L, V] for input_ids of shape "
-            f"{tuple(index.shape)} (the model's output for this batch, unshifted)"
-        )
-    ids = _tensor(batch, INPUT_IDS).to(logits.device)
-    index = index.to(logits.device)
+    logits = _check_tensor(logits, "logits", "[R, L, V]")
+    return _token_logprobs(logits, _sequence_map(batch, logits_shape=tuple(logits.shape)))
+
+
+def _token_logprobs(logits: torch.Tensor, view: _Map) -> torch.Tensor:
+    index = view.logits_index.to(logits.device)
+    ids = view.input_ids.to(logits.device)
     scores = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
     safe = index.clamp(min=0)
     rows = torch.arange(scores.shape[0], device=scores.device)[:, None]
@@ -185,9 +341,9 @@ def token_logprobs(logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
     )
 
 
-def _per_sequence(values: torch.Tensor, batch: _Batch, view: _Map) -> torch.Tensor:
+def _per_sequence(values: torch.Tensor, supervised: torch.Tensor, view: _Map) -> torch.Tensor:
     """``[S]``: ``values`` ``[R, L]`` summed over each sequence's supervised tokens (no device sync)."""
-    supervised = _supervised(batch, view).to(values.device)
+    supervised = supervised.to(values.device)
     sequence = view.sequence_index.to(values.device)
     slot = torch.where(supervised, sequence, view.num_sequences).reshape(-1)
     picked = torch.where(supervised, values, torch.zeros((), dtype=values.dtype, device=values.device))
@@ -199,10 +355,18 @@ def sequence_logprobs(logits: torch.Tensor, batch: _Batch) -> SequenceLogprobs:
     """Per-sequence log-probs: the sum over each sequence's supervised tokens, and their count.
 
     The sequence log-prob of DPO (``chosen = out.sums[batch["chosen_index"]]``),
-    the same in every layout: packed or padded, shared prompt or not.
+    the same in every layout: packed or padded, shared prompt or not. The
+    sequences are read as the module doc says: a padding-free
+    ``for_transformers`` batch without a sequence map whose row ends with
+    one-token sequences without a label (``pad_to_multiple_of`` padding, or
+    one-token examples) is refused.
 
     Returns:
         ``SequenceLogprobs(sums [S] float, counts [S] int64)``, ``S`` the batch's sequences.
+
+    Raises:
+        TypeError, ValueError: as :func:`token_logprobs`; a batch without ``labels``; a padding-free row
+            whose end cannot be told from padding (collate with ``return_sequence_map=True``).
 
     Example:
         >>> from zephon_collate import Collator
@@ -214,10 +378,12 @@ def sequence_logprobs(logits: torch.Tensor, batch: _Batch) -> SequenceLogprobs:
         >>> float(out.sums[batch["chosen_index"]][0]) == float(out.sums[0])
         True
     """
-    view = _sequence_map(batch)
-    scores = token_logprobs(logits, batch)
-    counts = _per_sequence(torch.ones_like(scores, dtype=torch.int64), batch, view)
-    return SequenceLogprobs(_per_sequence(scores, batch, view), counts)
+    logits = _check_tensor(logits, "logits", "[R, L, V]")
+    view = _sequence_map(batch, split=True, logits_shape=tuple(logits.shape))
+    scores = _token_logprobs(logits, view)
+    supervised = _supervised(batch, view)
+    counts = _per_sequence(torch.ones_like(scores, dtype=torch.int64), supervised, view)
+    return SequenceLogprobs(_per_sequence(scores, supervised, view), counts)
 
 
 def unpack(
@@ -227,7 +393,11 @@ def unpack(
 
     A sequence's tokens are its shared prompt's (when it has one) and its own,
     so ``unpack(batch["input_ids"], batch)[i]`` is sequence ``i``'s
-    ``prompt + response`` in every layout. A device sync reads the sizes.
+    ``prompt + response`` in every layout. A sequence without tokens (an empty
+    example) gives an empty tensor. The sequences are read as the module doc
+    says: a padding-free ``for_transformers`` batch without a sequence map whose
+    row ends with one-token sequences without a label (``pad_to_multiple_of``
+    padding, or one-token examples) is refused. A device sync reads the sizes.
 
     Parameters:
         tensor: ``[R, L, ...]``, aligned with ``batch["input_ids"]`` (a float field, token log-probs,
@@ -237,6 +407,11 @@ def unpack(
 
     Returns:
         A list of ``S`` tensors ``[len_i, ...]``, or one ``[S, max_len, ...]`` tensor.
+
+    Raises:
+        TypeError, ValueError: for a ``tensor`` that does not fit the batch, a batch whose sequences
+            cannot be read (the message names the field), or a padding-free row whose end cannot be told
+            from padding (collate with ``return_sequence_map=True``).
 
     Example:
         >>> from zephon_collate import Collator
@@ -249,7 +424,8 @@ def unpack(
         >>> unpack(batch["input_ids"], batch, padded=True).tolist()
         [[1, 2, 3, 0], [1, 2, 4, 5]]
     """
-    view = _sequence_map(batch)
+    tensor = _check_tensor(tensor, "unpack: tensor", "[R, L, ...]")
+    view = _sequence_map(batch, split=True)
     rows, length = view.sequence_index.shape
     if tuple(tensor.shape[:2]) != (rows, length):
         raise ValueError(
@@ -257,8 +433,11 @@ def unpack(
             f"{(rows, length)}"
         )
     device = tensor.device
-    sequence = view.sequence_index.reshape(-1).to(device)
     count = view.num_sequences
+    if rows * length == 0:  # no tokens: every sequence is empty
+        empty = tensor.new_empty((count, 0, *tensor.shape[2:]))
+        return empty if padded else list(empty)
+    sequence = view.sequence_index.reshape(-1).to(device)
     flat = torch.arange(sequence.numel(), device=device)
     own = sequence >= 0
     slot = torch.where(own, sequence, count)
@@ -270,45 +449,51 @@ def unpack(
     trunk_start = torch.zeros(count, dtype=torch.int64, device=device)
     trunk_length = torch.zeros(count, dtype=torch.int64, device=device)
     if DOCUMENT_IDS in batch and BRANCH_IDS in batch:  # a shared prompt: the document's branch-0 tokens
-        document = _tensor(batch, DOCUMENT_IDS).reshape(-1).to(device).long()
-        branch = _tensor(batch, BRANCH_IDS).reshape(-1).to(device)
+        document = _tensor(batch, DOCUMENT_IDS, view.sequence_index).reshape(-1).to(device).long()
+        branch = _tensor(batch, BRANCH_IDS, view.sequence_index).reshape(-1).to(device)
         trunk = (branch == 0) & (document >= 0)
-        documents = int(document.max()) + 1 if document.numel() else 0
+        documents = int(document.max()) + 1
         key = torch.where(trunk, document, documents)
         lengths = torch.zeros(documents + 1, dtype=torch.int64, device=device).scatter_add(
             0, key, trunk.long()
         )
         starts = torch.full((documents + 1,), 0, dtype=torch.int64, device=device)
         starts = starts.scatter_reduce(0, key, flat, reduce="amin", include_self=False)
-        mine = document[own_start.clamp(max=max(sequence.numel() - 1, 0))] if count else own_start
+        mine = document[own_start.clamp(max=sequence.numel() - 1)]
         trunk_start = starts[mine]
         trunk_length = torch.where(own_length > 0, lengths[mine], 0)  # an empty sequence has no prompt here
     total = trunk_length + own_length
+    sizes = total.tolist()  # the one read of the sizes
+    size = sum(sizes)
     spans_start = torch.stack([trunk_start, own_start], dim=1).reshape(-1)
     spans_length = torch.stack([trunk_length, own_length], dim=1).reshape(-1)
     ends = spans_length.cumsum(0)
-    index = torch.arange(int(ends[-1]) if count else 0, device=device)
-    index = index + torch.repeat_interleave(spans_start - (ends - spans_length), spans_length)
+    index = torch.arange(size, device=device)
+    index = index + torch.repeat_interleave(
+        spans_start - (ends - spans_length), spans_length, output_size=size
+    )
     values = tensor.reshape(rows * length, *tensor.shape[2:])[index]
     if not padded:
-        return list(torch.split(values, total.tolist()))
-    width = int(total.max()) if count else 0
-    out = values.new_full((count, width, *tensor.shape[2:]), padding_value)
-    place = torch.arange(values.shape[0], device=device) - torch.repeat_interleave(
-        total.cumsum(0) - total, total
+        return list(torch.split(values, sizes))
+    out = values.new_full((count, max(sizes, default=0), *tensor.shape[2:]), padding_value)
+    place = torch.arange(size, device=device) - torch.repeat_interleave(
+        total.cumsum(0) - total, total, output_size=size
     )
-    out[torch.repeat_interleave(torch.arange(count, device=device), total), place] = values
+    out[torch.repeat_interleave(torch.arange(count, device=device), total, output_size=size), place] = values
     return out
 
 
-def _local_count(batch: _Batch, mode: Mode) -> torch.Tensor:
+def _local_count(supervised: torch.Tensor, view: _Map, mode: Mode) -> torch.Tensor:
     """This batch's units of ``mode``: supervised tokens, or sequences with a supervised token."""
-    view = _sequence_map(batch)
-    supervised = _supervised(batch, view)
     if mode == "token-mean":
         return supervised.sum()
-    per_sequence = _per_sequence(supervised.long(), batch, view)
+    per_sequence = _per_sequence(supervised.long(), supervised, view)
     return (per_sequence > 0).sum()
+
+
+def _count_of(batch: _Batch, mode: Mode) -> torch.Tensor:
+    view = _sequence_map(batch)
+    return _local_count(_supervised(batch, view), view, mode)
 
 
 def _check_mode(mode: object) -> Mode:
@@ -334,7 +519,9 @@ def global_loss_count(
     :func:`aggregate_loss` as ``global_count``.
 
     Raises:
-        ValueError: for an unknown mode, or ``"seq-mean-token-sum-norm"`` (a constant normaliser).
+        ValueError: for an unknown mode, or ``"seq-mean-token-sum-norm"`` (a constant normaliser); a batch
+            without ``labels`` or whose sequences cannot be read (the message names the field).
+        TypeError: if ``batches`` is neither a batch dict nor an iterable of them.
 
     Example:
         >>> from zephon_collate import Collator
@@ -349,10 +536,16 @@ def global_loss_count(
         raise ValueError(
             "global_loss_count: 'seq-mean-token-sum-norm' divides by a constant; pass normalizer=..."
         )
-    items = [batches] if isinstance(batches, Mapping) else list(batches)
-    return global_num_valid_tokens(
-        [_local_count(batch, checked) for batch in items], group=group, device=device
-    )
+    if isinstance(batches, Mapping):
+        items: list[Any] = [batches]
+    elif isinstance(batches, Iterable) and not isinstance(batches, (str, bytes, torch.Tensor)):
+        items = list(batches)
+    else:
+        raise TypeError(
+            "global_loss_count: batches must be a batch dict or an iterable of them (the step's "
+            f"micro-batches on this rank), got {shown(batches)}"
+        )
+    return global_num_valid_tokens([_count_of(batch, checked) for batch in items], group=group, device=device)
 
 
 def aggregate_loss(
@@ -399,8 +592,10 @@ def aggregate_loss(
         A 0-d tensor.
 
     Raises:
-        ValueError: for an unknown mode, a shape that does not fit the batch, or a missing or
-            non-positive ``normalizer``.
+        TypeError: if ``per_token_loss`` is not a tensor, or a field of the batch is not one of integers.
+        ValueError: for an unknown mode, a shape that does not fit the batch, a missing or non-positive
+            ``normalizer``, a batch without ``labels`` or whose sequences cannot be read (the message
+            names the field).
 
     Example:
         >>> from zephon_collate import Collator
@@ -412,6 +607,7 @@ def aggregate_loss(
         >>> [round(float(aggregate_loss(loss, batch, mode=m, normalizer=8.0)), 4) for m in MODES]
         [3.0, 6.0, 4.0, 1.5]
     """
+    per_token_loss = _check_tensor(per_token_loss, "aggregate_loss: per_token_loss", "[R, L]")
     checked = _check_mode(mode)
     view = _sequence_map(batch)
     if tuple(per_token_loss.shape) != tuple(view.logits_index.shape):
@@ -419,7 +615,8 @@ def aggregate_loss(
             f"aggregate_loss: per_token_loss has shape {tuple(per_token_loss.shape)}, the batch's tokens "
             f"{tuple(view.logits_index.shape)}; give one loss per token, aligned with input_ids"
         )
-    supervised = _supervised(batch, view).to(per_token_loss.device)
+    supervised = _supervised(batch, view)
+    on_device = supervised.to(per_token_loss.device)
     zero = torch.zeros((), dtype=per_token_loss.dtype, device=per_token_loss.device)
     if checked == "seq-mean-token-sum-norm":
         if isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)) or not normalizer > 0:
@@ -428,15 +625,15 @@ def aggregate_loss(
                 f"largest response length), got {shown(normalizer)}"
             )
         ranks = data_parallel_size(group) if world_size is None else world_size
-        return torch.where(supervised, per_token_loss, zero).sum() * (ranks / float(normalizer))
+        return torch.where(on_device, per_token_loss, zero).sum() * (ranks / float(normalizer))
     if checked == "token-mean":
-        numerator = torch.where(supervised, per_token_loss, zero).sum()
+        numerator = torch.where(on_device, per_token_loss, zero).sum()
     else:
-        sums = _per_sequence(per_token_loss, batch, view)
+        sums = _per_sequence(per_token_loss, supervised, view)
         if checked == "seq-mean-token-mean":
-            counts = _per_sequence(torch.ones_like(per_token_loss, dtype=torch.int64), batch, view)
+            counts = _per_sequence(torch.ones_like(per_token_loss, dtype=torch.int64), supervised, view)
             sums = sums / counts.clamp(min=1).to(sums.dtype)
         numerator = sums.sum()
     if global_count is None:
-        global_count = global_num_valid_tokens(_local_count(batch, checked), group=group)
+        global_count = global_num_valid_tokens(_local_count(supervised, view, checked), group=group)
     return normalize_loss(numerator, global_count, group=group, world_size=world_size)
