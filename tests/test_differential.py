@@ -276,6 +276,13 @@ CASES: list[tuple[str, Callable[..., Any], Callable[[int, int, int], Any]]] = [
         hf_examples,
     ),
     (
+        "transformers-padding-free-sequence-map",
+        lambda **m: Collator.for_transformers(
+            padding_free=True, return_sequence_map=True, pad_token_id=PAD, pad_to_multiple_of=8, **m
+        ),
+        lambda s, r, n: hf_examples(s, r, n, packed=True),
+    ),
+    (
         "preference-padded",
         lambda **m: Collator.for_preference(pad_token_id=PAD, **m),
         pairs,

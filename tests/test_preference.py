@@ -45,16 +45,17 @@ def test_padding_free_layout_hand_worked():
     out = lists(
         Collator.for_preference(padding_free=True, return_flash_attn_kwargs=True, return_seq_idx=True)(PAIRS)
     )
-    assert out["input_ids"] == [[1, 2, 3, 4, 5, 1, 2, 3, 6, 7, 8, 9, 7, 8, 10, 11, 12]]
+    # TRL's order in every layout: every chosen sequence, then every rejected one.
+    assert out["input_ids"] == [[1, 2, 3, 4, 5, 7, 8, 9, 1, 2, 3, 6, 7, 8, 10, 11, 12]]
     assert out["labels"] == [
-        [-100, -100, -100, 4, 5, -100, -100, -100, 6, -100, -100, 9, -100, -100, 10, 11, 12]
+        [-100, -100, -100, 4, 5, -100, -100, 9, -100, -100, -100, 6, -100, -100, 10, 11, 12]
     ]
-    assert out["position_ids"] == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]]
-    assert out["cu_seq_lens_q"] == [0, 5, 9, 12, 17] and out["max_length_q"] == 5
-    assert out["seq_idx"] == [[0] * 5 + [1] * 4 + [2] * 3 + [3] * 5]
+    assert out["position_ids"] == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3, 4]]
+    assert out["cu_seq_lens_q"] == [0, 5, 8, 12, 17] and out["max_length_q"] == 5
+    assert out["seq_idx"] == [[0] * 5 + [1] * 3 + [2] * 4 + [3] * 5]
     assert out["document_ids"] == out["seq_idx"] and out["branch_ids"] == [[1] * 17]
-    assert out["logits_index"] == [[-1, 0, 1, 2, 3, -1, 5, 6, 7, -1, 9, 10, -1, 12, 13, 14, 15]]
-    assert out["chosen_index"] == [0, 2] and out["rejected_index"] == [1, 3] and out["num_sequences"] == 4
+    assert out["logits_index"] == [[-1, 0, 1, 2, 3, -1, 5, 6, -1, 8, 9, 10, -1, 12, 13, 14, 15]]
+    assert out["chosen_index"] == [0, 1] and out["rejected_index"] == [2, 3] and out["num_sequences"] == 4
 
 
 def test_shared_prompt_layouts_hand_worked():
@@ -66,7 +67,7 @@ def test_shared_prompt_layouts_hand_worked():
     assert flat["branch_ids"] == [[0, 0, 0, 1, 1, 2, 0, 0, 1, 2, 2, 2]]
     assert flat["document_ids"] == [[0] * 6 + [1] * 6]
     assert flat["logits_index"] == [[-1, 0, 1, 2, 3, 2, -1, 6, 7, 7, 9, 10]]  # 6 and 10 from the prompt's end
-    assert flat["sequence_index"] == [[-1, -1, -1, 0, 0, 1, -1, -1, 2, 3, 3, 3]]
+    assert flat["sequence_index"] == [[-1, -1, -1, 0, 0, 2, -1, -1, 1, 3, 3, 3]]  # chosen 0, 1; rejected 2, 3
     padded = lists(Collator.for_preference(pad_token_id=0, shared_prompt=True, pad_to_multiple_of=8)(PAIRS))
     assert padded["input_ids"] == [[1, 2, 3, 4, 5, 6, 0, 0], [7, 8, 9, 10, 11, 12, 0, 0]]
     assert "attention_mask" not in padded  # a padding mask would let a response see its sibling
@@ -74,7 +75,7 @@ def test_shared_prompt_layouts_hand_worked():
     assert padded["position_ids"] == [[0, 1, 2, 3, 4, 3, 0, 0], [0, 1, 2, 2, 3, 4, 0, 0]]
     assert padded["branch_ids"] == [[0, 0, 0, 1, 1, 2, -1, -1], [0, 0, 1, 2, 2, 2, -1, -1]]
     assert padded["logits_index"] == [[-1, 0, 1, 2, 3, 2, -1, -1], [-1, 0, 1, 1, 3, 4, -1, -1]]
-    assert padded["chosen_index"] == [0, 2] and padded["rejected_index"] == [1, 3]
+    assert padded["chosen_index"] == [0, 1] and padded["rejected_index"] == [2, 3]
 
 
 def test_consecutive_pairs_of_one_prompt_share_it_once():

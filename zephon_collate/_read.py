@@ -17,6 +17,7 @@ tensor that is the token row itself, with no other field).
 from __future__ import annotations
 
 import array
+import difflib
 import functools
 import itertools
 import numbers
@@ -54,6 +55,7 @@ __all__ = [
     "host_view",
     "is_array_payload",
     "misaligned",
+    "misspelled",
     "numpy_dtype",
     "payload_get",
     "payload_items",
@@ -75,6 +77,20 @@ Names: TypeAlias = Callable[[int], str]
 """How errors name the payload at a batch index: ``record 3 (sample_id (0, 0, 7))``, ``example 3``."""
 MISSING: Any = object()
 """What :func:`payload_get` returns for an absent field when asked to (compare with ``is``)."""
+
+
+def misspelled(fields: Iterable[object], known: Sequence[str]) -> tuple[str, str] | None:
+    """``(field, meant)``: the first of ``fields`` that is a near miss of a supervision mask in ``known``
+    (``loss_masks``, ``completion_masks``: a mask under a name nothing reads, so every token would be
+    trained), or ``None``. Only names holding ``mask`` count, and only close ones (``attention_mask``,
+    ``action_mask`` are other fields)."""
+    for name in fields:
+        if not isinstance(name, str) or name in known or "mask" not in name.lower():
+            continue
+        close = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.85)
+        if close:
+            return name, close[0]
+    return None
 
 
 def describe_record(index: int, record: SampleRecord) -> str:
@@ -263,6 +279,13 @@ def _numpy_row(value: Any, where: str, name: str) -> np.ndarray:
         except (TypeError, RuntimeError, NotImplementedError):
             pass  # floats, bools, nested rows, tensors: let NumPy tell which
     if isinstance(value, np.ndarray):  # no copy, unless strided (torch takes no negative strides)
+        if type(value) is not np.ndarray:  # a subclass (np.memmap, ...): read as a plain view of its data
+            if isinstance(value, np.ma.MaskedArray) and np.ma.is_masked(value):
+                raise ValueError(
+                    f"{where}: field {shown(name)} is a masked array with masked entries, whose data would "
+                    "be read as if unmasked; fill them (.filled(value)) or drop them"
+                )
+            value = value.view(np.ndarray)
         row = value if value.flags.c_contiguous else np.array(value)
     else:
         row = _sequence_array(value, where, name)

@@ -165,20 +165,39 @@ def check_float_fields(owner: str, value: object, reserved: Sequence[str] = ()) 
     return tuple(specs)
 
 
-def _check_finite(field: Ragged, name: str, names: Names) -> None:
-    values = field.values
-    if not isinstance(values, np.ndarray) or not values.size:
-        return
-    finite = np.isfinite(values)
-    if finite.all():
-        return
-    flat = int(np.flatnonzero(~finite)[0])
+def _first_bad(field: Ragged, bad: np.ndarray, names: Names, name: str) -> tuple[str, int]:
+    """``(where, flat index)`` of the first True of ``bad``: ``record 3 ... at name[t]``."""
+    flat = int(np.flatnonzero(bad)[0])
     row = row_of(field.offsets, flat)
-    token = flat - int(field.offsets[row])
-    raise ValueError(
-        f"{names(row)}: float field {shown(name)} holds {values[flat]} at {name}[{token}]; give finite "
-        "values (a NaN or an infinity would make the loss NaN)"
-    )
+    return f"{names(row)}: float field {shown(name)}", flat - int(field.offsets[row])
+
+
+def _checked(source: Ragged, spec: FloatField, names: Names) -> Ragged:
+    """``source`` in ``spec.host_dtype``: its values finite, and each one within ``spec.dtype``'s range.
+
+    A NaN or an infinity given is named as such; a finite value beyond the dtype (1e39 for float32,
+    70000 for float16, 3.5e38 for bfloat16), which the cast would turn into an infinity, is named as an
+    overflow of that dtype.
+    """
+    values, name = np.asarray(source.values), spec.name
+    if values.size and values.dtype.kind == "f" and not np.isfinite(values).all():
+        where, token = _first_bad(source, ~np.isfinite(values), names, spec.name)
+        raise ValueError(
+            f"{where} holds {values[np.flatnonzero(~np.isfinite(values))[0]]} at {name}[{token}]; give "
+            "finite values (a NaN or an infinity would make the loss NaN)"
+        )
+    with np.errstate(over="ignore"):
+        cast = values.astype(spec.host_dtype, copy=False)
+    kept = cast if spec.dtype != torch.bfloat16 else torch.from_numpy(cast).to(torch.bfloat16).float().numpy()
+    if values.size and not np.isfinite(kept).all():
+        where, token = _first_bad(source, ~np.isfinite(kept), names, spec.name)
+        largest = torch.finfo(spec.dtype).max
+        raise ValueError(
+            f"{where} holds {values[np.flatnonzero(~np.isfinite(kept))[0]]} at {name}[{token}], beyond "
+            f"{spec.dtype} (largest {largest:.6g}): it would overflow to an infinity; rescale it, or declare "
+            f"a wider dtype (FloatField({shown(name)}, dtype=torch.float32 or torch.float64))"
+        )
+    return Ragged(cast, source.offsets)
 
 
 def read_floats(
@@ -202,7 +221,6 @@ def read_floats(
         >>> read_floats([np.array(1.5), np.array(-2.0)], lengths, spec, str).values.tolist()
         [1.5, 1.5, -2.0]
     """
-    dtype = spec.host_dtype
     name = spec.name
     arrays = [as_numpy(row) for row in rows]
     if spec.align == "sequence":
@@ -213,9 +231,9 @@ def read_floats(
                     "declared one value per sequence (align='sequence'); give one number, or declare it "
                     "FloatField(name) for one value per token"
                 )
-        values = np.array([array.item() for array in arrays], dtype=dtype)
         offsets = np.arange(len(arrays) + 1, dtype=np.int64)
-        _check_finite(Ragged(values, offsets), name, names)
+        given = np.array([array.item() for array in arrays], dtype=np.float64)
+        values = np.asarray(_checked(Ragged(given, offsets), spec, names).values)
         if not spec.broadcast:
             return [values[index] for index in range(len(arrays))]
         repeated = np.repeat(values, lengths)
@@ -232,9 +250,7 @@ def read_floats(
                 f"{names(index)}: float field {shown(name)} holds {got}, but the token row has {length} "
                 f"tokens; give one value per token{hint}"
             )
-    field = concat([array.astype(dtype, copy=False) for array in arrays], name, names)
-    _check_finite(field, name, names)
-    return field
+    return _checked(concat(arrays, name, names), spec, names)
 
 
 def to_label_positions(field: Ragged, starts: np.ndarray) -> Ragged:

@@ -18,7 +18,7 @@ The stacked mapping (the chain's input), for ``B`` records of ``S`` tokens:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -41,6 +41,7 @@ from zephon_collate._read import (
     concat,
     host_view,
     misaligned,
+    misspelled,
     read_field,
     read_ragged,
     record_names,
@@ -70,6 +71,7 @@ from zephon_collate.keys import (
     LABELS,
     LOSS_MASK,
     PADDING_LENGTH,
+    POSITION_IDS,
     POSITIONS,
     SUPERVISION_MASKS,
     TEXT,
@@ -449,7 +451,8 @@ class Native:
         per_record: dict[str, Sequence[Row] | np.ndarray] = {}
         for name, required, aligned in self._wanted():
             kind: Literal["ids", "values"] = "ids" if name == POSITIONS else "values"
-            rows = read_field(payloads, name, tokens_field, kind, names, required=required)
+            source = self._positions_source(payloads, names) if name == POSITIONS else name
+            rows = read_field(payloads, source, tokens_field, kind, names, required=required)
             if rows is None:
                 continue
             if _aligned(rows, lengths, name, names, required=aligned):
@@ -470,10 +473,37 @@ class Native:
             if options.needs_padding_lengths or self.check_padding
             else np.zeros(len(records), dtype=np.int64)
         )
+        if self.padding is not None and options.needs_padding_lengths:
+            undeclared = np.array([not (r.meta.tags and PADDING_LENGTH_TAG in r.meta.tags) for r in records])
+            self._check_no_padding_given(tokens, undeclared, names)
         metas = tuple(record.meta for record in records)
         return self._stacked(
             per_token, per_record, padding_length, ids_and_texts(records), metas, names, ragged
         )
+
+    def _check_no_padding_given(self, tokens: Ragged, undeclared: np.ndarray, names: Names) -> None:
+        """Refuse a row that ends in ``pad_token_id`` without declaring padding (``meta.padding_length``):
+        padding already in the row, which the labels (and the padding mask) would take for real tokens."""
+        assert self.padding is not None
+        pad = self.padding.pad_token_id
+        values, offsets = tokens.host, tokens.offsets
+        if values.ndim != 1 or not values.size:
+            return
+        ends = offsets[1:] - 1
+        nonempty = tokens.lengths > 0
+        bad = np.zeros(len(ends), dtype=bool)
+        bad[nonempty] = values[ends[nonempty]] == pad
+        found = np.flatnonzero(bad & undeclared)
+        if found.size:
+            index = int(found[0])
+            raise ValueError(
+                f"{names(index)}: ends in pad_token_id {pad} and declares no padding (meta.padding_length): "
+                "padding already in the row, which the labels would train as real tokens. Give the rows "
+                "without their padding (the Collator pads them), or declare it (meta.padding_length, as "
+                "pack_flat writes it), or collate Hugging Face examples with their attention_mask through "
+                "Collator.for_transformers(...). If that id is a real token here (an EOS), pad with another "
+                "id: padding's id is never trained"
+            )
 
     def read_columns(self, columns: Columns, *, ragged: bool = False) -> list[Stacked]:
         """:meth:`read` of a columnar batch (non-empty): the same fields, read column by column.
@@ -500,19 +530,23 @@ class Native:
         per_record: dict[str, Sequence[Row] | np.ndarray] = {}
         for name, required, aligned in self._wanted():
             kind: Literal["ids", "values"] = "ids" if name == POSITIONS else "values"
+            if name == POSITIONS and self.refuse_unused and name not in columns and POSITION_IDS in columns:
+                name = POSITION_IDS  # Hugging Face's spelling, read as the positions (see _positions_source)
             if name not in columns:
                 if required:
                     read_field([example], name, tokens_field, kind, names, required=True)  # raises
                 continue
+            key = POSITIONS if name == POSITION_IDS else name
             if columns.is_list(name):
                 field = columns.ragged(name, kind, names)
                 if np.array_equal(field.offsets, tokens.offsets):
-                    per_token[name] = field
+                    per_token[key] = field
                     continue
             rows = columns.per_record(name, kind, names)
             _aligned(list(rows), lengths, name, names, required=aligned)  # raises where they must align
-            per_record[name] = rows
+            per_record[key] = rows
         read = {**per_token, **per_record}
+        self._check_misspelled(columns.names, names)
         unread = [n for n in SUPERVISING_FIELDS if n in columns and n not in read]
         if unread and (self.refuse_unused or options.return_labels):
             for name in unread:
@@ -539,6 +573,8 @@ class Native:
                     f"{int(padding_length[index])} but must be from 0 to the token row's length "
                     f"{int(lengths[index])}"
                 )
+        if self.padding is not None and options.needs_padding_lengths and PADDING_LENGTH_TAG not in columns:
+            self._check_no_padding_given(tokens, np.ones(columns.rows, dtype=bool), names)
         ids = [(0, 0, index) for index in range(columns.rows)]
         texts = columns.pylist(TEXT) if TEXT in columns else [None] * columns.rows
         per_record_out = per_record_outputs(ids, texts)
@@ -593,6 +629,51 @@ class Native:
             "(Collator(pad_token_id=...)) or pack them (pack_flat), or pass dtype=None for lists"
         )
 
+    def _positions_source(self, payloads: Sequence[Any], names: Names) -> str:
+        """The payload field the positions are read from: ``positions``, or, for the Collator, Hugging
+        Face's ``position_ids`` where no payload has ``positions`` (dropped, the labels would cross the
+        document boundaries it marks). A payload with both, disagreeing, is refused."""
+        if not self.refuse_unused:
+            return POSITIONS  # to_training reads the page's field only
+        dicts = [(i, p) for i, p in enumerate(payloads) if isinstance(p, Mapping)]
+        if not any(POSITION_IDS in p for _, p in dicts):
+            return POSITIONS
+        for index, payload in dicts:
+            if POSITIONS in payload and POSITION_IDS in payload:
+                where: Names = lambda _, index=index: names(index)  # type: ignore[misc]  # noqa: E731
+                given, other = (
+                    as_numpy((read_field([payload], name, "", "ids", where, required=True) or [])[0])
+                    for name in (POSITIONS, POSITION_IDS)
+                )
+                if not np.array_equal(given, other):
+                    raise ValueError(
+                        f"{names(index)}: payload has both 'positions' and 'position_ids' (Hugging Face's "
+                        "spelling), and they differ, so it is not clear where its documents start; keep one"
+                    )
+        return POSITIONS if any(POSITIONS in p for _, p in dicts) else POSITION_IDS
+
+    def _check_misspelled(self, fields: Iterable[object], names: Names, index: int = 0) -> None:
+        """A supervision mask under a near-miss name (``loss_masks``) is read by nothing: every token would
+        be trained. The Collator refuses it, ``to_training`` warns (labels only, as for unread fields)."""
+        if not (self.refuse_unused or self.options.return_labels):
+            return
+        found = misspelled(fields, SUPERVISION_MASKS)
+        if found is None:
+            return
+        name, meant = found
+        problem = (
+            f"{names(index)}: payload has {shown(name)}, which nothing reads: did you mean "
+            f"{shown(meant)}? Read under no name, every token would be trained; rename it {shown(meant)}"
+            + (
+                " (for Hugging Face examples, Collator.for_transformers reads it)"
+                if meant != LOSS_MASK
+                else ""
+            )
+        )
+        if self.refuse_unused:
+            raise ValueError(problem)
+        warn_user(f"to_training: {problem}")
+
     def _check_unused(
         self,
         payloads: Sequence[Any],
@@ -603,6 +684,9 @@ class Native:
     ) -> None:
         if not (self.refuse_unused or self.options.return_labels):
             return  # without labels nothing is supervised, so nothing is said
+        for index, payload in enumerate(payloads):
+            if isinstance(payload, Mapping) and any("mask" in str(key).lower() for key in payload):
+                self._check_misspelled(list(payload), names, index)
         read = {**per_token, **per_record}
         problem = _unused_supervision(payloads, tokens, read, per_token.get(LOSS_MASK), names)
         if problem is None:

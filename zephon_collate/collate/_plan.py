@@ -85,7 +85,7 @@ class CollateLayout(Layout, Protocol):
         ...
 
 
-def stage_input(stage: Chain, data: Mapping[str, Any]) -> dict[str, Any]:
+def _stage_input(stage: Chain, data: Mapping[str, Any]) -> dict[str, Any]:
     """What a compiled stage is fed: the keys it needs, and the optional keys it reads that are present."""
     given = {key: data[key] for key in stage.in_keys}
     given.update((key, data[key]) for key in stage.optional_keys if key in data)
@@ -219,7 +219,7 @@ class Plan:
                 if stage.reads_every_key:  # it reshapes the whole batch: its output is the batch
                     out = function(dict(out))
                     continue
-                out.update(function(stage_input(stage, out)))
+                out.update(function(_stage_input(stage, out)))
                 for key in stage.dropped_keys:
                     out.pop(key, None)
             return out

@@ -38,9 +38,9 @@ and the sequences agree on it token for token (float fields included).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -48,7 +48,6 @@ import torch
 from zephon_collate._checks import Keywords, check_bool
 from zephon_collate._read import Ragged, gather_spans, places, sequence_of
 from zephon_collate.collate._native import Stacked
-from zephon_collate.collate._output import convert
 from zephon_collate.collate.hf import Transformers, TransformersOptions
 from zephon_collate.fields import FloatField
 from zephon_collate.keys import (
@@ -144,6 +143,7 @@ class SequenceBatch:
     per_sequence: dict[str, np.ndarray] = field(default_factory=dict)
     extras: dict[str, np.ndarray] = field(default_factory=dict)
     broadcast: tuple[str, ...] = ()  # float fields holding one value per sequence, 0 on a shared prompt
+    numbering: np.ndarray | None = None  # [S]: the sequence index of each (default: its place)
 
     @property
     def count(self) -> int:
@@ -216,7 +216,8 @@ class Sequences(Transformers):
         document = np.cumsum(first) - 1
         doc = document[seq]
         branch = np.where(trunk, 0, np.where(shared[seq], member[seq] + 1, 1))
-        sequence_index = np.where(trunk, -1, seq)
+        number = seq if batch.numbering is None else batch.numbering[seq]
+        sequence_index = np.where(trunk, -1, number)
         # Documents as rows of the kept tokens: each token's place in its document.
         kept = np.flatnonzero(keep)
         doc_kept = doc[kept]
@@ -268,20 +269,3 @@ class Sequences(Transformers):
         comes from ``document_ids`` and ``branch_ids`` (padding is document -1)."""
         pairs = super().names(keys)
         return [pair for pair in pairs if pair[1] != ATTENTION_MASK] if self.shared_prompt else pairs
-
-    def assemble(
-        self,
-        per_record: Mapping[str, list[Any]],
-        result: Mapping[str, Any],
-        pairs: Sequence[tuple[str, str]],
-        python_scalars: bool,
-    ) -> dict[str, Any]:
-        """The ``transformers`` outputs, then the sequence map (``num_sequences``: an int)."""
-        out = super().assemble(
-            per_record, result, [p for p in pairs if p[0] != NUM_SEQUENCES], python_scalars
-        )
-        if NUM_SEQUENCES in result:
-            count = result[NUM_SEQUENCES]
-            kind = "numpy" if self.options.return_tensors == "np" else "torch"
-            out[NUM_SEQUENCES] = int(count) if python_scalars else convert(count, kind)
-        return out

@@ -57,9 +57,9 @@ targets) are refused: this collator is for causal LMs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, ClassVar, Literal, cast
 
 import numpy as np
 import torch
@@ -82,6 +82,7 @@ from zephon_collate._read import (
     check_ids,
     check_zero_one,
     concat,
+    misspelled,
     payload_get,
     places,
     read_field,
@@ -100,25 +101,34 @@ from zephon_collate.fields import FloatField, check_float_fields, read_floats, t
 from zephon_collate.functional.segments import segment_starts
 from zephon_collate.keys import (
     ATTENTION_MASK,
+    BRANCH_IDS,
+    CHOSEN_INDEX,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
     CU_SEQLENS,
+    DOCUMENT_IDS,
     IGNORE_INDEX,
     INPUT_IDS,
     INT32_MAX,
     LABELS,
+    LOGITS_INDEX,
     LOSS_MASK,
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
     MAX_PAD_MULTIPLE,
     MAX_SEQLEN,
+    NUM_SEQUENCES,
     PADDING_LENGTH,
     PADDING_MASK,
     POSITION_IDS,
     POSITIONS,
+    REF_CHOSEN_LOGPS,
+    REF_REJECTED_LOGPS,
+    REJECTED_INDEX,
     SEGMENT_IDS,
     SEQ_IDX,
     SEQ_LENGTHS,
+    SEQUENCE_INDEX,
     SUPERVISION_MASKS,
     TOKEN_TYPE_IDS,
 )
@@ -161,6 +171,24 @@ _PER_TOKEN: tuple[tuple[str, Literal["ids", "values"]], ...] = (
 )
 """The per-token fields beside ``input_ids``, in the order they are read, and how: 0/1 ``values`` or
 ``ids`` (integers; ``labels`` -100 too)."""
+_WRITTEN = (
+    LABELS,
+    CU_SEQ_LENS_Q,
+    CU_SEQ_LENS_K,
+    MAX_LENGTH_Q,
+    MAX_LENGTH_K,
+    SEQ_IDX,
+    DOCUMENT_IDS,
+    BRANCH_IDS,
+    LOGITS_INDEX,
+    SEQUENCE_INDEX,
+    NUM_SEQUENCES,
+    CHOSEN_INDEX,
+    REJECTED_INDEX,
+    REF_CHOSEN_LOGPS,
+    REF_REJECTED_LOGPS,
+)
+"""Keys this layout and the post-training presets over it write, which a float field may not take."""
 _PADDINGS = {True: "longest", "longest": "longest", "max_length": "max_length", False: "do_not_pad"}
 _PADDINGS["do_not_pad"] = "do_not_pad"
 
@@ -198,7 +226,8 @@ def as_examples(
                 "pass a list of examples ([example]) or a batched dict of lists"
             )
         count = len(ids)
-        known = (*_READ_FIELDS, "label", "decoder_input_ids", *extra)
+        near = misspelled(features, _MASK_FIELDS)  # kept, so that the reader names it (or its fix)
+        known = (*_READ_FIELDS, "label", "decoder_input_ids", *extra, *(near[:1] if near else ()))
         fields = [name for name in dict.fromkeys((key, *known)) if name in features]
         for name in fields:
             if not hasattr(features[name], "__len__") or len(features[name]) != count:
@@ -238,6 +267,8 @@ def _check_examples(examples: Sequence[object], supervision: str | None) -> set[
                 f"{_names(index)}: must be a dict of fields such as 'input_ids', got {type(example).__name__}"
             )
     present: set[str] = set().union(*cast(Sequence[Mapping[str, Any]], examples))
+    if supervision is None:
+        _check_misspelled(examples, present)
     if (
         INPUT_IDS in present
         and supervision is None  # a declared field is looked for in every example below
@@ -278,6 +309,37 @@ def _check_examples(examples: Sequence[object], supervision: str | None) -> set[
                 "supervision=..."
             )
     return present
+
+
+def _check_misspelled(examples: Sequence[object], present: Iterable[object]) -> None:
+    """Refuse a supervision mask under a near-miss name (``completion_masks``): read by nothing, every
+    token of its example would be trained."""
+    found = misspelled(present, _MASK_FIELDS)
+    if found is None:
+        return
+    name, meant = found
+    index = next(i for i, e in enumerate(examples) if isinstance(e, Mapping) and name in e)
+    raise ValueError(
+        f"{_names(index)}: has {shown(name)}, which nothing reads: did you mean {shown(meant)}? Read under "
+        f"no name, every token would be trained; rename it {shown(meant)} (or name the field that carries "
+        "the supervision with supervision=...)"
+    )
+
+
+def _check_uniform_supervision(examples: Sequence[Mapping[str, Any]], present: set[str], owner: str) -> None:
+    """Refuse an example that lacks a supervising field another example carries: read as all trained, its
+    prompt would be trained (rollouts carry their supervision in every example)."""
+    for name in _SUPERVISION_FIELDS:
+        if name not in present:
+            continue
+        lacking = next((index for index, example in enumerate(examples) if name not in example), None)
+        if lacking is not None:
+            carrier = next(index for index, example in enumerate(examples) if name in example)
+            raise ValueError(
+                f"{_names(lacking)}: lacks {shown(name)}, which {_names(carrier)} carries to say which "
+                "tokens are trained; read as all trained, its prompt would be trained. Give every example "
+                f"{shown(name)} (0 on the prompt), or drop it from every example ({owner})"
+            )
 
 
 def _none_labels_dropped(examples: list[Any]) -> list[Any]:
@@ -331,6 +393,7 @@ class TransformersOptions(Keywords):
     return_position_ids: bool | None = None
     return_flash_attn_kwargs: bool = False
     return_seq_idx: bool = False
+    return_sequence_map: bool = False
     separator_id: int | None = None
     position_ids_start: int = 0
     supervision: str | None = None
@@ -341,7 +404,8 @@ class TransformersOptions(Keywords):
         put = object.__setattr__
         for name in ("padding_free", "keep_eos", "boundary_safe_labels", "return_flash_attn_kwargs"):
             put(self, name, check_bool(name, getattr(self, name), owner=_OWNER))
-        put(self, "return_seq_idx", check_bool("return_seq_idx", self.return_seq_idx, owner=_OWNER))
+        for name in ("return_seq_idx", "return_sequence_map"):
+            put(self, name, check_bool(name, getattr(self, name), owner=_OWNER))
         if self.padding not in _PADDINGS or (
             isinstance(self.padding, int) and not isinstance(self.padding, bool)
         ):
@@ -383,8 +447,8 @@ class TransformersOptions(Keywords):
                 f"{_OWNER}: supervision must name a field that says what is trained, one of "
                 f"{_SUPERVISION_FIELDS}, got {shown(self.supervision)}"
             )
-        reserved = (*_READ_FIELDS, "label", LABELS, POSITIONS, PADDING_LENGTH, CU_SEQ_LENS_Q, CU_SEQ_LENS_K)
-        put(self, "float_fields", check_float_fields(_OWNER, self.float_fields, (*reserved, SEQ_IDX)))
+        reserved = (*_READ_FIELDS, "label", POSITIONS, PADDING_LENGTH, *_WRITTEN)
+        put(self, "float_fields", check_float_fields(_OWNER, self.float_fields, reserved))
         self._check_combinations()
         length = self.max_length if self.padding == "max_length" else None
         padding = None
@@ -429,6 +493,12 @@ class TransformersOptions(Keywords):
             raise ValueError(
                 f"{_OWNER}: separator_id is the label of each packed example's first token, which "
                 "boundary_safe_labels=False keeps as given; drop one of them"
+            )
+        if self.return_sequence_map and not self.padding_free:
+            raise ValueError(
+                f"{_OWNER}: return_sequence_map=True describes the sequences of a padding-free row; padded "
+                "rows are one sequence each, which the loss helpers read from attention_mask: drop it, or "
+                "pass padding_free=True"
             )
         if not self.padding_free and (self.return_flash_attn_kwargs or self.return_seq_idx):
             raise ValueError(
@@ -537,6 +607,10 @@ class Transformers:
     padding_side: Literal["right", "left"] = "right"
     num_boundaries: int | None = None
     _plans: Plans = dataclasses.field(default_factory=Plans, init=False, repr=False, compare=False)
+    uniform_supervision: ClassVar[bool] = False
+    """Refuse an example without a supervising field that another example carries (rollouts)."""
+    owner: ClassVar[str] = _OWNER
+    item: ClassVar[str] = "example"
 
     def plan(self, keys: tuple[str, ...]) -> Plan:
         """The plan of this layout on a stacked batch holding ``keys``, built once."""
@@ -569,9 +643,11 @@ class Transformers:
             features, [spec.name for spec in options.floats] if options.float_fields else ()
         )
         if not examples:
-            raise ValueError(f"{_OWNER}: the batch holds no examples")
+            raise ValueError(f"{self.owner}: the batch holds no {self.item}s")
         examples = _none_labels_dropped(examples)
         present = _check_examples(examples, options.supervision) & _READ_SET
+        if self.uniform_supervision:
+            _check_uniform_supervision(examples, present, self.owner)
         tokens = _read(examples, INPUT_IDS, "ids", None)
         assert tokens is not None  # every example has input_ids (_check_examples)
         check_ids(tokens, INPUT_IDS, _names)
@@ -610,7 +686,7 @@ class Transformers:
         """The fields of a columnar batch, as :meth:`read` reads them from examples, and its
         ``seq_lengths``; the refusals that look at an example's fields run once for all rows."""
         if not columns.rows:
-            raise ValueError(f"{_OWNER}: the batch holds no examples")
+            raise ValueError(f"{self.owner}: the batch holds no {self.item}s")
         if PADDING_LENGTH_TAG in columns:
             raise ValueError(
                 f"{_OWNER}: the batch has a {shown(PADDING_LENGTH_TAG)} column: packed rows (as pack_columns "
@@ -618,7 +694,7 @@ class Transformers:
                 "Collator(return_labels=True, return_cu_seqlens=True), or pack Hugging Face examples with "
                 "trl.pack_dataset (seq_lengths)"
             )
-        _check_examples([columns.example()], self.options.supervision)
+        _check_examples([columns.example()], self.options.supervision)  # misspelled masks among them too
         tokens = columns.ragged(INPUT_IDS, "ids", _names)
         check_flat(tokens, INPUT_IDS, _names(0))
         check_ids(tokens, INPUT_IDS, _names)
@@ -672,7 +748,13 @@ class Transformers:
             starts = _sequence_starts(per_token)
             for name in labelled:
                 per_token[name] = to_label_positions(per_token[name], starts)
+        if options.return_sequence_map:
+            per_token.update(_sequence_map(per_token))
         stacked = self._flat(per_token) if options.padding_free else self._padded(per_token)
+        if options.return_sequence_map:
+            for name in (LOGITS_INDEX, SEQUENCE_INDEX):
+                stacked.data[name] = stacked.data[name] - 1  # stored + 1: the padding reads -1
+            stacked.data[NUM_SEQUENCES] = torch.tensor(int(_sequence_starts(per_token).sum()))
         if options.float_fields:
             for spec in options.floats:
                 if not spec.per_token:
@@ -865,7 +947,10 @@ class Transformers:
     def _flat(self, per_token: Mapping[str, Ragged]) -> Stacked:
         total = int(per_token[INPUT_IDS].values.shape[0])
         if not total:
-            raise ValueError(f"{_OWNER}: every example of the batch is empty; padding_free needs a token")
+            raise ValueError(
+                f"{self.owner}: every {self.item} of the batch is empty; padding_free needs a token (give "
+                "non-empty ones, or pad them: padding_free=False)"
+            )
         multiple = self.options.pad_to_multiple_of
         width = total if multiple is None else -(-total // multiple) * multiple
         one_row = np.array([0, total], dtype=np.int64)
@@ -951,10 +1036,20 @@ class Transformers:
         options = self.options
         kind = "numpy" if options.return_tensors == "np" else "torch"
         out: dict[str, Any] = {}
+        seen: set[str] = set()
         for key, name in pairs:
             value = result[key]
-            if key == MAX_SEQLEN:
-                out[name] = int(value) if python_scalars else torch.as_tensor(value)
+            if key in seen and not isinstance(
+                value, (int, float)
+            ):  # cu_seq_lens_k: a copy of _q, never a view
+                value = value.copy() if isinstance(value, np.ndarray) else value.clone()
+            seen.add(key)
+            if key in (MAX_SEQLEN, NUM_SEQUENCES):
+                out[name] = (
+                    int(value)
+                    if python_scalars
+                    else (convert(value, kind) if key == NUM_SEQUENCES else torch.as_tensor(value))
+                )
                 continue
             if key == SEGMENT_IDS:
                 value = value.reshape(1, -1)
@@ -995,6 +1090,20 @@ def _sequence_starts(per_token: Mapping[str, Ragged]) -> np.ndarray:
     if POSITIONS in per_token:
         starts |= np.asarray(per_token[POSITIONS].values) == 0
     return starts
+
+
+def _sequence_map(per_token: Mapping[str, Ragged]) -> dict[str, Ragged]:
+    """The sequence map of a padding-free row (what ``return_sequence_map`` emits), each value + 1 so that
+    the row's padding, filled with 0, reads -1: ``logits_index``, the place of the token that predicts
+    each one (none at a sequence's first token), and ``sequence_index``, each token's sequence (a packed
+    document, or an example)."""
+    starts = _sequence_starts(per_token)
+    offsets = per_token[INPUT_IDS].offsets
+    predictor = np.where(starts, 0, np.arange(starts.size, dtype=np.int64))  # place - 1, then + 1
+    return {
+        LOGITS_INDEX: Ragged(predictor, offsets),
+        SEQUENCE_INDEX: Ragged(np.cumsum(starts, dtype=np.int64), offsets),
+    }
 
 
 def _rows_of(field: Ragged) -> list[Any]:
@@ -1154,6 +1263,7 @@ class TransformersCollator(Collator):
         return_position_ids: bool | None = None,
         return_flash_attn_kwargs: bool = False,
         return_seq_idx: bool = False,
+        return_sequence_map: bool = False,
         separator_id: int | None = None,
         position_ids_start: int = 0,
         supervision: str | None = None,

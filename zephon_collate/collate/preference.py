@@ -9,16 +9,21 @@ precomputed reference log-probs (``ref_chosen_logps``, ``ref_rejected_logps``,
 one number per pair), and returns the ``for_transformers`` keys of the
 sequences ``prompt + chosen`` and ``prompt + rejected`` (labels -100 on the
 prompt), ``chosen_index`` / ``rejected_index`` (int64 ``[num_pairs]``, each
-side's sequence index) and the sequence map (:mod:`._sequences`):
+side's sequence index) and the sequence map (:mod:`._sequences`).
 
-- **padded** (the default): ``[2 * num_pairs, L]``, every chosen sequence
-  first, then every rejected one (TRL's ``DataCollatorForPreference`` order:
-  ``chosen_index = [0 .. P-1]``, ``rejected_index = [P .. 2P-1]``);
-- **padding-free** (``padding_free=True``): ``[1, N]``, each pair's chosen
-  sequence then its rejected one (``chosen_index = [0, 2, ...]``), with
-  ``position_ids`` (and ``cu_seq_lens_*``/``max_length_*``, ``seq_idx`` when asked);
+The sequences are numbered in one order in every layout, TRL's
+``DataCollatorForPreference`` order: every chosen sequence first, then every
+rejected one (``chosen_index = [0 .. P-1]``, ``rejected_index = [P .. 2P-1]``),
+so a per-sequence result (``sequence_logprobs(...).sums``, ``unpack``) splits
+with ``.chunk(2)`` into chosen and rejected in any layout:
+
+- **padded** (the default): ``[2 * num_pairs, L]``, a row per sequence, in that order;
+- **padding-free** (``padding_free=True``): ``[1, N]``, the sequences end to end in
+  that order, with ``position_ids`` (and ``cu_seq_lens_*``/``max_length_*``,
+  ``seq_idx`` when asked);
 - **shared prompt** (``shared_prompt=True``, either layout): each prompt once,
-  both responses after it, attending to the prompt and to themselves only; pass
+  both responses after it (laid out pair by pair, numbered as above),
+  attending to the prompt and to themselves only; pass
   the attention from ``document_ids``/``branch_ids`` to the model
   (:func:`~zephon_collate.functional.attention.dense_branch_mask` for SDPA,
   :func:`~zephon_collate.functional.attention.branch_block_mask` for
@@ -40,7 +45,16 @@ import numpy as np
 import torch
 
 from zephon_collate._checks import suggest_options
-from zephon_collate._read import Ragged, as_numpy, check_ids, check_zero_one, concat, gather_spans, read_field
+from zephon_collate._read import (
+    Ragged,
+    as_numpy,
+    check_ids,
+    check_zero_one,
+    concat,
+    gather_spans,
+    read_field,
+    to_row,
+)
 from zephon_collate._text import shown, shown_fields
 from zephon_collate.collate._native import Stacked
 from zephon_collate.collate._plan import Plans
@@ -110,6 +124,40 @@ def _spelling(examples: Sequence[Mapping[str, Any]], side: str, new: str, old: s
     )
 
 
+_UNREAD_LABELS = ("chosen_labels", "rejected_labels")
+"""open-instruct's packed-DPO labels (full sequences, -100 on the prompt), which this layout does not read."""
+
+
+def _check_unread(examples: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse open-instruct's ``chosen_labels`` / ``rejected_labels``: this layout makes the labels from the
+    sides (-100 on the prompt), so labels of their own would be dropped, and full-sequence ``chosen`` ids
+    beside a prompt would lay the prompt out twice, its copy trained."""
+    for index, example in enumerate(examples):
+        for name in _UNREAD_LABELS:
+            if name in example:
+                raise ValueError(
+                    f"{_names(index)}: carries {shown(name)} (open-instruct's packed DPO format: whole "
+                    "sequences with -100 on the prompt), which this collator does not read: it lays out "
+                    "prompt + chosen and prompt + rejected and makes the labels itself (-100 on the prompt). "
+                    "Give the prompt, chosen and rejected token ids apart (TRL's format: the chosen and "
+                    f"rejected ids without the prompt) and drop {shown(name)}"
+                )
+
+
+def _check_spellings_agree(examples: Sequence[Mapping[str, Any]], new: str, old: str) -> None:
+    """Refuse a pair that spells a side both ways (``prompt_input_ids`` and TRL 1.x's ``prompt_ids``) with
+    different tokens: one of them would be used without a word."""
+    for index, example in enumerate(examples):
+        if new in example and old in example:
+            first = np.asarray(as_numpy(to_row(example[new], _names(index), new, "ids"))).reshape(-1)
+            second = np.asarray(as_numpy(to_row(example[old], _names(index), old, "ids"))).reshape(-1)
+            if not np.array_equal(first, second):
+                raise ValueError(
+                    f"{_names(index)}: carries both {shown(new)} and {shown(old)} (two spellings of one "
+                    "side) with different tokens, so it is not clear which to train; keep one of them"
+                )
+
+
 def _kept(mask: Ragged, name: str) -> np.ndarray:
     """``[N]`` booleans: the tokens a side's padding mask keeps (one run of 1s, padding on either end)."""
     check_zero_one(mask, name, _names, "1 on tokens, 0 on padding")
@@ -131,6 +179,9 @@ def _kept(mask: Ragged, name: str) -> np.ndarray:
 class Preference(Sequences):
     """The preference layout: pairs to their sequences (see the module doc)."""
 
+    owner: ClassVar[str] = _OWNER
+    item: ClassVar[str] = "pair"
+
     def read(self, features: object) -> list[Stacked]:
         """Read, check and lay out the pairs.
 
@@ -138,7 +189,7 @@ class Preference(Sequences):
             TypeError, ValueError: for a bad pair, naming the example, the field and the fix.
         """
         key = CHOSEN_IDS if isinstance(features, Mapping) and CHOSEN_IDS in features else CHOSEN_INPUT_IDS
-        examples = as_examples(features, _FIELDS, key=key, owner=_OWNER)
+        examples = as_examples(features, (*_FIELDS, *_UNREAD_LABELS), key=key, owner=_OWNER)
         if not examples:
             raise ValueError(f"{_OWNER}: the batch holds no pairs")
         for index, example in enumerate(examples):
@@ -147,9 +198,11 @@ class Preference(Sequences):
                     f"{_names(index)}: must be a dict of a pair's token ids (prompt_input_ids, "
                     f"chosen_input_ids, rejected_input_ids), got {type(example).__name__}"
                 )
+        _check_unread(examples)
         sides = []
         for side, new, old, mask_name in _SIDES:
             name = _spelling(examples, side, new, old)
+            _check_spellings_agree(examples, new, old)
             rows = read_field(examples, name, name, "ids", _names, required=True) or []
             for index, row in enumerate(rows):
                 if row.ndim != 1:
@@ -199,7 +252,9 @@ class Preference(Sequences):
     ) -> SequenceBatch:
         """The ``prompt + chosen`` and ``prompt + rejected`` sequences, in this layout's order."""
         pairs = prompts.rows
-        interleaved = self.options.padding_free or self.shared_prompt
+        # One sequence order in every layout, TRL's: every chosen sequence, then every rejected one. A shared
+        # prompt lays each pair's sequences out together (its prompt once), numbered in that order still.
+        interleaved = self.shared_prompt
         order = np.arange(2 * pairs)
         pair, side = (order // 2, order % 2) if interleaved else (order % pairs, order // pairs)
         pool = np.concatenate(
@@ -215,12 +270,12 @@ class Preference(Sequences):
         supervised = np.repeat(np.tile([False, True], 2 * pairs), lengths)
         offsets = np.concatenate([[0], np.cumsum(prompt_length + response_length)]).astype(np.int64)
         index = np.arange(pairs, dtype=np.int64)
-        chosen_index, rejected_index = (2 * index, 2 * index + 1) if interleaved else (index, pairs + index)
         return SequenceBatch(
             Ragged(tokens, offsets),
             Ragged(supervised, offsets),
             prompt_length.astype(np.int64),
-            extras={CHOSEN_INDEX: chosen_index, REJECTED_INDEX: rejected_index, **extras},
+            extras={CHOSEN_INDEX: index, REJECTED_INDEX: pairs + index, **extras},
+            numbering=(side * pairs + pair).astype(np.int64) if interleaved else None,
         )
 
 

@@ -106,6 +106,10 @@ def _prompt_lengths(supervised: Ragged) -> np.ndarray:
 class Rollouts(Sequences):
     """The rollout layout: one sequence per example (see the module doc)."""
 
+    uniform_supervision: ClassVar[bool] = True
+    owner: ClassVar[str] = _OWNER
+    item: ClassVar[str] = "rollout"
+
     def _interpret(
         self,
         fields: dict[str, Ragged],

@@ -1,0 +1,299 @@
+"""Inputs that once gave a wrong answer without a word, or a raw error: each is now exact or refused.
+
+Every test here failed on the code before the fix: a rollout without the
+supervision the others carry, a pair spelling a side twice, open-instruct's
+labels beside the sides, the padding-free preference order, float values
+beyond their dtype, float fields named like a preset's keys, Hugging Face's
+``position_ids`` in the native Collator, padding already in the rows,
+misspelled supervision masks, empty batches blaming another preset,
+``np.memmap`` rows, and ``cu_seq_lens_q`` / ``cu_seq_lens_k`` sharing storage.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from zephon_collate import (
+    Collator,
+    FloatField,
+    SampleMeta,
+    SampleRecord,
+    pack_flat,
+    sequence_logprobs,
+    to_training,
+    unpack,
+)
+
+
+def record(payload, index=0, padding=None):
+    tags = {} if padding is None else {"_padding_length": padding}
+    return SampleRecord(SampleMeta((0, 0, index), 0, 0, tags=tags), payload)
+
+
+# -- rollouts ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["completion_mask", "labels", "loss_mask"])
+def test_a_rollout_without_the_supervision_the_others_carry_is_refused(field):
+    given = {"completion_mask": [0, 1, 1], "labels": [-100, 2, 3], "loss_mask": [0, 1, 1]}[field]
+    rollouts = [{"input_ids": [1, 2, 3], field: given}, {"input_ids": [4, 5, 6]}]
+    for layout in (
+        {"padding_free": True},
+        {"pad_token_id": 0},
+        {"padding_free": True, "shared_prompt": True},
+    ):
+        with pytest.raises(ValueError, match=rf"example 1: lacks '{field}', which example 0 carries"):
+            Collator.for_rollouts(**layout)(rollouts)
+
+
+def test_a_rollout_whose_labels_are_none_is_refused_beside_labelled_ones():
+    rollouts = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5], "labels": None}]
+    with pytest.raises(ValueError, match="example 1: lacks 'labels'"):
+        Collator.for_rollouts(padding_free=True)(rollouts)
+
+
+# -- preference pairs -------------------------------------------------------------------------------
+
+
+def test_a_pair_spelling_a_side_twice_must_agree():
+    pair = {"prompt_input_ids": [1, 2], "chosen_input_ids": [5], "rejected_input_ids": [6]}
+    with pytest.raises(ValueError, match="carries both 'prompt_input_ids' and 'prompt_ids'"):
+        Collator.for_preference(padding_free=True)([{**pair, "prompt_ids": [3, 4]}])
+    with pytest.raises(ValueError, match="carries both 'chosen_input_ids' and 'chosen_ids'"):
+        Collator.for_preference(pad_token_id=0)([{**pair, "chosen_ids": [7]}])
+    same = Collator.for_preference(padding_free=True)([{**pair, "prompt_ids": [1, 2], "chosen_ids": [5]}])
+    assert (
+        same["input_ids"].tolist() == Collator.for_preference(padding_free=True)([pair])["input_ids"].tolist()
+    )
+
+
+def test_open_instruct_labels_beside_the_sides_are_refused():
+    pair = {
+        "prompt_input_ids": [1, 2],
+        "chosen_input_ids": [1, 2, 5],
+        "rejected_input_ids": [1, 2, 6],
+        "chosen_labels": [-100, -100, 5],
+        "rejected_labels": [-100, -100, 6],
+    }
+    with pytest.raises(ValueError, match="carries 'chosen_labels' \\(open-instruct's packed DPO format"):
+        Collator.for_preference(padding_free=True)([pair])
+    batched = {key: [value] for key, value in pair.items()}
+    with pytest.raises(ValueError, match="chosen_labels"):
+        Collator.for_preference(pad_token_id=0)(batched)
+
+
+PAIRS = [
+    {"prompt_input_ids": [1, 2, 3], "chosen_input_ids": [4, 5], "rejected_input_ids": [6]},
+    {"prompt_input_ids": [7, 8], "chosen_input_ids": [9], "rejected_input_ids": [10, 11, 12]},
+    {"prompt_input_ids": [7, 8], "chosen_input_ids": [13, 14], "rejected_input_ids": [15]},
+]
+LAYOUTS = {
+    "padded": {"pad_token_id": 0},
+    "padding-free": {"padding_free": True},
+    "shared-padded": {"pad_token_id": 0, "shared_prompt": True},
+    "shared-padding-free": {"padding_free": True, "shared_prompt": True},
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_every_preference_layout_numbers_chosen_then_rejected(layout):
+    """TRL's ``chunk(2)`` habit holds in every layout: per-sequence results are every chosen sequence, then
+    every rejected one."""
+    batch = Collator.for_preference(**LAYOUTS[layout])(PAIRS)
+    assert batch["chosen_index"].tolist() == [0, 1, 2] and batch["rejected_index"].tolist() == [3, 4, 5]
+    sequences = [row.tolist() for row in unpack(batch["input_ids"], batch)]
+    chosen = [p["prompt_input_ids"] + p["chosen_input_ids"] for p in PAIRS]
+    rejected = [p["prompt_input_ids"] + p["rejected_input_ids"] for p in PAIRS]
+    assert sequences == chosen + rejected
+    vocabulary = 16
+    logits = torch.zeros(*batch["input_ids"].shape, vocabulary)  # uniform: log(1/16) per supervised token
+    sums = sequence_logprobs(logits, batch).sums
+    chosen_sums, rejected_sums = sums.chunk(2)
+    expect = -math.log(vocabulary)
+    assert chosen_sums.tolist() == pytest.approx([expect * len(p["chosen_input_ids"]) for p in PAIRS])
+    assert rejected_sums.tolist() == pytest.approx([expect * len(p["rejected_input_ids"]) for p in PAIRS])
+
+
+# -- float fields -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, value, largest",
+    [
+        (torch.float16, 70000.0, "65504"),
+        (torch.bfloat16, 3.5e38, "3.38953e\\+38"),
+        (torch.float32, 1e39, "3.40282e\\+38"),
+    ],
+)
+def test_a_float_beyond_its_dtype_is_refused_naming_the_overflow(dtype, value, largest):
+    message = rf"'w' holds .* at w\[1\], beyond {dtype} \(largest {largest}\): it would overflow"
+    payload = {"input_ids": [1, 2, 3], "w": [0.5, value, 1.0]}
+    with pytest.raises(ValueError, match=message):
+        Collator(return_labels=True, float_fields=[FloatField("w", dtype=dtype)])([payload])
+    with pytest.raises(ValueError, match=message):
+        Collator.for_transformers(padding_free=True, float_fields=[FloatField("w", dtype=dtype)])([payload])
+    rollout = {**payload, "completion_mask": [0, 1, 1]}
+    with pytest.raises(ValueError, match=message):
+        Collator.for_rollouts(padding_free=True, float_fields=[FloatField("w", dtype=dtype)])([rollout])
+    with pytest.raises(ValueError, match=message):
+        pack_flat([record(payload)], seq_len=4, pad_token_id=0, float_fields=[FloatField("w", dtype=dtype)])
+    one = {"input_ids": [1, 2], "completion_mask": [0, 1], "w": value}
+    spec = FloatField("w", "sequence", dtype=dtype)
+    with pytest.raises(ValueError, match=r"'w' holds .* beyond"):
+        Collator.for_rollouts(padding_free=True, float_fields=[spec])([one])
+
+
+def test_a_float_at_the_edge_of_its_dtype_is_kept_and_a_real_infinity_is_named_as_one():
+    payload = {"input_ids": [1, 2, 3], "w": [0.5, 65504.0, -65504.0]}
+    out = Collator(float_fields=[FloatField("w", dtype=torch.float16)])([payload])
+    assert out["w"].tolist() == [[0.5, 65504.0, -65504.0]]
+    with pytest.raises(ValueError, match=r"'w' holds inf at w\[1\]; give finite values"):
+        Collator(float_fields=["w"])([{"input_ids": [1, 2, 3], "w": [0.5, math.inf, 1.0]}])
+
+
+@pytest.mark.parametrize(
+    "name", ["sequence_index", "logits_index", "document_ids", "num_sequences", "max_length_q"]
+)
+def test_a_float_field_may_not_take_a_key_the_preset_writes(name):
+    with pytest.raises(ValueError, match=f"float field '{name}' collides"):
+        Collator.for_rollouts(padding_free=True, float_fields=[name])
+    with pytest.raises(ValueError, match=f"float field '{name}' collides"):
+        Collator.for_transformers(padding_free=True, float_fields=[name])
+
+
+# -- the native Collator ----------------------------------------------------------------------------
+
+
+def test_hf_position_ids_are_read_as_positions_by_the_collator():
+    """Dropped, ``position_ids`` would let the label of a document's last token be the next one's first."""
+    payload = {"input_ids": [1, 5, 6, 1, 7], "position_ids": [0, 1, 2, 0, 1]}
+    out = Collator(return_labels=True)([payload])
+    assert out["labels"].tolist() == [[5, 6, -100, 7]]
+    spelled = Collator(return_labels=True)([{"input_ids": [1, 5, 6, 1, 7], "positions": [0, 1, 2, 0, 1]}])
+    assert out["positions"].tolist() == spelled["positions"].tolist() == [[0, 1, 2, 0]]
+    boundaries = Collator(return_labels=True, return_cu_seqlens=True)([payload])
+    assert boundaries["cu_seqlens"].tolist() == [[0, 3, 4]]
+    with pytest.raises(ValueError, match="has both 'positions' and 'position_ids'"):
+        Collator(return_labels=True)([{**payload, "positions": [0, 1, 2, 3, 4]}])
+    columns = {
+        "input_ids": (np.array([1, 5, 6, 1, 7]), np.array([0, 5])),
+        "position_ids": (np.array([0, 1, 2, 0, 1]), np.array([0, 5])),
+    }
+    assert Collator(return_labels=True)(columns)["labels"].tolist() == [[5, 6, -100, 7]]
+
+
+def test_padding_already_in_the_rows_is_refused():
+    rows = [{"input_ids": [5, 6, 7, 0, 0]}, {"input_ids": [5, 6, 7, 8, 9]}]
+    with pytest.raises(ValueError, match=r"record 0 .*: ends in pad_token_id 0 and declares no padding"):
+        Collator(pad_token_id=0, return_labels=True)(rows)
+    with pytest.raises(ValueError, match="ends in pad_token_id 0"):
+        Collator(pad_token_id=0, return_padding_mask=True)(rows)
+    declared = [record(rows[0]["input_ids"], 0, padding=2), record(rows[1]["input_ids"], 1, padding=0)]
+    out = Collator(pad_token_id=0, return_labels=True)(declared)
+    assert out["labels"].tolist() == [[6, 7, -100, -100], [6, 7, 8, 9]]
+    ragged = Collator(pad_token_id=0, return_labels=True)([{"input_ids": [5, 6, 7]}, {"input_ids": [5, 6]}])
+    assert ragged["labels"].tolist() == [[6, 7], [6, -100]]
+    columns = {"input_ids": (np.array([5, 6, 0, 5, 6, 7]), np.array([0, 3, 6]))}
+    with pytest.raises(ValueError, match="example 0: ends in pad_token_id 0"):
+        Collator(pad_token_id=0, return_labels=True)(columns)
+
+
+@pytest.mark.parametrize(
+    "name, meant", [("loss_masks", "loss_mask"), ("completion_masks", "completion_mask")]
+)
+def test_a_misspelled_supervision_mask_is_refused(name, meant):
+    payload = {"input_ids": [5, 6, 7], name: [0, 1, 1]}
+    message = f"has '{name}', which nothing reads: did you mean '{meant}'"
+    with pytest.raises(ValueError, match=message):
+        Collator(return_labels=True)([payload])
+    with pytest.raises(ValueError, match=message):
+        Collator.for_transformers(pad_token_id=0)([payload])
+    with pytest.raises(ValueError, match=message):
+        Collator.for_transformers(padding_free=True)({key: [value] for key, value in payload.items()})
+    with pytest.raises(ValueError, match=message):
+        Collator.for_rollouts(padding_free=True)([{**payload, "completion_mask": [0, 1, 1]}])
+    columns = {
+        "input_ids": (np.array([5, 6, 7]), np.array([0, 3])),
+        name: (np.array([0, 1, 1]), np.array([0, 3])),
+    }
+    with pytest.raises(ValueError, match=message):
+        Collator(return_labels=True)(columns)
+    with pytest.raises(ValueError, match=message):
+        Collator.for_transformers(padding_free=True)(columns)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = to_training([record(payload)], return_labels=True)
+    assert out["labels"].tolist() == [[6, 7]]  # the page's result, and a warning naming the field
+    assert any(message.split(":")[0] in str(w.message) and meant in str(w.message) for w in caught)
+
+
+def test_fields_that_only_look_like_masks_are_not_refused():
+    payload = {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "action_mask": [1, 0, 1]}
+    assert Collator(return_labels=True)([payload])["labels"].tolist() == [[6, 7]]
+
+
+# -- raw errors -------------------------------------------------------------------------------------
+
+
+def test_empty_batches_name_their_own_preset():
+    with pytest.raises(ValueError, match=r"^Collator\.for_rollouts: the batch holds no rollouts"):
+        Collator.for_rollouts(padding_free=True)([])
+    with pytest.raises(ValueError, match=r"^Collator\.for_rollouts: every rollout of the batch is empty"):
+        Collator.for_rollouts(padding_free=True)([{"input_ids": [], "completion_mask": []}])
+    empty = {"prompt_input_ids": [], "chosen_input_ids": [], "rejected_input_ids": []}
+    with pytest.raises(ValueError, match=r"^Collator\.for_preference: every pair of the batch is empty"):
+        Collator.for_preference(padding_free=True)([empty])
+
+
+def test_memmap_rows_are_read_like_arrays(tmp_path):
+    rows = np.memmap(tmp_path / "tokens.bin", dtype=np.int64, mode="w+", shape=(2, 4))
+    rows[:] = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    plain = np.array(rows)
+    want = [[2, 3, 4], [6, 7, 8]]
+    assert Collator(return_labels=True)([rows[0], rows[1]])["labels"].tolist() == want
+    assert Collator(return_labels=True)([{"input_ids": r} for r in rows])["labels"].tolist() == want
+    records = [record(rows[0]), record(rows[1], 1)]
+    assert to_training(records, return_labels=True)["labels"].tolist() == want
+    hf = Collator.for_transformers(pad_token_id=0)([{"input_ids": r} for r in rows])
+    assert hf["input_ids"].tolist() == plain.tolist()
+    masked = np.ma.masked_array([5, 6, 7], mask=[False, True, False])
+    with pytest.raises(ValueError, match="masked array with masked entries"):
+        Collator(return_labels=True)([{"input_ids": masked}])
+
+
+@pytest.mark.parametrize("tensors", ["pt", "np"])
+def test_cu_seq_lens_q_and_k_are_two_outputs(tensors):
+    collate = Collator.for_transformers(
+        padding_free=True, return_flash_attn_kwargs=True, return_tensors=tensors
+    )
+    out = collate([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+    query, key = out["cu_seq_lens_q"], out["cu_seq_lens_k"]
+    query[1] = 99
+    assert key.tolist() == [0, 3, 5]
+
+
+def test_return_sequence_map_makes_padding_free_batches_exact_for_the_loss_helpers():
+    examples = [{"input_ids": [1, 2, 3]}, {"input_ids": [4]}, {"input_ids": [5, 6]}]
+    collate = Collator.for_transformers(
+        padding_free=True,
+        return_sequence_map=True,
+        pad_token_id=0,
+        pad_to_multiple_of=8,
+        position_ids_start=1,
+    )
+    batch = collate(examples)
+    assert batch["sequence_index"].tolist() == [[0, 0, 0, 1, 2, 2, -1, -1]]
+    assert batch["logits_index"].tolist() == [[-1, 0, 1, -1, -1, 4, -1, -1]]
+    assert batch["num_sequences"] == 3
+    assert [row.tolist() for row in unpack(batch["input_ids"], batch)] == [[1, 2, 3], [4], [5, 6]]
+    counts = sequence_logprobs(torch.zeros(1, 8, 10), batch).counts
+    assert counts.tolist() == [2, 0, 1]
+    with pytest.raises(
+        ValueError, match="return_sequence_map=True describes the sequences of a padding-free row"
+    ):
+        Collator.for_transformers(pad_token_id=0, return_sequence_map=True)
