@@ -50,7 +50,8 @@ class BalanceOptions:
             rows of ``seq_len`` tokens (its cost counts the padding too).
         hold_back: windows a document may wait so that outliers (documents costing more than
             a rank's mean share of a slot) come in whole tiers of ``ranks``, as WLB-LLM
-            delays them; documents that do not fit a step always wait for the next one.
+            delays them (unless holding them would leave a micro-batch empty); documents
+            that do not fit a step always wait for the next one.
         swap_rounds: pairwise swaps per slot after the longest-first seed.
 
     Raises:
@@ -194,10 +195,11 @@ class BalancePlan:
     def without_sparse_slots(self) -> BalancePlan:
         """The plan without the slots in which some rank got no document; theirs go to ``dropped``.
 
-        Only a slot holding fewer units than ranks has an empty micro-batch (the
-        longest-first seed gives an empty cell the next unit), so this drops at most
-        the tail of an epoch's last window: a rank with nothing to run would leave the
-        others waiting in the slot's collectives.
+        Only a slot holding fewer units (documents, or groups) than ranks has an empty
+        micro-batch (the longest-first seed gives an empty cell the next unit, and fixed
+        rows are split until every micro-batch has one), so this drops at most the tail
+        of an epoch's last window: a rank with nothing to run would leave the others
+        waiting in the slot's collectives.
 
         Example:
             >>> options = BalanceOptions(cost=CostModel(linear=1, quadratic=0), max_tokens=4)
@@ -326,7 +328,10 @@ def plan_balance(
     that may wait); a unit that has ``waited`` ``max(hold_back, 1)`` windows is never
     held: extra slots are added if it does not fit (:attr:`BalancePlan.extra_slots`).
     With ``final`` (the last window of an epoch) or ``micro_batches=None`` nothing is
-    held and the step has as few slots as the documents need.
+    held and the step has as few slots as the documents need. A micro-batch is left
+    empty only in a slot holding fewer units than ranks (in fixed-row mode, rows are
+    split until every micro-batch has one; outliers are not held when holding them
+    would leave a micro-batch empty).
 
     Parameters:
         lengths: ``[n]`` token counts of the window's documents (ints >= 1).
@@ -384,15 +389,14 @@ def plan_balance(
     held = np.zeros(unit_count, np.bool_)
     if step_slots is not None and options.hold_back:
         held = _outliers_to_hold(unit_cost, must, ranks, step_slots)
-    rows_of_cells = None
-    if options.rows is not None and options.seq_len is not None:
-        unit_cell, slots, extra, rows_of_cells = _place_fixed(
-            unit_size, unit_cost, must, held, options, ranks, step_slots, options.rows, options.seq_len
-        )
-    else:
-        budget = options.micro_batch_tokens
-        unit_cell, slots, extra = _place_free(
-            unit_size, unit_cost, must, held, options, ranks, step_slots, budget
+    unit_cell, slots, extra, rows_of_cells = _place(
+        unit_size, unit_cost, must, held, options, ranks, step_slots
+    )
+    if held.any() and np.bincount(unit_cell[unit_cell != UNPLACED], minlength=slots * ranks).min() == 0:
+        # Holding the outliers left a micro-batch empty (too few units left, or extra slots
+        # for units that may not wait): they fill it rather than wait.
+        unit_cell, slots, extra, rows_of_cells = _place(
+            unit_size, unit_cost, must, np.zeros(unit_count, np.bool_), options, ranks, step_slots
         )
     return _build(
         sizes,
@@ -451,6 +455,8 @@ def _outliers_to_hold(
     A slot balances when its outliers come ``ranks`` at a time, one per rank; the
     cheapest outliers beyond a multiple of ``ranks`` that may still wait are held for
     the next window, where they meet new outliers (WLB-LLM's outlier delay).
+    :func:`plan_balance` places them after all when holding them leaves a
+    micro-batch empty (a rank with nothing is worse than any imbalance).
     """
     held = np.zeros(unit_cost.size, np.bool_)
     share = int(unit_cost.sum()) // (ranks * slots)  # cost > share  <=>  cost * cells > total (integers)
@@ -461,6 +467,27 @@ def _outliers_to_hold(
         cheapest = waitable[np.lexsort((-waitable, unit_cost[waitable]))]  # cheapest, then latest
         held[cheapest[:surplus]] = True
     return held
+
+
+def _place(
+    unit_size: Ints,
+    unit_cost: Ints,
+    must: npt.NDArray[np.bool_],
+    held: npt.NDArray[np.bool_],
+    options: BalanceOptions,
+    ranks: int,
+    step_slots: int | None,
+) -> tuple[Ints, int, int, list[list[list[int]]] | None]:
+    """The cell of each unit (``UNPLACED`` if it waits), the slots, the extra slots and, in fixed-row
+    mode, each cell's rows."""
+    if options.rows is not None and options.seq_len is not None:
+        return _place_fixed(
+            unit_size, unit_cost, must, held, options, ranks, step_slots, options.rows, options.seq_len
+        )
+    unit_cell, slots, extra = _place_free(
+        unit_size, unit_cost, must, held, options, ranks, step_slots, options.micro_batch_tokens
+    )
+    return unit_cell, slots, extra, None
 
 
 def _place_free(
@@ -514,27 +541,28 @@ def _place_fixed(
     The units are packed into rows best-fit-decreasing; with ``micro_batches`` the
     step keeps the fullest rows (the least full ones wait: that keeps padding low),
     and a unit that may not wait, left in a dropped row, takes the place of the unit
-    that may wait and leaves its kept row fullest (that one waits instead). Then
-    whole rows are placed.
+    that may wait and leaves its kept row fullest (that one waits instead); when one
+    finds no such unit, the step gets extra slots and the rows are kept again. While
+    the rows are fewer than the step's micro-batches (a small window: the epoch's
+    last, or one that held its outliers), a unit moves out to a row of its own
+    (:func:`_split_rows`), so that no rank is left without a row. Then whole rows
+    are placed.
     """
     candidates = np.flatnonzero(~held)
     rows = [[int(candidates[i]) for i in row] for row in pack_rows(unit_size[candidates], seq_len)]
     per_slot = ranks * per_cell
     start = slots = max(1, -(-len(rows) // per_slot)) if step_slots is None else step_slots
-    if len(rows) > slots * per_slot:
-        rows, stuck = _keep_fullest(rows, slots * per_slot, unit_size, must, seq_len)
-        rows += stuck  # units that may not wait and found no place: their rows stay, in extra slots
-        slots = max(slots, -(-len(rows) // per_slot))
+    while len(rows) > slots * per_slot:
+        kept, stuck = _keep_fullest(rows, slots * per_slot, unit_size, must, seq_len)
+        if not stuck:
+            rows = kept
+            break
+        # Units that may not wait found no place: extra slots for their rows, and the rows that
+        # may wait fill what those leave (kept again, fullest first, in the larger step).
+        slots = -(-(len(kept) + len(stuck)) // per_slot)
     sizes, costs = unit_size.tolist(), unit_cost.tolist()
-    linear, quadratic = options.cost.linear, options.cost.quadratic
-    pads = [seq_len - sum(sizes[u] for u in row) for row in rows]
-    row_costs = np.array(  # a row's padding is a segment of its own, with its own cost
-        [
-            sum(costs[u] for u in row) + linear * pad + quadratic * pad * pad
-            for row, pad in zip(rows, pads, strict=True)
-        ],
-        np.int64,
-    )
+    rows = _split_rows(rows, slots * ranks, sizes, costs, options.cost, seq_len)
+    row_costs = np.array([_row_cost(row, sizes, costs, options.cost, seq_len) for row in rows], np.int64)
     row_cells = place_rows(
         row_costs, ranks=ranks, slots=slots, rows_per_cell=per_cell, rounds=options.swap_rounds
     )
@@ -544,6 +572,44 @@ def _place_fixed(
         unit_cell[row] = cell
         layout[cell].append(row)
     return unit_cell, slots, slots - start if step_slots is not None else 0, layout
+
+
+def _row_cost(row: list[int], sizes: list[int], costs: list[int], cost_model: CostModel, seq_len: int) -> int:
+    """A row's cost: its units' costs, plus its padding as a segment of its own."""
+    pad = seq_len - sum(sizes[u] for u in row)
+    return sum(costs[u] for u in row) + cost_model.linear * pad + cost_model.quadratic * pad * pad
+
+
+def _split_rows(
+    rows: list[list[int]],
+    cells: int,
+    sizes: list[int],
+    costs: list[int],
+    cost_model: CostModel,
+    seq_len: int,
+) -> list[list[int]]:
+    """At least ``cells`` rows where the units allow: while fewer, one unit moves to a row of its own.
+
+    Best-fit packs a small window into fewer rows than the step has micro-batches
+    (two short documents on two ranks: one row), and a micro-batch without a row
+    leaves its rank with nothing, its slot dropped at the end of an epoch. Each
+    split takes the costliest row holding two or more units (ties: the earlier row)
+    and moves out the unit that makes the larger of the two rows' costs least (ties:
+    the earlier unit). With ``cells`` rows or more, every micro-batch gets a row.
+    """
+    rows = [list(row) for row in rows]
+
+    def cost(units: list[int]) -> int:
+        return _row_cost(units, sizes, costs, cost_model, seq_len)
+
+    while len(rows) < cells:
+        splittable = [r for r, row in enumerate(rows) if len(row) > 1]
+        if not splittable:
+            break  # fewer units than micro-batches: some rank gets none (a sparse slot)
+        row = rows[max(splittable, key=lambda r: (cost(rows[r]), -r))]
+        out = min(range(len(row)), key=lambda i: (max(cost(row[:i] + row[i + 1 :]), cost([row[i]])), i))
+        rows.append([row.pop(out)])
+    return rows
 
 
 def _keep_fullest(

@@ -12,19 +12,25 @@ lockstep slot, balanced in modelled cost.
 Pass it to ``DataLoader(dataset, batch_sampler=...)`` or torchdata's
 ``StatefulDataLoader``, which saves :meth:`BalancedBatchSampler.state_dict`
 with the loader (the sampler records its position as it hands out each
-micro-batch, so prefetching workers do not matter).
+micro-batch, and the loader snapshots it with each one, so prefetching workers
+do not matter). A plain ``DataLoader`` with ``num_workers > 0`` draws index
+lists ahead of the training loop, so the sampler's own position is then past
+what was trained: :meth:`BalancedBatchSampler.state_dict` refuses it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Iterator, Mapping, Sequence
+from types import FrameType
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch.distributed as dist
 from torch.utils.data import Sampler
+from torch.utils.data import dataloader as _dataloader
 
 from zephon_collate._checks import check_int
 from zephon_collate._text import shown
@@ -35,6 +41,13 @@ from zephon_collate.parallel.schedule import BalanceSchedule
 __all__ = ["STATE_VERSION", "BalancedBatchSampler", "Ints"]
 
 STATE_VERSION = 1
+
+_NEXT_INDEX = getattr(getattr(_dataloader, "_BaseDataLoaderIter", None), "_next_index", None)
+_PREFETCHING = getattr(_dataloader, "_MultiProcessingDataLoaderIter", None)
+"""torch's DataLoader internals: the method that draws an index list, and the iterator class that
+draws them ahead of the training loop (``num_workers > 0``); ``None`` where a torch lacks them."""
+_CALLER_DEPTH = 8
+"""Frames searched above the sampler for the DataLoader iterator drawing from it (wrappers included)."""
 
 
 class BalancedBatchSampler(Sampler[list[int]]):
@@ -53,8 +66,17 @@ class BalancedBatchSampler(Sampler[list[int]]):
         seed: the order's seed, the same on every rank.
 
     The last window of an epoch places everything left, in as few slots as it
-    needs (the same on every rank). ``len()`` is not defined: the number of
-    micro-batches is known only once the epoch is planned (:meth:`plans`).
+    needs (the same on every rank); a tail slot with fewer units (documents, or
+    groups) than ranks is dropped, since a rank with nothing would leave the others
+    waiting in its collectives: its documents are in the last plan's ``dropped``
+    (:meth:`plans`). ``len()`` is not defined: the number of micro-batches is known
+    only once the epoch is planned.
+
+    Resume: :meth:`state_dict` after each micro-batch with ``num_workers=0``, or
+    torchdata's ``StatefulDataLoader`` (any ``num_workers``), which saves it with
+    the loader. A plain ``DataLoader`` with workers draws micro-batches ahead of
+    the training loop, so there :meth:`state_dict` raises instead of saving a
+    position past what was trained.
 
     Raises:
         TypeError, ValueError: for bad lengths, groups, options, rank or world size.
@@ -104,12 +126,14 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.epoch = 0
         self._pending: dict[str, Any] | None = None
         self._progress = self._start(self.epoch)
+        self._drawn_ahead_by: str | None = None  # the prefetching loader iterating, if one is
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch whose order the next ``iter()`` draws (a loaded state's epoch wins once)."""
         self.epoch = check_int("BalancedBatchSampler.set_epoch", "epoch", epoch, 0)
         if self._pending is None:
             self._progress = self._start(self.epoch)
+            self._drawn_ahead_by = None  # the new epoch's start: nothing of it drawn yet
 
     def order(self, epoch: int) -> Ints:
         """The epoch's order of dataset indices (groups kept together), the same on every rank."""
@@ -131,6 +155,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
             yield plan
 
     def __iter__(self) -> Iterator[list[int]]:
+        self._drawn_ahead_by = _prefetching_loader(inspect.currentframe())
         start, self._pending = self._pending or self._start(self.epoch), None
         skip = int(start["slots_done"])
         for plan, window in self._windows(start):
@@ -145,9 +170,26 @@ class BalancedBatchSampler(Sampler[list[int]]):
         at its start and the micro-batches of it handed out; plus what must match on resume.
 
         Plain ints, strings and lists: ``torch.load(weights_only=True)`` reads it.
+
+        Raises:
+            ValueError: while a plain ``torch.utils.data.DataLoader`` with ``num_workers > 0``
+                iterates the sampler: it draws ``prefetch_factor * num_workers`` micro-batches
+                ahead of the training loop, so the position here is past what was trained and a
+                resume would skip those. Use torchdata's ``StatefulDataLoader`` and save its
+                ``state_dict()``, or ``num_workers=0``.
         """
         if self._pending is not None:
             return dict(self._pending)
+        if self._drawn_ahead_by is not None:
+            raise ValueError(
+                f"BalancedBatchSampler.state_dict: a torch DataLoader with num_workers > 0 "
+                f"({self._drawn_ahead_by}) is iterating this sampler; it draws prefetch_factor x "
+                "num_workers micro-batches ahead of the training loop, so the sampler's position is past "
+                "what was trained, and resuming from it would skip the micro-batches drawn but not yet "
+                "trained. Use torchdata.stateful_dataloader.StatefulDataLoader (it snapshots the sampler "
+                "with each micro-batch) and save loader.state_dict(), or num_workers=0 and save "
+                "sampler.state_dict()"
+            )
         return dict(self._progress)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -182,6 +224,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
             checked[key] = value
         BalanceSchedule(self.options, self.num_replicas).load_state_dict(state["waiting"])  # its checks
         self._pending = checked
+        self._drawn_ahead_by = None
         self.epoch = checked["epoch"]
 
     def _start(self, epoch: int) -> dict[str, Any]:
@@ -231,6 +274,28 @@ class BalancedBatchSampler(Sampler[list[int]]):
             yield plan, window
             if final:
                 return
+
+
+def _prefetching_loader(frame: FrameType | None) -> str | None:
+    """The class name of the DataLoader iterator that draws index lists ahead of the loop, if one
+    draws from the generator running in ``frame``, else ``None``.
+
+    A generator's caller is whoever resumed it: torch's ``_next_index``, possibly under
+    wrapping samplers. Its ``self`` is the loader's iterator; torch's multi-process one
+    (``num_workers > 0``) draws index lists ahead of what it has yielded, torchdata's
+    ``StatefulDataLoader`` iterators snapshot the sampler with each list (they are not
+    that class), and the single-process one draws one list per batch.
+    """
+    caller = frame.f_back if frame is not None else None
+    code = getattr(_NEXT_INDEX, "__code__", None)
+    for _ in range(_CALLER_DEPTH):
+        if caller is None or code is None or _PREFETCHING is None:
+            return None
+        if caller.f_code is code:
+            owner = caller.f_locals.get("self")
+            return type(owner).__name__ if isinstance(owner, _PREFETCHING) else None
+        caller = caller.f_back
+    return None
 
 
 def _int_array(values: object, name: str, minimum: int) -> Ints:

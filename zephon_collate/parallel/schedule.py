@@ -9,9 +9,11 @@ holds back waits for the next window (a document that no longer fits a full
 step, or an outlier under ``hold_back``), and the waiting documents are placed
 first in line, so none waits beyond ``max(hold_back, 1)`` windows. The last
 window of an epoch (``final=True``) places everything, in as few slots as it
-needs; a tail slot left with fewer documents than ranks is dropped (its
-documents are counted in :attr:`BalanceSchedule.dropped`), since a rank with an
-empty micro-batch would leave the others waiting in that slot's collectives.
+needs; a tail slot left with fewer units (documents, or groups) than ranks is
+dropped (its documents are counted in :attr:`BalanceSchedule.dropped`), since a
+rank with an empty micro-batch would leave the others waiting in that slot's
+collectives. In any window, a rank gets an empty micro-batch only when the
+window holds fewer units than the step has micro-batches.
 
 The schedule's state is the waiting documents (keys, lengths, groups, windows
 waited): plain ints in lists, so a saved state survives
@@ -76,7 +78,7 @@ class BalanceSchedule:
         self._groups: list[int] = []
         self._waited: list[int] = []
         self.dropped = 0
-        """Documents left out of the epoch so far (a final window's sparse tail slot)."""
+        """Documents left out of the epoch so far (a final window's tail slot with fewer units than ranks)."""
 
     @property
     def waiting(self) -> tuple[int, ...]:
