@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m zephon_collate demo
+	PYTHONPATH=examples $(BIN)/python -m demo demo
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q

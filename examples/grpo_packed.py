@@ -27,7 +27,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging
 
-from zephon_collate import MODES, Collator, FloatField, aggregate_loss, token_logprobs
+from zephon_collate import Collator, FloatField, aggregate_loss, token_logprobs
+from zephon_collate.losses import MODES
 from zephon_collate.functional.attention import dense_branch_mask
 
 VOCAB, PROMPTS, GROUP, INNER_STEPS, EPSILON = 32, 6, 4, 4, 0.2

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from zephon_collate import Chain, CuSeqlens, SampleBatch, SampleMeta, SampleRecord, TokenShift, pack_flat
+from zephon_collate import Chain, SampleBatch, SampleMeta, SampleRecord, pack_flat
+from zephon_collate.transforms import CuSeqlens, TokenShift
 from zephon_collate.functional.attention import (
     check_consistent,
     dense_document_mask,

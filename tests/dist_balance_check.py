@@ -32,7 +32,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
-from zephon_collate import Collator, EvenBatches, SampleMeta, SampleRecord, pack_flat
+from zephon_collate import Collator, SampleMeta, SampleRecord, pack_flat
+from zephon_collate.parallel.even import EvenBatches
 from zephon_collate.parallel.balance import BalanceOptions
 from zephon_collate.parallel.cost import CostModel
 from zephon_collate.parallel.distributed import global_num_valid_tokens, normalize_loss

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from zephon_collate import MODES, Collator, FloatField, aggregate_loss, global_loss_count, token_logprobs
+from zephon_collate import Collator, FloatField, aggregate_loss, global_loss_count, token_logprobs
+from zephon_collate.losses import MODES
 
 VOCAB, WIDTH, POSITIONS = 24, 8, 32
 NORMALIZER = 12.0

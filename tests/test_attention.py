@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
-from zephon_collate import CuSeqlens, PaddingMask, TokenShift
+from zephon_collate.transforms import CuSeqlens, PaddingMask, TokenShift
 from zephon_collate.functional import cu_seqlens_flat, cu_seqlens_rows
 from zephon_collate.functional.attention import (
     PADDING_SEGMENT,

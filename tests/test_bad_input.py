@@ -20,27 +20,11 @@ import torch
 from helpers import BOS, EOS, PAD, as_lists, batch, record
 from tensordict import TensorDict
 
-import zephon_collate.collate._native as prepare_module
-from zephon_collate import (
-    Chain,
-    Collator,
-    CuSeqlens,
-    EosMask,
-    FlatPacker,
-    LossMask,
-    PackedStream,
-    PaddingMask,
-    Positions,
-    SampleBatch,
-    SampleMeta,
-    SampleRecord,
-    StackedBatch,
-    TokenShift,
-    functional,
-    pack_flat,
-    stack_batch,
-    to_training,
-)
+import zephon_collate.layouts.native as prepare_module
+from zephon_collate import Chain, Collator, FlatPacker, PackedStream, SampleBatch, SampleMeta, SampleRecord, functional, pack_flat, to_training
+from zephon_collate.collate.sample_batch import stack_batch
+from zephon_collate.collate.transfer import StackedBatch
+from zephon_collate.transforms import CuSeqlens, EosMask, LossMask, PaddingMask, Positions, TokenShift
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKED = [BOS, 10, EOS, BOS, 11, EOS]

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from strategies import packed_batches, training_options
 from tensordict import TensorDict
 
-from zephon_collate import BoundaryMask, Collator, SampleRecord, use_host_pass
+from zephon_collate import Collator, SampleRecord, use_host_pass
+from zephon_collate.transforms import BoundaryMask
 
 PACKED = {"input_ids": [1, 10, 11, 1, 12, 13], "positions": [0, 1, 2, 0, 1, 2]}  # no EOS between documents
 LABELS = {"return_labels": True, "return_num_valid_tokens": True}

@@ -10,7 +10,8 @@ import torch
 from helpers import FULL_OPTIONS, PackedRecords, as_lists, batch
 from torch.utils.data import DataLoader
 
-from zephon_collate import Collator, SampleBatch, StackedBatch
+from zephon_collate import Collator, SampleBatch
+from zephon_collate.collate.transfer import StackedBatch
 
 OPTIONS = FULL_OPTIONS
 

@@ -7,7 +7,8 @@ import torch
 from helpers import EOS, FULL_OPTIONS, PackedRecords, as_lists
 from tensordict import TensorDict
 
-from zephon_collate import Collator, CuSeqlens, EosMask, LossMask, PaddingMask, Positions, TokenShift
+from zephon_collate import Collator
+from zephon_collate.transforms import CuSeqlens, EosMask, LossMask, PaddingMask, Positions, TokenShift
 
 pytestmark = pytest.mark.compile
 
@@ -34,7 +35,7 @@ def test_compiled_collator_equals_eager_without_recompiles():
 def test_static_cu_seqlens_compiles_whole_chain():
     compiled = Collator(compile=True, num_boundaries=8, flatten=False, **OPTIONS)
     eager = Collator(device="cpu", num_boundaries=8, **OPTIONS)
-    plan = compiled.plan_for(tuple(compiled.stack(records(2, 16)).td.keys()))
+    plan = compiled.plan(tuple(compiled.stack(records(2, 16)).td.keys()))
     assert plan.eager_steps == []  # one compiled graph, CuSeqlens included
     warm = records(*SHAPES[0])
     assert as_lists(compiled(warm)) == as_lists(eager(warm))

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from strategies import segment_positions
 from tensordict import TensorDict
 
-from zephon_collate import Chain, Collator, LossMask, TokenShift
+from zephon_collate import Chain, Collator
+from zephon_collate.transforms import LossMask, TokenShift
 from zephon_collate.functional.context_parallel import cp_partition_index
 from zephon_collate.parallel.context_parallel import gather_context_parallel
 from zephon_collate.transforms import context_parallel

@@ -9,15 +9,8 @@ import pytest
 import torch
 from helpers import PAD, as_lists, record
 
-from zephon_collate import (
-    BoundaryMask,
-    Chain,
-    Collator,
-    CuSeqlens,
-    LossMask,
-    TokenShift,
-    Transform,
-)
+from zephon_collate import Chain, Collator, Transform
+from zephon_collate.transforms import BoundaryMask, CuSeqlens, LossMask, TokenShift
 
 
 class PositionWeights(Transform):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from zephon_collate import SampleBatch, pack_flat
-from zephon_collate.__main__ import main
-from zephon_collate.demo import (
+from demo.__main__ import main
+from demo import (
     CHAT,
     EOS,
     PAD,
@@ -28,7 +28,7 @@ from zephon_collate.demo import (
     run_demo,
     to_records,
 )
-from zephon_collate.demo.corpus import split_python
+from demo.corpus import split_python
 from zephon_collate.inspection.leakage import check_no_leakage
 
 TINY = {"dim": 32, "layers": 2, "heads": 2}

@@ -270,7 +270,7 @@ CASES: list[tuple[str, Callable[..., Any], Callable[[int, int, int], Any]]] = [
             separator_id=-7,
             pad_token_id=PAD,
             pad_to_multiple_of=8,
-            transforms=[Weights()],
+            transforms=[Weights("position_ids")],
             **m,
         ),
         hf_examples,

@@ -190,7 +190,7 @@ def test_even_batches_give_every_rank_the_same_steps(tmp_path):
 
 
 def test_even_batches_in_one_process_yield_everything():
-    from zephon_collate import EvenBatches
+    from zephon_collate.parallel.even import EvenBatches
 
     even = EvenBatches([1, 2, 3])
     assert list(even) == [1, 2, 3] and even.dropped == 0 and len(even) == 3
@@ -199,7 +199,7 @@ def test_even_batches_in_one_process_yield_everything():
 
 
 def test_even_batches_len_and_device_errors_name_the_fix():
-    from zephon_collate import EvenBatches
+    from zephon_collate.parallel.even import EvenBatches
 
     even = EvenBatches(x for x in range(3))
     with pytest.raises(TypeError, match=r"EvenBatches: its loader \(generator\) has no length"):

@@ -1,12 +1,12 @@
-"""The fused host pass equals the torch chain it stands in for, over the whole option space.
+"""The host path equals the torch chain, whole collators over the whole option space.
 
-On plain CPU tensors a plan computes its built-in chain with one fused NumPy
-pass (``zephon_collate.collate._host``); the torch transforms are the
-specification (they are what runs on a GPU and under ``torch.compile``). Each
-case stacks a random batch once, runs its plan twice, with the host pass and
-with ``use_host_pass(False)``, and compares every output: keys, dtypes, shapes
-and values. Batches cover every integer payload and output dtype and rows up
-to 10,000 tokens.
+On plain CPU data a plan runs each step's NumPy variant (``Transform.host``);
+the torch transforms are the specification (they are what runs on a GPU and
+under ``torch.compile``). Each case stacks a random batch once, runs its plan
+twice, on the host and with ``use_host_pass(False)``, and compares every
+output: keys, dtypes, shapes and values. Batches cover every integer payload
+and output dtype and rows up to 10,000 tokens. ``tests/test_host_steps.py``
+checks each step alone.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zephon_collate import Collator, SampleMeta, SampleRecord, use_host_pass
-from zephon_collate.collate import _host
+from zephon_collate.layouts.plan import host_applies
 
 CASES = settings(max_examples=120, deadline=None)
 PAYLOAD_DTYPES = [np.uint8, np.int8, np.int16, np.int32, np.int64]
@@ -36,10 +36,10 @@ def assert_same(host: dict, spec: dict) -> None:
 
 
 def both_ways(plan, data: dict) -> tuple[dict, dict]:
-    assert _host.applies(data)
+    assert host_applies(data)
     host = plan.run(data)
     with use_host_pass(False):
-        assert not _host.applies(data)
+        assert not host_applies(data)
         spec = plan.run(data)
     return host, spec
 
@@ -106,7 +106,7 @@ def test_native_host_pass_equals_the_torch_chain(data):
         assert "positions numbered" in str(error) and "do not fit dtype" in str(error)
         return
     data_ = dict(stacked.td.items())
-    host, spec = both_ways(collator.plan_for(tuple(data_)), data_)
+    host, spec = both_ways(collator.plan(tuple(data_)), data_)
     assert_same(host, spec)
 
 
@@ -157,7 +157,7 @@ def test_transformers_host_pass_equals_the_torch_chain(
     collator = Collator.for_transformers(**options)
     stacked = collator.stack(examples)
     data_ = dict(stacked.td.items())
-    host, spec = both_ways(collator.plan_for(tuple(data_)), data_)
+    host, spec = both_ways(collator.plan(tuple(data_)), data_)
     assert_same(host, spec)
 
 
@@ -166,11 +166,11 @@ def test_the_switch_is_per_thread_and_restores():
 
     seen = []
     with use_host_pass(False):
-        worker = threading.Thread(target=lambda: seen.append(_host.applies({"x": torch.zeros(1)})))
+        worker = threading.Thread(target=lambda: seen.append(host_applies({"x": torch.zeros(1)})))
         worker.start()
         worker.join()
-        assert not _host.applies({"x": torch.zeros(1)})
-    assert seen == [True] and _host.applies({"x": torch.zeros(1)})
+        assert not host_applies({"x": torch.zeros(1)})
+    assert seen == [True] and host_applies({"x": torch.zeros(1)})
 
 
 @pytest.mark.parametrize(
@@ -182,7 +182,7 @@ def test_the_switch_is_per_thread_and_restores():
     ],
 )
 def test_the_torch_chain_runs_where_numpy_cannot(value):
-    assert not _host.applies({"x": value})
+    assert not host_applies({"x": value})
 
 
 @st.composite
@@ -247,5 +247,5 @@ def test_native_host_pass_equals_the_torch_chain_on_varied_batches(case):
         assert "num_boundaries" in str(error) or "segments" in str(error), error
         return
     data = dict(stacked.td.items())
-    host, spec = both_ways(collator.plan_for(tuple(data)), data)
+    host, spec = both_ways(collator.plan(tuple(data)), data)
     assert_same(host, spec)

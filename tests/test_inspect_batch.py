@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from zephon_collate import SampleBatch, SampleMeta, SampleRecord, pack_flat
-from zephon_collate.__main__ import main
-from zephon_collate.demo.corpus import CHAT, Document, to_records
-from zephon_collate.demo.tokenizer import EOS, PAD, ByteTokenizer
+from demo.__main__ import main
+from demo.corpus import CHAT, Document, to_records
+from demo.tokenizer import EOS, PAD, ByteTokenizer
 from zephon_collate.inspection.render import render_batch, render_batch_png, token_text
 from zephon_collate.inspection.rows import batch_rows, batch_warnings
 
@@ -346,7 +346,7 @@ def test_show_reports_bad_input_in_one_line(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     assert main(["show", str(empty)]) == 2
-    assert capsys.readouterr().err == f"python -m zephon_collate show: error: {empty} holds no records\n"
+    assert capsys.readouterr().err == f"python -m demo show: error: {empty} holds no records\n"
     assert main(["show", str(tmp_path / "missing.pt")]) == 2
     assert "No such file" in capsys.readouterr().err
 

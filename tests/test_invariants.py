@@ -39,20 +39,8 @@ from reference import reference_to_training
 from strategies import build_batch, hostile_batches
 from tensordict import TensorDict
 
-from zephon_collate import (
-    Collator,
-    CuSeqlens,
-    EosMask,
-    LossMask,
-    PaddingMask,
-    Positions,
-    SampleBatch,
-    SampleMeta,
-    SampleRecord,
-    TokenShift,
-    pack_flat,
-    to_training,
-)
+from zephon_collate import Collator, SampleBatch, SampleMeta, SampleRecord, pack_flat, to_training
+from zephon_collate.transforms import CuSeqlens, EosMask, LossMask, PaddingMask, Positions, TokenShift
 
 PACKAGE = "/zephon_collate/"
 TOKEN_CANDIDATES = ("input_ids", "tokens", "token_ids", "ids")

@@ -17,24 +17,10 @@ import torch
 from helpers import EOS, FULL_OPTIONS, PackedRecords, as_lists, record
 from test_invariants import assert_unchanged, snapshot
 
-from zephon_collate import (
-    Chain,
-    Collator,
-    CuSeqlens,
-    EosMask,
-    FlatPacker,
-    LossMask,
-    PaddingMask,
-    Positions,
-    SampleBatch,
-    SampleMeta,
-    SampleRecord,
-    TokenShift,
-    TrainingOptions,
-    pack_flat,
-    stack_batch,
-    to_training,
-)
+from zephon_collate import Chain, Collator, FlatPacker, SampleBatch, SampleMeta, SampleRecord, pack_flat, to_training
+from zephon_collate.collate.sample_batch import stack_batch
+from zephon_collate.layouts.training import TrainingOptions
+from zephon_collate.transforms import CuSeqlens, EosMask, LossMask, PaddingMask, Positions, TokenShift
 from zephon_collate.types import ContributorRef
 
 EVERYTHING = {**FULL_OPTIONS, "extra_fields": ["weights"]}

@@ -12,15 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from zephon_collate import (
-    Collator,
-    ColumnarDataset,
-    FlatPacker,
-    PackedColumns,
-    PackedStream,
-    pack_columns,
-    pack_flat,
-)
+from zephon_collate import Collator, ColumnarDataset, FlatPacker, PackedStream, pack_columns, pack_flat
+from zephon_collate.packing.columns import PackedColumns
 
 TOKENS = [[1, 2, 3], [5, 6, 7, 8]]
 PAD = 9  # not 0: labels equal to the tokens would differ from them on a row's padding if packed

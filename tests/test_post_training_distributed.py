@@ -7,7 +7,7 @@ from pathlib import Path
 
 from test_distributed import torchrun
 
-from zephon_collate import MODES
+from zephon_collate.losses import MODES
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zephon_collate import MODES, Collator, FloatField, aggregate_loss, sequence_logprobs, token_logprobs
+from zephon_collate import Collator, FloatField, aggregate_loss, sequence_logprobs, token_logprobs
+from zephon_collate.losses import MODES
 from zephon_collate.functional.attention import dense_branch_mask
 
 transformers = pytest.importorskip("transformers")

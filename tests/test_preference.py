@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zephon_collate import Collator, SampleMeta, SampleRecord
-from zephon_collate.collate.preference import PreferenceOptions
+from zephon_collate.layouts.preference import PreferenceOptions
 
 PAIRS = [
     {"prompt_input_ids": [1, 2, 3], "chosen_input_ids": [4, 5], "rejected_input_ids": [6]},
@@ -106,7 +106,7 @@ def test_a_padded_side_never_moves_the_other_sides_sequences():
         collate = Collator.for_preference(**options)
         assert lists(collate(padded)) == lists(collate(PAIRS)), options
     hole = [dict(padded[0], chosen_attention_mask=[1, 0, 1, 0]), padded[1]]
-    with pytest.raises(ValueError, match=r"example 0: 'chosen_attention_mask' has a 0 between 1s"):
+    with pytest.raises(ValueError, match=r"example 0: .chosen_attention_mask. must be 1 on the tokens, .* it has 0s between 1s"):
         Collator.for_preference(padding_free=True)(hole)
 
 
@@ -121,7 +121,7 @@ def test_batched_dicts_workers_and_the_tokenizer():
         pad_token_id = 3
 
     assert Collator.for_preference(Tokenizer())(PAIRS)["input_ids"][1].tolist() == [7, 8, 9, 3, 3]
-    assert Collator.for_preference is type(collate)
+    assert type(collate) is Collator and collate.layout.OWNER == "Collator.for_preference"  # one class
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""zephon_collate._read, the one payload reader: fields as rows, rows as Ragged, checks that name the row."""
+"""zephon_collate.read, the door: every input read once into one columnar type, checks that name the row."""
 
 from __future__ import annotations
 
@@ -8,18 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from zephon_collate._read import (
-    MISSING,
-    Ragged,
-    check_fits,
-    check_ids,
-    check_zero_one,
-    concat,
-    payload_get,
-    read_field,
-    row_of,
-    to_row,
-)
+from zephon_collate.read.arrow import columns_of
+from zephon_collate.read.columns import MISSING, Ragged, concat, row_of, to_row
+from zephon_collate.read.rows import Rows, payload_get
+from zephon_collate.read.rules import check_fits, check_ids, check_zero_one
 
 
 def names(index: int) -> str:
@@ -90,20 +82,39 @@ class Upper(dict):
         return super().__contains__(key.lower())
 
 
+def rows_of(payloads: list) -> Rows:
+    return Rows(payloads, names, tokens="input_ids", ids=[(0, 0, i) for i in range(len(payloads))])
+
+
 def test_payloads_are_read_through_their_mapping_interface():
     payload = Upper(ids=[1, 2])
     assert payload_get(payload, "IDS") == [1, 2] and payload_get(payload, "X", MISSING) is MISSING
-    rows = read_field([payload], "IDS", "IDS", "ids", names, required=True)
-    assert rows is not None and rows[0].tolist() == [1, 2]
+    field = rows_of([payload]).get("IDS", "ids")
+    assert field is not None and field.values.tolist() == [1, 2]
 
 
-def test_read_field_partial_presence_needs_a_fill():
-    payloads = [{"m": [1, 0]}, {"x": [1]}]
+def test_a_field_some_rows_lack_is_named_or_read_partially():
+    batch = rows_of([{"m": [1, 0]}, {"x": [1]}])
     with pytest.raises(ValueError, match=r"row 1: payload lacks field 'm' .*some payloads have it"):
-        read_field(payloads, "m", "input_ids", "values", names, required=False)
-    rows = read_field(payloads, "m", "input_ids", "values", names, required=False, fill=lambda i: np.ones(3))
-    assert [r.tolist() for r in rows or []] == [[1, 0], [1.0, 1.0, 1.0]]
-    assert read_field(payloads, "absent", "input_ids", "values", names, required=False) is None
+        batch.get("m", "values")
+    partial = batch.get("m", "values", partial=True)
+    assert partial is not None and partial.values.tolist() == [1, 0] and partial.lengths.tolist() == [2, 0]
+    assert batch.carried("m").tolist() == [True, False] and batch.get("absent", "values") is None
+    with pytest.raises(ValueError, match=r"row 0: payload lacks field 'absent' .*it is required"):
+        batch.require("absent")
+
+
+def test_rows_and_columns_read_into_the_same_fields():
+    """The door: payload dicts and (values, offsets) pairs give the same Ragged, read once."""
+    rows = rows_of([{"input_ids": [5, 6, 7], "m": [1, 0, 1]}, {"input_ids": [8], "m": [1]}])
+    offsets = np.array([0, 3, 4])
+    columns = columns_of({"input_ids": (np.array([5, 6, 7, 8]), offsets), "m": (np.array([1, 0, 1, 1]), offsets)})
+    assert columns is not None
+    for name in ("input_ids", "m"):
+        a, b = rows.get(name, "values"), columns.get(name, "values")
+        assert a is not None and b is not None
+        assert a.values.tolist() == b.values.tolist() and a.offsets.tolist() == b.offsets.tolist()
+    assert rows.get("m", "values") is rows.get("m", "values")  # read once
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zephon_collate import Collator, SampleMeta, SampleRecord, TransformersCollator
+from zephon_collate import Collator, SampleMeta, SampleRecord
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -257,7 +257,7 @@ def test_bad_examples_are_named(examples: object, error: type, match: str) -> No
 )
 def test_bad_arguments(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
-        TransformersCollator(**kwargs)
+        Collator.for_transformers(**kwargs)
 
 
 def test_examples_are_not_changed() -> None:
@@ -540,23 +540,15 @@ def test_static_boundary_count_is_checked_in_every_path():
 
 
 def test_a_chain_of_yours_names_the_outputs_it_makes():
-    """chain= replaces the built-in chain: the outputs are those it leaves, in Hugging Face's names
-    (it used to fail with a raw KeyError on the outputs the built-in chain would have made)."""
-    from zephon_collate import CuSeqlens, UnshiftedLabels
+    """chain= replaces the built-in chain: it runs on the stacked batch (Hugging Face's names:
+    ``position_ids``), and the outputs are the keys it leaves, as it names them."""
+    from zephon_collate.transforms import CuSeqlens, UnshiftedLabels
 
     examples = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]
-    flat = Collator.for_transformers(
-        padding_free=True, return_flash_attn_kwargs=True, chain=[CuSeqlens(flatten=True)]
-    )
+    yours = CuSeqlens("position_ids", flatten=True, out_key="cu_seq_lens_q", max_key="max_length_q")
+    flat = Collator.for_transformers(padding_free=True, return_flash_attn_kwargs=True, chain=[yours])
     out = flat(examples)
-    assert list(out) == [
-        "input_ids",
-        "position_ids",
-        "cu_seq_lens_q",
-        "cu_seq_lens_k",
-        "max_length_q",
-        "max_length_k",
-    ]
+    assert list(out) == ["input_ids", "position_ids", "cu_seq_lens_q", "max_length_q"]
     assert out["cu_seq_lens_q"].tolist() == [0, 3, 5] and out["max_length_q"] == 3
     padded = Collator.for_transformers(pad_token_id=0, chain=[UnshiftedLabels()])(examples)
     assert list(padded) == ["input_ids", "labels"]

@@ -8,7 +8,8 @@ from helpers import BOS, EOS, run_checked
 from tensordict import TensorDict
 from tensordict.nn import TensorDictSequential
 
-from zephon_collate import Chain, CuSeqlens, EosMask, LossMask, PaddingMask, Positions, TokenShift, Transform
+from zephon_collate import Chain, Transform
+from zephon_collate.transforms import CuSeqlens, EosMask, LossMask, PaddingMask, Positions, TokenShift
 
 
 def td_of(**fields):

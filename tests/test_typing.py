@@ -1,9 +1,10 @@
-"""The public signatures are written out: type checkers see them, and they equal the options dataclasses.
+"""The public signatures are derived from the options dataclasses: type checkers see them.
 
-Each entry point spells its keyword arguments out (no ``**options``), so
-``mypy --strict`` reports a misspelled option in user code; a test per entry
-point checks that the spelled-out parameters are the options dataclass's
-fields, with the same names, order and defaults (so the two cannot drift apart).
+Each option is one typed field (type, default, doc) of its options dataclass;
+each entry point's signature is derived from it
+(:func:`zephon_collate.core.checks.keywords`), so ``inspect`` and ``mypy
+--strict`` see the same names, kinds and defaults, and a misspelled option in
+user code is a type error.
 """
 
 from __future__ import annotations
@@ -18,31 +19,25 @@ from pathlib import Path
 
 import pytest
 
-from zephon_collate import (
-    Collator,
-    CollatorOptions,
-    FlatPacker,
-    PackedStream,
-    SampleBatch,
-    TrainingOptions,
-    TransformersCollator,
-    TransformersOptions,
-    pack_flat,
-    to_training,
-)
-from zephon_collate.collate import PreferenceCollator, PreferenceOptions, RolloutCollator, RolloutOptions
-from zephon_collate.collate.hf import TRANSFORMERS_COLLATOR_OPTIONS
-from zephon_collate.packing.reader import PackOptions
+from zephon_collate import Collator, FlatPacker, PackedStream, SampleBatch, pack_columns, pack_flat, to_training
+from zephon_collate.layouts.base import Settings
+from zephon_collate.layouts.native import CollatorOptions
+from zephon_collate.layouts.preference import PreferenceOptions
+from zephon_collate.layouts.rollouts import RolloutOptions
+from zephon_collate.layouts.training import TrainingOptions
+from zephon_collate.layouts.transformers import TransformersOptions
+from zephon_collate.packing.reader import PackOptions, StreamOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def fields(options: type) -> list[tuple[str, object]]:
-    return [
-        (f.name, f.default if f.default is not dataclasses.MISSING else inspect.Parameter.empty)
-        for f in dataclasses.fields(options)
-        if f.init
-    ]
+def fields(*options: type) -> list[tuple[str, object]]:
+    found: dict[str, object] = {}
+    for option in options:
+        for f in dataclasses.fields(option):
+            if f.init:
+                found[f.name] = f.default if f.default is not dataclasses.MISSING else inspect.Parameter.empty
+    return list(found.items())
 
 
 def keywords(function: object, skip: int) -> list[tuple[str, object]]:
@@ -55,57 +50,45 @@ def keywords(function: object, skip: int) -> list[tuple[str, object]]:
     [
         (to_training, 1, [TrainingOptions]),
         (SampleBatch.to_training, 1, [TrainingOptions]),
-        (Collator.__init__, 1, [TrainingOptions, CollatorOptions]),
+        (Collator.__init__, 1, [CollatorOptions, Settings]),
     ],
     ids=["to_training", "SampleBatch.to_training", "Collator"],
 )
 def test_collate_signatures_equal_their_options(function, skip, options):
-    expected = [item for option in options for item in fields(option)]
-    assert keywords(function, skip) == expected
+    assert keywords(function, skip) == fields(*options)
     parameters = list(inspect.signature(function).parameters.values())[skip:]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters)
-
-
-def test_for_transformers_signature_equals_its_options():
-    collator = dict(fields(CollatorOptions))
-    expected = fields(TransformersOptions) + [
-        (name, collator[name]) for name in TRANSFORMERS_COLLATOR_OPTIONS
-    ]
-    assert keywords(TransformersCollator.__init__, 3) == expected  # self, tokenizer, model
-    assert Collator.for_transformers is TransformersCollator  # one signature, both spellings
+    assert keywords(function, skip)[: len(fields(TrainingOptions))] == fields(TrainingOptions)  # the page's first
 
 
 @pytest.mark.parametrize(
-    ("collator", "options", "name"),
+    ("preset", "options", "positional"),
     [
-        (PreferenceCollator, PreferenceOptions, "for_preference"),
-        (RolloutCollator, RolloutOptions, "for_rollouts"),
+        ("for_transformers", TransformersOptions, ["tokenizer", "model"]),
+        ("for_preference", PreferenceOptions, ["tokenizer"]),
+        ("for_rollouts", RolloutOptions, ["tokenizer"]),
     ],
 )
-def test_post_training_signatures_equal_their_options(collator, options, name):
-    collator_options = dict(fields(CollatorOptions))
-    expected = fields(options) + [(key, collator_options[key]) for key in TRANSFORMERS_COLLATOR_OPTIONS]
-    assert keywords(collator.__init__, 2) == expected
-    assert getattr(Collator, name) is collator
+def test_preset_signatures_equal_their_options(preset, options, positional):
+    function = getattr(Collator, preset)
+    parameters = list(inspect.signature(function).parameters.values())
+    assert [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD] == positional
+    assert sorted(keywords(function, 0)) == sorted(fields(options, Settings))
+    assert type(function(padding_free=True)) is Collator  # one class, every layout
 
 
 @pytest.mark.parametrize(
-    ("function", "skip", "overrides", "extra"),
+    ("function", "skip", "options", "extra"),
     [
-        (pack_flat, 1, {}, []),
-        (FlatPacker.__init__, 1, {"buffer_size": 1024}, []),
-        (
-            PackedStream.__init__,
-            2,
-            {"buffer_size": 1024},
-            [("rank", None), ("world_size", None), ("balance", None)],
-        ),
+        (pack_flat, 1, PackOptions, []),
+        (pack_columns, 1, PackOptions, []),
+        (FlatPacker.__init__, 1, StreamOptions, []),
+        (PackedStream.__init__, 2, StreamOptions, [("rank", None), ("world_size", None), ("balance", None)]),
     ],
-    ids=["pack_flat", "FlatPacker", "PackedStream"],
+    ids=["pack_flat", "pack_columns", "FlatPacker", "PackedStream"],
 )
-def test_packing_signatures_equal_their_options(function, skip, overrides, extra):
-    expected = [(name, overrides.get(name, default)) for name, default in fields(PackOptions)] + extra
-    assert keywords(function, skip) == expected
+def test_packing_signatures_equal_their_options(function, skip, options, extra):
+    assert keywords(function, skip) == fields(options) + extra
 
 
 SNIPPET = """

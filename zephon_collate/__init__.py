@@ -1,75 +1,34 @@
 """zephon_collate: a PyTorch-native collator for LLM training data.
 
-Records (:class:`SampleRecord`) are stacked once and turned into training
-tensors by a chain of transforms (:mod:`zephon_collate.transforms`);
-:meth:`SampleBatch.to_training` is the one-call entry point, :class:`Collator`
-the ``collate_fn`` for a DataLoader, :meth:`Collator.for_transformers` the one
-for Hugging Face ``transformers`` models and ``Trainer``.
+Every input is read once at the door (:mod:`~zephon_collate.read`) into one
+columnar type; a layout (:mod:`~zephon_collate.layouts`) lays it out and runs a
+chain of transforms (:mod:`~zephon_collate.transforms`) on it, the same on the
+CPU host path, eagerly and compiled. :class:`Collator` is the ``collate_fn``
+(the reference page's layout, and ``Collator.for_transformers`` /
+``for_preference`` / ``for_rollouts``), :meth:`SampleBatch.to_training` the
+one-call entry point of the reference page.
 
-The tree, bottom to top: ``records``, ``keys`` and ``text`` (the data model,
-field names and limits, how errors quote values), ``checks``, ``read`` and
-``columns`` (argument checks, the one payload reader, columnar batches read as
-its fields),
-``functional/`` (pure kernels), ``transforms/``, ``collate/`` (options, plan,
-stacking, output, ``to_training``, the Collator and its ``transformers``
-layout, the worker transfer),
-``packing/``, ``parallel/`` and ``inspection/``.
+The tree, bottom to top: ``core`` (the data model, field names, argument
+checks), ``read``, ``functional`` (pure kernels), ``transforms``, ``layouts``,
+``collate`` (the Collator, ``to_training``, the worker transfer), then
+``packing``, ``parallel``, ``losses`` and ``inspection``.
 """
 
-from zephon_collate.collate import (
-    Collator,
-    CollatorOptions,
-    ColumnarDataset,
-    PreferenceCollator,
-    RolloutCollator,
-    StackedBatch,
-    TrainingOptions,
-    TransformersCollator,
-    TransformersOptions,
-    stack_batch,
-    to_training,
-    use_host_pass,
-)
-from zephon_collate.fields import FloatField
-from zephon_collate.functional import attention
-from zephon_collate.inspection.leakage import check_no_leakage
-from zephon_collate.inspection.render import render_batch, render_batch_png
-from zephon_collate.inspection.rows import batch_warnings
-from zephon_collate.losses import (
-    MODES,
-    aggregate_loss,
-    global_loss_count,
-    sequence_logprobs,
-    token_logprobs,
-    unpack,
-)
-from zephon_collate.packing.columns import PackedColumns, pack_columns
+from zephon_collate.collate.collator import Collator
+from zephon_collate.collate.columnar import ColumnarDataset
+from zephon_collate.collate.sample_batch import to_training
+from zephon_collate.layouts.plan import use_host_pass
+from zephon_collate.losses import aggregate_loss, global_loss_count, sequence_logprobs, token_logprobs, unpack
+from zephon_collate.packing.columns import pack_columns
 from zephon_collate.packing.pack_flat import pack_flat
 from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.packing.stream import PackedStream
-from zephon_collate.parallel.balance import BalanceOptions, BalancePlan, plan_balance
-from zephon_collate.parallel.context_parallel import gather_context_parallel
+from zephon_collate.parallel.balance import BalanceOptions
 from zephon_collate.parallel.cost import CostModel
 from zephon_collate.parallel.distributed import global_num_valid_tokens, normalize_loss
-from zephon_collate.parallel.even import EvenBatches
 from zephon_collate.parallel.sampler import BalancedBatchSampler
-from zephon_collate.parallel.schedule import BalanceSchedule
-from zephon_collate.transforms import (
-    AttentionMask,
-    BoundaryMask,
-    Chain,
-    ContextParallelShard,
-    CuSeqlens,
-    EosMask,
-    LeftPadding,
-    LossMask,
-    PaddingMask,
-    Positions,
-    SegmentIds,
-    TokenShift,
-    Transform,
-    UnshiftedLabels,
-)
+from zephon_collate.read.fields import FloatField
+from zephon_collate.transforms import Chain, Transform
 from zephon_collate.types import (
     ChunkId,
     ChunkOffset,
@@ -88,79 +47,48 @@ from zephon_collate.types import (
     ShardId,
 )
 
-from zephon_collate import functional  # isort: skip (the module, after its names)
+from zephon_collate import functional, transforms  # isort: skip (the modules, after their names)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "MODES",
-    "AttentionMask",
     "BalanceOptions",
-    "BalancePlan",
-    "BalanceSchedule",
     "BalancedBatchSampler",
-    "BoundaryMask",
     "Chain",
     "ChunkId",
     "ChunkOffset",
     "Collator",
-    "CollatorOptions",
     "ColumnarDataset",
     "ComponentId",
-    "ContextParallelShard",
     "ContributorRef",
     "CostModel",
-    "CuSeqlens",
     "DatasetId",
-    "EosMask",
-    "EvenBatches",
     "FlatPacker",
     "FloatField",
     "LaneId",
-    "LeftPadding",
     "LineageIndex",
     "LocalSampleId",
-    "LossMask",
-    "PackedColumns",
     "PackedStream",
-    "PaddingMask",
-    "Positions",
-    "PreferenceCollator",
-    "RolloutCollator",
     "SampleBatch",
     "SampleCursor",
     "SampleMeta",
     "SamplePayload",
     "SamplePayloadArray",
     "SampleRecord",
-    "SegmentIds",
     "ShardId",
-    "StackedBatch",
-    "TokenShift",
-    "TrainingOptions",
     "Transform",
-    "TransformersCollator",
-    "TransformersOptions",
-    "UnshiftedLabels",
     "__version__",
     "aggregate_loss",
-    "attention",
-    "batch_warnings",
-    "check_no_leakage",
     "functional",
-    "gather_context_parallel",
     "global_loss_count",
     "global_num_valid_tokens",
     "normalize_loss",
     "pack_columns",
     "pack_flat",
-    "plan_balance",
-    "render_batch",
-    "render_batch_png",
     "sequence_logprobs",
-    "stack_batch",
     "to_training",
     "token_logprobs",
+    "transforms",
     "unpack",
     "use_host_pass",
 ]

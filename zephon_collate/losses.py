@@ -58,8 +58,8 @@ from typing import Any, Literal, NamedTuple, TypeAlias
 
 import torch
 
-from zephon_collate._text import shown
-from zephon_collate.keys import (
+from zephon_collate.core.text import shown
+from zephon_collate.core.keys import (
     ATTENTION_MASK,
     BRANCH_IDS,
     DOCUMENT_IDS,

@@ -1,184 +1,95 @@
-"""Collator: to_training as a DataLoader ``collate_fn``, your transforms included, the device work in the
+"""Collator: a layout as a DataLoader ``collate_fn``, transforms of yours included, the device work in the
 main process.
+
+``Collator(...)`` is the reference page's layout (records in, ``to_training``'s
+outputs out, with the collator's safety on top); ``Collator.for_transformers``,
+``for_preference`` and ``for_rollouts`` are the same class over another layout
+(:mod:`zephon_collate.layouts`). Each keyword argument is a field of the
+layout's options dataclass or of :class:`~zephon_collate.layouts.base.Settings`:
+the signatures are derived from them, and type checkers see them.
 
 The split fast pipelines use:
 
-- **Workers** call :meth:`Collator.stack`: read, check and stack the records
-  into a CPU TensorDict (:class:`~zephon_collate.StackedBatch`). No CUDA call happens there.
+- **Workers** call :meth:`Collator.stack`: read, check and stack the samples
+  into a CPU TensorDict (:class:`~zephon_collate.collate.transfer.StackedBatch`).
+  No CUDA call happens there.
 - ``DataLoader(pin_memory=True)`` pins the stacked tensors in the main
-  process's pinning thread (:meth:`~zephon_collate.StackedBatch.pin_memory`).
+  process's pinning thread.
 - **The main process** calls :meth:`Collator.finish`: copy to the device with
-  ``non_blocking=True`` and run the transform chain there, compiled with
-  ``torch.compile`` when asked, transforms of yours (``transforms=[...]``) at
-  its end.
+  ``non_blocking=True`` and run the chain there, compiled with
+  ``torch.compile`` when asked, transforms of yours at its end.
 
-``Collator(...)(samples)`` does both in one call, for ``num_workers=0`` or CPU
-training.
+``Collator(...)(samples)`` does both in one call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
+from dataclasses import dataclass, fields
+from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 from torch.utils.data import get_worker_info
 
-from zephon_collate._checks import Keywords, check_bool, check_device, check_num_boundaries, suggest_options
-from zephon_collate._text import shown
-from zephon_collate.collate._native import Native
-from zephon_collate.collate._output import ids_and_texts
-from zephon_collate.collate._plan import CollateLayout, Plan, Plans
-from zephon_collate.collate._stack import RowPadding
-from zephon_collate.collate.options import TrainingOptions, options_for
+from zephon_collate.core.checks import Keywords, keywords
+from zephon_collate.core.keys import IDS, INPUT_IDS, TEXTS
+from zephon_collate.layouts.base import Layout, Settings, Stacked
+from zephon_collate.layouts.native import CollatorOptions, Native
+from zephon_collate.layouts.plan import Plan
+from zephon_collate.layouts.preference import Preference, PreferenceOptions
+from zephon_collate.layouts.rollouts import RolloutOptions, Rollouts
+from zephon_collate.layouts.transformers import Transformers, TransformersOptions
 from zephon_collate.collate.transfer import StackedBatch, WireOutputs
-from zephon_collate.fields import FloatField, check_float_fields
-from zephon_collate.keys import (
-    IGNORE_INDEX,
-    INPUT_IDS,
-    LABELS,
-    LOSS_MASK,
-    PADDING_LENGTH,
-    PADDING_MASK,
-    POSITION_IDS,
-    POSITIONS,
-)
-from zephon_collate.transforms import Chain, Transform
 
-if TYPE_CHECKING:
-    from zephon_collate.collate.hf import TransformersCollator
-    from zephon_collate.collate.preference import PreferenceCollator
-    from zephon_collate.collate.rollouts import RolloutCollator
-
-__all__ = ["COLLATOR_OPTION_NAMES", "Collator", "CollatorOptions"]
+__all__ = ["Collator"]
 
 
-def _check_transforms(name: str, value: object) -> tuple[Transform, ...]:
-    if isinstance(value, torch.nn.Module) or not isinstance(value, Sequence) or isinstance(value, str):
-        raise TypeError(f"Collator: {name} must be a list of transforms, got {shown(value)}")
-    for index, transform in enumerate(value):
-        if not isinstance(transform, torch.nn.Module) or not hasattr(transform, "in_keys"):
-            raise TypeError(
-                f"Collator: {name}[{index}] ({shown(transform)}) is not a transform with in_keys and "
-                "out_keys; subclass zephon_collate.Transform"
-            )
-    return tuple(value)
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _Native(Settings, CollatorOptions):
+    """``Collator(...)``'s keywords: the page's, the Collator's own, then the settings."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class CollatorOptions(Keywords):
-    """The :class:`Collator`'s own keyword arguments (besides ``to_training``'s), checked once.
-
-    See :class:`Collator` for each one's meaning.
-
-    Raises:
-        TypeError, ValueError: for a value of the wrong type or out of range.
-
-    Example:
-        >>> CollatorOptions(pad_token_id=0, pad_to_multiple_of=8).pad_to_multiple_of
-        8
-        >>> CollatorOptions(num_boundaries=0)
-        Traceback (most recent call last):
-        ...
-        ValueError: Collator: num_boundaries must be an int >= 1 or None, got 0
-    """
-
-    device: str | torch.device | None = None
-    compile: bool = False
-    num_boundaries: int | None = None
-    python_scalars: bool = True
-    pad_token_id: int | None = None
-    pad_to_multiple_of: int | None = None
-    boundary_safe_labels: bool = True
-    float_fields: Sequence[str | FloatField] = ()
-    transforms: Sequence[Transform] = ()
-    chain: Sequence[Transform] | None = None
-
-    def __post_init__(self) -> None:
-        put = object.__setattr__
-        put(self, "device", check_device("Collator", self.device))
-        for name in ("compile", "python_scalars", "boundary_safe_labels"):
-            put(self, name, check_bool(name, getattr(self, name), owner="Collator"))
-        put(self, "num_boundaries", check_num_boundaries("Collator", self.num_boundaries))
-        put(self, "float_fields", check_float_fields("Collator", self.float_fields))
-        put(self, "transforms", _check_transforms("transforms", self.transforms))
-        if self.chain is not None:
-            put(self, "chain", _check_transforms("chain", self.chain))
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _Transformers(Settings, TransformersOptions):
+    """``Collator.for_transformers(...)``'s keywords."""
 
 
-COLLATOR_OPTION_NAMES = CollatorOptions.names()
-"""The :class:`Collator`'s own keyword arguments, after ``to_training``'s, in its signature's order."""
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _Preference(Settings, PreferenceOptions):
+    """``Collator.for_preference(...)``'s keywords."""
 
-_WRITTEN = (INPUT_IDS, LABELS, POSITIONS, POSITION_IDS, LOSS_MASK, PADDING_LENGTH, PADDING_MASK)
-"""Names a float field may not take: fields the collate path reads or writes itself."""
 
-_CHAIN_OPTIONS = (
-    "return_labels",
-    "return_num_valid_tokens",
-    "return_loss_mask",
-    "return_cu_seqlens",
-    "return_padding_mask",
-    "eos_mask_loss",
-    "position_mode",
-)
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _Rollouts(Settings, RolloutOptions):
+    """``Collator.for_rollouts(...)``'s keywords."""
+
+
+def _split(options: type[Keywords], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Settings]:
+    """The layout's options and the settings from one call's arguments (positional: the options')."""
+    settings = {f.name for f in fields(Settings) if f.init}
+    given = {name: value for name, value in kwargs.items() if name not in settings}
+    return options(*args, **given), Settings(**{k: v for k, v in kwargs.items() if k in settings})
 
 
 class Collator:
-    """A ``collate_fn`` that runs :meth:`SampleBatch.to_training` on what a DataLoader hands it.
+    """A ``collate_fn`` that lays out what a DataLoader hands it, as :meth:`SampleBatch.to_training` does.
 
-    The keyword arguments are ``to_training``'s (checked now, with its names,
-    order and defaults), then the collator's own:
+    The keyword arguments are ``to_training``'s (with its names, order and
+    defaults), then the collator's own (:class:`~zephon_collate.layouts.native.CollatorOptions`:
+    ``pad_token_id``, ``pad_to_multiple_of``, ``boundary_safe_labels``,
+    ``float_fields``), then the settings of every collator
+    (:class:`~zephon_collate.layouts.base.Settings`: ``device``, ``compile``,
+    ``num_boundaries``, ``python_scalars``, ``transforms``, ``chain``).
 
-    Parameters:
-        device: where :meth:`finish` runs the chain (``None``: where the data is).
-        compile: run the chain through ``torch.compile`` (dynamic shapes, full
-            graphs), so varying batch sizes and lengths do not recompile.
-        num_boundaries: give ``cu_seqlens`` a static shape: each row's boundaries
-            (or the flattened sequence) padded to exactly this many, with the row
-            (or total) length as filler. The whole chain is then one graph (CUDA
-            graph friendly); more segments than that are refused by :meth:`stack`.
-        python_scalars: return ``num_valid_tokens`` (and a flattened
-            ``max_seqlen``) as Python ints, as the reference page does; ``False``
-            keeps them as 0-d tensors on the device, which avoids a device sync.
-        pad_token_id: pad ragged rows (unpacked SFT examples) on the right to the
-            longest with this id; the padding counts as each record's trailing
-            padding, so labels, ``padding_mask``, ``cu_seqlens`` and
-            ``num_valid_tokens`` treat it as the page's (``None``: rows must be
-            of equal length, or ``dtype=None`` gives ragged lists).
-        pad_to_multiple_of: round the padded length up to a multiple of this
-            (at most 2**20).
-        boundary_safe_labels: with labels and payload positions, ignore every label
-            whose target starts a new segment (:class:`~zephon_collate.BoundaryMask`):
-            no label crosses a document boundary, EOS or not. On by default here;
-            ``to_training`` keeps the reference page's labels.
-        transforms: transforms of yours (:class:`~zephon_collate.Transform`), run
-            after the built-in chain wherever it runs: in :meth:`__call__`, in
-            :meth:`finish` after the device copy, compiled with ``compile=True``.
-            Each key one of them writes is an output (renamed and excluded like
-            the others, flattened with ``flatten`` when per-token).
-        chain: transforms of yours that replace the built-in chain (the options
-            that build it, ``return_labels`` to ``position_mode``, must then keep
-            their defaults); they run on the stacked batch (``input_ids``,
-            ``positions``, ``loss_mask`` and extra fields when read,
-            ``padding_length``).
-        float_fields: float payload fields (log-probs, advantages, rewards): names, or
-            :class:`~zephon_collate.fields.FloatField` specs. Each keeps its own float
-            dtype (float32 by default, whatever ``dtype`` is), is 0.0 on padding, and is
-            shifted with the labels as its alignment says: a token-aligned field (value
-            ``t`` belongs to token ``t``, the default) is cut ``[:, 1:]`` with
-            ``return_labels``, so ``out[name][:, j]`` belongs to ``labels[:, j]``
-            (:mod:`zephon_collate.fields`). ``to_training`` has no such option: its
-            extra fields follow ``dtype``, as the reference page says. Float fields are
-            read example by example: a columnar batch with ``float_fields`` is refused.
+    It takes records, plain payloads (dicts or token arrays), or a columnar
+    batch (an Arrow table, ``(values, offsets)`` pairs). Called in a DataLoader
+    worker, the dict it returns pickles its CPU tensors as one compact buffer.
 
     Raises:
-        TypeError, ValueError: for bad options, as ``to_training`` raises them;
-            ``TypeError`` for a non-bool ``compile``/``python_scalars`` or a
-            transform that is not one; ``ValueError`` for a ``device`` this process
-            cannot use, ``device`` or ``compile`` with non-torch output, or ``chain``
-            with options that build the chain.
+        TypeError, ValueError: for bad options, as ``to_training`` raises them; ``ValueError`` for a
+            ``device`` this process cannot use, ``device`` or ``compile`` with non-torch output, or
+            ``chain`` with options that build the chain.
 
     Example:
         >>> collate = Collator(return_labels=True, return_num_valid_tokens=True)
@@ -187,77 +98,113 @@ class Collator:
         ([[10, 2], [11, 2]], 4)
     """
 
-    @suggest_options("Collator")
-    def __init__(
-        self,
-        *,
-        tokens_field: str = "auto",
-        return_labels: bool = False,
-        dtype: Any = "auto",
-        extra_fields: Sequence[str] = (),
-        ignore_index: int = IGNORE_INDEX,
-        rename_fields: Mapping[str, str] | None = None,
-        flatten: bool = False,
-        exclude_fields: Sequence[str] = (),
-        return_num_valid_tokens: bool = False,
-        return_loss_mask: bool = False,
-        return_cu_seqlens: bool = False,
-        return_padding_mask: bool = False,
-        eos_mask_loss: bool = False,
-        eos_token_id: int | None = None,
-        position_mode: Literal["preserve", "sequence"] = "preserve",
-        device: str | torch.device | None = None,
-        compile: bool = False,
-        num_boundaries: int | None = None,
-        python_scalars: bool = True,
-        pad_token_id: int | None = None,
-        pad_to_multiple_of: int | None = None,
-        boundary_safe_labels: bool = True,
-        float_fields: Sequence[str | FloatField] = (),
-        transforms: Sequence[Transform] = (),
-        chain: Sequence[Transform] | None = None,
-    ) -> None:
-        scope = locals()
-        self.options = options_for(TrainingOptions.arguments(scope))
-        self.settings = CollatorOptions(**CollatorOptions.arguments(scope))
-        settings = self.settings
-        specs = cast(tuple[FloatField, ...], settings.float_fields)  # normalised by CollatorOptions
-        reserved = (*self.options.generated_keys(), *self.options.extra_fields, *_WRITTEN)
-        check_float_fields("Collator", specs, reserved)
-        if chain is not None:
-            defaults = TrainingOptions()
-            given = [
-                name for name in _CHAIN_OPTIONS if getattr(self.options, name) != getattr(defaults, name)
-            ]
-            if given:
-                raise ValueError(
-                    f"Collator: chain= replaces the chain that {', '.join(given)} would build; leave "
-                    "those at their defaults, or pass transforms=[...] to add yours after the built-in chain"
-                )
-        if (settings.device is not None or settings.compile) and self.options.output.kind != "torch":
-            raise ValueError(
-                "Collator: device and compile need torch output; pass dtype='auto' or a torch dtype"
-            )
-        padding = RowPadding.create(pad_token_id, pad_to_multiple_of)
-        if padding is not None and self.options.output.kind != "list":
-            info = torch.iinfo(self.options.output.torch_dtype)
-            if padding.pad_token_id > info.max:
-                raise ValueError(
-                    f"Collator: pad_token_id {padding.pad_token_id} does not fit dtype "
-                    f"{self.options.output.torch_dtype}; pick a wider dtype"
-                )
-        self.layout: CollateLayout = Native(
-            self.options,
-            padding=padding,
-            boundary_safe=settings.boundary_safe_labels,
-            refuse_unused=True,
-            num_boundaries=settings.num_boundaries,
-            check_padding=chain is not None,  # a chain of yours may read padding_length
-            float_fields=specs,
-        )
-        self._plans = Plans()
+    layout: Layout
 
-    # The settings, as attributes.
+    @keywords(_Native, "Collator")
+    def __init__(self, **options: Any) -> None:
+        layout_options, settings = _split(CollatorOptions, (), options)
+        self._use(Native(layout_options, settings))
+
+    @classmethod
+    def of(cls, layout: Layout) -> Collator:
+        """The collator of ``layout``: how every preset is built (through the one setup)."""
+        collator = cls.__new__(cls)
+        collator._use(layout)
+        return collator
+
+    def _use(self, layout: Layout) -> None:
+        settings = layout.settings
+        if (settings.device is not None or settings.compile) and layout.kind != "torch":
+            raise ValueError(
+                f"{layout.OWNER}: device and compile need torch output; pass "
+                + ("return_tensors='pt'" if isinstance(layout, Transformers) else "dtype='auto' or a torch dtype")
+            )
+        if isinstance(layout, Native):
+            layout.check_chain()
+        self.layout = layout
+
+    @classmethod
+    @keywords(_Transformers, "Collator.for_transformers")
+    def for_transformers(cls, *args: Any, **options: Any) -> Collator:
+        """The ``collate_fn`` for Hugging Face ``transformers`` causal LMs and ``Trainer(data_collator=...)``.
+
+        The swap is literal: ``DataCollatorForSeq2Seq(tokenizer, ...)`` becomes
+        ``Collator.for_transformers(tokenizer, ...)``, ``DataCollatorWithFlattening(...)``
+        becomes ``Collator.for_transformers(padding_free=True, ...)``, with the same option
+        names; see :class:`~zephon_collate.layouts.transformers.TransformersOptions` and the layout
+        (:mod:`zephon_collate.layouts.transformers`).
+
+        Example:
+            >>> collate = Collator.for_transformers(pad_token_id=0)
+            >>> batch = collate([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9]}])
+            >>> batch["input_ids"].tolist(), batch["attention_mask"].tolist(), batch["labels"].tolist()
+            ([[5, 6, 7], [8, 9, 0]], [[1, 1, 1], [1, 1, 0]], [[-100, 6, 7], [8, 9, -100]])
+            >>> flatten = Collator.for_transformers(padding_free=True, return_flash_attn_kwargs=True)
+            >>> flat = flatten([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
+            >>> flat["labels"].tolist(), flat["position_ids"].tolist(), flat["cu_seq_lens_q"].tolist()
+            ([[-100, 6, 7, -100, 9]], [[0, 1, 2, 0, 1]], [0, 3, 5])
+        """
+        layout_options, settings = _split(TransformersOptions, args, options)
+        return cls.of(Transformers(layout_options, settings))
+
+    @classmethod
+    @keywords(_Preference, "Collator.for_preference")
+    def for_preference(cls, *args: Any, **options: Any) -> Collator:
+        """Preference pairs to one exact batch of their chosen and rejected sequences
+        (:mod:`zephon_collate.layouts.preference`).
+
+        Example:
+            >>> pairs = [
+            ...     {"prompt_input_ids": [1, 2, 3], "chosen_input_ids": [4, 5], "rejected_input_ids": [6]},
+            ...     {"prompt_input_ids": [7, 8], "chosen_input_ids": [9], "rejected_input_ids": [10, 11, 12]},
+            ... ]
+            >>> batch = Collator.for_preference(pad_token_id=0)(pairs)
+            >>> batch["input_ids"].tolist()
+            [[1, 2, 3, 4, 5], [7, 8, 9, 0, 0], [1, 2, 3, 6, 0], [7, 8, 10, 11, 12]]
+            >>> batch["chosen_index"].tolist(), batch["rejected_index"].tolist()
+            ([0, 1], [2, 3])
+            >>> shared = Collator.for_preference(padding_free=True, shared_prompt=True)(pairs)
+            >>> shared["input_ids"].tolist(), shared["position_ids"].tolist()
+            ([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]], [[0, 1, 2, 3, 4, 3, 0, 1, 2, 2, 3, 4]])
+        """
+        layout_options, settings = _split(PreferenceOptions, args, options)
+        return cls.of(Preference(layout_options, settings))
+
+    @classmethod
+    @keywords(_Rollouts, "Collator.for_rollouts")
+    def for_rollouts(cls, *args: Any, **options: Any) -> Collator:
+        """RL rollouts (a prompt and a completion, float fields) to one exact training batch
+        (:mod:`zephon_collate.layouts.rollouts`).
+
+        Example:
+            >>> from zephon_collate import FloatField
+            >>> rollouts = [
+            ...     {"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1], "adv": 1.0},
+            ...     {"input_ids": [1, 2, 5], "completion_mask": [0, 0, 1], "adv": -1.0},
+            ... ]
+            >>> collate = Collator.for_rollouts(
+            ...     padding_free=True, shared_prompt=True, float_fields=[FloatField("adv", "sequence")]
+            ... )
+            >>> batch = collate(rollouts)
+            >>> batch["input_ids"].tolist(), batch["position_ids"].tolist(), batch["labels"].tolist()
+            ([[1, 2, 3, 4, 5]], [[0, 1, 2, 3, 2]], [[-100, -100, 3, 4, 5]])
+            >>> batch["adv"].tolist(), batch["logits_index"].tolist()
+            ([1.0, -1.0], [[-1, 0, 1, 2, 1]])
+        """
+        layout_options, settings = _split(RolloutOptions, args, options)
+        return cls.of(Rollouts(layout_options, settings))
+
+    # -- the options, as attributes ---------------------------------------------------------------
+
+    @property
+    def options(self) -> Any:
+        """The layout's options (checked)."""
+        return self.layout.options
+
+    @property
+    def settings(self) -> Settings:
+        return self.layout.settings
+
     @property
     def device(self) -> torch.device | None:
         return self.settings.device  # type: ignore[return-value]  # checked to a torch.device
@@ -266,91 +213,22 @@ class Collator:
     def compile(self) -> bool:
         return self.settings.compile
 
-    @property
-    def num_boundaries(self) -> int | None:
-        return self.settings.num_boundaries
-
-    @property
-    def python_scalars(self) -> bool:
-        return self.settings.python_scalars
-
-    @property
-    def padding(self) -> RowPadding | None:
-        return getattr(self.layout, "padding", None)
-
-    @property
-    def boundary_safe_labels(self) -> bool:
-        return self.settings.boundary_safe_labels
-
-    for_transformers: ClassVar[type[TransformersCollator]]
-    """``Collator.for_transformers(...)`` is :class:`~zephon_collate.TransformersCollator`: the
-    ``collate_fn`` for Hugging Face ``transformers`` models and ``Trainer(data_collator=...)``,
-    over the same reader, chain, stack/finish, device and compile (set by :mod:`.hf`)."""
-
-    for_preference: ClassVar[type[PreferenceCollator]]
-    """``Collator.for_preference(...)`` is :class:`~zephon_collate.collate.preference.PreferenceCollator`:
-    preference pairs to one exact batch of chosen and rejected sequences (set by :mod:`.preference`)."""
-
-    for_rollouts: ClassVar[type[RolloutCollator]]
-    """``Collator.for_rollouts(...)`` is :class:`~zephon_collate.collate.rollouts.RolloutCollator`: RL
-    rollouts (prompt + completion, float fields) to one exact batch (set by :mod:`.rollouts`)."""
-
     def __repr__(self) -> str:
-        return f"Collator(options={self.options}, settings={self.settings}, padding={self.padding})"
+        return f"{self.layout.OWNER}({self.options}, {self.settings})"
 
-    def _empty(self) -> dict[str, Any]:
-        """The outputs of an empty batch, named by this collator's chain (your transforms included)."""
-        settings = self.settings
-        if not settings.transforms and settings.chain is None:
-            return self.layout.empty()
+    def plan(self, keys: tuple[str, ...]) -> Plan:
+        """The plan of this collator on a stacked batch holding ``keys``: its chain and output keys."""
+        return self.layout.plan(keys)
 
-        def chain(keys: list[str]) -> Chain:
-            steps = self.layout.chain(keys) if settings.chain is None else settings.chain
-            return Chain(*steps, *settings.transforms)
+    # -- collating ----------------------------------------------------------------------------------
 
-        return self.layout.empty(chain)
-
-    def plan_for(self, keys: tuple[str, ...]) -> Plan:
-        """The plan of this collator on a stacked batch holding ``keys``: its chain and output names."""
-        settings = self.settings
-        if not settings.transforms and settings.chain is None:
-            return self.layout.plan(keys)
-        plan = self._plans.get(keys)
-        if plan is None:
-            plan = self._plans[keys] = Plan(self.layout, keys, settings.transforms, settings.chain)
-        return plan
-
-    def runner(
-        self, plan: Plan, device: str | torch.device | None = None
-    ) -> Callable[[Mapping[str, torch.Tensor]], Mapping[str, Any]]:
-        """How ``plan`` runs here: eager, or compiled for ``device`` (default: the collator's, else the CPU).
-
-        The returned callable takes a mapping of stacked tensors (a dict or a
-        TensorDict) and returns the chain's output mapping.
-        """
-        if not self.compile:
-            return plan.run
-        return plan.compiled(torch.device(device or self.device or "cpu").type)
-
-    def __call__(self, samples: Sequence[Any]) -> dict[str, Any]:
-        """Collate in one step: :meth:`stack` then :meth:`finish`.
-
-        ``samples``: records, plain payloads, or a columnar batch (an Arrow table,
-        ``(values, offsets)`` pairs: see :mod:`zephon_collate._columns`).
-
-        In a DataLoader worker the dict returned pickles its CPU tensors as one
-        compact buffer (:class:`~zephon_collate.collate.transfer.WireOutputs`); the main
-        process receives a plain dict.
-        """
-        if isinstance(samples, Sequence) and not isinstance(samples, (str, bytes)) and not len(samples):
-            return self._empty()
-        if self.device is None and not self.compile:
-            out = self.layout.collate(samples, self.plan_for, python_scalars=self.python_scalars)
-        else:
-            out = self.finish(self.stack(samples))
+    def __call__(self, samples: Any) -> dict[str, Any]:
+        """Collate in one step: read, lay out, run the chain, assemble (:meth:`stack` then :meth:`finish`
+        when a device or compiling is asked)."""
+        out = self.layout.collate(samples)
         return WireOutputs(out) if get_worker_info() is not None else out
 
-    def stack(self, samples: Sequence[Any]) -> StackedBatch:
+    def stack(self, samples: Any) -> StackedBatch:
         """Worker side: read, check and stack the samples into a CPU TensorDict.
 
         Every data error is raised here, naming the record and the field (with
@@ -360,8 +238,8 @@ class Collator:
         padding work through ``Collator(...)(samples)`` only.
 
         Returns:
-            a :class:`~zephon_collate.StackedBatch` (``td``: the stacked CPU TensorDict, ``None``
-            for an empty batch; the per-record outputs; each row's ``SampleMeta`` in ``metas``).
+            a :class:`~zephon_collate.collate.transfer.StackedBatch` (``td``: the stacked CPU
+            TensorDict, ``None`` for an empty batch; the per-record outputs; each row's ``SampleMeta``).
 
         Raises:
             TypeError, ValueError: for every data error, naming the record, the field and the fix.
@@ -374,13 +252,24 @@ class Collator:
             >>> collate.finish(stacked)["labels"].tolist()
             [[6, 7]]
         """
-        batch = self.layout.stack(samples)
-        if batch is None:
-            return StackedBatch(None, ids_and_texts(()))
-        rows = {value.shape[0] if value.dim() else -1 for value in batch.data.values()}
+        stacked = self.layout.stack(samples)
+        if not stacked:
+            return StackedBatch(None, {IDS: [], TEXTS: []})
+        if len(stacked) > 1:
+            raise ValueError(
+                "Collator.stack: rows of unequal length cannot be stacked into one TensorDict, even for "
+                "dtype=None (lists); call the collator itself (Collator(...)(samples)), which returns "
+                "ragged lists, or pad the rows (Collator(pad_token_id=...)) or pack them (pack_flat)"
+            )
+        part = stacked[0]
+        data = {
+            k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+            for k, v in part.data.items()
+        }
+        rows = {value.shape[0] if value.dim() else -1 for value in data.values()}
         size = list(rows) if len(rows) == 1 and -1 not in rows else []  # [] when some hold one entry per row
-        td = TensorDict(batch.data, batch_size=size, device=batch.data["input_ids"].device)
-        return StackedBatch(td, batch.per_record, batch.metas)
+        td = TensorDict(data, batch_size=size, device=data[INPUT_IDS].device)
+        return StackedBatch(td, part.per_row or {IDS: [], TEXTS: []}, part.metas)
 
     def finish(self, stacked: StackedBatch) -> dict[str, Any]:
         """Main-process side: move to ``device`` (``non_blocking``), run the chain, build the outputs.
@@ -389,9 +278,8 @@ class Collator:
             the outputs of ``collator(samples)`` for the samples ``stacked`` was made from.
 
         Raises:
-            TypeError: for anything but the :class:`~zephon_collate.StackedBatch` that
+            TypeError: for anything but the :class:`~zephon_collate.collate.transfer.StackedBatch` that
                 :meth:`stack` returns.
-            ValueError: from a transform of yours whose inputs the batch lacks.
         """
         if not isinstance(stacked, StackedBatch):
             raise TypeError(
@@ -399,15 +287,13 @@ class Collator:
                 f"{type(stacked).__name__}"
             )
         if stacked.td is None:
-            return self._empty()
+            return self.layout.empty()
         td = stacked.td
-        if self.device is not None and td.device != self.device:
-            td = td.to(self.device, non_blocking=True)  # narrow fields move narrow, then widen there
-        data: dict[str, torch.Tensor] = {
-            key: value for key, value in td.items() if isinstance(value, torch.Tensor)
-        }
+        device = self.settings.device
+        if device is not None and td.device != device:
+            td = td.to(device, non_blocking=True)  # narrow fields move narrow, then widen there
+        data: dict[str, Any] = {key: value for key, value in td.items() if isinstance(value, torch.Tensor)}
         for key, dtype in stacked.dtypes.items():
             data[key] = data[key].to(dtype)
-        plan = self.plan_for(tuple(data))
-        result = self.runner(plan, td.device)(data)
-        return self.layout.assemble(stacked.per_record, result, plan.pairs, self.python_scalars)
+        return self.layout.finish([Stacked(data, stacked.per_record, stacked.metas)])
+

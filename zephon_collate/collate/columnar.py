@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from zephon_collate._columns import ColumnBatch, Columns, example_names
-from zephon_collate._read import gather_spans
-from zephon_collate._text import shown
+from zephon_collate.read.arrow import ColumnBatch, Columns
+from zephon_collate.read.rows import example_names
+from zephon_collate.read.columns import gather_spans
+from zephon_collate.core.text import shown
 
 __all__ = ["ColumnarDataset"]
 
@@ -135,10 +136,10 @@ class ColumnarDataset(torch.utils.data.Dataset[Any]):
             for name in self.columns:
                 try:
                     if columns.is_list(name):
-                        field = columns.ragged(name, "values", example_names)
+                        field = columns.ragged(name, "values")
                         read[name] = (field.host, field.offsets)
                     else:
-                        read[name] = (columns.values(name, "values", example_names), None)
+                        read[name] = (columns.values(name, "values"), None)
                 except (TypeError, ValueError):
                     column = table.column(name)
                     read[name] = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()

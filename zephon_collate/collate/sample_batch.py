@@ -1,6 +1,6 @@
 """SampleBatch and to_training: the reference page's batch, and its conversion to training tensors.
 
-:class:`SampleBatch` sits above the records (:mod:`zephon_collate.records`) and
+:class:`SampleBatch` sits above the records (:mod:`zephon_collate.core.records`) and
 the collate path it calls; :mod:`zephon_collate.types` re-exports it with them.
 """
 
@@ -11,16 +11,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
-from zephon_collate._checks import check_field_names, suggest_options
-from zephon_collate._read import as_record_tuple
-from zephon_collate._text import shown
-from zephon_collate.collate._native import Native
-from zephon_collate.collate.options import TrainingOptions, options_for
-from zephon_collate.keys import IGNORE_INDEX, PADDING_LENGTH
-from zephon_collate.records import SampleRecord
+from zephon_collate.core.checks import check_field_names, keywords
+from zephon_collate.core.keys import PADDING_LENGTH
+from zephon_collate.core.records import SampleRecord
+from zephon_collate.core.text import shown
+from zephon_collate.layouts.base import Settings
+from zephon_collate.layouts.native import Native
+from zephon_collate.layouts.training import TrainingOptions, options_for
+from zephon_collate.read.rows import as_record_tuple, records_of
 
 __all__ = ["SampleBatch", "stack_batch", "to_training"]
 
@@ -32,8 +34,7 @@ def _layout(options: TrainingOptions) -> Native:
 
 
 def _collate(records: tuple[SampleRecord, ...], options: TrainingOptions) -> dict[str, Any]:
-    layout = _layout(options)
-    return layout.collate(records, layout.plan)
+    return _layout(options).collate(records)
 
 
 @dataclass(frozen=True)
@@ -95,26 +96,8 @@ class SampleBatch:
             self, tokens_field=tokens_field, extra_fields=extra_fields, dtype=dtype, pin_memory=pin_memory
         )
 
-    @suggest_options("to_training")
-    def to_training(
-        self,
-        *,
-        tokens_field: str = "auto",
-        return_labels: bool = False,
-        dtype: Any = "auto",
-        extra_fields: Sequence[str] = (),
-        ignore_index: int = IGNORE_INDEX,
-        rename_fields: Mapping[str, str] | None = None,
-        flatten: bool = False,
-        exclude_fields: Sequence[str] = (),
-        return_num_valid_tokens: bool = False,
-        return_loss_mask: bool = False,
-        return_cu_seqlens: bool = False,
-        return_padding_mask: bool = False,
-        eos_mask_loss: bool = False,
-        eos_token_id: int | None = None,
-        position_mode: Literal["preserve", "sequence"] = "preserve",
-    ) -> dict[str, Any]:
+    @keywords(TrainingOptions, "to_training")
+    def to_training(self, **options: Any) -> dict[str, Any]:
         """Convert batch to training-ready format with optional LM label generation.
 
         The full reference, parameter by parameter, is ``docs/to_training.md``
@@ -153,30 +136,11 @@ class SampleBatch:
             >>> out["input_ids"].tolist(), out["labels"].tolist()
             ([[1, 10, 2, 1, 11]], [[10, 2, -100, 11, 2]])
         """
-        options = options_for(TrainingOptions.arguments(locals()))
-        return _collate(self.records, options)
+        return _collate(self.records, options_for(options))
 
 
-@suggest_options("to_training")
-def to_training(
-    batch: SampleBatch | Sequence[SampleRecord],
-    *,
-    tokens_field: str = "auto",
-    return_labels: bool = False,
-    dtype: Any = "auto",
-    extra_fields: Sequence[str] = (),
-    ignore_index: int = IGNORE_INDEX,
-    rename_fields: Mapping[str, str] | None = None,
-    flatten: bool = False,
-    exclude_fields: Sequence[str] = (),
-    return_num_valid_tokens: bool = False,
-    return_loss_mask: bool = False,
-    return_cu_seqlens: bool = False,
-    return_padding_mask: bool = False,
-    eos_mask_loss: bool = False,
-    eos_token_id: int | None = None,
-    position_mode: Literal["preserve", "sequence"] = "preserve",
-) -> dict[str, Any]:
+@keywords(TrainingOptions, "to_training")
+def to_training(batch: SampleBatch | Sequence[SampleRecord], **options: Any) -> dict[str, Any]:
     """Convert a batch to training-ready format; the reference is :meth:`SampleBatch.to_training`.
 
     ``batch`` is a :class:`SampleBatch` or a sequence of :class:`SampleRecord`.
@@ -187,8 +151,7 @@ def to_training(
         >>> to_training([record], return_labels=True)["labels"].tolist()
         [[6, 7]]
     """
-    options = options_for(TrainingOptions.arguments(locals()))
-    return _collate(as_record_tuple(batch, "to_training"), options)
+    return _collate(as_record_tuple(batch, "to_training"), options_for(options))
 
 
 def stack_batch(
@@ -250,7 +213,8 @@ def stack_batch(
         empty = {name: torch.empty((0, 0), dtype=dtype) for name in ("input_ids", *extras)}
         return TensorDict({**empty, PADDING_LENGTH: torch.empty(0, dtype=torch.int64)}, batch_size=[0])
     options = TrainingOptions(tokens_field=tokens_field, dtype=dtype, extra_fields=extras)
-    layout = Native(options, check_padding=True)
-    data = layout.read(records)[0].data
-    td = TensorDict(data, batch_size=[len(records)], device=data["input_ids"].device)
+    layout = Native(options, Settings(chain=()))  # the stacked batch as a chain of yours gets it
+    data = layout.lay_out(records_of(records, tokens_field, owner))[0].data
+    tensors = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in data.items()}
+    td = TensorDict(tensors, batch_size=[len(records)], device=tensors["input_ids"].device)
     return td.pin_memory() if pin_memory else td

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from zephon_collate.records import SampleMeta
+from zephon_collate.core.records import SampleMeta
 
 __all__ = [
     "PIPE_LIMIT",

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from zephon_collate._checks import check_fits_dtype
+from zephon_collate.core.checks import check_fits_dtype
 
 __all__ = ["KERNELS", "check_fill", "check_tensor", "kernel"]
 

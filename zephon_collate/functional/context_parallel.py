@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from zephon_collate._text import shown
+from zephon_collate.core.text import shown
 from zephon_collate.functional._registry import kernel
 
 __all__ = ["check_cp", "cp_partition_index", "partition"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from zephon_collate._checks import fits_dtype
+from zephon_collate.core.checks import fits_dtype
 from zephon_collate.functional._registry import check_fill, check_tensor, kernel
 
 __all__ = [

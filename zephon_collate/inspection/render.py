@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from zephon_collate.inspection.rows import RowView, batch_rows, batch_warnings, percent
-from zephon_collate.keys import LABELS
+from zephon_collate.core.keys import LABELS
 
 __all__ = ["render_batch", "render_batch_png", "token_text"]
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from zephon_collate._text import shown
+from zephon_collate.core.text import shown
 from zephon_collate.functional.segments import segment_starts
-from zephon_collate.keys import (
+from zephon_collate.core.keys import (
     ATTENTION_MASK,
     CU_SEQ_LENS_Q,
     CU_SEQLENS,

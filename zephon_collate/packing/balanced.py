@@ -23,12 +23,12 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from zephon_collate.keys import INPUT_IDS
+from zephon_collate.core.keys import INPUT_IDS
 from zephon_collate.packing.reader import PackOptions, Reader
 from zephon_collate.packing.rows import Piece, build_row, split_document
 from zephon_collate.packing.source import Source, cursor_key, restored, saveable, shard_records
 from zephon_collate.packing.state import check_count, corrupt, piece_from_state, piece_state
-from zephon_collate.records import SampleRecord
+from zephon_collate.core.records import SampleRecord
 
 if TYPE_CHECKING:  # types only: at run time packing reads the options it is given, parallel is beside it
     from zephon_collate.parallel.balance import BalanceOptions, BalancePlan

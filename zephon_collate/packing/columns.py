@@ -19,14 +19,15 @@ from typing import Any, Literal
 
 import numpy as np
 
-from zephon_collate._checks import suggest_options
-from zephon_collate._columns import ColumnarBatch, ColumnBatch, columns_of, example_names
-from zephon_collate.fields import FloatField
-from zephon_collate.keys import INPUT_IDS, INT32_MAX, INT64_MAX, POSITIONS
+from zephon_collate.core.checks import keywords
+from zephon_collate.read.arrow import ColumnarBatch, ColumnBatch, columns_of
+from zephon_collate.read.rows import example_names
+from zephon_collate.read.fields import FloatField
+from zephon_collate.core.keys import INPUT_IDS, INT32_MAX, INT64_MAX, POSITIONS
 from zephon_collate.packing._plan import best_fit_rows, greedy_breaks
 from zephon_collate.packing.reader import REQUIRED, PackOptions, Reader
 from zephon_collate.packing.rows import refuse_cut_columns
-from zephon_collate.records import PADDING_LENGTH_TAG
+from zephon_collate.core.records import PADDING_LENGTH_TAG
 
 __all__ = ["PackedColumns", "pack_columns"]
 
@@ -108,21 +109,8 @@ def _rows(sizes: np.ndarray, seq_len: int, best_fit: bool, buffer_size: int) -> 
     return order, offsets
 
 
-@suggest_options("pack_columns", REQUIRED)
-def pack_columns(
-    documents: ColumnarBatch,
-    seq_len: int,
-    *,
-    pad_token_id: int,
-    emit_positions: bool = True,
-    tokens_field: str = "auto",
-    strategy: Literal["greedy", "best_fit"] = "greedy",
-    overflow: Literal["auto", "split", "truncate"] = "auto",
-    buffer_size: int | None = None,
-    fields: Sequence[str] | None = None,
-    float_fields: Sequence[str | FloatField] = (),
-    group_key: str | None = None,
-) -> PackedColumns:
+@keywords(PackOptions, "pack_columns", REQUIRED)
+def pack_columns(documents: ColumnarBatch, *args: Any, **given: Any) -> PackedColumns:
     """Pack documents given as columns into ``[rows, seq_len]`` arrays: :func:`~zephon_collate.pack_flat`'s
     rows, computed over the whole batch at once.
 
@@ -158,7 +146,7 @@ def pack_columns(
         >>> packed.fields["positions"].tolist(), packed.documents.tolist()
         ([[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]], [0, 1, 2])
     """
-    options = PackOptions.create("pack_columns", **PackOptions.arguments(locals()))
+    options = PackOptions.create("pack_columns", *args, **given)
     options.check_columnar("pack_columns")
     columns = columns_of(documents)
     if columns is None:

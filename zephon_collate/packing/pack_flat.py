@@ -14,77 +14,49 @@ Options and documents are checked and read by :mod:`zephon_collate.packing.reade
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
+from typing import Any
 
-from zephon_collate._checks import suggest_options
-from zephon_collate._columns import ColumnarBatch, columns_of
-from zephon_collate._read import (
-    as_record,
-    describe_record,
-    is_array_payload,
-    record_names,
-    resolve_tokens_field,
-)
-from zephon_collate._text import shown
+import numpy as np
+
+from zephon_collate.core.checks import keywords
+from zephon_collate.read.arrow import ColumnarBatch, columns_of
+from zephon_collate.read.rows import Rows, as_record, describe_record, tokens_field_of
+from zephon_collate.core.text import shown
 from zephon_collate.collate.sample_batch import SampleBatch
-from zephon_collate.fields import FloatField
-from zephon_collate.keys import INT64_MAX, LOSS_MASK
+from zephon_collate.read.fields import FloatField
+from zephon_collate.core.keys import INT64_MAX, LOSS_MASK
 from zephon_collate.packing.packer import FlatPacker
-from zephon_collate.packing.reader import REQUIRED, PackOptions, as_array, candidate_fields
-from zephon_collate.records import SampleRecord
+from zephon_collate.packing.reader import REQUIRED, PackOptions, Reader, candidates
+from zephon_collate.core.records import SampleRecord
 
 __all__ = ["pack_flat"]
 
 
-def _shared_fields(
-    records: Sequence[SampleRecord], tokens_name: str, skipped: Sequence[str]
-) -> tuple[str, ...]:
-    """The per-token fields every document with tokens shares; ``loss_mask`` in only some: ``ValueError``."""
-    shared: list[str] | None = None
-    with_mask: int | None = None
-    without_mask: int | None = None
-    for index, record in enumerate(records):
-        payload, where = record.payload, describe_record(index, record)
-        if record.meta.is_sentinel:
-            continue
-        if isinstance(payload, Mapping) and tokens_name in payload:
-            length = as_array(payload[tokens_name], where, tokens_name, ids=True).size
-            found = candidate_fields(payload, tokens_name, length, where, skipped) if length else []
-        elif is_array_payload(payload):
-            length, found = as_array(payload, where, tokens_name, ids=True).size, []
-        else:
-            continue  # Reader.read raises for it
-        if not length:
-            continue
-        if LOSS_MASK in found:
-            with_mask = index if with_mask is None else with_mask
-        else:
-            without_mask = index if without_mask is None else without_mask
-        shared = found if shared is None else [name for name in shared if name in found]
-    if with_mask is not None and without_mask is not None:
+def _shared_fields(records: Sequence[SampleRecord], tokens_name: str, skipped: Sequence[str]) -> tuple[str, ...]:
+    """The per-token fields every document with tokens shares, read through the door at once;
+    ``loss_mask`` in only some: ``ValueError``."""
+    data = [(i, r) for i, r in enumerate(records) if not r.meta.is_sentinel and isinstance(r.payload, Mapping)]
+    data = [(i, r) for i, r in data if tokens_name in r.payload]
+    if not data:
+        return ()
+    payloads = [r.payload for _, r in data]
+    batch = Rows(payloads, lambda i: describe_record(*data[i]), tokens=tokens_name, ids=[r.meta.sample_id for _, r in data])
+    tokens = Reader(tokens_name, None, strict=True).tokens(batch)
+    with_tokens = tokens.lengths > 0
+    carried = batch.carried(LOSS_MASK)[with_tokens] if LOSS_MASK in batch else np.zeros(0, bool)
+    if carried.size and not carried.all():
+        rows = np.flatnonzero(with_tokens)
+        first_with, first_without = rows[np.flatnonzero(carried)[0]], rows[np.flatnonzero(~carried)[0]]
         raise ValueError(
-            f"{describe_record(with_mask, records[with_mask])} has a 'loss_mask' but "
-            f"{describe_record(without_mask, records[without_mask])} has none; give every record a loss_mask "
+            f"{describe_record(*data[first_with])} has a 'loss_mask' but "
+            f"{describe_record(*data[first_without])} has none; give every record a loss_mask "
             "(1 = supervised), or pass fields=(...) to choose the packed fields"
         )
-    return tuple(shared or ())
+    return candidates(batch, tokens_name, tokens, skipped)
 
 
-@suggest_options("pack_flat", REQUIRED)
-def pack_flat(
-    records: Iterable[SampleRecord] | SampleBatch | ColumnarBatch,
-    seq_len: int,
-    *,
-    pad_token_id: int,
-    emit_positions: bool = True,
-    tokens_field: str = "auto",
-    strategy: Literal["greedy", "best_fit"] = "greedy",
-    overflow: Literal["auto", "split", "truncate"] = "auto",
-    buffer_size: int | None = None,
-    fields: Sequence[str] | None = None,
-    float_fields: Sequence[str | FloatField] = (),
-    group_key: str | None = None,
-) -> list[SampleRecord]:
+@keywords(PackOptions, "pack_flat", REQUIRED)
+def pack_flat(records: Iterable[SampleRecord] | SampleBatch | ColumnarBatch, *args: Any, **options: Any) -> list[SampleRecord]:
     """Pack tokenized records into flat rows of exactly ``seq_len`` tokens.
 
     Each row's payload is a dict of NumPy arrays of length ``seq_len``: the
@@ -100,7 +72,7 @@ def pack_flat(
     rejected sequence, whose positions restart at 0 between them, stays two
     segments (positions must then start at 0 and give one per token); with
     ``emit_positions=False`` they are packed as data only when listed in
-    ``fields``. ``float_fields`` (:mod:`zephon_collate.fields`) are packed in
+    ``fields``. ``float_fields`` (:mod:`zephon_collate.read.fields`) are packed in
     their float dtype (float32 by default; bfloat16 is held as float32, which
     NumPy can hold), a per-document value broadcast to its tokens when declared
     ``FloatField(name, align="sequence", broadcast=True)``.
@@ -209,7 +181,7 @@ def pack_flat(
         >>> rows[0].meta.component_sample_counts, rows[0].meta.component_token_counts
         ({0: 2}, {0: 5})
     """
-    checked = PackOptions.create("pack_flat", **PackOptions.arguments(locals()))
+    checked = PackOptions.create("pack_flat", *args, **options)
     columns = columns_of(records)
     if columns is not None:
         checked.check_columnar("pack_flat")
@@ -220,7 +192,7 @@ def pack_flat(
     given = records.records if isinstance(records, SampleBatch) else records
     records = [as_record(record, index, "pack_flat") for index, record in enumerate(given)]
     payloads = [None if record.meta.is_sentinel else record.payload for record in records]
-    tokens_name = resolve_tokens_field(payloads, checked.tokens_field, record_names(records))
+    tokens_name = tokens_field_of(payloads, checked.tokens_field, lambda i: describe_record(i, records[i]))
     if tokens_name in (checked.fields or ()):
         raise ValueError(
             f"pack_flat: the tokens field {shown(tokens_name)} is also listed in fields; drop it from fields"

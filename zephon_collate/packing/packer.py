@@ -15,13 +15,14 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
-from zephon_collate._checks import suggest_options
-from zephon_collate._columns import ColumnarBatch, Columns, columns_of, example_names
-from zephon_collate._read import as_record, describe_record
-from zephon_collate._text import shown
-from zephon_collate.fields import FloatField
-from zephon_collate.keys import INPUT_IDS
-from zephon_collate.packing.reader import REQUIRED, STREAM_BUFFER_SIZE, Document, PackOptions, Reader
+from zephon_collate.core.checks import keywords
+from zephon_collate.read.arrow import ColumnarBatch, Columns, columns_of
+from zephon_collate.read.rows import example_names
+from zephon_collate.read.rows import as_record, describe_record
+from zephon_collate.core.text import shown
+from zephon_collate.read.fields import FloatField
+from zephon_collate.core.keys import INPUT_IDS
+from zephon_collate.packing.reader import REQUIRED, Document, PackOptions, Reader, StreamOptions
 from zephon_collate.packing.rows import (
     Engine,
     Piece,
@@ -39,7 +40,7 @@ from zephon_collate.packing.state import (
     pieces_from_state,
     same_value,
 )
-from zephon_collate.records import SampleMeta, SampleRecord
+from zephon_collate.core.records import SampleMeta, SampleRecord
 
 __all__ = ["STATE_VERSION", "FlatPacker"]
 
@@ -107,22 +108,9 @@ class FlatPacker:
         [[3, 3, 3, 3, 4]]
     """
 
-    @suggest_options("FlatPacker", REQUIRED)
-    def __init__(
-        self,
-        seq_len: int,
-        *,
-        pad_token_id: int,
-        emit_positions: bool = True,
-        tokens_field: str = "auto",
-        strategy: Literal["greedy", "best_fit"] = "greedy",
-        overflow: Literal["auto", "split", "truncate"] = "auto",
-        buffer_size: int = STREAM_BUFFER_SIZE,
-        fields: Sequence[str] | None = None,
-        float_fields: Sequence[str | FloatField] = (),
-        group_key: str | None = None,
-    ) -> None:
-        self.options = PackOptions.create("FlatPacker", **PackOptions.arguments(locals()))
+    @keywords(StreamOptions, "FlatPacker", REQUIRED)
+    def __init__(self, *args: Any, **options: Any) -> None:
+        self.options = StreamOptions.create("FlatPacker", *args, **options)
         self._reset()
 
     def _reset(self) -> None:

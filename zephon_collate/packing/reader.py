@@ -4,7 +4,7 @@
 and :class:`zephon_collate.packing.packer.FlatPacker`. :class:`Reader` reads one
 record at a time (a :class:`Document`): its token row as int64 ids >= 0, the
 per-token fields packed beside it (``loss_mask`` holding only 0 and 1), each a
-1-D NumPy view of the payload, its float fields (:mod:`zephon_collate.fields`),
+1-D NumPy view of the payload, its float fields (:mod:`zephon_collate.read.fields`),
 its own segment structure (payload ``positions``, restarting at 0 where a
 segment starts) and its group key, with a ``TypeError``/``ValueError`` that
 names the record, the field and the fix. Nothing here writes into a payload.
@@ -29,27 +29,16 @@ from typing import Any, Literal, NamedTuple, cast
 import numpy as np
 import torch
 
-from zephon_collate._checks import Keywords, check_int, check_option_names
-from zephon_collate._columns import Columns, example_names, read_by_rows
-from zephon_collate._read import (
-    Names,
-    Ragged,
-    as_numpy,
-    check_flat,
-    check_ids,
-    check_zero_one,
-    describe_record,
-    first_token_field,
-    is_array_payload,
-    misaligned,
-    payload_items,
-    places,
-    row_any,
-    to_row,
-)
-from zephon_collate._text import shown, shown_fields
-from zephon_collate.fields import FloatField, check_float_fields, read_floats
-from zephon_collate.keys import (
+from zephon_collate.core.checks import Keywords, check_int, check_option_names
+from zephon_collate.read.arrow import Columns, read_by_rows
+from zephon_collate.read.rows import example_names
+from zephon_collate.read import rules
+from zephon_collate.read.columns import Batch, Names, Ragged, as_numpy, places, row_any, to_row
+from zephon_collate.read.rows import Rows, describe_record, example_names, is_array_payload
+from zephon_collate.read.rules import SUPERVISING_FIELDS, check_flat, check_ids, check_zero_one, misaligned
+from zephon_collate.core.text import shown, shown_fields
+from zephon_collate.read.fields import FloatField, check_float_fields, read_floats
+from zephon_collate.core.keys import (
     ATTENTION_MASK,
     IGNORE_INDEX,
     INPUT_IDS,
@@ -60,27 +49,22 @@ from zephon_collate.keys import (
     SUPERVISION_MASKS,
     TOKEN_FIELD_CANDIDATES,
 )
-from zephon_collate.records import SampleRecord
+from zephon_collate.core.records import SampleRecord
 
 __all__ = [
+    "Document",
     "OVERFLOWS",
     "PACK_OPTION_NAMES",
     "PROMPT_FIELDS",
+    "PackOptions",
     "REQUIRED",
+    "Reader",
     "STRATEGIES",
     "STREAM_BUFFER_SIZE",
-    "SUPERVISING_FIELDS",
-    "Document",
-    "PackOptions",
-    "Reader",
     "as_array",
-    "candidate_columns",
-    "candidate_fields",
+    "candidates",
     "check_loss_mask",
-    "check_supervision",
-    "check_supervision_columns",
     "prompt_entries",
-    "supervision_rows",
     "unread_supervision",
 ]
 
@@ -93,9 +77,6 @@ STREAM_BUFFER_SIZE = 1024
 
 PROMPT_FIELDS = (LABELS, *SUPERVISION_MASKS[1:])
 """Supervising fields that mark a prompt (``labels`` -100, a mask's 0s), as a ``loss_mask``'s 0s do."""
-SUPERVISING_FIELDS = (ATTENTION_MASK, *PROMPT_FIELDS)
-"""Payload fields that say what is trained under another name than ``loss_mask`` (Hugging Face's and
-TRL's): the native Collator's, in its order. Never packed unless ``fields`` lists them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,7 +84,7 @@ class PackOptions(Keywords):
     """The packing options: the one home of the keywords (and defaults) of :func:`pack_flat`,
     ``FlatPacker`` and ``PackedStream``, checked by :meth:`create`."""
 
-    seq_len: int
+    seq_len: int = dataclasses.field(kw_only=False)
     pad_token_id: int
     emit_positions: bool = True
     tokens_field: str = "auto"
@@ -115,12 +96,15 @@ class PackOptions(Keywords):
     group_key: str | None = None
 
     @classmethod
-    def create(cls, owner: str, **given: Any) -> PackOptions:
-        """Check every option, raising ``TypeError``/``ValueError`` that names it and says what to pass."""
+    def create(cls, owner: str, *args: Any, **given: Any) -> PackOptions:
+        """Check every option, raising ``TypeError``/``ValueError`` that names it and says what to pass
+        (``args``: ``seq_len``, given by position)."""
+        given = {**dict(zip(("seq_len",), args, strict=False)), **given}
         check_option_names(owner, given, PACK_OPTION_NAMES)
         if "pad_token_id" not in given:
             raise TypeError(f"{owner}: pad_token_id is required: the token id of the padding, an int >= 0")
-        options = {**_DEFAULTS, **given}
+        defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not MISSING}
+        options = {**defaults, **given}
         checked = dict(options)
         checked["seq_len"] = check_int(owner, "seq_len", options["seq_len"], 1, INT32_MAX)  # int32 offsets
         checked["pad_token_id"] = check_int(owner, "pad_token_id", options["pad_token_id"], 0)
@@ -209,14 +193,20 @@ class PackOptions(Keywords):
 PACK_OPTION_NAMES = PackOptions.names()
 """The packing keywords, in the order ``pack_flat``, ``FlatPacker`` and ``PackedStream`` spell them."""
 REQUIRED = {"pad_token_id": "the token id of the padding, an int >= 0"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamOptions(PackOptions):
+    """The packing keywords of ``FlatPacker`` and ``PackedStream``: a stream packs a buffer at a time."""
+
+    buffer_size: int | None = STREAM_BUFFER_SIZE
 """The packing keyword without a default, and what it is (for the error naming it)."""
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PackOptions) if f.default is not MISSING}
 
 
 def as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
     """A 1-D NumPy array of a payload value, read by the one payload reader.
 
-    :func:`~zephon_collate._read.to_row` checks the value; token ids come back
+    :func:`~zephon_collate.read.columns.to_row` checks the value; token ids come back
     as int64 and ``>= 0``; an int64 ndarray is not copied.
     """
     if not isinstance(value, (torch.Tensor, np.ndarray, list, tuple)):
@@ -257,7 +247,7 @@ def prompt_entries(name: str, values: np.ndarray) -> np.ndarray:
 
 def unread_supervision(where: str, name: str) -> ValueError:
     """The refusal of a supervising field that would change what is trained but is not packed, naming
-    the document, the field and the fix (see :func:`supervision_rows`)."""
+    the document, the field and the fix (:func:`~zephon_collate.read.rules.unread_supervision`)."""
     unread = (
         "the packer reads supervision as 'loss_mask' only: packed as data, a cut (overflow='auto') "
         "would not keep the prompt with its answer, and the Collator refuses it"
@@ -284,141 +274,6 @@ def unread_supervision(where: str, name: str) -> ValueError:
     )
 
 
-def supervision_rows(name: str, field: Ragged, tokens: Ragged, loss_mask: Ragged | None) -> np.ndarray:
-    """``[B]`` booleans: would row ``b`` of supervising field ``name`` change what is trained?
-
-    The native Collator's rule: ``labels`` must equal the tokens; a mask must be
-    all ones, or (``assistant_masks``, ``assistant_mask``, ``completion_mask``) equal
-    the ``loss_mask``; a row of another length or shape differs. Records are read as
-    batches of one row, so records and columns follow this one rule.
-
-    Example:
-        >>> one = np.array([0, 3])
-        >>> tokens = Ragged(np.array([5, 6, 7]), one)
-        >>> [bool(supervision_rows("labels", Ragged(np.array(row), one), tokens, None)[0])
-        ...  for row in ([5, 6, 7], [-100, 6, 7])]
-        [False, True]
-    """
-    if name == LABELS:
-        return _rows_differing(field, tokens)
-    bad = row_any(_any_entry(field.host != 1), field.offsets)
-    if name != ATTENTION_MASK and loss_mask is not None:
-        bad &= _rows_differing(field, loss_mask)  # a copy of the loss_mask is harmless
-    return bad
-
-
-def _rows_differing(field: Ragged, like: Ragged) -> np.ndarray:
-    """``[B]`` booleans: does row ``b`` of ``field`` differ from row ``b`` of ``like`` (in length, shape
-    or a value)?"""
-    values, other = field.host, like.host
-    if values.shape[1:] != other.shape[1:]:
-        return np.ones(field.rows, dtype=bool)
-    aligned = field.lengths == like.lengths
-    differs: np.ndarray = ~aligned
-    offsets = np.zeros(int(aligned.sum()) + 1, dtype=np.int64)
-    np.cumsum(field.lengths[aligned], out=offsets[1:])
-    mine = values[np.repeat(aligned, field.lengths)]
-    theirs = other[np.repeat(aligned, like.lengths)]
-    differs[aligned] = row_any(_any_entry(mine != theirs), offsets)
-    return differs
-
-
-def _any_entry(flags: np.ndarray) -> np.ndarray:
-    """``[N]`` booleans from ``[N, ...]`` ones: is any entry of token ``n`` True?"""
-    return flags if flags.ndim == 1 else np.asarray(flags.reshape(len(flags), -1).any(axis=1))
-
-
-def _per_document(where: str, name: str) -> ValueError:
-    """The refusal of a supervising field given as one value per document."""
-    return ValueError(
-        f"{where}: field {shown(name)} holds one value per document, not one per token, so what it "
-        "supervises cannot be checked; give it one value per token (as a loss_mask: 1 = supervised), or "
-        "drop it (a per-example label, as for sequence classification, is not a token field)"
-    )
-
-
-def _payload_row(payload: Mapping[Any, Any], name: str, where: str) -> Ragged:
-    """A payload field as a batch of one row; one value for the document: ``ValueError``."""
-    values = as_numpy(to_row(payload[name], where, name, "values"))
-    if values.ndim == 0:
-        raise _per_document(where, name)
-    return Ragged(values, np.array([0, len(values)], dtype=np.int64))
-
-
-def check_supervision(
-    payload: Mapping[Any, Any], tokens: np.ndarray, where: str, packed: Container[str]
-) -> None:
-    """Refuse a record's first supervising field that is not ``packed`` and would change what is
-    trained (:func:`supervision_rows`).
-
-    Raises:
-        TypeError: for a supervising field that is not numbers (the payload reader's error).
-        ValueError: :func:`unread_supervision`'s; for one given as one value per document.
-    """
-    found = [name for name in SUPERVISING_FIELDS if name in payload and name not in packed]
-    if not found:
-        return
-    row = Ragged(tokens, np.array([0, tokens.size], dtype=np.int64))
-    loss_mask = _payload_row(payload, LOSS_MASK, where) if LOSS_MASK in payload else None
-    for name in found:
-        if supervision_rows(name, _payload_row(payload, name, where), row, loss_mask)[0]:
-            raise unread_supervision(where, name)
-
-
-def check_supervision_columns(columns: Columns, tokens: Ragged, packed: Container[str], names: Names) -> None:
-    """:func:`check_supervision` over a columnar batch, each field in one pass: the first document with
-    tokens that a supervising column (not ``packed``) would train otherwise is named, as the Collator
-    names it (the earliest document, then the field in :data:`SUPERVISING_FIELDS` order).
-
-    Raises:
-        TypeError: for a supervising field that is not numbers (as the columnar reader refuses it).
-        ValueError: :func:`unread_supervision`'s; for one given as one value per document.
-    """
-    found = [name for name in SUPERVISING_FIELDS if name in columns and name not in packed]
-    if not found:
-        return
-    loss_mask = columns.ragged(LOSS_MASK, "values", names) if columns.is_list(LOSS_MASK) else None
-    first = []
-    for rank, name in enumerate(found):
-        if not columns.is_list(name) and columns.example().get(name) == 0:
-            raise _per_document(names(0), name)
-        field = columns.ragged(name, "values", names)  # a field that is no column of numbers: TypeError
-        bad = np.flatnonzero(supervision_rows(name, field, tokens, loss_mask) & (tokens.lengths > 0))
-        if bad.size:
-            first.append((int(bad[0]), rank, name))
-    if first:
-        row, _, name = min(first)
-        raise unread_supervision(names(row), name)
-
-
-def candidate_fields(
-    payload: Mapping[Any, Any], tokens_name: str, length: int, where: str, skipped: Sequence[str] = ()
-) -> list[str]:
-    """The per-token fields of one dict payload: ``loss_mask`` (checked strictly), then numeric 1-D
-    fields with ``length`` entries, in payload order. Input ``positions`` (the document's segments), the
-    ``skipped`` names (float fields, read by their specs) and the :data:`SUPERVISING_FIELDS` (refused or
-    harmless: :func:`unread_supervision`) are never candidates."""
-    found = []
-    if LOSS_MASK in payload:
-        if len(as_array(payload[LOSS_MASK], where, LOSS_MASK, ids=False)) != length:
-            raise ValueError(f"{where}: field 'loss_mask' does not have one entry per token ({length})")
-        found.append(LOSS_MASK)
-    for name, value in payload_items(payload):
-        if isinstance(name, str) and name not in (
-            tokens_name,
-            POSITIONS,
-            LOSS_MASK,
-            *SUPERVISING_FIELDS,
-            *skipped,
-        ):
-            try:
-                if len(as_array(value, where, name, ids=False)) == length:
-                    found.append(name)
-            except (TypeError, ValueError):
-                continue
-    return found
-
-
 class Document(NamedTuple):
     """One record as the packer reads it: tokens, packed fields, its own segments, its group."""
 
@@ -428,40 +283,10 @@ class Document(NamedTuple):
     group: Any  # the group key's value (an int or a str), or None without group_key
 
 
-_NO_GROUP: Any = None
-
-
 def _aligned_rows(field: Ragged, tokens: Ragged) -> np.ndarray:
     """``[B]`` booleans: does each document with tokens hold one entry of ``field`` per token?"""
     aligned: np.ndarray = (field.lengths == tokens.lengths) | (tokens.lengths == 0)
     return aligned
-
-
-def candidate_columns(columns: Columns, tokens_name: str, tokens: Ragged, names: Names) -> list[str]:
-    """:func:`candidate_fields` of a columnar batch: ``loss_mask`` (one entry per token in every document
-    with tokens, else ``ValueError``), then each list column of numbers with one entry per token in every
-    such document, in the batch's order. Input ``positions`` and the :data:`SUPERVISING_FIELDS` are never
-    candidates."""
-    found = []
-    if LOSS_MASK in columns:
-        bad = np.flatnonzero(~_aligned_rows(columns.ragged(LOSS_MASK, "values", names), tokens))
-        if bad.size:
-            row = int(bad[0])
-            raise ValueError(
-                f"{names(row)}: field 'loss_mask' does not have one entry per token "
-                f"({int(tokens.lengths[row])})"
-            )
-        found.append(LOSS_MASK)
-    for name in columns.names:
-        if name in (tokens_name, POSITIONS, LOSS_MASK, *SUPERVISING_FIELDS) or not columns.is_list(name):
-            continue
-        try:
-            field = columns.ragged(name, "values", names)
-        except (TypeError, ValueError):
-            continue
-        if field.values.ndim == 1 and bool(_aligned_rows(field, tokens).all()):
-            found.append(name)
-    return found
 
 
 def _check_one_segment(positions: Ragged, tokens: Ragged, names: Names) -> None:
@@ -486,13 +311,16 @@ def _check_one_segment(positions: Ragged, tokens: Ragged, names: Names) -> None:
 
 
 class Reader:
-    """Reads documents: the token field and the packed fields of each record.
+    """Reads documents through the door (:mod:`zephon_collate.read`): one record at a time (a batch of
+    one), or a columnar batch, by one rule.
 
-    ``tokens_name``/``fields`` set to ``None`` are fixed by the first record
-    with tokens (``strict``: later records must then agree on ``loss_mask``).
-    ``floats`` are read by their specs, ``positions`` (with ``segments``, the
-    packer's ``emit_positions``) as the document's segment structure, and
-    ``group_key`` as its group.
+    ``tokens_name``/``fields`` set to ``None`` are fixed by the first document
+    with tokens (its per-token fields: ``loss_mask``, then every field of
+    numbers with one entry per token; ``strict``: later records must then agree
+    on ``loss_mask``). ``floats`` are read by their specs, ``positions`` (with
+    ``segments``, the packer's ``emit_positions``) as the document's segment
+    structure, and ``group_key`` as its group. Supervision spelled otherwise
+    than ``loss_mask`` is refused where it would change what is trained.
     """
 
     def __init__(
@@ -517,119 +345,181 @@ class Reader:
         """Every field packed beside the tokens: the per-token fields, then the float fields."""
         return (*(self.fields or ()), *(spec.name for spec in self.floats))
 
-    def read(self, record: SampleRecord, index: int) -> Document | None:
-        """The :class:`Document` of a record, or ``None`` for a document without tokens."""
-        payload, where = record.payload, describe_record(index, record)
-        if not isinstance(payload, Mapping):
-            if not is_array_payload(payload):
-                raise TypeError(
-                    f"{where}: payload must be a dict of fields or a token array (list, tuple, NumPy array "
-                    f"or torch tensor), got {type(payload).__name__}"
-                )
-            tokens = as_array(payload, where, self.tokens_name or INPUT_IDS, ids=True)
-            if not tokens.size:
-                return None
-            self.tokens_name = self.tokens_name or INPUT_IDS
-            self.fields = () if self.fields is None else self.fields
-            if self.packed or self.group_key is not None:
-                read = list(self.packed) or [str(self.group_key)]
-                raise ValueError(
-                    f"{where}: an array payload holds only its token row, but fields {read} are "
-                    "read beside the tokens; give it a dict payload with them, or pass fields=()"
-                )
-            return Document(tokens, {}, None, _NO_GROUP)
-        name = self.tokens_name or first_token_field(payload)
-        if name is None or name not in payload:
-            wanted = repr(name) if name else f"any of {', '.join(TOKEN_FIELD_CANDIDATES)}"
-            raise ValueError(
-                f"{where}: payload has no tokens field {wanted} (its fields: {shown_fields(payload)}); "
-                "pass the right tokens_field"
-            )
-        tokens = as_array(payload[name], where, name, ids=True)
-        if not tokens.size:
-            return None
-        self.tokens_name = name
-        if self.fields and name in self.fields:
-            raise ValueError(
-                f"{where}: the tokens field {shown(name)} is also listed in fields; drop it from fields"
-            )
-        if self.fields is None:
-            skipped = [spec.name for spec in self.floats] + ([self.group_key] if self.group_key else [])
-            self.fields = tuple(candidate_fields(payload, name, tokens.size, where, skipped))
-        else:
-            self._check_present(payload, where)
-        check_supervision(payload, tokens, where, self._listed)
-        values = {}
-        for field_name in self.fields:
-            values[field_name] = as_array(payload[field_name], where, field_name, ids=False)
-            if field_name == LOSS_MASK:
-                check_loss_mask(values[field_name], where)
-            if len(values[field_name]) != tokens.size:
-                raise misaligned(where, field_name, len(values[field_name]), tokens.size)
-        lengths = np.array([tokens.size], dtype=np.int64)
-        for spec in self.floats:
-            if spec.name not in payload:
-                raise ValueError(
-                    f"{where}: payload lacks float field {shown(spec.name)} (its fields: "
-                    f"{shown_fields(payload)}); give every record this field, or drop it from float_fields"
-                )
-            row = to_row(payload[spec.name], where, spec.name, "values")
-            floats = read_floats([row], lengths, spec, lambda _: where)
-            values[spec.name] = np.asarray(cast(Ragged, floats).values)
-        positions = self._positions(payload, tokens.size, where) if self.segments else None
-        group = self._group(payload, where) if self.group_key is not None else _NO_GROUP
-        return Document(tokens, values, positions, group)
-
     @property
     def _listed(self) -> tuple[str, ...]:
         """The fields read as the user listed them: packed ones and the group key (never supervision)."""
         return (*self.packed, *([self.group_key] if self.group_key is not None else []))
 
-    def _check_present(self, given: Container[str], where: str) -> None:
-        """A record (or the first row of columns) after the first: it has every packed field, and no
-        ``loss_mask`` the earlier ones lacked (found fields, ``strict``), which would go unpacked."""
+    def read(self, record: SampleRecord, index: int) -> Document | None:
+        """The :class:`Document` of a record, or ``None`` for a document without tokens."""
+        payload, where = record.payload, describe_record(index, record)
+        if not isinstance(payload, Mapping) and not is_array_payload(payload):
+            raise TypeError(
+                f"{where}: payload must be a dict of fields or a token array (list, tuple, NumPy array "
+                f"or torch tensor), got {type(payload).__name__}"
+            )
+        batch = Rows([payload], lambda _: where, tokens=self.tokens_name or INPUT_IDS, ids=[record.meta.sample_id])
+        if not isinstance(payload, Mapping):
+            self.tokens_name = self.tokens_name or INPUT_IDS
+            self.fields = () if self.fields is None else self.fields
+            tokens = self.tokens(batch)
+            if tokens.values.size and (self.packed or self.group_key is not None):
+                read = list(self.packed) or [str(self.group_key)]
+                raise ValueError(
+                    f"{where}: an array payload holds only its token row, but fields {read} are "
+                    "read beside the tokens; give it a dict payload with them, or pass fields=()"
+                )
+            return Document(tokens.host, {}, None, None) if tokens.values.size else None
+        tokens, fields = self.read_batch(batch)
+        if not tokens.values.size:
+            return None
+        values = {name: field.host for name, field in fields.items()}
+        for spec in self.floats:
+            if spec.name not in batch:
+                raise ValueError(
+                    f"{where}: payload lacks float field {shown(spec.name)} (its fields: "
+                    f"{shown_fields(payload)}); give every record this field, or drop it from float_fields"
+                )
+            floats = read_floats(batch.per_row(spec.name, "values"), tokens.lengths, spec, batch.names)
+            values[spec.name] = np.asarray(cast(Ragged, floats).values)
+        positions = self._segments(batch, tokens) if self.segments else None
+        group = self._group(batch) if self.group_key is not None else None
+        return Document(tokens.host, values, positions, group)
+
+    def read_columns(self, columns: Columns, first: int) -> tuple[Ragged, dict[str, Ragged]]:
+        """:meth:`read` of every document of a columnar batch at once: ``(tokens, {field: values})``, the
+        tokens ids >= 0 (in their stored dtype) and each field holding one entry per token of its
+        document (documents without tokens hold none). Row ``b`` is named ``example {first + b}``.
+        """
+        columns.names = lambda row: example_names(first + row)  # the rows are named by their place
+        return self.read_batch(columns)
+
+    def tokens(self, batch: Batch) -> Ragged:
+        """The documents' token rows: 1-D ids >= 0, on the host."""
+        names = batch.names
+        name = self.tokens_name or next((c for c in TOKEN_FIELD_CANDIDATES if c in batch), None)
+        if name is None or name not in batch:
+            wanted = repr(name) if name else f"any of {', '.join(TOKEN_FIELD_CANDIDATES)}"
+            fields = dict.fromkeys(getattr(batch, "order", None) or sorted(batch.fields))
+            raise ValueError(
+                f"{names(0)}: payload has no tokens field {wanted} (its fields: {shown_fields(fields)}); "
+                "pass the right tokens_field"
+            )
+        read = batch.get(name, "ids")
+        assert read is not None
+        tokens = Ragged(read.host, read.offsets)  # the packer works on the host
+        check_flat(tokens, name, names(0))
+        check_ids(tokens, name, names)
+        if self.fields and name in self.fields:
+            raise ValueError(
+                f"{names(0)}: the tokens field {shown(name)} is also listed in fields; drop it from fields"
+            )
+        self._name = name
+        return tokens
+
+    def read_batch(self, batch: Batch) -> tuple[Ragged, dict[str, Ragged]]:
+        """The tokens and the packed fields of every document of ``batch`` (records or columns alike)."""
+        names = batch.names
+        tokens = self.tokens(batch)
+        name = self._name
+        if self.segments and POSITIONS in batch and not isinstance(batch, Rows):
+            _check_one_segment(cast(Ragged, batch.get(POSITIONS, "ids")), tokens, names)
+        has_tokens = tokens.lengths > 0
+        if not has_tokens.any():
+            return tokens, {}
+        self.tokens_name = name
+        if self.fields is None:
+            skipped = [spec.name for spec in self.floats] + ([self.group_key] if self.group_key else [])
+            self.fields = candidates(batch, name, tokens, skipped)
+        else:
+            self._check_present(batch)
+        self._check_supervision(batch, tokens)
+        values = {}
+        for field_name in self.fields:
+            read = batch.get(field_name, "values")
+            assert read is not None
+            field = Ragged(read.host, read.offsets)
+            check_flat(field, field_name, names(0))
+            bad = np.flatnonzero(~_aligned_rows(field, tokens))
+            if bad.size:
+                row = int(bad[0])
+                raise misaligned(names(row), field_name, int(field.lengths[row]), int(tokens.lengths[row]))
+            if not np.array_equal(field.offsets, tokens.offsets):  # entries of documents without tokens
+                field = field.select(np.repeat(has_tokens, field.lengths))
+            if field_name == LOSS_MASK:
+                check_zero_one(field, LOSS_MASK, names, "1 for supervised tokens, 0 for the rest")
+            values[field_name] = field
+        return tokens, values
+
+    def _check_present(self, batch: Batch) -> None:
+        """A document after the first: it has every packed field, and no ``loss_mask`` the earlier ones
+        lacked (found fields, ``strict``), which would go unpacked."""
         assert self.fields is not None
-        if self.strict and LOSS_MASK in given and LOSS_MASK not in self.fields:
+        where = batch.names(0)
+        if self.strict and LOSS_MASK in batch and LOSS_MASK not in self.fields:
             raise ValueError(
                 f"{where}: payload has a 'loss_mask' but earlier records have none; give every record a "
                 "loss_mask (1 = supervised), or pass fields=(...) to choose the packed fields"
             )
         for field_name in self.fields:
-            if field_name not in given:
+            if field_name not in batch:
                 raise ValueError(
                     f"{where}: payload lacks field {shown(field_name)}, which is packed beside the tokens "
                     f"(fields {self.fields}); give every record this field, or pass fields=(...) without it"
                 )
 
-    def _positions(self, payload: Mapping[Any, Any], length: int, where: str) -> np.ndarray | None:
-        """The payload's ``positions``: the document's segments (a segment starts wherever they are 0)."""
-        if POSITIONS not in payload:
+    def _check_supervision(self, batch: Batch, tokens: Ragged) -> None:
+        """Supervision spelled otherwise than ``loss_mask`` and not listed: refused where it would change
+        what is trained (the Collator's rule, :func:`~zephon_collate.read.rules.unread_supervision`)."""
+        names = batch.names
+        for name in SUPERVISING_FIELDS:
+            if name in batch and name not in self._listed:
+                carried = np.flatnonzero(batch.carried(name))
+                if isinstance(batch, Columns) and not batch.is_list(name) or _per_document(batch, name):
+                    raise ValueError(
+                        f"{names(int(carried[0]))}: field {shown(name)} holds one value per document, not one "
+                        "per token, so what it supervises cannot be checked; give it one value per token (as a "
+                        "loss_mask: 1 = supervised), or drop it (a per-example label, as for sequence "
+                        "classification, is not a token field)"
+                    )
+        loss_mask = batch.get(LOSS_MASK, "values") if LOSS_MASK in batch and _is_tokenwise(batch, LOSS_MASK) else None
+        found = rules.unread_supervision(batch, tokens, self._listed, loss_mask)
+        if found is not None:
+            raise unread_supervision(names(found[0]), found[1])
+
+    def _segments(self, batch: Batch, tokens: Ragged) -> np.ndarray | None:
+        """A record's ``positions``: its segments (a segment starts wherever they are 0)."""
+        if POSITIONS not in batch:
             return None
-        positions = as_array(payload[POSITIONS], where, POSITIONS, ids=True)
-        if positions.size != length or positions[0] != 0:
-            problem = (
-                f"has {positions.size} entries for {length} tokens"
-                if positions.size != length
-                else f"starts at {int(positions[0])}"
-            )
+        where = batch.names(0)
+        positions = batch.get(POSITIONS, "ids")
+        assert positions is not None
+        values = positions.host.reshape(-1) if positions.values.ndim else positions.host
+        length = int(tokens.lengths[0])
+        if positions.values.ndim != 1:
+            raise ValueError(f"{where}: field 'positions' must be 1-D (one entry per token), got shape {tuple(positions.values.shape)}")
+        if values.size != length or values[0] != 0:
+            problem = f"has {values.size} entries for {length} tokens" if values.size != length else f"starts at {int(values[0])}"
             raise ValueError(
                 f"{where}: field 'positions' {problem}; the packer keeps a document's segments (a segment "
                 "starts wherever positions are 0), so they must start at 0 and give one per token. Drop "
                 "them for one segment per document, or pass emit_positions=False to pack them as data"
             )
-        if not (positions[1:] == 0).any():
+        if not (values[1:] == 0).any():
             return None  # one segment: what the packer writes anyway
-        return positions
+        return np.asarray(values, dtype=np.int64)
 
-    def _group(self, payload: Mapping[Any, Any], where: str) -> Any:
+    def _group(self, batch: Batch) -> Any:
         """The group key's value: an int or a str (a 0-d integer array or tensor reads as an int)."""
         key = cast(str, self.group_key)
-        if key not in payload:
+        where = batch.names(0)
+        if key not in batch:
+            payload = cast(Rows, batch).payloads[0]
             raise ValueError(
                 f"{where}: payload lacks the group key {shown(key)} (its fields: {shown_fields(payload)}); "
                 "give every record its group id (e.g. the index of its prompt)"
             )
-        value = payload[key]
+        value = batch.objects(key)[0]
         if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
             value = int(value)
         elif isinstance(value, torch.Tensor) and value.ndim == 0 and not value.dtype.is_floating_point:
@@ -643,51 +533,46 @@ class Reader:
             )
         return value
 
-    def read_columns(self, columns: Columns, first: int) -> tuple[Ragged, dict[str, Ragged]]:
-        """:meth:`read` of every document of a columnar batch at once: ``(tokens, {field: values})``, the
-        tokens ids >= 0 (in their stored dtype) and each field holding one entry per token of its
-        document (documents without tokens hold none). Row ``b`` is named ``example {first + b}``.
-        """
-        names: Names = lambda row: example_names(first + row)  # noqa: E731 (a Names, by its place)
-        example = columns.example()
-        name = self.tokens_name or first_token_field(example)
-        if name is None or name not in columns:
-            wanted = repr(name) if name else f"any of {', '.join(TOKEN_FIELD_CANDIDATES)}"
-            raise ValueError(
-                f"{names(0)}: payload has no tokens field {wanted} (its fields: {shown_fields(example)}); "
-                "pass the right tokens_field"
-            )
-        read = columns.ragged(name, "ids", names)
-        tokens = Ragged(read.host, read.offsets)  # the packer works on the host
-        check_flat(tokens, name, names(0))
-        check_ids(tokens, name, names)
-        if self.fields and name in self.fields:
-            raise ValueError(
-                f"{names(0)}: the tokens field {shown(name)} is also listed in fields; drop it from fields"
-            )
-        if self.segments and POSITIONS in columns:
-            _check_one_segment(columns.ragged(POSITIONS, "ids", names), tokens, names)
-        has_tokens = tokens.lengths > 0
-        if not has_tokens.any():
-            return tokens, {}
-        self.tokens_name = name
-        if self.fields is None:
-            self.fields = tuple(candidate_columns(columns, name, tokens, names))
-        else:
-            self._check_present(columns, names(0))
-        check_supervision_columns(columns, tokens, self._listed, names)
-        values = {}
-        for field_name in self.fields:
-            read = columns.ragged(field_name, "values", names)
-            field = Ragged(read.host, read.offsets)
-            check_flat(field, field_name, names(0))
-            bad = np.flatnonzero(~_aligned_rows(field, tokens))
-            if bad.size:
-                row = int(bad[0])
-                raise misaligned(names(row), field_name, int(field.lengths[row]), int(tokens.lengths[row]))
-            if not np.array_equal(field.offsets, tokens.offsets):  # entries of documents without tokens
-                field = field.select(np.repeat(has_tokens, field.lengths))
-            if field_name == LOSS_MASK:
-                check_zero_one(field, LOSS_MASK, names, "1 for supervised tokens, 0 for the rest")
-            values[field_name] = field
-        return tokens, values
+
+def _per_document(batch: Batch, name: str) -> bool:
+    """True if some row of ``batch`` gives ``name`` as one value (a scalar), not one per token."""
+    if isinstance(batch, Columns):
+        return False
+    return any(getattr(row, "ndim", 1) == 0 or isinstance(row, (int, float)) for row in batch.objects(name) if row is not None)
+
+
+def _is_tokenwise(batch: Batch, name: str) -> bool:
+    """True if field ``name`` is read one entry per token (a list column, or rows of values)."""
+    return batch.is_list(name) if isinstance(batch, Columns) else not _per_document(batch, name)
+
+
+def candidates(batch: Batch, tokens_name: str, tokens: Ragged, skipped: Sequence[str] = ()) -> tuple[str, ...]:
+    """The per-token fields of the documents of ``batch``: ``loss_mask`` (one entry per token in every
+    document with tokens, else ``ValueError``), then each field of numbers with one entry per token in
+    every such document, in the input's order. The tokens, input ``positions`` (the segments), the
+    ``skipped`` names (float fields, the group key) and the supervising fields (refused or harmless) are
+    never candidates."""
+    names = batch.names
+    found = []
+    if LOSS_MASK in batch:
+        mask = batch.get(LOSS_MASK, "values")
+        assert mask is not None
+        bad = np.flatnonzero(~_aligned_rows(mask, tokens))
+        if bad.size:
+            row = int(bad[0])
+            raise ValueError(f"{names(row)}: field 'loss_mask' does not have one entry per token ({int(tokens.lengths[row])})")
+        found.append(LOSS_MASK)
+    excluded = {tokens_name, POSITIONS, LOSS_MASK, *SUPERVISING_FIELDS, *skipped}
+    order = getattr(batch, "order", None) or sorted(batch.fields)
+    for name in order:
+        if not isinstance(name, str) or name in excluded or not batch.carried(name)[tokens.lengths > 0].all():
+            continue
+        if isinstance(batch, Columns) and not batch.is_list(name):
+            continue
+        try:
+            field = batch.get(name, "values")
+        except (TypeError, ValueError):
+            continue
+        if field is not None and field.values.ndim == 1 and bool(_aligned_rows(field, tokens).all()):
+            found.append(name)
+    return tuple(found)

@@ -19,10 +19,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from zephon_collate._columns import Columns
-from zephon_collate._read import Names, Ragged, check_zero_one, describe_record, row_any
-from zephon_collate._text import shown
-from zephon_collate.keys import LABELS, LOSS_MASK, POSITIONS
+from zephon_collate.read.arrow import Columns
+from zephon_collate.read.columns import Names, Ragged, row_any
+from zephon_collate.read.rows import describe_record
+from zephon_collate.read.rules import check_zero_one
+from zephon_collate.core.text import shown
+from zephon_collate.core.keys import LABELS, LOSS_MASK, POSITIONS
 from zephon_collate.packing._plan import best_fit_rows, greedy_breaks
 from zephon_collate.packing.reader import (
     PROMPT_FIELDS,
@@ -32,7 +34,7 @@ from zephon_collate.packing.reader import (
     check_loss_mask,
     prompt_entries,
 )
-from zephon_collate.records import (
+from zephon_collate.core.records import (
     CONTRIBUTORS_TAG,
     PADDING_LENGTH_TAG,
     SEGMENTS_TAG,
@@ -220,7 +222,7 @@ def refuse_cut_columns(columns: Columns, tokens: Ragged, options: PackOptions, n
         return
     found = []  # (first document cut, the field's rank, field)
     for rank, name in enumerate([LOSS_MASK, *listed] if LOSS_MASK in columns else listed):
-        field = columns.ragged(name, "values", names)
+        field = columns.ragged(name, "values")
         if name == LOSS_MASK:
             check_zero_one(field, LOSS_MASK, names, "1 for supervised tokens, 0 for the rest")
         cut = np.flatnonzero(longer & row_any(prompt_entries(name, field.host), field.offsets))

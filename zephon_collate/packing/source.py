@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zephon_collate.records import SampleRecord
+from zephon_collate.core.records import SampleRecord
 
 __all__ = ["Source", "check_cursor", "cursor_key", "restored", "saveable", "shard_records"]
 

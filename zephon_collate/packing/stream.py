@@ -22,6 +22,8 @@ micro-batches of packed rows.
 
 from __future__ import annotations
 
+from dataclasses import MISSING, dataclass, fields
+
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -29,15 +31,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
-from zephon_collate._checks import suggest_options
-from zephon_collate._text import shown
-from zephon_collate.fields import FloatField
+from zephon_collate.core.checks import keywords
+from zephon_collate.core.text import shown
+from zephon_collate.read.fields import FloatField
 from zephon_collate.packing.balanced import BalancedSteps, check_balance_state
 from zephon_collate.packing.packer import FlatPacker
-from zephon_collate.packing.reader import REQUIRED, STREAM_BUFFER_SIZE, PackOptions
+from zephon_collate.packing.reader import REQUIRED, STREAM_BUFFER_SIZE, StreamOptions
 from zephon_collate.packing.source import Source, cursor_key, restored, saveable, shard_records
 from zephon_collate.packing.state import check_count, corrupt, same_value
-from zephon_collate.records import SampleCursor, SampleRecord
+from zephon_collate.core.records import SampleCursor, SampleRecord
 
 if TYPE_CHECKING:  # types only: the options are read duck-typed, parallel sits beside packing
     from zephon_collate.parallel.balance import BalanceOptions
@@ -45,6 +47,15 @@ if TYPE_CHECKING:  # types only: the options are read duck-typed, parallel sits 
 __all__ = ["STATE_VERSION", "PackedStream", "Source"]
 
 STATE_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class _StreamKeywords(StreamOptions):
+    """``PackedStream``'s keywords: the packer's, and where this stream's shard and balance come from."""
+
+    rank: int | None = None
+    world_size: int | None = None
+    balance: BalanceOptions | None = None
 
 
 class PackedStream(IterableDataset[SampleRecord]):
@@ -104,28 +115,16 @@ class PackedStream(IterableDataset[SampleRecord]):
         [[2, 2, 2, 0], [3, 3, 3, 0], [4, 4, 4, 0], [5, 5, 5, 0]]
     """
 
-    @suggest_options("PackedStream", REQUIRED)
-    def __init__(
-        self,
-        source: Source,
-        seq_len: int,
-        *,
-        pad_token_id: int,
-        emit_positions: bool = True,
-        tokens_field: str = "auto",
-        strategy: Literal["greedy", "best_fit"] = "greedy",
-        overflow: Literal["auto", "split", "truncate"] = "auto",
-        buffer_size: int = STREAM_BUFFER_SIZE,
-        fields: Sequence[str] | None = None,
-        float_fields: Sequence[str | FloatField] = (),
-        group_key: str | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
-        balance: BalanceOptions | None = None,
-    ) -> None:
+    @keywords(_StreamKeywords, "PackedStream", REQUIRED)
+    def __init__(self, source: Source, *args: Any, **options: Any) -> None:
         super().__init__()
-        self.packer_options = PackOptions.arguments(locals())
+        rank, world_size = options.pop("rank", None), options.pop("world_size", None)
+        balance = options.pop("balance", None)
+        given = {**dict(zip(("seq_len",), args, strict=False)), **options}
+        defaults = {f.name: f.default for f in fields(StreamOptions) if f.default is not MISSING}
+        self.packer_options = {**defaults, **given}
         FlatPacker(**self.packer_options)  # checks the options now
+        seq_len = self.packer_options["seq_len"]
         if balance is not None:
             _check_balance(balance, seq_len, self.packer_options)
         self.balance = balance

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from zephon_collate._checks import check_int
-from zephon_collate._text import shown
+from zephon_collate.core.checks import check_int
+from zephon_collate.core.text import shown
 from zephon_collate.parallel.cost import COST_LIMIT, CostModel
 from zephon_collate.parallel.placement import UNPLACED, Ints, pack_rows, place_items, place_rows
 

@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from zephon_collate.functional.context_parallel import partition
-from zephon_collate.keys import CU_SEQLENS, MAX_SEQLEN, NUM_VALID_TOKENS
+from zephon_collate.core.keys import CU_SEQLENS, MAX_SEQLEN, NUM_VALID_TOKENS
 
 __all__ = ["gather_context_parallel"]
 

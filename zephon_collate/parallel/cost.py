@@ -21,8 +21,8 @@ from fractions import Fraction
 import numpy as np
 import numpy.typing as npt
 
-from zephon_collate._checks import check_int
-from zephon_collate._text import shown
+from zephon_collate.core.checks import check_int
+from zephon_collate.core.text import shown
 
 __all__ = ["COST_LIMIT", "CostModel"]
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zephon_collate._checks import check_device
+from zephon_collate.core.checks import check_device
 from zephon_collate.parallel.distributed import collective_device, is_distributed
 
 __all__ = ["EvenBatches"]

@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 from torch.utils.data import dataloader as _dataloader
 
-from zephon_collate._checks import check_int
-from zephon_collate._text import shown
+from zephon_collate.core.checks import check_int
+from zephon_collate.core.text import shown
 from zephon_collate.parallel.balance import BalanceOptions, BalancePlan
 from zephon_collate.parallel.placement import Ints
 from zephon_collate.parallel.schedule import BalanceSchedule

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from zephon_collate._checks import check_int
-from zephon_collate._text import shown
+from zephon_collate.core.checks import check_int
+from zephon_collate.core.text import shown
 from zephon_collate.parallel.balance import BalanceOptions, BalancePlan, plan_balance
 
 __all__ = ["STATE_VERSION", "BalanceSchedule"]

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from zephon_collate._checks import fits_dtype
-from zephon_collate._text import shown
+from zephon_collate.core.checks import fits_dtype
+from zephon_collate.core.text import shown
 
 __all__ = ["check_ignore_fits", "check_leading", "check_present", "check_rank"]
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
-from zephon_collate._checks import check_key
-from zephon_collate.keys import ATTENTION_MASK, PADDING_MASK
+from zephon_collate.core.checks import check_key
+from zephon_collate.core.keys import ATTENTION_MASK, PADDING_MASK
 from zephon_collate.transforms._shapes import check_rank
 from zephon_collate.transforms.base import Transform
 
@@ -49,3 +50,6 @@ class AttentionMask(Transform):
 
     def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {self.out_key: data[self.padding_key].logical_not().to(torch.int64)}
+
+    def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {self.out_key: (~data[self.padding_key]).view(np.uint8).astype(np.int64)}

@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from torch import nn
 
-from zephon_collate._checks import check_keys
-from zephon_collate._text import shown
+from zephon_collate.core.checks import check_keys
+from zephon_collate.core.text import shown
 from zephon_collate.transforms._shapes import check_present
 
 __all__ = ["Chain", "Transform", "UndeclaredKeyError", "declared", "declared_keys"]
@@ -86,6 +87,19 @@ class Transform(TensorDictModuleBase):
         """The new entries computed from ``data`` (which holds every key of ``in_keys``)."""
         raise NotImplementedError
 
+    def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:  # pragma: no cover
+        """:meth:`compute` in NumPy, over host arrays: optional.
+
+        On the CPU, NumPy's elementwise work on integers runs several times
+        faster than torch's, and each call costs a fraction of a torch call, so a
+        chain run on the host (:meth:`Chain.run` with ``host=True``: the collate
+        path on plain CPU data, eager) calls this where a step defines it, and
+        :meth:`compute` on tensor views of the same arrays where it does not. It
+        returns the same keys, values, dtypes and shapes as :meth:`compute`
+        (``tests/test_host_steps.py`` checks each step against it).
+        """
+        raise NotImplementedError
+
     def output_batch_size(self, batch_size: torch.Size) -> torch.Size:
         """The batch size of the output TensorDict (default: the input's)."""
         return batch_size
@@ -153,6 +167,15 @@ class _Declared(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+def _all_arrays(data: Mapping[str, Any]) -> bool:
+    return all(isinstance(value, np.ndarray) for value in data.values())
+
+
+def _as_tensors(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` with each NumPy array as a tensor view of it (no copy)."""
+    return {key: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for key, v in data.items()}
 
 
 def declared_keys(step: object) -> frozenset[str]:
@@ -266,12 +289,14 @@ class Chain(Transform):
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         check_present("Chain", self.in_keys, data)
 
-    def run(self, data: Mapping[str, Any]) -> dict[str, Any]:
+    def run(self, data: Mapping[str, Any], *, host: bool = False) -> dict[str, Any]:
         """Every step's core over a copy of ``data``, unchecked: the whole resulting mapping.
 
         Each step sees its declared keys only (:func:`declared`), as everywhere.
+        ``host``: ``data`` holds NumPy arrays (or CPU tensors); each step that has a
+        :meth:`Transform.host` variant runs it, every other step gets tensor views.
         """
-        return self._run(dict(data), checked=False)[0]
+        return self._run(dict(data), checked=False, host=host)[0]
 
     def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         given = dict(data)
@@ -283,7 +308,7 @@ class Chain(Transform):
         return TensorDict(data, batch_size=batch_size, device=td.device)
 
     def _run(
-        self, data: dict[str, Any], *, checked: bool, batch_size: torch.Size | None = None
+        self, data: dict[str, Any], *, checked: bool, batch_size: torch.Size | None = None, host: bool = False
     ) -> tuple[dict[str, Any], torch.Size | None]:
         for step in self.steps:
             if checked:
@@ -292,16 +317,20 @@ class Chain(Transform):
                 view = declared(step, data)
                 if checked:
                     step.check(view)
-                data.update(step.compute(view))
+                if host and type(step).host is not Transform.host and _all_arrays(view):
+                    data.update(step.host(view))
+                else:
+                    data.update(step.compute(view if not host else declared(step, _as_tensors(view))))
                 for key in step.dropped_keys:
                     if key not in step.out_keys:
                         data.pop(key, None)
                 batch_size = None if batch_size is None else step.output_batch_size(batch_size)
             elif getattr(step, "reads_every_key", False):  # it reshapes the whole batch: its output is all
-                result = step(TensorDict(data, batch_size=batch_size if batch_size is not None else []))
+                given = _as_tensors(data) if host else data
+                result = step(TensorDict(given, batch_size=batch_size if batch_size is not None else []))
                 data, batch_size = dict(result.items()), result.batch_size
             else:  # any other TensorDict module: wrap its declared keys, call, merge what it returns
-                given = dict(declared(step, data))
+                given = _as_tensors(declared(step, data))
                 result = step(TensorDict(given, batch_size=batch_size if batch_size is not None else []))
                 data.update((key, value) for key, value in result.items() if given.get(key) is not value)
                 batch_size = result.batch_size

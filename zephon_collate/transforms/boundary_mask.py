@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
-from zephon_collate._checks import check_key
+from zephon_collate.core.checks import check_key
 from zephon_collate.functional.labels import align_mask
 from zephon_collate.functional.segments import segment_starts
-from zephon_collate.keys import LOSS_MASK, POSITIONS
+from zephon_collate.core.keys import LOSS_MASK, POSITIONS
 from zephon_collate.transforms._shapes import check_leading, check_rank
+from zephon_collate.functional import host
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["BoundaryMask"]
@@ -36,7 +38,7 @@ class BoundaryMask(Transform):
 
     Example:
         >>> from tensordict import TensorDict
-        >>> from zephon_collate import Chain, LossMask, TokenShift
+        >>> from zephon_collate.transforms import Chain, LossMask, TokenShift
         >>> td = TensorDict(
         ...     input_ids=torch.tensor([[1, 10, 11, 1, 12]]),
         ...     positions=torch.tensor([[0, 1, 2, 0, 1]]),
@@ -72,3 +74,11 @@ class BoundaryMask(Transform):
             return {self.mask_key: keep.long()}
         keep = align_mask(keep, mask)
         return {self.mask_key: mask & keep if mask.dtype == torch.bool else mask * keep}
+
+    def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        keep = ~host.segment_starts(data[self.positions_key])
+        mask = data.get(self.mask_key)
+        if mask is None:
+            return {self.mask_key: keep.astype(np.int64)}
+        keep = keep.reshape(*keep.shape, *([1] * (mask.ndim - keep.ndim)))
+        return {self.mask_key: mask & keep if mask.dtype == np.bool_ else mask * keep.astype(mask.dtype)}

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
-from zephon_collate._checks import check_key, check_num_boundaries
-from zephon_collate._text import shown
+from zephon_collate.core.checks import check_key, check_num_boundaries
+from zephon_collate.core.text import shown
 from zephon_collate.functional import cu_seqlens_flat, cu_seqlens_rows
-from zephon_collate.keys import CU_SEQLENS, INT32_MAX, MAX_SEQLEN, POSITIONS
+from zephon_collate.core.keys import CU_SEQLENS, INT32_MAX, MAX_SEQLEN, POSITIONS
 from zephon_collate.transforms._shapes import check_rank
+from zephon_collate.functional import host
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["CuSeqlens"]
@@ -93,6 +95,11 @@ class CuSeqlens(Transform):
 
     def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         kernel = cu_seqlens_flat if self.flatten else cu_seqlens_rows
+        boundaries, longest = kernel(data[self.positions_key], self.num_boundaries)
+        return {self.out_key: boundaries, self.max_key: longest}
+
+    def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        kernel = host.cu_seqlens_flat if self.flatten else host.cu_seqlens_rows
         boundaries, longest = kernel(data[self.positions_key], self.num_boundaries)
         return {self.out_key: boundaries, self.max_key: longest}
 

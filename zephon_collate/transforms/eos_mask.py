@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
-from zephon_collate._checks import check_eos_token_id, check_ignore_index, check_key
+from zephon_collate.core.checks import check_eos_token_id, check_ignore_index, check_key
 from zephon_collate.functional import eos_label_mask, mask_labels
-from zephon_collate.keys import INPUT_IDS, LABELS
+from zephon_collate.core.keys import INPUT_IDS, LABELS
 from zephon_collate.transforms._shapes import check_ignore_fits, check_leading
 from zephon_collate.transforms.base import Transform
 
@@ -70,3 +71,9 @@ class EosMask(Transform):
     def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         from_eos = eos_label_mask(data[self.inputs_key], self.eos_token_id)
         return {self.labels_key: mask_labels(data[self.labels_key], from_eos, self.ignore_index)}
+
+    def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        labels = data[self.labels_key]
+        from_eos = data[self.inputs_key] == self.eos_token_id  # an id beyond the dtype matches nothing
+        from_eos = from_eos.reshape(*from_eos.shape, *([1] * (labels.ndim - from_eos.ndim)))
+        return {self.labels_key: np.where(from_eos, labels.dtype.type(self.ignore_index), labels)}

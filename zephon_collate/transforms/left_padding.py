@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
-from zephon_collate._checks import check_key, check_keys
-from zephon_collate.keys import PADDING_LENGTH
+from zephon_collate.core.checks import check_key, check_keys
+from zephon_collate.core.keys import PADDING_LENGTH
 from zephon_collate.transforms._shapes import check_leading, check_rank
 from zephon_collate.transforms.base import Transform
 
@@ -63,4 +64,14 @@ class LeftPadding(Transform):
             source = (torch.arange(length, device=value.device) - counts.unsqueeze(1)) % max(length, 1)
             source = source.reshape(*source.shape, *([1] * (value.dim() - 2))).expand_as(value)
             updates[key] = value.gather(1, source)
+        return updates
+
+    def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        counts = data[self.padding_length_key].astype(np.int64)
+        updates = {}
+        for key in self.keys:
+            value = data[key]
+            source = (np.arange(value.shape[1]) - counts[:, None]) % max(value.shape[1], 1)
+            source = source.reshape(*source.shape, *([1] * (value.ndim - 2)))
+            updates[key] = np.take_along_axis(value, np.broadcast_to(source, value.shape), axis=1)
         return updates

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
-from zephon_collate._checks import check_ignore_index, check_key
+from zephon_collate.core.checks import check_ignore_index, check_key
 from zephon_collate.functional import apply_loss_mask
-from zephon_collate.keys import LABELS, LOSS_MASK, NUM_VALID_TOKENS, PADDING_LENGTH
+from zephon_collate.core.keys import LABELS, LOSS_MASK, NUM_VALID_TOKENS, PADDING_LENGTH
 from zephon_collate.transforms._shapes import check_ignore_fits, check_leading, check_rank
+from zephon_collate.functional import host
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["LossMask"]
@@ -103,4 +105,21 @@ class LossMask(Transform):
             updates[self.out_key] = loss_mask
         if self.count_key is not None:
             updates[self.count_key] = counts
+        return updates
+
+    def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        labels = data[self.labels_key]
+        drop = None if self.supervision_key is None else data[self.supervision_key] == 0
+        if self.padding_length_key is not None:
+            padding = host.trailing(data[self.padding_length_key], labels.shape[1])
+            drop = padding if drop is None else drop | padding.reshape(*padding.shape, *([1] * (drop.ndim - 2)))
+        if drop is not None:
+            drop = drop.reshape(*drop.shape, *([1] * (labels.ndim - drop.ndim)))
+            labels = np.where(drop, labels.dtype.type(self.ignore_index), labels)
+        updates = {self.labels_key: labels}
+        valid = labels != self.ignore_index
+        if self.out_key is not None:
+            updates[self.out_key] = valid.view(np.uint8).astype(np.float32)
+        if self.count_key is not None:
+            updates[self.count_key] = np.count_nonzero(valid.reshape(len(valid), -1), axis=1).astype(np.int64)
         return updates

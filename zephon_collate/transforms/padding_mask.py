@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
-from zephon_collate._checks import check_key
+from zephon_collate.core.checks import check_key
 from zephon_collate.functional import trailing_mask
-from zephon_collate.keys import INPUT_IDS, PADDING_LENGTH, PADDING_MASK
+from zephon_collate.core.keys import INPUT_IDS, PADDING_LENGTH, PADDING_MASK
 from zephon_collate.transforms._shapes import check_leading, check_rank
+from zephon_collate.functional import host
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["PaddingMask"]
@@ -63,3 +65,6 @@ class PaddingMask(Transform):
     def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         length = data[self.like_key].shape[1]
         return {self.out_key: trailing_mask(data[self.padding_length_key], length)}
+
+    def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {self.out_key: host.trailing(data[self.padding_length_key], data[self.like_key].shape[1])}

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
-from zephon_collate._checks import check_key
-from zephon_collate._text import shown
+from zephon_collate.core.checks import check_key
+from zephon_collate.core.text import shown
 from zephon_collate.functional.labels import padding_from_length
 from zephon_collate.functional.segments import flatten_segment_ids, segment_ids_from_positions
-from zephon_collate.keys import PADDING_LENGTH, POSITIONS, SEGMENT_IDS
+from zephon_collate.core.keys import PADDING_LENGTH, POSITIONS, SEGMENT_IDS
+from zephon_collate.functional import host
+from zephon_collate.functional.segments import PADDING_SEGMENT
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["SegmentIds"]
@@ -94,6 +97,22 @@ class SegmentIds(Transform):
             padding = padding_from_length(data[self.padding_length_key], positions.shape[1], self.shifted)
         ids = segment_ids_from_positions(positions, padding)
         return {self.out_key: flatten_segment_ids(ids) if self.flatten else ids}
+
+    def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        positions = data[self.positions_key]
+        starts = host.segment_starts(positions)
+        if self.mark_padding:
+            counts = data[self.padding_length_key].astype(np.int64)
+            padding = host.trailing(np.maximum(counts - 1, 0) if self.shifted else counts, positions.shape[1])
+            ids = np.where(padding, np.int32(PADDING_SEGMENT), host.segment_ids(starts & ~padding))
+        else:
+            ids = host.segment_ids(starts)
+        if not self.flatten:
+            return {self.out_key: ids}
+        counts = np.maximum(ids.max(axis=1, initial=-1), -1).astype(np.int64) + 1
+        offsets = np.cumsum(counts) - counts
+        flat = np.where(ids >= 0, ids + offsets[:, None], ids)
+        return {self.out_key: flat.reshape(-1).astype(np.int32)}
 
     def output_batch_size(self, batch_size: torch.Size) -> torch.Size:
         return torch.Size([]) if self.flatten else batch_size

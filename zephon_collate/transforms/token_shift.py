@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
-from zephon_collate._checks import check_key, check_keys
-from zephon_collate._text import shown
-from zephon_collate.keys import INPUT_IDS, LABELS
+from zephon_collate.core.checks import check_key, check_keys
+from zephon_collate.core.text import shown
+from zephon_collate.core.keys import INPUT_IDS, LABELS
 from zephon_collate.transforms._shapes import check_leading, check_rank
 from zephon_collate.transforms.base import Transform
 
@@ -77,3 +78,6 @@ class TokenShift(Transform):
         for key in self.label_keys:
             updates[key] = data[key][:, 1:]
         return updates
+
+    def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.compute(data)  # views: the same slicing on arrays

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
-from zephon_collate._checks import check_key
-from zephon_collate.keys import INPUT_IDS, LABELS
+from zephon_collate.core.checks import check_key
+from zephon_collate.core.keys import INPUT_IDS, LABELS
 from zephon_collate.transforms._shapes import check_rank
 from zephon_collate.transforms.base import Transform
 
@@ -32,7 +33,7 @@ class UnshiftedLabels(Transform):
 
     Example:
         >>> from tensordict import TensorDict
-        >>> from zephon_collate import Chain, LossMask
+        >>> from zephon_collate.transforms import Chain, LossMask
         >>> td = TensorDict(
         ...     input_ids=torch.tensor([[5, 6, 7, 0]]),
         ...     loss_mask=torch.tensor([[0, 1, 1, 1]]),
@@ -54,4 +55,7 @@ class UnshiftedLabels(Transform):
         check_rank("UnshiftedLabels", self.tokens_key, data[self.tokens_key], "[B, S] or [B, S, ...]", 2)
 
     def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self.labels_key: data[self.tokens_key]}
+
+    def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {self.labels_key: data[self.tokens_key]}

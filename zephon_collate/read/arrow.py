@@ -1,11 +1,12 @@
-"""Columnar batches read as the reader's fields: Arrow columns and ``(values, offsets)`` pairs.
+"""Columnar input read into a :class:`~zephon_collate.read.columns.Batch`: Arrow columns and
+``(values, offsets)`` pairs.
 
 A list column is one buffer of values and one of offsets: exactly a
-:class:`~zephon_collate._read.Ragged`. :func:`columns_of` recognises a
+:class:`~zephon_collate.read.columns.Ragged`. :func:`columns_of` recognises a
 columnar batch and :class:`Columns` reads each field it is asked for as a
 ``Ragged`` (a list column) or one value per row (a scalar column), with no
-loop over the examples; every entry point then checks and stacks those fields
-as it does the fields it reads from rows. A columnar batch is:
+loop over the examples; every layout then checks and stacks those fields as it
+does the fields read from rows. A columnar batch is:
 
 - a ``pyarrow.Table`` or ``RecordBatch`` (``dataset.with_format("arrow")[indices]``,
   ``.iter(batch_size)``), or a list of them (their rows one after the other);
@@ -41,8 +42,9 @@ from typing import Any, TypeAlias
 import numpy as np
 import torch
 
-from zephon_collate._read import Kind, Names, Ragged, Row, as_numpy, to_row
-from zephon_collate._text import shown, shown_fields
+from zephon_collate.core.text import shown, shown_fields
+from zephon_collate.read.columns import Batch, Kind, Names, Ragged, Row, as_numpy, to_row
+from zephon_collate.read.rows import example_names
 
 __all__ = [
     "ARROW_EXTRA",
@@ -51,7 +53,6 @@ __all__ = [
     "Columns",
     "arrow",
     "columns_of",
-    "example_names",
     "is_columnar",
     "read_by_rows",
 ]
@@ -94,11 +95,6 @@ class ColumnBatch(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"ColumnBatch({', '.join(self._columns)})"
-
-
-def example_names(index: int) -> str:
-    """How errors name the row of a columnar batch at ``index``: ``example 3``."""
-    return f"example {index}"
 
 
 def read_by_rows(owner: str, what: str) -> ValueError:
@@ -165,7 +161,7 @@ def is_columnar(batch: object) -> bool:
     return kind is not dict and _is_table(batch)
 
 
-def columns_of(batch: object) -> Columns | None:
+def columns_of(batch: object, owner: str = "Collator") -> Columns | None:
     """``batch`` as :class:`Columns`, or ``None`` if it is not a columnar batch.
 
     Raises:
@@ -176,12 +172,12 @@ def columns_of(batch: object) -> Columns | None:
     if not is_columnar(batch):
         return None
     if type(batch) in (list, tuple) and type(batch[0]) is ColumnBatch:  # type: ignore[index]
-        return _joined_batches(list(batch))  # type: ignore[call-overload]
+        return _joined_batches(list(batch), owner)  # type: ignore[call-overload]
     if isinstance(batch, Mapping):
         sources = dict(batch)
         if any(_from_arrow(value) for value in sources.values()):
             arrow()
-        return Columns(sources)
+        return Columns(sources, owner=owner)
     pa = arrow()
     tables = list(batch) if type(batch) in (list, tuple) else [batch]  # type: ignore[call-overload]
     read = []
@@ -209,10 +205,14 @@ def columns_of(batch: object) -> Columns | None:
                 f"Arrow table {index} has columns {table.schema.names}, table 0 {names}; give tables of "
                 "one schema"
             )
-    return Columns(tables=read)
+    return Columns(tables=read, owner=owner)
 
 
-def _joined_batches(batches: list[Any]) -> Columns:
+def _ids(rows: int) -> list[Any]:
+    return [(0, 0, index) for index in range(rows)]
+
+
+def _joined_batches(batches: list[Any], owner: str) -> Columns:
     """A list of :class:`ColumnBatch` as one batch: their rows one after the other."""
     for index, batch in enumerate(batches):
         if type(batch) is not ColumnBatch or list(batch) != list(batches[0]):
@@ -226,7 +226,7 @@ def _joined_batches(batches: list[Any]) -> Columns:
         sources = {name: _joined_column([batch[name] for batch in batches]) for name in batches[0]}
     if any(_from_arrow(batch[name]) for batch in batches for name in batch):
         arrow()
-    return Columns(sources)
+    return Columns(sources, owner=owner)
 
 
 def _joined_column(parts: list[Any]) -> Any:
@@ -239,7 +239,7 @@ def _joined_column(parts: list[Any]) -> Any:
     return parts
 
 
-class Columns:
+class Columns(Batch):
     """The fields of a columnar batch, each read when asked for (see the module doc).
 
     Parameters:
@@ -256,23 +256,24 @@ class Columns:
     Example:
         >>> import numpy as np
         >>> columns = Columns({"input_ids": (np.array([5, 6, 7, 8]), np.array([0, 3, 4]))})
-        >>> field = columns.ragged("input_ids", "ids", example_names)
+        >>> field = columns.get("input_ids", "ids")
         >>> columns.rows, field.values.tolist(), field.offsets.tolist()
         (2, [5, 6, 7, 8], [0, 3, 4])
     """
 
-    __slots__ = ("_chunks", "_names", "_sources", "_tables", "rows")
-
-    def __init__(self, sources: Mapping[str, Any] | None = None, *, tables: Sequence[Any] = ()) -> None:
+    def __init__(
+        self, sources: Mapping[str, Any] | None = None, *, tables: Sequence[Any] = (), owner: str = "Collator"
+    ) -> None:
         self._chunks: dict[str, list[Any]] = {}
         self._tables = list(tables)
         if self._tables:
             self._sources: dict[str, Any] = {}
-            self._names = tuple(self._tables[0].schema.names)
-            self.rows: int = sum(table.num_rows for table in self._tables)
+            self.order = tuple(self._tables[0].schema.names)
+            count = sum(table.num_rows for table in self._tables)
+            super().__init__(count, example_names, frozenset(self.order), _ids(count), owner=owner)
             return
         self._sources = dict(sources or {})
-        self._names = tuple(self._sources)
+        self.order = tuple(self._sources)
         rows: int | None = None
         first = ""
         for name, source in self._sources.items():
@@ -288,20 +289,30 @@ class Columns:
                     f"the columns of the batch differ in length: {shown(first)} holds {rows} rows, "
                     f"{shown(name)} {count}; give every field one entry per example"
                 )
-        self.rows = rows or 0
+        super().__init__(rows or 0, example_names, frozenset(self.order), _ids(rows or 0), owner=owner)
 
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
+    # -- the Batch interface: a column is carried by every row (a null entry is refused when read) --
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        """Every field of the batch, columns or not, in the batch's order."""
-        return self._names
+    def _carried(self, name: str) -> np.ndarray:
+        return np.full(self.rows, name in self.fields, dtype=bool)
+
+    def _lacks(self, index: int, name: str) -> str:
+        return f"payload lacks field {shown(name)} (its fields: {shown_fields(dict.fromkeys(self.order))})"
+
+    def _read(self, name: str, kind: Kind) -> Ragged:
+        return self.ragged(name, kind)
+
+    def _per_row(self, name: str, kind: Kind) -> list[Row]:
+        found = self.per_record(name, kind)
+        return list(found) if isinstance(found, np.ndarray) else found
+
+    def _objects(self, name: str) -> list[Any]:
+        return self.pylist(name)
 
     def _chunk_list(self, name: str) -> list[Any] | None:
         """The chunks of column ``name`` (looked up in the tables once), or ``None`` if it is no column."""
         chunks = self._chunks.get(name)
-        if chunks is None and self._tables and name in self._names:
+        if chunks is None and self._tables and name in self.order:
             chunks = []
             for table in self._tables:
                 column = table.column(name)
@@ -314,7 +325,7 @@ class Columns:
         """True if ``name`` is a list column (a row of values per example), False for one value per row."""
         if self._tables:
             return (
-                name in self._names
+                name in self.order
                 and _list_type(arrow(), self._tables[0].schema.field(name).type) is not None
             )
         chunks = self._chunks.get(name)
@@ -335,10 +346,10 @@ class Columns:
         is a single value) run on it once, for every row at a time.
         """
         if self._tables:
-            return {name: () if self.is_list(name) else 0 for name in self._names}
-        return {name: () if self.is_list(name) or name not in self._chunks else 0 for name in self._names}
+            return {name: () if self.is_list(name) else 0 for name in self.order}
+        return {name: () if self.is_list(name) or name not in self._chunks else 0 for name in self.order}
 
-    def ragged(self, name: str, kind: Kind, names: Names) -> Ragged:
+    def ragged(self, name: str, kind: Kind) -> Ragged:
         """List column ``name`` as a :class:`Ragged`: read-only views of the input where the layout allows.
 
         Raises:
@@ -347,7 +358,8 @@ class Columns:
             ValueError: for a null row or value, or a pair whose offsets do not fit its values,
                 naming the row.
         """
-        chunks = self._column(name, names)
+        chunks = self._column(name)
+        names = self.names
         pieces: list[tuple[Row, np.ndarray]] = []
         first = 0
         for chunk in chunks:
@@ -377,7 +389,7 @@ class Columns:
         checked = to_row(values, names(0), name, kind)  # the reader's dtype rules, on every value at once
         return Ragged(_host(checked), offsets)
 
-    def values(self, name: str, kind: Kind, names: Names) -> np.ndarray:
+    def values(self, name: str, kind: Kind) -> np.ndarray:
         """Scalar column ``name``: ``[B]`` (one value per row), read-only where it is a view.
 
         Raises:
@@ -386,7 +398,8 @@ class Columns:
         """
         parts = []
         first = 0
-        for chunk in self._column(name, names):
+        names = self.names
+        for chunk in self._column(name):
             if _is_pair(chunk):
                 raise TypeError(
                     f"field {shown(name)} is a (values, offsets) pair, a row of values per example, but it "
@@ -404,12 +417,12 @@ class Columns:
             joined = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
         return as_numpy(to_row(joined, names(0), name, kind))
 
-    def per_record(self, name: str, kind: Kind, names: Names) -> np.ndarray | list[Row]:
+    def per_record(self, name: str, kind: Kind) -> np.ndarray | list[Row]:
         """Field ``name`` one entry per example: ``[B]`` values, ``[B, L, ...]`` rows of one length, or
         each row (rows of other lengths, which stacking refuses, naming the first that differs)."""
         if not self.is_list(name):
-            return self.values(name, kind, names)
-        field = self.ragged(name, kind, names)
+            return self.values(name, kind)
+        field = self.ragged(name, kind)
         lengths = field.lengths
         if field.rows and bool((lengths == lengths[0]).all()):
             return np.asarray(field.values).reshape(field.rows, int(lengths[0]), *field.values.shape[1:])
@@ -423,14 +436,14 @@ class Columns:
             return list(self._sources[name])
         return [item for chunk in chunks for item in _pylist(chunk)]
 
-    def _column(self, name: str, names: Names) -> list[Any]:
+    def _column(self, name: str) -> list[Any]:
         chunks = self._chunk_list(name)
         if chunks is not None:
             return chunks
         if name not in self._sources:
             raise ValueError(
-                f"{names(0)}: the batch has no field {shown(name)} (its fields: "
-                f"{shown_fields(dict.fromkeys(self._names))})"
+                f"{self.names(0)}: the batch has no field {shown(name)} (its fields: "
+                f"{shown_fields(dict.fromkeys(self.order))})"
             )
         raise TypeError(
             f"field {shown(name)} is a {type(self._sources[name]).__name__}, while the batch's other "

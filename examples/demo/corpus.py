@@ -34,8 +34,8 @@ from typing import Any, cast
 
 import numpy as np
 
-from zephon_collate.demo.tokenizer import ByteTokenizer
-from zephon_collate.records import SampleMeta, SampleRecord
+from demo.tokenizer import ByteTokenizer
+from zephon_collate.core.records import SampleMeta, SampleRecord
 
 __all__ = [
     "CHAT",

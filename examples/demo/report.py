@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from zephon_collate.demo.corpus import COMPONENTS, fields
-from zephon_collate.demo.model import DocumentTransformer
-from zephon_collate.demo.tokenizer import EOS, VOCAB_SIZE, ByteTokenizer
+from demo.corpus import COMPONENTS, fields
+from demo.model import DocumentTransformer
+from demo.tokenizer import EOS, VOCAB_SIZE, ByteTokenizer
 from zephon_collate.functional import segment_starts
-from zephon_collate.records import SampleRecord
+from zephon_collate.core.records import SampleRecord
 
 __all__ = ["DemoResult", "plot_losses", "progress", "sample", "summary"]
 

@@ -1,6 +1,6 @@
 """The demo's training run: corpus -> records -> ``pack_flat`` -> DataLoader + ``Collator`` -> model.
 
-``run_demo(DemoConfig())`` is ``python -m zephon_collate demo``:
+``run_demo(DemoConfig())`` is ``python -m demo demo``:
 
 1. documents from the standard library (or ``--corpus``), two mixture
    components, tokenized into records with metadata (:mod:`.corpus`);
@@ -11,7 +11,7 @@
    check, stack on the CPU) and the main process :meth:`Collator.finish`
    (to the device, labels, loss mask, EOS mask, positions, ``cu_seqlens``,
    padding mask; :func:`~.pipeline.make_collator`);
-4. :class:`~zephon_collate.demo.model.DocumentTransformer` trains with AdamW,
+4. :class:`~demo.model.DocumentTransformer` trains with AdamW,
    its attention restricted to each document by the collator's positions.
 
 It shows a progress bar (loss, real tokens per second, padding), prints a
@@ -33,21 +33,21 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from zephon_collate.demo.corpus import CHAT
-from zephon_collate.demo.model import DocumentTransformer, ModelConfig
-from zephon_collate.demo.pipeline import batches as stacked_batches
-from zephon_collate.demo.pipeline import make_collator, pack_rows
-from zephon_collate.demo.report import DemoResult, plot_losses, progress, sample, summary
-from zephon_collate.demo.tokenizer import VOCAB_SIZE
+from demo.corpus import CHAT
+from demo.model import DocumentTransformer, ModelConfig
+from demo.pipeline import batches as stacked_batches
+from demo.pipeline import make_collator, pack_rows
+from demo.report import DemoResult, plot_losses, progress, sample, summary
+from demo.tokenizer import VOCAB_SIZE
 from zephon_collate.functional.attention import segment_ids_from_positions
-from zephon_collate.keys import IGNORE_INDEX
+from zephon_collate.core.keys import IGNORE_INDEX
 
 __all__ = ["DemoConfig", "cpu_threads", "run_demo"]
 
 
 @dataclass
 class DemoConfig:
-    """Options of the demo (the CLI flags of ``python -m zephon_collate demo``)."""
+    """Options of the demo (the CLI flags of ``python -m demo demo``)."""
 
     corpus: str | None = None
     seq_len: int = 256

@@ -8,7 +8,7 @@ with EOS masking, positions, ``cu_seqlens``, padding mask). The training run
 (:mod:`.train`) draws its batches from a ``DataLoader`` whose worker processes
 run :meth:`Collator.stack`, and calls :meth:`Collator.finish` itself.
 :func:`demo_batch` is one collated batch of the same pipeline, for
-``python -m zephon_collate show --demo-batch``.
+``python -m demo show --demo-batch``.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import torch
 
 from zephon_collate.collate.collator import Collator
 from zephon_collate.collate.transfer import StackedBatch
-from zephon_collate.demo.corpus import fields, load_documents, to_records
-from zephon_collate.demo.tokenizer import EOS, PAD, ByteTokenizer
+from demo.corpus import fields, load_documents, to_records
+from demo.tokenizer import EOS, PAD, ByteTokenizer
 from zephon_collate.packing.pack_flat import pack_flat
-from zephon_collate.records import SampleRecord
+from zephon_collate.core.records import SampleRecord
 
 if TYPE_CHECKING:
-    from zephon_collate.demo.train import DemoConfig
+    from demo.train import DemoConfig
 
 __all__ = ["Rows", "batches", "demo_batch", "make_collator", "pack_rows"]
 

@@ -40,17 +40,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from zephon_collate._checks import Keywords, check_bool
-from zephon_collate._read import Ragged, gather_spans, places, sequence_of
-from zephon_collate.collate._native import Stacked
-from zephon_collate.collate.hf import Transformers, TransformersOptions
-from zephon_collate.fields import FloatField
-from zephon_collate.keys import (
+from zephon_collate.core.checks import Keywords, check_bool
+from zephon_collate.layouts.base import Settings, Stacked
+from zephon_collate.layouts.transformers import Transformers, TransformersOptions, _in_float
+from zephon_collate.read.columns import Names, Ragged, gather_spans, places, sequence_of
+from zephon_collate.read.fields import FloatField
+from zephon_collate.transforms import AttentionMask, PaddingMask, Transform
+from zephon_collate.core.keys import (
     ATTENTION_MASK,
     BRANCH_IDS,
     DOCUMENT_IDS,
@@ -89,6 +90,7 @@ class SequenceOptions(Keywords):
     """
 
     OWNER: ClassVar[str] = "Collator.for_transformers"
+    tokenizer: Any = field(default=None, kw_only=False, compare=False, repr=False)
     padding_free: bool = False
     shared_prompt: bool = False
     pad_token_id: int | None = None
@@ -98,6 +100,9 @@ class SequenceOptions(Keywords):
     return_seq_idx: bool = False
 
     def __post_init__(self) -> None:
+        if self.pad_token_id is None and self.tokenizer is not None:
+            object.__setattr__(self, "pad_token_id", getattr(self.tokenizer, "pad_token_id", None))
+        object.__setattr__(self, "tokenizer", None)  # read once: the options hold plain values only
         for name in ("padding_free", "shared_prompt", "return_flash_attn_kwargs", "return_seq_idx"):
             object.__setattr__(self, name, check_bool(name, getattr(self, name), owner=self.OWNER))
         self.transformers()  # checks the rest, naming the preset
@@ -105,7 +110,7 @@ class SequenceOptions(Keywords):
     def transformers(self) -> TransformersOptions:
         """The :class:`~zephon_collate.TransformersOptions` of the underlying layout."""
         owner = self.OWNER
-        layout = {name: getattr(self, name) for name in self.names() if name != "shared_prompt"}
+        layout = {name: getattr(self, name) for name in self.names() if name not in ("shared_prompt", "tokenizer")}
         if self.shared_prompt:
             if self.return_flash_attn_kwargs or self.return_seq_idx:
                 raise ValueError(
@@ -188,18 +193,28 @@ def share_groups(batch: SequenceBatch) -> np.ndarray:
     return np.where(eligible, group, -1).astype(np.int64)
 
 
-@dataclass(frozen=True)
 class Sequences(Transformers):
     """The post-training layout over the ``transformers`` one: see the module doc.
 
     ``shared_prompt`` lays consecutive sequences with equal prompts out as one
-    document (the prompt once); ``floats`` are the float fields' specs.
+    document (the prompt once). A preset reads its examples into a
+    :class:`SequenceBatch` and lays it out with :meth:`sequences`.
     """
 
-    shared_prompt: bool = False
-    floats: tuple[FloatField, ...] = ()
+    def __init__(self, options: SequenceOptions, settings: Settings | None = None) -> None:
+        self.shared_prompt = options.shared_prompt
+        super().__init__(options.transformers(), settings)
 
-    def layout(self, batch: SequenceBatch) -> Stacked:
+    def chain(self, keys: Sequence[str]) -> list[Transform]:
+        """The ``transformers`` chain; with a shared prompt without ``attention_mask``: a 2-D padding mask
+        would let a response attend to its sibling (the attention comes from ``document_ids`` and
+        ``branch_ids``, padding is document -1)."""
+        steps = super().chain(keys)
+        if self.shared_prompt:
+            steps = [step for step in steps if not isinstance(step, (PaddingMask, AttentionMask))]
+        return steps
+
+    def sequences(self, batch: SequenceBatch, names: Names) -> Stacked:
         """The chain's input for ``batch``: documents, their sequence map, padded or padding-free."""
         offsets = batch.tokens.offsets
         seq = sequence_of(offsets)
@@ -247,25 +262,20 @@ class Sequences(Transformers):
         per_token[BRANCH_IDS] = Ragged((branch[kept] + 1).astype(np.int32), doc_offsets)
         per_token[LOGITS_INDEX] = Ragged((predictor + 1).astype(np.int64), doc_offsets)
         per_token[SEQUENCE_INDEX] = Ragged((sequence_index[kept] + 1).astype(np.int64), doc_offsets)
-        stacked = self._flat(per_token) if self.options.padding_free else self._padded(per_token)
+        if POSITIONS in per_token and self.positions_key != POSITIONS:
+            per_token[self.positions_key] = per_token.pop(POSITIONS)
+        stacked = self.flat(per_token) if self.options.padding_free else self.padded(per_token, names)
         data = stacked.data
         for name in SEQUENCE_MAP:
             data[name] = data[name] - 1
-        specs = {spec.name: spec for spec in self.floats}
+        specs = {spec.name: spec for spec in self.options.floats}
         for name in batch.floats:
             if name in specs:
-                data[name] = data[name].to(specs[name].dtype)
+                data[name] = _in_float(data[name], specs[name])
         for name, scalars in batch.per_sequence.items():
-            tensor = torch.from_numpy(np.ascontiguousarray(scalars))
-            data[name] = tensor.to(specs[name].dtype) if name in specs else tensor
+            data[name] = _in_float(np.asarray(scalars), specs[name]) if name in specs else scalars
         for name, extra in batch.extras.items():
-            data[name] = torch.from_numpy(np.ascontiguousarray(extra))
-        data[NUM_SEQUENCES] = torch.tensor(batch.count, dtype=torch.int64)
+            data[name] = np.asarray(extra)
+        data[NUM_SEQUENCES] = np.array(batch.count, dtype=np.int64)
         return stacked
 
-    def names(self, keys: Sequence[str]) -> list[tuple[str, str]]:
-        """The ``transformers`` outputs, then the sequence map. With a shared prompt there is no
-        ``attention_mask``: a 2-D padding mask would let a response attend to its sibling; the attention
-        comes from ``document_ids`` and ``branch_ids`` (padding is document -1)."""
-        pairs = super().names(keys)
-        return [pair for pair in pairs if pair[1] != ATTENTION_MASK] if self.shared_prompt else pairs

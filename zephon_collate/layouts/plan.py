@@ -1,31 +1,27 @@
 """The plan: the chain one layout runs on a stacked batch with one key set, built once and cached.
 
 A :class:`Plan` holds the chain (the layout's built-in transforms, then the
-user's own, or the user's chain in their place), the output names derived
-from that chain, and, when asked, the chain compiled with ``torch.compile``.
-``to_training``, ``Collator.__call__`` and ``Collator.finish`` all run a plan:
-the transforms' cores over one mapping of tensors, no TensorDict per step, no
-per-step check (the reader has checked the data). On plain CPU tensors in eager
-mode, the fused host pass (:mod:`._host`) stands in for the built-in part.
+user's own, or the user's chain in their place), the output keys it ends
+with, and, when asked, the chain compiled with ``torch.compile``. It runs the
+transforms' cores over one mapping, with no TensorDict per step and no
+per-step check (the reader has checked the data): on plain CPU data in eager
+mode on the host (each step's NumPy variant where it has one), else in torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from zephon_collate.collate import _host
 from zephon_collate.transforms import Chain, Transform
 
-__all__ = ["CPU_INDUCTOR_OPTIONS", "CollateLayout", "Layout", "Plan", "Plans", "Result"]
-
-Result = dict[str, "torch.Tensor | np.ndarray"]
-"""What a plan returns: its chain's output mapping, arrays where the host pass ran."""
+__all__ = ["CPU_INDUCTOR_OPTIONS", "Plan", "Plans", "host_applies", "use_host_pass"]
 
 # Inductor's vectorised CPU code stores bool results slowly in torch 2.13 (an int64
 # ``== 0`` into a bool tensor takes many times the eager time), so the CPU graphs are
@@ -33,56 +29,54 @@ Result = dict[str, "torch.Tensor | np.ndarray"]
 # the CPU (benchmarks/bench_collator.py): compiling is for GPUs.
 CPU_INDUCTOR_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"cpp.simdlen": 0}
 
+_HOST_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+    }
+)
+_state = threading.local()
 
-class Layout(Protocol):
-    """What a plan needs from a layout (the page's, ``for_transformers``'): see :class:`Plan`."""
 
-    def chain(self, keys: Sequence[str]) -> list[Transform]:
-        """The built-in transforms for a stacked batch holding ``keys``."""
-        ...
+@contextlib.contextmanager
+def use_host_pass(enabled: bool) -> Iterator[None]:
+    """Within the block, in this thread, run each step's host variant on CPU data (``True``, the default)
+    or the torch transforms everywhere (``False``: what a GPU and ``torch.compile`` run).
 
-    def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The built-in chain's output mapping, computed by the fused host pass."""
-        ...
+    Example:
+        >>> from zephon_collate import Collator
+        >>> with use_host_pass(False):  # the torch transforms, as on a GPU
+        ...     Collator(return_labels=True)([{"input_ids": [5, 6, 7]}])["labels"].tolist()
+        [[6, 7]]
+    """
+    previous = getattr(_state, "enabled", True)
+    _state.enabled = bool(enabled)
+    try:
+        yield
+    finally:
+        _state.enabled = previous
 
-    def names(self, keys: Sequence[str]) -> list[tuple[str, str]]:
-        """``(key, output name)`` pairs of the outputs, from the chain's final ``keys``."""
-        ...
 
-
-class CollateLayout(Layout, Protocol):
-    """What a :class:`~zephon_collate.Collator` needs from its layout: a plan per key set, reading,
-    stacking, the outputs (the page's layout and ``for_transformers``' both are one)."""
-
-    def plan(self, keys: tuple[str, ...]) -> Plan:
-        """The layout's plan on a stacked batch holding ``keys``, built once."""
-        ...
-
-    def stack(self, samples: Any) -> Any:
-        """Read, check and stack ``samples``: a :class:`~zephon_collate.collate._native.Stacked`, or
-        ``None`` for an empty batch."""
-        ...
-
-    def collate(
-        self, samples: Any, plan: Callable[[tuple[str, ...]], Plan], *, python_scalars: bool = True
-    ) -> dict[str, Any]:
-        """The one-step path: read, stack, run ``plan(keys)``, assemble."""
-        ...
-
-    def assemble(
-        self,
-        per_record: Mapping[str, list[Any]],
-        result: Mapping[str, Any],
-        pairs: Sequence[tuple[str, str]],
-        python_scalars: bool,
-    ) -> dict[str, Any]:
-        """The output dict from a plan's result."""
-        ...
-
-    def empty(self, chain: Callable[[list[str]], Chain] | None = None) -> dict[str, Any]:
-        """The outputs of an empty batch, named by ``chain(keys)`` (default: the layout's own chain),
-        or the error a layout raises for one."""
-        ...
+def host_applies(data: Mapping[str, object]) -> bool:
+    """True when a plan may run on the host: NumPy arrays or plain CPU tensors without autograd, in dtypes
+    NumPy holds, eager, and the host pass not switched off."""
+    if not getattr(_state, "enabled", True) or torch.compiler.is_compiling():
+        return False
+    for value in data.values():
+        if isinstance(value, np.ndarray):
+            continue
+        if type(value) is not torch.Tensor or not value.is_cpu or value.requires_grad:
+            return False  # another device, autograd, or a subclass (FakeTensor, ...)
+        if value.dtype not in _HOST_DTYPES:
+            return False
+    return True
 
 
 def _stage_input(stage: Chain, data: Mapping[str, Any]) -> dict[str, Any]:
@@ -121,57 +115,40 @@ class Plans(dict[tuple[str, ...], "Plan"]):
 
 
 class Plan:
-    """The chain and the output names of one layout on one key set.
+    """A chain on one key set: run eagerly (on the host where it applies) or compiled.
 
     Parameters:
-        layout: what builds the chain and names the outputs (``to_training``'s options, or a preset's).
+        steps: the transforms, in order (a layout's built-in ones, then yours).
         keys: the keys of the stacked batch the plan runs on.
-        transforms: transforms of yours, run after the built-in chain.
-        chain: transforms of yours that replace the built-in chain (``transforms`` then follow them).
 
     Raises:
         ValueError: if a transform reads a key that neither the batch nor an earlier step provides.
 
     Example:
-        >>> from zephon_collate.collate._native import Native
-        >>> from zephon_collate.collate.options import TrainingOptions
-        >>> plan = Plan(Native(TrainingOptions(return_labels=True)), ("input_ids", "padding_length"))
-        >>> out = plan.run({"input_ids": torch.tensor([[1, 2, 3]]), "padding_length": torch.tensor([0])})
-        >>> out["input_ids"].tolist(), out["labels"].tolist(), [name for _, name in plan.pairs]
-        ([[1, 2]], [[2, 3]], ['ids', 'texts', 'input_ids', 'labels'])
+        >>> from zephon_collate.transforms import LossMask, TokenShift
+        >>> plan = Plan([TokenShift(), LossMask(supervision_key=None)], ("input_ids", "padding_length"))
+        >>> out = plan.run({"input_ids": np.array([[1, 2, 3]]), "padding_length": np.array([0])})
+        >>> out["input_ids"].tolist(), out["labels"].tolist(), plan.output_keys
+        ([[1, 2]], [[2, 3]], ['input_ids', 'padding_length', 'labels', 'loss_mask', 'num_valid_tokens'])
     """
 
-    def __init__(
-        self,
-        layout: Layout,
-        keys: tuple[str, ...],
-        transforms: Sequence[Transform] = (),
-        chain: Sequence[Transform] | None = None,
-    ) -> None:
-        self.layout = layout
+    def __init__(self, steps: Sequence[Transform], keys: tuple[str, ...]) -> None:
         self.keys = keys
-        builtin = layout.chain(keys) if chain is None else list(chain)
-        self.chain = Chain(*builtin, *transforms, input_keys=keys)
-        self.hosted = chain is None  # the host pass computes the built-in part
-        self.after = Chain(*transforms) if transforms else None
-        self.pairs = layout.names(self.chain.output_keys(keys))
+        self.chain = Chain(*steps, input_keys=keys)
+        self.output_keys = self.chain.output_keys(keys)
         self._compiled: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
-    def run(self, data: Mapping[str, torch.Tensor]) -> Result:
-        """The chain over ``data`` (a mapping of stacked tensors), eager.
+    def run(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        """The chain over ``data`` (a mapping of stacked arrays or tensors), eager.
 
-        On plain CPU tensors the fused host pass computes the built-in part over
-        NumPy views (no copy); its outputs are then arrays, unless transforms of
-        yours follow, which get tensors (views of those arrays).
+        On host data (:func:`host_applies`) each step runs its NumPy variant where it has one, and its
+        outputs are arrays; elsewhere the torch transforms run, on tensors.
         """
-        if self.hosted and _host.applies(data):
-            out: Result = dict(self.layout.host({key: value.numpy() for key, value in data.items()}))
-            if self.after is None:
-                return out
-            tensors = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in out.items()}
-            return self.after.run(tensors)
-        return self.chain.run(data)
+        if host_applies(data):
+            arrays = {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in data.items()}
+            return self.chain.run(arrays, host=True)
+        return self.chain.run({k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in data.items()})
 
     def compiled(self, device_type: str) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
         """The chain through ``torch.compile`` (dynamic shapes, full graphs) for ``device_type``; cached.
@@ -228,4 +205,4 @@ class Plan:
 
     def __repr__(self) -> str:
         steps = ", ".join(type(t).__name__ for t in self.chain.steps)
-        return f"Plan({steps}; outputs {[name for _, name in self.pairs]})"
+        return f"Plan({steps}; outputs {self.output_keys})"

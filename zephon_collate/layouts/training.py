@@ -2,8 +2,8 @@
 
 :func:`~zephon_collate.to_training`, :meth:`SampleBatch.to_training
 <zephon_collate.SampleBatch.to_training>` and the :class:`~zephon_collate.Collator`
-take these keyword arguments, written out in each signature (a test checks that
-they equal this class's fields: names, order, defaults). :meth:`TrainingOptions.chain`
+take these keyword arguments: their signatures are derived from this class's
+fields (:func:`~zephon_collate.core.checks.keywords`). :meth:`TrainingOptions.chain`
 is the one place that turns the options into transforms; the names a call
 emits and the names an extra field may not take are derived from that chain.
 """
@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
-from zephon_collate._checks import (
+from zephon_collate.core.checks import (
     Keywords,
     OutputKind,
     check_bool,
@@ -29,9 +29,11 @@ from zephon_collate._checks import (
     resolve_dtype,
     warn_user,
 )
-from zephon_collate._text import shown
-from zephon_collate.keys import (
+from zephon_collate.core.text import shown
+from zephon_collate.core.keys import (
+    CU_SEQLENS,
     IDS,
+    MAX_SEQLEN,
     IGNORE_INDEX,
     INPUT_IDS,
     LOSS_MASK,
@@ -46,6 +48,7 @@ from zephon_collate.transforms import (
     Chain,
     CuSeqlens,
     EosMask,
+    Flatten,
     LossMask,
     PaddingMask,
     Positions,
@@ -130,7 +133,7 @@ class TrainingOptions(Keywords):
         if self.eos_token_id is not None:
             put("eos_token_id", check_eos_token_id(self.eos_token_id))
         self._check_combinations()
-        values = tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.compare)
+        values = tuple(getattr(self, f.name) for f in dataclasses.fields(TrainingOptions) if f.compare)
         put("_hash", hash(values))  # computed once: the collate path looks plans up by options
         if self.eos_token_id is not None and not self.eos_mask_loss:
             warn_user(_EOS_WITHOUT_MASKING)
@@ -193,7 +196,7 @@ class TrainingOptions(Keywords):
         """The transforms these options run on a stacked batch holding ``keys``, in order.
 
         ``PaddingMask -> BoundaryMask -> TokenShift -> EosMask -> LossMask ->
-        CuSeqlens -> Positions``, each only when asked for. ``boundary_safe`` (the
+        CuSeqlens -> Positions -> Flatten``, each only when asked for. ``boundary_safe`` (the
         Collator's ``boundary_safe_labels``) adds ``BoundaryMask`` when there are
         labels and positions; ``num_boundaries`` gives ``CuSeqlens`` a static
         shape. ``Positions("sequence")`` comes after ``CuSeqlens`` because it
@@ -237,7 +240,16 @@ class TrainingOptions(Keywords):
             transforms.append(CuSeqlens(flatten=self.flatten, num_boundaries=num_boundaries))
         if self.position_mode == "sequence":
             transforms.append(Positions("sequence"))
+        if self.flatten:  # every per-token field [B, S, ...] to [B * S, ...]
+            final = Chain(*transforms).output_keys(keys)
+            kept = (PADDING_LENGTH, NUM_VALID_TOKENS, CU_SEQLENS, MAX_SEQLEN)
+            transforms.append(Flatten([key for key in final if key not in kept]))
         return transforms
+
+    @property
+    def kind(self) -> Literal["torch", "numpy", "list"]:
+        """The container of the outputs: torch tensors, NumPy arrays or Python lists."""
+        return self.output.kind
 
     @property
     def data_fields(self) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """Fields to stacked tensors: rows of one length as ``[B, S, ...]``, ragged rows padded on the right.
 
-Every collate entry point reads its fields with :mod:`zephon_collate._read`
-and stacks them here. A per-token field arrives as a :class:`~zephon_collate._read.Ragged`
+Every layout reads its fields at the door (:mod:`zephon_collate.read`)
+and stacks them here. A per-token field arrives as a :class:`~zephon_collate.read.columns.Ragged`
 (values end to end, and offsets); :func:`dense` lays it out as ``[B, width, ...]``
 with one vectorised scatter (a view, when every row already has the width).
 :class:`RowPadding` decides the width: the longest row, rounded up to
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from zephon_collate._checks import check_int
-from zephon_collate._read import Names, Ragged, Row, Values, as_numpy
-from zephon_collate._text import shown
-from zephon_collate.keys import INT32_MAX, MAX_PAD_MULTIPLE
+from zephon_collate.core.checks import check_int
+from zephon_collate.read.columns import Names, Ragged, Row, Values, as_numpy
+from zephon_collate.core.text import shown
+from zephon_collate.core.keys import INT32_MAX, MAX_PAD_MULTIPLE
 
 __all__ = ["RowPadding", "dense", "stack_rows"]
 
@@ -92,7 +92,7 @@ def dense(field: Ragged, width: int, fill: int | float, *, restart: bool = False
     tensor a tensor on its device.
 
     Example:
-        >>> from zephon_collate._read import concat
+        >>> from zephon_collate.read.columns import concat
         >>> field = concat([np.array([5, 6, 7]), np.array([8])], "input_ids", str)
         >>> dense(field, 4, 0).tolist(), dense(field, 4, 0, restart=True).tolist()
         ([[5, 6, 7, 0], [8, 0, 0, 0]], [[5, 6, 7, 0], [8, 0, 1, 2]])

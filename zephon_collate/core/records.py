@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import total_ordering
 from typing import Any, TypeAlias, TypeGuard, Union
 
-from zephon_collate._text import shown
+from zephon_collate.core.text import shown
 
 __all__ = [
     "CONTRIBUTORS_TAG",

@@ -10,19 +10,20 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import typing
 import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Literal, TypeGuard, TypeVar, cast
+from typing import Any, Concatenate, Literal, ParamSpec, TypeGuard, TypeVar, cast
 
 import numpy as np
 import torch
 
-from zephon_collate._text import shown
-from zephon_collate.keys import INT64_MAX, INT64_MIN
+from zephon_collate.core.text import shown
+from zephon_collate.core.keys import INT64_MAX, INT64_MIN
 
 __all__ = [
     "Keywords",
@@ -42,11 +43,12 @@ __all__ = [
     "check_rename_fields",
     "fits_dtype",
     "resolve_dtype",
-    "suggest_options",
+    "keywords",
     "warn_user",
 ]
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _POSITION_MODES = ("preserve", "sequence")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -59,28 +61,17 @@ def _is_int(value: object) -> TypeGuard[int]:
 
 
 class Keywords:
-    """Base of the options dataclasses: their keywords, and a written-out signature's arguments among them.
+    """Base of the options dataclasses: one typed field (type, default, doc) per option.
 
-    Example:
-        >>> @dataclasses.dataclass(frozen=True, kw_only=True)
-        ... class Options(Keywords):
-        ...     seq_len: int
-        ...     greedy: bool = True
-        >>> def pack(seq_len: int, *, greedy: bool = True, verbose: bool = False) -> Options:
-        ...     return Options(**Options.arguments(locals()))
-        >>> Options.names(), pack(8, verbose=True)
-        (('seq_len', 'greedy'), Options(seq_len=8, greedy=True))
+    Each entry point's signature is derived from its options dataclass by
+    :func:`keywords`: the option is written once, and ``inspect`` and type
+    checkers see it.
     """
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
         """The keywords, in the order of the fields (those ``__init__`` takes)."""
         return tuple(field.name for field in dataclasses.fields(cast(Any, cls)) if field.init)
-
-    @classmethod
-    def arguments(cls, scope: Mapping[str, Any]) -> dict[str, Any]:
-        """The keywords among ``scope`` (a signature's ``locals()``), by name."""
-        return {name: scope[name] for name in cls.names()}
 
 
 def check_option_names(owner: str, names: Iterable[str], known: Sequence[str]) -> None:
@@ -92,52 +83,75 @@ def check_option_names(owner: str, names: Iterable[str], known: Sequence[str]) -
             raise TypeError(f"{owner}: unknown option {shown(name)}{hint}")
 
 
-def suggest_options(owner: str, required: Mapping[str, str] | None = None) -> Callable[[F], F]:
-    """Decorate a function whose keywords are written out: a misspelled one gets the closest name.
+def keywords(
+    options: Callable[P, Any], owner: str, required: Mapping[str, str] | None = None
+) -> Callable[[Callable[..., R]], Callable[Concatenate[Any, P], R]]:
+    """Give ``function(first, **options)`` the signature of the dataclass ``options``.
 
-    Python's own ``TypeError`` ("unexpected keyword argument") becomes
-    ``owner: unknown option 'pad_to_multiple'; did you mean 'pad_to_multiple_of'?``,
-    and a missing required keyword named in ``required`` says what it is
-    (``owner: pad_token_id is required: the token id of the padding``).
-    The signature stays the function's (``inspect`` and type checkers see it),
-    and a call with known names costs nothing more.
+    The decorated function takes its first argument (``self``, ``cls``, a batch)
+    and the options dataclass's fields, as ``inspect`` and type checkers see
+    them: ``mypy --strict`` reports a misspelled or mistyped option in user
+    code. At run time a misspelled keyword gets the closest name
+    (``owner: unknown option 'pad_to_multiple'; did you mean 'pad_to_multiple_of'?``),
+    and a missing required one named in ``required`` says what it is.
 
     Example:
-        >>> @suggest_options("f")
-        ... def f(*, return_labels: bool = False) -> bool:
-        ...     return return_labels
-        >>> f(return_label=True)
+        >>> @dataclasses.dataclass(frozen=True, kw_only=True)
+        ... class Options(Keywords):
+        ...     return_labels: bool = False
+        >>> @keywords(Options, "f")
+        ... def f(batch: list[int], **options: Any) -> Options:
+        ...     return Options(**options)
+        >>> [(p.name, p.kind.name, p.default) for p in inspect.signature(f).parameters.values()]
+        [('batch', 'POSITIONAL_OR_KEYWORD', <class 'inspect._empty'>), ('return_labels', 'KEYWORD_ONLY', False)]
+        >>> f([], return_label=True)
         Traceback (most recent call last):
         ...
         TypeError: f: unknown option 'return_label'; did you mean 'return_labels'?
     """
+    fields = [field for field in dataclasses.fields(cast(Any, options)) if field.init]
+    known = [field.name for field in fields]
 
-    def decorate(function: F) -> F:
-        signature = inspect.signature(function)
-        parameters = signature.parameters.values()
-        known = [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        known = [name for name in known if name not in ("self", "cls")]
+    def decorate(function: Callable[..., R]) -> Callable[Concatenate[Any, P], R]:
+        own = [
+            p
+            for p in inspect.signature(function).parameters.values()
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        ]
+        try:
+            hints = typing.get_type_hints(options)
+        except NameError:  # a name imported for type checkers only: the annotations as written
+            hints = {}
+        derived = [
+            inspect.Parameter(
+                field.name,
+                inspect.Parameter.KEYWORD_ONLY if field.kw_only else inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                default=field.default if field.default is not dataclasses.MISSING else inspect.Parameter.empty,
+                annotation=hints.get(field.name, field.type),
+            )
+            for field in fields
+        ]
+        positional = [p for p in derived if p.kind is p.POSITIONAL_OR_KEYWORD]
+        signature = inspect.Signature(
+            [*own, *positional, *(p for p in derived if p.kind is p.KEYWORD_ONLY)],
+            return_annotation=inspect.signature(function).return_annotation,
+        )
 
         @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return function(*args, **kwargs)
-            except TypeError:
-                if all(name in known for name in kwargs):
-                    missing = [name for name in required or {} if name not in kwargs]
-                    if missing:
-                        try:
-                            signature.bind(*args, **kwargs)
-                        except TypeError:
-                            name = missing[0]
-                            raise TypeError(
-                                f"{owner}: {name} is required: {(required or {})[name]}"
-                            ) from None
-                    raise
-            check_option_names(owner, kwargs, known)
-            raise AssertionError("unreachable: an unknown option was found above")  # pragma: no cover
+        def wrapper(*args: Any, **kwargs: Any) -> R:
+            for name in kwargs:
+                if name not in known:
+                    check_option_names(owner, kwargs, known)
+            missing = [name for name in required or {} if name not in kwargs]
+            if missing and len(args) <= len(own) + len(positional):
+                try:
+                    signature.bind(*args, **kwargs)
+                except TypeError:
+                    raise TypeError(f"{owner}: {missing[0]} is required: {(required or {})[missing[0]]}") from None
+            return function(*args, **kwargs)
 
-        return wrapper  # type: ignore[return-value]  # the same signature, by functools.wraps
+        wrapper.__signature__ = signature  # type: ignore[attr-defined]
+        return wrapper
 
     return decorate
 

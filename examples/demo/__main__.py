@@ -1,9 +1,9 @@
 """Command line of zephon_collate.
 
-  python -m zephon_collate demo [--steps N] [--seq-len N] [--batch-size N] [--corpus PATH]
+  python -m demo demo [--steps N] [--seq-len N] [--batch-size N] [--corpus PATH]
                                 [--device DEV] [--compile] [--out DIR]
       train a small language model on the standard library's source, through the whole package
-  python -m zephon_collate show (--demo-batch | FILE.jsonl | FILE.pt) [--png PATH] [--no-color] ...
+  python -m demo show (--demo-batch | FILE.jsonl | FILE.pt) [--png PATH] [--no-color] ...
       render a collated batch token by token, with warnings
 
 See docs/demo.md.
@@ -29,7 +29,7 @@ def _positive(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m zephon_collate",
+        prog="python -m demo",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from zephon_collate.demo.train import DemoConfig, run_demo
+    from demo.train import DemoConfig, run_demo
 
     config = DemoConfig(
         corpus=args.corpus,
@@ -127,8 +127,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 def _jsonl_batch(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     """The collated batch of a JSONL file's records, and whether they were text (byte-tokenized)."""
     from zephon_collate import Collator, SampleMeta, SampleRecord, pack_flat
-    from zephon_collate.demo.corpus import read_jsonl, to_records
-    from zephon_collate.demo.tokenizer import EOS, PAD
+    from demo.corpus import read_jsonl, to_records
+    from demo.tokenizer import EOS, PAD
 
     lines = [line for line in Path(args.file).read_text(encoding="utf-8").splitlines() if line.strip()]
     items = [json.loads(line) for line in lines]
@@ -163,7 +163,7 @@ def _pad_records(records: list[Any], pad_id: int) -> list[Any]:
     import numpy as np
 
     from zephon_collate import SampleMeta, SampleRecord
-    from zephon_collate.keys import TOKEN_FIELD_CANDIDATES
+    from zephon_collate.core.keys import TOKEN_FIELD_CANDIDATES
 
     def tokens_of(payload: dict[str, Any]) -> str:
         return next(name for name in TOKEN_FIELD_CANDIDATES if name in payload)
@@ -190,11 +190,11 @@ def _pad_records(records: list[Any], pad_id: int) -> list[Any]:
 
 
 def _run_show(args: argparse.Namespace) -> int:
-    from zephon_collate.demo.tokenizer import ByteTokenizer
+    from demo.tokenizer import ByteTokenizer
     from zephon_collate.inspection.render import render_batch, render_batch_png
 
     if args.demo_batch:
-        from zephon_collate.demo.pipeline import demo_batch
+        from demo.pipeline import demo_batch
 
         sizes = {"seq_len": args.seq_len, "batch_size": args.batch_size, "min_documents": args.min_documents}
         batch = demo_batch(args.corpus, **sizes, seed=args.seed)
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(error, BrokenPipeError):
                 raise
             message = error.args[0] if isinstance(error, KeyError) and error.args else error
-            print(f"python -m zephon_collate show: error: {message}", file=sys.stderr)
+            print(f"python -m demo show: error: {message}", file=sys.stderr)
             return 2
     except BrokenPipeError:  # e.g. piped into head: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -1,0 +1,79 @@
+"""The NumPy twins of the segment and padding kernels, for the transforms' host variants.
+
+Each returns what its torch kernel (:mod:`.segments`, :mod:`.labels`) returns
+for the same arrays: same values, dtypes and shapes (``tests/test_host_steps.py``
+runs every step both ways). They take host arrays and write into none.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "cu_seqlens_flat",
+    "cu_seqlens_rows",
+    "ragged_starts",
+    "segment_ids",
+    "segment_starts",
+    "trailing",
+]
+
+
+def trailing(counts: np.ndarray, length: int) -> np.ndarray:
+    """``[B, length]`` booleans, True on the last ``counts[b]`` entries of row ``b``."""
+    return np.asarray(np.arange(length) >= (length - counts.astype(np.int64))[:, None])
+
+
+def segment_starts(positions: np.ndarray) -> np.ndarray:
+    """The segment rule on ``[B, S]`` positions: True at each row's first token and where positions are 0."""
+    starts = positions == 0
+    if starts.shape[-1]:
+        starts[..., 0] = True
+    return np.asarray(starts)
+
+
+def ragged_starts(offsets: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
+    """The segment rule on rows laid end to end (``[N]`` values, row ``b`` from ``offsets[b]``): True at
+    each row's first token and where ``positions`` are 0.
+
+    Example:
+        >>> ragged_starts(np.array([0, 3, 5]), np.array([0, 1, 0, 0, 1])).tolist()
+        [True, False, True, True, False]
+    """
+    starts = np.zeros(int(offsets[-1]), dtype=bool) if positions is None else np.asarray(positions) == 0
+    firsts = offsets[:-1][offsets[1:] > offsets[:-1]]
+    starts[firsts] = True
+    return starts
+
+
+def segment_ids(starts: np.ndarray) -> np.ndarray:
+    """``[B, S]`` int32: each token's segment in its row (``cumsum(starts) - 1``)."""
+    return np.asarray(np.cumsum(starts, axis=-1, dtype=np.int32) - 1)
+
+
+def _longest(boundaries: np.ndarray) -> np.ndarray:
+    if boundaries.shape[-1] < 2:
+        return np.zeros(boundaries.shape[:-1], dtype=np.int32)
+    return np.asarray((boundaries[..., 1:] - boundaries[..., :-1]).max(axis=-1))
+
+
+def cu_seqlens_rows(positions: np.ndarray, num_boundaries: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row boundaries ``[B, K]`` int32 and maxima ``[B]``, as the torch kernel computes them."""
+    rows, length = positions.shape
+    flat = np.flatnonzero(segment_starts(positions))  # flat indices, already row-sorted
+    row = flat // max(length, 1)
+    rank = np.arange(flat.size) - np.searchsorted(row, row)  # index within its row
+    width = num_boundaries if num_boundaries is not None else (int(rank.max()) + 2 if flat.size else 1)
+    boundaries = np.full((rows, width), length, dtype=np.int32)
+    boundaries[row, rank] = flat - row * length
+    return boundaries, _longest(boundaries)
+
+
+def cu_seqlens_flat(positions: np.ndarray, num_boundaries: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """One boundary sequence over all tokens, as the torch kernel computes it."""
+    starts = np.flatnonzero(segment_starts(positions))
+    total = positions.size
+    width = starts.size + 1 if num_boundaries is None else num_boundaries
+    boundaries = np.full(width, total, dtype=np.int32)
+    boundaries[: starts.size] = starts
+    return boundaries, _longest(boundaries)

@@ -1,0 +1,16 @@
+"""Layouts: how a batch read at the door is laid out, and the chain that turns it into training tensors.
+
+One base class (:class:`~zephon_collate.layouts.base.Layout`) owns the flow:
+read, lay out, run the chain, assemble the outputs once. Each layout writes
+how it lays a batch out and its chain:
+
+- :mod:`~zephon_collate.layouts.native`: the reference page's (``to_training``, ``Collator``),
+  with its options (:mod:`~zephon_collate.layouts.training`);
+- :mod:`~zephon_collate.layouts.transformers`: Hugging Face's (``Collator.for_transformers``);
+- :mod:`~zephon_collate.layouts.sequences`: sequences and shared prompts, for
+  :mod:`~zephon_collate.layouts.preference` (``Collator.for_preference``) and
+  :mod:`~zephon_collate.layouts.rollouts` (``Collator.for_rollouts``).
+
+:mod:`~zephon_collate.layouts.plan` runs a chain (on the host, eagerly or compiled) and
+:mod:`~zephon_collate.layouts.stack` lays ragged fields out in rows.
+"""

@@ -1,0 +1,388 @@
+"""Layout: the collate flow, owned by one base class; a layout writes how it lays out and its chain.
+
+The flow, the same for every layout::
+
+    samples       records, payload dicts, HF examples, pairs, rollouts, Arrow tables, (values, offsets)
+      |  read      the door (zephon_collate.read): one Batch of Ragged fields, checked there
+      v
+    lay_out       [a layout's own] supervision, padding, documents: the chain's input, Stacked
+      |            (data: [B, S, ...] arrays or tensors; per-row outputs: ids, texts)
+      v
+    chain         [a layout's own] the built-in transforms, then yours (Settings.transforms)
+      |  Plan      on the host (NumPy), eager (torch), or compiled (torch.compile)
+      v
+    assemble      once for every layout: the chain's keys named (ORDER, renames, exclusions),
+                  converted to the container asked for (torch, NumPy, lists; Python scalars)
+
+Every value an output holds is made by a step of the chain, so a transform of
+yours sees what the batch will hold. ``Collator`` runs it in one call
+(:meth:`Layout.collate`), or split: :meth:`Layout.stack` in DataLoader workers,
+:meth:`Layout.finish` in the main process, on the device, compiled when asked.
+
+A new layout is one file: a subclass that sets ``OWNER`` (how errors name the
+entry point), ``READS`` (records or examples), ``ORDER`` (its outputs' order) and
+writes :meth:`Layout.lay_out` and :meth:`Layout.chain` (and :meth:`Layout.empty`
+if it accepts an empty batch), with an options dataclass; its preset is a
+classmethod of ``Collator``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+from zephon_collate.core.checks import Keywords, check_bool, check_device, check_num_boundaries
+from zephon_collate.core.keys import (
+    CU_SEQLENS,
+    IDS,
+    INPUT_IDS,
+    MAX_SEQLEN,
+    NUM_VALID_TOKENS,
+    PADDING_LENGTH,
+    TEXT,
+    TEXTS,
+)
+from zephon_collate.core.records import SampleMeta, SampleRecord
+from zephon_collate.core.text import shown
+from zephon_collate.layouts.plan import Plan, Plans, host_applies
+from zephon_collate.read.arrow import columns_of
+from zephon_collate.read.columns import Batch
+from zephon_collate.read.rows import as_record, examples_of, payload_get, records_of
+from zephon_collate.transforms import Transform
+
+__all__ = ["Layout", "Settings", "Stacked", "convert"]
+
+Kind = Literal["torch", "numpy", "list"]
+
+
+def _check_transforms(name: str, value: object) -> tuple[Transform, ...]:
+    if isinstance(value, torch.nn.Module) or not isinstance(value, Sequence) or isinstance(value, str):
+        raise TypeError(f"Collator: {name} must be a list of transforms, got {shown(value)}")
+    for index, transform in enumerate(value):
+        if not isinstance(transform, torch.nn.Module) or not hasattr(transform, "in_keys"):
+            raise TypeError(
+                f"Collator: {name}[{index}] ({shown(transform)}) is not a transform with in_keys and "
+                "out_keys; subclass zephon_collate.Transform"
+            )
+    return tuple(value)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Settings(Keywords):
+    """Where and how a collator runs its chain: every collator's own keyword arguments.
+
+    Parameters:
+        device: where ``finish`` runs the chain (``None``: where the data is).
+        compile: run the chain through ``torch.compile`` (dynamic shapes, full graphs), so varying
+            batch sizes and lengths do not recompile.
+        num_boundaries: give ``cu_seqlens`` a static shape: each row's boundaries (or the flattened
+            sequence) padded to exactly this many with the row (or total) length. The whole chain is
+            then one graph (CUDA graph friendly); more segments than that are refused when stacked.
+        python_scalars: return counts and flattened maxima (``num_valid_tokens``, ``max_seqlen``,
+            ``max_length_q``, ``num_sequences``) as Python ints, as the reference page does; ``False``
+            keeps them as 0-d tensors on the device (no device sync).
+        transforms: transforms of yours (:class:`~zephon_collate.Transform`), run after the built-in
+            chain wherever it runs: in one call, after the device copy, compiled. Each key one of them
+            writes is an output.
+        chain: transforms of yours that replace the built-in chain (the options that build it must keep
+            their defaults); they run on the stacked batch the layout writes.
+
+    Raises:
+        TypeError, ValueError: for a value of the wrong type or out of range.
+    """
+
+    device: str | torch.device | None = None
+    compile: bool = False
+    num_boundaries: int | None = None
+    python_scalars: bool = True
+    transforms: Sequence[Transform] = ()
+    chain: Sequence[Transform] | None = None
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        put(self, "device", check_device("Collator", self.device))
+        for name in ("compile", "python_scalars"):
+            put(self, name, check_bool(name, getattr(self, name), owner="Collator"))
+        put(self, "num_boundaries", check_num_boundaries("Collator", self.num_boundaries))
+        put(self, "transforms", _check_transforms("transforms", self.transforms))
+        if self.chain is not None:
+            put(self, "chain", _check_transforms("chain", self.chain))
+
+
+@dataclass
+class Stacked:
+    """A batch laid out: the chain's input, and what the outputs need besides.
+
+    ``data`` maps each key to a ``[B, ...]`` array (host data) or tensor (data
+    on a device); ``per_row`` holds the per-row outputs (``ids``, ``texts``);
+    ``metas`` each record's metadata.
+    """
+
+    data: dict[str, Any]
+    per_row: dict[str, list[Any]] = field(default_factory=dict)
+    metas: tuple[SampleMeta, ...] = ()
+
+
+def per_row_outputs(batch: Batch) -> dict[str, list[Any]]:
+    """``{"ids": ..., "texts": ...}``: each row's sample id and ``"text"`` (copied unless a str, so that
+    changing an output never changes the input)."""
+    texts = batch.objects(TEXT) if TEXT in batch else [None] * batch.rows
+    texts = [t if t is None or isinstance(t, (str, bytes)) else copy.deepcopy(t) for t in texts]
+    return {IDS: list(batch.ids), TEXTS: texts}
+
+
+def convert(value: Any, kind: Kind) -> Any:
+    """A chain output (an array or a tensor) in the container ``kind`` asks for; outputs never share
+    memory with the batch's inputs (a view of the stacked batch is copied)."""
+    if isinstance(value, np.ndarray):
+        if kind == "list":
+            return value.tolist()
+        array = value if value.flags.c_contiguous else value.copy()  # 0-d stays 0-d
+        return torch.from_numpy(array) if kind == "torch" else array
+    if kind == "torch":
+        return value.contiguous()
+    if kind == "numpy":  # contiguous first: a view of the stacked batch would keep all of it alive
+        return value.detach().cpu().contiguous().numpy()
+    return value.tolist()
+
+
+class Layout:
+    """The collate flow (see the module doc); a subclass lays a batch out and names its chain.
+
+    Parameters:
+        options: the layout's options dataclass (checked).
+        settings: the collator's :class:`Settings`.
+    """
+
+    OWNER: ClassVar[str] = "Collator"
+    """How errors name the entry point."""
+    READS: ClassVar[Literal["records", "examples"]] = "examples"
+    """Row-wise input read as records (``record i (sample_id ...)``) or examples (``example i``)."""
+    KEY: ClassVar[tuple[str, ...]] = (INPUT_IDS,)
+    """The field every row of a batched dict of lists has (the first found of these)."""
+    ITEM: ClassVar[str] = "example"
+    ORDER: ClassVar[tuple[str | None, ...]] = ()
+    """The outputs' order; ``None`` is where the extra fields go; the keys not named follow, in the
+    chain's order."""
+    INTERNAL: ClassVar[frozenset[str]] = frozenset({PADDING_LENGTH})
+    """Keys of the stacked batch that no output carries."""
+    SCALARS: ClassVar[frozenset[str]] = frozenset()
+    """0-d outputs returned as Python ints (with ``python_scalars``)."""
+
+    def __init__(self, options: Any, settings: Settings | None = None) -> None:
+        self.options = options
+        self.settings = settings if settings is not None else Settings()
+        self._plans = Plans()
+
+    # -- what a layout writes --------------------------------------------------------------------
+
+    def lay_out(self, batch: Batch) -> list[Stacked]:  # pragma: no cover
+        """The chain's input for a (non-empty) batch: one :class:`Stacked`, or one per row (ragged list
+        output). Every data error is raised here (or at the door), naming the row, the field and the fix."""
+        raise NotImplementedError
+
+    def chain(self, keys: Sequence[str]) -> list[Transform]:  # pragma: no cover
+        """The built-in transforms for a stacked batch holding ``keys``, in order."""
+        raise NotImplementedError
+
+    def empty(self) -> dict[str, Any]:
+        """The outputs of an empty batch: refused, as the collators a preset stands in for refuse it."""
+        raise ValueError(f"{self.OWNER}: the batch holds no {self.ITEM}s")
+
+    # -- the flow ----------------------------------------------------------------------------------
+
+    def read(self, samples: object) -> Batch:
+        """The door: ``samples`` as a :class:`~zephon_collate.read.columns.Batch`."""
+        columns = columns_of(samples, self.OWNER)
+        if columns is not None:
+            return columns
+        if self.READS == "examples":
+            key = next((k for k in self.KEY if isinstance(samples, Mapping) and k in samples), self.KEY[0])
+            return examples_of(samples, self.OWNER, key=key)
+        if isinstance(samples, Mapping):
+            pairs = [name for name, value in samples.items() if type(value) is tuple and len(value) == 2]
+            hint = (
+                f"; field {shown(pairs[0])} looks like a (values, offsets) pair: give both as NumPy arrays or "
+                "tensors"
+                if pairs
+                else "; a batch of columns is a dict of Arrow columns or (values, offsets) pairs"
+            )
+            raise TypeError(f"{self.OWNER}: expected a list of samples, got a {type(samples).__name__}{hint}")
+        if isinstance(samples, (str, bytes)) or not isinstance(samples, Sequence):
+            raise TypeError(f"{self.OWNER}: expected a list of samples, got {type(samples).__name__}")
+        records = [as_record(sample, index, self.OWNER) for index, sample in enumerate(samples)]
+        return records_of(records, getattr(self.options, "tokens_field", INPUT_IDS), self.OWNER)
+
+    def stack(self, samples: object) -> list[Stacked]:
+        """Read and lay out ``samples``: the chain's input (``[]`` for an empty batch)."""
+        batch = self.read(samples)
+        return self.lay_out(batch) if batch.rows else []
+
+    def plan(self, keys: tuple[str, ...]) -> Plan:
+        """The plan on a stacked batch holding ``keys``: the built-in chain (or yours), then your
+        transforms; built once per key set."""
+        found = self._plans.get(keys)
+        if found is None:
+            settings = self.settings
+            builtin = self.chain(keys) if settings.chain is None else list(settings.chain)
+            found = self._plans[keys] = Plan([*builtin, *settings.transforms], keys)
+        return found
+
+    def run(self, plan: Plan, data: Mapping[str, Any], device: torch.device | None = None) -> dict[str, Any]:
+        """``plan`` over ``data``: compiled for ``device`` with ``compile``, else eager."""
+        if not self.settings.compile:
+            return plan.run(data)
+        tensors = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in data.items()}
+        device_type = (device or self.settings.device or torch.device("cpu")).type
+        return plan.compiled(device_type)(tensors)
+
+    def collate(self, samples: object) -> dict[str, Any]:
+        """Read, lay out, run the chain, assemble: the one-step path."""
+        if self.settings.device is not None or self.settings.compile:
+            return self.finish(self.stack(samples))
+        stacked = self.stack(samples)
+        if not stacked:
+            return self.empty()
+        plan = self.plan(tuple(stacked[0].data))
+        return self.assemble(stacked, [plan.run(part.data) for part in stacked], plan.output_keys)
+
+    def finish(self, stacked: Sequence[Stacked]) -> dict[str, Any]:
+        """Move stacked batches to the device (``non_blocking``), run the chain, assemble."""
+        if not stacked:
+            return self.empty()
+        device = self.settings.device
+        results = []
+        plan = self.plan(tuple(stacked[0].data))
+        for part in stacked:
+            data = part.data
+            if device is not None:
+                data = {
+                    k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v).to(device, non_blocking=True)
+                    for k, v in data.items()
+                }
+            results.append(self.run(plan, data, device))
+        return self.assemble(stacked, results, plan.output_keys)
+
+    # -- the one assembly --------------------------------------------------------------------------
+
+    def output_names(self, keys: Sequence[str], *, empty: bool = False) -> list[tuple[str, str]]:
+        """``(key, name)`` of each output, from the chain's final ``keys``: in :attr:`ORDER` (the extra
+        fields at its ``None``), then the chain's other keys; renamed, then excluded (the options'
+        ``rename_fields`` / ``exclude_fields``, where a layout has them).
+
+        Raises:
+            ValueError: if a rename names a key that is not emitted (nonempty batches), or two outputs
+                end with one name.
+        """
+        options = self.options
+        extras = tuple(getattr(options, "extra_fields", ()))
+        slot = self.ORDER.index(None) if None in self.ORDER else len(self.ORDER)
+        ranks = {key: rank for rank, key in enumerate(self.ORDER) if key is not None}
+        found = [key for key in dict.fromkeys((IDS, TEXTS, *keys)) if key not in self.INTERNAL]
+        if self.READS == "examples":
+            found = [key for key in found if key not in (IDS, TEXTS)]
+
+        def rank(item: tuple[int, str]) -> tuple[int, int]:
+            index, key = item
+            if key in ranks:
+                return ranks[key], 0
+            if key in extras:
+                return slot, extras.index(key)
+            return len(self.ORDER) + 1, index
+
+        emitted = [key for _, key in sorted(enumerate(found), key=rank)]
+        renames = dict(getattr(options, "rename_fields", None) or ())
+        if not empty:
+            for source in renames:
+                if source not in emitted:
+                    raise ValueError(
+                        f"to_training: rename_fields names {shown(source)}, which this call does not emit "
+                        f"(it emits {emitted})"
+                    )
+        named: dict[str, str] = {}
+        for key in emitted:
+            name = renames.get(key, key)
+            if name in named:
+                raise ValueError(
+                    f"to_training: rename_fields gives {shown(named[name])} and {shown(key)} the same name "
+                    f"{shown(name)}; final names must be unique"
+                )
+            named[name] = key
+        excluded = set(getattr(options, "exclude_fields", ()))
+        return [(key, name) for name, key in named.items() if name not in excluded]
+
+    @property
+    def kind(self) -> Kind:
+        """The container of the outputs: torch tensors, NumPy arrays or Python lists."""
+        return "torch"
+
+    def assemble(
+        self, stacked: Sequence[Stacked], results: Sequence[Mapping[str, Any]], keys: Sequence[str]
+    ) -> dict[str, Any]:
+        """The output dict: each output named, in its container; Python scalars for the counts.
+
+        Several ``results`` are rows of a ragged list batch, each run alone: their lists are joined
+        (boundaries offset by the rows before, a flattened maximum the largest).
+        """
+        kind = self.kind
+        scalar = int if self.settings.python_scalars else torch.as_tensor
+        per_row: dict[str, list[Any]] = {
+            key: [value for part in stacked for value in part.per_row.get(key, [])] for key in (IDS, TEXTS)
+        }
+        out: dict[str, Any] = {}
+        for key, name in self.output_names(keys):
+            if key in per_row:
+                out[name] = per_row[key]
+                continue
+            values = [result[key] for result in results]
+            if len(values) > 1:
+                out[name] = self._joined(key, values)
+            elif key == NUM_VALID_TOKENS:
+                out[name] = scalar(values[0].sum())
+            elif key in self.SCALARS and values[0].ndim == 0:
+                out[name] = scalar(values[0]) if self.settings.python_scalars else convert(values[0], kind)
+            else:
+                out[name] = convert(values[0], kind)
+        return out
+
+    def _joined(self, key: str, values: list[Any]) -> Any:
+        """One output of a ragged list batch, from each row's (run as a batch of one)."""
+        rows = [value.tolist() for value in values]
+        flat = bool(getattr(self.options, "flatten", False))
+        if key == NUM_VALID_TOKENS:
+            return sum(sum(row) for row in rows)
+        if key == CU_SEQLENS and flat:
+            joined: list[int] = []
+            total = 0
+            for row in rows:
+                joined += [start + total for start in row[:-1]]
+                total += row[-1]
+            return [*joined, total]
+        if key == CU_SEQLENS:
+            width = max(len(row[0]) for row in rows)
+            return [row[0] + [row[0][-1]] * (width - len(row[0])) for row in rows]
+        if key == MAX_SEQLEN:
+            return max(rows) if flat else [row[0] for row in rows]
+        if any(not isinstance(row, list) for row in rows):  # one value per row (a 0-d output of yours)
+            return rows
+        if flat and all(len(value.shape) == 1 for value in values):
+            return [item for row in rows for item in row]
+        return [row[0] for row in rows]
+
+
+def record_texts(records: Sequence[SampleRecord]) -> list[Any]:
+    """Each record's ``"text"`` (``None`` where its payload has none)."""
+    return [
+        payload_get(r.payload, TEXT) if isinstance(r.payload, Mapping) else None for r in records
+    ]
+
+
+def in_worker() -> bool:
+    """True in a DataLoader worker process."""
+    return get_worker_info() is not None

@@ -1,0 +1,622 @@
+"""The reference page's layout: records in, ``to_training``'s outputs out.
+
+:class:`Native` lays a batch of records (or payload dicts, token rows,
+columns) out as the page says: the token field, ``positions``, ``loss_mask``
+and extra fields stacked ``[B, S]`` (per record, ``[B, ...]``), each record's
+trailing padding in ``padding_length``. ``to_training`` runs it with the page's
+defaults; the :class:`~zephon_collate.Collator` with its own options on top
+(:class:`CollatorOptions`: ragged rows padded, boundary-safe labels, float
+fields), each refusing what the page would let through silently.
+
+Two rows of 3 and 5 tokens padded to 8 (``pad_to_multiple_of=4``)::
+
+    input_ids  | a a a P P P P P |      P: pad_token_id
+               | b b b b b P P P |
+    positions  | 0 1 2 0 1 2 3 4 |      the padding is a segment of its own, restarting at 0
+               | 0 1 2 3 4 0 1 2 |
+    padding_length  [5, 3]              counted as each record's trailing padding
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, cast
+
+import numpy as np
+import torch
+
+from zephon_collate.core.checks import check_bool, warn_user
+from zephon_collate.core.keys import (
+    ATTENTION_MASK,
+    CU_SEQLENS,
+    IDS,
+    INPUT_IDS,
+    INT32_MAX,
+    LABELS,
+    LOSS_MASK,
+    MAX_SEQLEN,
+    NUM_VALID_TOKENS,
+    PADDING_LENGTH,
+    PADDING_MASK,
+    POSITION_IDS,
+    POSITIONS,
+    SUPERVISION_MASKS,
+    TEXTS,
+    TOKEN_FIELD_CANDIDATES,
+)
+from zephon_collate.core.text import shown, shown_fields
+from zephon_collate.functional import host
+from zephon_collate.layouts.base import Layout, Stacked, per_row_outputs
+from zephon_collate.layouts.stack import RowPadding, dense, stack_rows
+from zephon_collate.layouts.training import TrainingOptions
+from zephon_collate.read.arrow import Columns, read_by_rows
+from zephon_collate.read.columns import Batch, Names, Ragged, Row, as_numpy, concat, numpy_dtype
+from zephon_collate.read.fields import FloatField, check_float_fields, read_floats
+from zephon_collate.read.rules import (
+    SUPERVISING_FIELDS,
+    check_fits,
+    check_ids,
+    check_zero_one,
+    declared_padding,
+    misaligned,
+    misspelled,
+    unread_supervision,
+)
+from zephon_collate.transforms import Chain, Transform
+
+__all__ = ["CollatorOptions", "Native"]
+
+_WRITTEN = (INPUT_IDS, LABELS, POSITIONS, POSITION_IDS, LOSS_MASK, PADDING_LENGTH, PADDING_MASK)
+"""Names a float field may not take: fields the collate path reads or writes itself."""
+_CHAIN_OPTIONS = (
+    "return_labels",
+    "return_num_valid_tokens",
+    "return_loss_mask",
+    "return_cu_seqlens",
+    "return_padding_mask",
+    "eos_mask_loss",
+    "position_mode",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollatorOptions(TrainingOptions):
+    """The :class:`~zephon_collate.Collator`'s layout options: ``to_training``'s, and these.
+
+    Parameters:
+        pad_token_id: pad ragged rows (unpacked SFT examples) on the right to the longest with this id;
+            the padding counts as each record's trailing padding, so labels, ``padding_mask``,
+            ``cu_seqlens`` and ``num_valid_tokens`` treat it as the page's (``None``: rows must be of
+            equal length, or ``dtype=None`` gives ragged lists). A row that already ends in this id
+            without declaring its padding is refused: the labels would train it.
+        pad_to_multiple_of: round the padded length up to a multiple of this (at most 2**20).
+        boundary_safe_labels: with labels and payload positions, ignore every label whose target
+            starts a new segment (:class:`~zephon_collate.BoundaryMask`): no label crosses a document
+            boundary, EOS or not. On by default here; ``to_training`` keeps the page's labels.
+        float_fields: float payload fields (log-probs, advantages, rewards): names, or
+            :class:`~zephon_collate.FloatField` specs. Each keeps its own float dtype (float32 by
+            default, whatever ``dtype`` is), is 0.0 on padding, and is shifted with the labels as its
+            alignment says (token-aligned: cut ``[:, 1:]`` with ``return_labels``, so
+            ``out[name][:, j]`` belongs to ``labels[:, j]``). Read example by example: a columnar batch
+            with ``float_fields`` is refused.
+
+    Raises:
+        TypeError, ValueError: as :class:`~zephon_collate.layouts.training.TrainingOptions`, and for
+            these options.
+    """
+
+    pad_token_id: int | None = None
+    pad_to_multiple_of: int | None = None
+    boundary_safe_labels: bool = True
+    float_fields: Sequence[str | FloatField] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        put = object.__setattr__
+        put(self, "boundary_safe_labels", check_bool("boundary_safe_labels", self.boundary_safe_labels, owner="Collator"))
+        padding = RowPadding.create(self.pad_token_id, self.pad_to_multiple_of)
+        if padding is not None and self.output.kind != "list" and padding.pad_token_id > torch.iinfo(self.output.torch_dtype).max:
+            raise ValueError(
+                f"Collator: pad_token_id {padding.pad_token_id} does not fit dtype "
+                f"{self.output.torch_dtype}; pick a wider dtype"
+            )
+        reserved = (*self.generated_keys(), *self.extra_fields, *_WRITTEN)
+        put(self, "float_fields", check_float_fields("Collator", self.float_fields, reserved))
+
+
+class Native(Layout):
+    """The page's layout over records: see the module doc.
+
+    With :class:`~zephon_collate.layouts.training.TrainingOptions` it is
+    ``to_training`` (the page's defaults: a field that would change what is
+    trained but is not read is warned of); with :class:`CollatorOptions` it is
+    the ``Collator`` (refused).
+    """
+
+    OWNER: ClassVar[str] = "Collator"
+    READS: ClassVar[Literal["records", "examples"]] = "records"
+    ITEM: ClassVar[str] = "record"
+    ORDER: ClassVar[tuple[str | None, ...]] = (
+        IDS,
+        TEXTS,
+        INPUT_IDS,
+        LABELS,
+        POSITIONS,
+        None,
+        NUM_VALID_TOKENS,
+        LOSS_MASK,
+        CU_SEQLENS,
+        MAX_SEQLEN,
+        PADDING_MASK,
+    )
+    SCALARS: ClassVar[frozenset[str]] = frozenset({MAX_SEQLEN})
+
+    options: TrainingOptions
+
+    @functools.cached_property
+    def strict(self) -> bool:
+        """The Collator's (``CollatorOptions``): refuse what ``to_training`` would warn of."""
+        return isinstance(self.options, CollatorOptions)
+
+    @functools.cached_property
+    def padding(self) -> RowPadding | None:
+        options = self.options
+        if not isinstance(options, CollatorOptions):
+            return None
+        return RowPadding.create(options.pad_token_id, options.pad_to_multiple_of)
+
+    @functools.cached_property
+    def floats(self) -> tuple[FloatField, ...]:
+        return tuple(cast(Sequence[FloatField], getattr(self.options, "float_fields", ())))
+
+    @property
+    def boundary_safe(self) -> bool:
+        return bool(getattr(self.options, "boundary_safe_labels", False))
+
+    @property
+    def kind(self) -> Literal["torch", "numpy", "list"]:
+        return self.options.kind
+
+    def check_chain(self) -> None:
+        """``chain=`` replaces what the chain options would build: those must keep their defaults."""
+        if self.settings.chain is None:
+            return
+        defaults = TrainingOptions()
+        given = [name for name in _CHAIN_OPTIONS if getattr(self.options, name) != getattr(defaults, name)]
+        if given:
+            raise ValueError(
+                f"Collator: chain= replaces the chain that {', '.join(given)} would build; leave "
+                "those at their defaults, or pass transforms=[...] to add yours after the built-in chain"
+            )
+
+    # -- the chain -----------------------------------------------------------------------------------
+
+    def chain(self, keys: Sequence[str]) -> list[Transform]:
+        """The page's chain (:meth:`TrainingOptions.chain`) for a stacked batch holding ``keys``."""
+        like_labels = tuple(spec.name for spec in self.floats if spec.shifted_like_labels)
+        unshifted = tuple(spec.name for spec in self.floats if not spec.per_token)
+        return self.options.chain(
+            keys,
+            boundary_safe=self.boundary_safe,
+            num_boundaries=self.settings.num_boundaries,
+            like_labels=like_labels,
+            unshifted=unshifted,
+        )
+
+    def empty(self) -> dict[str, Any]:
+        """The page's outputs of an empty batch: each field the chain emits, empty (``num_valid_tokens``
+        0, a flattened ``cu_seqlens`` / ``max_seqlen`` ``[0]`` / 0); positions only where generated
+        (``position_mode="sequence"``) or listed in ``extra_fields``."""
+        options = self.options
+        keys = [INPUT_IDS, PADDING_LENGTH, *options.extra_fields, *(spec.name for spec in self.floats)]
+        if options.return_cu_seqlens and POSITIONS not in keys:
+            keys.append(POSITIONS)  # CuSeqlens reads them
+        steps = [*(self.chain(keys) if self.settings.chain is None else self.settings.chain), *self.settings.transforms]
+        final = Chain(*steps).output_keys(keys)
+        shown_keys = [
+            key
+            for key in final
+            if key != POSITIONS or options.position_mode == "sequence" or POSITIONS in options.extra_fields
+        ]
+        values: dict[str, Any] = {NUM_VALID_TOKENS: 0}
+        if options.return_cu_seqlens and options.flatten:
+            values.update({CU_SEQLENS: [0], MAX_SEQLEN: 0})
+        return {name: values.get(key, []) for key, name in self.output_names(shown_keys, empty=True)}
+
+    # -- the layout ---------------------------------------------------------------------------------
+
+    def lay_out(self, batch: Batch) -> list[Stacked]:
+        """Read, check and stack ``batch`` (non-empty): one :class:`Stacked`, or, for ragged list output
+        (``dtype=None`` without padding), one per row, every error still naming the row by its place.
+
+        Raises:
+            TypeError, ValueError: for every data error, naming the record, the field and the fix.
+        """
+        options = self.options
+        names = batch.names
+        if self.floats and isinstance(batch, Columns):
+            raise read_by_rows("Collator", "float_fields")
+        tokens_field = _tokens_field(batch, options.tokens_field)
+        tokens = batch.get(tokens_field, "ids")
+        assert tokens is not None
+        lengths = tokens.lengths
+        per_token: dict[str, Ragged] = {INPUT_IDS: tokens}
+        per_record: dict[str, Sequence[Row] | np.ndarray] = {}
+        for name, required, must_align in self._wanted():
+            source = self._source(batch, name)
+            if source not in batch:
+                if required:
+                    batch.require(source)
+                continue
+            kind: Literal["ids", "values"] = "ids" if name == POSITIONS else "values"
+            field, rows = _read_field(batch, source, kind, tokens, must_align)
+            if field is not None:
+                per_token[name] = field
+            else:
+                per_record[name] = rows
+        self._check_supervision(batch, tokens, {*per_token, *per_record})
+        self._check_values(per_token, names)
+        for spec in self.floats:  # checked by read_floats: finite, in range, one value per token or sequence
+            floats = read_floats(batch.per_row(spec.name, "values"), lengths, spec, names)
+            if isinstance(floats, Ragged):
+                per_token[spec.name] = floats
+            else:
+                per_record[spec.name] = list(floats)
+        needed = options.needs_padding_lengths or self.settings.chain is not None
+        counts, declared = declared_padding(batch, lengths) if needed else (np.zeros(batch.rows, np.int64), None)
+        if self.padding is not None and options.needs_padding_lengths and declared is not None:
+            self._check_no_padding_given(tokens, ~declared, names)
+        return self._stacked(batch, per_token, per_record, counts)
+
+    def _source(self, batch: Batch, name: str) -> str:
+        """The field ``name`` is read from: the Collator reads Hugging Face's ``position_ids`` as the
+        positions where no row has ``positions`` (dropped, labels would cross the documents they
+        mark); a row with both, disagreeing, is refused."""
+        if name != POSITIONS or not self.strict or POSITION_IDS not in batch:
+            return name
+        if POSITIONS not in batch:
+            return POSITION_IDS
+        both = np.flatnonzero(batch.carried(POSITIONS) & batch.carried(POSITION_IDS))
+        if both.size:
+            given = batch.get(POSITIONS, "ids", partial=True)
+            other = batch.get(POSITION_IDS, "ids", partial=True)
+            assert given is not None and other is not None
+            for index in both.tolist():
+                if not np.array_equal(as_numpy(given.row(index)), as_numpy(other.row(index))):
+                    raise ValueError(
+                        f"{batch.names(index)}: payload has both 'positions' and 'position_ids' (Hugging "
+                        "Face's spelling), and they differ, so it is not clear where its documents start; "
+                        "keep one"
+                    )
+        return name
+
+    def _wanted(self) -> list[tuple[str, bool, bool]]:
+        """``(field, required, aligned)`` of each field read besides the tokens: ``aligned`` fields must
+        hold one entry per token, the others may hold one per record."""
+        options = self.options
+        labels = options.return_labels
+        reads_positions = options.reads_positions or (self.boundary_safe and labels)
+        must_align = labels or options.flatten
+        wanted = [(LOSS_MASK, LOSS_MASK in options.extra_fields, True)]
+        if reads_positions or POSITIONS in options.extra_fields or options.return_cu_seqlens:
+            required = POSITIONS in options.extra_fields or options.return_cu_seqlens
+            wanted.append((POSITIONS, required, True))
+        wanted += [(name, True, must_align) for name in options.data_fields]
+        return wanted
+
+    def _check_supervision(self, batch: Batch, tokens: Ragged, read: set[str]) -> None:
+        """A field that would change what is trained but is not read: refused by the Collator, warned of
+        by ``to_training`` (labels only: without labels nothing is supervised, so nothing is said)."""
+        if not (self.strict or self.options.return_labels):
+            return
+        near = misspelled(batch.fields, SUPERVISION_MASKS)
+        if near is not None:
+            name, meant = near
+            index = int(np.flatnonzero(batch.carried(name))[0])
+            hint = "" if meant == LOSS_MASK else " (for Hugging Face examples, Collator.for_transformers reads it)"
+            self._refuse(
+                f"{batch.names(index)}: payload has {shown(name)}, which nothing reads: did you mean "
+                f"{shown(meant)}? Read under no name, every token would be trained; rename it {shown(meant)}"
+                + hint
+            )
+        for name in SUPERVISING_FIELDS:
+            if isinstance(batch, Columns) and name in batch and name not in read and not batch.is_list(name):
+                raise TypeError(
+                    f"field {shown(name)} is not a list column (one row of values per example) beside the "
+                    "batch's columns, so what it supervises cannot be checked; give it as a list column or a "
+                    "(values, offsets) pair, or drop it"
+                )
+        loss_mask = None
+        if LOSS_MASK in read and LOSS_MASK in batch:
+            loss_mask = batch.get(LOSS_MASK, "values")
+        found = unread_supervision(batch, tokens, read, loss_mask)
+        if found is not None:
+            self._refuse(_unused_message(batch.names(found[0]), found[1]))
+
+    def _refuse(self, problem: str) -> None:
+        if self.strict:
+            raise ValueError(problem)
+        warn_user(f"to_training: {problem}; the labels are made from the tokens, as the reference page says")
+
+    def _check_values(self, per_token: Mapping[str, Ragged], names: Names) -> None:
+        """The data checks that need values: ids >= 0, 0/1 supervision, values the dtype holds."""
+        options = self.options
+        dtype = options.output.torch_dtype
+        tokens = per_token[INPUT_IDS]
+        check_ids(tokens, INPUT_IDS, names)
+        floats = {spec.name for spec in self.floats}
+        for name, values in per_token.items():
+            if name == LOSS_MASK and options.return_labels:
+                check_zero_one(values, LOSS_MASK, names, "1 for supervised tokens, 0 for the rest")
+            elif name not in floats:
+                check_fits(values, dtype, name, names)
+        if options.eos_mask_loss and tokens.values.ndim != 1:
+            raise ValueError(
+                f"to_training: eos_mask_loss needs scalar token rows ([B, S]), got rows of shape "
+                f"{tuple(tokens.values.shape[1:])} per token"
+            )
+        if options.return_padding_mask and options.output.kind != "list" and tokens.values.ndim != 1:
+            raise ValueError(
+                "to_training: return_padding_mask needs 2-D scalar token rows for tensor/array output, "
+                f"got rows of shape {tuple(tokens.values.shape[1:])} per token"
+            )
+
+    def _check_no_padding_given(self, tokens: Ragged, undeclared: np.ndarray, names: Names) -> None:
+        """Refuse a row that ends in ``pad_token_id`` without declaring padding (``meta.padding_length``):
+        padding already in the row, which the labels (and the padding mask) would take for real tokens."""
+        assert self.padding is not None
+        pad = self.padding.pad_token_id
+        values, offsets = tokens.host, tokens.offsets
+        if values.ndim != 1 or not values.size:
+            return
+        nonempty = tokens.lengths > 0
+        bad = np.zeros(tokens.rows, dtype=bool)
+        bad[nonempty] = values[offsets[1:][nonempty] - 1] == pad
+        found = np.flatnonzero(bad & undeclared)
+        if found.size:
+            raise ValueError(
+                f"{names(int(found[0]))}: ends in pad_token_id {pad} and declares no padding "
+                "(meta.padding_length): padding already in the row, which the labels would train as real "
+                "tokens. Give the rows without their padding (the Collator pads them), or declare it "
+                "(meta.padding_length, as pack_flat writes it), or collate Hugging Face examples with their "
+                "attention_mask through Collator.for_transformers(...). If that id is a real token here "
+                "(an EOS), pad with another id: padding's id is never trained"
+            )
+
+    # -- stacking -----------------------------------------------------------------------------------
+
+    def _stacked(
+        self,
+        batch: Batch,
+        per_token: dict[str, Ragged],
+        per_record: dict[str, Sequence[Row] | np.ndarray],
+        counts: np.ndarray,
+    ) -> list[Stacked]:
+        """The read and checked fields stacked: one :class:`Stacked`, or one per row (ragged lists)."""
+        lengths = per_token[INPUT_IDS].lengths
+        outputs = per_row_outputs(batch)
+        width = self._width(lengths, batch.names)
+        if width is None:  # ragged lists: each row a batch of its own, named by its place in the batch
+            return [
+                Stacked(
+                    self._stack(
+                        {name: f.take(index) for name, f in per_token.items()},
+                        {name: rows[index : index + 1] for name, rows in per_record.items()},
+                        counts[index : index + 1],
+                        int(lengths[index]),
+                        lambda _, index=index: batch.names(index),  # type: ignore[misc]
+                    ),
+                    {key: values[index : index + 1] for key, values in outputs.items()},
+                    batch.metas[index : index + 1],
+                )
+                for index in range(len(lengths))
+            ]
+        if self.padding is not None:
+            counts = counts + (width - lengths)
+        return [Stacked(self._stack(per_token, per_record, counts, width, batch.names), outputs, batch.metas)]
+
+    def _width(self, lengths: np.ndarray, names: Names) -> int | None:
+        """The stacked row length; ``None`` for ragged list output. Unequal rows without padding raise."""
+        if self.padding is not None:
+            return self.padding.width(lengths)
+        if bool((lengths == lengths[0]).all()):
+            return int(lengths[0])
+        if self.options.output.kind == "list":
+            return None
+        index = int(np.flatnonzero(lengths != lengths[0])[0])
+        raise ValueError(
+            f"cannot stack token rows of unequal shape into a tensor: {names(0)} has shape "
+            f"({int(lengths[0])},), {names(index)} has ({int(lengths[index])},); pad them "
+            "(Collator(pad_token_id=...)) or pack them (pack_flat), or pass dtype=None for lists"
+        )
+
+    def _stack(
+        self,
+        per_token: Mapping[str, Ragged],
+        per_record: Mapping[str, Sequence[Row] | np.ndarray],
+        counts: np.ndarray,
+        width: int,
+        names: Names,
+    ) -> dict[str, Any]:
+        """The chain's input: each field cast to its dtype, then laid out ``[B, width, ...]``; then the
+        checks that read the stacked positions (``cu_seqlens``, a static boundary count)."""
+        options = self.options
+        dtype = options.output.torch_dtype
+        pad_id = 0 if self.padding is None else self.padding.pad_token_id
+        lengths = per_token[INPUT_IDS].lengths
+        data: dict[str, Any] = {}
+        if options.position_mode == "sequence":  # 0 .. count - 1 in every row, after the shift
+            _check_position_count(width - 1 if options.return_labels else width, dtype, "numbered")
+        floats = {spec.name: spec for spec in self.floats}
+        for name, values in per_token.items():
+            spec = floats.get(name)
+            if spec is not None:  # a float field: its own dtype, 0.0 on padding
+                data[name] = _in_dtype(dense(values, width, 0.0), spec.dtype)
+                continue
+            keep = name == LOSS_MASK and options.return_labels  # the supervision keeps its own dtype
+            cast_values = values if keep else values.cast(dtype)
+            if name == POSITIONS and self.padding is not None:
+                _check_position_count(width, dtype, "padded to")
+            fill = pad_id if name == INPUT_IDS else 0
+            data[name] = dense(cast_values, width, fill, restart=name == POSITIONS)
+        for name, rows in per_record.items():
+            stacked = stack_rows(rows, name, names)
+            if name in floats:
+                data[name] = _in_dtype(stacked.numpy(), floats[name].dtype)
+                continue
+            check_fits(Ragged(stacked.reshape(-1), _flat_offsets(stacked)), dtype, name, names)
+            data[name] = _in_dtype(stacked.numpy(), dtype) if stacked.is_cpu else stacked.to(dtype)
+        data[PADDING_LENGTH] = counts if not _on_device(data) else torch.from_numpy(counts).to(_device(data))
+        if options.return_cu_seqlens:
+            self._check_boundary_positions(data[POSITIONS], lengths, names)
+            if self.settings.num_boundaries is not None:
+                positions = data[POSITIONS][:, :-1] if options.return_labels else data[POSITIONS]
+                check_boundary_count(as_numpy(positions), options.flatten, self.settings.num_boundaries, names)
+        return data
+
+    def _check_boundary_positions(self, positions: Any, lengths: np.ndarray, names: Names) -> None:
+        """``cu_seqlens`` needs ``[B, S]`` positions, starting at 0 in every row with an input token."""
+        if positions.ndim != 2:
+            raise ValueError(
+                "to_training: return_cu_seqlens needs one position per token ([B, S]), got positions of "
+                f"shape {tuple(positions.shape)}"
+            )
+        labels = self.options.return_labels
+        rows, width = positions.shape
+        input_width = width - 1 if labels and width else width
+        if rows * input_width > INT32_MAX:
+            raise ValueError(
+                f"to_training: {rows} x {input_width} input tokens overflow the int32 cu_seqlens; "
+                "use smaller batches"
+            )
+        if not input_width:
+            return
+        first = as_numpy(positions[:, 0])
+        bad = (first != 0) & ((lengths > 1) if labels else (lengths > 0))  # rows with an input token
+        if bad.any():
+            index = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"{names(index)}: positions must start at zero in every row to derive cu_seqlens, but this "
+                f"row starts at {int(first[index])}"
+            )
+
+
+def check_boundary_count(positions: np.ndarray, flatten: bool, limit: int, names: Names) -> None:
+    """``ValueError`` naming the first row whose segments do not fit a static ``num_boundaries``.
+
+    Runs where the batch is stacked (a worker's CPU data), so the device-side
+    assertion of :class:`~zephon_collate.CuSeqlens` never fires.
+    """
+    if not positions.size:
+        return
+    needed = host.segment_starts(positions).sum(axis=1) + 1  # each row's starts, then its end
+    if flatten:
+        total = int(needed.sum()) - len(needed) + 1
+        if total > limit:
+            raise ValueError(
+                f"Collator: the batch has {total - 1} segments, more than num_boundaries - 1 = {limit - 1}; "
+                "raise num_boundaries, or send fewer segments per batch"
+            )
+    elif bool((needed > limit).any()):
+        index = int(np.flatnonzero(needed > limit)[0])
+        raise ValueError(
+            f"{names(index)}: has {int(needed[index]) - 1} segments, more than "
+            f"num_boundaries - 1 = {limit - 1}; raise num_boundaries, or pack fewer documents per row"
+        )
+
+
+def _tokens_field(batch: Batch, requested: str) -> str:
+    """The token field of a batch: the records' (resolved where they were read), or a column's."""
+    found = getattr(batch, "tokens", None)
+    if found is not None:
+        return str(found)
+    fields = dict.fromkeys(getattr(batch, "order", sorted(batch.fields)))
+    if requested != "auto":
+        if requested not in batch:
+            raise ValueError(
+                f"{batch.names(0)}: payload has no tokens field {shown(requested)} (its fields: "
+                f"{shown_fields(fields)}); pass the right tokens_field"
+            )
+        return requested
+    candidate = next((name for name in TOKEN_FIELD_CANDIDATES if name in batch), None)
+    if candidate is None:
+        raise ValueError(
+            f"tokens_field='auto' found none of {', '.join(TOKEN_FIELD_CANDIDATES)} in every payload; "
+            f"{batch.names(0)} has fields {shown_fields(fields)}; pass tokens_field='<name>'"
+        )
+    return candidate
+
+
+def _read_field(
+    batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Ragged, must_align: bool
+) -> tuple[Ragged | None, Sequence[Row] | np.ndarray]:
+    """Field ``name`` one entry per token (a :class:`Ragged`), or else one per record (its rows; an
+    unaligned field that must align is a ``ValueError`` naming the row)."""
+    if isinstance(batch, Columns) and batch.is_list(name):  # a list column aligned as is: no copy
+        field = batch.get(name, kind)
+        if field is not None and np.array_equal(field.offsets, tokens.offsets):
+            return field, ()
+    rows = batch.per_row(name, kind)
+    for index, (row, length) in enumerate(zip(rows, tokens.lengths.tolist(), strict=True)):
+        if row.ndim == 0 or row.shape[0] != length:
+            if not must_align:
+                return None, rows
+            raise misaligned(batch.names(index), name, None if row.ndim == 0 else row.shape[0], length)
+    return concat(rows, name, batch.names), ()
+
+
+def _unused_message(where: str, name: str) -> str:
+    """What is wrong with a field that would change what is trained but is not read, and the fix."""
+    if name == LABELS:
+        return (
+            f"{where}: payload has 'labels' that differ from its tokens (e.g. -100 on a prompt), "
+            "which are not read here: labels are made from the tokens. For Hugging Face "
+            "examples use Collator.for_transformers(...); else give the supervision as a "
+            "loss_mask (loss_mask = labels != -100) and drop 'labels'"
+        )
+    if name == ATTENTION_MASK:
+        return (
+            f"{where}: payload has an 'attention_mask' with zeros, which is not applied here: "
+            "those tokens would be trained on as real ones. For Hugging Face examples use "
+            "Collator.for_transformers(...); else give padding as meta.padding_length (pack_flat "
+            "writes it) or pad with Collator(pad_token_id=...) and drop the mask"
+        )
+    return (
+        f"{where}: payload has {shown(name)} with zeros, which are not read here: the "
+        "prompt would be trained on. For Hugging Face examples use "
+        "Collator.for_transformers(...); else give them as the loss_mask "
+        f"(loss_mask = {name})"
+    )
+
+
+def _check_position_count(count: int, dtype: torch.dtype, how: str) -> None:
+    """``ValueError`` unless positions ``0 .. count - 1`` fit ``dtype`` (they would wrap around)."""
+    if count - 1 > torch.iinfo(dtype).max:
+        raise ValueError(
+            f"to_training: positions {how} {count} tokens do not fit dtype {dtype} (at most "
+            f"{torch.iinfo(dtype).max + 1}); pick a wider dtype"
+        )
+
+
+def _flat_offsets(stacked: torch.Tensor) -> np.ndarray:
+    """Offsets of a ``[B, ...]`` stacked field read as ``B`` rows of equal size."""
+    per_row = int(np.prod(stacked.shape[1:]))
+    return np.arange(stacked.shape[0] + 1, dtype=np.int64) * per_row
+
+
+def _in_dtype(values: Any, dtype: torch.dtype) -> Any:
+    """``values`` in ``dtype``: a NumPy array where NumPy has the dtype (bfloat16: a tensor)."""
+    if isinstance(values, np.ndarray) and dtype != torch.bfloat16:
+        return values.astype(numpy_dtype(dtype), copy=False)
+    tensor = torch.from_numpy(values) if isinstance(values, np.ndarray) else values
+    return tensor.to(dtype)
+
+
+def _on_device(data: Mapping[str, Any]) -> bool:
+    return any(isinstance(value, torch.Tensor) and not value.is_cpu for value in data.values())
+
+
+def _device(data: Mapping[str, Any]) -> torch.device:
+    return next(value.device for value in data.values() if isinstance(value, torch.Tensor) and not value.is_cpu)

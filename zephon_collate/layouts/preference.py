@@ -1,0 +1,224 @@
+"""PreferenceCollator: tokenized preference pairs in, one exact batch of their chosen and rejected sequences.
+
+``Collator.for_preference(...)`` takes TRL-format pairs, ``prompt_input_ids``,
+``chosen_input_ids`` and ``rejected_input_ids`` (or TRL 1.x's ``prompt_ids``,
+``chosen_ids``, ``rejected_ids``), with optional per-side padding masks
+(``prompt_attention_mask``, ``chosen_attention_mask``, ``rejected_attention_mask``:
+1 on tokens, 0 on padding, which is dropped, on either end) and optional
+precomputed reference log-probs (``ref_chosen_logps``, ``ref_rejected_logps``,
+one number per pair), and returns the ``for_transformers`` keys of the
+sequences ``prompt + chosen`` and ``prompt + rejected`` (labels -100 on the
+prompt), ``chosen_index`` / ``rejected_index`` (int64 ``[num_pairs]``, each
+side's sequence index) and the sequence map (:mod:`._sequences`).
+
+The sequences are numbered in one order in every layout, TRL's
+``DataCollatorForPreference`` order: every chosen sequence first, then every
+rejected one (``chosen_index = [0 .. P-1]``, ``rejected_index = [P .. 2P-1]``),
+so a per-sequence result (``sequence_logprobs(...).sums``, ``unpack``) splits
+with ``.chunk(2)`` into chosen and rejected in any layout:
+
+- **padded** (the default): ``[2 * num_pairs, L]``, a row per sequence, in that order;
+- **padding-free** (``padding_free=True``): ``[1, N]``, the sequences end to end in
+  that order, with ``position_ids`` (and ``cu_seq_lens_*``/``max_length_*``,
+  ``seq_idx`` when asked);
+- **shared prompt** (``shared_prompt=True``, either layout): each prompt once,
+  both responses after it (laid out pair by pair, numbered as above),
+  attending to the prompt and to themselves only; pass
+  the attention from ``document_ids``/``branch_ids`` to the model
+  (:func:`~zephon_collate.functional.attention.dense_branch_mask` for SDPA,
+  :func:`~zephon_collate.functional.attention.branch_block_mask` for
+  FlexAttention), and score tokens with :func:`zephon_collate.losses.token_logprobs`,
+  which reads ``logits_index``: a model's own loss shifts by one position and
+  cannot see that a rejected response follows the prompt, not the chosen one.
+
+Every sequence is kept apart whatever the padding of either side: the
+sequence map is built from each side's own tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal, cast
+
+import numpy as np
+import torch
+
+from zephon_collate.core.keys import (
+    CHOSEN_ATTENTION_MASK,
+    CHOSEN_IDS,
+    CHOSEN_INDEX,
+    CHOSEN_INPUT_IDS,
+    PROMPT_ATTENTION_MASK,
+    PROMPT_IDS,
+    PROMPT_INPUT_IDS,
+    REF_CHOSEN_LOGPS,
+    REF_REJECTED_LOGPS,
+    REJECTED_ATTENTION_MASK,
+    REJECTED_IDS,
+    REJECTED_INDEX,
+    REJECTED_INPUT_IDS,
+)
+from zephon_collate.core.records import SampleRecord
+from zephon_collate.core.text import shown, shown_fields
+from zephon_collate.layouts.base import Stacked
+from zephon_collate.layouts.sequences import SequenceBatch, SequenceOptions, Sequences
+from zephon_collate.read.columns import Batch, Ragged, as_numpy, gather_spans
+from zephon_collate.read.fields import FloatField, read_floats
+from zephon_collate.read.rules import check_ids, kept_by_mask
+
+__all__ = ["Preference", "PreferenceOptions"]
+
+_OWNER = "Collator.for_preference"
+_SIDES = (
+    ("prompt", PROMPT_INPUT_IDS, PROMPT_IDS, PROMPT_ATTENTION_MASK),
+    ("chosen", CHOSEN_INPUT_IDS, CHOSEN_IDS, CHOSEN_ATTENTION_MASK),
+    ("rejected", REJECTED_INPUT_IDS, REJECTED_IDS, REJECTED_ATTENTION_MASK),
+)
+_REFERENCE = (REF_CHOSEN_LOGPS, REF_REJECTED_LOGPS)
+_UNREAD_LABELS = ("chosen_labels", "rejected_labels")
+"""open-instruct's packed-DPO labels (full sequences, -100 on the prompt), which this layout does not read."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreferenceOptions(SequenceOptions):
+    """The options of :meth:`Collator.for_preference <zephon_collate.Collator.for_preference>`.
+
+    Parameters:
+        tokenizer: a ``transformers`` tokenizer, or ``None``; it gives ``pad_token_id`` where not passed.
+        padding_free: one row ``[1, N]`` with ``position_ids`` instead of padded rows.
+        shared_prompt: lay each pair out as its prompt once, then both responses (see the module doc).
+        pad_token_id: the id padding gets; required for the padded layout.
+        pad_to_multiple_of: round the padded length (or, padding-free, the row's length) up to a
+            multiple of this.
+        return_position_ids: emit ``position_ids`` (default: padding-free or shared prompt, where they
+            are needed; a shared prompt cannot do without them).
+        return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free,
+            unshared: a varlen kernel cannot express a shared prompt).
+        return_seq_idx: emit ``seq_idx`` (padding-free, unshared).
+
+    Raises:
+        TypeError, ValueError: for a value of the wrong type, or options that contradict each other.
+    """
+
+    OWNER: ClassVar[str] = _OWNER
+
+
+class Preference(Sequences):
+    """The preference layout: pairs to their sequences (see the module doc)."""
+
+    OWNER: ClassVar[str] = _OWNER
+    ITEM: ClassVar[str] = "pair"
+    KEY: ClassVar[tuple[str, ...]] = (CHOSEN_INPUT_IDS, CHOSEN_IDS)
+
+    def lay_out(self, batch: Batch) -> list[Stacked]:
+        """Read, check and lay out the pairs.
+
+        Raises:
+            TypeError, ValueError: for a bad pair, naming the example, the field and the fix.
+        """
+        names = batch.names
+        for index, payload in enumerate(getattr(batch, "payloads", ())):
+            if isinstance(payload, SampleRecord) or not hasattr(payload, "keys"):
+                raise TypeError(
+                    f"{names(index)}: must be a dict of a pair's token ids (prompt_input_ids, "
+                    f"chosen_input_ids, rejected_input_ids), got {type(payload).__name__}"
+                )
+        for name in _UNREAD_LABELS:
+            if name in batch:
+                raise ValueError(
+                    f"{names(int(np.flatnonzero(batch.carried(name))[0]))}: carries {shown(name)} (open-instruct's "
+                    "packed DPO format: whole sequences with -100 on the prompt), which this collator does not "
+                    "read: it lays out prompt + chosen and prompt + rejected and makes the labels itself (-100 "
+                    "on the prompt). Give the prompt, chosen and rejected token ids apart (TRL's format: the "
+                    f"chosen and rejected ids without the prompt) and drop {shown(name)}"
+                )
+        sides = [self._side(batch, *side) for side in _SIDES]
+        return [self.sequences(self._pairs(sides[0], sides[1], sides[2], self._reference(batch)), names)]
+
+    def _side(self, batch: Batch, side: str, new: str, old: str, mask_name: str) -> Ragged:
+        """One side's tokens (either spelling; both given must agree), its padding dropped."""
+        names = batch.names
+        if new not in batch and old not in batch:
+            raise ValueError(
+                f"{names(0)}: has no {side} tokens: neither {shown(new)} nor {shown(old)} (its fields: "
+                f"{shown_fields(dict.fromkeys(sorted(batch.fields)))}); tokenize the pairs first (prompt, "
+                "chosen and rejected token ids)"
+            )
+        name = new if new in batch else old
+        if new in batch and old in batch:
+            given, other = batch.get(new, "ids", partial=True), batch.get(old, "ids", partial=True)
+            assert given is not None and other is not None
+            both = np.flatnonzero(batch.carried(new) & batch.carried(old))
+            for index in both.tolist():
+                if not np.array_equal(as_numpy(given.row(index)), as_numpy(other.row(index))):
+                    raise ValueError(
+                        f"{names(index)}: carries both {shown(new)} and {shown(old)} (two spellings of one "
+                        "side) with different tokens, so it is not clear which to train; keep one of them"
+                    )
+        tokens = batch.get(name, "ids")
+        assert tokens is not None
+        if tokens.values.ndim != 1:
+            raise ValueError(
+                f"{names(0)}: {shown(name)} must be one row of token ids, got shape {tuple(tokens.row(0).shape)}"
+            )
+        tokens = Ragged(tokens.host, tokens.offsets)
+        check_ids(tokens, name, names)
+        tokens = tokens.cast(torch.int64)
+        if mask_name in batch:
+            mask = batch.get(mask_name, "values")
+            assert mask is not None
+            bad = np.flatnonzero((mask.lengths != tokens.lengths) | (mask.values.ndim != 1))
+            if bad.size:
+                index = int(bad[0])
+                raise ValueError(
+                    f"{names(index)}: {shown(mask_name)} has shape {tuple(mask.row(index).shape)}, but "
+                    f"{shown(name)} has {int(tokens.lengths[index])} tokens; give one value per token"
+                )
+            tokens = tokens.select(kept_by_mask(Ragged(mask.host, mask.offsets), mask_name, names))
+        return tokens
+
+    def _reference(self, batch: Batch) -> dict[str, np.ndarray]:
+        """The reference log-probs of both sides: float32 ``[num_pairs]`` each, when the pairs have them."""
+        found: dict[str, np.ndarray] = {}
+        ones = np.ones(batch.rows, dtype=np.int64)
+        for name in _REFERENCE:
+            if name in batch:
+                spec = FloatField(name, align="sequence")
+                values = cast(list[np.ndarray], read_floats(batch.per_row(name, "values"), ones, spec, batch.names))
+                found[name] = np.stack(values).astype(np.float32)
+        if len(found) == 1:
+            given = next(iter(found))
+            other = next(name for name in _REFERENCE if name != given)
+            raise ValueError(f"{_OWNER}: the pairs carry {shown(given)} but not {shown(other)}; give both, or neither")
+        return found
+
+    def _pairs(
+        self, prompts: Ragged, chosen: Ragged, rejected: Ragged, extras: dict[str, np.ndarray]
+    ) -> SequenceBatch:
+        """The ``prompt + chosen`` and ``prompt + rejected`` sequences, in this layout's order."""
+        pairs = prompts.rows
+        # One sequence order in every layout, TRL's: every chosen sequence, then every rejected one. A shared
+        # prompt lays each pair's sequences out together (its prompt once), numbered in that order still.
+        interleaved = self.shared_prompt
+        order = np.arange(2 * pairs)
+        pair, side = (order // 2, order % 2) if interleaved else (order % pairs, order // pairs)
+        pool = np.concatenate(
+            [np.asarray(prompts.values), np.asarray(chosen.values), np.asarray(rejected.values)]
+        )
+        first_c, first_r = prompts.values.shape[0], prompts.values.shape[0] + chosen.values.shape[0]
+        response_start = np.where(side == 0, first_c + chosen.offsets[pair], first_r + rejected.offsets[pair])
+        response_length = np.where(side == 0, chosen.lengths[pair], rejected.lengths[pair])
+        prompt_length = prompts.lengths[pair]
+        starts = np.stack([prompts.offsets[pair], response_start], axis=1).reshape(-1)
+        lengths = np.stack([prompt_length, response_length], axis=1).reshape(-1)
+        tokens = pool[gather_spans(starts, lengths)]
+        supervised = np.repeat(np.tile([False, True], 2 * pairs), lengths)
+        offsets = np.concatenate([[0], np.cumsum(prompt_length + response_length)]).astype(np.int64)
+        index = np.arange(pairs, dtype=np.int64)
+        return SequenceBatch(
+            Ragged(tokens, offsets),
+            Ragged(supervised, offsets),
+            prompt_length.astype(np.int64),
+            extras={CHOSEN_INDEX: index, REJECTED_INDEX: pairs + index, **extras},
+            numbering=(side * pairs + pair).astype(np.int64) if interleaved else None,
+        )

@@ -1,0 +1,892 @@
+"""The ``transformers`` layout: Hugging Face examples in, the batch a causal LM takes out.
+
+A ``transformers`` causal LM shifts its labels inside ``forward``, so it takes
+*unshifted* labels: a copy of ``input_ids`` with -100 wherever no loss is taken.
+Two layouts:
+
+- **padded** (``padding_free=False``): ``input_ids``, ``attention_mask`` and
+  ``labels``, ``[B, L]`` int64, ``L`` the longest example rounded up to
+  ``pad_to_multiple_of`` (or ``max_length`` with ``padding="max_length"``):
+  what ``DataCollatorForSeq2Seq(tokenizer)`` returns. Padding goes on the
+  tokenizer's ``padding_side``.
+- **padding-free** (``padding_free=True``): the examples one after the other in
+  a single row ``[1, N]``: ``input_ids``, ``labels`` and ``position_ids``, plus
+  ``cu_seq_lens_q/k`` ``[D + 1]`` int32 and ``max_length_q/k`` (ints) with
+  ``return_flash_attn_kwargs``, ``seq_idx`` ``[1, N]`` int32 with
+  ``return_seq_idx``: what ``DataCollatorWithFlattening`` returns with the same
+  switches (and TRL's ``DataCollatorForLanguageModeling(padding_free=True)``)::
+
+      examples   [a a a] [b b]           (one packed TRL row: seq_lengths [3, 2])
+      input_ids  [a a a b b]
+      position_ids [0 1 2 0 1]
+      labels     [- a a - b]             (each document's first label -100)
+      cu_seq_lens [0 3 5]
+
+An example is a dict with ``input_ids`` and, optionally, fields that say what
+is supervised; every one given is applied (a token is supervised where all agree):
+``labels`` (-100 or the token there), ``attention_mask`` (0 on padding before or
+after the tokens, dropped), ``loss_mask``, ``assistant_masks`` / ``assistant_mask``,
+``completion_mask`` (1 where trained); ``seq_lengths`` (TRL's packed rows) or
+restarting ``position_ids`` (several documents in one example, padding-free);
+``token_type_ids`` (padded with 0); the ``float_fields`` named. A per-example
+``label``, ``decoder_input_ids`` or labels of another length (sequence
+classification, encoder-decoder targets) are refused: this layout is for causal LMs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, cast
+
+import numpy as np
+import torch
+
+from zephon_collate.core.checks import Keywords, check_bool, check_eos_token_id, check_ignore_index, check_int
+from zephon_collate.core.keys import (
+    ATTENTION_MASK,
+    BRANCH_IDS,
+    CHOSEN_INDEX,
+    CU_SEQ_LENS_K,
+    CU_SEQ_LENS_Q,
+    DOCUMENT_IDS,
+    IGNORE_INDEX,
+    INPUT_IDS,
+    INT32_MAX,
+    LABELS,
+    LOGITS_INDEX,
+    LOSS_MASK,
+    MAX_LENGTH_K,
+    MAX_LENGTH_Q,
+    MAX_PAD_MULTIPLE,
+    NUM_SEQUENCES,
+    PADDING_LENGTH,
+    PADDING_MASK,
+    POSITION_IDS,
+    POSITIONS,
+    REF_CHOSEN_LOGPS,
+    REF_REJECTED_LOGPS,
+    REJECTED_INDEX,
+    SEQ_IDX,
+    SEQ_LENGTHS,
+    SEQUENCE_INDEX,
+    SUPERVISION_MASKS,
+    TOKEN_TYPE_IDS,
+)
+from zephon_collate.core.records import PADDING_LENGTH_TAG, SampleRecord
+from zephon_collate.core.text import shown, shown_fields
+from zephon_collate.functional import host
+from zephon_collate.layouts.base import Layout, Stacked
+from zephon_collate.layouts.native import check_boundary_count
+from zephon_collate.layouts.stack import RowPadding, dense
+from zephon_collate.read.arrow import Columns, read_by_rows
+from zephon_collate.read.columns import Batch, Names, Ragged, places, row_any, row_of, to_row
+from zephon_collate.read.fields import FloatField, check_float_fields, read_floats, to_label_positions
+from zephon_collate.read.rules import check_flat, check_ids, check_zero_one, kept_by_mask, misspelled
+from zephon_collate.transforms import (
+    AttentionMask,
+    BoundaryMask,
+    CopyKeys,
+    CuSeqlens,
+    LeftPadding,
+    LossMask,
+    PaddingMask,
+    PositionOffset,
+    SegmentIds,
+    SeparatorLabels,
+    Transform,
+    UnshiftedLabels,
+)
+
+__all__ = ["Transformers", "TransformersOptions", "from_tokenizer"]
+
+_OWNER = "Collator.for_transformers"
+_MASKS = SUPERVISION_MASKS
+_SUPERVISION = (LABELS, *_MASKS)
+_PER_TOKEN: tuple[tuple[str, Literal["ids", "values"]], ...] = (
+    (ATTENTION_MASK, "values"),
+    *((name, "values") for name in _MASKS),
+    (LABELS, "ids"),
+    (TOKEN_TYPE_IDS, "ids"),
+    (POSITION_IDS, "ids"),
+)
+"""The per-token fields beside ``input_ids``, in the order they are read, and how."""
+_READ = (INPUT_IDS, *(name for name, _ in _PER_TOKEN), SEQ_LENGTHS)
+_WRITTEN = (
+    LABELS,
+    CU_SEQ_LENS_Q,
+    CU_SEQ_LENS_K,
+    MAX_LENGTH_Q,
+    MAX_LENGTH_K,
+    SEQ_IDX,
+    DOCUMENT_IDS,
+    BRANCH_IDS,
+    LOGITS_INDEX,
+    SEQUENCE_INDEX,
+    NUM_SEQUENCES,
+    CHOSEN_INDEX,
+    REJECTED_INDEX,
+    REF_CHOSEN_LOGPS,
+    REF_REJECTED_LOGPS,
+)
+"""Keys this layout and the post-training presets over it write, which a float field may not take."""
+_PADDINGS: dict[object, str] = {
+    True: "longest",
+    "longest": "longest",
+    "max_length": "max_length",
+    False: "do_not_pad",
+    "do_not_pad": "do_not_pad",
+}
+
+
+def from_tokenizer(tokenizer: Any, name: str, given: Any) -> Any:
+    """``given``, or the tokenizer's attribute ``name`` where ``given`` is ``None``."""
+    if given is not None or tokenizer is None:
+        return given
+    return getattr(tokenizer, name, None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformersOptions(Keywords):
+    """The options of :meth:`Collator.for_transformers <zephon_collate.Collator.for_transformers>`.
+
+    Parameters:
+        tokenizer: a ``transformers`` tokenizer, or ``None``; it gives ``pad_token_id``,
+            ``padding_side`` (padded layout) and ``eos_token_id`` where those are not passed.
+        model: accepted for the literal swap of ``DataCollatorForSeq2Seq(tokenizer, model=model)``
+            and not kept: a causal LM changes nothing; an encoder-decoder model is refused.
+        padding_free: put the batch in one row with ``position_ids`` (``DataCollatorWithFlattening``'s
+            layout) instead of padding it (``DataCollatorForSeq2Seq``'s).
+        pad_token_id: the id padding gets; required for the padded layout.
+        padding: ``True``/``"longest"`` (pad to the longest example), ``"max_length"`` (to
+            ``max_length``: static shapes) or ``False``/``"do_not_pad"`` (examples of one length).
+        max_length: the length of ``padding="max_length"`` rows (rounded up to ``pad_to_multiple_of``),
+            and the cut of ``truncation_mode``; without ``truncation_mode`` a longer example is refused.
+        truncation_mode: cut examples longer than ``max_length`` keeping their first (``"keep_start"``)
+            or last (``"keep_end"``) tokens, as TRL does; an example whose supervised tokens the cut
+            removes entirely is refused.
+        keep_eos: with ``"keep_start"``, an example that ended with ``eos_token_id`` and was cut ends
+            with it again, supervised as the original EOS was.
+        eos_token_id: the EOS id for ``keep_eos`` (default: the tokenizer's).
+        pad_to_multiple_of: round the padded length (padding-free: the row's) up to a multiple of this.
+        padding_side: ``"right"`` or ``"left"`` (default: the tokenizer's, else right; padded layout).
+        label_pad_token_id: the label of padding; unsupervised real tokens always get -100.
+        return_tensors: ``"pt"`` (torch tensors) or ``"np"`` (NumPy arrays).
+        boundary_safe_labels: padding-free, make each example's first label ``separator_id`` (-100),
+            so no label predicts the next example's first token.
+        return_position_ids: emit ``position_ids`` (default: padding-free only).
+        return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free).
+        return_seq_idx: emit ``seq_idx`` (padding-free).
+        return_sequence_map: emit the sequence map the loss helpers read (padding-free):
+            ``logits_index`` and ``sequence_index`` ``[1, N]`` (-1 on padding) and ``num_sequences``.
+        separator_id: the label of each example's first token padding-free (default -100).
+        position_ids_start: the position of each example's first token (default 0).
+        supervision: the field that says what is trained (``"labels"``, ``"loss_mask"``,
+            ``"assistant_masks"``, ...), or ``None``; an example without it is refused, naming
+            ``remove_unused_columns=False``.
+        float_fields: float example fields (names or :class:`~zephon_collate.FloatField` specs): per
+            token ``[B, L]`` (padding-free ``[1, N]``) beside the labels, 0.0 on padding; one value per
+            sequence ``[B]``.
+
+    Raises:
+        TypeError, ValueError: for a value of the wrong type or out of range, or options that
+            contradict each other (naming the fix).
+    """
+
+    OWNER: ClassVar[str] = _OWNER
+    tokenizer: Any = dataclasses.field(default=None, kw_only=False, compare=False, repr=False)
+    model: Any = dataclasses.field(default=None, kw_only=False, compare=False, repr=False)
+    padding_free: bool = False
+    pad_token_id: int | None = None
+    padding: bool | Literal["longest", "max_length", "do_not_pad"] = True
+    max_length: int | None = None
+    truncation_mode: Literal["keep_start", "keep_end"] | None = None
+    keep_eos: bool = False
+    eos_token_id: int | None = None
+    pad_to_multiple_of: int | None = None
+    padding_side: Literal["right", "left"] | None = None
+    label_pad_token_id: int = IGNORE_INDEX
+    return_tensors: Literal["pt", "np"] = "pt"
+    boundary_safe_labels: bool = True
+    return_position_ids: bool | None = None
+    return_flash_attn_kwargs: bool = False
+    return_seq_idx: bool = False
+    return_sequence_map: bool = False
+    separator_id: int | None = None
+    position_ids_start: int = 0
+    supervision: str | None = None
+    float_fields: Sequence[str | FloatField] = ()
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        owner = self.OWNER
+        self._check_model()
+        for name in ("pad_token_id", "eos_token_id") + (() if self.padding_free else ("padding_side",)):
+            put(self, name, from_tokenizer(self.tokenizer, name, getattr(self, name)))
+        put(self, "tokenizer", None)  # read once: the options hold plain values only
+        put(self, "model", None)
+        for name in ("padding_free", "keep_eos", "boundary_safe_labels", "return_flash_attn_kwargs"):
+            put(self, name, check_bool(name, getattr(self, name), owner=owner))
+        for name in ("return_seq_idx", "return_sequence_map"):
+            put(self, name, check_bool(name, getattr(self, name), owner=owner))
+        if self.padding not in _PADDINGS or (isinstance(self.padding, int) and not isinstance(self.padding, bool)):
+            raise ValueError(
+                f"{owner}: padding must be True/'longest', 'max_length' or False/'do_not_pad', got "
+                f"{shown(self.padding)}"
+            )
+        put(self, "padding", _PADDINGS[self.padding])
+        choices = (
+            ("truncation_mode", (None, "keep_start", "keep_end")),
+            ("padding_side", (None, "right", "left")),
+            ("return_tensors", ("pt", "np")),
+        )
+        for name, allowed in choices:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{owner}: {name} must be one of {allowed}, got {shown(getattr(self, name))}")
+        if self.max_length is not None:
+            put(self, "max_length", check_int(owner, "max_length", self.max_length, 1, INT32_MAX))
+        if self.pad_to_multiple_of is not None:
+            multiple = check_int(owner, "pad_to_multiple_of", self.pad_to_multiple_of, 1, MAX_PAD_MULTIPLE)
+            put(self, "pad_to_multiple_of", multiple)
+        if self.pad_token_id is not None:
+            put(self, "pad_token_id", check_int(owner, "pad_token_id", self.pad_token_id, 0))
+        if self.eos_token_id is not None:  # a token id: >= 0 (a negative one would match no token)
+            put(self, "eos_token_id", check_eos_token_id(self.eos_token_id, owner=owner))
+        if self.separator_id is not None:  # a label value: -100 and other negatives allowed
+            put(self, "separator_id", check_ignore_index(self.separator_id, owner=owner))
+        put(self, "label_pad_token_id", check_ignore_index(self.label_pad_token_id, owner=owner))
+        put(self, "position_ids_start", check_int(owner, "position_ids_start", self.position_ids_start, 0))
+        if self.return_position_ids is not None:
+            put(self, "return_position_ids", check_bool("return_position_ids", self.return_position_ids, owner=owner))
+        if self.supervision is not None and self.supervision not in self.SUPERVISING:
+            raise ValueError(
+                f"{owner}: {self.SUPERVISION_MEANS} one of {self.SUPERVISING}, got {shown(self.supervision)}"
+            )
+        reserved = (*_READ, "label", POSITIONS, PADDING_LENGTH, *_WRITTEN)
+        put(self, "float_fields", check_float_fields(owner, self.float_fields, reserved))
+        self._check_combinations()
+
+    SUPERVISING: ClassVar[tuple[str, ...]] = _SUPERVISION
+    SUPERVISION_MEANS: ClassVar[str] = "supervision must name a field that says what is trained,"
+
+    def _check_model(self) -> None:
+        """Refuse an encoder-decoder ``model`` (``DataCollatorForSeq2Seq(tokenizer, model=model)``'s)."""
+        config = getattr(self.model, "config", None)
+        if getattr(config, "is_encoder_decoder", False) is True or hasattr(
+            self.model, "prepare_decoder_input_ids_from_labels"
+        ):
+            raise ValueError(
+                f"{_OWNER}: model {type(self.model).__name__} is an encoder-decoder model, which takes "
+                "decoder_input_ids made from labels of their own length; this collator is for causal LMs, "
+                "whose labels align with input_ids: use transformers.DataCollatorForSeq2Seq(tokenizer, "
+                "model=model)"
+            )
+
+    def _check_combinations(self) -> None:
+        owner = self.OWNER
+        refusals = [
+            (
+                self.padding_free and (self.padding == "max_length" or self.padding_side == "left"),
+                "padding_free=True puts the batch in one row; padding='max_length' and padding_side='left' "
+                "pad rows of a padded batch: drop them, or pass padding_free=False",
+            ),
+            (
+                not self.padding_free and self.pad_token_id is None,
+                "the padded layout needs pad_token_id (or a tokenizer with a pad token; for one without, "
+                "tokenizer.pad_token = tokenizer.eos_token), or pass padding_free=True",
+            ),
+            (
+                self.pad_to_multiple_of is not None and self.pad_token_id is None,
+                "pad_to_multiple_of pads with pad_token_id: give it (or a tokenizer with a pad token)",
+            ),
+            (
+                self.padding == "do_not_pad" and self.pad_to_multiple_of is not None and not self.padding_free,
+                "padding=False pads nothing, so pad_to_multiple_of cannot apply: drop it, or pass padding=True",
+            ),
+            (
+                self.padding == "max_length" and self.max_length is None,
+                "padding='max_length' needs max_length, the padded row length",
+            ),
+            (
+                self.truncation_mode is not None and self.max_length is None,
+                f"truncation_mode={self.truncation_mode!r} needs max_length, the cut length",
+            ),
+            (
+                self.keep_eos and (self.truncation_mode != "keep_start" or self.eos_token_id is None),
+                "keep_eos=True puts the EOS back at the end of an example cut by truncation_mode='keep_start'; "
+                "it needs that mode and eos_token_id (or a tokenizer with one)",
+            ),
+            (
+                self.separator_id is not None and not self.boundary_safe_labels,
+                "separator_id is the label of each packed example's first token, which "
+                "boundary_safe_labels=False keeps as given; drop one of them",
+            ),
+            (
+                self.return_sequence_map and not self.padding_free,
+                "return_sequence_map=True describes the sequences of a padding-free row; padded rows are one "
+                "sequence each, which the loss helpers read from attention_mask: drop it, or pass "
+                "padding_free=True",
+            ),
+            (
+                not self.padding_free and (self.return_flash_attn_kwargs or self.return_seq_idx),
+                "return_flash_attn_kwargs and return_seq_idx describe the padding-free row; pass "
+                "padding_free=True",
+            ),
+        ]
+        for refused, why in refusals:
+            if refused:
+                raise ValueError(f"{owner}: {why}")
+
+    @property
+    def positions_out(self) -> bool:
+        """Whether ``position_ids`` is an output (padding-free: by default, as DataCollatorWithFlattening)."""
+        return self.padding_free if self.return_position_ids is None else self.return_position_ids
+
+    @property
+    def floats(self) -> tuple[FloatField, ...]:
+        return cast(tuple[FloatField, ...], self.float_fields)
+
+    @property
+    def kind(self) -> Literal["torch", "numpy", "list"]:
+        return "numpy" if self.return_tensors == "np" else "torch"
+
+    @property
+    def row_padding(self) -> RowPadding | None:
+        """How padded rows are padded (``None`` without ``pad_token_id``)."""
+        if self.pad_token_id is None:
+            return None
+        length = self.max_length if self.padding == "max_length" else None
+        return RowPadding.create(self.pad_token_id, self.pad_to_multiple_of, self.OWNER, length)
+
+
+class Transformers(Layout):
+    """The ``transformers`` layout: HF examples to a causal LM's batch; see the module doc."""
+
+    OWNER: ClassVar[str] = _OWNER
+    ORDER: ClassVar[tuple[str | None, ...]] = (
+        INPUT_IDS,
+        TOKEN_TYPE_IDS,
+        ATTENTION_MASK,
+        LABELS,
+        POSITION_IDS,
+        CU_SEQ_LENS_Q,
+        CU_SEQ_LENS_K,
+        MAX_LENGTH_Q,
+        MAX_LENGTH_K,
+        SEQ_IDX,
+    )
+    INTERNAL: ClassVar[frozenset[str]] = frozenset({PADDING_LENGTH, POSITIONS, LOSS_MASK, PADDING_MASK})
+    SCALARS: ClassVar[frozenset[str]] = frozenset({MAX_LENGTH_Q, MAX_LENGTH_K, NUM_SEQUENCES})
+    UNIFORM_SUPERVISION: ClassVar[bool] = False
+    """Refuse an example without a supervising field that another example carries (rollouts)."""
+
+    options: TransformersOptions
+
+    @property
+    def kind(self) -> Literal["torch", "numpy", "list"]:
+        return self.options.kind
+
+    @property
+    def positions_key(self) -> str:
+        """Where the stacked positions live: ``position_ids`` when they are an output, else internal."""
+        return POSITION_IDS if self.options.positions_out else POSITIONS
+
+    # -- the chain ---------------------------------------------------------------------------------
+
+    def chain(self, keys: Sequence[str]) -> list[Transform]:
+        """The built-in transforms for a stacked batch holding ``keys``.
+
+        Padded: ``PaddingMask -> AttentionMask -> UnshiftedLabels -> LossMask`` (then ``LeftPadding``
+        for left padding). Padding-free: ``BoundaryMask -> UnshiftedLabels -> LossMask ->
+        SeparatorLabels -> CuSeqlens -> CopyKeys -> SegmentIds -> PositionOffset``, each as asked for.
+        """
+        options = self.options
+        positions = self.positions_key
+        steps: list[Transform] = []
+        if options.padding_free and options.boundary_safe_labels:
+            steps.append(BoundaryMask(positions_key=positions))
+        if not options.padding_free:
+            steps += [PaddingMask(), AttentionMask()]
+        steps.append(UnshiftedLabels())
+        padded = not options.padding_free or options.pad_to_multiple_of is not None
+        if options.label_pad_token_id == IGNORE_INDEX:
+            counts = PADDING_LENGTH if padded else None
+            steps.append(LossMask(IGNORE_INDEX, padding_length_key=counts, out_key=None, count_key=None))
+        else:  # the labels of padding get label_pad_token_id, ignored ones -100 (as HF pads them)
+            steps.append(LossMask(IGNORE_INDEX, padding_length_key=None, out_key=None, count_key=None))
+            steps.append(LossMask(options.label_pad_token_id, supervision_key=None, out_key=None, count_key=None))
+        if not options.padding_free:
+            if options.padding_side == "left":
+                moved = [k for k in (INPUT_IDS, positions, TOKEN_TYPE_IDS, *self._token_floats) if k in keys]
+                steps.append(LeftPadding([*moved, ATTENTION_MASK, LABELS]))
+            if options.position_ids_start and positions in keys:
+                steps.append(PositionOffset(options.position_ids_start, positions))
+            return steps
+        if options.separator_id is not None and options.boundary_safe_labels:
+            steps.append(SeparatorLabels(options.separator_id, positions))
+        if options.return_flash_attn_kwargs:
+            cu = CuSeqlens(positions, True, self.settings.num_boundaries, CU_SEQ_LENS_Q, MAX_LENGTH_Q)
+            steps += [cu, CopyKeys({CU_SEQ_LENS_Q: CU_SEQ_LENS_K, MAX_LENGTH_Q: MAX_LENGTH_K})]
+        if options.return_seq_idx:
+            steps.append(SegmentIds(positions, out_key=SEQ_IDX))
+        if options.position_ids_start:
+            steps.append(PositionOffset(options.position_ids_start, positions))
+        return steps
+
+    @property
+    def _token_floats(self) -> tuple[str, ...]:
+        return tuple(spec.name for spec in self.options.floats if spec.per_token)
+
+    # -- reading -------------------------------------------------------------------------------------
+
+    def lay_out(self, batch: Batch) -> list[Stacked]:
+        """Read, check and lay the examples out (see the module doc).
+
+        Raises:
+            TypeError, ValueError: for a bad example, naming it, the field and the fix.
+        """
+        fields, segments, per_sequence = self.fields(batch)
+        return [self.layout(fields, segments, per_sequence, batch.names)]
+
+    def fields(self, batch: Batch) -> tuple[dict[str, Ragged], Ragged | None, dict[str, list[np.ndarray]]]:
+        """The examples' fields as this layout reads them: ``input_ids`` (int64), the per-token fields
+        (rows without one filled: labels as the tokens, masks as ones, positions counting), each
+        example's ``seq_lengths``, and the float fields."""
+        options = self.options
+        names = batch.names
+        self._check_examples(batch)
+        tokens = batch.get(INPUT_IDS, "ids")
+        assert tokens is not None
+        check_flat(tokens, INPUT_IDS, names(0))
+        check_ids(tokens, INPUT_IDS, names)
+        tokens = tokens.cast(torch.int64)
+        fields: dict[str, Ragged] = {INPUT_IDS: tokens}
+        for name, kind in _PER_TOKEN:
+            if name in batch:
+                fields[name] = _filled(batch, name, kind, tokens)
+        segments = None
+        if SEQ_LENGTHS in batch:  # each example's document lengths, end to end
+            given = batch.get(SEQ_LENGTHS, "ids", partial=True)
+            assert given is not None
+            rows = [
+                np.reshape(given.host[given.offsets[i] : given.offsets[i + 1]], -1) if carried else np.array([length])
+                for i, (carried, length) in enumerate(zip(batch.carried(SEQ_LENGTHS), tokens.lengths, strict=True))
+            ]
+            lengths = np.array([row.size for row in rows], dtype=np.int64)
+            offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            segments = Ragged(np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64), offsets)
+        per_sequence: dict[str, list[np.ndarray]] = {}
+        if options.floats and isinstance(batch, Columns):
+            raise read_by_rows(self.OWNER, "float_fields")
+        for spec in options.floats:
+            floats = read_floats(batch.per_row(spec.name, "values"), tokens.lengths, spec, names)
+            if isinstance(floats, Ragged):
+                fields[spec.name] = floats
+            else:
+                per_sequence[spec.name] = floats
+        return fields, segments, per_sequence
+
+    def _check_examples(self, batch: Batch) -> None:
+        """The refusals that look at which fields the examples carry, before any is read."""
+        names = batch.names
+        for index, payload in enumerate(getattr(batch, "payloads", ())):
+            if type(payload) is dict:
+                continue
+            if isinstance(payload, SampleRecord):
+                raise TypeError(
+                    f"{names(index)}: is a SampleRecord; this collator takes Hugging Face example dicts: pass "
+                    "the payloads, or collate records (pack_flat's rows) with Collator(...)"
+                )
+            if not hasattr(payload, "keys"):
+                raise TypeError(
+                    f"{names(index)}: must be a dict of fields such as 'input_ids', got {type(payload).__name__}"
+                )
+        if PADDING_LENGTH_TAG in batch and isinstance(batch, Columns):
+            raise ValueError(
+                f"{_OWNER}: the batch has a {shown(PADDING_LENGTH_TAG)} column: packed rows (as pack_columns "
+                "writes them), whose documents and padding this layout does not read; collate them with "
+                "Collator(return_labels=True, return_cu_seqlens=True), or pack Hugging Face examples with "
+                "trl.pack_dataset (seq_lengths)"
+            )
+        lacking = np.flatnonzero(~batch.carried(INPUT_IDS))
+        if lacking.size:
+            index = int(lacking[0])
+            raise ValueError(
+                f"{names(index)}: has no 'input_ids' ({_fields_of(batch, index)}); tokenize the examples first"
+            )
+        if "label" in batch:
+            label = batch.objects("label")
+            index = next(i for i, value in enumerate(label) if value is not None)
+            if not _scalar(label[index]):
+                raise ValueError(
+                    f"{names(index)}: carries 'label' of one value per token; this collator reads per-token "
+                    "labels from 'labels': rename the field 'labels'"
+                )
+            raise _sequence_classification(names(index))
+        if LABELS in batch:
+            labels = batch.objects(LABELS)
+            scalar = next((i for i, value in enumerate(labels) if _scalar(value)), None)
+            if scalar is not None:
+                raise _sequence_classification(names(scalar))
+        if "decoder_input_ids" in batch:
+            index = int(np.flatnonzero(batch.carried("decoder_input_ids"))[0])
+            raise ValueError(
+                f"{names(index)}: carries 'decoder_input_ids' (an encoder-decoder target); this collator is for "
+                "causal LMs, whose labels align with input_ids: use "
+                "transformers.DataCollatorForSeq2Seq(tokenizer, model=model) for encoder-decoder models"
+            )
+        supervision = self.options.supervision
+        if supervision is not None:
+            missing = np.flatnonzero(~batch.carried(supervision))
+            if missing.size:
+                index = int(missing[0])
+                raise ValueError(
+                    f"{names(index)}: lacks {shown(supervision)}, the field this collator was told carries "
+                    f"the supervision ({_fields_of(batch, index)}); transformers.Trainer drops dataset columns "
+                    "its model's forward does not name: pass TrainingArguments(remove_unused_columns=False), "
+                    "or build the collator without supervision=..."
+                )
+        else:
+            near = misspelled(batch.fields, _MASKS)
+            if near is not None:
+                name, meant = near
+                index = int(np.flatnonzero(batch.carried(name))[0])
+                raise ValueError(
+                    f"{names(index)}: has {shown(name)}, which nothing reads: did you mean {shown(meant)}? Read "
+                    f"under no name, every token would be trained; rename it {shown(meant)} (or name the field "
+                    "that carries the supervision with supervision=...)"
+                )
+        if self.UNIFORM_SUPERVISION:
+            for name in _SUPERVISION:
+                if name not in batch:
+                    continue
+                carried = batch.carried(name)
+                if not carried.all():
+                    raise ValueError(
+                        f"{names(int(np.flatnonzero(~carried)[0]))}: lacks {shown(name)}, which "
+                        f"{names(int(np.flatnonzero(carried)[0]))} carries to say which tokens are trained; read "
+                        "as all trained, its prompt would be trained. Give every example "
+                        f"{shown(name)} (0 on the prompt), or drop it from every example ({self.OWNER})"
+                    )
+
+    # -- the layout ----------------------------------------------------------------------------------
+
+    def layout(
+        self,
+        fields: dict[str, Ragged],
+        segments: Ragged | None,
+        per_sequence: dict[str, list[np.ndarray]],
+        names: Names,
+    ) -> Stacked:
+        """The read fields to the chain's input: supervision, padding dropped, truncation, rows."""
+        options = self.options
+        per_token: dict[str, Ragged] = {INPUT_IDS: fields[INPUT_IDS], LOSS_MASK: _supervision(fields, names)}
+        if TOKEN_TYPE_IDS in fields:
+            per_token[TOKEN_TYPE_IDS] = fields[TOKEN_TYPE_IDS]
+        for name in self._token_floats:
+            per_token[name] = fields[name]
+        positions = _positions(fields, segments, names)
+        if positions is not None:
+            per_token[POSITIONS] = positions
+        if ATTENTION_MASK in fields:
+            keep = kept_by_mask(fields[ATTENTION_MASK], ATTENTION_MASK, names)
+            if not keep.all():
+                per_token = {name: field.select(keep) for name, field in per_token.items()}
+        if options.truncation_mode is not None:
+            per_token = self._truncated(per_token, names)
+        elif options.max_length is not None and options.padding != "max_length":
+            self._check_max_length(per_token[INPUT_IDS].lengths, options.max_length, names)
+        if positions is not None and not options.padding_free:
+            _check_one_document(per_token[POSITIONS], names)
+        if POSITIONS not in per_token and (options.padding_free or options.positions_out):
+            offsets = per_token[INPUT_IDS].offsets
+            per_token[POSITIONS] = Ragged(places(offsets), offsets)
+        starts = None
+        for spec in options.floats:
+            if spec.align == "label":  # moved to the token each prediction is scored against
+                starts = _starts(per_token) if starts is None else starts
+                per_token[spec.name] = to_label_positions(per_token[spec.name], starts)
+        if options.return_sequence_map:
+            per_token.update(_sequence_map(per_token))
+        if POSITIONS in per_token and self.positions_key != POSITIONS:
+            per_token[self.positions_key] = per_token.pop(POSITIONS)
+        stacked = self.flat(per_token) if options.padding_free else self.padded(per_token, names)
+        data = stacked.data
+        if options.return_sequence_map:
+            for name in (LOGITS_INDEX, SEQUENCE_INDEX):
+                data[name] = data[name] - 1  # stored + 1: the padding reads -1
+            data[NUM_SEQUENCES] = np.array(int(_starts(per_token).sum()), dtype=np.int64)
+        for spec in options.floats:
+            value = np.stack(per_sequence[spec.name]) if not spec.per_token else data[spec.name]
+            data[spec.name] = _in_float(value, spec)
+        if options.padding_free and self.settings.num_boundaries is not None and options.return_flash_attn_kwargs:
+            check_boundary_count(data[self.positions_key], True, self.settings.num_boundaries, names)
+        return stacked
+
+    def _truncated(self, per_token: dict[str, Ragged], names: Names) -> dict[str, Ragged]:
+        """Each example cut to ``max_length`` tokens (keep its start or its end); see the options."""
+        options = self.options
+        limit = options.max_length
+        assert limit is not None
+        tokens = per_token[INPUT_IDS]
+        lengths = tokens.lengths
+        if not bool((lengths > limit).any()):
+            return per_token
+        place = places(tokens.offsets)
+        keep = place < limit if options.truncation_mode == "keep_start" else place >= np.repeat(lengths - limit, lengths)
+        cut = {name: field.select(keep) for name, field in per_token.items()}
+        if options.keep_eos:  # a cut example that ended in EOS ends in EOS again, supervised as it was
+            ends = tokens.offsets[1:] - 1
+            rows = np.flatnonzero((lengths > limit) & (tokens.host[np.maximum(ends, 0)] == options.eos_token_id))
+            if rows.size:
+                last = cut[INPUT_IDS].offsets[rows + 1] - 1
+                new_tokens, new_mask = cut[INPUT_IDS].host.copy(), cut[LOSS_MASK].host.copy()
+                new_tokens[last] = options.eos_token_id
+                new_mask[last] = per_token[LOSS_MASK].host[ends[rows]]
+                offsets = cut[INPUT_IDS].offsets
+                cut.update({INPUT_IDS: Ragged(new_tokens, offsets), LOSS_MASK: Ragged(new_mask, offsets)})
+        before, after = per_token[LOSS_MASK], cut[LOSS_MASK]
+        lost = np.flatnonzero(row_any(before.host != 0, before.offsets) & ~row_any(after.host != 0, after.offsets))
+        if lost.size:
+            raise ValueError(
+                f"{names(int(lost[0]))}: has no supervised token left after truncation to "
+                f"max_length={limit} ({options.truncation_mode}); trained as is it would add nothing: drop "
+                "or shorten such examples, raise max_length, or use the other truncation_mode"
+            )
+        return cut
+
+    def _check_max_length(self, lengths: np.ndarray, limit: int, names: Names) -> None:
+        """Refuse an example longer than ``limit``: ``max_length`` without ``truncation_mode`` is a limit,
+        never ignored (with ``padding='max_length'``, the padded row length)."""
+        longer = np.flatnonzero(lengths > limit)
+        if longer.size:
+            index = int(longer[0])
+            given = self.options.max_length
+            rounded = "" if limit == given else f" (rounded up to pad_to_multiple_of: {limit})"
+            raise ValueError(
+                f"{names(index)}: has {int(lengths[index])} tokens, more than max_length={given}{rounded}; "
+                "pass truncation_mode='keep_start' (TRL's default) or 'keep_end' to cut such examples, or "
+                "raise max_length"
+            )
+
+    def padded(self, per_token: dict[str, Ragged], names: Names) -> Stacked:
+        """``[B, L]`` rows padded on the right (``LeftPadding`` moves the padding left, in the chain)."""
+        padding = self.options.row_padding
+        assert padding is not None
+        lengths = per_token[INPUT_IDS].lengths
+        width = padding.width(lengths)
+        if self.options.padding == "max_length":
+            self._check_max_length(lengths, width, names)
+        if self.options.padding == "do_not_pad" and bool((lengths != width).any()):
+            raise ValueError(
+                f"{self.OWNER}: padding=False (do_not_pad) needs examples of one length, got lengths "
+                f"{shown(lengths.tolist())}; pad them (padding=True)"
+            )
+        data: dict[str, Any] = {
+            name: dense(field, width, padding.pad_token_id if name == INPUT_IDS else 0)
+            for name, field in per_token.items()
+        }
+        data[PADDING_LENGTH] = (width - lengths).astype(np.int64)
+        return Stacked(data)
+
+    def flat(self, per_token: dict[str, Ragged]) -> Stacked:
+        """One row ``[1, N]`` (padded to ``pad_to_multiple_of``; each pad token a segment of its own, its
+        position 0, as TRL writes them)."""
+        total = int(per_token[INPUT_IDS].values.shape[0])
+        if not total:
+            raise ValueError(
+                f"{self.OWNER}: every {self.ITEM} of the batch is empty; padding_free needs a token (give "
+                "non-empty ones, or pad them: padding_free=False)"
+            )
+        multiple = self.options.pad_to_multiple_of
+        width = total if multiple is None else -(-total // multiple) * multiple
+        one_row = np.array([0, total], dtype=np.int64)
+        pad_id = self.options.pad_token_id or 0
+        data: dict[str, Any] = {
+            name: dense(Ragged(field.values, one_row), width, pad_id if name == INPUT_IDS else 0)
+            for name, field in per_token.items()
+        }
+        data[PADDING_LENGTH] = np.array([width - total], dtype=np.int64)
+        return Stacked(data)
+
+
+def _fields_of(batch: Batch, index: int) -> str:
+    payloads = getattr(batch, "payloads", None)
+    if payloads is not None and hasattr(payloads[index], "keys"):
+        return f"its fields: {shown_fields(payloads[index])}"
+    return f"its fields: {shown_fields(dict.fromkeys(sorted(batch.fields)))}"
+
+
+def _scalar(value: object) -> bool:
+    if value is None:
+        return False
+    if isinstance(value, (int, float, np.generic)) and not isinstance(value, bool):
+        return True
+    return getattr(value, "ndim", None) == 0
+
+
+def _sequence_classification(where: str) -> ValueError:
+    return ValueError(
+        f"{where}: carries one label for the whole example (sequence classification); this collator makes "
+        "causal-LM labels, one per token: use transformers.DataCollatorWithPadding for a classifier, or give "
+        "per-token 'labels'"
+    )
+
+
+def _misfit(where: str, name: str, shape: tuple[int, ...], length: int | None) -> ValueError:
+    """The refusal of a row that is not one value per token (``length=None``: ``input_ids`` not 1-D)."""
+    if length is None:
+        return ValueError(f"{where}: 'input_ids' must be one row of token ids, got shape {shape}")
+    hint = (
+        " (labels of their own length: an encoder-decoder target; this collator is for causal LMs, "
+        "use transformers.DataCollatorForSeq2Seq(tokenizer, model=model))"
+        if name == LABELS
+        else ""
+    )
+    return ValueError(
+        f"{where}: field {shown(name)} has shape {shape}, but 'input_ids' has {length} tokens; give one value "
+        f"per token{hint}"
+    )
+
+
+def _filled(batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Ragged) -> Ragged:
+    """Per-token field ``name``, one value per token in every example; an example without it reads as all
+    trained (labels: its tokens; a mask: ones) and, for ``position_ids``, as one document."""
+    try:
+        field = batch.get(name, kind, partial=True)
+    except ValueError:  # rows that differ beyond their length: name the first that does not fit
+        for index, value in enumerate(batch.objects(name)):
+            if value is not None:
+                row = to_row(value, batch.names(index), name, kind)
+                if row.ndim != 1 or row.shape[0] != tokens.lengths[index]:
+                    raise _misfit(batch.names(index), name, tuple(row.shape), int(tokens.lengths[index])) from None
+        raise
+    assert field is not None
+    carried = batch.carried(name)
+    values = field.host
+    bad = carried & ((field.lengths != tokens.lengths) | (values.ndim != 1))
+    if bad.any():
+        index = int(np.flatnonzero(bad)[0])
+        shape = tuple(values[field.offsets[index] : field.offsets[index + 1]].shape)
+        raise _misfit(batch.names(index), name, shape, int(tokens.lengths[index]))
+    if carried.all():
+        return Ragged(values, field.offsets)
+    if name == LABELS:
+        filled = tokens.host.copy()
+    elif name == POSITION_IDS:
+        filled = places(tokens.offsets)
+    else:
+        filled = np.ones(tokens.values.shape[0], dtype=np.int64)
+    filled = filled.astype(np.result_type(filled.dtype, values.dtype), copy=False)
+    filled[np.repeat(carried, tokens.lengths)] = values
+    return Ragged(filled, tokens.offsets)
+
+
+def _supervision(fields: dict[str, Ragged], names: Names) -> Ragged:
+    """The boolean ``[N]`` supervision: where ``labels`` are not -100 and every mask field is 1."""
+    tokens = fields[INPUT_IDS]
+    trained = np.ones(tokens.values.shape[0], dtype=bool)
+    for name in _MASKS:
+        if name in fields:
+            check_zero_one(fields[name], name, names, "1 where the token is trained")
+            trained &= fields[name].host != 0
+    if LABELS in fields:
+        labels = fields[LABELS].host
+        given = labels != IGNORE_INDEX
+        wrong = given & (labels != tokens.host)
+        if ATTENTION_MASK in fields:
+            wrong &= fields[ATTENTION_MASK].host != 0  # labels under the padding are dropped, unread
+        flat = np.flatnonzero(wrong)
+        if flat.size:
+            index = int(flat[0])
+            row = row_of(tokens.offsets, index)
+            t = index - int(tokens.offsets[row])
+            raise ValueError(
+                f"{names(row)}: labels[{t}] is {int(labels[index])}, neither -100 nor the token there "
+                f"(input_ids[{t}] = {int(tokens.host[index])}); causal LMs take unshifted labels "
+                "(input_ids, -100 where no loss is taken) and shift them in forward: unshift labels "
+                "shifted already, or give a loss_mask; an encoder-decoder target needs "
+                "transformers.DataCollatorForSeq2Seq(tokenizer, model=model)"
+            )
+        trained &= given
+    return Ragged(trained, tokens.offsets)
+
+
+def _positions(fields: dict[str, Ragged], segments: Ragged | None, names: Names) -> Ragged | None:
+    """Segment-restarting positions from ``seq_lengths`` (each example's document lengths, end to end)
+    or ``position_ids``, or ``None`` (one document per example)."""
+    tokens = fields[INPUT_IDS]
+    if segments is not None:
+        sizes = np.asarray(segments.values).astype(np.int64, copy=False)
+        totals = np.zeros(sizes.size + 1, dtype=np.int64)
+        np.cumsum(sizes, out=totals[1:])
+        negative = np.zeros(sizes.size + 1, dtype=np.int64)
+        np.cumsum(sizes < 0, out=negative[1:])
+        starts, ends = segments.offsets[:-1], segments.offsets[1:]
+        bad = (totals[ends] - totals[starts] != tokens.lengths) | (negative[ends] > negative[starts])
+        if bad.any():
+            index = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"{names(index)}: 'seq_lengths' {shown(sizes[starts[index] : ends[index]].tolist())} "
+                f"must be lengths >= 0 that add up to the example's {int(tokens.lengths[index])} tokens "
+                "(as TRL's packing writes them)"
+            )
+        documents = sizes[sizes > 0]
+        bounds = np.zeros(documents.size + 1, dtype=np.int64)
+        np.cumsum(documents, out=bounds[1:])
+        return Ragged(places(bounds), tokens.offsets)
+    if POSITION_IDS not in fields:
+        return None
+    given = fields[POSITION_IDS]
+    check_ids(given, POSITION_IDS, names)
+    nonempty = np.flatnonzero(given.lengths > 0)
+    first = given.host[given.offsets[nonempty]]
+    if (first != 0).any():
+        index = int(nonempty[np.flatnonzero(first != 0)[0]])
+        raise ValueError(
+            f"{names(index)}: 'position_ids' must start at 0 and restart at 0 at each packed "
+            f"document (they start at {int(first[first != 0][0])}); give positions counted from 0"
+        )
+    return given.cast(torch.int64)
+
+
+def _starts(per_token: dict[str, Ragged]) -> np.ndarray:
+    """``[N]`` booleans: each example's first token and each packed document's (the segment rule)."""
+    offsets = per_token[INPUT_IDS].offsets
+    positions = per_token.get(POSITIONS, per_token.get(POSITION_IDS))
+    return host.ragged_starts(offsets, None if positions is None else positions.host)
+
+
+def _check_one_document(positions: Ragged, names: Names) -> None:
+    """Padded rows must hold one document each: packed rows would attend across their documents."""
+    inner = np.flatnonzero(host.ragged_starts(positions.offsets, positions.host))
+    inner = inner[~np.isin(inner, positions.offsets)]  # a start that is not its example's first token
+    if inner.size:
+        raise ValueError(
+            f"{names(row_of(positions.offsets, int(inner[0])))}: holds several documents (from 'seq_lengths' or "
+            "restarting 'position_ids'); padded, they would attend to each other: pass padding_free=True, "
+            "which keeps them apart (as TRL's SFTTrainer does for packed data)"
+        )
+
+
+def _sequence_map(per_token: dict[str, Ragged]) -> dict[str, Ragged]:
+    """The sequence map of a padding-free row (``return_sequence_map``), each value + 1 so that the
+    row's padding, filled with 0, reads -1: ``logits_index`` (the place of the token that predicts each
+    one; none at a sequence's first token) and ``sequence_index`` (each token's sequence)."""
+    starts = _starts(per_token)
+    offsets = per_token[INPUT_IDS].offsets
+    predictor = np.where(starts, 0, np.arange(starts.size, dtype=np.int64))  # place - 1, then + 1
+    return {
+        LOGITS_INDEX: Ragged(predictor, offsets),
+        SEQUENCE_INDEX: Ragged(np.cumsum(starts, dtype=np.int64), offsets),
+    }
+
+
+def _in_float(value: Any, spec: FloatField) -> Any:
+    """A float field's stacked values in its dtype (bfloat16, which NumPy lacks: a tensor)."""
+    if spec.dtype == torch.bfloat16:
+        return torch.from_numpy(np.asarray(value)).to(torch.bfloat16)
+    return np.asarray(value).astype(spec.host_dtype, copy=False)
+

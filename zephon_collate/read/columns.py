@@ -1,0 +1,537 @@
+"""The columnar type every input is read into: :class:`Ragged` fields in a :class:`Batch`.
+
+A field of a batch is one :class:`Ragged`: every row's values end to end, and
+where each row starts (an Arrow list column, a padding-free row). A
+:class:`Batch` is what comes in at the door, whatever its format: its rows,
+how errors name them (``record 3 (sample_id (0, 0, 7))``, ``example 3``), the
+fields its rows carry, and each field read on demand, once, as a ``Ragged``.
+Records, payload dicts, Hugging Face examples and token rows are read by
+:mod:`.rows`; Arrow tables and ``(values, offsets)`` pairs by :mod:`.arrow`.
+Every check (:mod:`.rules`) and every layout works on this type only.
+
+A value becomes a row here (:func:`to_row`): a list, tuple, NumPy array or
+tensor of numbers, checked, viewed where possible, never written.
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeAlias, cast
+
+import numpy as np
+import torch
+
+from zephon_collate.core.keys import INT64_MAX
+from zephon_collate.core.records import SampleMeta
+from zephon_collate.core.text import shown
+
+__all__ = [
+    "MISSING",
+    "Batch",
+    "Kind",
+    "Names",
+    "Ragged",
+    "Row",
+    "Values",
+    "as_numpy",
+    "as_tensor",
+    "concat",
+    "gather_spans",
+    "host_view",
+    "joined_ints",
+    "numpy_dtype",
+    "places",
+    "row_any",
+    "row_of",
+    "sequence_of",
+    "to_row",
+]
+
+Row: TypeAlias = "np.ndarray | torch.Tensor"
+Values: TypeAlias = "np.ndarray | torch.Tensor"
+Kind = Literal["ids", "values"]
+"""``"ids"``: integers only (token ids, positions); ``"values"``: bool, integer or float."""
+Names: TypeAlias = Callable[[int], str]
+"""How errors name the row at a batch index: ``record 3 (sample_id (0, 0, 7))``, ``example 3``."""
+MISSING: Any = object()
+"""An absent field (compare with ``is``)."""
+
+
+class Ragged:
+    """One field of a batch: every row's values end to end, and where each row starts.
+
+    ``values`` is ``[N, ...]``: a NumPy array for data on the host (where the
+    checks and the stacking run in NumPy, several times faster than torch
+    there), a torch tensor for data on an accelerator. ``offsets`` is ``[B + 1]``
+    int64 (NumPy, from 0 to ``N``): row ``b`` is ``values[offsets[b]:offsets[b + 1]]``.
+
+    Example:
+        >>> field = concat([np.array([5, 6, 7]), np.array([8])], "input_ids", str)
+        >>> field.values.tolist(), field.offsets.tolist(), field.lengths.tolist()
+        ([5, 6, 7, 8], [0, 3, 4], [3, 1])
+    """
+
+    __slots__ = ("lengths", "offsets", "values")  # a plain class: several are made per field and call
+
+    def __init__(self, values: Values, offsets: np.ndarray) -> None:
+        self.values = values
+        self.offsets = offsets
+        self.lengths: np.ndarray = offsets[1:] - offsets[:-1]  # np.diff costs more on short arrays
+
+    def __repr__(self) -> str:
+        return f"Ragged(values={self.values!r}, offsets={self.offsets!r})"
+
+    @property
+    def rows(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def host(self) -> np.ndarray:
+        """The values, read on the host (a tensor on a device is copied back)."""
+        return as_numpy(self.values)
+
+    def row(self, index: int) -> Values:
+        """Row ``index``'s values (a view)."""
+        return self.values[int(self.offsets[index]) : int(self.offsets[index + 1])]
+
+    def take(self, index: int) -> Ragged:
+        """Row ``index`` alone, as a one-row :class:`Ragged` (a view)."""
+        row = self.row(index)
+        return Ragged(row, np.array([0, row.shape[0]], dtype=np.int64))
+
+    def select(self, keep: np.ndarray) -> Ragged:
+        """The values where the ``[N]`` boolean ``keep`` is True, each row keeping its own."""
+        kept = np.zeros(len(keep) + 1, dtype=np.int64)
+        np.cumsum(keep, out=kept[1:])
+        mask = keep if isinstance(self.values, np.ndarray) else torch.from_numpy(keep).to(self.values.device)
+        return Ragged(self.values[mask], kept[self.offsets])
+
+    def cast(self, dtype: torch.dtype) -> Ragged:
+        """The values in ``dtype``: no copy when they are in it already, unless they are read-only (a
+        view of columnar input), which a batch never hands out."""
+        if isinstance(self.values, np.ndarray):
+            copy = not self.values.flags.writeable
+            return Ragged(self.values.astype(numpy_dtype(dtype), copy=copy), self.offsets)
+        return Ragged(self.values.to(dtype), self.offsets)
+
+
+class Batch:
+    """A batch at the door: its rows, how errors name them, and each field read once, on demand.
+
+    The readers (:class:`~zephon_collate.read.rows.Rows`,
+    :class:`~zephon_collate.read.arrow.Columns`) implement :meth:`_read` and
+    :meth:`_carried`; every layout and check uses the methods below only.
+
+    Attributes:
+        rows: the number of rows (records, examples, pairs).
+        names: how errors name row ``i``.
+        fields: every field some row carries.
+        ids: each row's sample id (``(0, 0, i)`` for rows without a record).
+        metas: each row's ``SampleMeta`` (records only; ``()`` otherwise).
+        owner: the entry point errors name when no row is at fault.
+    """
+
+    def __init__(
+        self,
+        rows: int,
+        names: Names,
+        fields: frozenset[str],
+        ids: list[Any],
+        metas: tuple[SampleMeta, ...] = (),
+        owner: str = "Collator",
+    ) -> None:
+        self.rows, self.names, self.fields, self.ids, self.metas, self.owner = (
+            rows,
+            names,
+            fields,
+            ids,
+            metas,
+            owner,
+        )
+        self._cache: dict[tuple[str, str, bool], Ragged | None] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.fields
+
+    def carried(self, name: str) -> np.ndarray:
+        """``[B]`` booleans: does row ``b`` carry ``name`` (read nothing)."""
+        return self._carried(name)
+
+    def get(self, name: str, kind: Kind, *, partial: bool = False) -> Ragged | None:
+        """Field ``name`` as a :class:`Ragged` (read once), or ``None`` if no row carries it.
+
+        ``partial``: a row without the field reads as an empty row (see :meth:`carried`); else such a
+        row is a ``ValueError`` naming it.
+
+        Raises:
+            TypeError, ValueError: for values that are not numbers of ``kind``, rows that differ
+                beyond their length, and (without ``partial``) a row lacking the field.
+        """
+        key = (name, kind, partial)
+        if key not in self._cache:
+            if name not in self:
+                self._cache[key] = None
+            else:
+                if not partial:
+                    self.require(name)
+                self._cache[key] = self._read(name, kind)
+        return self._cache[key]
+
+    def require(self, name: str) -> None:
+        """``ValueError`` naming the first row without ``name`` (as the field is required, or as some rows
+        have it and others lack it)."""
+        carried = self._carried(name)
+        lacking = np.flatnonzero(~carried)
+        if lacking.size:
+            index = int(lacking[0])
+            reason = "some payloads have it and others lack it" if carried.any() else "it is required"
+            raise ValueError(f"{self.names(index)}: {self._lacks(index, name)}; {reason}")
+
+    def per_row(self, name: str, kind: Kind) -> list[Row]:
+        """Field ``name`` of every row (required), one array or tensor each: for fields that may hold
+        one value, or one vector, per row (a per-record extra field, ``seq_lengths``)."""
+        self.require(name)
+        return self._per_row(name, kind)
+
+    def objects(self, name: str) -> list[Any]:
+        """Each row's raw value of ``name`` (``None`` where it has none): texts, group keys."""
+        return self._objects(name)
+
+    # -- what a reader implements --------------------------------------------------------------
+
+    def _carried(self, name: str) -> np.ndarray:
+        raise NotImplementedError  # pragma: no cover
+
+    def _read(self, name: str, kind: Kind) -> Ragged:
+        raise NotImplementedError  # pragma: no cover
+
+    def _per_row(self, name: str, kind: Kind) -> list[Row]:
+        raise NotImplementedError  # pragma: no cover
+
+    def _objects(self, name: str) -> list[Any]:
+        raise NotImplementedError  # pragma: no cover
+
+    def _lacks(self, index: int, name: str) -> str:
+        """What to say of row ``index`` lacking ``name``."""
+        return f"payload lacks field {shown(name)}"
+def concat(rows: Sequence[Row], name: str, names: Names) -> Ragged:
+    """A field's rows end to end (one copy, never a view of a payload), as a :class:`Ragged`.
+
+    Rows may be NumPy arrays or tensors of any dtypes (the widest wins, as
+    NumPy and torch promote); they must share their trailing dims and device.
+    Rows on the CPU give host values, rows on an accelerator a tensor there.
+
+    Raises:
+        ValueError: if a row is one value (0-d), if rows differ beyond their first dim, or lie on
+            different devices.
+    """
+    if not rows:
+        return Ragged(np.empty(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
+    try:
+        lengths = [row.shape[0] for row in rows]
+    except IndexError:  # a 0-d row: named here, off the common path
+        index = next(i for i, row in enumerate(rows) if row.ndim == 0)
+        raise ValueError(
+            f"{names(index)}: field {shown(name)} is one value ({rows[index].item()!r}), but it is read as "
+            "a row of values, one per token; give it one value per token, or drop it (a per-example "
+            "label, as for sequence classification, is not a token field)"
+        ) from None
+    if len(set(lengths)) == 1:  # rows of one length (packed rows): no running sum to take
+        offsets = np.arange(len(rows) + 1, dtype=np.int64) * lengths[0]
+    else:
+        offsets = np.array(list(itertools.accumulate(lengths, initial=0)), dtype=np.int64)
+    # Always a copy, even of one row: what the batch holds never shares memory with a payload.
+    first = type(rows[0])
+    if all(type(row) is first for row in rows):  # one kind of row: one concatenation, which checks shapes
+        try:
+            if first is np.ndarray:
+                arrays = cast(Sequence[np.ndarray], rows)
+                return Ragged(np.concatenate(arrays) if len(arrays) > 1 else arrays[0].copy(), offsets)
+            joined = torch.cat(list(cast(Sequence[torch.Tensor], rows)))
+            if joined.is_cpu and not joined.requires_grad and joined.dtype != torch.bfloat16:
+                return Ragged(joined.numpy(), offsets)  # the common case, a view of the fresh copy
+            return Ragged(as_numpy(joined) if joined.is_cpu else joined, offsets)
+        except (ValueError, RuntimeError):
+            pass  # shapes or devices differ: the loop below names the row
+    trailing = rows[0].shape[1:]
+    for index, row in enumerate(rows):
+        if row.shape[1:] != trailing:
+            raise ValueError(
+                f"{names(index)}: field {shown(name)} has shape {tuple(row.shape)}, the first payload's "
+                f"{tuple(rows[0].shape)}; rows may differ in length only"
+            )
+    if all(isinstance(row, np.ndarray) or row.is_cpu for row in rows):
+        return Ragged(np.concatenate([as_numpy(row) for row in rows]), offsets)
+    _device_of(rows, name, names)  # raises, naming the row on another device
+    return Ragged(torch.cat([torch.as_tensor(row) for row in rows]), offsets)
+
+
+def row_any(flags: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """``[B]`` booleans: does row ``b`` (``flags[offsets[b]:offsets[b + 1]]``) hold a True? Empty rows: no.
+
+    Example:
+        >>> row_any(np.array([False, True, False, False]), np.array([0, 2, 2, 4])).tolist()
+        [True, False, False]
+    """
+    counts = np.zeros(len(offsets) - 1, dtype=np.int64)
+    nonempty = offsets[1:] > offsets[:-1]
+    if flags.size:
+        counts[nonempty] = np.add.reduceat(flags, offsets[:-1][nonempty])
+    return counts > 0
+
+
+def sequence_of(offsets: np.ndarray) -> np.ndarray:
+    """``[N]``: the row of every value of a :class:`Ragged` with these offsets."""
+    return np.repeat(np.arange(len(offsets) - 1, dtype=np.int64), np.diff(offsets))
+
+
+def places(offsets: np.ndarray) -> np.ndarray:
+    """``[N]``: every value's place in its row."""
+    lengths = np.diff(offsets)
+    return np.asarray(np.arange(int(offsets[-1]), dtype=np.int64) - np.repeat(offsets[:-1], lengths))
+
+
+def gather_spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The indices ``starts[i] .. starts[i] + lengths[i] - 1`` of every span, end to end.
+
+    Example:
+        >>> gather_spans(np.array([5, 0, 9]), np.array([2, 0, 3])).tolist()
+        [5, 6, 9, 10, 11]
+    """
+    total = int(lengths.sum())
+    ends = np.cumsum(lengths)
+    return np.asarray(np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths))
+
+
+def row_of(offsets: np.ndarray, flat_index: int) -> int:
+    """The row holding flat token ``flat_index`` (empty rows hold none)."""
+    return int(np.searchsorted(offsets, flat_index, side="right")) - 1
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The NumPy dtype of a torch dtype that has one (every integer, bool and float dtype but bfloat16)."""
+    found = _NUMPY_DTYPES.get(dtype)
+    if found is None:
+        found = _NUMPY_DTYPES[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
+    return found
+
+
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {}
+
+
+def as_tensor(values: Values) -> torch.Tensor:
+    """``values`` as a tensor: a host array wrapped without a copy."""
+    return torch.from_numpy(values) if isinstance(values, np.ndarray) else values
+
+
+def _device_of(rows: Sequence[Row], name: str, names: Names) -> torch.device:
+    """The one device of a field's rows (NumPy rows count as the CPU); two devices raise ``ValueError``."""
+    device = torch.device("cpu")
+    for index, row in enumerate(rows):
+        here = row.device if isinstance(row, torch.Tensor) else torch.device("cpu")
+        if index == 0:
+            device = here
+        elif here != device:
+            raise ValueError(
+                f"{names(index)}: field {shown(name)} is on {here} while the first payload's is on "
+                f"{device}; put all payload data on one device"
+            )
+    return device
+
+
+def _sequence_array(value: Any, where: str, name: str) -> np.ndarray:
+    """``np.array(value)``, with a ragged or unreadable sequence as a ``ValueError`` / ``TypeError``."""
+    try:
+        return np.array(value)
+    except ValueError:
+        raise ValueError(
+            f"{where}: field {shown(name)} is a ragged nested sequence; give equal-length rows"
+        ) from None
+    except (TypeError, RuntimeError, NotImplementedError):  # e.g. a list of tensors on a device
+        raise TypeError(
+            f"{where}: field {shown(name)} holds items that cannot be read as plain numbers; give a list of "
+            "numbers, or one array or tensor"
+        ) from None
+
+
+def _beyond_int64(where: str, name: str) -> ValueError:
+    return ValueError(
+        f"{where}: field {shown(name)} holds values beyond int64; give integers from -2**63 to 2**63 - 1"
+    )
+
+
+def _numpy_row(value: Any, where: str, name: str) -> np.ndarray:
+    """A NumPy array of ``value``; a list or tuple gets the dtype NumPy infers for it (all bools: bool)."""
+    if isinstance(value, (list, tuple)) and (not value or type(value[0]) is int):
+        try:  # the fast, exact path for a flat sequence of Python ints
+            return np.frombuffer(array.array("q", value), dtype=np.int64)
+        except OverflowError:
+            if all(type(item) is int for item in value):
+                raise _beyond_int64(where, name) from None
+        except (TypeError, RuntimeError, NotImplementedError):
+            pass  # floats, bools, nested rows, tensors: let NumPy tell which
+    if isinstance(value, np.ndarray):  # no copy, unless strided (torch takes no negative strides)
+        if type(value) is not np.ndarray:  # a subclass (np.memmap, ...): read as a plain view of its data
+            if isinstance(value, np.ma.MaskedArray) and np.ma.is_masked(value):
+                raise ValueError(
+                    f"{where}: field {shown(name)} is a masked array with masked entries, whose data would "
+                    "be read as if unmasked; fill them (.filled(value)) or drop them"
+                )
+            value = value.view(np.ndarray)
+        row = value if value.flags.c_contiguous else np.array(value)
+    else:
+        row = _sequence_array(value, where, name)
+    if row.dtype.kind == "O":
+        if not isinstance(value, np.ndarray) and all(
+            isinstance(item, numbers.Integral) and not isinstance(item, bool) for item in row.flat
+        ):
+            raise _beyond_int64(where, name)
+        raise TypeError(
+            f"{where}: field {shown(name)} holds Python objects that are not numbers (dtype object); "
+            "give numbers only"
+        )
+    if not row.dtype.isnative:  # e.g. '>i4' on a little-endian machine: torch reads native order only
+        row = row.astype(row.dtype.newbyteorder("="))
+    if row.dtype.kind == "f" and row.dtype.itemsize > 8:
+        raise TypeError(
+            f"{where}: field {shown(name)} has dtype {row.dtype}, which torch cannot hold; cast it with "
+            ".astype(np.float64)"
+        )
+    if row.dtype.kind == "u" and row.dtype.itemsize > 1:  # uint16/32/64: torch supports little on them
+        if row.dtype.itemsize == 8 and row.size and row.max() > INT64_MAX:
+            raise ValueError(
+                f"{where}: field {shown(name)} holds values beyond int64 (dtype {row.dtype}); "
+                "give values up to 2**63 - 1"
+            )
+        row = row.astype(np.int64)
+    return row
+
+
+def _tensor_row(value: torch.Tensor, where: str, name: str) -> torch.Tensor:
+    """``value`` itself, or an exact int64 copy of a uint16/32/64 tensor."""
+    if value.layout != torch.strided or value.is_nested or value.is_quantized:
+        kind = "nested" if value.is_nested else "quantized" if value.is_quantized else str(value.layout)
+        raise TypeError(
+            f"{where}: field {shown(name)} is a {kind} tensor; give a plain dense tensor "
+            "(.to_dense(), .dequantize())"
+        )
+    if value.device.type == "meta":
+        raise ValueError(
+            f"{where}: field {shown(name)} is a tensor on the 'meta' device, which holds no data; give "
+            "tensors with data (on the CPU or an accelerator)"
+        )
+    if value.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        if value.dtype == torch.uint64:
+            as_signed = value.view(torch.int64)  # values beyond int64 read as negative
+            if bool((as_signed < 0).any()):
+                raise ValueError(
+                    f"{where}: field {shown(name)} holds values beyond int64 (dtype {value.dtype}); "
+                    "give values up to 2**63 - 1"
+                )
+            return as_signed
+        return value.to(torch.int64)
+    return value
+
+
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+_PLAIN_DTYPES: dict[str, frozenset[torch.dtype]] = {
+    "ids": frozenset(_INTEGER_DTYPES),
+    "values": frozenset((*_INTEGER_DTYPES, torch.bool, *_FLOAT_DTYPES)),
+}
+
+
+def to_row(value: Any, where: str, name: str, kind: Kind) -> Row:
+    """Check one payload value and return it as an array or tensor, without copying tensors.
+
+    Raises:
+        TypeError: for a value that is not numbers (a str, objects, a sparse tensor, ...) or of
+            the wrong kind (floats as token ids).
+        ValueError: for values beyond int64, a tensor without data, or token ids given as a
+            scalar or as a batch of one row.
+    """
+    if isinstance(value, torch.Tensor):
+        row: Row = _tensor_row(value, where, name)
+        if value.dtype.is_floating_point and value.dtype not in _FLOAT_DTYPES:
+            raise TypeError(
+                f"{where}: field {shown(name)} has dtype {value.dtype}, which collating cannot compute with; "
+                "cast it with .float()"
+            )
+        bad = value.dtype.is_complex or (
+            kind == "ids" and (value.dtype.is_floating_point or value.dtype == torch.bool)
+        )
+        dtype: object = value.dtype
+        empty_float = value.dtype.is_floating_point and value.numel() == 0
+    elif isinstance(value, (np.ndarray, list, tuple, int, float, np.generic)):
+        row = _numpy_row(value, where, name)
+        bad = row.dtype.kind not in ("iu" if kind == "ids" else "biuf")
+        dtype = row.dtype
+        empty_float = row.dtype.kind == "f" and row.size == 0
+    else:
+        raise TypeError(
+            f"{where}: field {shown(name)} must be a list, tuple, NumPy array or torch tensor of numbers, "
+            f"got {type(value).__name__}"
+        )
+    if bad and empty_float:  # torch.tensor([]) and np.array([]) are float: an empty row holds no float
+        row = row.astype(np.int64) if isinstance(row, np.ndarray) else row.to(torch.int64)
+    elif bad:
+        expected = "integer token ids" if kind == "ids" else "bool, integer or float values"
+        raise TypeError(f"{where}: field {shown(name)} has dtype {dtype}; it must hold {expected}")
+    if kind == "ids" and row.ndim == 0:
+        raise ValueError(f"{where}: field {shown(name)} must be a sequence, got a scalar")
+    if kind == "ids" and row.ndim == 2 and row.shape[0] == 1:
+        raise ValueError(
+            f"{where}: field {shown(name)} has shape {tuple(row.shape)}: a batch of one row, as "
+            "tokenizer(..., return_tensors='pt') returns; pass the row itself (value[0] or value.squeeze(0))"
+        )
+    return row
+
+
+def as_numpy(row: Row) -> np.ndarray:
+    """A row as a NumPy array: a tensor detached and on the CPU (bfloat16 read as float32), no copy else."""
+    if not isinstance(row, torch.Tensor):
+        return np.asarray(row)
+    if row.is_cpu and not row.requires_grad and row.dtype != torch.bfloat16:
+        return row.numpy()  # the common case, a view
+    tensor = row.detach().cpu()
+    return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
+
+
+def host_view(values: Values) -> Values:
+    """What the checks compute on: host values as they are, a CPU tensor as a NumPy view, a device
+    tensor where it is.
+
+    NumPy's comparisons run several times faster than torch's on the CPU; on a device
+    the tensor stays where it is. The checks below use operations both share.
+    """
+    if isinstance(values, np.ndarray) or values.device.type != "cpu":
+        return values
+    return as_numpy(values)
+
+
+def joined_ints(values: list[Any]) -> Ragged | None:
+    """Lists of Python ints end to end in one int64 buffer, or ``None`` for anything else (read row
+    by row, where the errors are named)."""
+    buffer = array.array("q")
+    lengths = []
+    try:
+        for value in values:
+            if type(value) is not list or (value and type(value[0]) is not int):
+                return None
+            buffer.fromlist(value)
+            lengths.append(len(value))
+    except (OverflowError, TypeError):
+        return None  # beyond int64, or not ints after the first: the row-by-row read names it
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    offsets[1:] = lengths
+    offsets.cumsum(out=offsets)  # in place, on the array: np.cumsum of a list converts it again
+    return Ragged(np.frombuffer(buffer, dtype=np.int64) if buffer else np.empty(0, np.int64), offsets)
+
+

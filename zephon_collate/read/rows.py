@@ -1,0 +1,358 @@
+"""Row-wise input read into a :class:`~zephon_collate.read.columns.Batch`: records, payload dicts,
+Hugging Face examples (a list, or a batched dict of lists) and raw token rows.
+
+A field is read through the mapping interface (``payload[name]``, ``name in
+payload``: a ``Mapping`` that is not a plain ``dict`` answers through its own
+methods), one checked row per payload (:func:`~zephon_collate.read.columns.to_row`),
+then laid end to end: lists of Python ints, the common case of tokenized
+datasets, in one pass into one fresh int64 buffer. An array payload (a list,
+tuple, NumPy array or tensor) is its token row and carries no other field.
+Nothing here writes into a payload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from zephon_collate.core.keys import INPUT_IDS, TOKEN_FIELD_CANDIDATES
+from zephon_collate.core.records import FLUSH_TAG, TOMBSTONE_TAG, SampleMeta, SampleRecord
+from zephon_collate.core.text import shown, shown_fields
+from zephon_collate.read.columns import (
+    _PLAIN_DTYPES,
+    MISSING,
+    Batch,
+    Kind,
+    Names,
+    Ragged,
+    Row,
+    concat,
+    joined_ints,
+    to_row,
+)
+
+__all__ = [
+    "Rows",
+    "as_record",
+    "as_record_tuple",
+    "describe_record",
+    "example_names",
+    "examples_of",
+    "is_array_payload",
+    "payload_get",
+    "records_of",
+    "tokens_field_of",
+]
+
+
+def describe_record(index: int, record: SampleRecord) -> str:
+    """``record 3 (sample_id (0, 0, 7))``: how errors name a record known by its place."""
+    return f"record {index} (sample_id {record.meta.sample_id})"
+
+
+def example_names(index: int) -> str:
+    """How errors name an example (a Hugging Face example, a pair, a row of columns): ``example 3``."""
+    return f"example {index}"
+
+
+def is_array_payload(payload: object) -> bool:
+    """True for a payload that is the token row itself (a list, tuple, NumPy array or tensor)."""
+    return isinstance(payload, (list, tuple, np.ndarray, torch.Tensor))
+
+
+def payload_get(payload: Mapping[Any, Any], name: str, default: Any = None) -> Any:
+    """``payload[name]`` if ``name in payload``, else ``default``: read through the mapping interface.
+
+    Example:
+        >>> class Doubled(dict):
+        ...     def __getitem__(self, key):
+        ...         return 2 * super().__getitem__(key)
+        >>> payload_get(Doubled(x=1), "x"), payload_get({"x": 1}, "y", 0)
+        (2, 0)
+    """
+    if type(payload) is dict:
+        return payload.get(name, default)
+    return payload[name] if name in payload else default  # noqa: SIM401 (a subclass may not route .get)
+
+
+def as_record(sample: object, index: int, owner: str) -> SampleRecord:
+    """``sample`` as a record: a record as given, a plain payload (a dict or a token array) wrapped.
+
+    A plain payload gets ``SampleMeta(sample_id=(0, 0, i), lane_id=0, chunk_id=0,
+    chunk_offset=i)``, ``i`` being its place in the batch or stream, and no tags (so
+    no padding): what Hugging Face datasets and ``transformers.Trainer`` hand over.
+
+    Example:
+        >>> as_record({"input_ids": [5, 6]}, 3, "Collator").meta.sample_id
+        (0, 0, 3)
+
+    Raises:
+        TypeError: for an item that is neither a record, a dict nor a token array.
+    """
+    if isinstance(sample, SampleRecord):
+        return sample
+    if isinstance(sample, Mapping) or is_array_payload(sample):
+        return SampleRecord(SampleMeta((0, 0, index), 0, 0, index), sample)
+    raise TypeError(
+        f"{owner}: item {index} must be a SampleRecord, a payload dict or a token array, "
+        f"got {type(sample).__name__}"
+    )
+
+
+def as_record_tuple(batch: object, owner: str) -> tuple[SampleRecord, ...]:
+    """The records of a :class:`~zephon_collate.SampleBatch` or of a sequence of :class:`SampleRecord`.
+
+    A batch is recognised by its ``records`` tuple (this layer sits below ``SampleBatch``).
+
+    Raises:
+        TypeError: for anything else (plain payload dicts included: the Collator wraps those).
+    """
+    records = getattr(batch, "records", None)
+    if isinstance(records, tuple) and not isinstance(batch, Sequence):
+        batch = records
+    if isinstance(batch, (str, bytes, Mapping)) or not isinstance(batch, Iterable):
+        raise TypeError(
+            f"{owner}: expected a SampleBatch or a list of SampleRecord, got {type(batch).__name__}"
+        )
+    found = tuple(batch)
+    for index, record in enumerate(found):
+        if not isinstance(record, SampleRecord):
+            raise TypeError(
+                f"{owner}: item {index} must be a SampleRecord, got {type(record).__name__}; wrap plain "
+                "payloads in SampleRecord(meta, payload), or use Collator, which accepts them"
+            )
+    return found
+
+
+class Rows(Batch):
+    """A batch of payloads (dicts or token arrays), read field by field (see the module doc).
+
+    Parameters:
+        payloads: one per row.
+        names: how errors name row ``i``.
+        tokens: the field an array payload's row is (``None``: array payloads are not read).
+        ids, metas, owner: as :class:`~zephon_collate.read.columns.Batch`.
+        absent_if_none: fields for which a ``None`` value means the row lacks the field
+            (Hugging Face's ``labels: None``).
+    """
+
+    def __init__(
+        self,
+        payloads: Sequence[Any],
+        names: Names,
+        *,
+        tokens: str | None,
+        ids: list[Any],
+        metas: tuple[SampleMeta, ...] = (),
+        owner: str = "Collator",
+        absent_if_none: frozenset[str] = frozenset(),
+    ) -> None:
+        dicts = [p for p in payloads if type(p) is dict]
+        if len(dicts) == len(payloads):  # the common case: one C-level union of the keys
+            fields: set[Any] = set().union(*dicts)
+        else:
+            fields = set()
+            for payload in payloads:
+                fields.update(payload if isinstance(payload, Mapping) else () if tokens is None else (tokens,))
+        super().__init__(len(payloads), names, frozenset(fields), ids, metas, owner)
+        self.payloads, self.tokens, self.absent_if_none = payloads, tokens, absent_if_none
+        self._others = len(dicts) < len(payloads)  # mappings that answer ``in`` through their own methods
+
+    def __contains__(self, name: object) -> bool:
+        if name in self.fields:
+            return True
+        return self._others and any(
+            isinstance(p, Mapping) and type(p) is not dict and name in p for p in self.payloads
+        )
+
+    def _value(self, payload: Any, name: str) -> Any:
+        if type(payload) is dict:  # isinstance against Mapping is an ABC check, slower
+            value = payload.get(name, MISSING)
+        elif isinstance(payload, Mapping):
+            value = payload_get(payload, name, MISSING)
+        else:
+            return payload if name == self.tokens else MISSING
+        return MISSING if value is None and name in self.absent_if_none else value
+
+    def _values(self, name: str) -> list[Any]:
+        return [self._value(payload, name) for payload in self.payloads]
+
+    def _carried(self, name: str) -> np.ndarray:
+        return np.array([value is not MISSING for value in self._values(name)], dtype=bool)
+
+    def _lacks(self, index: int, name: str) -> str:
+        payload = self.payloads[index]
+        holds = (
+            f"its fields: {shown_fields(payload)}"
+            if isinstance(payload, Mapping)
+            else "an array payload holds only its token row"
+        )
+        return f"payload lacks field {shown(name)} ({holds})"
+
+    def _rows(self, values: list[Any], name: str, kind: Kind) -> list[Row]:
+        """Every value checked (:func:`to_row`); plain tensors pass as they are."""
+        plain = _PLAIN_DTYPES[kind]
+        return [
+            value
+            if type(value) is torch.Tensor
+            and value.dtype in plain
+            and (value.ndim == 1 or (value.ndim > 1 and kind == "values"))
+            and value.layout is torch.strided
+            and not value.is_meta
+            else to_row(value, self.names(index), name, kind)
+            for index, value in enumerate(values)
+        ]
+
+    def _read(self, name: str, kind: Kind) -> Ragged:
+        values = self._values(name)
+        present = [value for value in values if value is not MISSING]
+        joined = joined_ints(present)
+        if joined is None:
+            joined = concat(self._rows(present, name, kind), name, self._names_of(values))
+        if len(present) == len(values):
+            return joined
+        carried = np.array([value is not MISSING for value in values], dtype=bool)
+        lengths = np.zeros(len(values), dtype=np.int64)  # the rows without the field: empty
+        lengths[carried] = joined.lengths
+        offsets = np.zeros(len(values) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return Ragged(joined.values, offsets)
+
+    def _names_of(self, values: list[Any]) -> Names:
+        """The names of the rows that carry the field, by their place among those."""
+        if all(value is not MISSING for value in values):
+            return self.names
+        places = [index for index, value in enumerate(values) if value is not MISSING]
+        return lambda index: self.names(places[index])
+
+    def _per_row(self, name: str, kind: Kind) -> list[Row]:
+        return self._rows(self._values(name), name, kind)
+
+    def _objects(self, name: str) -> list[Any]:
+        return [None if value is MISSING else value for value in self._values(name)]
+
+
+def _check_records(records: Sequence[SampleRecord], owner: str) -> None:
+    """Refuse the first sentinel record (``ValueError``) or non-dict, non-array payload (``TypeError``)."""
+    for index, record in enumerate(records):
+        tags = record.meta.tags
+        if tags and (tags.get(TOMBSTONE_TAG) or tags.get(FLUSH_TAG)):
+            tag = "tombstone" if record.meta.tombstone else "flush sentinel"
+            raise ValueError(
+                f"{describe_record(index, record)}: is a {tag}, a control record that carries no training "
+                "data; drop sentinels before collating (pack_flat and FlatPacker consume them), e.g. "
+                "[r for r in records if not r.meta.is_sentinel]"
+            )
+        payload = record.payload
+        if type(payload) is not dict and not isinstance(payload, Mapping) and not is_array_payload(payload):
+            raise TypeError(
+                f"{describe_record(index, record)}: payload must be a dict of fields or a token array "
+                f"(list, tuple, NumPy array or torch tensor), got {type(payload).__name__}"
+            )
+
+
+def tokens_field_of(payloads: Sequence[Any], tokens_field: str, names: Names) -> str:
+    """The payload field holding token ids: ``tokens_field``, or the first candidate all dict payloads have.
+
+    Raises:
+        ValueError: if an explicit field is missing from a payload, or no candidate is in every payload.
+    """
+    dicts = [(i, p) for i, p in enumerate(payloads) if type(p) is dict or isinstance(p, Mapping)]
+    if tokens_field != "auto":
+        for index, payload in dicts:
+            if tokens_field not in payload:
+                raise ValueError(
+                    f"{names(index)}: payload has no tokens field {shown(tokens_field)} "
+                    f"(its fields: {shown_fields(payload)}); pass the right tokens_field"
+                )
+        return tokens_field
+    for candidate in TOKEN_FIELD_CANDIDATES:
+        if all(candidate in payload for _, payload in dicts):
+            return candidate
+    first = {i: next((c for c in TOKEN_FIELD_CANDIDATES if c in p), None) for i, p in dicts}
+    bare = next((i for i, field in first.items() if field is None), None)
+    if bare is not None:
+        raise ValueError(
+            f"tokens_field='auto' found none of {', '.join(TOKEN_FIELD_CANDIDATES)} in every payload; "
+            f"{names(bare)} has fields {shown_fields(payloads[bare])}; pass tokens_field='<name>'"
+        )
+    first_index, field = next(iter(first.items()))
+    index = next(i for i, p in dicts if field not in p)
+    raise ValueError(
+        f"tokens_field='auto' found no token field that every payload has: {names(first_index)} "
+        f"has {shown(field)}, {names(index)} has fields {shown_fields(payloads[index])}; "
+        "give every payload the same token field, or pass tokens_field='<name>'"
+    )
+
+
+def records_of(records: Sequence[SampleRecord], tokens_field: str, owner: str) -> Rows:
+    """The :class:`Rows` of records (sentinels and payloads of other types refused), their token field
+    resolved (``"auto"``: the first of ``input_ids, tokens, token_ids, ids`` every dict payload has)."""
+    _check_records(records, owner)
+    payloads = [record.payload for record in records]
+
+    def names(index: int) -> str:
+        return describe_record(index, records[index])
+
+    tokens = tokens_field_of(payloads, tokens_field, names)
+    metas = tuple(record.meta for record in records)
+    return Rows(payloads, names, tokens=tokens, ids=[m.sample_id for m in metas], metas=metas, owner=owner)
+
+
+def examples_of(
+    features: object, owner: str, *, key: str = INPUT_IDS, keep: Sequence[str] | None = None
+) -> Rows:
+    """The :class:`Rows` of Hugging Face examples: a list of dicts, a batched dict of lists
+    (``dataset[:8]``), or a list of token rows (read as examples of ``input_ids`` alone).
+
+    ``key`` is the field every batched dict has (its rows tell the batch size); ``keep`` the fields a
+    batched dict is read for (``None``: all). ``labels: None`` means no labels, as
+    ``DataCollatorForSeq2Seq`` reads it.
+
+    Raises:
+        TypeError: for anything else, naming what was given.
+        ValueError: for a batched dict without ``key``, one example given as a batch, or a batched
+            field without one entry per example.
+    """
+    if isinstance(features, Mapping):
+        examples: list[Any] = _unbatched(features, owner, key, keep)
+    elif isinstance(features, (str, bytes)) or not isinstance(features, Sequence):
+        raise TypeError(
+            f"{owner}: expected a list of example dicts or a batched dict of lists, got "
+            f"{type(features).__name__}"
+        )
+    else:
+        examples = list(features)
+        if examples and type(examples[0]) is not dict and all(is_array_payload(row) for row in examples):
+            examples = [{INPUT_IDS: row} for row in examples]  # raw token rows
+    ids = [(0, 0, index) for index in range(len(examples))]
+    return Rows(examples, example_names, tokens=None, ids=ids, owner=owner, absent_if_none=frozenset(("labels",)))
+
+
+def _unbatched(features: Mapping[str, Any], owner: str, key: str, keep: Sequence[str] | None) -> list[Any]:
+    """A batched dict of lists as one dict per example (the fields of ``keep``, or all)."""
+    if key not in features:
+        raise ValueError(
+            f"{owner}: the batch has no {shown(key)} (its fields: {shown_fields(features)}); "
+            "tokenize the examples first"
+        )
+    ids = features[key]
+    if not hasattr(ids, "__len__") or isinstance(ids, (str, bytes)):
+        raise TypeError(f"{owner}: {shown(key)} must be a list of token rows, got {type(ids).__name__}")
+    if len(ids) and getattr(ids[0], "ndim", 0 if isinstance(ids[0], (int, np.integer)) else 1) == 0:
+        raise ValueError(
+            f"{owner}: got one example (a dict whose {shown(key)} is a row of ints), not a batch; "
+            "pass a list of examples ([example]) or a batched dict of lists"
+        )
+    count = len(ids)
+    fields = [name for name in features if keep is None or name in keep or name == key]
+    for name in fields:
+        if not hasattr(features[name], "__len__") or len(features[name]) != count:
+            raise ValueError(
+                f"{owner}: the batched field {shown(name)} does not hold one entry per example "
+                f"({shown(key)} holds {count}); give every field as a list with one row per example"
+            )
+    return [{name: features[name][index] for name in fields} for index in range(count)]

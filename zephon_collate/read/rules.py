@@ -1,0 +1,352 @@
+"""The checks of a batch read at the door, each written once, on the columnar type.
+
+Every layout and the packer check what they read here: token ids (``>= 0``),
+0/1 masks, values an integer dtype must hold, one entry per token (alignment,
+flatness), the declared trailing padding, and the supervision a batch carries
+under a name that is not read (``labels`` that differ from the tokens, a mask
+with zeros, a misspelled mask). Each check is vectorised over the whole batch
+and names the row, the field, the token and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from zephon_collate.core.keys import (
+    ASSISTANT_MASK,
+    ASSISTANT_MASKS,
+    ATTENTION_MASK,
+    COMPLETION_MASK,
+    LABELS,
+    LOSS_MASK,
+)
+from zephon_collate.core.records import PADDING_LENGTH_TAG
+from zephon_collate.core.text import shown
+from zephon_collate.read.columns import Batch, Names, Ragged, Values, host_view, row_any, row_of
+
+__all__ = [
+    "SUPERVISING_FIELDS",
+    "aligned",
+    "check_fits",
+    "check_flat",
+    "check_ids",
+    "check_zero_one",
+    "declared_padding",
+    "kept_by_mask",
+    "misaligned",
+    "misspelled",
+    "unread_supervision",
+]
+
+SUPERVISING_FIELDS = (ATTENTION_MASK, LABELS, ASSISTANT_MASKS, ASSISTANT_MASK, COMPLETION_MASK)
+"""Fields that say what is trained under other names than ``loss_mask`` (Hugging Face's, TRL's): a layout
+or packer that does not read one refuses it where it would change what is trained."""
+
+
+def aligned(field: Ragged, tokens: Ragged) -> np.ndarray:
+    """``[B]`` booleans: does row ``b`` of ``field`` hold one entry per token of row ``b``?"""
+    return np.asarray(field.lengths == tokens.lengths)
+
+
+def declared_padding(batch: Batch, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's declared trailing padding (``meta.padding_length``, or a ``_padding_length`` column) and
+    whether it declares one: ``([B] int64, [B] bool)``, 0 and False where unset.
+
+    Raises:
+        ValueError: for a count that is not an int from 0 to the row's length, naming the row.
+    """
+    if batch.metas:
+        tags = [meta.tags or {} for meta in batch.metas]
+        declared = np.array([PADDING_LENGTH_TAG in tag for tag in tags], dtype=bool)
+        given = [tag.get(PADDING_LENGTH_TAG, 0) for tag in tags]
+        valid = [
+            (type(count) is int or (isinstance(count, np.integer) and not isinstance(count, np.bool_)))
+            and abs(int(count)) < 2**62
+            for count in given
+        ]
+        values = np.array([count if ok else -1 for count, ok in zip(given, valid, strict=True)], np.int64)
+    elif PADDING_LENGTH_TAG in batch:
+        values = np.asarray(batch.per_row(PADDING_LENGTH_TAG, "ids"), dtype=np.int64).reshape(-1)
+        declared, given = np.ones(batch.rows, dtype=bool), values.tolist()
+    else:
+        return np.zeros(batch.rows, dtype=np.int64), np.zeros(batch.rows, dtype=bool)
+    wrong = np.flatnonzero((values < 0) | (values > lengths))
+    if wrong.size:
+        index = int(wrong.min())
+        raise ValueError(
+            f"{batch.names(index)}: meta.padding_length is {shown(given[index])} but must be an int "
+            f"from 0 to the token row's length {int(lengths[index])}"
+        )
+    return values, declared
+
+
+def unread_supervision(
+    batch: Batch, tokens: Ragged, read: Iterable[str], loss_mask: Ragged | None
+) -> tuple[int, str] | None:
+    """``(row, field)``: the first row whose supervising field (:data:`SUPERVISING_FIELDS`, not ``read``)
+    would change what is trained, or ``None``.
+
+    ``labels`` must equal the tokens; a mask must be all ones, or (the three
+    supervision masks) equal the ``loss_mask``; a row of another length or shape
+    differs. Rows without the field pass. Among rows, the first is named; in a
+    row, the first field in :data:`SUPERVISING_FIELDS` order.
+    """
+    found = []
+    for rank, name in enumerate(SUPERVISING_FIELDS):
+        if name not in batch or name in read:
+            continue
+        field = batch.get(name, "values", partial=True)
+        assert field is not None
+        bad = _changes_training(name, field, tokens, loss_mask) & batch.carried(name)
+        rows = np.flatnonzero(bad)
+        if rows.size:
+            found.append((int(rows[0]), rank, name))
+    if not found:
+        return None
+    row, _, name = min(found)
+    return row, name
+
+
+def _changes_training(name: str, field: Ragged, tokens: Ragged, loss_mask: Ragged | None) -> np.ndarray:
+    """``[B]`` booleans: would row ``b`` of supervising field ``name`` change what is trained?"""
+    if name == LABELS:
+        return _rows_differing(field, tokens)
+    bad = row_any(_any_entry(field.host != 1), field.offsets)
+    if name != ATTENTION_MASK and loss_mask is not None:
+        bad &= _rows_differing(field, loss_mask)  # a copy of the loss_mask is harmless
+    return bad
+
+
+def _rows_differing(field: Ragged, like: Ragged) -> np.ndarray:
+    """``[B]`` booleans: does row ``b`` of ``field`` differ from row ``b`` of ``like`` (in length, shape
+    or a value)?"""
+    values, other = field.host, like.host
+    if values.shape[1:] != other.shape[1:]:
+        return np.ones(field.rows, dtype=bool)
+    same_length = field.lengths == like.lengths
+    differs: np.ndarray = ~same_length
+    offsets = np.zeros(int(same_length.sum()) + 1, dtype=np.int64)
+    np.cumsum(field.lengths[same_length], out=offsets[1:])
+    mine = values[np.repeat(same_length, field.lengths)]
+    theirs = other[np.repeat(same_length, like.lengths)]
+    differs[same_length] = row_any(_any_entry(mine != theirs), offsets)
+    return differs
+
+
+def _any_entry(flags: np.ndarray) -> np.ndarray:
+    """``[N]`` booleans from ``[N, ...]`` ones: is any entry of token ``n`` True?"""
+    return flags if flags.ndim == 1 else np.asarray(flags.reshape(len(flags), -1).any(axis=1))
+
+
+def _first_true(mask: np.ndarray | torch.Tensor) -> int | None:
+    """The flat index of the first True of a boolean array or tensor, or ``None``."""
+    if isinstance(mask, torch.Tensor):
+        found = mask.reshape(-1).nonzero()
+        return int(found[0, 0]) if found.numel() else None
+    flat = np.flatnonzero(mask)
+    return int(flat[0]) if flat.size else None
+
+
+def _token(field: Ragged, flat: int, name: str) -> str:
+    """``name[t]`` of the token at flat index ``flat`` (per-token fields of ``[N, ...]`` count whole rows)."""
+    per_token = max(1, int(np.prod(field.values.shape[1:])))
+    token = flat // per_token
+    return f"{name}[{token - int(field.offsets[row_of(field.offsets, token)])}]"
+
+
+def _bad_at(field: Ragged, bad: np.ndarray | torch.Tensor) -> tuple[int, int] | None:
+    """``(row, flat index)`` of the first True in ``bad`` (shaped like ``field.values``), or ``None``."""
+    flat = _first_true(bad)
+    if flat is None:
+        return None
+    per_token = max(1, int(np.prod(field.values.shape[1:])))
+    return row_of(field.offsets, flat // per_token), flat
+
+
+def _kind(values: Values) -> str:
+    """NumPy's dtype kind of host values or a tensor: ``"b"``, ``"i"``, ``"u"``, ``"f"``."""
+    if isinstance(values, np.ndarray):
+        return str(values.dtype.kind)
+    dtype = values.dtype
+    if dtype == torch.bool:
+        return "b"
+    return "f" if dtype.is_floating_point else "u" if dtype == torch.uint8 else "i"
+
+
+def _size(values: Values) -> int:
+    return int(values.size) if isinstance(values, np.ndarray) else int(values.numel())
+
+
+@functools.lru_cache(maxsize=64)
+def _range_of(dtype: np.dtype | torch.dtype) -> tuple[int, int]:
+    info = torch.iinfo(dtype) if isinstance(dtype, torch.dtype) else np.iinfo(dtype)
+    return int(info.min), int(info.max)
+
+
+def _integer_range(values: Values) -> tuple[int, int]:
+    return _range_of(values.dtype)
+
+
+def check_ids(field: Ragged, name: str, names: Names) -> None:
+    """``ValueError`` naming the first payload with a negative id in ``field`` (an embedding would fail).
+
+    Example:
+        >>> check_ids(Ragged(np.array([1, 2, 3, -4]), np.array([0, 2, 4])), "input_ids",
+        ...           lambda i: f"example {i}")
+        Traceback (most recent call last):
+        ...
+        ValueError: example 1: field 'input_ids' token ids must be >= 0, found -4 at input_ids[1]
+    """
+    values = host_view(field.values)
+    if not _size(values) or _kind(values) in "bu" or values.min() >= 0:  # one reduction on the common path
+        return
+    found = _bad_at(field, values < 0)
+    assert found is not None
+    row, flat = found
+    value = int(values.reshape(-1)[flat])
+    raise ValueError(
+        f"{names(row)}: field {shown(name)} token ids must be >= 0, found {value} at "
+        f"{_token(field, flat, name)}"
+    )
+
+
+def check_zero_one(field: Ragged, name: str, names: Names, meaning: str) -> None:
+    """``ValueError`` naming the first payload whose ``field`` holds a value other than 0 and 1.
+
+    ``meaning`` says what 1 means (e.g. "1 for supervised tokens, 0 for the rest").
+    NaN counts as neither. Booleans always pass.
+    """
+    values = host_view(field.values)
+    kind = _kind(values)
+    if kind == "b" or not _size(values):
+        return
+    # As unsigned, 0 and 1 are the only values <= 1: one reduction on the common path.
+    if (
+        kind in "iu"
+        and isinstance(values, np.ndarray)
+        and values.view(values.dtype.str.replace("i", "u")).max() <= 1
+    ):
+        return
+    bad = (values != 0) & (values != 1)
+    found = _bad_at(field, bad)
+    if found is None:
+        return
+    row, flat = found
+    value = values.reshape(-1)[flat].item()
+    raise ValueError(
+        f"{names(row)}: field {shown(name)} must hold only 0 and 1 (or booleans), {meaning}; found "
+        f"{shown(value)} at {_token(field, flat, name)}"
+    )
+
+
+def check_fits(field: Ragged, dtype: torch.dtype, name: str, names: Names) -> None:
+    """``ValueError`` naming the first payload whose ``field`` values the integer ``dtype`` cannot hold.
+
+    Floats must be integral and finite; integers must lie in ``dtype``'s range.
+    """
+    values = host_view(field.values)
+    kind = _kind(values)
+    if kind == "b" or not _size(values):
+        return
+    smallest, largest = _range_of(dtype)
+    if kind in "iu":
+        low, high = _integer_range(values)
+        if smallest <= low and high <= largest:
+            return  # every value of the source dtype fits
+        if smallest <= values.min() and values.max() <= largest:
+            return
+        problems = [((values < smallest) | (values > largest), f"values outside the {dtype} range")]
+    else:  # compared in float64, where -2**63 and 2**63 are exact (in float16 they overflow)
+        values = values.astype(np.float64) if isinstance(values, np.ndarray) else values.double()
+        finite = np.isfinite(values) if isinstance(values, np.ndarray) else torch.isfinite(values)
+        rounded = np.round(values) if isinstance(values, np.ndarray) else values.round()
+        problems = [
+            (~finite | (values != rounded), "non-integral or non-finite values"),
+            (
+                (values < float(smallest)) | (values >= float(largest) + 1),
+                f"values outside the {dtype} range",
+            ),
+        ]
+    for bad, problem in problems:
+        found = _bad_at(field, bad)
+        if found is not None:
+            row, flat = found
+            floats = (
+                "; float data (log-probs, advantages) keeps a float dtype of its own in "
+                f"Collator(float_fields=[{shown(name)}])"
+                if problem.startswith("non-integral")
+                else ""
+            )
+            raise ValueError(
+                f"{names(row)}: field {shown(name)} holds {problem} (e.g. "
+                f"{shown(values.reshape(-1)[flat].item())} at {_token(field, flat, name)}), which {dtype} "
+                f"cannot represent exactly; fix the data or pick a wider dtype{floats}"
+            )
+
+
+def check_flat(field: Ragged, name: str, where: str) -> None:
+    """``ValueError`` unless ``field`` holds one value per token (1-D values), naming ``where``."""
+    if field.values.ndim != 1:
+        raise ValueError(
+            f"{where}: field {shown(name)} must be 1-D (one entry per token), got rows of shape "
+            f"{tuple(field.values.shape[1:])} per token"
+        )
+
+
+def misaligned(where: str, name: str, entries: int | None, length: int) -> ValueError:
+    """The refusal of a per-token field whose row does not hold one entry per token (``entries=None``:
+    one value, not a row)."""
+    got = "a scalar" if entries is None else f"{entries} entries"
+    return ValueError(
+        f"{where}: field {shown(name)} has {got} but the token row has {length}; per-token fields must "
+        "match the tokens one to one"
+    )
+
+
+def misspelled(fields: Iterable[object], known: Sequence[str]) -> tuple[str, str] | None:
+    """``(field, meant)``: the first of ``fields`` that is a near miss of a supervision mask in ``known``
+    (``loss_masks``, ``completion_masks``: a mask under a name nothing reads, so every token would be
+    trained), or ``None``. Only names holding ``mask`` count, and only close ones (``attention_mask``,
+    ``action_mask`` are other fields)."""
+    for name in fields:
+        if not isinstance(name, str) or name in known or "mask" not in name.lower():
+            continue
+        close = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.85)
+        if close:
+            return name, close[0]
+    return None
+
+
+
+
+def kept_by_mask(mask: Ragged, name: str, names: Names) -> np.ndarray:
+    """``[N]`` booleans: the tokens a padding mask keeps (its 1s: one run per row, with 0s only on padding
+    before it, left padding, or after it, right padding).
+
+    Raises:
+        ValueError: for a value other than 0 and 1, or 0s between 1s (a hole), naming the row.
+
+    Example:
+        >>> mask = Ragged(np.array([0, 1, 1, 1, 0]), np.array([0, 3, 5]))
+        >>> kept_by_mask(mask, "attention_mask", str).tolist()
+        [False, True, True, True, False]
+    """
+    check_zero_one(mask, name, names, "1 on tokens, 0 on padding")
+    keep = mask.host != 0
+    opens = keep.copy()  # the first 1 of each run
+    opens[1:] &= ~keep[:-1]
+    firsts = mask.offsets[:-1][mask.lengths > 0]
+    opens[firsts] = keep[firsts]
+    runs = np.bincount(np.repeat(np.arange(mask.rows), mask.lengths), weights=opens, minlength=mask.rows)
+    if (runs > 1).any():
+        raise ValueError(
+            f"{names(int(np.flatnonzero(runs > 1)[0]))}: {shown(name)} must be 1 on the tokens, with 0s only on "
+            "padding before or after them; it has 0s between 1s (a hole): give each example's tokens "
+            "without holes"
+        )
+    return np.asarray(keep)

@@ -1,0 +1,42 @@
+"""CopyKeys: outputs that hold the same values as others, in tensors of their own."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from zephon_collate.core.checks import check_key
+from zephon_collate.transforms.base import Transform
+
+__all__ = ["CopyKeys"]
+
+
+class CopyKeys(Transform):
+    """Write each ``source`` again under ``target``, as a copy (never the same storage).
+
+    ``cu_seq_lens_k`` is ``cu_seq_lens_q`` for self-attention, yet a caller may
+    write into one of them: each gets its own memory.
+
+    Parameters:
+        copies: ``{source: target}``.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict(cu_seq_lens_q=torch.tensor([0, 3, 5]), batch_size=[])
+        >>> out = CopyKeys({"cu_seq_lens_q": "cu_seq_lens_k"})(td)
+        >>> out["cu_seq_lens_k"].tolist(), out["cu_seq_lens_k"].data_ptr() != out["cu_seq_lens_q"].data_ptr()
+        ([0, 3, 5], True)
+    """
+
+    def __init__(self, copies: Mapping[str, str]) -> None:
+        super().__init__()
+        self.copies = {check_key("CopyKeys", "source", s): check_key("CopyKeys", "target", t) for s, t in copies.items()}
+        self.in_keys, self.out_keys = list(self.copies), list(self.copies.values())
+
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {target: data[source].clone() for source, target in self.copies.items()}
+
+    def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {target: data[source].copy() for source, target in self.copies.items()}

@@ -1,0 +1,74 @@
+"""SeparatorLabels: a label of its own on each packed document's first token."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from zephon_collate.core.checks import check_ignore_index, check_key
+from zephon_collate.core.keys import LABELS, PADDING_LENGTH, POSITION_IDS
+from zephon_collate.functional import host, trailing_mask
+from zephon_collate.functional.segments import segment_starts
+from zephon_collate.transforms._shapes import check_ignore_fits
+from zephon_collate.transforms.base import Transform
+
+__all__ = ["SeparatorLabels"]
+
+
+class SeparatorLabels(Transform):
+    """Set the label of each document's first token to ``separator_id`` (padding keeps its own).
+
+    ``DataCollatorWithFlattening(separator_id=...)``: in a padding-free row the
+    first label of each example is the separator, not ``-100``. A document
+    starts where its positions are 0 (the segment rule), so place this before
+    :class:`PositionOffset`. The last ``padding_length`` tokens of a row
+    (``pad_to_multiple_of``) keep the label they have.
+
+    Parameters:
+        separator_id: the label of each document's first token.
+        positions_key, labels_key, padding_length_key: the keys read (defaults ``"position_ids"``,
+            ``"labels"``, ``"padding_length"``).
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict(
+        ...     labels=torch.tensor([[-100, 6, 7, -100, 9, -100]]),
+        ...     position_ids=torch.tensor([[0, 1, 2, 0, 1, 0]]),
+        ...     padding_length=torch.tensor([1]),
+        ...     batch_size=[1],
+        ... )
+        >>> SeparatorLabels(-7)(td)["labels"].tolist()
+        [[-7, 6, 7, -7, 9, -100]]
+    """
+
+    def __init__(
+        self,
+        separator_id: int,
+        positions_key: str = POSITION_IDS,
+        labels_key: str = LABELS,
+        padding_length_key: str = PADDING_LENGTH,
+    ) -> None:
+        super().__init__()
+        self.separator_id = check_ignore_index(separator_id, owner="SeparatorLabels")
+        self.positions_key = check_key("SeparatorLabels", "positions_key", positions_key)
+        self.labels_key = check_key("SeparatorLabels", "labels_key", labels_key)
+        self.padding_length_key = check_key("SeparatorLabels", "padding_length_key", padding_length_key)
+        self.in_keys = [positions_key, labels_key, padding_length_key]
+        self.out_keys = [labels_key]
+
+    def check(self, data: Mapping[str, torch.Tensor]) -> None:
+        check_ignore_fits("SeparatorLabels", self.separator_id, self.labels_key, data[self.labels_key])
+
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        labels = data[self.labels_key]
+        padding = trailing_mask(data[self.padding_length_key], labels.shape[1])
+        starts = segment_starts(data[self.positions_key]) & padding.logical_not()
+        return {self.labels_key: labels.masked_fill(starts, self.separator_id)}
+
+    def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        labels = data[self.labels_key]
+        padding = host.trailing(data[self.padding_length_key], labels.shape[1])
+        starts = host.segment_starts(data[self.positions_key]) & ~padding
+        return {self.labels_key: np.where(starts, labels.dtype.type(self.separator_id), labels)}
