@@ -61,10 +61,10 @@ import numpy as np
 import torch
 
 from zephon_collate import BalanceOptions, CostModel, SampleMeta, SampleRecord
-from zephon_collate.parallel.schedule import BalanceSchedule
 from zephon_collate.packing.reader import Document, PackOptions
 from zephon_collate.packing.rows import Engine, split_document
 from zephon_collate.parallel.placement import pack_rows
+from zephon_collate.parallel.schedule import BalanceSchedule
 
 RANKS = 8
 LLAMA = CostModel.from_model(

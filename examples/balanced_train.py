@@ -39,9 +39,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from zephon_collate import BalancedBatchSampler, BalanceOptions, Collator, CostModel, SampleMeta, SampleRecord, global_num_valid_tokens, normalize_loss, pack_flat
-from zephon_collate.parallel.even import EvenBatches
+from zephon_collate import (
+    BalancedBatchSampler,
+    BalanceOptions,
+    Collator,
+    CostModel,
+    SampleMeta,
+    SampleRecord,
+    global_num_valid_tokens,
+    normalize_loss,
+    pack_flat,
+)
 from zephon_collate.functional.attention import dense_document_mask, segment_ids_from_positions
+from zephon_collate.parallel.even import EvenBatches
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 on torch >= 2.9
 try:  # resumes with worker processes too; pip install torchdata

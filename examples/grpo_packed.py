@@ -28,8 +28,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging
 
 from zephon_collate import Collator, FloatField, aggregate_loss, token_logprobs
-from zephon_collate.losses import MODES
 from zephon_collate.functional.attention import dense_branch_mask
+from zephon_collate.losses import MODES
 
 VOCAB, PROMPTS, GROUP, INNER_STEPS, EPSILON = 32, 6, 4, 4, 0.2
 REWARDED = torch.arange(VOCAB) % 4 == 0  # the words the reward counts

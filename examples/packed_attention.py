@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from zephon_collate import Chain, SampleBatch, SampleMeta, SampleRecord, pack_flat
-from zephon_collate.transforms import CuSeqlens, TokenShift
 from zephon_collate.functional.attention import (
     check_consistent,
     dense_document_mask,
@@ -26,7 +25,7 @@ from zephon_collate.functional.attention import (
     segment_ids_from_positions,
 )
 from zephon_collate.inspection.leakage import check_no_leakage
-from zephon_collate.transforms import SegmentIds
+from zephon_collate.transforms import CuSeqlens, SegmentIds, TokenShift
 
 PAD, VOCAB, HEADS, HEAD_DIM = 0, 64, 2, 16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -33,10 +33,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 from zephon_collate import Collator, SampleMeta, SampleRecord, pack_flat
-from zephon_collate.parallel.even import EvenBatches
 from zephon_collate.parallel.balance import BalanceOptions
 from zephon_collate.parallel.cost import CostModel
 from zephon_collate.parallel.distributed import global_num_valid_tokens, normalize_loss
+from zephon_collate.parallel.even import EvenBatches
 from zephon_collate.parallel.sampler import BalancedBatchSampler
 
 VOCAB, WIDTH, LONGEST = 40, 8, 40

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from zephon_collate import Collator, PackedStream, SampleMeta, SampleRecord
-from zephon_collate.parallel.even import EvenBatches
 from zephon_collate.parallel.distributed import global_num_valid_tokens
+from zephon_collate.parallel.even import EvenBatches
 
 COLLATE = Collator(return_labels=True, return_num_valid_tokens=True)
 

@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
-from zephon_collate.transforms import CuSeqlens, PaddingMask, TokenShift
 from zephon_collate.functional import cu_seqlens_flat, cu_seqlens_rows
 from zephon_collate.functional.attention import (
     PADDING_SEGMENT,
@@ -40,7 +39,7 @@ from zephon_collate.functional.attention import (
     segment_ids_from_positions,
 )
 from zephon_collate.inspection.leakage import LeakageError, check_no_leakage
-from zephon_collate.transforms import Chain, SegmentIds
+from zephon_collate.transforms import Chain, CuSeqlens, PaddingMask, SegmentIds, TokenShift
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

@@ -21,7 +21,18 @@ from helpers import BOS, EOS, PAD, as_lists, batch, record
 from tensordict import TensorDict
 
 import zephon_collate.layouts.native as prepare_module
-from zephon_collate import Chain, Collator, FlatPacker, PackedStream, SampleBatch, SampleMeta, SampleRecord, functional, pack_flat, to_training
+from zephon_collate import (
+    Chain,
+    Collator,
+    FlatPacker,
+    PackedStream,
+    SampleBatch,
+    SampleMeta,
+    SampleRecord,
+    functional,
+    pack_flat,
+    to_training,
+)
 from zephon_collate.collate.sample_batch import stack_batch
 from zephon_collate.collate.transfer import StackedBatch
 from zephon_collate.transforms import CuSeqlens, EosMask, LossMask, PaddingMask, Positions, TokenShift
@@ -902,7 +913,7 @@ def test_collator_num_boundaries_argument():
     for bad in (1.5, True, "3"):
         raises(TypeError, r"num_boundaries must be an int >= 1 or None", Collator, num_boundaries=bad)
     raises(ValueError, r"num_boundaries must be an int >= 1 or None, got 0", Collator, num_boundaries=0)
-    assert Collator(num_boundaries=np.int64(3)).num_boundaries == 3
+    assert Collator(num_boundaries=np.int64(3)).settings.num_boundaries == 3
 
 
 def test_collator_samples_of_wrong_type():

@@ -24,7 +24,6 @@ from zephon_collate import (
     pack_flat,
 )
 from zephon_collate.read.arrow import ColumnBatch, columns_of
-from zephon_collate.read.rows import example_names
 
 pa = pytest.importorskip("pyarrow")
 
@@ -825,7 +824,7 @@ def test_a_table_of_no_chunks_packs_to_no_rows():
 
 def test_token_rows_of_more_than_one_value_per_token_are_refused_in_one_wording():
     batch = {"input_ids": (np.ones((5, 2), dtype=np.int64), np.array([0, 3, 5]))}
-    message = r"example 0: field 'input_ids' must be 1-D \(one entry per token\), got rows of shape \(2,\)"
+    message = r"example 0: field 'input_ids' must be 1-D \(one entry per token\), got shape \(3, 2\)"
     for collate in (
         Collator.for_transformers(padding_free=True),
         lambda b: pack_columns(b, 4, pad_token_id=0),

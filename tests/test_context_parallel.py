@@ -18,10 +18,9 @@ from strategies import segment_positions
 from tensordict import TensorDict
 
 from zephon_collate import Chain, Collator
-from zephon_collate.transforms import LossMask, TokenShift
 from zephon_collate.functional.context_parallel import cp_partition_index
 from zephon_collate.parallel.context_parallel import gather_context_parallel
-from zephon_collate.transforms import context_parallel
+from zephon_collate.transforms import LossMask, TokenShift, context_parallel
 from zephon_collate.transforms.context_parallel import ContextParallelShard
 
 OPTIONS = FULL_OPTIONS

@@ -8,9 +8,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-
-from zephon_collate import SampleBatch, pack_flat
-from demo.__main__ import main
 from demo import (
     CHAT,
     EOS,
@@ -28,7 +25,10 @@ from demo import (
     run_demo,
     to_records,
 )
+from demo.__main__ import main
 from demo.corpus import split_python
+
+from zephon_collate import SampleBatch, pack_flat
 from zephon_collate.inspection.leakage import check_no_leakage
 
 TINY = {"dim": 32, "layers": 2, "heads": 2}

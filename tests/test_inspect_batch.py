@@ -7,11 +7,11 @@ import re
 
 import pytest
 import torch
-
-from zephon_collate import SampleBatch, SampleMeta, SampleRecord, pack_flat
 from demo.__main__ import main
 from demo.corpus import CHAT, Document, to_records
 from demo.tokenizer import EOS, PAD, ByteTokenizer
+
+from zephon_collate import SampleBatch, SampleMeta, SampleRecord, pack_flat
 from zephon_collate.inspection.render import render_batch, render_batch_png, token_text
 from zephon_collate.inspection.rows import batch_rows, batch_warnings
 

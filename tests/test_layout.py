@@ -115,15 +115,16 @@ def test_every_boundary_follows_the_one_segment_rule():
     starts = [[True, False, True, False, False], [True, False, True, True, False]]
     assert functional.segment_starts(POSITIONS).tolist() == starts
     assert host.segment_starts(POSITIONS.numpy()).tolist() == starts
-    assert host.ragged_starts(np.array([0, 5, 10]), POSITIONS.numpy().reshape(-1)).tolist() == sum(starts, [])
+    flat_starts = [start for row in starts for start in row]
+    assert host.ragged_starts(np.array([0, 5, 10]), POSITIONS.numpy().reshape(-1)).tolist() == flat_starts
     cu, top = functional.cu_seqlens_rows(POSITIONS)
     assert cu.tolist() == [[0, 2, 5, 5], [0, 2, 3, 5]] and top.tolist() == [3, 2]
     flat, longest = functional.cu_seqlens_flat(POSITIONS)
     assert flat.tolist() == [0, 2, 5, 7, 8, 10] and int(longest) == 3
     starting = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 0, 1]])  # the collator needs rows from 0
     rows = [{"input_ids": [5] * 5, "positions": p} for p in starting.tolist()]
-    for host in (True, False):
-        with use_host_pass(host):
+    for on_host in (True, False):
+        with use_host_pass(on_host):
             collated = Collator(return_cu_seqlens=True, extra_fields=["positions"])(rows)
             assert collated["cu_seqlens"].tolist() == functional.cu_seqlens_rows(starting)[0].tolist()
     ids = functional.segment_ids_from_positions(POSITIONS)

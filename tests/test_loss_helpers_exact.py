@@ -14,7 +14,14 @@ import math
 import pytest
 import torch
 
-from zephon_collate import Collator, aggregate_loss, global_loss_count, sequence_logprobs, token_logprobs, unpack
+from zephon_collate import (
+    Collator,
+    aggregate_loss,
+    global_loss_count,
+    sequence_logprobs,
+    token_logprobs,
+    unpack,
+)
 from zephon_collate.losses import MODES
 
 VOCAB = 10

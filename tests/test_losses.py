@@ -14,7 +14,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zephon_collate import Collator, aggregate_loss, global_loss_count, sequence_logprobs, token_logprobs, unpack
+from zephon_collate import (
+    Collator,
+    aggregate_loss,
+    global_loss_count,
+    sequence_logprobs,
+    token_logprobs,
+    unpack,
+)
 from zephon_collate.losses import MODES
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

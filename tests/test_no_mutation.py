@@ -17,7 +17,16 @@ import torch
 from helpers import EOS, FULL_OPTIONS, PackedRecords, as_lists, record
 from test_invariants import assert_unchanged, snapshot
 
-from zephon_collate import Chain, Collator, FlatPacker, SampleBatch, SampleMeta, SampleRecord, pack_flat, to_training
+from zephon_collate import (
+    Chain,
+    Collator,
+    FlatPacker,
+    SampleBatch,
+    SampleMeta,
+    SampleRecord,
+    pack_flat,
+    to_training,
+)
 from zephon_collate.collate.sample_batch import stack_batch
 from zephon_collate.layouts.training import TrainingOptions
 from zephon_collate.transforms import CuSeqlens, EosMask, LossMask, PaddingMask, Positions, TokenShift

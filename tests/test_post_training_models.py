@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from zephon_collate import Collator, FloatField, aggregate_loss, sequence_logprobs, token_logprobs
-from zephon_collate.losses import MODES
 from zephon_collate.functional.attention import dense_branch_mask
+from zephon_collate.losses import MODES
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 32

@@ -106,7 +106,10 @@ def test_a_padded_side_never_moves_the_other_sides_sequences():
         collate = Collator.for_preference(**options)
         assert lists(collate(padded)) == lists(collate(PAIRS)), options
     hole = [dict(padded[0], chosen_attention_mask=[1, 0, 1, 0]), padded[1]]
-    with pytest.raises(ValueError, match=r"example 0: .chosen_attention_mask. must be 1 on the tokens, .* it has 0s between 1s"):
+    with pytest.raises(
+        ValueError,
+        match=r"example 0: .chosen_attention_mask. must be 1 on the tokens, .* it has 0s between 1s",
+    ):
         Collator.for_preference(padding_free=True)(hole)
 
 
@@ -136,7 +139,11 @@ def test_batched_dicts_workers_and_the_tokenizer():
         ),
         ([dict(PAIRS[0], chosen_input_ids=[4, -5])], ValueError, r"example 0: .*'chosen_input_ids'.*>= 0"),
         ([dict(PAIRS[0], chosen_input_ids=[[4, 5]])], ValueError, "a batch of one row"),
-        ([dict(PAIRS[0], chosen_input_ids=[[4, 5], [6, 7]])], ValueError, "one row of token ids"),
+        (
+            [dict(PAIRS[0], chosen_input_ids=[[4, 5], [6, 7]])],
+            ValueError,
+            r"must be 1-D \(one entry per token\)",
+        ),
         ([dict(PAIRS[0], chosen_input_ids=[4.5])], TypeError, "integer token ids"),
         (
             [dict(PAIRS[0], chosen_attention_mask=[1])],

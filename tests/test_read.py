@@ -108,7 +108,9 @@ def test_rows_and_columns_read_into_the_same_fields():
     """The door: payload dicts and (values, offsets) pairs give the same Ragged, read once."""
     rows = rows_of([{"input_ids": [5, 6, 7], "m": [1, 0, 1]}, {"input_ids": [8], "m": [1]}])
     offsets = np.array([0, 3, 4])
-    columns = columns_of({"input_ids": (np.array([5, 6, 7, 8]), offsets), "m": (np.array([1, 0, 1, 1]), offsets)})
+    columns = columns_of(
+        {"input_ids": (np.array([5, 6, 7, 8]), offsets), "m": (np.array([1, 0, 1, 1]), offsets)}
+    )
     assert columns is not None
     for name in ("input_ids", "m"):
         a, b = rows.get(name, "values"), columns.get(name, "values")

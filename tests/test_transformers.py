@@ -225,7 +225,11 @@ def test_boundary_safe_labels_off_keeps_each_first_label_in_the_flat_row() -> No
         ),
         ([{"input_ids": [5, -6]}], ValueError, "example 0: field 'input_ids' token ids must be >= 0"),
         ([{"input_ids": [[5, 6]]}], ValueError, "a batch of one row, as tokenizer"),
-        ([{"input_ids": [[5, 6], [7, 8]]}], ValueError, r"one row of token ids, got shape \(2, 2\)"),
+        (
+            [{"input_ids": [[5, 6], [7, 8]]}],
+            ValueError,
+            r"field 'input_ids' must be 1-D \(one entry per token\), got shape \(2, 2\)",
+        ),
         ([{"text": "hi"}], ValueError, "example 0: has no 'input_ids'"),
         ([5, 6], TypeError, "example 0: must be a dict"),
         ([{"input_ids": [5]}, [5, 6]], TypeError, "example 1: must be a dict"),

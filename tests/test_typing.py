@@ -19,7 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from zephon_collate import Collator, FlatPacker, PackedStream, SampleBatch, pack_columns, pack_flat, to_training
+from zephon_collate import (
+    Collator,
+    FlatPacker,
+    PackedStream,
+    SampleBatch,
+    pack_columns,
+    pack_flat,
+    to_training,
+)
 from zephon_collate.layouts.base import Settings
 from zephon_collate.layouts.native import CollatorOptions
 from zephon_collate.layouts.preference import PreferenceOptions
@@ -58,7 +66,9 @@ def test_collate_signatures_equal_their_options(function, skip, options):
     assert keywords(function, skip) == fields(*options)
     parameters = list(inspect.signature(function).parameters.values())[skip:]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters)
-    assert keywords(function, skip)[: len(fields(TrainingOptions))] == fields(TrainingOptions)  # the page's first
+    assert keywords(function, skip)[: len(fields(TrainingOptions))] == fields(
+        TrainingOptions
+    )  # the page's first
 
 
 @pytest.mark.parametrize(

@@ -58,7 +58,6 @@ from typing import Any, Literal, NamedTuple, TypeAlias
 
 import torch
 
-from zephon_collate.core.text import shown
 from zephon_collate.core.keys import (
     ATTENTION_MASK,
     BRANCH_IDS,
@@ -71,6 +70,7 @@ from zephon_collate.core.keys import (
     POSITION_IDS,
     SEQUENCE_INDEX,
 )
+from zephon_collate.core.text import shown
 from zephon_collate.parallel.distributed import data_parallel_size, global_num_valid_tokens, normalize_loss
 
 __all__ = [

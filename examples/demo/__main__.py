@@ -126,9 +126,9 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def _jsonl_batch(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     """The collated batch of a JSONL file's records, and whether they were text (byte-tokenized)."""
-    from zephon_collate import Collator, SampleMeta, SampleRecord, pack_flat
     from demo.corpus import read_jsonl, to_records
     from demo.tokenizer import EOS, PAD
+    from zephon_collate import Collator, SampleMeta, SampleRecord, pack_flat
 
     lines = [line for line in Path(args.file).read_text(encoding="utf-8").splitlines() if line.strip()]
     items = [json.loads(line) for line in lines]

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from zephon_collate.collate.collator import Collator
-from zephon_collate.collate.transfer import StackedBatch
 from demo.corpus import fields, load_documents, to_records
 from demo.tokenizer import EOS, PAD, ByteTokenizer
-from zephon_collate.packing.pack_flat import pack_flat
+from zephon_collate.collate.collator import Collator
+from zephon_collate.collate.transfer import StackedBatch
 from zephon_collate.core.records import SampleRecord
+from zephon_collate.packing.pack_flat import pack_flat
 
 if TYPE_CHECKING:
     from demo.train import DemoConfig

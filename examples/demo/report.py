@@ -21,8 +21,8 @@ import torch
 from demo.corpus import COMPONENTS, fields
 from demo.model import DocumentTransformer
 from demo.tokenizer import EOS, VOCAB_SIZE, ByteTokenizer
-from zephon_collate.functional import segment_starts
 from zephon_collate.core.records import SampleRecord
+from zephon_collate.functional import segment_starts
 
 __all__ = ["DemoResult", "plot_losses", "progress", "sample", "summary"]
 

@@ -39,8 +39,8 @@ from demo.pipeline import batches as stacked_batches
 from demo.pipeline import make_collator, pack_rows
 from demo.report import DemoResult, plot_losses, progress, sample, summary
 from demo.tokenizer import VOCAB_SIZE
-from zephon_collate.functional.attention import segment_ids_from_positions
 from zephon_collate.core.keys import IGNORE_INDEX
+from zephon_collate.functional.attention import segment_ids_from_positions
 
 __all__ = ["DemoConfig", "cpu_threads", "run_demo"]
 

@@ -32,6 +32,7 @@ import torch
 from tensordict import TensorDict
 from torch.utils.data import get_worker_info
 
+from zephon_collate.collate.transfer import StackedBatch, WireOutputs
 from zephon_collate.core.checks import Keywords, keywords
 from zephon_collate.core.keys import IDS, INPUT_IDS, TEXTS
 from zephon_collate.layouts.base import Layout, Settings, Stacked
@@ -40,7 +41,6 @@ from zephon_collate.layouts.plan import Plan
 from zephon_collate.layouts.preference import Preference, PreferenceOptions
 from zephon_collate.layouts.rollouts import RolloutOptions, Rollouts
 from zephon_collate.layouts.transformers import Transformers, TransformersOptions
-from zephon_collate.collate.transfer import StackedBatch, WireOutputs
 
 __all__ = ["Collator"]
 
@@ -117,7 +117,11 @@ class Collator:
         if (settings.device is not None or settings.compile) and layout.kind != "torch":
             raise ValueError(
                 f"{layout.OWNER}: device and compile need torch output; pass "
-                + ("return_tensors='pt'" if isinstance(layout, Transformers) else "dtype='auto' or a torch dtype")
+                + (
+                    "return_tensors='pt'"
+                    if isinstance(layout, Transformers)
+                    else "dtype='auto' or a torch dtype"
+                )
             )
         if isinstance(layout, Native):
             layout.check_chain()
@@ -207,7 +211,7 @@ class Collator:
 
     @property
     def device(self) -> torch.device | None:
-        return self.settings.device  # type: ignore[return-value]  # checked to a torch.device
+        return self.settings.target
 
     @property
     def compile(self) -> bool:
@@ -262,10 +266,7 @@ class Collator:
                 "ragged lists, or pad the rows (Collator(pad_token_id=...)) or pack them (pack_flat)"
             )
         part = stacked[0]
-        data = {
-            k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
-            for k, v in part.data.items()
-        }
+        data = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in part.data.items()}
         rows = {value.shape[0] if value.dim() else -1 for value in data.values()}
         size = list(rows) if len(rows) == 1 and -1 not in rows else []  # [] when some hold one entry per row
         td = TensorDict(data, batch_size=size, device=data[INPUT_IDS].device)
@@ -289,11 +290,10 @@ class Collator:
         if stacked.td is None:
             return self.layout.empty()
         td = stacked.td
-        device = self.settings.device
+        device = self.settings.target
         if device is not None and td.device != device:
             td = td.to(device, non_blocking=True)  # narrow fields move narrow, then widen there
         data: dict[str, Any] = {key: value for key, value in td.items() if isinstance(value, torch.Tensor)}
         for key, dtype in stacked.dtypes.items():
             data[key] = data[key].to(dtype)
         return self.layout.finish([Stacked(data, stacked.per_record, stacked.metas)])
-

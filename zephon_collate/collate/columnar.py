@@ -26,10 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from zephon_collate.read.arrow import ColumnBatch, Columns
-from zephon_collate.read.rows import example_names
-from zephon_collate.read.columns import gather_spans
 from zephon_collate.core.text import shown
+from zephon_collate.read.arrow import ColumnBatch, Columns
+from zephon_collate.read.columns import gather_spans
 
 __all__ = ["ColumnarDataset"]
 

@@ -10,9 +10,9 @@ import dataclasses
 import difflib
 import functools
 import inspect
-import typing
 import os
 import sys
+import typing
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,8 +22,8 @@ from typing import Any, Concatenate, Literal, ParamSpec, TypeGuard, TypeVar, cas
 import numpy as np
 import torch
 
-from zephon_collate.core.text import shown
 from zephon_collate.core.keys import INT64_MAX, INT64_MIN
+from zephon_collate.core.text import shown
 
 __all__ = [
     "Keywords",
@@ -42,8 +42,8 @@ __all__ = [
     "check_position_mode",
     "check_rename_fields",
     "fits_dtype",
-    "resolve_dtype",
     "keywords",
+    "resolve_dtype",
     "warn_user",
 ]
 
@@ -102,8 +102,8 @@ def keywords(
         >>> @keywords(Options, "f")
         ... def f(batch: list[int], **options: Any) -> Options:
         ...     return Options(**options)
-        >>> [(p.name, p.kind.name, p.default) for p in inspect.signature(f).parameters.values()]
-        [('batch', 'POSITIONAL_OR_KEYWORD', <class 'inspect._empty'>), ('return_labels', 'KEYWORD_ONLY', False)]
+        >>> [(p.name, p.kind.name) for p in inspect.signature(f).parameters.values()]
+        [('batch', 'POSITIONAL_OR_KEYWORD'), ('return_labels', 'KEYWORD_ONLY')]
         >>> f([], return_label=True)
         Traceback (most recent call last):
         ...
@@ -126,7 +126,9 @@ def keywords(
             inspect.Parameter(
                 field.name,
                 inspect.Parameter.KEYWORD_ONLY if field.kw_only else inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                default=field.default if field.default is not dataclasses.MISSING else inspect.Parameter.empty,
+                default=field.default
+                if field.default is not dataclasses.MISSING
+                else inspect.Parameter.empty,
                 annotation=hints.get(field.name, field.type),
             )
             for field in fields
@@ -147,7 +149,9 @@ def keywords(
                 try:
                     signature.bind(*args, **kwargs)
                 except TypeError:
-                    raise TypeError(f"{owner}: {missing[0]} is required: {(required or {})[missing[0]]}") from None
+                    raise TypeError(
+                        f"{owner}: {missing[0]} is required: {(required or {})[missing[0]]}"
+                    ) from None
             return function(*args, **kwargs)
 
         wrapper.__signature__ = signature  # type: ignore[attr-defined]

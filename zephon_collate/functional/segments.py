@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from zephon_collate.core.checks import check_num_boundaries
-from zephon_collate.functional._registry import check_tensor, kernel
 from zephon_collate.core.keys import INT32_MAX
+from zephon_collate.functional._registry import check_tensor, kernel
 
 __all__ = [
     "PADDING_SEGMENT",

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zephon_collate.inspection.rows import RowView, batch_rows, batch_warnings, percent
 from zephon_collate.core.keys import LABELS
+from zephon_collate.inspection.rows import RowView, batch_rows, batch_warnings, percent
 
 __all__ = ["render_batch", "render_batch_png", "token_text"]
 

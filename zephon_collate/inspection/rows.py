@@ -24,8 +24,6 @@ from typing import Any
 
 import torch
 
-from zephon_collate.core.text import shown
-from zephon_collate.functional.segments import segment_starts
 from zephon_collate.core.keys import (
     ATTENTION_MASK,
     CU_SEQ_LENS_Q,
@@ -37,6 +35,8 @@ from zephon_collate.core.keys import (
     POSITION_IDS,
     POSITIONS,
 )
+from zephon_collate.core.text import shown
+from zephon_collate.functional.segments import segment_starts
 
 __all__ = ["RowView", "batch_rows", "batch_warnings", "is_transformers_batch", "percent"]
 

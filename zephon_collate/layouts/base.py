@@ -35,7 +35,6 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
-from torch.utils.data import get_worker_info
 
 from zephon_collate.core.checks import Keywords, check_bool, check_device, check_num_boundaries
 from zephon_collate.core.keys import (
@@ -48,17 +47,17 @@ from zephon_collate.core.keys import (
     TEXT,
     TEXTS,
 )
-from zephon_collate.core.records import SampleMeta, SampleRecord
+from zephon_collate.core.records import SampleMeta
 from zephon_collate.core.text import shown
-from zephon_collate.layouts.plan import Plan, Plans, host_applies
+from zephon_collate.layouts.plan import Plan, Plans
 from zephon_collate.read.arrow import columns_of
 from zephon_collate.read.columns import Batch
-from zephon_collate.read.rows import as_record, examples_of, payload_get, records_of
+from zephon_collate.read.rows import as_record, examples_of, records_of
 from zephon_collate.transforms import Transform
 
-__all__ = ["Layout", "Settings", "Stacked", "convert"]
+__all__ = ["Layout", "Settings", "Stacked", "convert", "per_row_outputs"]
 
-Kind = Literal["torch", "numpy", "list"]
+_Kind = Literal["torch", "numpy", "list"]
 
 
 def _check_transforms(name: str, value: object) -> tuple[Transform, ...]:
@@ -114,6 +113,11 @@ class Settings(Keywords):
         if self.chain is not None:
             put(self, "chain", _check_transforms("chain", self.chain))
 
+    @property
+    def target(self) -> torch.device | None:
+        """``device``, checked to a ``torch.device``."""
+        return self.device if isinstance(self.device, torch.device) else None
+
 
 @dataclass
 class Stacked:
@@ -137,7 +141,7 @@ def per_row_outputs(batch: Batch) -> dict[str, list[Any]]:
     return {IDS: list(batch.ids), TEXTS: texts}
 
 
-def convert(value: Any, kind: Kind) -> Any:
+def convert(value: Any, kind: _Kind) -> Any:
     """A chain output (an array or a tensor) in the container ``kind`` asks for; outputs never share
     memory with the batch's inputs (a view of the stacked batch is copied)."""
     if isinstance(value, np.ndarray):
@@ -208,7 +212,8 @@ class Layout:
         if isinstance(samples, Mapping):
             pairs = [name for name, value in samples.items() if type(value) is tuple and len(value) == 2]
             hint = (
-                f"; field {shown(pairs[0])} looks like a (values, offsets) pair: give both as NumPy arrays or "
+                f"; field {shown(pairs[0])} looks like a (values, offsets) pair: give both as NumPy "
+                "arrays or "
                 "tensors"
                 if pairs
                 else "; a batch of columns is a dict of Arrow columns or (values, offsets) pairs"
@@ -239,7 +244,7 @@ class Layout:
         if not self.settings.compile:
             return plan.run(data)
         tensors = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in data.items()}
-        device_type = (device or self.settings.device or torch.device("cpu")).type
+        device_type = (device or self.settings.target or torch.device("cpu")).type
         return plan.compiled(device_type)(tensors)
 
     def collate(self, samples: object) -> dict[str, Any]:
@@ -256,7 +261,7 @@ class Layout:
         """Move stacked batches to the device (``non_blocking``), run the chain, assemble."""
         if not stacked:
             return self.empty()
-        device = self.settings.device
+        device = self.settings.target
         results = []
         plan = self.plan(tuple(stacked[0].data))
         for part in stacked:
@@ -318,7 +323,7 @@ class Layout:
         return [(key, name) for name, key in named.items() if name not in excluded]
 
     @property
-    def kind(self) -> Kind:
+    def kind(self) -> _Kind:
         """The container of the outputs: torch tensors, NumPy arrays or Python lists."""
         return "torch"
 
@@ -371,18 +376,6 @@ class Layout:
             return max(rows) if flat else [row[0] for row in rows]
         if any(not isinstance(row, list) for row in rows):  # one value per row (a 0-d output of yours)
             return rows
-        if flat and all(len(value.shape) == 1 for value in values):
+        if flat:  # a row's per-token output is [S, ...], a per-record one [1, ...]: both join by items
             return [item for row in rows for item in row]
         return [row[0] for row in rows]
-
-
-def record_texts(records: Sequence[SampleRecord]) -> list[Any]:
-    """Each record's ``"text"`` (``None`` where its payload has none)."""
-    return [
-        payload_get(r.payload, TEXT) if isinstance(r.payload, Mapping) else None for r in records
-    ]
-
-
-def in_worker() -> bool:
-    """True in a DataLoader worker process."""
-    return get_worker_info() is not None

@@ -66,7 +66,7 @@ from zephon_collate.read.rules import (
 )
 from zephon_collate.transforms import Chain, Transform
 
-__all__ = ["CollatorOptions", "Native"]
+__all__ = ["CollatorOptions", "Native", "check_boundary_count"]
 
 _WRITTEN = (INPUT_IDS, LABELS, POSITIONS, POSITION_IDS, LOSS_MASK, PADDING_LENGTH, PADDING_MASK)
 """Names a float field may not take: fields the collate path reads or writes itself."""
@@ -115,9 +115,17 @@ class CollatorOptions(TrainingOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         put = object.__setattr__
-        put(self, "boundary_safe_labels", check_bool("boundary_safe_labels", self.boundary_safe_labels, owner="Collator"))
+        put(
+            self,
+            "boundary_safe_labels",
+            check_bool("boundary_safe_labels", self.boundary_safe_labels, owner="Collator"),
+        )
         padding = RowPadding.create(self.pad_token_id, self.pad_to_multiple_of)
-        if padding is not None and self.output.kind != "list" and padding.pad_token_id > torch.iinfo(self.output.torch_dtype).max:
+        if (
+            padding is not None
+            and self.output.kind != "list"
+            and padding.pad_token_id > torch.iinfo(self.output.torch_dtype).max
+        ):
             raise ValueError(
                 f"Collator: pad_token_id {padding.pad_token_id} does not fit dtype "
                 f"{self.output.torch_dtype}; pick a wider dtype"
@@ -213,7 +221,10 @@ class Native(Layout):
         keys = [INPUT_IDS, PADDING_LENGTH, *options.extra_fields, *(spec.name for spec in self.floats)]
         if options.return_cu_seqlens and POSITIONS not in keys:
             keys.append(POSITIONS)  # CuSeqlens reads them
-        steps = [*(self.chain(keys) if self.settings.chain is None else self.settings.chain), *self.settings.transforms]
+        steps = [
+            *(self.chain(keys) if self.settings.chain is None else self.settings.chain),
+            *self.settings.transforms,
+        ]
         final = Chain(*steps).output_keys(keys)
         shown_keys = [
             key
@@ -265,7 +276,9 @@ class Native(Layout):
             else:
                 per_record[spec.name] = list(floats)
         needed = options.needs_padding_lengths or self.settings.chain is not None
-        counts, declared = declared_padding(batch, lengths) if needed else (np.zeros(batch.rows, np.int64), None)
+        counts, declared = (
+            declared_padding(batch, lengths) if needed else (np.zeros(batch.rows, np.int64), None)
+        )
         if self.padding is not None and options.needs_padding_lengths and declared is not None:
             self._check_no_padding_given(tokens, ~declared, names)
         return self._stacked(batch, per_token, per_record, counts)
@@ -315,7 +328,11 @@ class Native(Layout):
         if near is not None:
             name, meant = near
             index = int(np.flatnonzero(batch.carried(name))[0])
-            hint = "" if meant == LOSS_MASK else " (for Hugging Face examples, Collator.for_transformers reads it)"
+            hint = (
+                ""
+                if meant == LOSS_MASK
+                else " (for Hugging Face examples, Collator.for_transformers reads it)"
+            )
             self._refuse(
                 f"{batch.names(index)}: payload has {shown(name)}, which nothing reads: did you mean "
                 f"{shown(meant)}? Read under no name, every token would be trained; rename it {shown(meant)}"
@@ -473,7 +490,9 @@ class Native(Layout):
             self._check_boundary_positions(data[POSITIONS], lengths, names)
             if self.settings.num_boundaries is not None:
                 positions = data[POSITIONS][:, :-1] if options.return_labels else data[POSITIONS]
-                check_boundary_count(as_numpy(positions), options.flatten, self.settings.num_boundaries, names)
+                check_boundary_count(
+                    as_numpy(positions), options.flatten, self.settings.num_boundaries, names
+                )
         return data
 
     def _check_boundary_positions(self, positions: Any, lengths: np.ndarray, names: Names) -> None:
@@ -619,4 +638,6 @@ def _on_device(data: Mapping[str, Any]) -> bool:
 
 
 def _device(data: Mapping[str, Any]) -> torch.device:
-    return next(value.device for value in data.values() if isinstance(value, torch.Tensor) and not value.is_cpu)
+    return next(
+        value.device for value in data.values() if isinstance(value, torch.Tensor) and not value.is_cpu
+    )

@@ -148,7 +148,9 @@ class Plan:
         if host_applies(data):
             arrays = {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in data.items()}
             return self.chain.run(arrays, host=True)
-        return self.chain.run({k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in data.items()})
+        return self.chain.run(
+            {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in data.items()}
+        )
 
     def compiled(self, device_type: str) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
         """The chain through ``torch.compile`` (dynamic shapes, full graphs) for ``device_type``; cached.

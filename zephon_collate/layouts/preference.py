@@ -38,7 +38,7 @@ sequence map is built from each side's own tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal, cast
+from typing import ClassVar, cast
 
 import numpy as np
 import torch
@@ -64,7 +64,7 @@ from zephon_collate.layouts.base import Stacked
 from zephon_collate.layouts.sequences import SequenceBatch, SequenceOptions, Sequences
 from zephon_collate.read.columns import Batch, Ragged, as_numpy, gather_spans
 from zephon_collate.read.fields import FloatField, read_floats
-from zephon_collate.read.rules import check_ids, kept_by_mask
+from zephon_collate.read.rules import check_flat, check_ids, kept_by_mask
 
 __all__ = ["Preference", "PreferenceOptions"]
 
@@ -126,9 +126,12 @@ class Preference(Sequences):
         for name in _UNREAD_LABELS:
             if name in batch:
                 raise ValueError(
-                    f"{names(int(np.flatnonzero(batch.carried(name))[0]))}: carries {shown(name)} (open-instruct's "
-                    "packed DPO format: whole sequences with -100 on the prompt), which this collator does not "
-                    "read: it lays out prompt + chosen and prompt + rejected and makes the labels itself (-100 "
+                    f"{names(int(np.flatnonzero(batch.carried(name))[0]))}: carries {shown(name)} "
+                    "(open-instruct's "
+                    "packed DPO format: whole sequences with -100 on the prompt), which this "
+                    "collator does not "
+                    "read: it lays out prompt + chosen and prompt + rejected and makes the labels "
+                    "itself (-100 "
                     "on the prompt). Give the prompt, chosen and rejected token ids apart (TRL's format: the "
                     f"chosen and rejected ids without the prompt) and drop {shown(name)}"
                 )
@@ -157,10 +160,7 @@ class Preference(Sequences):
                     )
         tokens = batch.get(name, "ids")
         assert tokens is not None
-        if tokens.values.ndim != 1:
-            raise ValueError(
-                f"{names(0)}: {shown(name)} must be one row of token ids, got shape {tuple(tokens.row(0).shape)}"
-            )
+        check_flat(tokens, name, names)
         tokens = Ragged(tokens.host, tokens.offsets)
         check_ids(tokens, name, names)
         tokens = tokens.cast(torch.int64)
@@ -184,12 +184,16 @@ class Preference(Sequences):
         for name in _REFERENCE:
             if name in batch:
                 spec = FloatField(name, align="sequence")
-                values = cast(list[np.ndarray], read_floats(batch.per_row(name, "values"), ones, spec, batch.names))
+                values = cast(
+                    list[np.ndarray], read_floats(batch.per_row(name, "values"), ones, spec, batch.names)
+                )
                 found[name] = np.stack(values).astype(np.float32)
         if len(found) == 1:
             given = next(iter(found))
             other = next(name for name in _REFERENCE if name != given)
-            raise ValueError(f"{_OWNER}: the pairs carry {shown(given)} but not {shown(other)}; give both, or neither")
+            raise ValueError(
+                f"{_OWNER}: the pairs carry {shown(given)} but not {shown(other)}; give both, or neither"
+            )
         return found
 
     def _pairs(

@@ -46,7 +46,7 @@ from zephon_collate.core.keys import (
 from zephon_collate.core.text import shown
 from zephon_collate.layouts.base import Stacked
 from zephon_collate.layouts.sequences import SequenceBatch, SequenceOptions, Sequences
-from zephon_collate.layouts.transformers import _supervision
+from zephon_collate.layouts.transformers import supervision
 from zephon_collate.read.columns import Batch, Ragged, places, sequence_of
 from zephon_collate.read.fields import FloatField, to_label_positions
 from zephon_collate.read.rules import kept_by_mask
@@ -122,7 +122,10 @@ class Rollouts(Sequences):
         fields, segments, per_sequence = self.fields(batch)
         names = batch.names
         tokens = fields[INPUT_IDS]
-        for name, problem in ((POSITION_IDS, "pre-packed 'position_ids'"), (TOKEN_TYPE_IDS, "'token_type_ids'")):
+        for name, problem in (
+            (POSITION_IDS, "pre-packed 'position_ids'"),
+            (TOKEN_TYPE_IDS, "'token_type_ids'"),
+        ):
             if name in fields:
                 raise ValueError(
                     f"{_OWNER}: the examples carry {problem}; a rollout is one sequence (prompt and "
@@ -138,7 +141,7 @@ class Rollouts(Sequences):
                 f"{_OWNER}: the examples carry none of {', '.join(_SUPERVISING)}, so nothing says which "
                 "tokens are the completion; give a completion_mask (1 on completion tokens)"
             )
-        supervised = _supervision(fields, names)
+        supervised = supervision(fields, names)
         specs = self.options.floats
         floats = {spec.name: fields[spec.name] for spec in specs if spec.per_token}
         if ATTENTION_MASK in fields:

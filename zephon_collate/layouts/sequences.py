@@ -43,16 +43,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
-import torch
 
 from zephon_collate.core.checks import Keywords, check_bool
-from zephon_collate.layouts.base import Settings, Stacked
-from zephon_collate.layouts.transformers import Transformers, TransformersOptions, _in_float
-from zephon_collate.read.columns import Names, Ragged, gather_spans, places, sequence_of
-from zephon_collate.read.fields import FloatField
-from zephon_collate.transforms import AttentionMask, PaddingMask, Transform
 from zephon_collate.core.keys import (
-    ATTENTION_MASK,
     BRANCH_IDS,
     DOCUMENT_IDS,
     INPUT_IDS,
@@ -62,6 +55,10 @@ from zephon_collate.core.keys import (
     POSITIONS,
     SEQUENCE_INDEX,
 )
+from zephon_collate.layouts.base import Settings, Stacked
+from zephon_collate.layouts.transformers import Transformers, TransformersOptions, in_float
+from zephon_collate.read.columns import Names, Ragged, gather_spans, places, sequence_of
+from zephon_collate.transforms import AttentionMask, PaddingMask, Transform
 
 __all__ = [
     "SEQUENCE_MAP",
@@ -110,7 +107,9 @@ class SequenceOptions(Keywords):
     def transformers(self) -> TransformersOptions:
         """The :class:`~zephon_collate.TransformersOptions` of the underlying layout."""
         owner = self.OWNER
-        layout = {name: getattr(self, name) for name in self.names() if name not in ("shared_prompt", "tokenizer")}
+        layout = {
+            name: getattr(self, name) for name in self.names() if name not in ("shared_prompt", "tokenizer")
+        }
         if self.shared_prompt:
             if self.return_flash_attn_kwargs or self.return_seq_idx:
                 raise ValueError(
@@ -271,11 +270,10 @@ class Sequences(Transformers):
         specs = {spec.name: spec for spec in self.options.floats}
         for name in batch.floats:
             if name in specs:
-                data[name] = _in_float(data[name], specs[name])
+                data[name] = in_float(data[name], specs[name])
         for name, scalars in batch.per_sequence.items():
-            data[name] = _in_float(np.asarray(scalars), specs[name]) if name in specs else scalars
+            data[name] = in_float(np.asarray(scalars), specs[name]) if name in specs else scalars
         for name, extra in batch.extras.items():
             data[name] = np.asarray(extra)
         data[NUM_SEQUENCES] = np.array(batch.count, dtype=np.int64)
         return stacked
-

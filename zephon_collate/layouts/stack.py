@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from zephon_collate.core.checks import check_int
-from zephon_collate.read.columns import Names, Ragged, Row, Values, as_numpy
-from zephon_collate.core.text import shown
 from zephon_collate.core.keys import INT32_MAX, MAX_PAD_MULTIPLE
+from zephon_collate.core.text import shown
+from zephon_collate.read.columns import Names, Ragged, Row, Values, as_numpy
 
 __all__ = ["RowPadding", "dense", "stack_rows"]
 

@@ -29,20 +29,20 @@ from zephon_collate.core.checks import (
     resolve_dtype,
     warn_user,
 )
-from zephon_collate.core.text import shown
 from zephon_collate.core.keys import (
     CU_SEQLENS,
     IDS,
-    MAX_SEQLEN,
     IGNORE_INDEX,
     INPUT_IDS,
     LOSS_MASK,
+    MAX_SEQLEN,
     NUM_VALID_TOKENS,
     PADDING_LENGTH,
     PADDING_MASK,
     POSITIONS,
     TEXTS,
 )
+from zephon_collate.core.text import shown
 from zephon_collate.transforms import (
     BoundaryMask,
     Chain,

@@ -99,7 +99,7 @@ from zephon_collate.transforms import (
     UnshiftedLabels,
 )
 
-__all__ = ["Transformers", "TransformersOptions", "from_tokenizer"]
+__all__ = ["Transformers", "TransformersOptions", "from_tokenizer", "in_float", "supervision"]
 
 _OWNER = "Collator.for_transformers"
 _MASKS = SUPERVISION_MASKS
@@ -230,7 +230,9 @@ class TransformersOptions(Keywords):
             put(self, name, check_bool(name, getattr(self, name), owner=owner))
         for name in ("return_seq_idx", "return_sequence_map"):
             put(self, name, check_bool(name, getattr(self, name), owner=owner))
-        if self.padding not in _PADDINGS or (isinstance(self.padding, int) and not isinstance(self.padding, bool)):
+        if self.padding not in _PADDINGS or (
+            isinstance(self.padding, int) and not isinstance(self.padding, bool)
+        ):
             raise ValueError(
                 f"{owner}: padding must be True/'longest', 'max_length' or False/'do_not_pad', got "
                 f"{shown(self.padding)}"
@@ -243,7 +245,9 @@ class TransformersOptions(Keywords):
         )
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{owner}: {name} must be one of {allowed}, got {shown(getattr(self, name))}")
+                raise ValueError(
+                    f"{owner}: {name} must be one of {allowed}, got {shown(getattr(self, name))}"
+                )
         if self.max_length is not None:
             put(self, "max_length", check_int(owner, "max_length", self.max_length, 1, INT32_MAX))
         if self.pad_to_multiple_of is not None:
@@ -258,7 +262,11 @@ class TransformersOptions(Keywords):
         put(self, "label_pad_token_id", check_ignore_index(self.label_pad_token_id, owner=owner))
         put(self, "position_ids_start", check_int(owner, "position_ids_start", self.position_ids_start, 0))
         if self.return_position_ids is not None:
-            put(self, "return_position_ids", check_bool("return_position_ids", self.return_position_ids, owner=owner))
+            put(
+                self,
+                "return_position_ids",
+                check_bool("return_position_ids", self.return_position_ids, owner=owner),
+            )
         if self.supervision is not None and self.supervision not in self.SUPERVISING:
             raise ValueError(
                 f"{owner}: {self.SUPERVISION_MEANS} one of {self.SUPERVISING}, got {shown(self.supervision)}"
@@ -301,8 +309,11 @@ class TransformersOptions(Keywords):
                 "pad_to_multiple_of pads with pad_token_id: give it (or a tokenizer with a pad token)",
             ),
             (
-                self.padding == "do_not_pad" and self.pad_to_multiple_of is not None and not self.padding_free,
-                "padding=False pads nothing, so pad_to_multiple_of cannot apply: drop it, or pass padding=True",
+                self.padding == "do_not_pad"
+                and self.pad_to_multiple_of is not None
+                and not self.padding_free,
+                "padding=False pads nothing, so pad_to_multiple_of cannot apply: drop it, or pass "
+                "padding=True",
             ),
             (
                 self.padding == "max_length" and self.max_length is None,
@@ -314,7 +325,8 @@ class TransformersOptions(Keywords):
             ),
             (
                 self.keep_eos and (self.truncation_mode != "keep_start" or self.eos_token_id is None),
-                "keep_eos=True puts the EOS back at the end of an example cut by truncation_mode='keep_start'; "
+                "keep_eos=True puts the EOS back at the end of an example cut by "
+                "truncation_mode='keep_start'; "
                 "it needs that mode and eos_token_id (or a tokenizer with one)",
             ),
             (
@@ -415,7 +427,9 @@ class Transformers(Layout):
             steps.append(LossMask(IGNORE_INDEX, padding_length_key=counts, out_key=None, count_key=None))
         else:  # the labels of padding get label_pad_token_id, ignored ones -100 (as HF pads them)
             steps.append(LossMask(IGNORE_INDEX, padding_length_key=None, out_key=None, count_key=None))
-            steps.append(LossMask(options.label_pad_token_id, supervision_key=None, out_key=None, count_key=None))
+            steps.append(
+                LossMask(options.label_pad_token_id, supervision_key=None, out_key=None, count_key=None)
+            )
         if not options.padding_free:
             if options.padding_side == "left":
                 moved = [k for k in (INPUT_IDS, positions, TOKEN_TYPE_IDS, *self._token_floats) if k in keys]
@@ -458,7 +472,7 @@ class Transformers(Layout):
         self._check_examples(batch)
         tokens = batch.get(INPUT_IDS, "ids")
         assert tokens is not None
-        check_flat(tokens, INPUT_IDS, names(0))
+        check_flat(tokens, INPUT_IDS, names)
         check_ids(tokens, INPUT_IDS, names)
         tokens = tokens.cast(torch.int64)
         fields: dict[str, Ragged] = {INPUT_IDS: tokens}
@@ -470,13 +484,19 @@ class Transformers(Layout):
             given = batch.get(SEQ_LENGTHS, "ids", partial=True)
             assert given is not None
             rows = [
-                np.reshape(given.host[given.offsets[i] : given.offsets[i + 1]], -1) if carried else np.array([length])
-                for i, (carried, length) in enumerate(zip(batch.carried(SEQ_LENGTHS), tokens.lengths, strict=True))
+                np.reshape(given.host[given.offsets[i] : given.offsets[i + 1]], -1)
+                if carried
+                else np.array([length])
+                for i, (carried, length) in enumerate(
+                    zip(batch.carried(SEQ_LENGTHS), tokens.lengths, strict=True)
+                )
             ]
             lengths = np.array([row.size for row in rows], dtype=np.int64)
             offsets = np.zeros(len(rows) + 1, dtype=np.int64)
             np.cumsum(lengths, out=offsets[1:])
-            segments = Ragged(np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64), offsets)
+            segments = Ragged(
+                np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64), offsets
+            )
         per_sequence: dict[str, list[np.ndarray]] = {}
         if options.floats and isinstance(batch, Columns):
             raise read_by_rows(self.OWNER, "float_fields")
@@ -496,12 +516,14 @@ class Transformers(Layout):
                 continue
             if isinstance(payload, SampleRecord):
                 raise TypeError(
-                    f"{names(index)}: is a SampleRecord; this collator takes Hugging Face example dicts: pass "
+                    f"{names(index)}: is a SampleRecord; this collator takes Hugging Face example "
+                    "dicts: pass "
                     "the payloads, or collate records (pack_flat's rows) with Collator(...)"
                 )
             if not hasattr(payload, "keys"):
                 raise TypeError(
-                    f"{names(index)}: must be a dict of fields such as 'input_ids', got {type(payload).__name__}"
+                    f"{names(index)}: must be a dict of fields such as 'input_ids', got "
+                    f"{type(payload).__name__}"
                 )
         if PADDING_LENGTH_TAG in batch and isinstance(batch, Columns):
             raise ValueError(
@@ -514,7 +536,8 @@ class Transformers(Layout):
         if lacking.size:
             index = int(lacking[0])
             raise ValueError(
-                f"{names(index)}: has no 'input_ids' ({_fields_of(batch, index)}); tokenize the examples first"
+                f"{names(index)}: has no 'input_ids' ({_fields_of(batch, index)}); tokenize the "
+                "examples first"
             )
         if "label" in batch:
             label = batch.objects("label")
@@ -533,7 +556,8 @@ class Transformers(Layout):
         if "decoder_input_ids" in batch:
             index = int(np.flatnonzero(batch.carried("decoder_input_ids"))[0])
             raise ValueError(
-                f"{names(index)}: carries 'decoder_input_ids' (an encoder-decoder target); this collator is for "
+                f"{names(index)}: carries 'decoder_input_ids' (an encoder-decoder target); this "
+                "collator is for "
                 "causal LMs, whose labels align with input_ids: use "
                 "transformers.DataCollatorForSeq2Seq(tokenizer, model=model) for encoder-decoder models"
             )
@@ -544,7 +568,8 @@ class Transformers(Layout):
                 index = int(missing[0])
                 raise ValueError(
                     f"{names(index)}: lacks {shown(supervision)}, the field this collator was told carries "
-                    f"the supervision ({_fields_of(batch, index)}); transformers.Trainer drops dataset columns "
+                    f"the supervision ({_fields_of(batch, index)}); transformers.Trainer drops "
+                    "dataset columns "
                     "its model's forward does not name: pass TrainingArguments(remove_unused_columns=False), "
                     "or build the collator without supervision=..."
                 )
@@ -554,8 +579,10 @@ class Transformers(Layout):
                 name, meant = near
                 index = int(np.flatnonzero(batch.carried(name))[0])
                 raise ValueError(
-                    f"{names(index)}: has {shown(name)}, which nothing reads: did you mean {shown(meant)}? Read "
-                    f"under no name, every token would be trained; rename it {shown(meant)} (or name the field "
+                    f"{names(index)}: has {shown(name)}, which nothing reads: did you mean "
+                    f"{shown(meant)}? Read "
+                    f"under no name, every token would be trained; rename it {shown(meant)} (or name "
+                    "the field "
                     "that carries the supervision with supervision=...)"
                 )
         if self.UNIFORM_SUPERVISION:
@@ -566,7 +593,8 @@ class Transformers(Layout):
                 if not carried.all():
                     raise ValueError(
                         f"{names(int(np.flatnonzero(~carried)[0]))}: lacks {shown(name)}, which "
-                        f"{names(int(np.flatnonzero(carried)[0]))} carries to say which tokens are trained; read "
+                        f"{names(int(np.flatnonzero(carried)[0]))} carries to say which tokens are "
+                        "trained; read "
                         "as all trained, its prompt would be trained. Give every example "
                         f"{shown(name)} (0 on the prompt), or drop it from every example ({self.OWNER})"
                     )
@@ -582,7 +610,7 @@ class Transformers(Layout):
     ) -> Stacked:
         """The read fields to the chain's input: supervision, padding dropped, truncation, rows."""
         options = self.options
-        per_token: dict[str, Ragged] = {INPUT_IDS: fields[INPUT_IDS], LOSS_MASK: _supervision(fields, names)}
+        per_token: dict[str, Ragged] = {INPUT_IDS: fields[INPUT_IDS], LOSS_MASK: supervision(fields, names)}
         if TOKEN_TYPE_IDS in fields:
             per_token[TOKEN_TYPE_IDS] = fields[TOKEN_TYPE_IDS]
         for name in self._token_floats:
@@ -620,8 +648,12 @@ class Transformers(Layout):
             data[NUM_SEQUENCES] = np.array(int(_starts(per_token).sum()), dtype=np.int64)
         for spec in options.floats:
             value = np.stack(per_sequence[spec.name]) if not spec.per_token else data[spec.name]
-            data[spec.name] = _in_float(value, spec)
-        if options.padding_free and self.settings.num_boundaries is not None and options.return_flash_attn_kwargs:
+            data[spec.name] = in_float(value, spec)
+        if (
+            options.padding_free
+            and self.settings.num_boundaries is not None
+            and options.return_flash_attn_kwargs
+        ):
             check_boundary_count(data[self.positions_key], True, self.settings.num_boundaries, names)
         return stacked
 
@@ -635,11 +667,17 @@ class Transformers(Layout):
         if not bool((lengths > limit).any()):
             return per_token
         place = places(tokens.offsets)
-        keep = place < limit if options.truncation_mode == "keep_start" else place >= np.repeat(lengths - limit, lengths)
+        keep = (
+            place < limit
+            if options.truncation_mode == "keep_start"
+            else place >= np.repeat(lengths - limit, lengths)
+        )
         cut = {name: field.select(keep) for name, field in per_token.items()}
         if options.keep_eos:  # a cut example that ended in EOS ends in EOS again, supervised as it was
             ends = tokens.offsets[1:] - 1
-            rows = np.flatnonzero((lengths > limit) & (tokens.host[np.maximum(ends, 0)] == options.eos_token_id))
+            rows = np.flatnonzero(
+                (lengths > limit) & (tokens.host[np.maximum(ends, 0)] == options.eos_token_id)
+            )
             if rows.size:
                 last = cut[INPUT_IDS].offsets[rows + 1] - 1
                 new_tokens, new_mask = cut[INPUT_IDS].host.copy(), cut[LOSS_MASK].host.copy()
@@ -648,7 +686,9 @@ class Transformers(Layout):
                 offsets = cut[INPUT_IDS].offsets
                 cut.update({INPUT_IDS: Ragged(new_tokens, offsets), LOSS_MASK: Ragged(new_mask, offsets)})
         before, after = per_token[LOSS_MASK], cut[LOSS_MASK]
-        lost = np.flatnonzero(row_any(before.host != 0, before.offsets) & ~row_any(after.host != 0, after.offsets))
+        lost = np.flatnonzero(
+            row_any(before.host != 0, before.offsets) & ~row_any(after.host != 0, after.offsets)
+        )
         if lost.size:
             raise ValueError(
                 f"{names(int(lost[0]))}: has no supervised token left after truncation to "
@@ -735,10 +775,8 @@ def _sequence_classification(where: str) -> ValueError:
     )
 
 
-def _misfit(where: str, name: str, shape: tuple[int, ...], length: int | None) -> ValueError:
-    """The refusal of a row that is not one value per token (``length=None``: ``input_ids`` not 1-D)."""
-    if length is None:
-        return ValueError(f"{where}: 'input_ids' must be one row of token ids, got shape {shape}")
+def _misfit(where: str, name: str, shape: tuple[int, ...], length: int) -> ValueError:
+    """The refusal of a per-token row that is not one value per token."""
     hint = (
         " (labels of their own length: an encoder-decoder target; this collator is for causal LMs, "
         "use transformers.DataCollatorForSeq2Seq(tokenizer, model=model))"
@@ -746,7 +784,8 @@ def _misfit(where: str, name: str, shape: tuple[int, ...], length: int | None) -
         else ""
     )
     return ValueError(
-        f"{where}: field {shown(name)} has shape {shape}, but 'input_ids' has {length} tokens; give one value "
+        f"{where}: field {shown(name)} has shape {shape}, but 'input_ids' has {length} tokens; give "
+        "one value "
         f"per token{hint}"
     )
 
@@ -761,7 +800,9 @@ def _filled(batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Rag
             if value is not None:
                 row = to_row(value, batch.names(index), name, kind)
                 if row.ndim != 1 or row.shape[0] != tokens.lengths[index]:
-                    raise _misfit(batch.names(index), name, tuple(row.shape), int(tokens.lengths[index])) from None
+                    raise _misfit(
+                        batch.names(index), name, tuple(row.shape), int(tokens.lengths[index])
+                    ) from None
         raise
     assert field is not None
     carried = batch.carried(name)
@@ -784,7 +825,7 @@ def _filled(batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Rag
     return Ragged(filled, tokens.offsets)
 
 
-def _supervision(fields: dict[str, Ragged], names: Names) -> Ragged:
+def supervision(fields: dict[str, Ragged], names: Names) -> Ragged:
     """The boolean ``[N]`` supervision: where ``labels`` are not -100 and every mask field is 1."""
     tokens = fields[INPUT_IDS]
     trained = np.ones(tokens.values.shape[0], dtype=bool)
@@ -865,7 +906,8 @@ def _check_one_document(positions: Ragged, names: Names) -> None:
     inner = inner[~np.isin(inner, positions.offsets)]  # a start that is not its example's first token
     if inner.size:
         raise ValueError(
-            f"{names(row_of(positions.offsets, int(inner[0])))}: holds several documents (from 'seq_lengths' or "
+            f"{names(row_of(positions.offsets, int(inner[0])))}: holds several documents (from "
+            "'seq_lengths' or "
             "restarting 'position_ids'); padded, they would attend to each other: pass padding_free=True, "
             "which keeps them apart (as TRL's SFTTrainer does for packed data)"
         )
@@ -884,9 +926,8 @@ def _sequence_map(per_token: dict[str, Ragged]) -> dict[str, Ragged]:
     }
 
 
-def _in_float(value: Any, spec: FloatField) -> Any:
+def in_float(value: Any, spec: FloatField) -> Any:
     """A float field's stacked values in its dtype (bfloat16, which NumPy lacks: a tensor)."""
     if spec.dtype == torch.bfloat16:
         return torch.from_numpy(np.asarray(value)).to(torch.bfloat16)
     return np.asarray(value).astype(spec.host_dtype, copy=False)
-

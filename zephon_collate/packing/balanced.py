@@ -24,11 +24,12 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from zephon_collate.core.keys import INPUT_IDS
+from zephon_collate.core.records import SampleRecord
 from zephon_collate.packing.reader import PackOptions, Reader
 from zephon_collate.packing.rows import Piece, build_row, split_document
 from zephon_collate.packing.source import Source, cursor_key, restored, saveable, shard_records
 from zephon_collate.packing.state import check_count, corrupt, piece_from_state, piece_state
-from zephon_collate.core.records import SampleRecord
+from zephon_collate.parallel.schedule import BalanceSchedule
 
 if TYPE_CHECKING:  # types only: at run time packing reads the options it is given, parallel is beside it
     from zephon_collate.parallel.balance import BalanceOptions, BalancePlan
@@ -65,7 +66,7 @@ class BalancedSteps:
         self.source, self.options, self.balance = source, options, balance
         self.rank, self.ranks, self.worker, self.workers = placement
         self.epoch = epoch
-        self.schedule = balance.schedule(self.ranks)
+        self.schedule = BalanceSchedule(balance, self.ranks)
         fields = None if options.fields is None else tuple(options.fields)
         self.reader = Reader(
             None if options.tokens_field == "auto" else options.tokens_field,

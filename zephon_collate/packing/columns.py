@@ -15,19 +15,18 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from zephon_collate.core.checks import keywords
-from zephon_collate.read.arrow import ColumnarBatch, ColumnBatch, columns_of
-from zephon_collate.read.rows import example_names
-from zephon_collate.read.fields import FloatField
 from zephon_collate.core.keys import INPUT_IDS, INT32_MAX, INT64_MAX, POSITIONS
+from zephon_collate.core.records import PADDING_LENGTH_TAG
 from zephon_collate.packing._plan import best_fit_rows, greedy_breaks
 from zephon_collate.packing.reader import REQUIRED, PackOptions, Reader
 from zephon_collate.packing.rows import refuse_cut_columns
-from zephon_collate.core.records import PADDING_LENGTH_TAG
+from zephon_collate.read.arrow import ColumnarBatch, ColumnBatch, columns_of
+from zephon_collate.read.rows import example_names
 
 __all__ = ["PackedColumns", "pack_columns"]
 
@@ -155,8 +154,8 @@ def pack_columns(documents: ColumnarBatch, *args: Any, **given: Any) -> PackedCo
             f"pairs, ...), got {type(documents).__name__}; pack records with pack_flat"
         )
     tokens_name = None if options.tokens_field == "auto" else options.tokens_field
-    given = None if options.fields is None else tuple(options.fields)
-    reader = Reader(tokens_name, given, strict=given is None, segments=options.emit_positions)
+    listed = None if options.fields is None else tuple(options.fields)
+    reader = Reader(tokens_name, listed, strict=listed is None, segments=options.emit_positions)
     tokens, values = reader.read_columns(columns, 0)
     size = options.seq_len
     lengths = tokens.lengths

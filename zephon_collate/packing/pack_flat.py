@@ -14,33 +14,41 @@ Options and documents are checked and read by :mod:`zephon_collate.packing.reade
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from zephon_collate.core.checks import keywords
-from zephon_collate.read.arrow import ColumnarBatch, columns_of
-from zephon_collate.read.rows import Rows, as_record, describe_record, tokens_field_of
-from zephon_collate.core.text import shown
 from zephon_collate.collate.sample_batch import SampleBatch
-from zephon_collate.read.fields import FloatField
+from zephon_collate.core.checks import keywords
 from zephon_collate.core.keys import INT64_MAX, LOSS_MASK
+from zephon_collate.core.records import SampleRecord
+from zephon_collate.core.text import shown
 from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.packing.reader import REQUIRED, PackOptions, Reader, candidates
-from zephon_collate.core.records import SampleRecord
+from zephon_collate.read.arrow import ColumnarBatch, columns_of
+from zephon_collate.read.rows import Rows, as_record, describe_record, tokens_field_of
 
 __all__ = ["pack_flat"]
 
 
-def _shared_fields(records: Sequence[SampleRecord], tokens_name: str, skipped: Sequence[str]) -> tuple[str, ...]:
+def _shared_fields(
+    records: Sequence[SampleRecord], tokens_name: str, skipped: Sequence[str]
+) -> tuple[str, ...]:
     """The per-token fields every document with tokens shares, read through the door at once;
     ``loss_mask`` in only some: ``ValueError``."""
-    data = [(i, r) for i, r in enumerate(records) if not r.meta.is_sentinel and isinstance(r.payload, Mapping)]
-    data = [(i, r) for i, r in data if tokens_name in r.payload]
+    data = [
+        (i, r) for i, r in enumerate(records) if not r.meta.is_sentinel and isinstance(r.payload, Mapping)
+    ]
+    data = [(i, r) for i, r in data if tokens_name in cast(Mapping[str, Any], r.payload)]
     if not data:
         return ()
     payloads = [r.payload for _, r in data]
-    batch = Rows(payloads, lambda i: describe_record(*data[i]), tokens=tokens_name, ids=[r.meta.sample_id for _, r in data])
+    batch = Rows(
+        payloads,
+        lambda i: describe_record(*data[i]),
+        tokens=tokens_name,
+        ids=[r.meta.sample_id for _, r in data],
+    )
     tokens = Reader(tokens_name, None, strict=True).tokens(batch)
     with_tokens = tokens.lengths > 0
     carried = batch.carried(LOSS_MASK)[with_tokens] if LOSS_MASK in batch else np.zeros(0, bool)
@@ -56,7 +64,9 @@ def _shared_fields(records: Sequence[SampleRecord], tokens_name: str, skipped: S
 
 
 @keywords(PackOptions, "pack_flat", REQUIRED)
-def pack_flat(records: Iterable[SampleRecord] | SampleBatch | ColumnarBatch, *args: Any, **options: Any) -> list[SampleRecord]:
+def pack_flat(
+    records: Iterable[SampleRecord] | SampleBatch | ColumnarBatch, *args: Any, **options: Any
+) -> list[SampleRecord]:
     """Pack tokenized records into flat rows of exactly ``seq_len`` tokens.
 
     Each row's payload is a dict of NumPy arrays of length ``seq_len``: the

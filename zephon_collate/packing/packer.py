@@ -13,16 +13,13 @@ from __future__ import annotations
 import copy
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 from zephon_collate.core.checks import keywords
-from zephon_collate.read.arrow import ColumnarBatch, Columns, columns_of
-from zephon_collate.read.rows import example_names
-from zephon_collate.read.rows import as_record, describe_record
-from zephon_collate.core.text import shown
-from zephon_collate.read.fields import FloatField
 from zephon_collate.core.keys import INPUT_IDS
-from zephon_collate.packing.reader import REQUIRED, Document, PackOptions, Reader, StreamOptions
+from zephon_collate.core.records import SampleMeta, SampleRecord
+from zephon_collate.core.text import shown
+from zephon_collate.packing.reader import REQUIRED, Document, Reader, StreamOptions
 from zephon_collate.packing.rows import (
     Engine,
     Piece,
@@ -40,7 +37,8 @@ from zephon_collate.packing.state import (
     pieces_from_state,
     same_value,
 )
-from zephon_collate.core.records import SampleMeta, SampleRecord
+from zephon_collate.read.arrow import ColumnarBatch, Columns, columns_of
+from zephon_collate.read.rows import as_record, describe_record, example_names
 
 __all__ = ["STATE_VERSION", "FlatPacker"]
 

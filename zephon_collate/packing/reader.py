@@ -22,7 +22,7 @@ is accepted and never packed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass
 from typing import Any, Literal, NamedTuple, cast
 
@@ -30,14 +30,6 @@ import numpy as np
 import torch
 
 from zephon_collate.core.checks import Keywords, check_int, check_option_names
-from zephon_collate.read.arrow import Columns, read_by_rows
-from zephon_collate.read.rows import example_names
-from zephon_collate.read import rules
-from zephon_collate.read.columns import Batch, Names, Ragged, as_numpy, places, row_any, to_row
-from zephon_collate.read.rows import Rows, describe_record, example_names, is_array_payload
-from zephon_collate.read.rules import SUPERVISING_FIELDS, check_flat, check_ids, check_zero_one, misaligned
-from zephon_collate.core.text import shown, shown_fields
-from zephon_collate.read.fields import FloatField, check_float_fields, read_floats
 from zephon_collate.core.keys import (
     ATTENTION_MASK,
     IGNORE_INDEX,
@@ -50,17 +42,25 @@ from zephon_collate.core.keys import (
     TOKEN_FIELD_CANDIDATES,
 )
 from zephon_collate.core.records import SampleRecord
+from zephon_collate.core.text import shown, shown_fields
+from zephon_collate.read import rules
+from zephon_collate.read.arrow import Columns, read_by_rows
+from zephon_collate.read.columns import Batch, Names, Ragged, as_numpy, places, row_any, to_row
+from zephon_collate.read.fields import FloatField, check_float_fields, read_floats
+from zephon_collate.read.rows import Rows, describe_record, example_names, is_array_payload
+from zephon_collate.read.rules import SUPERVISING_FIELDS, check_flat, check_ids, check_zero_one, misaligned
 
 __all__ = [
-    "Document",
     "OVERFLOWS",
     "PACK_OPTION_NAMES",
     "PROMPT_FIELDS",
-    "PackOptions",
     "REQUIRED",
-    "Reader",
     "STRATEGIES",
     "STREAM_BUFFER_SIZE",
+    "Document",
+    "PackOptions",
+    "Reader",
+    "StreamOptions",
     "as_array",
     "candidates",
     "check_loss_mask",
@@ -200,6 +200,8 @@ class StreamOptions(PackOptions):
     """The packing keywords of ``FlatPacker`` and ``PackedStream``: a stream packs a buffer at a time."""
 
     buffer_size: int | None = STREAM_BUFFER_SIZE
+
+
 """The packing keyword without a default, and what it is (for the error naming it)."""
 
 
@@ -358,7 +360,9 @@ class Reader:
                 f"{where}: payload must be a dict of fields or a token array (list, tuple, NumPy array "
                 f"or torch tensor), got {type(payload).__name__}"
             )
-        batch = Rows([payload], lambda _: where, tokens=self.tokens_name or INPUT_IDS, ids=[record.meta.sample_id])
+        batch = Rows(
+            [payload], lambda _: where, tokens=self.tokens_name or INPUT_IDS, ids=[record.meta.sample_id]
+        )
         if not isinstance(payload, Mapping):
             self.tokens_name = self.tokens_name or INPUT_IDS
             self.fields = () if self.fields is None else self.fields
@@ -408,7 +412,7 @@ class Reader:
         read = batch.get(name, "ids")
         assert read is not None
         tokens = Ragged(read.host, read.offsets)  # the packer works on the host
-        check_flat(tokens, name, names(0))
+        check_flat(tokens, name, names)
         check_ids(tokens, name, names)
         if self.fields and name in self.fields:
             raise ValueError(
@@ -439,7 +443,7 @@ class Reader:
             read = batch.get(field_name, "values")
             assert read is not None
             field = Ragged(read.host, read.offsets)
-            check_flat(field, field_name, names(0))
+            check_flat(field, field_name, names)
             bad = np.flatnonzero(~_aligned_rows(field, tokens))
             if bad.size:
                 row = int(bad[0])
@@ -475,14 +479,18 @@ class Reader:
         for name in SUPERVISING_FIELDS:
             if name in batch and name not in self._listed:
                 carried = np.flatnonzero(batch.carried(name))
-                if isinstance(batch, Columns) and not batch.is_list(name) or _per_document(batch, name):
+                if (isinstance(batch, Columns) and not batch.is_list(name)) or _per_document(batch, name):
                     raise ValueError(
-                        f"{names(int(carried[0]))}: field {shown(name)} holds one value per document, not one "
-                        "per token, so what it supervises cannot be checked; give it one value per token (as a "
+                        f"{names(int(carried[0]))}: field {shown(name)} holds one value per document, "
+                        "not one "
+                        "per token, so what it supervises cannot be checked; give it one value per "
+                        "token (as a "
                         "loss_mask: 1 = supervised), or drop it (a per-example label, as for sequence "
                         "classification, is not a token field)"
                     )
-        loss_mask = batch.get(LOSS_MASK, "values") if LOSS_MASK in batch and _is_tokenwise(batch, LOSS_MASK) else None
+        loss_mask = (
+            batch.get(LOSS_MASK, "values") if LOSS_MASK in batch and _is_tokenwise(batch, LOSS_MASK) else None
+        )
         found = rules.unread_supervision(batch, tokens, self._listed, loss_mask)
         if found is not None:
             raise unread_supervision(names(found[0]), found[1])
@@ -497,9 +505,16 @@ class Reader:
         values = positions.host.reshape(-1) if positions.values.ndim else positions.host
         length = int(tokens.lengths[0])
         if positions.values.ndim != 1:
-            raise ValueError(f"{where}: field 'positions' must be 1-D (one entry per token), got shape {tuple(positions.values.shape)}")
+            raise ValueError(
+                f"{where}: field 'positions' must be 1-D (one entry per token), got shape "
+                f"{tuple(positions.values.shape)}"
+            )
         if values.size != length or values[0] != 0:
-            problem = f"has {values.size} entries for {length} tokens" if values.size != length else f"starts at {int(values[0])}"
+            problem = (
+                f"has {values.size} entries for {length} tokens"
+                if values.size != length
+                else f"starts at {int(values[0])}"
+            )
             raise ValueError(
                 f"{where}: field 'positions' {problem}; the packer keeps a document's segments (a segment "
                 "starts wherever positions are 0), so they must start at 0 and give one per token. Drop "
@@ -538,7 +553,11 @@ def _per_document(batch: Batch, name: str) -> bool:
     """True if some row of ``batch`` gives ``name`` as one value (a scalar), not one per token."""
     if isinstance(batch, Columns):
         return False
-    return any(getattr(row, "ndim", 1) == 0 or isinstance(row, (int, float)) for row in batch.objects(name) if row is not None)
+    return any(
+        getattr(row, "ndim", 1) == 0 or isinstance(row, (int, float))
+        for row in batch.objects(name)
+        if row is not None
+    )
 
 
 def _is_tokenwise(batch: Batch, name: str) -> bool:
@@ -546,7 +565,9 @@ def _is_tokenwise(batch: Batch, name: str) -> bool:
     return batch.is_list(name) if isinstance(batch, Columns) else not _per_document(batch, name)
 
 
-def candidates(batch: Batch, tokens_name: str, tokens: Ragged, skipped: Sequence[str] = ()) -> tuple[str, ...]:
+def candidates(
+    batch: Batch, tokens_name: str, tokens: Ragged, skipped: Sequence[str] = ()
+) -> tuple[str, ...]:
     """The per-token fields of the documents of ``batch``: ``loss_mask`` (one entry per token in every
     document with tokens, else ``ValueError``), then each field of numbers with one entry per token in
     every such document, in the input's order. The tokens, input ``positions`` (the segments), the
@@ -560,7 +581,10 @@ def candidates(batch: Batch, tokens_name: str, tokens: Ragged, skipped: Sequence
         bad = np.flatnonzero(~_aligned_rows(mask, tokens))
         if bad.size:
             row = int(bad[0])
-            raise ValueError(f"{names(row)}: field 'loss_mask' does not have one entry per token ({int(tokens.lengths[row])})")
+            raise ValueError(
+                f"{names(row)}: field 'loss_mask' does not have one entry per token "
+                f"({int(tokens.lengths[row])})"
+            )
         found.append(LOSS_MASK)
     excluded = {tokens_name, POSITIONS, LOSS_MASK, *SUPERVISING_FIELDS, *skipped}
     order = getattr(batch, "order", None) or sorted(batch.fields)

@@ -19,21 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from zephon_collate.read.arrow import Columns
-from zephon_collate.read.columns import Names, Ragged, row_any
-from zephon_collate.read.rows import describe_record
-from zephon_collate.read.rules import check_zero_one
-from zephon_collate.core.text import shown
 from zephon_collate.core.keys import LABELS, LOSS_MASK, POSITIONS
-from zephon_collate.packing._plan import best_fit_rows, greedy_breaks
-from zephon_collate.packing.reader import (
-    PROMPT_FIELDS,
-    Document,
-    PackOptions,
-    as_array,
-    check_loss_mask,
-    prompt_entries,
-)
 from zephon_collate.core.records import (
     CONTRIBUTORS_TAG,
     PADDING_LENGTH_TAG,
@@ -43,6 +29,20 @@ from zephon_collate.core.records import (
     SampleMeta,
     SampleRecord,
 )
+from zephon_collate.core.text import shown
+from zephon_collate.packing._plan import best_fit_rows, greedy_breaks
+from zephon_collate.packing.reader import (
+    PROMPT_FIELDS,
+    Document,
+    PackOptions,
+    as_array,
+    check_loss_mask,
+    prompt_entries,
+)
+from zephon_collate.read.arrow import Columns
+from zephon_collate.read.columns import Names, Ragged, row_any
+from zephon_collate.read.rows import describe_record
+from zephon_collate.read.rules import check_zero_one
 
 __all__ = [
     "CONTINUES",

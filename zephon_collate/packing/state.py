@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from zephon_collate.core.text import shown
 from zephon_collate.core.keys import LOSS_MASK
+from zephon_collate.core.records import SampleMeta
+from zephon_collate.core.text import shown
 from zephon_collate.packing.reader import as_array, check_loss_mask
 from zephon_collate.packing.rows import CONTINUES, OPENS_ROW, OPENS_UNIT, Base, Piece
-from zephon_collate.core.records import SampleMeta
 
 __all__ = [
     "check_count",

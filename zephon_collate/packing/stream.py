@@ -22,27 +22,24 @@ micro-batches of packed rows.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, fields
-
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
 from zephon_collate.core.checks import keywords
+from zephon_collate.core.records import SampleCursor, SampleRecord
 from zephon_collate.core.text import shown
-from zephon_collate.read.fields import FloatField
 from zephon_collate.packing.balanced import BalancedSteps, check_balance_state
 from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.packing.reader import REQUIRED, STREAM_BUFFER_SIZE, StreamOptions
 from zephon_collate.packing.source import Source, cursor_key, restored, saveable, shard_records
 from zephon_collate.packing.state import check_count, corrupt, same_value
-from zephon_collate.core.records import SampleCursor, SampleRecord
-
-if TYPE_CHECKING:  # types only: the options are read duck-typed, parallel sits beside packing
-    from zephon_collate.parallel.balance import BalanceOptions
+from zephon_collate.parallel.balance import BalanceOptions
+from zephon_collate.parallel.schedule import BalanceSchedule
 
 __all__ = ["STATE_VERSION", "PackedStream", "Source"]
 
@@ -139,7 +136,7 @@ class PackedStream(IterableDataset[SampleRecord]):
             for name, value in (("rank", rank), ("world_size", world_size)):
                 if not isinstance(value, int) or isinstance(value, bool):
                     raise TypeError(f"PackedStream: {name} must be an int, got {shown(value)}")
-            if world_size < 1 or not 0 <= rank < world_size:  # type: ignore[operator]
+            if world_size < 1 or not 0 <= rank < world_size:
                 raise ValueError(
                     f"PackedStream: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}"
                 )
@@ -173,7 +170,7 @@ class PackedStream(IterableDataset[SampleRecord]):
             rank, world = 0, 1
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        return rank * workers + worker, world * workers  # type: ignore[operator]
+        return rank * workers + worker, world * workers
 
     def placement(self) -> tuple[int, int, int, int]:
         """``(rank, world_size, worker, num_workers)`` of the calling process and DataLoader worker."""
@@ -291,8 +288,8 @@ def _state(
 
 
 def _check_balance(balance: Any, seq_len: int, packer_options: Mapping[str, Any]) -> None:
-    """``balance`` must be BalanceOptions that fit ``seq_len`` (duck-typed: packing imports no parallel)."""
-    if not callable(getattr(balance, "schedule", None)) or not hasattr(balance, "micro_batch_tokens"):
+    """``balance`` must be BalanceOptions that fit ``seq_len``."""
+    if not isinstance(balance, BalanceOptions):
         raise TypeError(
             f"PackedStream: balance must be zephon_collate.BalanceOptions, got {type(balance).__name__}"
         )
@@ -313,7 +310,7 @@ def _check_balance(balance: Any, seq_len: int, packer_options: Mapping[str, Any]
             f"PackedStream: seq_len={seq_len} (the longest piece of a document) exceeds the micro-batch "
             f"budget max_tokens={balance.micro_batch_tokens}; lower seq_len or raise max_tokens"
         )
-    balance.schedule(1)  # micro_batches is required: it sets the window's size
+    BalanceSchedule(balance, 1)  # micro_batches is required: it sets the window's size
 
 
 class _Iterator:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -27,9 +26,6 @@ from zephon_collate.core.checks import check_int
 from zephon_collate.core.text import shown
 from zephon_collate.parallel.cost import COST_LIMIT, CostModel
 from zephon_collate.parallel.placement import UNPLACED, Ints, pack_rows, place_items, place_rows
-
-if TYPE_CHECKING:
-    from zephon_collate.parallel.schedule import BalanceSchedule
 
 __all__ = ["BalanceOptions", "BalancePlan", "Floats", "Ints", "plan_balance"]
 
@@ -102,12 +98,6 @@ class BalanceOptions:
         if self.max_tokens is not None:
             return self.max_tokens
         return int(self.rows or 0) * int(self.seq_len or 0)  # both set in fixed-row mode
-
-    def schedule(self, ranks: int) -> BalanceSchedule:
-        """A fresh :class:`~zephon_collate.parallel.schedule.BalanceSchedule` of these options."""
-        from zephon_collate.parallel.schedule import BalanceSchedule  # it imports this module
-
-        return BalanceSchedule(self, ranks)
 
     def step_tokens(self, ranks: int) -> int:
         """Tokens one step holds over ``ranks`` ranks: ``micro_batches * ranks * micro_batch_tokens``."""

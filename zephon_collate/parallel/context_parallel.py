@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from zephon_collate.functional.context_parallel import partition
 from zephon_collate.core.keys import CU_SEQLENS, MAX_SEQLEN, NUM_VALID_TOKENS
+from zephon_collate.functional.context_parallel import partition
 
 __all__ = ["gather_context_parallel"]
 

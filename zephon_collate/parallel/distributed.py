@@ -42,8 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zephon_collate.core.text import shown
 from zephon_collate.core.keys import NUM_VALID_TOKENS
+from zephon_collate.core.text import shown
 
 __all__ = [
     "collective_device",

@@ -30,6 +30,7 @@ from zephon_collate.core.text import shown
 
 __all__ = [
     "MISSING",
+    "PLAIN_DTYPES",
     "Batch",
     "Kind",
     "Names",
@@ -217,6 +218,8 @@ class Batch:
     def _lacks(self, index: int, name: str) -> str:
         """What to say of row ``index`` lacking ``name``."""
         return f"payload lacks field {shown(name)}"
+
+
 def concat(rows: Sequence[Row], name: str, names: Names) -> Ragged:
     """A field's rows end to end (one copy, never a view of a payload), as a :class:`Ragged`.
 
@@ -258,6 +261,11 @@ def concat(rows: Sequence[Row], name: str, names: Names) -> Ragged:
             pass  # shapes or devices differ: the loop below names the row
     trailing = rows[0].shape[1:]
     for index, row in enumerate(rows):
+        if row.ndim != 1 and rows[0].ndim == 1:
+            raise ValueError(
+                f"{names(index)}: field {shown(name)} must be 1-D (one entry per token), got shape "
+                f"{tuple(row.shape)}"
+            )
         if row.shape[1:] != trailing:
             raise ValueError(
                 f"{names(index)}: field {shown(name)} has shape {tuple(row.shape)}, the first payload's "
@@ -442,7 +450,7 @@ _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int6
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-_PLAIN_DTYPES: dict[str, frozenset[torch.dtype]] = {
+PLAIN_DTYPES: dict[str, frozenset[torch.dtype]] = {
     "ids": frozenset(_INTEGER_DTYPES),
     "values": frozenset((*_INTEGER_DTYPES, torch.bool, *_FLOAT_DTYPES)),
 }
@@ -533,5 +541,3 @@ def joined_ints(values: list[Any]) -> Ragged | None:
     offsets[1:] = lengths
     offsets.cumsum(out=offsets)  # in place, on the array: np.cumsum of a list converts it again
     return Ragged(np.frombuffer(buffer, dtype=np.int64) if buffer else np.empty(0, np.int64), offsets)
-
-

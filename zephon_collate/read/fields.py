@@ -39,8 +39,8 @@ from typing import Literal, TypeAlias
 import numpy as np
 import torch
 
-from zephon_collate.read.columns import Names, Ragged, Row, as_numpy, concat, numpy_dtype, row_of
 from zephon_collate.core.text import shown
+from zephon_collate.read.columns import Names, Ragged, Row, as_numpy, concat, numpy_dtype, row_of
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -203,7 +203,8 @@ def _checked(source: Ragged, spec: FloatField, names: Names) -> Ragged:
 def read_floats(
     rows: Sequence[Row], lengths: np.ndarray, spec: FloatField, names: Names
 ) -> Ragged | list[np.ndarray]:
-    """A float field's checked rows (from :meth:`~zephon_collate.read.columns.Batch.per_row`) in the spec's layout.
+    """A float field's checked rows (from :meth:`~zephon_collate.read.columns.Batch.per_row`) in the
+    spec's layout.
 
     Per token (``spec.per_token``): a host :class:`~zephon_collate.read.columns.Ragged`
     in ``spec.host_dtype`` with one value per token (a broadcast sequence value

@@ -22,8 +22,8 @@ from zephon_collate.core.keys import INPUT_IDS, TOKEN_FIELD_CANDIDATES
 from zephon_collate.core.records import FLUSH_TAG, TOMBSTONE_TAG, SampleMeta, SampleRecord
 from zephon_collate.core.text import shown, shown_fields
 from zephon_collate.read.columns import (
-    _PLAIN_DTYPES,
     MISSING,
+    PLAIN_DTYPES,
     Batch,
     Kind,
     Names,
@@ -156,7 +156,9 @@ class Rows(Batch):
         else:
             fields = set()
             for payload in payloads:
-                fields.update(payload if isinstance(payload, Mapping) else () if tokens is None else (tokens,))
+                fields.update(
+                    payload if isinstance(payload, Mapping) else () if tokens is None else (tokens,)
+                )
         super().__init__(len(payloads), names, frozenset(fields), ids, metas, owner)
         self.payloads, self.tokens, self.absent_if_none = payloads, tokens, absent_if_none
         self._others = len(dicts) < len(payloads)  # mappings that answer ``in`` through their own methods
@@ -194,7 +196,7 @@ class Rows(Batch):
 
     def _rows(self, values: list[Any], name: str, kind: Kind) -> list[Row]:
         """Every value checked (:func:`to_row`); plain tensors pass as they are."""
-        plain = _PLAIN_DTYPES[kind]
+        plain = PLAIN_DTYPES[kind]
         return [
             value
             if type(value) is torch.Tensor
@@ -329,7 +331,9 @@ def examples_of(
         if examples and type(examples[0]) is not dict and all(is_array_payload(row) for row in examples):
             examples = [{INPUT_IDS: row} for row in examples]  # raw token rows
     ids = [(0, 0, index) for index in range(len(examples))]
-    return Rows(examples, example_names, tokens=None, ids=ids, owner=owner, absent_if_none=frozenset(("labels",)))
+    return Rows(
+        examples, example_names, tokens=None, ids=ids, owner=owner, absent_if_none=frozenset(("labels",))
+    )
 
 
 def _unbatched(features: Mapping[str, Any], owner: str, key: str, keep: Sequence[str] | None) -> list[Any]:

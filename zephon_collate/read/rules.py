@@ -23,7 +23,6 @@ from zephon_collate.core.keys import (
     ATTENTION_MASK,
     COMPLETION_MASK,
     LABELS,
-    LOSS_MASK,
 )
 from zephon_collate.core.records import PADDING_LENGTH_TAG
 from zephon_collate.core.text import shown
@@ -40,6 +39,7 @@ __all__ = [
     "kept_by_mask",
     "misaligned",
     "misspelled",
+    "row_shape",
     "unread_supervision",
 ]
 
@@ -289,12 +289,19 @@ def check_fits(field: Ragged, dtype: torch.dtype, name: str, names: Names) -> No
             )
 
 
-def check_flat(field: Ragged, name: str, where: str) -> None:
-    """``ValueError`` unless ``field`` holds one value per token (1-D values), naming ``where``."""
+def row_shape(field: Ragged) -> tuple[int, tuple[int, ...]]:
+    """The first non-empty row of ``field`` (else row 0) and its shape, for a message."""
+    nonempty = np.flatnonzero(field.lengths)
+    index = int(nonempty[0]) if nonempty.size else 0
+    return index, (int(field.lengths[index]), *field.values.shape[1:])
+
+
+def check_flat(field: Ragged, name: str, names: Names) -> None:
+    """``ValueError`` unless ``field`` holds one value per token (1-D values), naming the row."""
     if field.values.ndim != 1:
+        index, shape = row_shape(field)
         raise ValueError(
-            f"{where}: field {shown(name)} must be 1-D (one entry per token), got rows of shape "
-            f"{tuple(field.values.shape[1:])} per token"
+            f"{names(index)}: field {shown(name)} must be 1-D (one entry per token), got shape {shape}"
         )
 
 
@@ -322,8 +329,6 @@ def misspelled(fields: Iterable[object], known: Sequence[str]) -> tuple[str, str
     return None
 
 
-
-
 def kept_by_mask(mask: Ragged, name: str, names: Names) -> np.ndarray:
     """``[N]`` booleans: the tokens a padding mask keeps (its 1s: one run per row, with 0s only on padding
     before it, left padding, or after it, right padding).
@@ -345,7 +350,8 @@ def kept_by_mask(mask: Ragged, name: str, names: Names) -> np.ndarray:
     runs = np.bincount(np.repeat(np.arange(mask.rows), mask.lengths), weights=opens, minlength=mask.rows)
     if (runs > 1).any():
         raise ValueError(
-            f"{names(int(np.flatnonzero(runs > 1)[0]))}: {shown(name)} must be 1 on the tokens, with 0s only on "
+            f"{names(int(np.flatnonzero(runs > 1)[0]))}: {shown(name)} must be 1 on the tokens, with "
+            "0s only on "
             "padding before or after them; it has 0s between 1s (a hole): give each example's tokens "
             "without holes"
         )

@@ -3,8 +3,8 @@
 from zephon_collate.transforms.attention_mask import AttentionMask
 from zephon_collate.transforms.base import Chain, Transform
 from zephon_collate.transforms.boundary_mask import BoundaryMask
-from zephon_collate.transforms.copy_keys import CopyKeys
 from zephon_collate.transforms.context_parallel import ContextParallelShard
+from zephon_collate.transforms.copy_keys import CopyKeys
 from zephon_collate.transforms.cu_seqlens import CuSeqlens
 from zephon_collate.transforms.eos_mask import EosMask
 from zephon_collate.transforms.flatten import Flatten

@@ -8,11 +8,11 @@ import numpy as np
 import torch
 
 from zephon_collate.core.checks import check_key
+from zephon_collate.core.keys import LOSS_MASK, POSITIONS
+from zephon_collate.functional import host
 from zephon_collate.functional.labels import align_mask
 from zephon_collate.functional.segments import segment_starts
-from zephon_collate.core.keys import LOSS_MASK, POSITIONS
 from zephon_collate.transforms._shapes import check_leading, check_rank
-from zephon_collate.functional import host
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["BoundaryMask"]

@@ -38,10 +38,6 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from zephon_collate.core.checks import check_ignore_index, check_key, check_keys
-from zephon_collate.core.text import shown
-from zephon_collate.functional.context_parallel import check_cp, partition
-from zephon_collate.functional.labels import align_mask
-from zephon_collate.functional.segments import segment_starts
 from zephon_collate.core.keys import (
     CU_SEQLENS,
     INPUT_IDS,
@@ -52,6 +48,10 @@ from zephon_collate.core.keys import (
     PADDING_MASK,
     POSITIONS,
 )
+from zephon_collate.core.text import shown
+from zephon_collate.functional.context_parallel import check_cp, partition
+from zephon_collate.functional.labels import align_mask
+from zephon_collate.functional.segments import segment_starts
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["ContextParallelShard"]

@@ -32,7 +32,9 @@ class CopyKeys(Transform):
 
     def __init__(self, copies: Mapping[str, str]) -> None:
         super().__init__()
-        self.copies = {check_key("CopyKeys", "source", s): check_key("CopyKeys", "target", t) for s, t in copies.items()}
+        self.copies = {
+            check_key("CopyKeys", "source", s): check_key("CopyKeys", "target", t) for s, t in copies.items()
+        }
         self.in_keys, self.out_keys = list(self.copies), list(self.copies.values())
 
     def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -8,11 +8,10 @@ import numpy as np
 import torch
 
 from zephon_collate.core.checks import check_key, check_num_boundaries
-from zephon_collate.core.text import shown
-from zephon_collate.functional import cu_seqlens_flat, cu_seqlens_rows
 from zephon_collate.core.keys import CU_SEQLENS, INT32_MAX, MAX_SEQLEN, POSITIONS
+from zephon_collate.core.text import shown
+from zephon_collate.functional import cu_seqlens_flat, cu_seqlens_rows, host
 from zephon_collate.transforms._shapes import check_rank
-from zephon_collate.functional import host
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["CuSeqlens"]

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from zephon_collate.core.checks import check_eos_token_id, check_ignore_index, check_key
-from zephon_collate.functional import eos_label_mask, mask_labels
 from zephon_collate.core.keys import INPUT_IDS, LABELS
+from zephon_collate.functional import eos_label_mask, mask_labels
 from zephon_collate.transforms._shapes import check_ignore_fits, check_leading
 from zephon_collate.transforms.base import Transform
 

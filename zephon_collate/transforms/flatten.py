@@ -27,7 +27,8 @@ class Flatten(Transform):
 
     Example:
         >>> from tensordict import TensorDict
-        >>> td = TensorDict(input_ids=torch.tensor([[1, 2], [3, 4]]), row=torch.tensor([7, 8]), batch_size=[2])
+        >>> tokens, row = torch.tensor([[1, 2], [3, 4]]), torch.tensor([7, 8])
+        >>> td = TensorDict(input_ids=tokens, row=row, batch_size=[2])
         >>> out = Flatten(["input_ids", "row"])(td)
         >>> out["input_ids"].tolist(), out["row"].tolist()
         ([1, 2, 3, 4], [7, 8])

@@ -8,10 +8,9 @@ import numpy as np
 import torch
 
 from zephon_collate.core.checks import check_ignore_index, check_key
-from zephon_collate.functional import apply_loss_mask
 from zephon_collate.core.keys import LABELS, LOSS_MASK, NUM_VALID_TOKENS, PADDING_LENGTH
+from zephon_collate.functional import apply_loss_mask, host
 from zephon_collate.transforms._shapes import check_ignore_fits, check_leading, check_rank
-from zephon_collate.functional import host
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["LossMask"]
@@ -112,7 +111,9 @@ class LossMask(Transform):
         drop = None if self.supervision_key is None else data[self.supervision_key] == 0
         if self.padding_length_key is not None:
             padding = host.trailing(data[self.padding_length_key], labels.shape[1])
-            drop = padding if drop is None else drop | padding.reshape(*padding.shape, *([1] * (drop.ndim - 2)))
+            drop = (
+                padding if drop is None else drop | padding.reshape(*padding.shape, *([1] * (drop.ndim - 2)))
+            )
         if drop is not None:
             drop = drop.reshape(*drop.shape, *([1] * (labels.ndim - drop.ndim)))
             labels = np.where(drop, labels.dtype.type(self.ignore_index), labels)

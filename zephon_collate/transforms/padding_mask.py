@@ -8,10 +8,9 @@ import numpy as np
 import torch
 
 from zephon_collate.core.checks import check_key
-from zephon_collate.functional import trailing_mask
 from zephon_collate.core.keys import INPUT_IDS, PADDING_LENGTH, PADDING_MASK
+from zephon_collate.functional import host, trailing_mask
 from zephon_collate.transforms._shapes import check_leading, check_rank
-from zephon_collate.functional import host
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["PaddingMask"]

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from zephon_collate.core.checks import check_key, check_position_mode
-from zephon_collate.functional import sequence_positions
 from zephon_collate.core.keys import INPUT_IDS, POSITIONS
+from zephon_collate.functional import sequence_positions
 from zephon_collate.transforms._shapes import check_rank
 from zephon_collate.transforms.base import Transform
 
@@ -76,5 +76,7 @@ class Positions(Transform):
             return {}
         like = data[self.like_key]
         if like.dtype.kind in "iu" and like.shape[1] - 1 > np.iinfo(like.dtype).max:
-            return self.compute({self.like_key: torch.from_numpy(like)})  # raises, naming the dtype
-        return {self.out_key: np.broadcast_to(np.arange(like.shape[1], dtype=like.dtype), like.shape[:2]).copy()}
+            self.compute({self.like_key: torch.from_numpy(like)})  # raises, naming the dtype
+        return {
+            self.out_key: np.broadcast_to(np.arange(like.shape[1], dtype=like.dtype), like.shape[:2]).copy()
+        }

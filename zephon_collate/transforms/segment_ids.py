@@ -8,12 +8,15 @@ import numpy as np
 import torch
 
 from zephon_collate.core.checks import check_key
-from zephon_collate.core.text import shown
-from zephon_collate.functional.labels import padding_from_length
-from zephon_collate.functional.segments import flatten_segment_ids, segment_ids_from_positions
 from zephon_collate.core.keys import PADDING_LENGTH, POSITIONS, SEGMENT_IDS
+from zephon_collate.core.text import shown
 from zephon_collate.functional import host
-from zephon_collate.functional.segments import PADDING_SEGMENT
+from zephon_collate.functional.labels import padding_from_length
+from zephon_collate.functional.segments import (
+    PADDING_SEGMENT,
+    flatten_segment_ids,
+    segment_ids_from_positions,
+)
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["SegmentIds"]
