@@ -1,4 +1,4 @@
-"""The examples and the README's code run, and say what they claim."""
+"""The examples and the code of the README and the docs pages run, and say what they claim."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,13 +41,14 @@ def test_quickstart_example_prints_training_tensors():
 
 def test_readme_quick_start_block_runs_and_matches_its_comments():
     readme = (ROOT / "README.md").read_text()
-    block = re.search(r"## Quick start\n\n```python\n(.*?)```", readme, re.S).group(1)
+    block = re.search(r"### Packed records: .*?```python\n(.*?)```", readme, re.S).group(1)
     namespace: dict = {}
     exec(compile(block, "README.md", "exec"), namespace)
     out = namespace["out"]
     assert out["labels"].tolist() == [[10, 2, -100, 11, 2, -100]]
     assert out["num_valid_tokens"] == 4
     assert out["cu_seqlens"].tolist() == [[0, 3, 6]]
+    assert next(iter(namespace["loader"]))["labels"].tolist() == [[10, 2, -100, 11, 2, -100]] * 2
 
 
 def _readme_blocks() -> list[str]:
@@ -55,10 +57,35 @@ def _readme_blocks() -> list[str]:
 
 def test_every_readme_python_block_runs():
     blocks = _readme_blocks()
-    assert len(blocks) >= 4
+    assert len(blocks) >= 3
     for index, block in enumerate(blocks):
         namespace: dict = {"__name__": f"readme_block_{index}"}
         exec(compile(block, f"README.md block {index}", "exec"), namespace)
+
+
+# The topic pages under docs/ whose python blocks run here (docs/packed_attention.md runs in
+# tests/test_attention.py). A page's blocks run in order in one namespace, as a reader would run them;
+# a block opening with "# Sketch" (a recipe over names of your training script) or "# Needs" (a package
+# or device the suite does not have) is shown, not run.
+DOC_PAGES = [
+    "transforms.md",
+    "packing.md",
+    "training_loop.md",
+    "hugging_face.md",
+    "post_training.md",
+    "columns.md",
+    "distributed.md",
+]
+
+
+@pytest.mark.parametrize("page", DOC_PAGES)
+def test_every_docs_page_python_block_runs(page):
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / page).read_text(), re.S)
+    runnable = [block for block in blocks if not block.startswith(("# Sketch", "# Needs"))]
+    assert runnable, f"docs/{page} has no python block to run"
+    namespace: dict = {"__name__": f"docs_{page.removesuffix('.md')}"}
+    for index, block in enumerate(runnable):
+        exec(compile(block, f"docs/{page} block {index}", "exec"), namespace)
 
 
 def test_hf_trainer_example_learns_and_both_layouts_train_the_same_tokens():
@@ -84,11 +111,15 @@ def test_columnar_trainer_example_trains_the_same_tokens_from_columns():
     assert "same losses: True" in out
 
 
-def test_readme_hugging_face_block_matches_its_comments():
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"## Coming from Hugging Face\n.*?```python\n(.*?)```", readme, re.S).group(1)
+@pytest.mark.parametrize(
+    ("page", "heading"),
+    [("README.md", "### Hugging Face models: "), ("docs/hugging_face.md", "# Coming from Hugging Face\n")],
+)
+def test_readme_hugging_face_block_matches_its_comments(page, heading):
+    text = (ROOT / page).read_text()
+    block = re.search(re.escape(heading) + r".*?```python\n(.*?)```", text, re.S).group(1)
     namespace: dict = {}
-    exec(compile(block, "README.md", "exec"), namespace)
+    exec(compile(block, page, "exec"), namespace)
     padded, flat = namespace["padded"], namespace["flat"]
     assert padded["input_ids"].tolist() == [[5, 6, 7, 8], [9, 10, 3, 0]]
     assert padded["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
