@@ -27,10 +27,13 @@ The sequences are read from what the collator wrote, never guessed:
   ``attention_mask``): a sequence starts at each row's first token and at every
   token whose position equals the row's first position (each sequence's first
   position is ``position_ids_start``, 0 by default). The padding of
-  ``pad_to_multiple_of`` (one-token segments labelled -100 at the row's end)
-  reads exactly like one-token examples there, so :func:`sequence_logprobs` and
-  :func:`unpack`, which return the sequences, refuse a row that ends with
-  one-token sequences without a label: collate with
+  ``pad_to_multiple_of`` (one-token segments at the row's end, labelled
+  ``label_pad_token_id``, whatever its value) reads exactly like one-token
+  examples there, so :func:`sequence_logprobs` and :func:`unpack`, which return
+  the sequences, refuse a row that ends with one-token sequences unless its last
+  token is labelled with its own id (a supervised token, as the collator labels
+  them: no padding follows it; a ``label_pad_token_id`` equal to
+  ``pad_token_id`` labels padding so too, and is not told apart): collate with
   ``Collator.for_transformers(..., return_sequence_map=True)``. The other
   helpers give the same numbers either way (the first token of a sequence is
   never supervised) and read such a row.
@@ -52,12 +55,15 @@ field and the fix.
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal, NamedTuple, TypeAlias
 
 import torch
 
+from zephon_collate.core.checks import check_int, fits_dtype
 from zephon_collate.core.keys import (
     ATTENTION_MASK,
     BRANCH_IDS,
@@ -165,8 +171,8 @@ def _sequence_map(batch: _Batch, *, split: bool = False, logits_shape: tuple[int
 
     Parameters:
         split: the caller returns the sequences themselves (:func:`sequence_logprobs`, :func:`unpack`):
-            refuse a padding-free row that ends with one-token sequences without a label (padding or
-            examples: no one can tell).
+            refuse a padding-free row that ends with one-token sequences, the last not labelled with
+            its own id (padding or examples: no one can tell).
         logits_shape: the logits' shape (:func:`token_logprobs`): check it fits, and that every token id
             is inside its vocabulary.
 
@@ -220,13 +226,12 @@ def _sequence_map(batch: _Batch, *, split: bool = False, logits_shape: tuple[int
         index = torch.where(starts, -1, place - 1)
         read["count"] = starts.sum()
         if split and ids.numel():
-            # Each row's closing run of one-token sequences, and whether any of them has a label.
+            # Each row's closing run of one-token sequences: padding can follow a real token only, so
+            # a row whose last token is labelled with its own id (supervised) has none. Any other
+            # label says nothing: padding is labelled label_pad_token_id, whatever the user chose.
             run = starts.flip(1).long().cumprod(1).flip(1).bool()
-            labelled = (
-                _tensor(batch, LABELS, ids) != IGNORE_INDEX if LABELS in batch else torch.zeros_like(run)
-            )
-            unlabelled = ~(run & labelled).any(1)
-            read["trailing"] = torch.where(unlabelled, run.sum(1), 0).max()
+            labels = _tensor(batch, LABELS, ids) if LABELS in batch else torch.full_like(ids, IGNORE_INDEX)
+            read["trailing"] = torch.where(labels[:, -1] == ids[:, -1], 0, run.sum(1)).max()
     else:
         raise ValueError(
             "the batch has no sequence map ('logits_index', 'sequence_index'), 'attention_mask' or "
@@ -237,11 +242,11 @@ def _sequence_map(batch: _Batch, *, split: bool = False, logits_shape: tuple[int
     if values.get("trailing", 0) > 0:
         raise ValueError(
             "a row of the padding-free batch (position_ids, no attention_mask) ends with "
-            f"{values['trailing']} one-token sequence(s) without a label: that is what "
-            "pad_to_multiple_of padding looks like, and what one-token examples look like, so the loss "
-            "helpers cannot tell padding from one-token sequences at the end of the row; collate with "
-            "Collator.for_transformers(..., return_sequence_map=True), which writes where the sequences "
-            "are, or leave out pad_to_multiple_of"
+            f"{values['trailing']} one-token sequence(s), the last not labelled with its own id: that is "
+            "what pad_to_multiple_of padding looks like (whatever label_pad_token_id), and what one-token "
+            "examples look like, so the loss helpers cannot tell padding from one-token sequences at the "
+            "end of the row; collate with Collator.for_transformers(..., return_sequence_map=True), which "
+            "writes where the sequences are, or leave out pad_to_multiple_of"
         )
     if "count" in values:
         count = values["count"]
@@ -284,6 +289,59 @@ def _check_tensor(value: object, name: str, shape: str) -> torch.Tensor:
     return value
 
 
+def _check_logits(value: object, owner: str) -> torch.Tensor:
+    """The logits, a real tensor: complex ones would lose their imaginary part in the log-softmax."""
+    logits = _check_tensor(value, f"{owner}: logits", "[R, L, V]")
+    if logits.is_complex():
+        raise TypeError(
+            f"{owner}: logits hold {logits.dtype}; give the model's real-valued logits (logits.real if the "
+            "imaginary part is meant to be 0)"
+        )
+    return logits
+
+
+def _check_global_count(value: object) -> torch.Tensor | int:
+    """``aggregate_loss``'s ``global_count``: an int >= 0 (a NumPy integer too) or a 0-d integer tensor,
+    whose sign is read on the CPU only (on an accelerator that would be a device sync)."""
+    if not isinstance(value, torch.Tensor):
+        return check_int("aggregate_loss", "global_count", value, 0)
+    fix = "pass global_loss_count(...) over the step's micro-batches, or None for this batch's own count"
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool or value.dim():
+        raise TypeError(
+            f"aggregate_loss: global_count must be an int >= 0 or a 0-d integer tensor, got a tensor of "
+            f"shape {tuple(value.shape)} and dtype {value.dtype}; {fix}"
+        )
+    if value.device.type == "cpu" and int(value) < 0:
+        raise ValueError(f"aggregate_loss: global_count must be >= 0, got {int(value)}; {fix}")
+    return value
+
+
+def _padding_value(value: object, dtype: torch.dtype) -> float | int:
+    """``unpack``'s ``padding_value``, checked: a real number that ``dtype`` holds (an integer dtype: a
+    whole number in its range; bool: 0 or 1; a float dtype: one within its range, or inf or NaN)."""
+    if not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"unpack: padding_value must be a real number, got {shown(value)}; pass the value that fills "
+            "the padded rows' ends (0 by default)"
+        )
+    number, whole = float(value), None
+    if dtype.is_complex:
+        fits = True
+    elif dtype.is_floating_point:  # inf and NaN are floats too; a finite value past the range would be inf
+        fits = not math.isfinite(number) or abs(number) <= torch.finfo(dtype).max
+    else:
+        whole = operator.index(value) if isinstance(value, numbers.Integral) else None
+        if whole is None and math.isfinite(number) and number.is_integer():
+            whole = int(number)
+        fits = whole is not None and (whole in (0, 1) if dtype == torch.bool else fits_dtype(whole, dtype))
+    if not fits:
+        raise ValueError(
+            f"unpack: padding_value {shown(value)} does not fit the tensor's dtype {dtype}; pass a value "
+            "that it holds, or convert the tensor first (e.g. tensor.float())"
+        )
+    return number if whole is None else whole
+
+
 def token_logprobs(logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
     """Per-token log-probs, token-aligned: ``out[r, t] = log p(input_ids[r, t] | its context)``.
 
@@ -306,7 +364,7 @@ def token_logprobs(logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
         ``[R, L]`` float, differentiable with respect to ``logits``.
 
     Raises:
-        TypeError: if ``logits`` are not a tensor, or a field of the batch is not one of integers.
+        TypeError: if ``logits`` are not a real tensor, or a field of the batch is not one of integers.
         ValueError: if ``logits`` do not match ``input_ids``, a token id is outside ``0 .. V - 1``, or the
             batch's sequences cannot be read (the message names the field).
 
@@ -324,7 +382,7 @@ def token_logprobs(logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
         ...
         ValueError: logits have shape (1, 5, 3), but the largest token id in input_ids is 3: ...
     """
-    logits = _check_tensor(logits, "logits", "[R, L, V]")
+    logits = _check_logits(logits, "token_logprobs")
     return _token_logprobs(logits, _sequence_map(batch, logits_shape=tuple(logits.shape)))
 
 
@@ -378,7 +436,7 @@ def sequence_logprobs(logits: torch.Tensor, batch: _Batch) -> SequenceLogprobs:
         >>> float(out.sums[batch["chosen_index"]][0]) == float(out.sums[0])
         True
     """
-    logits = _check_tensor(logits, "logits", "[R, L, V]")
+    logits = _check_logits(logits, "sequence_logprobs")
     view = _sequence_map(batch, split=True, logits_shape=tuple(logits.shape))
     scores = _token_logprobs(logits, view)
     supervised = _supervised(batch, view)
@@ -404,14 +462,16 @@ def unpack(
             a per-token loss).
         batch: a batch of ``Collator.for_preference`` / ``for_rollouts`` (or ``for_transformers``).
         padded: return ``[S, max_len, ...]``, each row padded with ``padding_value``, instead of a list.
+        padding_value: the padding of ``padded``, a number the tensor's dtype holds.
 
     Returns:
         A list of ``S`` tensors ``[len_i, ...]``, or one ``[S, max_len, ...]`` tensor.
 
     Raises:
-        TypeError, ValueError: for a ``tensor`` that does not fit the batch, a batch whose sequences
-            cannot be read (the message names the field), or a padding-free row whose end cannot be told
-            from padding (collate with ``return_sequence_map=True``).
+        TypeError, ValueError: for a ``tensor`` that does not fit the batch, a ``padding_value`` that its
+            dtype does not hold, a batch whose sequences cannot be read (the message names the field), or
+            a padding-free row whose end cannot be told from padding (collate with
+            ``return_sequence_map=True``).
 
     Example:
         >>> from zephon_collate import Collator
@@ -425,6 +485,7 @@ def unpack(
         [[1, 2, 3, 0], [1, 2, 4, 5]]
     """
     tensor = _check_tensor(tensor, "unpack: tensor", "[R, L, ...]")
+    fill = _padding_value(padding_value, tensor.dtype) if padded else 0
     view = _sequence_map(batch, split=True)
     rows, length = view.sequence_index.shape
     if tuple(tensor.shape[:2]) != (rows, length):
@@ -475,7 +536,7 @@ def unpack(
     values = tensor.reshape(rows * length, *tensor.shape[2:])[index]
     if not padded:
         return list(torch.split(values, sizes))
-    out = values.new_full((count, max(sizes, default=0), *tensor.shape[2:]), padding_value)
+    out = values.new_full((count, max(sizes, default=0), *tensor.shape[2:]), fill)
     place = torch.arange(size, device=device) - torch.repeat_interleave(
         total.cumsum(0) - total, total, output_size=size
     )
@@ -592,10 +653,11 @@ def aggregate_loss(
         A 0-d tensor.
 
     Raises:
-        TypeError: if ``per_token_loss`` is not a tensor, or a field of the batch is not one of integers.
-        ValueError: for an unknown mode, a shape that does not fit the batch, a missing or non-positive
-            ``normalizer``, a batch without ``labels`` or whose sequences cannot be read (the message
-            names the field).
+        TypeError: if ``per_token_loss`` is not a tensor, ``global_count`` is not an int or a 0-d integer
+            tensor, or a field of the batch is not one of integers.
+        ValueError: for an unknown mode, a shape that does not fit the batch, a missing, non-positive
+            or non-finite ``normalizer``, a negative ``global_count``, a batch without ``labels`` or
+            whose sequences cannot be read (the message names the field).
 
     Example:
         >>> from zephon_collate import Collator
@@ -609,6 +671,17 @@ def aggregate_loss(
     """
     per_token_loss = _check_tensor(per_token_loss, "aggregate_loss: per_token_loss", "[R, L]")
     checked = _check_mode(mode)
+    norm = checked == "seq-mean-token-sum-norm"
+    if norm and (
+        isinstance(normalizer, bool)
+        or not isinstance(normalizer, numbers.Real)
+        or not 0 < normalizer < math.inf
+    ):
+        raise ValueError(
+            f"aggregate_loss: mode 'seq-mean-token-sum-norm' needs normalizer=, a finite constant > 0 (e.g. "
+            f"the largest response length), got {shown(normalizer)}"
+        )
+    count = None if global_count is None else _check_global_count(global_count)
     view = _sequence_map(batch)
     if tuple(per_token_loss.shape) != tuple(view.logits_index.shape):
         raise ValueError(
@@ -618,12 +691,7 @@ def aggregate_loss(
     supervised = _supervised(batch, view)
     on_device = supervised.to(per_token_loss.device)
     zero = torch.zeros((), dtype=per_token_loss.dtype, device=per_token_loss.device)
-    if checked == "seq-mean-token-sum-norm":
-        if isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)) or not normalizer > 0:
-            raise ValueError(
-                f"aggregate_loss: mode 'seq-mean-token-sum-norm' needs normalizer=, a constant > 0 (e.g. the "
-                f"largest response length), got {shown(normalizer)}"
-            )
+    if norm:
         ranks = data_parallel_size(group) if world_size is None else world_size
         return torch.where(on_device, per_token_loss, zero).sum() * (ranks / float(normalizer))
     if checked == "token-mean":
@@ -634,6 +702,6 @@ def aggregate_loss(
             counts = _per_sequence(torch.ones_like(per_token_loss, dtype=torch.int64), supervised, view)
             sums = sums / counts.clamp(min=1).to(sums.dtype)
         numerator = sums.sum()
-    if global_count is None:
-        global_count = global_num_valid_tokens(_local_count(supervised, view, checked), group=group)
-    return normalize_loss(numerator, global_count, group=group, world_size=world_size)
+    if count is None:
+        count = global_num_valid_tokens(_local_count(supervised, view, checked), group=group)
+    return normalize_loss(numerator, count, group=group, world_size=world_size)

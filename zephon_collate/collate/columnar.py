@@ -37,7 +37,7 @@ class ColumnarDataset(torch.utils.data.Dataset[Any]):
     """A map-style dataset of columnar batches over a ``datasets.Dataset`` (or a ``pyarrow.Table``).
 
     ``__getitems__(indices)`` returns the rows at ``indices`` as ``[batch]``: a
-    list holding one :class:`~zephon_collate._columns.ColumnBatch`, a read-only
+    list holding one :class:`~zephon_collate.read.arrow.ColumnBatch`, a read-only
     mapping of each column to its ``(values, offsets)`` pair (numbers) or Arrow
     array (anything else, text say), which the collators read as one batch.
     Neither the list nor the mapping is a ``dict``: ``transformers.Trainer``, for
@@ -149,14 +149,23 @@ class ColumnarDataset(torch.utils.data.Dataset[Any]):
         """The rows at ``indices``, in that order, as ``[batch]``: one lookup, one gather per column.
 
         Raises:
+            TypeError: for an index that is not an int (``datasets`` refuses a float key too).
             IndexError: for an index outside the dataset.
             ValueError: if the dataset was given a transform since (``set_transform``).
         """
         _check_no_transform(self.dataset)
-        rows = np.asarray(indices, dtype=np.int64).reshape(-1)
-        if rows.size and (int(rows.min()) < -self._rows or int(rows.max()) >= self._rows):
-            bad = int(rows[(rows < -self._rows) | (rows >= self._rows)][0])
-            raise IndexError(f"ColumnarDataset: index {bad} is out of range for {self._rows} rows")
+        given = np.asarray(indices).reshape(-1)
+        if given.size and given.dtype.kind not in "iu":  # a float would be cut to a row silently
+            raise TypeError(
+                f"ColumnarDataset: indices must be ints (row numbers, as a sampler gives them), got "
+                f"{shown(indices)}; pass the rows' integer indices"
+            )
+        outside = (given < -self._rows) | (given >= self._rows)  # in the given dtype: no wrap-around
+        if outside.any():
+            raise IndexError(
+                f"ColumnarDataset: index {int(given[outside][0])} is out of range for {self._rows} rows"
+            )
+        rows = given.astype(np.int64)
         rows = np.where(rows < 0, rows + self._rows, rows)
         if self._indices is not None:
             rows = self._indices[rows]

@@ -10,6 +10,9 @@ and plans them with the ``balance`` options' schedule
 items out in that same round-robin order, so steps arrive in order. One item is
 one step: this rank's micro-batches, each a list of packed rows (``rows`` rows
 of ``seq_len``, or one padding-free row holding the micro-batch's documents).
+The epoch's last step holds as many micro-batches as its documents need; a tail
+too small to give every rank a micro-batch is dropped
+(:mod:`zephon_collate.parallel.schedule`), never yielded as an empty step.
 
 The state (after each step) holds where the source resumes, the last record's
 cursor key, the steps planned so far and the documents waiting for the next
@@ -139,8 +142,10 @@ class BalancedSteps:
             if not keys and not self.schedule.waiting:
                 return
             plan = self.schedule.plan(keys, [self.pieces[key].tokens.size for key in keys], final=ended)
-            step, self.steps = self.steps, self.steps + 1
-            built = self._build(plan) if step % self.workers == self.worker else None
+            built = None
+            if plan.num_slots:  # none: the epoch's tail, too small for every rank, was dropped
+                step, self.steps = self.steps, self.steps + 1
+                built = self._build(plan) if step % self.workers == self.worker else None
             waiting = set(self.schedule.waiting)
             self.pieces = {key: piece for key, piece in self.pieces.items() if key in waiting}
             if built is not None:

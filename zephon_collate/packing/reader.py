@@ -5,9 +5,11 @@ and :class:`zephon_collate.packing.packer.FlatPacker`. :class:`Reader` reads one
 record at a time (a :class:`Document`): its token row as int64 ids >= 0, the
 per-token fields packed beside it (``loss_mask`` holding only 0 and 1), each a
 1-D NumPy view of the payload, its float fields (:mod:`zephon_collate.read.fields`),
-its own segment structure (payload ``positions``, restarting at 0 where a
-segment starts) and its group key, with a ``TypeError``/``ValueError`` that
-names the record, the field and the fix. Nothing here writes into a payload.
+its own segment structure (payload ``positions``, else Hugging Face's
+``position_ids`` as the Collator reads them, restarting at 0 where a segment
+starts; neither is packed as data unless listed) and its group key, with a
+``TypeError``/``ValueError`` that names the record, the field and the fix.
+Nothing here writes into a payload.
 
 Supervision is read as ``loss_mask`` only. The fields that spell it otherwise
 (:data:`SUPERVISING_FIELDS`: ``labels`` with -100 on a prompt, ``assistant_masks``,
@@ -37,6 +39,7 @@ from zephon_collate.core.keys import (
     INT32_MAX,
     LABELS,
     LOSS_MASK,
+    POSITION_IDS,
     POSITIONS,
     SUPERVISION_MASKS,
     TOKEN_FIELD_CANDIDATES,
@@ -131,16 +134,20 @@ class PackOptions(Keywords):
             for name in fields:
                 if not isinstance(name, str):
                     raise TypeError(f"{owner}: fields must hold str field names, got {shown(name)}")
-                if name == tokens_field or (name == POSITIONS and options["emit_positions"]):
-                    hint = "; pass emit_positions=False to pack input positions" if name == POSITIONS else ""
+                if name == tokens_field or (name in (POSITIONS, POSITION_IDS) and options["emit_positions"]):
+                    does = "reads as the documents' positions" if name == POSITION_IDS else "writes"
+                    hint = (
+                        "; pass emit_positions=False to pack input positions" if name != tokens_field else ""
+                    )
                     raise ValueError(
-                        f"{owner}: fields may not list {shown(name)}, which the packer writes{hint}"
+                        f"{owner}: fields may not list {shown(name)}, which the packer {does}{hint}"
                     )
             if len(set(fields)) != len(fields):
                 raise ValueError(f"{owner}: fields lists a name twice: {shown(fields)}")
         reserved = (
             *(fields or ()),
             POSITIONS,
+            *([POSITION_IDS] if options["emit_positions"] else []),  # read as the positions
             LOSS_MASK,
             *([tokens_field] if tokens_field != "auto" else []),
         )
@@ -291,9 +298,10 @@ def _aligned_rows(field: Ragged, tokens: Ragged) -> np.ndarray:
     return aligned
 
 
-def _check_one_segment(positions: Ragged, tokens: Ragged, names: Names) -> None:
-    """A ``positions`` column beside columnar documents: each must count 0, 1, ... over its tokens (one
-    segment), for columns carry no per-document segments into the packer (records do)."""
+def _check_one_segment(positions: Ragged, tokens: Ragged, names: Names, name: str) -> None:
+    """A ``positions`` (or ``position_ids``: ``name``) column beside columnar documents: each must count
+    0, 1, ... over its tokens (one segment), for columns carry no per-document segments into the packer
+    (records do)."""
     aligned = _aligned_rows(positions, tokens)
     if positions.values.ndim != 1 or not aligned.all():
         bad = ~aligned | (positions.values.ndim != 1)
@@ -304,11 +312,11 @@ def _check_one_segment(positions: Ragged, tokens: Ragged, names: Names) -> None:
     found = np.flatnonzero(bad)
     if found.size:
         raise ValueError(
-            f"{names(int(found[0]))}: field 'positions' does not count 0, 1, ... over the document's tokens "
-            "(it restarts: segments, or is misaligned); packing keeps a document's segments for records "
-            "only: give these documents as records or payload dicts (pack_flat), drop the column for one "
-            "segment per document, or pass emit_positions=False with fields=(..., 'positions') to pack it "
-            "as data"
+            f"{names(int(found[0]))}: field {shown(name)} does not count 0, 1, ... over the document's "
+            "tokens (it restarts: segments, or is misaligned); packing keeps a document's segments for "
+            "records only: give these documents as records or payload dicts (pack_flat), drop the column "
+            f"for one segment per document, or pass emit_positions=False with fields=(..., {shown(name)}) "
+            "to pack it as data"
         )
 
 
@@ -321,8 +329,10 @@ class Reader:
     numbers with one entry per token; ``strict``: later records must then agree
     on ``loss_mask``). ``floats`` are read by their specs, ``positions`` (with
     ``segments``, the packer's ``emit_positions``) as the document's segment
-    structure, and ``group_key`` as its group. Supervision spelled otherwise
-    than ``loss_mask`` is refused where it would change what is trained.
+    structure (else ``position_ids``, Hugging Face's spelling, as the Collator
+    reads them; both, differing: ``ValueError``), and ``group_key`` as its
+    group. Supervision spelled otherwise than ``loss_mask`` is refused where it
+    would change what is trained.
     """
 
     def __init__(
@@ -426,8 +436,9 @@ class Reader:
         names = batch.names
         tokens = self.tokens(batch)
         name = self._name
-        if self.segments and POSITIONS in batch and not isinstance(batch, Rows):
-            _check_one_segment(cast(Ragged, batch.get(POSITIONS, "ids")), tokens, names)
+        source = rules.positions_field(batch) if self.segments and not isinstance(batch, Rows) else None
+        if source is not None:  # a record's are read by _segments
+            _check_one_segment(cast(Ragged, batch.get(source, "ids")), tokens, names, source)
         has_tokens = tokens.lengths > 0
         if not has_tokens.any():
             return tokens, {}
@@ -496,17 +507,19 @@ class Reader:
             raise unread_supervision(names(found[0]), found[1])
 
     def _segments(self, batch: Batch, tokens: Ragged) -> np.ndarray | None:
-        """A record's ``positions``: its segments (a segment starts wherever they are 0)."""
-        if POSITIONS not in batch:
+        """A record's ``positions`` (or ``position_ids``): its segments (a segment starts wherever they
+        are 0)."""
+        name = rules.positions_field(batch)
+        if name is None:
             return None
         where = batch.names(0)
-        positions = batch.get(POSITIONS, "ids")
+        positions = batch.get(name, "ids")
         assert positions is not None
         values = positions.host.reshape(-1) if positions.values.ndim else positions.host
         length = int(tokens.lengths[0])
         if positions.values.ndim != 1:
             raise ValueError(
-                f"{where}: field 'positions' must be 1-D (one entry per token), got shape "
+                f"{where}: field {shown(name)} must be 1-D (one entry per token), got shape "
                 f"{tuple(positions.values.shape)}"
             )
         if values.size != length or values[0] != 0:
@@ -516,9 +529,9 @@ class Reader:
                 else f"starts at {int(values[0])}"
             )
             raise ValueError(
-                f"{where}: field 'positions' {problem}; the packer keeps a document's segments (a segment "
-                "starts wherever positions are 0), so they must start at 0 and give one per token. Drop "
-                "them for one segment per document, or pass emit_positions=False to pack them as data"
+                f"{where}: field {shown(name)} {problem}; the packer keeps a document's segments (a "
+                "segment starts wherever positions are 0), so they must start at 0 and give one per token. "
+                "Drop them for one segment per document, or pass emit_positions=False to pack them as data"
             )
         if not (values[1:] == 0).any():
             return None  # one segment: what the packer writes anyway
@@ -570,9 +583,9 @@ def candidates(
 ) -> tuple[str, ...]:
     """The per-token fields of the documents of ``batch``: ``loss_mask`` (one entry per token in every
     document with tokens, else ``ValueError``), then each field of numbers with one entry per token in
-    every such document, in the input's order. The tokens, input ``positions`` (the segments), the
-    ``skipped`` names (float fields, the group key) and the supervising fields (refused or harmless) are
-    never candidates."""
+    every such document, in the input's order. The tokens, input ``positions`` and ``position_ids`` (the
+    segments), the ``skipped`` names (float fields, the group key) and the supervising fields (refused or
+    harmless) are never candidates."""
     names = batch.names
     found = []
     if LOSS_MASK in batch:
@@ -586,7 +599,7 @@ def candidates(
                 f"({int(tokens.lengths[row])})"
             )
         found.append(LOSS_MASK)
-    excluded = {tokens_name, POSITIONS, LOSS_MASK, *SUPERVISING_FIELDS, *skipped}
+    excluded = {tokens_name, POSITIONS, POSITION_IDS, LOSS_MASK, *SUPERVISING_FIELDS, *skipped}
     order = getattr(batch, "order", None) or sorted(batch.fields)
     for name in order:
         if not isinstance(name, str) or name in excluded or not batch.carried(name)[tokens.lengths > 0].all():

@@ -23,11 +23,12 @@ import numpy as np
 import numpy.typing as npt
 
 from zephon_collate.core.checks import check_int
+from zephon_collate.core.keys import INT64_MAX
 from zephon_collate.core.text import shown
 from zephon_collate.parallel.cost import COST_LIMIT, CostModel
 from zephon_collate.parallel.placement import UNPLACED, Ints, pack_rows, place_items, place_rows
 
-__all__ = ["BalanceOptions", "BalancePlan", "Floats", "Ints", "plan_balance"]
+__all__ = ["BalanceOptions", "BalancePlan", "Floats", "Ints", "as_counts", "plan_balance"]
 
 Floats = npt.NDArray[np.float64]
 _Cell = tuple[int, ...]
@@ -182,14 +183,18 @@ class BalancePlan:
             dropped=swap(self.dropped),
         )
 
-    def without_sparse_slots(self) -> BalancePlan:
-        """The plan without the slots in which some rank got no document; theirs go to ``dropped``.
+    def without_sparse_slots(self, *, hold: bool = False) -> BalancePlan:
+        """The plan without the slots in which some rank got no document; theirs go to ``dropped``
+        (``hold``: to ``held``, to wait for the next window).
 
         Only a slot holding fewer units (documents, or groups) than ranks has an empty
         micro-batch (the longest-first seed gives an empty cell the next unit, and fixed
         rows are split until every micro-batch has one), so this drops at most the tail
         of an epoch's last window: a rank with nothing to run would leave the others
-        waiting in the slot's collectives.
+        waiting in the slot's collectives. Before the last window (``hold``) they wait
+        for the next one instead, where new documents fill the step: such a slot is
+        then one of the :attr:`extra_slots` for documents that may not wait, too few
+        to fill it.
 
         Example:
             >>> options = BalanceOptions(cost=CostModel(linear=1, quadratic=0), max_tokens=4)
@@ -210,14 +215,14 @@ class BalancePlan:
         return BalancePlan(
             cells=tuple(self.cells[slot] for slot in keep),
             rows=None if self.rows is None else tuple(self.rows[slot] for slot in keep),
-            held=self.held,
+            held=tuple(sorted((*self.held, *gone))) if hold else self.held,
             costs=self.costs[keep],
             tokens=self.tokens[keep],
             computed=self.computed[keep],
             largest=self.largest[keep],
-            extra_slots=self.extra_slots,
+            extra_slots=max(0, self.extra_slots - (self.num_slots - len(keep))),
             seq_len=self.seq_len,
-            dropped=tuple(sorted((*self.dropped, *gone))),
+            dropped=self.dropped if hold else tuple(sorted((*self.dropped, *gone))),
         )
 
     def imbalance(self) -> Floats:
@@ -285,19 +290,23 @@ def _spread(values: Ints) -> Floats:
     return np.where(mean > 0, values.max(axis=1) / safe, 1.0)
 
 
-def _as_lengths(values: npt.ArrayLike, name: str, minimum: int) -> Ints:
+def as_counts(values: object, name: str, minimum: int, owner: str = "plan_balance") -> Ints:
+    """``values`` as a 1-D int64 array of entries from ``minimum`` to 2**63 - 1: ``TypeError`` unless
+    ints, ``ValueError`` naming the first entry out of range as given (before any cast wraps it)."""
     array = np.asarray(values)
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
         raise TypeError(
-            f"plan_balance: {name} must be a 1-D sequence of ints, got {shown(values)} "
+            f"{owner}: {name} must be a 1-D sequence of ints, got {shown(values)} "
             f"(dtype {array.dtype}, {array.ndim} dims)"
         )
-    exact: Ints = array.astype(np.int64)
-    if exact.size and int(exact.min()) < minimum:
-        position = int(np.argmin(exact))
+    bad = np.flatnonzero((array < minimum) | (array > INT64_MAX))
+    if bad.size:
+        position = int(bad[0])
         raise ValueError(
-            f"plan_balance: {name}[{position}] is {int(exact[position])}; every entry must be >= {minimum}"
+            f"{owner}: {name}[{position}] is {int(array[position])}; every entry must be an int from "
+            f"{minimum} to 2**63 - 1"
         )
+    exact: Ints = array.astype(np.int64)
     return exact
 
 
@@ -351,9 +360,9 @@ def plan_balance(
     ranks = check_int("plan_balance", "ranks", ranks, 1)
     if not isinstance(options, BalanceOptions):
         raise TypeError(f"plan_balance: options must be BalanceOptions, got {type(options).__name__}")
-    sizes = _as_lengths(lengths, "lengths", 1)
+    sizes = as_counts(lengths, "lengths", 1)
     count = sizes.size
-    waits = np.zeros(count, np.int64) if waited is None else _as_lengths(waited, "waited", 0)
+    waits = np.zeros(count, np.int64) if waited is None else as_counts(waited, "waited", 0)
     if waits.size != count:
         raise ValueError(f"plan_balance: waited has {waits.size} entries for {count} documents")
     units, first = _units(groups, count)

@@ -1,4 +1,5 @@
-"""Reassembling context-parallel shards: the inverse of :class:`~zephon_collate.ContextParallelShard`.
+"""Reassembling context-parallel shards: the inverse of
+:class:`~zephon_collate.transforms.ContextParallelShard`.
 
 :func:`gather_context_parallel` puts the shards of every CP rank back in
 stream order, with the layout of :mod:`zephon_collate.functional.context_parallel`.

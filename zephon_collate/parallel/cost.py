@@ -218,7 +218,9 @@ class CostModel:
         a negative ``a`` or ``b`` is clipped to 0 and the other refitted.
 
         Raises:
-            ValueError: for fewer than 3 measurements or sequences of different lengths.
+            TypeError: for a measurement that is not a number.
+            ValueError: for fewer than 3 measurements, sequences of different lengths, or a measurement
+                that is not finite (NaN, inf).
 
         Example:
             >>> sizes = [[100], [50, 50], [200], [10] * 20]
@@ -238,9 +240,9 @@ class CostModel:
         if n < 3:
             raise ValueError(f"CostModel.fit: needs at least 3 measurements, got {n}")
         design = np.column_stack(
-            [np.ones(n), np.asarray(tokens, np.float64), np.asarray(squared_tokens, np.float64)]
+            [np.ones(n), _measured(tokens, "tokens"), _measured(squared_tokens, "squared_tokens")]
         )
-        target = np.asarray(seconds, np.float64)
+        target = _measured(seconds, "seconds")
         coefficients = np.linalg.lstsq(design, target, rcond=None)[0]
         linear, quadratic = float(coefficients[1]), float(coefficients[2])
         if linear < 0 or quadratic < 0:  # refit with the offending term dropped
@@ -251,3 +253,22 @@ class CostModel:
         if linear == 0 and quadratic == 0:
             raise ValueError("CostModel.fit: the times do not grow with tokens; measure larger batches")
         return cls.from_coefficients(linear, quadratic)
+
+
+def _measured(values: Sequence[float], name: str) -> npt.NDArray[np.float64]:
+    """One of :meth:`CostModel.fit`'s sequences as float64: ``TypeError`` unless numbers, ``ValueError``
+    naming the first measurement that is not finite (a failed one, which would skew the fit)."""
+    array = np.asarray(values)
+    if array.ndim != 1 or array.dtype.kind not in "iuf":
+        raise TypeError(
+            f"CostModel.fit: {name} must be a sequence of numbers (one per measured micro-batch), got "
+            f"{shown(values)}"
+        )
+    measured: npt.NDArray[np.float64] = array.astype(np.float64)
+    bad = np.flatnonzero(~np.isfinite(measured))
+    if bad.size:
+        raise ValueError(
+            f"CostModel.fit: {name}[{int(bad[0])}] is {measured[bad[0]]}; every measurement must be a finite "
+            "number: drop the failed measurement (and its entries in the other sequences)"
+        )
+    return measured

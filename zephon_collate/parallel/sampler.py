@@ -34,7 +34,7 @@ from torch.utils.data import dataloader as _dataloader
 
 from zephon_collate.core.checks import check_int
 from zephon_collate.core.text import shown
-from zephon_collate.parallel.balance import BalanceOptions, BalancePlan
+from zephon_collate.parallel.balance import BalanceOptions, BalancePlan, as_counts
 from zephon_collate.parallel.placement import Ints
 from zephon_collate.parallel.schedule import BalanceSchedule
 
@@ -102,8 +102,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
         seed: int = 0,
     ) -> None:
         owner = "BalancedBatchSampler"
-        self.lengths = _int_array(lengths, "lengths", 1)
-        self.groups = None if groups is None else _int_array(groups, "groups", 0)
+        self.lengths = as_counts(lengths, "lengths", 1, owner)
+        self.groups = None if groups is None else as_counts(groups, "groups", 0, owner)
         if self.groups is not None and self.groups.size != self.lengths.size:
             raise ValueError(
                 f"{owner}: groups has {self.groups.size} entries for {self.lengths.size} lengths"
@@ -296,16 +296,3 @@ def _prefetching_loader(frame: FrameType | None) -> str | None:
             return type(owner).__name__ if isinstance(owner, _PREFETCHING) else None
         caller = caller.f_back
     return None
-
-
-def _int_array(values: object, name: str, minimum: int) -> Ints:
-    array = np.asarray(values)
-    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise TypeError(f"BalancedBatchSampler: {name} must be a 1-D sequence of ints, got {shown(values)}")
-    exact: Ints = array.astype(np.int64)
-    if exact.size and int(exact.min()) < minimum:
-        position = int(np.argmin(exact))
-        raise ValueError(
-            f"BalancedBatchSampler: {name}[{position}] is {int(exact[position])}; each must be >= {minimum}"
-        )
-    return exact

@@ -7,13 +7,13 @@ come first, then new documents until the capacity is reached.
 :func:`~zephon_collate.parallel.balance.plan_balance` plans the window; what it
 holds back waits for the next window (a document that no longer fits a full
 step, or an outlier under ``hold_back``), and the waiting documents are placed
-first in line, so none waits beyond ``max(hold_back, 1)`` windows. The last
-window of an epoch (``final=True``) places everything, in as few slots as it
-needs; a tail slot left with fewer units (documents, or groups) than ranks is
-dropped (its documents are counted in :attr:`BalanceSchedule.dropped`), since a
-rank with an empty micro-batch would leave the others waiting in that slot's
-collectives. In any window, a rank gets an empty micro-batch only when the
-window holds fewer units than the step has micro-batches.
+first in line, so none waits beyond ``max(hold_back, 1)`` windows, unless the
+extra slot it needs would have fewer units (documents, or groups) than ranks:
+it waits one more window then. The last window of an epoch (``final=True``)
+places everything, in as few slots as it needs; a tail slot left with fewer
+units than ranks is dropped (its documents are counted in
+:attr:`BalanceSchedule.dropped`). No rank ever gets an empty micro-batch: it
+would leave the others waiting in that slot's collectives.
 
 The schedule's state is the waiting documents (keys, lengths, groups, windows
 waited): plain ints in lists, so a saved state survives
@@ -100,7 +100,9 @@ class BalanceSchedule:
         """Plan the next window: the waiting documents, then ``keys`` (their ``lengths``, ``groups``).
 
         Returns the plan with ``keys`` in place of window positions; what it holds
-        waits for the next call. With ``final`` everything is placed.
+        waits for the next call. With ``final`` everything is placed. A slot with
+        fewer units than ranks is left out (:meth:`BalancePlan.without_sparse_slots`):
+        its documents wait, or with ``final`` are dropped.
 
         Raises:
             ValueError: if ``keys``, ``lengths`` and ``groups`` differ in length, or for what
@@ -124,14 +126,13 @@ class BalanceSchedule:
             waited=np.array(waited, np.int64),
             final=final,
         )
+        plan = plan.without_sparse_slots(hold=not final)  # no rank gets an empty micro-batch
         held = plan.held
         self._keys = [all_keys[i] for i in held]
         self._lengths = [all_lengths[i] for i in held]
         self._groups = [all_groups[i] for i in held]
         self._waited = [waited[i] + 1 for i in held]
-        if final:
-            plan = plan.without_sparse_slots()
-            self.dropped += len(plan.dropped)
+        self.dropped += len(plan.dropped)
         return plan.with_keys(all_keys)
 
     def state_dict(self) -> dict[str, Any]:
