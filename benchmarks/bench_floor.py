@@ -4,7 +4,7 @@ Rows, for 8 x 80 tokens (the fixed cost of a call) and 8 x 8,193 (the benchmark
 workload of bench_to_training.py), every to_training output at once:
 - to_training: argument and payload checks, stacking, the chain, output assembly;
 - the chain alone on the stacked batch, as the collate path runs it on the CPU:
-  the fused host pass (``use_host_pass``, the default);
+  each step's NumPy variant (``use_host_pass``, the default);
 - the chain alone as the torch transforms (what runs on a device or compiled);
 - hand-written NumPy passes: the same outputs from plain arrays, with no check,
   no reading of records and no chain (checked equal to to_training's first);

@@ -200,7 +200,9 @@ def varied(draw: st.DrawFn) -> tuple[list[SampleRecord], dict]:
     for index in range(rows):
         length = int(rng.integers(1, base + 1)) if ragged else base
         length = max(length, 2) if wide else length  # a [1, K] row reads as a batch of one row: refused
-        tokens = rng.integers(0, 50, (length, 2) if wide else length)
+        tokens = rng.integers(
+            1, 50, (length, 2) if wide else length
+        )  # never the pad id 0: refused at a row end
         starts = rng.random(length) < 0.2
         starts[0] = True
         positions = np.arange(length) - np.maximum.accumulate(np.where(starts, np.arange(length), 0))

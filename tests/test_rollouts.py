@@ -50,7 +50,8 @@ def test_a_grpo_group_shares_its_prompt():
     assert out["sequence_index"] == [[-1, -1, 0, 0, 1, 2, 2, 2, -1, 3]]
     assert out["labels"] == [[-100, -100, 3, 4, 5, 6, 7, 8, -100, 10]]
     assert out["old"] == [[0.0, 0.0, -0.25, -0.5, -0.25, -0.25, -0.5, -0.75, 0.0, -0.25]]
-    assert out["adv"] == [[0.0, 0.0, 1.0, 1.0, -1.0, 0.5, 0.5, 0.5, 0.0, 2.0]]  # 0 on a shared prompt
+    # 0 on a prompt shared by sequences of different values; a lone rollout's prompt keeps its own (2.0)
+    assert out["adv"] == [[0.0, 0.0, 1.0, 1.0, -1.0, 0.5, 0.5, 0.5, 2.0, 2.0]]
     # value[t] belongs to the prediction made at t: moved to the token it scores, per sequence
     assert out["value"] == [[0.0, 0.0, 1.0, 2.0, 1.0, 1.0, 2.0, 3.0, 0.0, 0.0]]
     assert out["num_sequences"] == 4

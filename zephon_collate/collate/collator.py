@@ -116,12 +116,7 @@ class Collator:
         settings = layout.settings
         if (settings.device is not None or settings.compile) and layout.kind != "torch":
             raise ValueError(
-                f"{layout.OWNER}: device and compile need torch output; pass "
-                + (
-                    "return_tensors='pt'"
-                    if isinstance(layout, Transformers)
-                    else "dtype='auto' or a torch dtype"
-                )
+                f"{layout.OWNER}: device and compile need torch output; pass {layout.TORCH_OUTPUT}"
             )
         if isinstance(layout, Native):
             layout.check_chain()

@@ -24,7 +24,7 @@ pickle stream through the worker's pipe, with no round trip; a larger one as a
 tensor, through shared memory, whose fixed cost a large buffer repays. The
 limit sits where the two cost the same: inline wins at 8 x 8,193 tokens (329 kB
 stacked), shared memory at 8 x 32,769 (1.3 MB); ``python
-benchmarks/bench_transfer.py`` measures both (the README gives the figures).
+benchmarks/bench_transfer.py`` measures both (``docs/benchmarks.md`` gives the figures).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Every document of the padded THD stream (``cu_seqlens_padded[d] ..
 cu_seqlens_padded[d + 1]``, a multiple of ``2 * cp_size`` long) is cut into
 ``2 * cp_size`` equal chunks and rank ``r`` holds chunks ``r`` and
 ``2 * cp_size - 1 - r``, as TransformerEngine's ``thd_get_partitioned_indices``.
-:class:`~zephon_collate.ContextParallelShard` makes the shards with this
-arithmetic and :func:`~zephon_collate.gather_context_parallel` inverts it.
+:class:`~zephon_collate.transforms.ContextParallelShard` makes the shards with this
+arithmetic and :func:`~zephon_collate.parallel.context_parallel.gather_context_parallel` inverts it.
 """
 
 from __future__ import annotations

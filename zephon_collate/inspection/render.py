@@ -190,7 +190,7 @@ def render_batch(
     Parameters:
         batch: the dict ``to_training`` or ``Collator`` returned (``input_ids`` at least).
         tokenizer: shows tokens as text: anything with ``decode(list_of_ids) -> str``
-            (a Hugging Face tokenizer, :class:`~zephon_collate.demo.ByteTokenizer`) or a
+            (a Hugging Face tokenizer, the demo's ``ByteTokenizer`` in ``examples/demo``) or a
             callable ``id -> str``; ``None`` shows the ids.
         color: ANSI colours (supervised text green, padding dim, segment starts magenta).
         width: wrap each row's columns at this many characters.

@@ -171,6 +171,8 @@ class Layout:
     KEY: ClassVar[tuple[str, ...]] = (INPUT_IDS,)
     """The field every row of a batched dict of lists has (the first found of these)."""
     ITEM: ClassVar[str] = "example"
+    TORCH_OUTPUT: ClassVar[str] = "return_tensors='pt'"
+    """The option that asks for torch output, for the messages that need it."""
     ORDER: ClassVar[tuple[str | None, ...]] = ()
     """The outputs' order; ``None`` is where the extra fields go; the keys not named follow, in the
     chain's order."""
@@ -183,6 +185,14 @@ class Layout:
         self.options = options
         self.settings = settings if settings is not None else Settings()
         self._plans = Plans()
+        self._names: dict[tuple[str, ...], list[tuple[str, str]]] = {}  # output names by key set
+        for spec in getattr(options, "float_fields", ()):
+            if spec.dtype == torch.bfloat16 and self.kind != "torch":  # NumPy has no bfloat16
+                raise ValueError(
+                    f"{self.OWNER}: float field {shown(spec.name)} has dtype torch.bfloat16, which "
+                    f"{self.kind} output cannot hold; pass {self.TORCH_OUTPUT}, or give the field "
+                    "dtype=torch.float32"
+                )
 
     # -- what a layout writes --------------------------------------------------------------------
 
@@ -213,8 +223,7 @@ class Layout:
             pairs = [name for name, value in samples.items() if type(value) is tuple and len(value) == 2]
             hint = (
                 f"; field {shown(pairs[0])} looks like a (values, offsets) pair: give both as NumPy "
-                "arrays or "
-                "tensors"
+                "arrays or tensors"
                 if pairs
                 else "; a batch of columns is a dict of Arrow columns or (values, offsets) pairs"
             )
@@ -341,7 +350,10 @@ class Layout:
             key: [value for part in stacked for value in part.per_row.get(key, [])] for key in (IDS, TEXTS)
         }
         out: dict[str, Any] = {}
-        for key, name in self.output_names(keys):
+        names = self._names.get(tuple(keys))
+        if names is None:
+            names = self._names[tuple(keys)] = self.output_names(keys)
+        for key, name in names:
             if key in per_row:
                 out[name] = per_row[key]
                 continue

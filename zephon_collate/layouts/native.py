@@ -62,6 +62,7 @@ from zephon_collate.read.rules import (
     declared_padding,
     misaligned,
     misspelled,
+    positions_field,
     unread_supervision,
 )
 from zephon_collate.transforms import Chain, Transform
@@ -146,6 +147,7 @@ class Native(Layout):
     OWNER: ClassVar[str] = "Collator"
     READS: ClassVar[Literal["records", "examples"]] = "records"
     ITEM: ClassVar[str] = "record"
+    TORCH_OUTPUT: ClassVar[str] = "dtype='auto' or a torch dtype"
     ORDER: ClassVar[tuple[str | None, ...]] = (
         IDS,
         TEXTS,
@@ -285,25 +287,11 @@ class Native(Layout):
 
     def _source(self, batch: Batch, name: str) -> str:
         """The field ``name`` is read from: the Collator reads Hugging Face's ``position_ids`` as the
-        positions where no row has ``positions`` (dropped, labels would cross the documents they
-        mark); a row with both, disagreeing, is refused."""
-        if name != POSITIONS or not self.strict or POSITION_IDS not in batch:
+        positions (:func:`~zephon_collate.read.rules.positions_field`; dropped, labels would cross the
+        documents they mark)."""
+        if name != POSITIONS or not self.strict:
             return name
-        if POSITIONS not in batch:
-            return POSITION_IDS
-        both = np.flatnonzero(batch.carried(POSITIONS) & batch.carried(POSITION_IDS))
-        if both.size:
-            given = batch.get(POSITIONS, "ids", partial=True)
-            other = batch.get(POSITION_IDS, "ids", partial=True)
-            assert given is not None and other is not None
-            for index in both.tolist():
-                if not np.array_equal(as_numpy(given.row(index)), as_numpy(other.row(index))):
-                    raise ValueError(
-                        f"{batch.names(index)}: payload has both 'positions' and 'position_ids' (Hugging "
-                        "Face's spelling), and they differ, so it is not clear where its documents start; "
-                        "keep one"
-                    )
-        return name
+        return positions_field(batch) or POSITIONS
 
     def _wanted(self) -> list[tuple[str, bool, bool]]:
         """``(field, required, aligned)`` of each field read besides the tokens: ``aligned`` fields must

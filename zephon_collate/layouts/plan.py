@@ -198,7 +198,14 @@ class Plan:
                 if stage.reads_every_key:  # it reshapes the whole batch: its output is the batch
                     out = function(dict(out))
                     continue
-                out.update(function(_stage_input(stage, out)))
+                given = _stage_input(stage, out)
+                try:
+                    out.update(function(given))
+                except Exception:
+                    if function == stage.run:
+                        raise
+                    stage.run(given)  # eager, it names what failed (an undeclared key, a bad return)
+                    raise  # eager runs: the compiler's own failure
                 for key in stage.dropped_keys:
                     out.pop(key, None)
             return out

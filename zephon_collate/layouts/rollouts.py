@@ -123,7 +123,7 @@ class Rollouts(Sequences):
         names = batch.names
         tokens = fields[INPUT_IDS]
         for name, problem in (
-            (POSITION_IDS, "pre-packed 'position_ids'"),
+            (POSITION_IDS, "pre-packed positions ('position_ids' or 'positions')"),
             (TOKEN_TYPE_IDS, "'token_type_ids'"),
         ):
             if name in fields:

@@ -3,7 +3,7 @@
 ``Collator.for_preference`` and ``Collator.for_rollouts`` read their examples
 into a :class:`SequenceBatch` (each sequence's tokens, what is supervised, its
 prompt length, its float fields) and :class:`Sequences`, a
-:class:`~zephon_collate.collate.hf.Transformers` layout, lays it out: the
+:class:`~zephon_collate.layouts.transformers.Transformers` layout, lays it out: the
 ``for_transformers`` keys (padded ``[R, L]`` or padding-free ``[1, N]``,
 labels unshifted, -100 where no loss is taken) and the sequence map that makes
 every loss exact (:mod:`zephon_collate.losses`):
@@ -146,7 +146,7 @@ class SequenceBatch:
     floats: dict[str, Ragged] = field(default_factory=dict)
     per_sequence: dict[str, np.ndarray] = field(default_factory=dict)
     extras: dict[str, np.ndarray] = field(default_factory=dict)
-    broadcast: tuple[str, ...] = ()  # float fields holding one value per sequence, 0 on a shared prompt
+    broadcast: tuple[str, ...] = ()  # float fields holding one value per sequence (see _differs_in_group)
     numbering: np.ndarray | None = None  # [S]: the sequence index of each (default: its place)
 
     @property
@@ -190,6 +190,29 @@ def share_groups(batch: SequenceBatch) -> np.ndarray:
     opens = eligible & ~np.concatenate([[False], link])
     group = np.cumsum(opens) - 1
     return np.where(eligible, group, -1).astype(np.int64)
+
+
+def _differs_in_group(values: np.ndarray, offsets: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """``[S]`` booleans: does sequence ``s`` share its prompt with a sequence of another broadcast value
+    (``values``: one per token, constant over each sequence)? Such a prompt belongs to sequences that
+    disagree, and holds 0; where they agree (a group of one always does) it holds their value.
+
+    Example:
+        >>> values = np.array([1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0])
+        >>> _differs_in_group(values, np.array([0, 2, 4, 6, 8]), np.array([0, 0, 1, 1])).tolist()
+        [False, False, True, True]
+    """
+    shared = group >= 0
+    first = values[np.minimum(offsets[:-1], max(values.size - 1, 0))] if values.size else values
+    differ = np.zeros(group.size, dtype=bool)
+    if shared.any():
+        ids = group[shared]
+        lowest = np.full(int(ids.max()) + 1, np.inf)
+        highest = np.full(int(ids.max()) + 1, -np.inf)
+        np.minimum.at(lowest, ids, first[shared])
+        np.maximum.at(highest, ids, first[shared])
+        differ[shared] = (lowest != highest)[ids]
+    return differ
 
 
 class Sequences(Transformers):
@@ -254,7 +277,10 @@ class Sequences(Transformers):
         for name, values in batch.floats.items():
             kept_values = np.asarray(values.values)[kept]
             if name in batch.broadcast:  # one value per sequence: a shared prompt belongs to several
-                kept_values = np.where(trunk[kept], 0, kept_values).astype(kept_values.dtype)
+                differ = _differs_in_group(np.asarray(values.values), offsets, group)
+                kept_values = np.where(trunk[kept] & differ[seq[kept]], 0, kept_values).astype(
+                    kept_values.dtype
+                )
             per_token[name] = Ragged(kept_values, doc_offsets)
         # Each + 1: padding, filled with 0, reads -1 once stacked.
         per_token[DOCUMENT_IDS] = Ragged((doc_kept + 1).astype(np.int32), doc_offsets)

@@ -83,7 +83,14 @@ from zephon_collate.layouts.stack import RowPadding, dense
 from zephon_collate.read.arrow import Columns, read_by_rows
 from zephon_collate.read.columns import Batch, Names, Ragged, places, row_any, row_of, to_row
 from zephon_collate.read.fields import FloatField, check_float_fields, read_floats, to_label_positions
-from zephon_collate.read.rules import check_flat, check_ids, check_zero_one, kept_by_mask, misspelled
+from zephon_collate.read.rules import (
+    check_flat,
+    check_ids,
+    check_zero_one,
+    kept_by_mask,
+    misspelled,
+    positions_field,
+)
 from zephon_collate.transforms import (
     AttentionMask,
     BoundaryMask,
@@ -477,8 +484,9 @@ class Transformers(Layout):
         tokens = tokens.cast(torch.int64)
         fields: dict[str, Ragged] = {INPUT_IDS: tokens}
         for name, kind in _PER_TOKEN:
-            if name in batch:
-                fields[name] = _filled(batch, name, kind, tokens)
+            source = positions_field(batch) or name if name == POSITION_IDS else name  # the page's name too
+            if source in batch:
+                fields[name] = _filled(batch, source, kind, tokens)
         segments = None
         if SEQ_LENGTHS in batch:  # each example's document lengths, end to end
             given = batch.get(SEQ_LENGTHS, "ids", partial=True)
@@ -645,7 +653,8 @@ class Transformers(Layout):
         if options.return_sequence_map:
             for name in (LOGITS_INDEX, SEQUENCE_INDEX):
                 data[name] = data[name] - 1  # stored + 1: the padding reads -1
-            data[NUM_SEQUENCES] = np.array(int(_starts(per_token).sum()), dtype=np.int64)
+            count = _starts(per_token).sum() + (per_token[INPUT_IDS].lengths == 0).sum()
+            data[NUM_SEQUENCES] = np.array(int(count), dtype=np.int64)
         for spec in options.floats:
             value = np.stack(per_sequence[spec.name]) if not spec.per_token else data[spec.name]
             data[spec.name] = in_float(value, spec)
@@ -673,18 +682,10 @@ class Transformers(Layout):
             else place >= np.repeat(lengths - limit, lengths)
         )
         cut = {name: field.select(keep) for name, field in per_token.items()}
-        if options.keep_eos:  # a cut example that ended in EOS ends in EOS again, supervised as it was
-            ends = tokens.offsets[1:] - 1
-            rows = np.flatnonzero(
-                (lengths > limit) & (tokens.host[np.maximum(ends, 0)] == options.eos_token_id)
-            )
-            if rows.size:
-                last = cut[INPUT_IDS].offsets[rows + 1] - 1
-                new_tokens, new_mask = cut[INPUT_IDS].host.copy(), cut[LOSS_MASK].host.copy()
-                new_tokens[last] = options.eos_token_id
-                new_mask[last] = per_token[LOSS_MASK].host[ends[rows]]
-                offsets = cut[INPUT_IDS].offsets
-                cut.update({INPUT_IDS: Ragged(new_tokens, offsets), LOSS_MASK: Ragged(new_mask, offsets)})
+        if options.keep_eos:
+            self._put_back_eos(per_token, cut)
+        if POSITIONS in cut and options.truncation_mode == "keep_end":
+            cut[POSITIONS] = _restarted(cut[POSITIONS], lengths > limit)
         before, after = per_token[LOSS_MASK], cut[LOSS_MASK]
         lost = np.flatnonzero(
             row_any(before.host != 0, before.offsets) & ~row_any(after.host != 0, after.offsets)
@@ -696,6 +697,26 @@ class Transformers(Layout):
                 "or shorten such examples, raise max_length, or use the other truncation_mode"
             )
         return cut
+
+    def _put_back_eos(self, per_token: dict[str, Ragged], cut: dict[str, Ragged]) -> None:
+        """A cut example that ended in EOS ends in EOS again, with the EOS's own values in every
+        per-token field (its supervision, its floats; a label-aligned float also keeps the prediction
+        of the EOS, one token before). Positions keep counting."""
+        tokens, limit, eos = per_token[INPUT_IDS], self.options.max_length, self.options.eos_token_id
+        ends = tokens.offsets[1:] - 1
+        rows = np.flatnonzero((tokens.lengths > limit) & (tokens.host[np.maximum(ends, 0)] == eos))
+        if not rows.size:
+            return
+        last = cut[INPUT_IDS].offsets[rows + 1] - 1
+        by_label = {spec.name for spec in self.options.floats if spec.align == "label"}
+        for name, field in cut.items():
+            if name == POSITIONS:
+                continue
+            values = field.host.copy()
+            values[last] = per_token[name].host[ends[rows]]
+            if name in by_label and limit is not None and limit > 1:
+                values[last - 1] = per_token[name].host[ends[rows] - 1]
+            cut[name] = Ragged(values, field.offsets)
 
     def _check_max_length(self, lengths: np.ndarray, limit: int, names: Names) -> None:
         """Refuse an example longer than ``limit``: ``max_length`` without ``truncation_mode`` is a limit,
@@ -816,7 +837,7 @@ def _filled(batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Rag
         return Ragged(values, field.offsets)
     if name == LABELS:
         filled = tokens.host.copy()
-    elif name == POSITION_IDS:
+    elif name in (POSITION_IDS, POSITIONS):
         filled = places(tokens.offsets)
     else:
         filled = np.ones(tokens.values.shape[0], dtype=np.int64)
@@ -853,6 +874,25 @@ def supervision(fields: dict[str, Ragged], names: Names) -> Ragged:
             )
         trained &= given
     return Ragged(trained, tokens.offsets)
+
+
+def _restarted(positions: Ragged, cut: np.ndarray) -> Ragged:
+    """Positions of examples whose start was cut (``cut``: ``[B]`` booleans): the first kept document,
+    now without its first tokens, counts from 0 again, so that it stays a document of its own.
+
+    Example:
+        >>> positions = Ragged(np.array([1, 2, 0, 1, 4, 5]), np.array([0, 4, 6]))
+        >>> _restarted(positions, np.array([True, True])).host.tolist()
+        [0, 1, 0, 1, 0, 1]
+    """
+    values = positions.host.copy()
+    for row in np.flatnonzero(cut).tolist():
+        start, end = int(positions.offsets[row]), int(positions.offsets[row + 1])
+        zeros = np.flatnonzero(values[start:end] == 0)
+        stop = start + int(zeros[0]) if zeros.size else end
+        if stop > start:
+            values[start:stop] -= values[start]
+    return Ragged(values, positions.offsets)
 
 
 def _positions(fields: dict[str, Ragged], segments: Ragged | None, names: Names) -> Ragged | None:
@@ -916,14 +956,15 @@ def _check_one_document(positions: Ragged, names: Names) -> None:
 def _sequence_map(per_token: dict[str, Ragged]) -> dict[str, Ragged]:
     """The sequence map of a padding-free row (``return_sequence_map``), each value + 1 so that the
     row's padding, filled with 0, reads -1: ``logits_index`` (the place of the token that predicts each
-    one; none at a sequence's first token) and ``sequence_index`` (each token's sequence)."""
+    one; none at a sequence's first token) and ``sequence_index`` (each token's sequence). An empty
+    example is a sequence without tokens: it keeps its number, as in a padded batch."""
     starts = _starts(per_token)
     offsets = per_token[INPUT_IDS].offsets
+    lengths = np.diff(offsets)
+    empty_before = np.cumsum(lengths == 0) - (lengths == 0)  # empty examples before each example
     predictor = np.where(starts, 0, np.arange(starts.size, dtype=np.int64))  # place - 1, then + 1
-    return {
-        LOGITS_INDEX: Ragged(predictor, offsets),
-        SEQUENCE_INDEX: Ragged(np.cumsum(starts, dtype=np.int64), offsets),
-    }
+    number = np.cumsum(starts, dtype=np.int64) + np.repeat(empty_before, lengths)
+    return {LOGITS_INDEX: Ragged(predictor, offsets), SEQUENCE_INDEX: Ragged(number, offsets)}
 
 
 def in_float(value: Any, spec: FloatField) -> Any:

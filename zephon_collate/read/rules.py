@@ -23,10 +23,12 @@ from zephon_collate.core.keys import (
     ATTENTION_MASK,
     COMPLETION_MASK,
     LABELS,
+    POSITION_IDS,
+    POSITIONS,
 )
 from zephon_collate.core.records import PADDING_LENGTH_TAG
 from zephon_collate.core.text import shown
-from zephon_collate.read.columns import Batch, Names, Ragged, Values, host_view, row_any, row_of
+from zephon_collate.read.columns import Batch, Names, Ragged, Values, as_numpy, host_view, row_any, row_of
 
 __all__ = [
     "SUPERVISING_FIELDS",
@@ -39,6 +41,7 @@ __all__ = [
     "kept_by_mask",
     "misaligned",
     "misspelled",
+    "positions_field",
     "row_shape",
     "unread_supervision",
 ]
@@ -356,3 +359,22 @@ def kept_by_mask(mask: Ragged, name: str, names: Names) -> np.ndarray:
             "without holes"
         )
     return np.asarray(keep)
+
+
+def positions_field(batch: Batch) -> str | None:
+    """The field that gives the rows' positions (where documents start): the page's ``positions``, else
+    Hugging Face's ``position_ids``, else ``None``. Both read the same; a row carrying both, disagreeing,
+    is a ``ValueError`` (which one marks its documents is not clear)."""
+    if POSITION_IDS not in batch:
+        return POSITIONS if POSITIONS in batch else None
+    if POSITIONS not in batch:
+        return POSITION_IDS
+    given, other = batch.get(POSITIONS, "ids", partial=True), batch.get(POSITION_IDS, "ids", partial=True)
+    assert given is not None and other is not None
+    for index in np.flatnonzero(batch.carried(POSITIONS) & batch.carried(POSITION_IDS)).tolist():
+        if not np.array_equal(as_numpy(given.row(index)), as_numpy(other.row(index))):
+            raise ValueError(
+                f"{batch.names(index)}: payload has both 'positions' and 'position_ids' (Hugging Face's "
+                "spelling), and they differ, so it is not clear where its documents start; keep one"
+            )
+    return POSITIONS

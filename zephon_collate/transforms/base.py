@@ -15,7 +15,7 @@ from zephon_collate.core.checks import check_keys
 from zephon_collate.core.text import shown
 from zephon_collate.transforms._shapes import check_present
 
-__all__ = ["Chain", "Transform", "UndeclaredKeyError", "declared", "declared_keys"]
+__all__ = ["Chain", "Transform", "UndeclaredKeyError", "declared", "declared_keys", "returned"]
 
 
 class Transform(TensorDictModuleBase):
@@ -107,7 +107,7 @@ class Transform(TensorDictModuleBase):
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         view = declared(self, cast(Mapping[str, torch.Tensor], td))
         self.check(view)
-        updates = self.compute(view)
+        updates = returned(self, self.compute(view))
         size = self.output_batch_size(td.batch_size)
         if size == td.batch_size:
             out = cast(Any, td).replace(updates) if updates else td.copy()
@@ -169,10 +169,6 @@ class _Declared(Mapping[str, Any]):
         return sum(1 for _ in self)
 
 
-def _all_arrays(data: Mapping[str, Any]) -> bool:
-    return all(isinstance(value, np.ndarray) for value in data.values())
-
-
 def _as_tensors(data: Mapping[str, Any]) -> dict[str, Any]:
     """``data`` with each NumPy array as a tensor view of it (no copy)."""
     return {key: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for key, v in data.items()}
@@ -190,7 +186,7 @@ def declared(step: object, data: Mapping[str, Any]) -> Mapping[str, Any]:
     content, which dynamo traces without a wrapper class); else a view that
     raises :class:`UndeclaredKeyError` on any other key. A step that sets
     ``reads_every_key = True`` (one that reshapes the whole batch, such as
-    :class:`~zephon_collate.ContextParallelShard`) sees everything.
+    :class:`~zephon_collate.transforms.ContextParallelShard`) sees everything.
     """
     if getattr(step, "reads_every_key", False):
         return data
@@ -198,6 +194,39 @@ def declared(step: object, data: Mapping[str, Any]) -> Mapping[str, Any]:
     if torch.compiler.is_compiling():
         return {key: data[key] for key in keys if key in data}
     return _Declared(step, data, keys)
+
+
+def returned(step: object, result: Any) -> Any:
+    """``result``, what ``step`` computed, once checked (in eager mode): a dict of arrays or tensors, each
+    under a key of its ``out_keys`` (anything else would be dropped without a word, or fail later
+    with an error naming neither the step nor the key)."""
+    if torch.compiler.is_compiling():
+        return result
+    if not isinstance(result, Mapping):
+        raise TypeError(f"{_name(step)}.compute must return a dict of its new entries, got {shown(result)}")
+    out_keys = _keys(step, "out_keys")
+    for key, value in result.items():
+        if key not in out_keys:
+            raise ValueError(
+                f"{_name(step)} returns {shown(key)}, which is not in its out_keys {out_keys}: add it to "
+                "out_keys (only declared keys are outputs), or do not return it"
+            )
+        if not isinstance(value, (torch.Tensor, np.ndarray)):
+            raise TypeError(
+                f"{_name(step)} returns {shown(key)} as {type(value).__name__}, not a tensor: return a "
+                "torch tensor (torch.as_tensor(value))"
+            )
+    return result
+
+
+_PLAIN, _EVERY, _MODULE = 0, 1, 2
+
+
+def _kind(step: object) -> int:
+    """How a chain runs ``step``: a transform's core over a view, the whole batch, or as a module."""
+    if isinstance(step, Transform) and type(step).forward is Transform.forward:
+        return _PLAIN
+    return _EVERY if getattr(step, "reads_every_key", False) else _MODULE
 
 
 def _keys(step: Any, name: str) -> list[str]:
@@ -276,6 +305,18 @@ class Chain(Transform):
         self.dropped_keys = tuple(sorted(dropped - provided))
         self.out_keys = sorted({key for step in self.steps for key in _keys(step, "out_keys")})
         self.data_dependent_shape = any(getattr(step, "data_dependent_shape", False) for step in self.steps)
+        # What each call needs to know of a step, found once: its kind, declared keys, host variant and
+        # the inputs it consumes.
+        self._runs = tuple(
+            (
+                step,
+                _kind(step),
+                None if getattr(step, "reads_every_key", False) else declared_keys(step),
+                isinstance(step, Transform) and type(step).host is not Transform.host,
+                tuple(key for key in _keys(step, "dropped_keys") if key not in _keys(step, "out_keys")),
+            )
+            for step in self.steps
+        )
 
     def _optional(self) -> list[str]:
         """Each step's optional keys that no earlier step writes, in order."""
@@ -310,22 +351,35 @@ class Chain(Transform):
     def _run(
         self, data: dict[str, Any], *, checked: bool, batch_size: torch.Size | None = None, host: bool = False
     ) -> tuple[dict[str, Any], torch.Size | None]:
-        for step in self.steps:
+        compiling = torch.compiler.is_compiling()
+        for step, kind, keys, has_host, consumed in self._runs:
             if checked:
                 check_present(_name(step), _keys(step, "in_keys"), data)
-            if isinstance(step, Transform) and type(step).forward is Transform.forward:
-                view = declared(step, data)
+            if kind == _PLAIN:
+                # What the step sees: its declared keys (a plain dict of them while compiling).
+                view: Mapping[str, Any] = (
+                    data
+                    if keys is None
+                    else {key: data[key] for key in keys if key in data}
+                    if compiling
+                    else _Declared(step, data, keys)
+                )
                 if checked:
                     step.check(view)
-                if host and type(step).host is not Transform.host and _all_arrays(view):
-                    data.update(step.host(view))
+                if (
+                    host
+                    and has_host
+                    and all(type(data[key]) is np.ndarray for key in keys or data if key in data)
+                ):
+                    data.update(returned(step, step.host(view)))
                 else:
-                    data.update(step.compute(view if not host else declared(step, _as_tensors(view))))
-                for key in step.dropped_keys:
-                    if key not in step.out_keys:
-                        data.pop(key, None)
+                    data.update(
+                        returned(step, step.compute(declared(step, _as_tensors(view)) if host else view))
+                    )
+                for key in consumed:
+                    data.pop(key, None)
                 batch_size = None if batch_size is None else step.output_batch_size(batch_size)
-            elif getattr(step, "reads_every_key", False):  # it reshapes the whole batch: its output is all
+            elif kind == _EVERY:  # it reshapes the whole batch: its output is all
                 given = _as_tensors(data) if host else data
                 result = step(TensorDict(given, batch_size=batch_size if batch_size is not None else []))
                 data, batch_size = dict(result.items()), result.batch_size
