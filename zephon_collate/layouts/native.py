@@ -561,8 +561,11 @@ def _read_field(
 ) -> tuple[Ragged | None, Sequence[Row] | np.ndarray]:
     """Field ``name`` one entry per token (a :class:`Ragged`), or else one per record (its rows; an
     unaligned field that must align is a ``ValueError`` naming the row)."""
-    if isinstance(batch, Columns) and batch.is_list(name):  # a list column aligned as is: no copy
-        field = batch.get(name, kind)
+    if not isinstance(batch, Columns) or batch.is_list(name):  # read once (cached), aligned as it is
+        try:
+            field = batch.get(name, kind)
+        except ValueError:  # rows that do not join (one value each, say): read row by row below
+            field = None
         if field is not None and np.array_equal(field.offsets, tokens.offsets):
             return field, ()
     rows = batch.per_row(name, kind)

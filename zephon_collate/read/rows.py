@@ -162,6 +162,7 @@ class Rows(Batch):
         super().__init__(len(payloads), names, frozenset(fields), ids, metas, owner)
         self.payloads, self.tokens, self.absent_if_none = payloads, tokens, absent_if_none
         self._others = len(dicts) < len(payloads)  # mappings that answer ``in`` through their own methods
+        self._found: dict[str, list[Any]] = {}  # each field's values, looked up once
 
     def __contains__(self, name: object) -> bool:
         if name in self.fields:
@@ -180,7 +181,10 @@ class Rows(Batch):
         return MISSING if value is None and name in self.absent_if_none else value
 
     def _values(self, name: str) -> list[Any]:
-        return [self._value(payload, name) for payload in self.payloads]
+        found = self._found.get(name)
+        if found is None:
+            found = self._found[name] = [self._value(payload, name) for payload in self.payloads]
+        return found
 
     def _carried(self, name: str) -> np.ndarray:
         return np.array([value is not MISSING for value in self._values(name)], dtype=bool)

@@ -9,7 +9,6 @@ import torch
 
 from zephon_collate.core.checks import check_key
 from zephon_collate.core.keys import LOSS_MASK, POSITIONS
-from zephon_collate.functional import host
 from zephon_collate.functional.labels import align_mask
 from zephon_collate.functional.segments import segment_starts
 from zephon_collate.transforms._shapes import check_leading, check_rank
@@ -76,9 +75,11 @@ class BoundaryMask(Transform):
         return {self.mask_key: mask & keep if mask.dtype == torch.bool else mask * keep}
 
     def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        keep = ~host.segment_starts(data[self.positions_key])
+        positions = data[self.positions_key]
         mask = data.get(self.mask_key)
         if mask is None:
-            return {self.mask_key: keep.astype(np.int64)}
-        keep = keep.reshape(*keep.shape, *([1] * (mask.ndim - keep.ndim)))
-        return {self.mask_key: mask & keep if mask.dtype == np.bool_ else mask * keep.astype(mask.dtype)}
+            mask = np.ones(positions.shape, dtype=np.int64)
+        keep = (positions != 0).reshape(*positions.shape, *([1] * (mask.ndim - positions.ndim)))
+        out = np.where(keep, mask, mask.dtype.type(0))  # one pass: the mask, 0 at each segment start
+        out[:, :1] = 0  # a row's first token starts a segment too
+        return {self.mask_key: out}
