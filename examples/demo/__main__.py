@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--corpus", help="a folder of text files or a JSONL file (default: the Python stdlib)")
     demo.add_argument("--seq-len", type=_positive, default=256, help="model input length (default 256)")
-    demo.add_argument("--steps", type=_positive, default=300, help="optimizer steps (default 300)")
+    demo.add_argument("--steps", type=_positive, default=200, help="optimizer steps (default 200)")
     demo.add_argument("--batch-size", type=_positive, default=12, help="rows per step (default 12)")
     demo.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     demo.add_argument("--compile", action="store_true", help="torch.compile the model and the collator")

@@ -51,7 +51,7 @@ class DemoConfig:
 
     corpus: str | None = None
     seq_len: int = 256
-    steps: int = 300
+    steps: int = 200
     batch_size: int = 12
     device: str | None = None
     compile: bool = False
