@@ -556,11 +556,9 @@ class Transformers(Layout):
                     "labels from 'labels': rename the field 'labels'"
                 )
             raise _sequence_classification(names(index))
-        if LABELS in batch:
-            labels = batch.objects(LABELS)
-            scalar = next((i for i, value in enumerate(labels) if _scalar(value)), None)
-            if scalar is not None:
-                raise _sequence_classification(names(scalar))
+        scalar = batch.one_value_row(LABELS) if LABELS in batch else None
+        if scalar is not None:
+            raise _sequence_classification(names(scalar))
         if "decoder_input_ids" in batch:
             index = int(np.flatnonzero(batch.carried("decoder_input_ids"))[0])
             raise ValueError(

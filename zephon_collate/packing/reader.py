@@ -490,7 +490,7 @@ class Reader:
         for name in SUPERVISING_FIELDS:
             if name in batch and name not in self._listed:
                 carried = np.flatnonzero(batch.carried(name))
-                if (isinstance(batch, Columns) and not batch.is_list(name)) or _per_document(batch, name):
+                if batch.one_value_row(name) is not None:
                     raise ValueError(
                         f"{names(int(carried[0]))}: field {shown(name)} holds one value per document, "
                         "not one "
@@ -500,7 +500,9 @@ class Reader:
                         "classification, is not a token field)"
                     )
         loss_mask = (
-            batch.get(LOSS_MASK, "values") if LOSS_MASK in batch and _is_tokenwise(batch, LOSS_MASK) else None
+            batch.get(LOSS_MASK, "values")
+            if LOSS_MASK in batch and batch.one_value_row(LOSS_MASK) is None
+            else None
         )
         found = rules.unread_supervision(batch, tokens, self._listed, loss_mask)
         if found is not None:
@@ -560,22 +562,6 @@ class Reader:
                 f"form a group), got {shown(value)}"
             )
         return value
-
-
-def _per_document(batch: Batch, name: str) -> bool:
-    """True if some row of ``batch`` gives ``name`` as one value (a scalar), not one per token."""
-    if isinstance(batch, Columns):
-        return False
-    return any(
-        getattr(row, "ndim", 1) == 0 or isinstance(row, (int, float))
-        for row in batch.objects(name)
-        if row is not None
-    )
-
-
-def _is_tokenwise(batch: Batch, name: str) -> bool:
-    """True if field ``name`` is read one entry per token (a list column, or rows of values)."""
-    return batch.is_list(name) if isinstance(batch, Columns) else not _per_document(batch, name)
 
 
 def candidates(

@@ -321,6 +321,11 @@ class Columns(Batch):
             self._chunks[name] = chunks
         return chunks
 
+    def one_value_row(self, name: str) -> int | None:
+        if name not in self or self.is_list(name):  # a list column holds a row per example: no reading
+            return None
+        return super().one_value_row(name)
+
     def is_list(self, name: str) -> bool:
         """True if ``name`` is a list column (a row of values per example), False for one value per row."""
         if self._tables:

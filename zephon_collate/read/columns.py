@@ -197,6 +197,14 @@ class Batch:
         self.require(name)
         return self._per_row(name, kind)
 
+    def one_value_row(self, name: str) -> int | None:
+        """The first row giving ``name`` as one value (a per-example label) instead of a row of values,
+        or ``None``."""
+        for index, value in enumerate(self.objects(name)):
+            if isinstance(value, (int, float, np.generic)) or getattr(value, "ndim", None) == 0:
+                return index
+        return None
+
     def objects(self, name: str) -> list[Any]:
         """Each row's raw value of ``name`` (``None`` where it has none): texts, group keys."""
         return self._objects(name)
