@@ -87,7 +87,7 @@ def main() -> None:
         batch = SampleBatch(to_records(packed_rows(length=length)))
         check_equal(batch)
         data = dict(collator.stack(list(batch.records)).td.items())
-        plan = collator.plan_for(tuple(data))
+        plan = collator.plan(tuple(data))
         source = torch.ones(output_bytes(batch.to_training(**FULL_OPTIONS)), dtype=torch.uint8)
 
         def torch_chain(plan=plan, data=data):

@@ -20,6 +20,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -105,7 +106,11 @@ def main() -> None:
             stacked = collator.stack(records)
             check_equal(collator.finish(stacked), want, label)
             td = stacked.td.to(device)
-            chain = collator.runner(collator.plan_for(tuple(td.keys())), device)
+            plan = collator.plan(tuple(td.keys()))
+
+            def chain(td: Any, plan: Any = plan, collator: Any = collator) -> dict[str, Any]:
+                return collator.layout.run(plan, dict(td.items()), device)
+
             out = chain(td)
             moved = tensor_bytes(td.values()) + tensor_bytes(out.values())
             source = torch.ones(moved, dtype=torch.uint8, device=device)
