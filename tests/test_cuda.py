@@ -58,7 +58,11 @@ def test_static_shape_chain_in_cuda_graph():
         device="cuda", num_boundaries=8, python_scalars=False, **OPTIONS, boundary_safe_labels=False
     )
     td = collator.stack(records).td.cuda()
-    chain = collator.runner(collator.plan_for(tuple(td.keys())))
+    plan = collator.plan(tuple(td.keys()))
+
+    def chain(td):
+        return collator.layout.run(plan, dict(td.items()), torch.device("cuda"))
+
     static_in = td.clone()
     chain(static_in)  # warm-up on the side stream is not needed for these ops
     graph = torch.cuda.CUDAGraph()
@@ -85,7 +89,11 @@ def test_static_shape_chain_makes_no_host_sync(compile):
     )
     stacked = collator.stack(records)
     td = stacked.widened().td.cuda()
-    run = collator.runner(collator.plan_for(tuple(td.keys())))
+    plan = collator.plan(tuple(td.keys()))
+
+    def run(td):
+        return collator.layout.run(plan, dict(td.items()), torch.device("cuda"))
+
     run(td)  # warm-up (compiles once)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
