@@ -202,3 +202,42 @@ def test_transforms_of_yours_fail_by_name_eager(transform: type, error: type, ma
 def test_an_undeclared_read_fails_by_name_compiled() -> None:
     with pytest.raises(UndeclaredKeyError, match="_Sneaky reads 'positions'"):
         Collator(return_labels=True, transforms=[_Sneaky()], compile=True)(ROWS)
+
+
+def test_rows_that_spell_their_positions_two_ways_are_refused() -> None:
+    """Read under one name, the other rows' positions would be lost and their documents merged."""
+    examples = [
+        {"input_ids": [1, 2, 3, 4], "positions": [0, 1, 0, 1]},
+        {"input_ids": [5, 6, 7, 8], "position_ids": [0, 1, 0, 1]},
+    ]
+    message = r"example 1: gives its positions as 'position_ids', example 0 as 'positions'"
+    with pytest.raises(ValueError, match=message):
+        Collator.for_transformers(padding_free=True)(examples)
+    with pytest.raises(ValueError, match=r"record 1 .*gives its positions as 'position_ids', record 0 "):
+        Collator(return_labels=True, return_cu_seqlens=True)(examples)
+    both = [examples[0], dict(examples[1], positions=[0, 1, 0, 1])]
+    out = Collator.for_transformers(padding_free=True, return_flash_attn_kwargs=True)(both)
+    assert out["cu_seq_lens_q"].tolist() == [0, 2, 4, 6, 8]
+
+
+class _ReturnsPairs(Transform):
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_keys, self.out_keys = ["labels"], ["w"]
+
+    def compute(self, data: Any) -> Any:
+        return [("w", data["labels"].float())]
+
+
+@pytest.mark.parametrize(
+    ("transform", "error", "match"),
+    [
+        (_WritesMore, ValueError, r"_WritesMore returns 'extra', which is not in its out_keys \['w'\]"),
+        (_ReturnsPairs, TypeError, r"_ReturnsPairs.compute must return a dict"),
+        (_NotATensor, TypeError, "_NotATensor returns 'w' as int, not a tensor"),
+    ],
+)
+def test_transforms_of_yours_fail_by_name_compiled(transform: type, error: type, match: str) -> None:
+    """A graph that compiles fine still checks what the step returns: the same error as eager."""
+    with pytest.raises(error, match=match):
+        Collator(return_labels=True, transforms=[transform()], compile=True)(ROWS)

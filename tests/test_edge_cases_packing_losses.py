@@ -377,3 +377,24 @@ def test_columnar_dataset_refuses_a_non_integer_index():
         IndexError, match=r"ColumnarDataset: index 18446744073709551615 is out of range for 3 rows"
     ):
         dataset.__getitems__(np.array([2**64 - 1], dtype=np.uint64))  # read as row -1 before
+
+
+def test_a_per_example_labels_column_of_any_type_is_named_by_the_packer() -> None:
+    """Class names (strings), dictionary-encoded or null labels: one value per document, from the
+    schema alone, named as such."""
+    tokens = pa.array([[1, 2, 3], [4, 5], [6, 7, 8]])
+    for labels in (
+        pa.array(["pos", "neg", "pos"]),
+        pa.array(["a", "b", "a"]).dictionary_encode(),
+        pa.array([None, None, None], pa.int64()),
+    ):
+        table = pa.table({"input_ids": tokens, "labels": labels})
+        with pytest.raises(ValueError, match="example 0: field 'labels' holds one value per document"):
+            pack_columns(table, 5, pad_token_id=0)
+
+
+def test_unpack_refuses_an_integer_past_every_float() -> None:
+    batch = Collator.for_rollouts(padding_free=True)([{"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1]}])
+    for dtype in (torch.int64, torch.float32):
+        with pytest.raises(ValueError, match=r"padding_value .* does not fit the tensor's dtype"):
+            unpack(torch.ones(1, 3, dtype=dtype), batch, padded=True, padding_value=10**400)

@@ -324,8 +324,13 @@ def _padding_value(value: object, dtype: torch.dtype) -> float | int:
             f"unpack: padding_value must be a real number, got {shown(value)}; pass the value that fills "
             "the padded rows' ends (0 by default)"
         )
-    number, whole = float(value), None
-    if dtype.is_complex:
+    try:
+        number, whole = float(value), None
+    except OverflowError:  # an int past every float: no dtype holds it
+        number, whole = math.nan, None
+    if isinstance(value, numbers.Integral) and not math.isfinite(number):
+        fits = False
+    elif dtype.is_complex:
         fits = True
     elif dtype.is_floating_point:  # inf and NaN are floats too; a finite value past the range would be inf
         fits = not math.isfinite(number) or abs(number) <= torch.finfo(dtype).max

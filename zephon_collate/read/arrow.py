@@ -322,9 +322,13 @@ class Columns(Batch):
         return chunks
 
     def one_value_row(self, name: str) -> int | None:
-        if name not in self or self.is_list(name):  # a list column holds a row per example: no reading
+        if name not in self:
             return None
-        return super().one_value_row(name)
+        self._column(name)  # a field that is not a column: TypeError, naming it
+        if self.is_list(name):  # a row per example, from the schema: no value is read
+            return None
+        carried = np.flatnonzero(self.carried(name))
+        return int(carried[0]) if carried.size else 0
 
     def is_list(self, name: str) -> bool:
         """True if ``name`` is a list column (a row of values per example), False for one value per row."""

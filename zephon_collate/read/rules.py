@@ -364,11 +364,19 @@ def kept_by_mask(mask: Ragged, name: str, names: Names) -> np.ndarray:
 def positions_field(batch: Batch) -> str | None:
     """The field that gives the rows' positions (where documents start): the page's ``positions``, else
     Hugging Face's ``position_ids``, else ``None``. Both read the same; a row carrying both, disagreeing,
-    is a ``ValueError`` (which one marks its documents is not clear)."""
+    or a batch whose rows use both spellings, is a ``ValueError`` (which one marks the documents is not
+    clear; read under one name, the other rows' documents would merge)."""
     if POSITION_IDS not in batch:
         return POSITIONS if POSITIONS in batch else None
     if POSITIONS not in batch:
         return POSITION_IDS
+    page, hf = batch.carried(POSITIONS), batch.carried(POSITION_IDS)
+    if (hf & ~page).any():  # read as 'positions', this row's own would be lost
+        one, two = int(np.flatnonzero(page)[0]), int(np.flatnonzero(hf & ~page)[0])
+        raise ValueError(
+            f"{batch.names(two)}: gives its positions as 'position_ids', {batch.names(one)} as 'positions'; "
+            "read under one name, the other's documents would merge: give every row the same field"
+        )
     given, other = batch.get(POSITIONS, "ids", partial=True), batch.get(POSITION_IDS, "ids", partial=True)
     assert given is not None and other is not None
     for index in np.flatnonzero(batch.carried(POSITIONS) & batch.carried(POSITION_IDS)).tolist():

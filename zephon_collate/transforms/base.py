@@ -201,11 +201,10 @@ def declared(step: object, data: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def returned(step: object, result: Any) -> Any:
-    """``result``, what ``step`` computed, once checked (in eager mode): a dict of arrays or tensors, each
-    under a key of its ``out_keys`` (anything else would be dropped without a word, or fail later
-    with an error naming neither the step nor the key)."""
-    if torch.compiler.is_compiling():
-        return result
+    """``result``, what ``step`` computed, once checked: a dict of arrays or tensors, each under a key of
+    its ``out_keys`` (anything else would be dropped without a word, or fail later with an error naming
+    neither the step nor the key). Compiled, the checks fold away; a failing one stops the graph, and
+    the plan runs the stage again eagerly, which raises it by name."""
     if not isinstance(result, Mapping):
         raise TypeError(f"{_name(step)}.compute must return a dict of its new entries, got {shown(result)}")
     out_keys = _keys(step, "out_keys")
