@@ -181,3 +181,12 @@ def test_grpo_example_learns_on_packed_rollouts_with_shared_prompts():
     assert after > before
     assert float(re.search(r"\(([\d.]+)% of the padded tokens saved\)", out).group(1)) > 30
     assert int(re.search(r"shared prompts: ([\d,]+) prompt tokens", out).group(1).replace(",", "")) > 0
+
+
+def test_trl_dpo_example_trains_as_stock_trl():
+    pytest.importorskip("trl")
+    out = run_example("trl_dpo.py", "--steps", "4")
+    steps = re.findall(r"loss ([\d.]+) \(DPOTrainer\)\s+([\d.]+) \(PackedDPOTrainer\)", out)
+    assert len(steps) == 4 and all(stock == packed for stock, packed in steps)
+    assert float(re.search(r"largest weight difference after 4 steps: (\S+)", out).group(1)) < 1e-6
+    assert float(re.search(r"\(([\d.]+)x fewer\)", out).group(1)) > 1.2

@@ -24,7 +24,7 @@ LEVELS = [
     {"layouts"},
     {"collate", "types"},
     {"packing", "parallel", "losses"},
-    {"inspection"},
+    {"inspection", "trainers"},
     {"__init__"},
 ]
 

@@ -48,7 +48,18 @@ def ragged_starts(offsets: np.ndarray, positions: np.ndarray | None = None) -> n
 
 def segment_ids(starts: np.ndarray) -> np.ndarray:
     """``[B, S]`` int32: each token's segment in its row (``cumsum(starts) - 1``)."""
-    return np.asarray(np.cumsum(starts, axis=-1, dtype=np.int32) - 1)
+    if starts.ndim != 2 or starts.size < 4096 or not starts[:, 0].all():
+        return np.asarray(np.cumsum(starts, axis=-1, dtype=np.int32) - 1)
+    # Every row starts a segment: each segment's number repeated over its length, a pass cumsum's
+    # serial scan cannot match (on large batches); numbered across rows, then from 0 in each row.
+    firsts = np.flatnonzero(starts)
+    sizes = np.empty_like(firsts)
+    sizes[:-1] = firsts[1:] - firsts[:-1]
+    sizes[-1] = starts.size - firsts[-1]
+    ids: np.ndarray = np.arange(firsts.size, dtype=np.int32).repeat(sizes).reshape(starts.shape)
+    if len(ids) > 1:
+        ids -= ids[:, :1]
+    return ids
 
 
 def _longest(boundaries: np.ndarray) -> np.ndarray:
@@ -71,7 +82,7 @@ def cu_seqlens_rows(positions: np.ndarray, num_boundaries: int | None) -> tuple[
 
 def cu_seqlens_flat(positions: np.ndarray, num_boundaries: int | None) -> tuple[np.ndarray, np.ndarray]:
     """One boundary sequence over all tokens, as the torch kernel computes it."""
-    starts = np.flatnonzero(segment_starts(positions))
+    starts = segment_starts(positions).reshape(-1).nonzero()[0]
     total = positions.size
     width = starts.size + 1 if num_boundaries is None else num_boundaries
     boundaries = np.full(width, total, dtype=np.int32)

@@ -460,8 +460,12 @@ class Native(Layout):
             if spec is not None:  # a float field: its own dtype, 0.0 on padding
                 data[name] = _in_dtype(dense(values, width, 0.0), spec.dtype)
                 continue
-            keep = name == LOSS_MASK and options.return_labels  # the supervision keeps its own dtype
-            cast_values = values if keep else values.cast(dtype)
+            if name == LOSS_MASK and options.return_labels:
+                # The supervision, checked to hold 0 and 1, as booleans: the masks that read it
+                # (BoundaryMask, LossMask) then pass over a byte per token, not eight.
+                cast_values = values.cast(torch.bool)
+            else:
+                cast_values = values.cast(dtype)
             if name == POSITIONS and self.padding is not None:
                 _check_position_count(width, dtype, "padded to")
             fill = pad_id if name == INPUT_IDS else 0

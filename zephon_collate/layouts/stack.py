@@ -100,7 +100,7 @@ def dense(field: Ragged, width: int, fill: int | float, *, restart: bool = False
     values, lengths = field.values, field.lengths
     rows = len(lengths)
     trailing = tuple(values.shape[1:])
-    if rows and bool((lengths == width).all()):
+    if rows and bool(np.logical_and.reduce(lengths == width)):  # the ufunc: ndarray.all is Python
         if isinstance(values, np.ndarray) and not values.flags.writeable:
             return values.reshape(rows, width, *trailing).copy()
         return values.reshape(rows, width, *trailing)

@@ -36,6 +36,7 @@ classification, encoder-decoder targets) are refused: this layout is for causal 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, cast
@@ -362,7 +363,7 @@ class TransformersOptions(Keywords):
         """Whether ``position_ids`` is an output (padding-free: by default, as DataCollatorWithFlattening)."""
         return self.padding_free if self.return_position_ids is None else self.return_position_ids
 
-    @property
+    @functools.cached_property
     def floats(self) -> tuple[FloatField, ...]:
         return cast(tuple[FloatField, ...], self.float_fields)
 
@@ -370,7 +371,7 @@ class TransformersOptions(Keywords):
     def kind(self) -> Literal["torch", "numpy", "list"]:
         return "numpy" if self.return_tensors == "np" else "torch"
 
-    @property
+    @functools.cached_property
     def row_padding(self) -> RowPadding | None:
         """How padded rows are padded (``None`` without ``pad_token_id``)."""
         if self.pad_token_id is None:
@@ -540,11 +541,10 @@ class Transformers(Layout):
                 "Collator(return_labels=True, return_cu_seqlens=True), or pack Hugging Face examples with "
                 "trl.pack_dataset (seq_lengths)"
             )
-        lacking = np.flatnonzero(~batch.carried(INPUT_IDS))
-        if lacking.size:
-            index = int(lacking[0])
+        lacking = batch.lacking(INPUT_IDS)
+        if lacking is not None:
             raise ValueError(
-                f"{names(index)}: has no 'input_ids' ({_fields_of(batch, index)}); tokenize the "
+                f"{names(lacking)}: has no 'input_ids' ({_fields_of(batch, lacking)}); tokenize the "
                 "examples first"
             )
         if "label" in batch:
@@ -569,12 +569,11 @@ class Transformers(Layout):
             )
         supervision = self.options.supervision
         if supervision is not None:
-            missing = np.flatnonzero(~batch.carried(supervision))
-            if missing.size:
-                index = int(missing[0])
+            lacking = batch.lacking(supervision)
+            if lacking is not None:
                 raise ValueError(
-                    f"{names(index)}: lacks {shown(supervision)}, the field this collator was told carries "
-                    f"the supervision ({_fields_of(batch, index)}); transformers.Trainer drops "
+                    f"{names(lacking)}: lacks {shown(supervision)}, the field this collator was told carries "
+                    f"the supervision ({_fields_of(batch, lacking)}); transformers.Trainer drops "
                     "dataset columns "
                     "its model's forward does not name: pass TrainingArguments(remove_unused_columns=False), "
                     "or build the collator without supervision=..."
@@ -595,12 +594,12 @@ class Transformers(Layout):
             for name in _SUPERVISION:
                 if name not in batch:
                     continue
-                carried = batch.carried(name)
-                if not carried.all():
+                lacking = batch.lacking(name)
+                if lacking is not None:
+                    carrier = int(np.flatnonzero(batch.carried(name))[0])
                     raise ValueError(
-                        f"{names(int(np.flatnonzero(~carried)[0]))}: lacks {shown(name)}, which "
-                        f"{names(int(np.flatnonzero(carried)[0]))} carries to say which tokens are "
-                        "trained; read "
+                        f"{names(lacking)}: lacks {shown(name)}, which {names(carrier)} carries to say which "
+                        "tokens are trained; read "
                         "as all trained, its prompt would be trained. Give every example "
                         f"{shown(name)} (0 on the prompt), or drop it from every example ({self.OWNER})"
                     )
@@ -824,14 +823,16 @@ def _filled(batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Rag
                     ) from None
         raise
     assert field is not None
-    carried = batch.carried(name)
+    carried = None if batch.lacking(name) is None else batch.carried(name)
     values = field.host
-    bad = carried & ((field.lengths != tokens.lengths) | (values.ndim != 1))
+    bad = field.lengths != tokens.lengths if values.ndim == 1 else np.ones(len(tokens.lengths), dtype=bool)
+    if carried is not None:
+        bad &= carried
     if bad.any():
         index = int(np.flatnonzero(bad)[0])
         shape = tuple(values[field.offsets[index] : field.offsets[index + 1]].shape)
         raise _misfit(batch.names(index), name, shape, int(tokens.lengths[index]))
-    if carried.all():
+    if carried is None:
         return Ragged(values, field.offsets)
     if name == LABELS:
         filled = tokens.host.copy()
@@ -847,18 +848,19 @@ def _filled(batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Rag
 def supervision(fields: dict[str, Ragged], names: Names) -> Ragged:
     """The boolean ``[N]`` supervision: where ``labels`` are not -100 and every mask field is 1."""
     tokens = fields[INPUT_IDS]
-    trained = np.ones(tokens.values.shape[0], dtype=bool)
+    trained: np.ndarray | None = None
     for name in _MASKS:
         if name in fields:
             check_zero_one(fields[name], name, names, "1 where the token is trained")
-            trained &= fields[name].host != 0
+            given = fields[name].host != 0
+            trained = given if trained is None else trained & given
     if LABELS in fields:
         labels = fields[LABELS].host
         given = labels != IGNORE_INDEX
         wrong = given & (labels != tokens.host)
         if ATTENTION_MASK in fields:
             wrong &= fields[ATTENTION_MASK].host != 0  # labels under the padding are dropped, unread
-        flat = np.flatnonzero(wrong)
+        flat = wrong.nonzero()[0]  # the method: np.flatnonzero costs three Python calls
         if flat.size:
             index = int(flat[0])
             row = row_of(tokens.offsets, index)
@@ -870,7 +872,9 @@ def supervision(fields: dict[str, Ragged], names: Names) -> Ragged:
                 "shifted already, or give a loss_mask; an encoder-decoder target needs "
                 "transformers.DataCollatorForSeq2Seq(tokenizer, model=model)"
             )
-        trained &= given
+        trained = given if trained is None else trained & given
+    if trained is None:
+        trained = np.ones(tokens.values.shape[0], dtype=bool)
     return Ragged(trained, tokens.offsets)
 
 

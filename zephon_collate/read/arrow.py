@@ -155,7 +155,9 @@ def is_columnar(batch: object) -> bool:
     kind = type(batch)
     if kind is list or kind is tuple:
         first = batch[0] if batch else None  # type: ignore[index]  # a list or tuple
-        return first is not None and (type(first) is ColumnBatch or _is_table(first))
+        if first is None or type(first) is dict:  # the common case: examples or payloads
+            return False
+        return type(first) is ColumnBatch or _is_table(first)
     if isinstance(batch, Mapping):
         return any(_from_arrow(value) or _is_pair(value) for value in batch.values())
     return kind is not dict and _is_table(batch)

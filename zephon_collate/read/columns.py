@@ -161,6 +161,11 @@ class Batch:
         """``[B]`` booleans: does row ``b`` carry ``name`` (read nothing)."""
         return self._carried(name)
 
+    def lacking(self, name: str) -> int | None:
+        """The first row that does not carry ``name``, or ``None`` (read nothing)."""
+        lacking = np.flatnonzero(~self._carried(name))
+        return int(lacking[0]) if lacking.size else None
+
     def get(self, name: str, kind: Kind, *, partial: bool = False) -> Ragged | None:
         """Field ``name`` as a :class:`Ragged` (read once), or ``None`` if no row carries it.
 
@@ -184,11 +189,10 @@ class Batch:
     def require(self, name: str) -> None:
         """``ValueError`` naming the first row without ``name`` (as the field is required, or as some rows
         have it and others lack it)."""
-        carried = self._carried(name)
-        lacking = np.flatnonzero(~carried)
-        if lacking.size:
-            index = int(lacking[0])
-            reason = "some payloads have it and others lack it" if carried.any() else "it is required"
+        index = self.lacking(name)
+        if index is not None:
+            some = self._carried(name).any()
+            reason = "some payloads have it and others lack it" if some else "it is required"
             raise ValueError(f"{self.names(index)}: {self._lacks(index, name)}; {reason}")
 
     def per_row(self, name: str, kind: Kind) -> list[Row]:
@@ -306,8 +310,10 @@ def sequence_of(offsets: np.ndarray) -> np.ndarray:
 
 def places(offsets: np.ndarray) -> np.ndarray:
     """``[N]``: every value's place in its row."""
-    lengths = np.diff(offsets)
-    return np.asarray(np.arange(int(offsets[-1]), dtype=np.int64) - np.repeat(offsets[:-1], lengths))
+    count = np.arange(int(offsets[-1]), dtype=np.int64)
+    if len(offsets) == 2:  # one row (padding-free): its count from 0
+        return np.asarray(count - offsets[0])
+    return np.asarray(count - offsets[:-1].repeat(offsets[1:] - offsets[:-1]))
 
 
 def gather_spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

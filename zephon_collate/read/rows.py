@@ -189,6 +189,9 @@ class Rows(Batch):
     def _carried(self, name: str) -> np.ndarray:
         return np.array([value is not MISSING for value in self._values(name)], dtype=bool)
 
+    def lacking(self, name: str) -> int | None:
+        return next((index for index, value in enumerate(self._values(name)) if value is MISSING), None)
+
     def _lacks(self, index: int, name: str) -> str:
         payload = self.payloads[index]
         holds = (

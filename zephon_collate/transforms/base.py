@@ -356,6 +356,8 @@ class Chain(Transform):
         self, data: dict[str, Any], *, checked: bool, batch_size: torch.Size | None = None, host: bool = False
     ) -> tuple[dict[str, Any], torch.Size | None]:
         compiling = torch.compiler.is_compiling()
+        # Every value a NumPy array: checked once, then true until a step returns tensors.
+        arrays = host and all(type(value) is np.ndarray for value in data.values())
         for step, kind, keys, has_host, consumed, ours in self._runs:
             if checked:
                 check_present(_name(step), _keys(step, "in_keys"), data)
@@ -373,20 +375,24 @@ class Chain(Transform):
                 if (
                     host
                     and has_host
-                    and all(type(data[key]) is np.ndarray for key in keys or data if key in data)
+                    and (arrays or all(type(data[key]) is np.ndarray for key in keys or data if key in data))
                 ):
                     result = step.host(view)
+                    arrays = arrays and ours  # a host variant of yours may return tensors
                 else:
                     result = step.compute(declared(step, _as_tensors(view)) if host else view)
+                    arrays = False
                 data.update(result if ours else returned(step, result))
                 for key in consumed:
                     data.pop(key, None)
                 batch_size = None if batch_size is None else step.output_batch_size(batch_size)
             elif kind == _EVERY:  # it reshapes the whole batch: its output is all
+                arrays = False
                 given = _as_tensors(data) if host else data
                 result = step(TensorDict(given, batch_size=batch_size if batch_size is not None else []))
                 data, batch_size = dict(result.items()), result.batch_size
             else:  # any other TensorDict module: wrap its declared keys, call, merge what it returns
+                arrays = False
                 given = _as_tensors(declared(step, data))
                 result = step(TensorDict(given, batch_size=batch_size if batch_size is not None else []))
                 data.update((key, value) for key, value in result.items() if given.get(key) is not value)

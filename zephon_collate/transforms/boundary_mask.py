@@ -77,9 +77,12 @@ class BoundaryMask(Transform):
     def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         positions = data[self.positions_key]
         mask = data.get(self.mask_key)
+        keep = positions != 0
         if mask is None:
-            mask = np.ones(positions.shape, dtype=np.int64)
-        keep = (positions != 0).reshape(*positions.shape, *([1] * (mask.ndim - positions.ndim)))
-        out = np.where(keep, mask, mask.dtype.type(0))  # one pass: the mask, 0 at each segment start
+            out = keep.astype(np.int64)
+        else:
+            keep = keep.reshape(*positions.shape, *([1] * (mask.ndim - positions.ndim)))
+            # One pass: the mask, 0 at each segment start.
+            out = mask & keep if mask.dtype == np.bool_ else np.where(keep, mask, mask.dtype.type(0))
         out[:, :1] = 0  # a row's first token starts a segment too
         return {self.mask_key: out}

@@ -108,19 +108,28 @@ class LossMask(Transform):
 
     def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         labels = data[self.labels_key]
-        drop = None if self.supervision_key is None else data[self.supervision_key] == 0
+        ignore = labels.dtype.type(self.ignore_index)
+        if self.supervision_key is not None:
+            supervision = data[self.supervision_key]
+            drop = ~supervision if supervision.dtype == np.bool_ else supervision == 0  # ~ on bytes: faster
+            labels = np.where(drop.reshape(*drop.shape, *([1] * (labels.ndim - drop.ndim))), ignore, labels)
         if self.padding_length_key is not None:
-            padding = host.trailing(data[self.padding_length_key], labels.shape[1])
-            drop = (
-                padding if drop is None else drop | padding.reshape(*padding.shape, *([1] * (drop.ndim - 2)))
-            )
-        if drop is not None:
-            drop = drop.reshape(*drop.shape, *([1] * (labels.ndim - drop.ndim)))
-            labels = np.where(drop, labels.dtype.type(self.ignore_index), labels)
+            # Padding sits at the end of each row: only the last ``widest`` columns are touched.
+            counts = data[self.padding_length_key]
+            widest = min(int(counts.max()), labels.shape[1]) if counts.size else 0
+            if widest > 0:
+                labels = labels.copy() if labels is data[self.labels_key] else labels
+                pad = host.trailing(counts, widest)
+                tail = labels[:, labels.shape[1] - widest :]
+                np.copyto(tail, ignore, where=pad.reshape(*pad.shape, *([1] * (labels.ndim - 2))))
+        if labels is data[self.labels_key]:
+            labels = labels.copy()  # new labels, never a view of the tokens they were shifted from
         updates = {self.labels_key: labels}
+        if self.out_key is None and self.count_key is None:
+            return updates
         valid = labels != self.ignore_index
         if self.out_key is not None:
             updates[self.out_key] = valid.view(np.uint8).astype(np.float32)
         if self.count_key is not None:
-            updates[self.count_key] = np.count_nonzero(valid.reshape(len(valid), -1), axis=1).astype(np.int64)
+            updates[self.count_key] = np.add.reduce(valid.reshape(len(valid), -1), axis=1, dtype=np.int64)
         return updates

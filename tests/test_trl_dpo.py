@@ -1,0 +1,171 @@
+"""PackedDPOTrainer against stock trl.DPOTrainer: the same loss, gradients and metrics, and the same model after
+several optimizer steps, for every loss type TRL ships (tiny Llama from a config, float64 weights; TRL's fused
+head computes its log-probs in float32, which sets the tolerance)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+import sys
+from pathlib import Path
+
+from trl import DPOTrainer
+
+from zephon_collate.trainers import PackedDPOTrainer, PackedPreference
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import trl_dpo
+from trl_dpo import llama
+
+
+def trainer(cls: type, steps: int = 3, **options: Any) -> Any:
+    return trl_dpo.trainer(cls, trl_dpo.pairs(12), steps, **options)
+
+
+def one_batch(stock: Any, packed: Any) -> dict[str, Any]:
+    """Loss, gradients and metrics of one batch through both trainers."""
+    examples = [stock.train_dataset[i] for i in range(4)]
+    out = {}
+    for name, run in (("stock", stock), ("packed", packed)):
+        loss = run.compute_loss(run.model, run.data_collator(examples))
+        loss.backward()
+        grads = [p.grad.clone() for p in run.model.parameters()]
+        metrics = {key: values[-1] for key, values in run._metrics["train"].items()}
+        out[name] = (loss.detach(), grads, metrics)
+    return out
+
+
+LOSS_TYPES = [
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
+    "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+]  # fmt: skip
+SMOOTHED = {"exo_pair", "robust", "aot", "aot_unpaired"}
+CASES = [
+    {"loss_type": [kind], **({"label_smoothing": 0.1} if kind in SMOOTHED else {})} for kind in LOSS_TYPES
+] + [
+    {"f_divergence_type": "forward_kl"},
+    {"f_divergence_type": "js_divergence"},
+    {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.5},
+    {"ld_alpha": 0.5},
+    {"use_weighting": True},
+    {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]},
+]
+
+
+@pytest.mark.parametrize("options", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_one_batch_equals_stock(options):
+    """Loss and metrics to 1e-6, gradients to 1e-6 + 1e-5 relative (TRL's head computes in float32)."""
+    out = one_batch(trainer(DPOTrainer, **options), trainer(PackedDPOTrainer, **options))
+    (stock_loss, stock_grads, stock_metrics), (loss, grads, metrics) = out["stock"], out["packed"]
+    assert torch.allclose(loss, stock_loss, atol=1e-6, rtol=0), (float(loss), float(stock_loss))
+    for a, b in zip(grads, stock_grads, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), float((a - b).abs().max())
+    assert metrics.keys() == stock_metrics.keys()
+    for key, value in stock_metrics.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_training_steps_equal_stock():
+    """Five optimizer steps with gradient accumulation: the same logged history and the same weights."""
+    runs = [trainer(cls, steps=5, gradient_accumulation_steps=2) for cls in (DPOTrainer, PackedDPOTrainer)]
+    for run in runs:
+        run.train()
+    stock, packed = (run.state.log_history for run in runs)
+    losses = [(a["loss"], b["loss"]) for a, b in zip(stock, packed, strict=True) if "loss" in a]
+    assert len(losses) == 5
+    for a, b in losses:
+        assert b == pytest.approx(a, abs=1e-6)
+    weights = zip(runs[0].model.parameters(), runs[1].model.parameters(), strict=True)
+    assert max(float((a - b).abs().max()) for a, b in weights) < 1e-6
+
+
+def test_precomputed_reference_equals_stock():
+    """precompute_ref_log_probs: the same reference columns, then the same loss."""
+    stock, packed = (trainer(cls, precompute_ref_log_probs=True) for cls in (DPOTrainer, PackedDPOTrainer))
+    for key in ("ref_chosen_logps", "ref_rejected_logps"):
+        assert packed.train_dataset[key] == pytest.approx(stock.train_dataset[key], abs=1e-9)
+    out = one_batch(stock, packed)
+    assert float(out["packed"][0]) == pytest.approx(float(out["stock"][0]), abs=1e-6)
+
+
+def test_the_transformer_sees_only_real_tokens():
+    """Under SDPA the sequences are best-fit into rows as wide as the longest; in one row (FlashAttention's
+    layout) every real token is there once, and nothing else."""
+    run = trainer(PackedDPOTrainer)
+    examples = [run.train_dataset[i] for i in range(4)]
+    batch = run.data_collator(examples)
+    grid, real = batch["packed"]["input_ids"], int(batch["attention_mask"].sum())
+    assert grid.shape[1] == int(batch["attention_mask"].sum(dim=1).max())
+    assert real <= grid.numel() <= batch["input_ids"].numel()
+    one = PackedPreference(run.data_collator.view, rows="one")(examples)["packed"]
+    assert one["input_ids"].shape == (1, real)
+    assert sorted(one["input_ids"][0].tolist()) == sorted(
+        batch["input_ids"][batch["attention_mask"].bool()].tolist()
+    )
+
+
+def test_generation_runs_the_stock_forward():
+    """A call without the packed batch (generation, evaluation of other code) is untouched."""
+    run = trainer(PackedDPOTrainer)
+    prompt = torch.tensor([[3, 4, 5]])
+    reference = llama()
+    expected = reference.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(
+        run.model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0), expected
+    )
+
+
+def _view(rows: dict[str, list[list[int]]]) -> Any:
+    return lambda examples: {key: torch.tensor(value) for key, value in rows.items()}
+
+
+def test_packed_preference_refuses_left_padding():
+    view = _view(
+        {
+            "input_ids": [[5, 6], [0, 7]],
+            "attention_mask": [[1, 1], [0, 1]],
+            "completion_mask": [[0, 1], [0, 1]],
+        }
+    )
+    with pytest.raises(ValueError, match=r"row 1's attention_mask is not ones then zeros.*pad on the right"):
+        PackedPreference(view)([])
+
+
+def test_packed_preference_names_missing_keys():
+    view = _view({"input_ids": [[5, 6]], "attention_mask": [[1, 1]]})
+    with pytest.raises(ValueError, match=r"lacks \['completion_mask'\].*DataCollatorForPreference"):
+        PackedPreference(view)([])
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "sft"])
+def test_one_row_layout_equals_stock(loss_type):
+    """The FlashAttention layout (every sequence in one row), run here through SDPA's packed mask."""
+    packed = trainer(PackedDPOTrainer, loss_type=[loss_type])
+    packed.data_collator.rows = "one"
+    out = one_batch(trainer(DPOTrainer, loss_type=[loss_type]), packed)
+    assert float(out["packed"][0]) == pytest.approx(float(out["stock"][0]), abs=1e-6)
+    for a, b in zip(out["packed"][1], out["stock"][1], strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_with_inputs_the_packed_forward_does_not_lay_out_is_refused():
+    """Vision inputs or token types would be dropped from the packed forward: refused by name."""
+    run = trainer(PackedDPOTrainer)
+    batch = run.data_collator([run.train_dataset[i] for i in range(2)])
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    with pytest.raises(ValueError, match=r"carries \['token_type_ids'\].*trl.DPOTrainer"):
+        run.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels, fused_lm_head=True,
+            packed=batch["packed"], token_type_ids=torch.zeros_like(batch["input_ids"]),
+        )  # fmt: skip
+
+
+def test_packed_preference_refuses_an_unknown_row_layout():
+    with pytest.raises(ValueError, match=r"rows must be 'one' or 'fit', got 'two'"):
+        PackedPreference(_view({}), rows="two")  # type: ignore[arg-type]

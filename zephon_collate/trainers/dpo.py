@@ -1,0 +1,241 @@
+"""Packed padding-free DPO inside TRL's ``DPOTrainer``: change the class, keep everything else.
+
+TRL 1.16 computes every DPO loss type, the reference pass, LD-DPO, WPO and the
+metrics in one method on a padded batch ``[2P, L]`` (the chosen rows, then the
+rejected ones), and it reaches the model through one call:
+``model(**batch, labels=labels, fused_lm_head=True)``, whose per-token outputs
+(log-probs, entropy, mean logits, top-1 hits) are ``[2P, L - 1]``. Its own
+``padding_free`` switch is disabled. :class:`PackedDPOTrainer` keeps TRL's code
+whole and changes what that call runs::
+
+    TRL's batch (the view)               the same sequences, packed
+    chosen 0   p p p c c . .             one row: p p p c c | p c c c | p p p r | p r r .
+    chosen 1   p c c c . . .             position_ids restart at 0 at each sequence;
+    rejected 0 p p p r . . .             the transformer sees 14 tokens, not 28
+    rejected 1 p r r . . . .
+
+The collate function (:class:`PackedPreference`) returns TRL's batch as its own
+collator builds it, plus the same sequences packed padding-free by
+:meth:`Collator.for_transformers <zephon_collate.Collator.for_transformers>`
+under ``"packed"``. The model's forward, wrapped, runs the transformer on the
+packed row (``position_ids`` keep the sequences apart, as transformers reads
+packed rows) with TRL's fused head, then lays each per-token output back out
+as the padded view: TRL's loss and metrics read exactly the values the padded
+pass gives, every loss type and option included, for the policy, the
+reference model and an adapter-disabled PEFT reference alike.
+
+Not packed (TRL's own path runs): vision-language batches, prompt-learning
+PEFT (virtual tokens), and any call without the packed batch.
+``precompute_ref_log_probs`` runs once, in TRL's ``__init__``, on TRL's padded
+batches.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from trl.trainer.dpo_trainer import DPOTrainer
+from trl.trainer.utils import FusedCausalLMOutput
+
+from zephon_collate.collate.collator import Collator
+from zephon_collate.core.keys import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    LABELS,
+    LOGITS_INDEX,
+    POSITION_IDS,
+    SEQUENCE_INDEX,
+)
+from zephon_collate.core.text import shown
+from zephon_collate.packing._plan import best_fit_rows
+
+__all__ = ["PACKED", "PackedDPOTrainer", "PackedPreference"]
+
+PACKED = "packed"
+"""The batch key of the packed sequences (a dict of tensors that the wrapped forward reads)."""
+
+_COMPLETION_MASK = "completion_mask"
+_PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+_PASSED = frozenset({"use_cache", "output_router_logits"})  # model keywords TRL adds that packing keeps
+
+
+class PackedPreference:
+    """The ``collate_fn`` of :class:`PackedDPOTrainer`: TRL's preference batch, plus its sequences packed.
+
+    Parameters:
+        view: the collator that builds TRL's padded batch (``DPOTrainer``'s ``DataCollatorForPreference``):
+            right-padded ``input_ids``, ``attention_mask`` and ``completion_mask`` ``[2P, L]``.
+        rows: ``"one"``: every sequence in one row ``[1, N]``, for varlen attention kernels
+            (FlashAttention), whose cost grows with each sequence's length; ``"fit"``: the sequences
+            best-fit into rows as wide as the longest, for attention that masks a dense row (SDPA,
+            eager), whose cost grows with the row's width squared. Each row's padding is a sequence of
+            its own, never trained.
+
+    Returns (a call):
+        the view's batch, and under ``"packed"``: ``input_ids``, ``position_ids`` and ``shift_labels``
+        ``[rows, width]`` (each place's next token where it is trained, else -100), ``source`` (the
+        flat packed place of each trained prediction) and ``target`` (its flat place in the
+        ``[2P, L - 1]`` view).
+
+    Raises:
+        ValueError: if the view's batch lacks a key, or a row's ``attention_mask`` is not ones then
+            zeros (left padding, holes), naming the row.
+
+    Example:
+        >>> import torch
+        >>> def view(examples):
+        ...     return {"input_ids": torch.tensor([[5, 6, 7], [5, 9, 0]]),
+        ...             "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+        ...             "completion_mask": torch.tensor([[0, 1, 1], [0, 1, 0]])}
+        >>> packed = PackedPreference(view)([])["packed"]
+        >>> packed["input_ids"].tolist(), packed["shift_labels"].tolist()
+        ([[5, 6, 7, 5, 9]], [[6, 7, -100, 9, -100]])
+        >>> packed["source"].tolist(), packed["target"].tolist()
+        ([0, 1, 3], [0, 1, 2])
+        >>> fit = PackedPreference(view, rows="fit")([])["packed"]
+        >>> fit["input_ids"].tolist(), fit["position_ids"].tolist()
+        ([[5, 6, 7], [5, 9, 0]], [[0, 1, 2], [0, 1, 0]])
+    """
+
+    def __init__(
+        self, view: Callable[[list[dict[str, Any]]], Mapping[str, Any]], rows: Literal["one", "fit"] = "one"
+    ) -> None:
+        if rows not in ("one", "fit"):
+            raise ValueError(f"PackedPreference: rows must be 'one' or 'fit', got {shown(rows)}")
+        self.view, self.rows = view, rows
+        self._pack = Collator.for_transformers(
+            padding_free=True, return_position_ids=True, return_sequence_map=True
+        )
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = dict(self.view(examples))
+        missing = [key for key in (INPUT_IDS, ATTENTION_MASK, _COMPLETION_MASK) if key not in batch]
+        if missing:
+            raise ValueError(
+                f"PackedPreference: the view's batch lacks {shown(missing)} (it has {shown(sorted(batch))}); "
+                "give TRL's DataCollatorForPreference, which writes input_ids, attention_mask and "
+                "completion_mask"
+            )
+        batch[PACKED] = self.packed(batch[INPUT_IDS], batch[ATTENTION_MASK], batch[_COMPLETION_MASK])
+        return batch
+
+    def packed(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """The rows of a right-padded batch, packed (see the class doc)."""
+        lengths = attention_mask.sum(dim=1)
+        filled = torch.arange(attention_mask.shape[1]) < lengths[:, None]
+        holes = (attention_mask.bool() != filled).any(dim=1).nonzero()
+        if holes.numel():
+            row = int(holes[0, 0])
+            raise ValueError(
+                f"PackedPreference: row {row}'s attention_mask is not ones then zeros "
+                f"({shown(attention_mask[row].tolist())}); the view must pad on the right, as TRL's "
+                "DataCollatorForPreference does"
+            )
+        counts = lengths.tolist()
+        width = max(counts) if self.rows == "fit" else sum(counts)
+        bins = best_fit_rows(counts, width) if self.rows == "fit" else [list(range(len(counts)))]
+        order = [index for members in bins for index in members]
+        flat = self._pack(
+            [
+                {INPUT_IDS: input_ids[i, : counts[i]], _COMPLETION_MASK: completion_mask[i, : counts[i]]}
+                for i in order
+            ]
+        )
+        labels = flat[LABELS][0]  # -100 on prompts and on each sequence's first token
+        # Each flat place in the [rows, width] grid: bin b's sequences fill row b from its start.
+        used = torch.tensor([sum(counts[i] for i in members) for members in bins])
+        starts = torch.cumsum(used, 0) - used
+        row = torch.repeat_interleave(torch.arange(len(bins)), used)
+        place = row * width + torch.arange(labels.numel()) - starts[row]
+        tail = torch.arange(width) - used[:, None]  # the padding after each row's sequences counts from 0
+        grid = {
+            INPUT_IDS: torch.zeros(len(bins) * width, dtype=flat[INPUT_IDS].dtype).index_copy(
+                0, place, flat[INPUT_IDS][0]
+            ),
+            POSITION_IDS: tail.clamp(min=0).reshape(-1).index_copy(0, place, flat[POSITION_IDS][0]),
+            "shift_labels": torch.full((len(bins) * width,), -100, dtype=labels.dtype).index_copy(
+                0, place, torch.cat([labels[1:], labels.new_full((1,), -100)])
+            ),
+        }
+        trained = (labels != -100).nonzero()[:, 0]  # the predicted tokens, at their flat places
+        sequence = torch.tensor(order)[flat[SEQUENCE_INDEX][0, trained]]  # the view's row of each
+        out = {key: value.view(len(bins), width) for key, value in grid.items()}
+        out["source"] = place[flat[LOGITS_INDEX][0, trained]]
+        out["target"] = sequence * (input_ids.shape[1] - 1) + flat[POSITION_IDS][0, trained] - 1
+        return out
+
+
+def _laid_out(values: torch.Tensor | None, packed: Mapping[str, torch.Tensor], shape: Sequence[int]) -> Any:
+    """A packed per-token output ``[rows, width]`` as the padded view ``shape`` (zero where nothing is
+    trained)."""
+    if values is None:
+        return None
+    flat = values.new_zeros(shape[0] * shape[1])
+    return flat.index_copy(0, packed["target"], values.reshape(-1)[packed["source"]]).view(*shape)
+
+
+def _wrap_forward(model: nn.Module) -> None:
+    """Make ``model``'s fused forward (TRL's ``add_fused_lm_head``) run packed when the batch carries
+    ``"packed"``; every other call (generation, a batch without it) runs as before."""
+    fused = model.forward
+    if getattr(fused, "_zephon_packed", False):
+        return
+
+    def forward(self: nn.Module, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
+        packed = kwargs.pop(PACKED, None)
+        if packed is None or not fused_lm_head or args:
+            return fused(*args, fused_lm_head=fused_lm_head, **kwargs)
+        labels = kwargs.pop("labels")
+        kwargs.pop(INPUT_IDS, None)
+        kwargs.pop(ATTENTION_MASK, None)
+        others = sorted(set(kwargs) - _PASSED)
+        if others:
+            raise ValueError(
+                f"PackedDPOTrainer: the batch carries {shown(others)}, which the packed forward does not "
+                "lay out (vision inputs, token types); train such data with trl.DPOTrainer"
+            )
+        out = fused(
+            input_ids=packed[INPUT_IDS],
+            position_ids=packed[POSITION_IDS],
+            shift_labels=packed["shift_labels"],
+            fused_lm_head=True,
+            **kwargs,
+        )
+        shape = (labels.shape[0], labels.shape[1] - 1)
+        fields = {name: _laid_out(getattr(out, name), packed, shape) for name in _PER_TOKEN}
+        return FusedCausalLMOutput(
+            loss=out.loss, label_mask=labels[:, 1:] != -100, aux_loss=out.aux_loss, **fields
+        )
+
+    forward._zephon_packed = True  # type: ignore[attr-defined]
+    model.forward = types.MethodType(forward, model)
+
+
+class PackedDPOTrainer(DPOTrainer):
+    """``trl.DPOTrainer`` whose forward passes run on packed padding-free rows (see the module doc).
+
+    The batch is packed in one row under FlashAttention (varlen), else best-fit into rows as wide as
+    the longest sequence (see :class:`PackedPreference`). Takes ``DPOTrainer``'s arguments, unchanged:
+    every ``loss_type`` (and lists of them with ``loss_weights``), ``f_divergence_type``, ``ld_alpha``,
+    ``use_weighting``, a reference model, ``ref_model=None`` (the adapter-disabled PEFT model),
+    ``precompute_ref_log_probs`` and the metrics keep TRL's meaning and values.
+
+    Example:
+        >>> from zephon_collate.trainers import PackedDPOTrainer  # doctest: +SKIP
+        >>> PackedDPOTrainer(model=model, args=DPOConfig(...), train_dataset=pairs)  # doctest: +SKIP
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        model = self.accelerator.unwrap_model(self.model)
+        varlen = str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
+        self.data_collator = PackedPreference(self.data_collator, rows="one" if varlen else "fit")
+        _wrap_forward(model.get_base_model() if hasattr(model, "get_base_model") else model)
+        if self.ref_model is not None:
+            _wrap_forward(self.accelerator.unwrap_model(self.ref_model))
