@@ -151,8 +151,8 @@ class PackedPreference:
         # Each flat place in the [rows, width] grid: bin b's sequences fill row b from its start.
         used = torch.tensor([sum(counts[i] for i in members) for members in bins])
         starts = torch.cumsum(used, 0) - used
-        row = torch.repeat_interleave(torch.arange(len(bins)), used)
-        place = row * width + torch.arange(labels.numel()) - starts[row]
+        owner = torch.repeat_interleave(torch.arange(len(bins)), used)
+        place = owner * width + torch.arange(labels.numel()) - starts[owner]
         tail = torch.arange(width) - used[:, None]  # the padding after each row's sequences counts from 0
         grid = {
             INPUT_IDS: torch.zeros(len(bins) * width, dtype=flat[INPUT_IDS].dtype).index_copy(
