@@ -94,7 +94,9 @@ def reference_loss(model: nn.Module, examples: list[dict], mode: str) -> torch.T
         return total / len(losses)
     if mode == "seq-mean-token-mean":
         return sum(loss.mean() for loss in losses) / len(losses)
-    return total / NORMALIZER
+    if mode == "seq-mean-token-sum-norm":
+        return total / len(losses) / NORMALIZER
+    return total
 
 
 def grads(model: nn.Module) -> list[torch.Tensor]:
@@ -122,7 +124,7 @@ def run(mode: str, rank: int, world: int) -> dict:
         sizes = SPLITS[rank]
         mine = [examples[start : start + sizes[0]], examples[start + sizes[0] : start + sum(sizes)]]
         micro = [collate(chunk) for chunk in mine]
-        count = None if mode.endswith("norm") else global_loss_count(micro, mode=mode)
+        count = None if mode == "token-sum" else global_loss_count(micro, mode=mode)
         ddp.zero_grad()
         for i, batch in enumerate(micro):
             with ddp.no_sync() if i == 0 else contextlib.nullcontext():

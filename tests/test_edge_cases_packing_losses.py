@@ -292,7 +292,7 @@ def test_normalizer_is_a_finite_positive_number(batch):
     loss = torch.ones(1, 5)
     norm = "seq-mean-token-sum-norm"
     for normalizer in (2.0, np.float32(2.0), np.int64(2)):
-        assert float(aggregate_loss(loss, batch, mode=norm, normalizer=normalizer)) == 1.5  # 3 / 2
+        assert float(aggregate_loss(loss, batch, mode=norm, normalizer=normalizer)) == 0.75  # 3 / 2 seqs / 2
     for normalizer in (float("inf"), float("nan"), 0.0, -2.0, "2", True):
         with pytest.raises(
             ValueError,

@@ -190,3 +190,13 @@ def test_trl_dpo_example_trains_as_stock_trl():
     assert len(steps) == 4 and all(stock == packed for stock, packed in steps)
     assert float(re.search(r"largest weight difference after 4 steps: (\S+)", out).group(1)) < 1e-6
     assert float(re.search(r"\(([\d.]+)x fewer\)", out).group(1)) > 1.2
+
+
+def test_trl_grpo_example_trains_as_stock_trl():
+    pytest.importorskip("trl")
+    out = run_example("trl_grpo.py", "--steps", "3")
+    steps = re.findall(
+        r"loss (\S+) reward (\S+) \(GRPOTrainer\)\s+loss (\S+) reward (\S+) \(PackedGRPOTrainer\)", out
+    )
+    assert len(steps) == 3 and all(a == c and b == d for a, b, c, d in steps)
+    assert float(re.search(r"largest weight difference after 3 steps: (\S+)", out).group(1)) < 1e-6

@@ -38,7 +38,8 @@ WANT = {
     "token-mean": 21 / 5,
     "seq-mean-token-sum": 21 / 3,
     "seq-mean-token-mean": (6 / 3 + 6 / 1 + 9 / 1) / 3,
-    "seq-mean-token-sum-norm": 21 / 8,
+    "seq-mean-token-sum-norm": 21 / 3 / 8,
+    "token-sum": 21,
 }
 AMBIGUOUS = "cannot tell padding from one-token sequences"
 
@@ -88,7 +89,9 @@ def reference(per_token: list[list[tuple[float, bool]]], mode: str, normalizer: 
         return sum(sums[i] for i in kept) / len(kept)
     if mode == "seq-mean-token-mean":
         return sum(sums[i] / counts[i] for i in kept) / len(kept)
-    return sum(sums) / normalizer
+    if mode == "seq-mean-token-sum-norm":
+        return sum(sums[i] for i in kept) / len(kept) / normalizer
+    return sum(sums)
 
 
 # --- 1. logits narrower than the token ids --------------------------------------------------------------
@@ -290,7 +293,7 @@ def test_hand_built_sequence_maps_are_read_exactly():
     assert [t.tolist() for t in unpack(batch["input_ids"], batch)] == [[1, 2, 3], [4, 5]]
     loss = torch.tensor([[100.0, 1.0, 2.0, 100.0, 6.0, 100.0]])
     got = [float(aggregate_loss(loss, batch, mode=m, normalizer=4.0)) for m in MODES]
-    assert got == pytest.approx([9 / 3, 9 / 2, (3 / 2 + 6) / 2, 9 / 4])
+    assert got == pytest.approx([9 / 3, 9 / 2, (3 / 2 + 6) / 2, 9 / 2 / 4, 9])
     # Without num_sequences: the largest sequence_index + 1.
     del batch["num_sequences"]
     assert sequence_logprobs(torch.zeros(1, 6, VOCAB), batch).counts.tolist() == [2, 1]

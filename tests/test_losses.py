@@ -66,7 +66,9 @@ def reference(per_token, mode, normalizer=10.0):
         return sum(sums[i] for i in kept) / max(len(kept), 1)
     if mode == "seq-mean-token-mean":
         return sum(sums[i] / counts[i] for i in kept) / max(len(kept), 1)
-    return sum(sums) / normalizer
+    if mode == "seq-mean-token-sum-norm":
+        return sum(sums[i] for i in kept) / max(len(kept), 1) / normalizer
+    return sum(sums)
 
 
 def test_token_and_sequence_logprobs_hand_worked():
@@ -133,7 +135,7 @@ def test_gradient_accumulation_gives_the_whole_steps_gradient(spec, layout, cut)
         aggregate_loss(per_token(whole), whole, mode=mode, normalizer=7.0).backward()
         expected = weights.grad.clone()
         weights.grad = None
-        count = None if mode.endswith("norm") else global_loss_count(micro, mode=mode)
+        count = None if mode == "token-sum" else global_loss_count(micro, mode=mode)
         for batch in micro:
             aggregate_loss(per_token(batch), batch, mode=mode, global_count=count, normalizer=7.0).backward()
         assert torch.allclose(weights.grad, expected, rtol=1e-10, atol=1e-12), mode
@@ -169,7 +171,51 @@ def test_bad_loss_arguments():
         token_logprobs(torch.zeros(1, 4, VOCAB), batch)
     with pytest.raises(ValueError, match="no sequence map"):
         token_logprobs(torch.zeros(1, 5, VOCAB), {"input_ids": batch["input_ids"]})
-    with pytest.raises(ValueError, match="constant"):
-        global_loss_count([batch], mode="seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="'token-sum' divides by nothing"):
+        global_loss_count([batch], mode="token-sum")
     with pytest.raises(ValueError, match="unpack: tensor has shape"):
         unpack(torch.zeros(2, 5), batch)
+
+
+def _verl_agg_loss(loss_mat, loss_mask, loss_agg_mode, global_batch_size, loss_scale_factor):
+    """verl 0.10's ``agg_loss`` (verl-project/verl@1dda039b, ``verl/trainer/ppo/core_algos.py``), one rank
+    (``dp_size=1``, ``batch_num_tokens`` the mask's sum): ``[bs, response_length]`` losses, response-aligned."""
+    masked_sum = lambda x, m: (x * m).sum()  # noqa: E731 (verl's helper, as written there)
+    if loss_agg_mode == "token-mean":
+        return masked_sum(loss_mat, loss_mask) / loss_mask.sum()
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, loss_mask)
+    seq_mask = (loss_mask.sum(dim=-1) > 0).float()
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_losses = (loss_mat * loss_mask).sum(dim=-1) / (loss_mask.sum(dim=-1) + 1e-8)
+    else:
+        seq_losses = (loss_mat * loss_mask).sum(dim=-1)
+    loss = masked_sum(seq_losses, seq_mask) / global_batch_size
+    return loss / loss_scale_factor if loss_agg_mode == "seq-mean-token-sum-norm" else loss
+
+
+def test_every_mode_equals_verl_and_dr_grpo_equals_trl():
+    """The same per-token losses, response-aligned ``[B, C]`` as verl and TRL hold them and packed as the
+    collator lays them out: ``aggregate_loss`` equals verl 0.10's ``agg_loss`` in every mode, and
+    ``"seq-mean-token-sum-norm"`` with ``normalizer=max_completion_length`` equals TRL 1.16's ``dr_grpo``
+    (``grpo_trainer.py``: ``(per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)``)."""
+    spec = [(0, 3), (1, 1), (0, 5), (1, 2)]
+    examples = rollouts(spec)
+    width, max_completion_length = max(n for _, n in spec), 8
+    values = torch.linspace(0.5, 3.0, len(spec) * width, dtype=torch.float64).reshape(len(spec), width)
+    mask = torch.tensor([[1.0] * n + [0.0] * (width - n) for _, n in spec], dtype=torch.float64)
+    for layout in LAYOUTS:
+        batch = Collator.for_rollouts(**layout)(examples)
+        per_token = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
+        places = unpack(torch.arange(per_token.numel()).reshape(per_token.shape), batch)
+        for row, ((_, n), where) in enumerate(zip(spec, places, strict=True)):
+            per_token.view(-1)[where[len(where) - n :]] = values[row, :n]  # the completion's tokens
+        for mode in MODES:
+            got = aggregate_loss(per_token, batch, mode=mode, normalizer=max_completion_length)
+            want = _verl_agg_loss(values, mask, mode, len(spec), max_completion_length)
+            assert float(got) == pytest.approx(float(want), rel=1e-7), (layout, mode)
+        dr_grpo = (values * mask).sum() / (values.size(0) * max_completion_length)
+        norm = aggregate_loss(
+            per_token, batch, mode="seq-mean-token-sum-norm", normalizer=max_completion_length
+        )
+        assert float(norm) == pytest.approx(float(dr_grpo), rel=1e-12)

@@ -187,7 +187,8 @@ def test_grpo_clipped_loss_packed_equals_unpacked_in_every_mode():
         "token-mean": total / sum(loss.numel() for loss in losses),
         "seq-mean-token-sum": total / len(losses),
         "seq-mean-token-mean": sum(loss.mean() for loss in losses) / len(losses),
-        "seq-mean-token-sum-norm": total / normalizer,
+        "seq-mean-token-sum-norm": total / len(losses) / normalizer,
+        "token-sum": total,
     }
     gradients = {}
     for mode, want in reference.items():

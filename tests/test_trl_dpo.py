@@ -73,9 +73,10 @@ def test_one_batch_equals_stock(options):
 
 def test_training_steps_equal_stock():
     """Five optimizer steps with gradient accumulation: the same logged history and the same weights."""
-    runs = [trainer(cls, steps=5, gradient_accumulation_steps=2) for cls in (DPOTrainer, PackedDPOTrainer)]
-    for run in runs:
-        run.train()
+    runs = []
+    for cls in (DPOTrainer, PackedDPOTrainer):  # each built, then trained: Trainer seeds at build
+        runs.append(trainer(cls, steps=5, gradient_accumulation_steps=2))
+        runs[-1].train()
     stock, packed = (run.state.log_history for run in runs)
     losses = [(a["loss"], b["loss"]) for a, b in zip(stock, packed, strict=True) if "loss" in a]
     assert len(losses) == 5
@@ -159,7 +160,7 @@ def test_a_batch_with_inputs_the_packed_forward_does_not_lay_out_is_refused():
     run = trainer(PackedDPOTrainer)
     batch = run.data_collator([run.train_dataset[i] for i in range(2)])
     labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
-    with pytest.raises(ValueError, match=r"carries \['token_type_ids'\].*trl.DPOTrainer"):
+    with pytest.raises(ValueError, match=r"carries \['token_type_ids'\].*TRL's own trainer"):
         run.model(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels, fused_lm_head=True,
             packed=batch["packed"], token_type_ids=torch.zeros_like(batch["input_ids"]),

@@ -91,15 +91,17 @@ __all__ = [
 ]
 
 Mode: TypeAlias = Literal[
-    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum"
 ]
 MODES: tuple[Mode, ...] = (
     "token-mean",
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
+    "token-sum",
 )
-"""verl's ``loss_agg_mode`` values (``verl.trainer.ppo.core_algos.agg_loss``), for :func:`aggregate_loss`."""
+"""verl's ``loss_agg_mode`` values (``verl.trainer.ppo.core_algos.agg_loss``, verl 0.10), for
+:func:`aggregate_loss`."""
 _Batch: TypeAlias = Mapping[str, Any]
 _FIX = "pass the batch the collator returned"
 
@@ -550,7 +552,8 @@ def unpack(
 
 
 def _local_count(supervised: torch.Tensor, view: _Map, mode: Mode) -> torch.Tensor:
-    """This batch's units of ``mode``: supervised tokens, or sequences with a supervised token."""
+    """This batch's units of ``mode``: supervised tokens, or sequences with a supervised token (the
+    ``"seq-mean-*"`` modes, ``"seq-mean-token-sum-norm"`` too)."""
     if mode == "token-mean":
         return supervised.sum()
     per_sequence = _per_sequence(supervised.long(), supervised, view)
@@ -578,15 +581,15 @@ def global_loss_count(
     """The denominator of ``mode`` over one optimizer step: every micro-batch of every rank.
 
     Supervised tokens (``"token-mean"``) or sequences with at least one
-    supervised token (``"seq-mean-*"``), summed over this rank's micro-batches
+    supervised token (``"seq-mean-*"``, verl's ``global_batch_size``), summed over this rank's micro-batches
     (``batches``), then all-reduced over ``group``
     (:func:`~zephon_collate.parallel.distributed.global_num_valid_tokens`): a
     collective every rank of ``group`` calls once per step. Pass it to
     :func:`aggregate_loss` as ``global_count``.
 
     Raises:
-        ValueError: for an unknown mode, or ``"seq-mean-token-sum-norm"`` (a constant normaliser); a batch
-            without ``labels`` or whose sequences cannot be read (the message names the field).
+        ValueError: for an unknown mode, or ``"token-sum"`` (which divides by nothing); a batch without
+            ``labels`` or whose sequences cannot be read (the message names the field).
         TypeError: if ``batches`` is neither a batch dict nor an iterable of them.
 
     Example:
@@ -598,10 +601,8 @@ def global_loss_count(
         (4, 3)
     """
     checked = _check_mode(mode)
-    if checked == "seq-mean-token-sum-norm":
-        raise ValueError(
-            "global_loss_count: 'seq-mean-token-sum-norm' divides by a constant; pass normalizer=..."
-        )
+    if checked == "token-sum":
+        raise ValueError("global_loss_count: 'token-sum' divides by nothing; call aggregate_loss without it")
     if isinstance(batches, Mapping):
         items: list[Any] = [batches]
     elif isinstance(batches, Iterable) and not isinstance(batches, (str, bytes, torch.Tensor)):
@@ -627,14 +628,19 @@ def aggregate_loss(
     """The loss to call ``backward`` on: ``per_token_loss`` over supervised tokens, aggregated by ``mode``.
 
     With ``l`` the per-token loss, ``m`` the supervised tokens, ``i`` the
-    sequences and ``n_i = sum_t m_i,t`` (verl's ``agg_loss`` modes), over the whole step:
+    sequences and ``n_i = sum_t m_i,t``, over the whole step, as verl 0.10's
+    ``agg_loss`` (``verl/trainer/ppo/core_algos.py``) defines them:
 
     - ``"token-mean"``: ``sum_i,t l*m / sum_i,t m``;
     - ``"seq-mean-token-sum"``: ``mean_i sum_t l*m`` (over sequences with ``n_i > 0``);
     - ``"seq-mean-token-mean"``: ``mean_i (sum_t l*m / n_i)`` (over sequences with ``n_i > 0``);
-    - ``"seq-mean-token-sum-norm"``: ``sum_i,t l*m / normalizer``, a constant (Dr. GRPO: e.g. the
-      largest response length times the group size; constant, so that packing and batch sizes
-      do not change it).
+    - ``"seq-mean-token-sum-norm"``: ``mean_i sum_t l*m / normalizer`` (Dr. GRPO). ``normalizer`` is
+      verl's ``loss_scale_factor``: a constant response length, e.g. the largest a rollout may have.
+      With ``normalizer=max_completion_length`` this is TRL 1.16's ``loss_type="dr_grpo"`` (whose
+      ``B`` counts every row, this mode the sequences with ``n_i > 0``: pass ``global_count`` to count
+      otherwise), and verl 0.9.1's. verl of January 2026 (0.8.0.dev) divided by the constant alone, a
+      loss as many times larger as the step has sequences;
+    - ``"token-sum"``: ``sum_i,t l*m``, divided by nothing (verl 0.10).
 
     Each is exact under packing (sequences come from the batch's map, not its
     rows), under gradient accumulation and across data-parallel ranks: this
@@ -650,7 +656,7 @@ def aggregate_loss(
         batch: the micro-batch (``Collator.for_preference`` / ``for_rollouts`` / ``for_transformers``).
         mode: one of :data:`MODES`.
         global_count: the step's denominator (tokens or sequences), or ``None``.
-        normalizer: the constant of ``"seq-mean-token-sum-norm"`` (required there, unused elsewhere).
+        normalizer: the response length of ``"seq-mean-token-sum-norm"`` (required there, unused elsewhere).
         group: the data-parallel group (``None``: the default group).
         world_size: the ranks gradients are averaged over (default: ``group``'s size, 1 alone).
 
@@ -672,7 +678,7 @@ def aggregate_loss(
         ... ])
         >>> loss = torch.tensor([[0.0, 1.0, 2.0, 3.0, 0.0, 6.0]])  # sequence sums 6 and 6
         >>> [round(float(aggregate_loss(loss, batch, mode=m, normalizer=8.0)), 4) for m in MODES]
-        [3.0, 6.0, 4.0, 1.5]
+        [3.0, 6.0, 4.0, 0.75, 12.0]
     """
     per_token_loss = _check_tensor(per_token_loss, "aggregate_loss: per_token_loss", "[R, L]")
     checked = _check_mode(mode)
@@ -696,10 +702,10 @@ def aggregate_loss(
     supervised = _supervised(batch, view)
     on_device = supervised.to(per_token_loss.device)
     zero = torch.zeros((), dtype=per_token_loss.dtype, device=per_token_loss.device)
-    if norm:
+    if checked == "token-sum":
         ranks = data_parallel_size(group) if world_size is None else world_size
-        return torch.where(on_device, per_token_loss, zero).sum() * (ranks / float(normalizer))
-    if checked == "token-mean":
+        return torch.where(on_device, per_token_loss, zero).sum() * ranks
+    if checked in ("token-mean", "seq-mean-token-sum-norm"):
         numerator = torch.where(on_device, per_token_loss, zero).sum()
     else:
         sums = _per_sequence(per_token_loss, supervised, view)
@@ -709,4 +715,5 @@ def aggregate_loss(
         numerator = sums.sum()
     if count is None:
         count = global_num_valid_tokens(_local_count(supervised, view, checked), group=group)
-    return normalize_loss(numerator, count, group=group, world_size=world_size)
+    loss = normalize_loss(numerator, count, group=group, world_size=world_size)
+    return loss / float(normalizer) if norm else loss

@@ -32,35 +32,19 @@ batches.
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
-from torch import nn
 from trl.trainer.dpo_trainer import DPOTrainer
-from trl.trainer.utils import FusedCausalLMOutput
 
-from zephon_collate.collate.collator import Collator
-from zephon_collate.core.keys import (
-    ATTENTION_MASK,
-    INPUT_IDS,
-    LABELS,
-    LOGITS_INDEX,
-    POSITION_IDS,
-    SEQUENCE_INDEX,
-)
+from zephon_collate.core.keys import ATTENTION_MASK, INPUT_IDS
 from zephon_collate.core.text import shown
-from zephon_collate.packing._plan import best_fit_rows
+from zephon_collate.trainers.view import PACKED, ROWS, pack_view, wrap_forward
 
-__all__ = ["PACKED", "PackedDPOTrainer", "PackedPreference"]
-
-PACKED = "packed"
-"""The batch key of the packed sequences (a dict of tensors that the wrapped forward reads)."""
+__all__ = ["PackedDPOTrainer", "PackedPreference"]
 
 _COMPLETION_MASK = "completion_mask"
-_PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-_PASSED = frozenset({"use_cache", "output_router_logits"})  # model keywords TRL adds that packing keeps
 
 
 class PackedPreference:
@@ -104,12 +88,9 @@ class PackedPreference:
     def __init__(
         self, view: Callable[[list[dict[str, Any]]], Mapping[str, Any]], rows: Literal["one", "fit"] = "one"
     ) -> None:
-        if rows not in ("one", "fit"):
+        if rows not in ROWS:
             raise ValueError(f"PackedPreference: rows must be 'one' or 'fit', got {shown(rows)}")
         self.view, self.rows = view, rows
-        self._pack = Collator.for_transformers(
-            padding_free=True, return_position_ids=True, return_sequence_map=True
-        )
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = dict(self.view(examples))
@@ -127,8 +108,7 @@ class PackedPreference:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         """The rows of a right-padded batch, packed (see the class doc)."""
-        lengths = attention_mask.sum(dim=1)
-        filled = torch.arange(attention_mask.shape[1]) < lengths[:, None]
+        filled = torch.arange(attention_mask.shape[1]) < attention_mask.sum(dim=1)[:, None]
         holes = (attention_mask.bool() != filled).any(dim=1).nonzero()
         if holes.numel():
             row = int(holes[0, 0])
@@ -137,84 +117,7 @@ class PackedPreference:
                 f"({shown(attention_mask[row].tolist())}); the view must pad on the right, as TRL's "
                 "DataCollatorForPreference does"
             )
-        counts = lengths.tolist()
-        width = max(counts) if self.rows == "fit" else sum(counts)
-        bins = best_fit_rows(counts, width) if self.rows == "fit" else [list(range(len(counts)))]
-        order = [index for members in bins for index in members]
-        flat = self._pack(
-            [
-                {INPUT_IDS: input_ids[i, : counts[i]], _COMPLETION_MASK: completion_mask[i, : counts[i]]}
-                for i in order
-            ]
-        )
-        labels = flat[LABELS][0]  # -100 on prompts and on each sequence's first token
-        # Each flat place in the [rows, width] grid: bin b's sequences fill row b from its start.
-        used = torch.tensor([sum(counts[i] for i in members) for members in bins])
-        starts = torch.cumsum(used, 0) - used
-        owner = torch.repeat_interleave(torch.arange(len(bins)), used)
-        place = owner * width + torch.arange(labels.numel()) - starts[owner]
-        tail = torch.arange(width) - used[:, None]  # the padding after each row's sequences counts from 0
-        grid = {
-            INPUT_IDS: torch.zeros(len(bins) * width, dtype=flat[INPUT_IDS].dtype).index_copy(
-                0, place, flat[INPUT_IDS][0]
-            ),
-            POSITION_IDS: tail.clamp(min=0).reshape(-1).index_copy(0, place, flat[POSITION_IDS][0]),
-            "shift_labels": torch.full((len(bins) * width,), -100, dtype=labels.dtype).index_copy(
-                0, place, torch.cat([labels[1:], labels.new_full((1,), -100)])
-            ),
-        }
-        trained = (labels != -100).nonzero()[:, 0]  # the predicted tokens, at their flat places
-        sequence = torch.tensor(order)[flat[SEQUENCE_INDEX][0, trained]]  # the view's row of each
-        out = {key: value.view(len(bins), width) for key, value in grid.items()}
-        out["source"] = place[flat[LOGITS_INDEX][0, trained]]
-        out["target"] = sequence * (input_ids.shape[1] - 1) + flat[POSITION_IDS][0, trained] - 1
-        return out
-
-
-def _laid_out(values: torch.Tensor | None, packed: Mapping[str, torch.Tensor], shape: Sequence[int]) -> Any:
-    """A packed per-token output ``[rows, width]`` as the padded view ``shape`` (zero where nothing is
-    trained)."""
-    if values is None:
-        return None
-    flat = values.new_zeros(shape[0] * shape[1])
-    return flat.index_copy(0, packed["target"], values.reshape(-1)[packed["source"]]).view(*shape)
-
-
-def _wrap_forward(model: nn.Module) -> None:
-    """Make ``model``'s fused forward (TRL's ``add_fused_lm_head``) run packed when the batch carries
-    ``"packed"``; every other call (generation, a batch without it) runs as before."""
-    fused = model.forward
-    if getattr(fused, "_zephon_packed", False):
-        return
-
-    def forward(self: nn.Module, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
-        packed = kwargs.pop(PACKED, None)
-        if packed is None or not fused_lm_head or args:
-            return fused(*args, fused_lm_head=fused_lm_head, **kwargs)
-        labels = kwargs.pop("labels")
-        kwargs.pop(INPUT_IDS, None)
-        kwargs.pop(ATTENTION_MASK, None)
-        others = sorted(set(kwargs) - _PASSED)
-        if others:
-            raise ValueError(
-                f"PackedDPOTrainer: the batch carries {shown(others)}, which the packed forward does not "
-                "lay out (vision inputs, token types); train such data with trl.DPOTrainer"
-            )
-        out = fused(
-            input_ids=packed[INPUT_IDS],
-            position_ids=packed[POSITION_IDS],
-            shift_labels=packed["shift_labels"],
-            fused_lm_head=True,
-            **kwargs,
-        )
-        shape = (labels.shape[0], labels.shape[1] - 1)
-        fields = {name: _laid_out(getattr(out, name), packed, shape) for name in _PER_TOKEN}
-        return FusedCausalLMOutput(
-            loss=out.loss, label_mask=labels[:, 1:] != -100, aux_loss=out.aux_loss, **fields
-        )
-
-    forward._zephon_packed = True  # type: ignore[attr-defined]
-    model.forward = types.MethodType(forward, model)
+        return pack_view(input_ids, attention_mask, completion_mask, self.rows, "PackedPreference")
 
 
 class PackedDPOTrainer(DPOTrainer):
@@ -236,6 +139,6 @@ class PackedDPOTrainer(DPOTrainer):
         model = self.accelerator.unwrap_model(self.model)
         varlen = str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
         self.data_collator = PackedPreference(self.data_collator, rows="one" if varlen else "fit")
-        _wrap_forward(model.get_base_model() if hasattr(model, "get_base_model") else model)
+        wrap_forward(model.get_base_model() if hasattr(model, "get_base_model") else model)
         if self.ref_model is not None:
-            _wrap_forward(self.accelerator.unwrap_model(self.ref_model))
+            wrap_forward(self.accelerator.unwrap_model(self.ref_model))

@@ -1,6 +1,6 @@
-"""PackedDPOTrainer against stock trl.DPOTrainer: tokens the model runs per step, and the time of a step.
+"""PackedDPOTrainer and PackedGRPOTrainer against stock TRL: tokens the model runs per step, and a step's time.
 
-Pairs of the realistic mix (prompt 200-800 tokens, each response 50-1,000,
+DPO: pairs of the realistic mix (prompt 200-800 tokens, each response 50-1,000,
 uniform), ``--pairs`` per step. Tokens per step: the padded batch's
 ``input_ids`` (``[2P, L]``, what stock TRL runs) against the packed rows: best-fit
 into rows as wide as the longest sequence (the layout under SDPA, padding
@@ -12,14 +12,21 @@ float32, SDPA attention: transformers masks the packed row's sequences apart).
 The two losses are checked equal (float64 weights; TRL's head computes in float32) before the
 steps are timed.
 
-Run: python benchmarks/bench_trl_dpo.py [--steps 20] [--pairs 4] [--rounds 5] [--hidden 256]
+GRPO: the policy pass (``_get_per_token_logps_and_entropies``, then ``backward``) on
+``--prompts`` prompts of 200-800 tokens with 8 completions of 50-1,000 tokens each,
+prompts padded on the left and completions on the right as TRL pads them,
+checked equal (float64) and timed the same way.
+
+Run: python benchmarks/bench_trl.py [--steps 20] [--pairs 4] [--prompts 4] [--rounds 5] [--hidden 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,10 +34,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from trl import DPOTrainer
-from trl_dpo import pairs, trainer
+from trl import DPOTrainer, GRPOConfig, GRPOTrainer
+from trl_dpo import llama, pairs, tokenizer, trainer
 
-from zephon_collate.trainers import PackedDPOTrainer
+from zephon_collate.trainers import PackedDPOTrainer, PackedGRPOTrainer
 
 
 def step(run: Any, batch: dict[str, Any]) -> float:
@@ -40,10 +47,80 @@ def step(run: Any, batch: dict[str, Any]) -> float:
     return float(loss.detach())
 
 
+def rollouts(prompts: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``input_ids``, ``attention_mask`` ``[8 * prompts, P + C]`` and ``C``: each prompt (200-800 tokens, padded
+    on the left) with 8 completions (50-1,000 tokens, padded on the right)."""
+    rng = random.Random(seed)
+    rows = [
+        (p, rng.randint(50, 1000)) for p in (rng.randint(200, 800) for _ in range(prompts)) for _ in range(8)
+    ]
+    width_p, width_c = max(p for p, _ in rows), max(c for _, c in rows)
+    ids = torch.zeros(len(rows), width_p + width_c, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (p, c) in enumerate(rows):
+        ids[row, width_p - p : width_p + c] = torch.randint(3, 60, (p + c,))
+        mask[row, width_p - p : width_p + c] = 1
+    return ids, mask, width_c
+
+
+def grpo_step(run: Any, ids: torch.Tensor, mask: torch.Tensor, keep: int) -> float:
+    run.model.zero_grad()
+    logps = run._get_per_token_logps_and_entropies(run.model, ids, mask, keep, compute_entropy=True)[0]
+    loss = (logps * mask[:, -keep:]).sum() / mask[:, -keep:].sum()
+    loss.backward()
+    return float(loss.detach())
+
+
+def grpo(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as path:
+        llama(args.hidden, torch.float32).save_pretrained(path)
+        config = GRPOConfig(
+            output_dir="/tmp/zephon-grpo-bench", per_device_train_batch_size=8, num_generations=8,
+            report_to=[], use_cpu=True, save_strategy="no",
+        )  # fmt: skip
+        runs = {
+            name: cls(model=path, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=config,
+                      train_dataset=pairs(8), processing_class=tokenizer())
+            for name, cls in (("stock", GRPOTrainer), ("packed", PackedGRPOTrainer))
+        }  # fmt: skip
+    padded = packed = 0
+    for step in range(args.steps):
+        ids, mask, keep = rollouts(args.prompts, seed=step)
+        padded += ids.numel()
+        packed += int(mask.sum())
+    ids, mask, keep = rollouts(args.prompts)
+    for run in runs.values():
+        run.model.to(torch.float64)
+    losses = {name: grpo_step(run, ids, mask, keep) for name, run in runs.items()}
+    assert abs(losses["stock"] - losses["packed"]) < 1e-6, losses
+    for run in runs.values():
+        run.model.to(torch.float32)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            grpo_step(run, ids, mask, keep)
+            times[name].append(time.perf_counter() - start)
+    stock_s, packed_s = (statistics.median(times[name]) for name in ("stock", "packed"))
+    print(
+        f"\nGRPO: {args.pairs} prompts x 8 completions per step (prompt 200-800, completions 50-1,000 tokens)\n"
+    )
+    print("| | stock GRPOTrainer | PackedGRPOTrainer | ratio |")
+    print("|---|---:|---:|---:|")
+    print(
+        f"| tokens per step, one row (mean) | {padded / args.steps:,.0f} | {packed / args.steps:,.0f} | "
+        f"{padded / packed:.2f}x fewer |"
+    )
+    print(
+        f"| time of the policy pass, SDPA rows (+ backward) | {stock_s:.2f} s | {packed_s:.2f} s | {stock_s / packed_s:.2f}x |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--pairs", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=4, help="GRPO prompts per step (8 completions each)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=256)
     args = parser.parse_args()
@@ -100,6 +177,7 @@ def main() -> None:
     print(
         f"| time per step, SDPA rows (loss + backward) | {stock_s:.2f} s | {packed_s:.2f} s | {stock_s / packed_s:.2f}x |"
     )
+    grpo(args)
 
 
 if __name__ == "__main__":

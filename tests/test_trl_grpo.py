@@ -1,0 +1,154 @@
+"""PackedGRPOTrainer against stock trl.GRPOTrainer: the same log-probs and entropies of left-padded prompts and
+right-padded completions, the same loss, gradients and metrics for every loss type and KL option, and the same
+training with generation (tiny Llama from a config; float64 weights, where packing's positions from 0 and TRL's
+positions shifted by the left padding give the same RoPE scores; TRL's head computes in float32)."""
+
+from __future__ import annotations
+
+import random
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from trl import GRPOConfig, GRPOTrainer
+
+from zephon_collate.trainers import PackedGRPOTrainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from datasets import Dataset
+from trl_dpo import WORDS, llama, tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """GRPOTrainer loads its reference model from a path: a tiny Llama saved once."""
+    path = tmp_path_factory.mktemp("llama")
+    llama(dtype=torch.float64).save_pretrained(path)
+    return str(path)
+
+
+def prompts() -> Dataset:
+    rng = random.Random(0)
+    return Dataset.from_list(
+        [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 9)))} for _ in range(16)]
+    )
+
+
+def reward(completions: list[str], **_: Any) -> list[float]:
+    return [len(text) / 10 for text in completions]
+
+
+def trainer(cls: type, path: str, steps: int = 3, **options: Any) -> Any:
+    args = GRPOConfig(
+        output_dir="/tmp/zephon-grpo-test", per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=6, max_steps=steps, learning_rate=1e-2, logging_steps=1, save_strategy="no",
+        report_to=[], use_cpu=True, seed=0, model_init_kwargs={"dtype": torch.float64}, **options,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = cls(
+            model=path, reward_funcs=reward, args=args, train_dataset=prompts(), processing_class=tokenizer()
+        )
+    run.current_gradient_accumulation_steps = 1  # what a training step sets, for _compute_loss called alone
+    return run
+
+
+def rows() -> dict[str, torch.Tensor]:
+    """Four rollouts: prompts of 3, 7, 5 and 2 tokens padded on the left to 7, completions of 6, 2, 4 and 1
+    padded on the right to 6."""
+    generator = torch.Generator().manual_seed(1)
+    out = {name: torch.zeros(4, width, dtype=torch.long) for name, width in
+           (("prompt_ids", 7), ("prompt_mask", 7), ("completion_ids", 6), ("completion_mask", 6))}  # fmt: skip
+    for row, (prompt, completion) in enumerate(((3, 6), (7, 2), (5, 4), (2, 1))):
+        out["prompt_ids"][row, 7 - prompt :] = torch.randint(3, 60, (prompt,), generator=generator)
+        out["prompt_mask"][row, 7 - prompt :] = 1
+        out["completion_ids"][row, :completion] = torch.randint(3, 60, (completion,), generator=generator)
+        out["completion_mask"][row, :completion] = 1
+    return out
+
+
+@pytest.mark.parametrize("layout", ["fit", "one"])
+@pytest.mark.parametrize("batch_size", [None, 3])
+def test_log_probs_and_entropies_equal_stock(model_path, layout, batch_size):
+    stock, packed = trainer(GRPOTrainer, model_path), trainer(PackedGRPOTrainer, model_path)
+    packed.packed_rows = layout
+    batch = rows()
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    want = stock._get_per_token_logps_and_entropies(
+        stock.model, ids, mask, 6, batch_size, compute_entropy=True
+    )
+    got = packed._get_per_token_logps_and_entropies(
+        packed.model, ids, mask, 6, batch_size, compute_entropy=True
+    )
+    assert got[0].shape == want[0].shape == (4, 6)
+    assert torch.allclose(got[0], want[0], atol=1e-6, rtol=0)
+    assert torch.allclose(got[1], want[1], atol=1e-6, rtol=0)
+
+
+CASES = [{"loss_type": kind} for kind in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo")] + [
+    {"loss_type": "luspo", "importance_sampling_level": "sequence"},
+    {"loss_type": "grpo", "importance_sampling_level": "sequence"},  # GSPO
+    {"beta": 0.04},
+    {"beta": 0.04, "use_bias_correction_kl": False},
+    {"beta": 0.04, "importance_sampling_level": "sequence", "loss_type": "grpo"},
+    {"epsilon_high": 0.28, "delta": 1.5},
+    {"top_entropy_quantile": 0.5},
+]
+
+
+@pytest.mark.parametrize("options", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_loss_gradients_and_metrics_equal_stock(model_path, options):
+    """Old-policy and reference log-probs off the current ones, so the ratios clip and the KL term counts."""
+    runs = [trainer(cls, model_path, **options) for cls in (GRPOTrainer, PackedGRPOTrainer)]
+    batch = rows()
+    generator = torch.Generator().manual_seed(2)
+    noise = torch.randn(2, 4, 6, generator=generator, dtype=torch.float64)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        current = runs[0]._get_per_token_logps_and_entropies(runs[0].model, ids, mask, 6)[0].double()
+    batch.update(
+        advantages=torch.tensor([0.5, -1.0, 1.5, -0.2], dtype=torch.float64),
+        old_per_token_logps=current + 0.3 * noise[0],
+        ref_per_token_logps=current + 0.1 * noise[1],
+        num_items_in_batch=batch["completion_mask"].sum(),
+    )
+    results = []
+    for run in runs:
+        run.model.train()
+        loss = run._compute_loss(run.model, dict(batch))
+        loss.backward()
+        metrics = {key: values[-1] for key, values in run._metrics["train"].items()}
+        results.append((loss.detach(), [p.grad.clone() for p in run.model.parameters()], metrics))
+    (want, want_grads, want_metrics), (got, grads, metrics) = results
+    assert float(got) == pytest.approx(float(want), abs=1e-6)
+    for a, b in zip(grads, want_grads, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), float((a - b).abs().max())
+    assert metrics.keys() == want_metrics.keys()
+    for key, value in want_metrics.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_training_with_generation_equals_stock(model_path):
+    """Three steps of sampling, rewards and updates: the same logged losses and rewards, the same weights."""
+    runs = []
+    for cls in (
+        GRPOTrainer,
+        PackedGRPOTrainer,
+    ):  # each built, then trained: Trainer seeds the sampling at build
+        runs.append(trainer(cls, model_path, steps=3, beta=0.04))
+        runs[-1].train()
+    stock, packed = ([entry for entry in run.state.log_history if "loss" in entry] for run in runs)
+    assert len(stock) == len(packed) == 3
+    for want, got in zip(stock, packed, strict=True):
+        for key in ("loss", "reward", "kl", "entropy"):
+            assert got[key] == pytest.approx(want[key], abs=1e-6), key
+    weights = zip(runs[0].model.parameters(), runs[1].model.parameters(), strict=True)
+    assert max(float((a - b).detach().abs().max()) for a, b in weights) < 1e-6
