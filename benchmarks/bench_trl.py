@@ -103,7 +103,7 @@ def grpo(args: argparse.Namespace) -> None:
             times[name].append(time.perf_counter() - start)
     stock_s, packed_s = (statistics.median(times[name]) for name in ("stock", "packed"))
     print(
-        f"\nGRPO: {args.pairs} prompts x 8 completions per step (prompt 200-800, completions 50-1,000 tokens)\n"
+        f"\nGRPO: {args.prompts} prompts x 8 completions per step (prompt 200-800, completions 50-1,000 tokens)\n"
     )
     print("| | stock GRPOTrainer | PackedGRPOTrainer | ratio |")
     print("|---|---:|---:|---:|")
