@@ -38,7 +38,9 @@ def packed_logps(model: Any, batch: dict[str, Any]) -> Any:
     with torch.no_grad():
         # use_cache=False: with a cache, transformers ignores the packed position_ids and lets sequences attend
         # to each other
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        logits = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        ).logits
     return sequence_logprobs(logits, batch)
 
 
@@ -64,7 +66,9 @@ def test_preference_loss_equals_trl(options):
         f_divergence_type=args.f_divergence_type, f_alpha_divergence_coef=args.f_alpha_divergence_coef,
         discopop_tau=args.discopop_tau, chosen_counts=policy.counts[chosen], rejected_counts=policy.counts[rejected],
     )  # fmt: skip
-    assert float(got) == pytest.approx(want, rel=1e-4)  # TRL's float32 head: about 1e-5 of a sequence's log-prob
+    assert float(got) == pytest.approx(
+        want, rel=1e-4
+    )  # TRL's float32 head: about 1e-5 of a sequence's log-prob
 
 
 def test_hand_worked_values():
