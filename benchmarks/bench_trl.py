@@ -76,7 +76,7 @@ def grpo(args: argparse.Namespace) -> None:
         llama(args.hidden, torch.float32).save_pretrained(path)
         config = GRPOConfig(
             output_dir="/tmp/zephon-grpo-bench", per_device_train_batch_size=8, num_generations=8,
-            report_to=[], use_cpu=True, save_strategy="no",
+            report_to=[], use_cpu=True, save_strategy="no", bf16=False,
         )  # fmt: skip
         runs = {
             name: cls(model=path, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=config,

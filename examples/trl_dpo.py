@@ -74,7 +74,7 @@ def trainer(cls: type, data: Dataset, steps: int = 3, hidden: int = 32, **option
     settings = {
         "output_dir": "/tmp/zephon-dpo", "per_device_train_batch_size": 4, "max_steps": steps,
         "learning_rate": 1e-2, "logging_steps": 1, "save_strategy": "no", "report_to": [], "use_cpu": True,
-        "seed": 0, "beta": 0.1, **options,
+        "seed": 0, "beta": 0.1, "bf16": False, **options,  # TRL turns bf16 autocast on by default
     }  # fmt: skip
     args = DPOConfig(**settings)
     model = llama(hidden)

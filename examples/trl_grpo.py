@@ -44,7 +44,7 @@ def run(cls: type, path: str, steps: int) -> Any:
     args = GRPOConfig(
         output_dir="/tmp/zephon-grpo", per_device_train_batch_size=4, num_generations=4,
         max_completion_length=8, max_steps=steps, learning_rate=1e-2, logging_steps=1, save_strategy="no",
-        report_to=[], use_cpu=True, seed=0, beta=0.04, model_init_kwargs={"dtype": torch.float64},
+        report_to=[], use_cpu=True, seed=0, beta=0.04, model_init_kwargs={"dtype": torch.float64}, bf16=False,
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -48,7 +48,7 @@ def trainer(cls: type, path: str, steps: int = 3, **options: Any) -> Any:
     args = GRPOConfig(
         output_dir="/tmp/zephon-grpo-test", per_device_train_batch_size=4, num_generations=4,
         max_completion_length=6, max_steps=steps, learning_rate=1e-2, logging_steps=1, save_strategy="no",
-        report_to=[], use_cpu=True, seed=0, model_init_kwargs={"dtype": torch.float64}, **options,
+        report_to=[], use_cpu=True, seed=0, model_init_kwargs={"dtype": torch.float64}, bf16=False, **options,
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

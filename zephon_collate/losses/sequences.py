@@ -86,6 +86,7 @@ __all__ = [
     "aggregate_loss",
     "global_loss_count",
     "sequence_logprobs",
+    "sequence_means",
     "token_logprobs",
     "unpack",
 ]
@@ -414,6 +415,34 @@ def _per_sequence(values: torch.Tensor, supervised: torch.Tensor, view: _Map) ->
     picked = torch.where(supervised, values, torch.zeros((), dtype=values.dtype, device=values.device))
     total = torch.zeros(view.num_sequences + 1, dtype=values.dtype, device=values.device)
     return total.scatter_add(0, slot, picked.reshape(-1))[: view.num_sequences]
+
+
+def sequence_means(values: torch.Tensor, batch: _Batch) -> torch.Tensor:
+    """``[R, L]``: at every token of a sequence, the mean of ``values`` over that sequence's supervised
+    tokens (0 on padding); sequences come from the batch's map, never its rows.
+
+    Example:
+        >>> from zephon_collate import Collator
+        >>> batch = Collator.for_rollouts(padding_free=True)([
+        ...     {"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1]},
+        ...     {"input_ids": [1, 4], "completion_mask": [0, 1]},
+        ... ])
+        >>> sequence_means(torch.tensor([[9.0, 1.0, 2.0, 9.0, 5.0]]), batch).tolist()
+        [[1.5, 1.5, 1.5, 5.0, 5.0]]
+    """
+    values = _check_tensor(values, "sequence_means: values", "[R, L]")
+    view = _sequence_map(batch)
+    if tuple(values.shape) != tuple(view.logits_index.shape):
+        raise ValueError(
+            f"sequence_means: values have shape {tuple(values.shape)}, the batch's tokens "
+            f"{tuple(view.logits_index.shape)}; give one value per token, aligned with input_ids"
+        )
+    supervised = _supervised(batch, view)
+    counts = _per_sequence(torch.ones_like(values), supervised, view).clamp(min=1)
+    means = _per_sequence(values, supervised, view) / counts
+    sequence = view.sequence_index.to(values.device)
+    spread = means[sequence.clamp(min=0)] if view.num_sequences else torch.zeros_like(values)
+    return torch.where(sequence >= 0, spread, torch.zeros_like(spread))
 
 
 def sequence_logprobs(logits: torch.Tensor, batch: _Batch) -> SequenceLogprobs:
