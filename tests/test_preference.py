@@ -41,6 +41,56 @@ def test_padded_pairs_equal_trls_collator():
             assert ours["chosen_index"].tolist() == [0, 1] and ours["rejected_index"].tolist() == [2, 3]
 
 
+def test_truncation_equals_trls_collator():
+    """max_length cuts each sequence as TRL 1.16's DataCollatorForPreference does, keeping its start or its end;
+    every layout holds the same sequences."""
+    trl = pytest.importorskip("trl.trainer.dpo_trainer")
+    pairs = [
+        {"prompt_ids": [1, 2, 3], "chosen_ids": [4, 5, 13, 14], "rejected_ids": [6]},
+        {"prompt_ids": [7, 8], "chosen_ids": [9], "rejected_ids": [10, 11, 12, 15, 16]},
+    ]
+    for mode in ("keep_start", "keep_end"):
+        theirs = trl.DataCollatorForPreference(pad_token_id=0, max_length=5, truncation_mode=mode)(pairs)
+        expected = theirs["input_ids"].masked_fill(theirs["completion_mask"] == 0, -100)
+        ours = Collator.for_preference(pad_token_id=0, max_length=5, truncation_mode=mode)(pairs)
+        assert torch.equal(ours["input_ids"], theirs["input_ids"]), mode
+        assert torch.equal(ours["attention_mask"], theirs["attention_mask"]), mode
+        assert torch.equal(ours["labels"], expected), mode
+        flat = Collator.for_preference(padding_free=True, max_length=5, truncation_mode=mode)(pairs)
+        kept = [
+            row[mask.bool()].tolist()
+            for row, mask in zip(theirs["input_ids"], theirs["attention_mask"], strict=True)
+        ]
+        assert flat["input_ids"][0].tolist() == [token for row in kept for token in row], mode
+
+
+def test_prompt_and_completion_limits_hand_worked():
+    pairs = [{"prompt_ids": [1, 2, 3, 4], "chosen_ids": [5, 6, 7], "rejected_ids": [8]}]
+    cut = Collator.for_preference(pad_token_id=0, max_prompt_length=2, truncation_mode="keep_end")(pairs)
+    assert cut["input_ids"].tolist() == [[3, 4, 5, 6, 7], [3, 4, 8, 0, 0]]
+    cut = Collator.for_preference(pad_token_id=0, max_prompt_length=2, max_completion_length=2)(pairs)
+    assert cut["input_ids"].tolist() == [[1, 2, 5, 6], [1, 2, 8, 0]]
+    assert cut["labels"].tolist() == [[-100, -100, 5, 6], [-100, -100, 8, -100]]
+    shared = Collator.for_preference(padding_free=True, shared_prompt=True, max_length=5)(pairs)
+    assert shared["input_ids"].tolist() == [[1, 2, 3, 4, 5, 8]]  # the prompt whole, once; each response cut
+
+
+def test_truncation_refusals():
+    pairs = [{"prompt_ids": [1, 2, 3, 4], "chosen_ids": [5], "rejected_ids": [8]}]
+    with pytest.raises(
+        ValueError, match=r"example 0: its prompt of 4 tokens fills max_length=4.*max_prompt_length"
+    ):
+        Collator.for_preference(pad_token_id=0, max_length=4)(pairs)
+    with pytest.raises(ValueError, match="would keep a different part of the prompt for each response"):
+        Collator.for_preference(
+            padding_free=True, shared_prompt=True, max_length=4, truncation_mode="keep_end"
+        )
+    with pytest.raises(ValueError, match="truncation_mode must be 'keep_start' or 'keep_end'"):
+        Collator.for_preference(pad_token_id=0, max_length=4, truncation_mode="start")
+    with pytest.raises(ValueError, match="max_length"):
+        Collator.for_preference(pad_token_id=0, max_length=0)
+
+
 def test_padding_free_layout_hand_worked():
     out = lists(
         Collator.for_preference(padding_free=True, return_flash_attn_kwargs=True, return_seq_idx=True)(PAIRS)

@@ -38,16 +38,18 @@ sequence map is built from each side's own tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, cast
+from typing import ClassVar, Literal, cast
 
 import numpy as np
 import torch
 
+from zephon_collate.core.checks import check_int
 from zephon_collate.core.keys import (
     CHOSEN_ATTENTION_MASK,
     CHOSEN_IDS,
     CHOSEN_INDEX,
     CHOSEN_INPUT_IDS,
+    INT32_MAX,
     PROMPT_ATTENTION_MASK,
     PROMPT_IDS,
     PROMPT_INPUT_IDS,
@@ -60,9 +62,9 @@ from zephon_collate.core.keys import (
 )
 from zephon_collate.core.records import SampleRecord
 from zephon_collate.core.text import shown, shown_fields
-from zephon_collate.layouts.base import Stacked
+from zephon_collate.layouts.base import Settings, Stacked
 from zephon_collate.layouts.sequences import SequenceBatch, SequenceOptions, Sequences
-from zephon_collate.read.columns import Batch, Ragged, as_numpy, gather_spans
+from zephon_collate.read.columns import Batch, Names, Ragged, as_numpy, gather_spans, places
 from zephon_collate.read.fields import FloatField, read_floats
 from zephon_collate.read.rules import check_flat, check_ids, kept_by_mask
 
@@ -95,16 +97,55 @@ class PreferenceOptions(SequenceOptions):
         return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free,
             unshared: a varlen kernel cannot express a shared prompt).
         return_seq_idx: emit ``seq_idx`` (padding-free, unshared).
+        max_prompt_length: cut each prompt to this many tokens, keeping its end (``truncation_mode=
+            "keep_end"``, TRL's prompt truncation) or its start (``"keep_start"``).
+        max_completion_length: cut each response to its first this many tokens.
+        max_length: cut each sequence (prompt + response) to this many tokens, as TRL 1.16's
+            ``DataCollatorForPreference`` does: its first (``"keep_start"``) or last (``"keep_end"``)
+            ``max_length``. A pair whose prompt alone fills ``max_length`` under ``"keep_start"`` would
+            train nothing, and is refused (TRL drops such pairs when it prepares the dataset).
+        truncation_mode: ``"keep_start"`` (TRL's default) or ``"keep_end"``.
 
     Raises:
         TypeError, ValueError: for a value of the wrong type, or options that contradict each other.
     """
 
     OWNER: ClassVar[str] = _OWNER
+    OWN: ClassVar[tuple[str, ...]] = (
+        "shared_prompt", "tokenizer", "max_prompt_length", "max_completion_length", "max_length",
+        "truncation_mode",
+    )  # fmt: skip
+    max_prompt_length: int | None = None
+    max_completion_length: int | None = None
+    max_length: int | None = None
+    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_length", "max_completion_length", "max_length"):
+            value = getattr(self, name)
+            if value is not None:
+                check_int(_OWNER, name, value, 1, INT32_MAX)
+        if self.truncation_mode not in ("keep_start", "keep_end"):
+            raise ValueError(
+                f"{_OWNER}: truncation_mode must be 'keep_start' or 'keep_end', got "
+                f"{shown(self.truncation_mode)}"
+            )
+        if self.shared_prompt and self.max_length is not None and self.truncation_mode == "keep_end":
+            raise ValueError(
+                f"{_OWNER}: shared_prompt=True with max_length and truncation_mode='keep_end' would keep a "
+                "different part of the prompt for each response (the longer one keeps less), so the prompt "
+                "could not be shared; use truncation_mode='keep_start', max_prompt_length, or "
+                "shared_prompt=False"
+            )
+        super().__post_init__()
 
 
 class Preference(Sequences):
     """The preference layout: pairs to their sequences (see the module doc)."""
+
+    def __init__(self, options: PreferenceOptions, settings: Settings | None = None) -> None:
+        self.cut = options  # the truncation options, read before the pairs become sequences
+        super().__init__(options, settings)
 
     OWNER: ClassVar[str] = _OWNER
     ITEM: ClassVar[str] = "pair"
@@ -135,8 +176,49 @@ class Preference(Sequences):
                     "on the prompt). Give the prompt, chosen and rejected token ids apart (TRL's format: the "
                     f"chosen and rejected ids without the prompt) and drop {shown(name)}"
                 )
-        sides = [self._side(batch, *side) for side in _SIDES]
-        return [self.sequences(self._pairs(sides[0], sides[1], sides[2], self._reference(batch)), names)]
+        prompts, chosen, rejected = (self._side(batch, *side) for side in _SIDES)
+        sides = self._cut_sides(prompts, chosen, rejected, names)
+        return [self.sequences(self._pairs(*sides, self._reference(batch)), names)]
+
+    def _cut_sides(
+        self, prompts: Ragged, chosen: Ragged, rejected: Ragged, names: Names
+    ) -> tuple[Ragged, Ragged, Ragged, Ragged]:
+        """The sides cut as the options ask: ``(chosen's prompt, chosen, rejected's prompt, rejected)``."""
+        options = self.cut
+        keep_end = options.truncation_mode == "keep_end"
+        if options.max_prompt_length is not None:
+            prompts = _kept(prompts, np.minimum(prompts.lengths, options.max_prompt_length), keep_end)
+        if options.max_completion_length is not None:
+            chosen = _kept(chosen, np.minimum(chosen.lengths, options.max_completion_length), False)
+            rejected = _kept(rejected, np.minimum(rejected.lengths, options.max_completion_length), False)
+        limit = options.max_length
+        if limit is None:
+            return prompts, chosen, prompts, rejected
+        out: list[Ragged] = []
+        for side, response in (("chosen", chosen), ("rejected", rejected)):
+            total = prompts.lengths + response.lengths
+            if keep_end:  # the sequence's last max_length tokens: the prompt gives up its start first
+                cut = np.maximum(total - limit, 0)
+                from_prompt = np.minimum(cut, prompts.lengths)
+                out += [
+                    _kept(prompts, prompts.lengths - from_prompt, True),
+                    _kept(response, response.lengths - (cut - from_prompt), True),
+                ]
+                continue
+            full = np.flatnonzero((prompts.lengths >= limit) & (response.lengths > 0))
+            if full.size:
+                index = int(full[0])
+                raise ValueError(
+                    f"{names(index)}: its prompt of {int(prompts.lengths[index])} tokens fills "
+                    f"max_length={limit}, so none of the {side} response would be trained "
+                    "(truncation_mode='keep_start'); drop such pairs (TRL does when it prepares the "
+                    "dataset), raise max_length, or cut prompts with max_prompt_length"
+                )
+            out += [
+                prompts,
+                _kept(response, np.minimum(response.lengths, np.maximum(limit - prompts.lengths, 0)), False),
+            ]
+        return out[0], out[1], out[2], out[3]
 
     def _side(self, batch: Batch, side: str, new: str, old: str, mask_name: str) -> Ragged:
         """One side's tokens (either spelling; both given must agree), its padding dropped."""
@@ -197,9 +279,15 @@ class Preference(Sequences):
         return found
 
     def _pairs(
-        self, prompts: Ragged, chosen: Ragged, rejected: Ragged, extras: dict[str, np.ndarray]
+        self,
+        prompts: Ragged,
+        chosen: Ragged,
+        rejected_prompts: Ragged,
+        rejected: Ragged,
+        extras: dict[str, np.ndarray],
     ) -> SequenceBatch:
-        """The ``prompt + chosen`` and ``prompt + rejected`` sequences, in this layout's order."""
+        """The ``prompt + chosen`` and ``prompt + rejected`` sequences, in this layout's order (each side's
+        own prompt: truncation may keep different parts of it; a shared prompt is one)."""
         pairs = prompts.rows
         # One sequence order in every layout, TRL's: every chosen sequence, then every rejected one. A shared
         # prompt lays each pair's sequences out together (its prompt once), numbered in that order still.
@@ -207,13 +295,16 @@ class Preference(Sequences):
         order = np.arange(2 * pairs)
         pair, side = (order // 2, order % 2) if interleaved else (order % pairs, order // pairs)
         pool = np.concatenate(
-            [np.asarray(prompts.values), np.asarray(chosen.values), np.asarray(rejected.values)]
+            [np.asarray(part.values) for part in (prompts, chosen, rejected_prompts, rejected)]
         )
-        first_c, first_r = prompts.values.shape[0], prompts.values.shape[0] + chosen.values.shape[0]
+        first_c = prompts.values.shape[0]
+        first_p = first_c + chosen.values.shape[0]
+        first_r = first_p + rejected_prompts.values.shape[0]
         response_start = np.where(side == 0, first_c + chosen.offsets[pair], first_r + rejected.offsets[pair])
         response_length = np.where(side == 0, chosen.lengths[pair], rejected.lengths[pair])
-        prompt_length = prompts.lengths[pair]
-        starts = np.stack([prompts.offsets[pair], response_start], axis=1).reshape(-1)
+        prompt_start = np.where(side == 0, prompts.offsets[pair], first_p + rejected_prompts.offsets[pair])
+        prompt_length = np.where(side == 0, prompts.lengths[pair], rejected_prompts.lengths[pair])
+        starts = np.stack([prompt_start, response_start], axis=1).reshape(-1)
         lengths = np.stack([prompt_length, response_length], axis=1).reshape(-1)
         tokens = pool[gather_spans(starts, lengths)]
         supervised = np.repeat(np.tile([False, True], 2 * pairs), lengths)
@@ -226,3 +317,13 @@ class Preference(Sequences):
             extras={CHOSEN_INDEX: index, REJECTED_INDEX: pairs + index, **extras},
             numbering=(side * pairs + pair).astype(np.int64) if interleaved else None,
         )
+
+
+def _kept(field: Ragged, counts: np.ndarray, from_end: bool) -> Ragged:
+    """Each row's first (or, ``from_end``, last) ``counts[row]`` values."""
+    if bool((counts >= field.lengths).all()):
+        return field
+    place = places(field.offsets)
+    if from_end:
+        return field.select(place >= np.repeat(field.lengths - counts, field.lengths))
+    return field.select(place < np.repeat(counts, field.lengths))

@@ -87,6 +87,8 @@ class SequenceOptions(Keywords):
     """
 
     OWNER: ClassVar[str] = "Collator.for_transformers"
+    OWN: ClassVar[tuple[str, ...]] = ("shared_prompt", "tokenizer")
+    """The options the preset reads itself (not the underlying layout's)."""
     tokenizer: Any = field(default=None, kw_only=False, compare=False, repr=False)
     padding_free: bool = False
     shared_prompt: bool = False
@@ -107,9 +109,7 @@ class SequenceOptions(Keywords):
     def transformers(self) -> TransformersOptions:
         """The :class:`~zephon_collate.TransformersOptions` of the underlying layout."""
         owner = self.OWNER
-        layout = {
-            name: getattr(self, name) for name in self.names() if name not in ("shared_prompt", "tokenizer")
-        }
+        layout = {name: getattr(self, name) for name in self.names() if name not in self.OWN}
         if self.shared_prompt:
             if self.return_flash_attn_kwargs or self.return_seq_idx:
                 raise ValueError(
