@@ -227,3 +227,45 @@ def test_bad_options(options, match):
         PreferenceOptions(shared_prompt=1, padding_free=True)
     with pytest.raises(TypeError, match="did you mean 'shared_prompt'"):
         Collator.for_preference(padding_free=True, share_prompt=True)
+
+
+OPEN_INSTRUCT = [
+    {"chosen_input_ids": [1, 2, 3, 4, 5], "chosen_labels": [-100, -100, -100, 4, 5],
+     "rejected_input_ids": [1, 2, 3, 6], "rejected_labels": [-100, -100, -100, 6]},
+    {"chosen_input_ids": [7, 8, 9], "chosen_labels": [-100, -100, 9],
+     "rejected_input_ids": [7, 8, 10, 11, 12], "rejected_labels": [-100, -100, 10, 11, 12]},
+]  # fmt: skip
+OPENRLHF = [
+    {"chosen_ids": [1, 2, 3, 4, 5], "reject_ids": [1, 2, 3, 6], "extra": 3},
+    {"chosen_ids": [7, 8, 9], "reject_ids": [7, 8, 10, 11, 12], "extra": 2},
+]
+
+
+@pytest.mark.parametrize(
+    "layout", [{"pad_token_id": 0}, {"padding_free": True}, {"padding_free": True, "shared_prompt": True}]
+)
+def test_open_instruct_and_openrlhf_pairs_read_as_trls(layout):
+    """Whole sequences with -100 on the prompt (open-instruct) and with the prompt's length in 'extra'
+    (OpenRLHF) give the batch of the same pairs in TRL's format, in every layout."""
+    want = lists(Collator.for_preference(**layout)(PAIRS))
+    assert lists(Collator.for_preference(**layout)(OPEN_INSTRUCT)) == want
+    assert lists(Collator.for_preference(**layout)(OPENRLHF)) == want
+
+
+def test_other_formats_refusals():
+    multi_turn = [dict(OPEN_INSTRUCT[0], chosen_labels=[-100, 2, -100, 4, 5])]
+    with pytest.raises(
+        ValueError, match=r"example 0: 'chosen_labels' is not -100 on a prompt, then the tokens"
+    ):
+        Collator.for_preference(pad_token_id=0)(multi_turn)
+    apart = [dict(OPEN_INSTRUCT[0], rejected_input_ids=[1, 2, 9, 6])]
+    with pytest.raises(ValueError, match="start with different prompts"):
+        Collator.for_preference(pad_token_id=0)(apart)
+    with pytest.raises(ValueError, match="without 'extra'"):
+        Collator.for_preference(pad_token_id=0)([{"chosen_ids": [1, 2], "reject_ids": [1, 3]}])
+    with pytest.raises(ValueError, match=r"'extra' is 5, but it must be the prompt's length"):
+        Collator.for_preference(pad_token_id=0)([dict(OPENRLHF[0], extra=5)])
+    with pytest.raises(ValueError, match=r"differ in their first 3 tokens"):
+        Collator.for_preference(pad_token_id=0)([dict(OPENRLHF[0], reject_ids=[1, 2, 9, 6])])
+    with pytest.raises(ValueError, match=r"beside prompt ids \(TRL's format\)"):
+        Collator.for_preference(pad_token_id=0)([dict(OPENRLHF[0], prompt_ids=[1, 2, 3])])

@@ -49,6 +49,7 @@ from zephon_collate.core.keys import (
     CHOSEN_IDS,
     CHOSEN_INDEX,
     CHOSEN_INPUT_IDS,
+    IGNORE_INDEX,
     INT32_MAX,
     PROMPT_ATTENTION_MASK,
     PROMPT_IDS,
@@ -64,7 +65,7 @@ from zephon_collate.core.records import SampleRecord
 from zephon_collate.core.text import shown, shown_fields
 from zephon_collate.layouts.base import Settings, Stacked
 from zephon_collate.layouts.sequences import SequenceBatch, SequenceOptions, Sequences
-from zephon_collate.read.columns import Batch, Names, Ragged, as_numpy, gather_spans, places
+from zephon_collate.read.columns import Batch, Names, Ragged, as_numpy, gather_spans, places, row_of
 from zephon_collate.read.fields import FloatField, read_floats
 from zephon_collate.read.rules import check_flat, check_ids, kept_by_mask
 
@@ -77,8 +78,10 @@ _SIDES = (
     ("rejected", REJECTED_INPUT_IDS, REJECTED_IDS, REJECTED_ATTENTION_MASK),
 )
 _REFERENCE = (REF_CHOSEN_LOGPS, REF_REJECTED_LOGPS)
-_UNREAD_LABELS = ("chosen_labels", "rejected_labels")
-"""open-instruct's packed-DPO labels (full sequences, -100 on the prompt), which this layout does not read."""
+_FULL_LABELS = ("chosen_labels", "rejected_labels")
+"""open-instruct's packed-DPO labels: whole sequences, -100 on the prompt."""
+_OPENRLHF_REJECTED = "reject_ids"
+"""OpenRLHF's rejected side (the prompt inside; ``extra``: the prompt's length)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,21 +167,129 @@ class Preference(Sequences):
                     f"{names(index)}: must be a dict of a pair's token ids (prompt_input_ids, "
                     f"chosen_input_ids, rejected_input_ids), got {type(payload).__name__}"
                 )
-        for name in _UNREAD_LABELS:
-            if name in batch:
-                raise ValueError(
-                    f"{names(int(np.flatnonzero(batch.carried(name))[0]))}: carries {shown(name)} "
-                    "(open-instruct's "
-                    "packed DPO format: whole sequences with -100 on the prompt), which this "
-                    "collator does not "
-                    "read: it lays out prompt + chosen and prompt + rejected and makes the labels "
-                    "itself (-100 "
-                    "on the prompt). Give the prompt, chosen and rejected token ids apart (TRL's format: the "
-                    f"chosen and rejected ids without the prompt) and drop {shown(name)}"
-                )
-        prompts, chosen, rejected = (self._side(batch, *side) for side in _SIDES)
+        prompt_given = PROMPT_INPUT_IDS in batch or PROMPT_IDS in batch
+        labelled = [name for name in _FULL_LABELS if name in batch]
+        if labelled and prompt_given:
+            raise ValueError(
+                f"{names(int(np.flatnonzero(batch.carried(labelled[0]))[0]))}: carries {shown(labelled[0])} "
+                "(open-instruct's packed DPO format: whole sequences with -100 on the prompt) beside prompt "
+                "ids (TRL's format: each side without the prompt), so it is not clear what the sides hold; "
+                f"give one format: drop {shown(labelled[0])}, or drop the prompt ids"
+            )
+        if labelled:
+            prompts, chosen, rejected = self._labelled(batch)
+        elif _OPENRLHF_REJECTED in batch:
+            prompts, chosen, rejected = self._openrlhf(batch, prompt_given)
+        else:
+            prompts, chosen, rejected = (self._side(batch, *side) for side in _SIDES)
         sides = self._cut_sides(prompts, chosen, rejected, names)
         return [self.sequences(self._pairs(*sides, self._reference(batch)), names)]
+
+    def _labelled(self, batch: Batch) -> tuple[Ragged, Ragged, Ragged]:
+        """open-instruct's pairs: whole sequences, labels -100 on the prompt and the tokens after it. The
+        prompt is each sequence's leading -100 run, one for both sides."""
+        names = batch.names
+        split: list[tuple[Ragged, Ragged]] = []
+        for side, name, labels_name in (
+            ("chosen", CHOSEN_INPUT_IDS, "chosen_labels"),
+            ("rejected", REJECTED_INPUT_IDS, "rejected_labels"),
+        ):
+            if labels_name not in batch or name not in batch:
+                raise ValueError(
+                    f"{names(0)}: an open-instruct pair needs {shown(name)} and {shown(labels_name)} "
+                    "for both "
+                    f"sides (its fields: {shown_fields(dict.fromkeys(sorted(batch.fields)))})"
+                )
+            tokens = self._side(batch, side, name, name, f"{side}_attention_mask")
+            labels = batch.get(labels_name, "ids")
+            assert labels is not None
+            if f"{side}_attention_mask" in batch:
+                mask = batch.get(f"{side}_attention_mask", "values")
+                assert mask is not None
+                labels = labels.select(
+                    kept_by_mask(Ragged(mask.host, mask.offsets), f"{side}_attention_mask", names)
+                )
+            bad = np.flatnonzero(labels.lengths != tokens.lengths)
+            if bad.size:
+                index = int(bad[0])
+                raise ValueError(
+                    f"{names(index)}: {shown(labels_name)} has {int(labels.lengths[index])} labels for "
+                    f"{int(tokens.lengths[index])} tokens; give one label per token"
+                )
+            given = np.asarray(labels.host) != IGNORE_INDEX
+            prompt = np.array(
+                [
+                    int(np.argmax(given[a:b])) if given[a:b].any() else b - a
+                    for a, b in zip(labels.offsets[:-1], labels.offsets[1:], strict=True)
+                ],
+                dtype=np.int64,
+            )
+            after = places(tokens.offsets) >= np.repeat(prompt, tokens.lengths)
+            wrong = after & ((~given) | (np.asarray(labels.host) != np.asarray(tokens.host)))
+            if wrong.any():
+                index = row_of(tokens.offsets, int(np.flatnonzero(wrong)[0]))
+                raise ValueError(
+                    f"{names(index)}: {shown(labels_name)} is not -100 on a prompt, then the tokens: "
+                    "a later turn "
+                    "is -100 or a label differs from its token (open-instruct's multi-turn labels); this "
+                    "collator trains the whole response after one prompt: label only the last turn "
+                    "(open-instruct's preference_tulu_tokenize_and_truncate_v1_2)"
+                )
+            split.append((_kept(tokens, prompt, False), _kept(tokens, tokens.lengths - prompt, True)))
+        (prompts, chosen), (other, rejected) = split
+        if not np.array_equal(prompts.lengths, other.lengths) or not np.array_equal(prompts.host, other.host):
+            same = (prompts.lengths == other.lengths) & np.array(
+                [np.array_equal(prompts.row(i), other.row(i)) for i in range(prompts.rows)]
+            )
+            index = int(np.flatnonzero(~same)[0])
+            raise ValueError(
+                f"{names(index)}: its chosen and rejected sequences start with different prompts (the tokens "
+                "before each side's first label); a pair's sides share one prompt"
+            )
+        return prompts, chosen, rejected
+
+    def _openrlhf(self, batch: Batch, prompt_given: bool) -> tuple[Ragged, Ragged, Ragged]:
+        """OpenRLHF's pairs: ``chosen_ids`` and ``reject_ids`` hold the prompt, ``extra`` its length."""
+        names = batch.names
+        index = int(np.flatnonzero(batch.carried(_OPENRLHF_REJECTED))[0])
+        if prompt_given or "extra" not in batch:
+            fix = (
+                "beside prompt ids (TRL's format); give one format"
+                if prompt_given
+                else "without 'extra'; give each pair its prompt's length as 'extra'"
+            )
+            raise ValueError(
+                f"{names(index)}: carries {shown(_OPENRLHF_REJECTED)} (OpenRLHF's pairs: chosen_ids and "
+                f"reject_ids with the prompt inside, extra = the prompt's length) {fix}"
+            )
+        chosen = self._side(batch, "chosen", CHOSEN_IDS, CHOSEN_IDS, CHOSEN_ATTENTION_MASK)
+        rejected = self._side(
+            batch, "rejected", _OPENRLHF_REJECTED, _OPENRLHF_REJECTED, "reject_attention_mask"
+        )
+        extra = batch.objects("extra")
+        for row, value in enumerate(extra):
+            fits = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+            if not fits or not 0 <= int(value) <= min(int(chosen.lengths[row]), int(rejected.lengths[row])):
+                raise ValueError(
+                    f"{names(row)}: 'extra' is {shown(value)}, but it must be the prompt's length: an "
+                    "int from 0 "
+                    "to the shorter side's length (OpenRLHF's DPO pairs; a reward model's margin is "
+                    "not read here)"
+                )
+        prompt = np.array([int(value) for value in extra], dtype=np.int64)
+        prompts, other = _kept(chosen, prompt, False), _kept(rejected, prompt, False)
+        if not np.array_equal(prompts.host, other.host):
+            same = np.array([np.array_equal(prompts.row(i), other.row(i)) for i in range(prompts.rows)])
+            row = int(np.flatnonzero(~same)[0])
+            raise ValueError(
+                f"{names(row)}: chosen_ids and reject_ids differ in their first {int(prompt[row])} tokens "
+                "('extra', the prompt's length); both must start with the prompt"
+            )
+        return (
+            prompts,
+            _kept(chosen, chosen.lengths - prompt, True),
+            _kept(rejected, rejected.lengths - prompt, True),
+        )
 
     def _cut_sides(
         self, prompts: Ragged, chosen: Ragged, rejected: Ragged, names: Names
