@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_packing.py
 	$(BIN)/python benchmarks/bench_columnar.py
 	$(BIN)/python benchmarks/bench_balance.py
+	$(BIN)/python benchmarks/bench_trl.py
 
 clean:
 	rm -rf $(VENV)

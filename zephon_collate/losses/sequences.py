@@ -417,6 +417,17 @@ def _per_sequence(values: torch.Tensor, supervised: torch.Tensor, view: _Map) ->
     return total.scatter_add(0, slot, picked.reshape(-1))[: view.num_sequences]
 
 
+def _token_view(values: torch.Tensor, batch: _Batch, name: str) -> tuple[_Map, torch.Tensor]:
+    """The batch's sequence map and supervised tokens, for ``values`` that must hold one value per token."""
+    view = _sequence_map(batch)
+    if tuple(values.shape) != tuple(view.logits_index.shape):
+        raise ValueError(
+            f"{name} has shape {tuple(values.shape)}, the batch's tokens {tuple(view.logits_index.shape)}; "
+            "give one value per token, aligned with input_ids"
+        )
+    return view, _supervised(batch, view)
+
+
 def sequence_means(values: torch.Tensor, batch: _Batch) -> torch.Tensor:
     """``[R, L]``: at every token of a sequence, the mean of ``values`` over that sequence's supervised
     tokens (0 on padding); sequences come from the batch's map, never its rows.
@@ -431,13 +442,7 @@ def sequence_means(values: torch.Tensor, batch: _Batch) -> torch.Tensor:
         [[1.5, 1.5, 1.5, 5.0, 5.0]]
     """
     values = _check_tensor(values, "sequence_means: values", "[R, L]")
-    view = _sequence_map(batch)
-    if tuple(values.shape) != tuple(view.logits_index.shape):
-        raise ValueError(
-            f"sequence_means: values have shape {tuple(values.shape)}, the batch's tokens "
-            f"{tuple(view.logits_index.shape)}; give one value per token, aligned with input_ids"
-        )
-    supervised = _supervised(batch, view)
+    view, supervised = _token_view(values, batch, "sequence_means: values")
     counts = _per_sequence(torch.ones_like(values), supervised, view).clamp(min=1)
     means = _per_sequence(values, supervised, view) / counts
     sequence = view.sequence_index.to(values.device)
@@ -722,13 +727,7 @@ def aggregate_loss(
             f"the largest response length), got {shown(normalizer)}"
         )
     count = None if global_count is None else _check_global_count(global_count)
-    view = _sequence_map(batch)
-    if tuple(per_token_loss.shape) != tuple(view.logits_index.shape):
-        raise ValueError(
-            f"aggregate_loss: per_token_loss has shape {tuple(per_token_loss.shape)}, the batch's tokens "
-            f"{tuple(view.logits_index.shape)}; give one loss per token, aligned with input_ids"
-        )
-    supervised = _supervised(batch, view)
+    view, supervised = _token_view(per_token_loss, batch, "aggregate_loss: per_token_loss")
     on_device = supervised.to(per_token_loss.device)
     zero = torch.zeros((), dtype=per_token_loss.dtype, device=per_token_loss.device)
     if checked == "token-sum":
