@@ -69,7 +69,7 @@ def test_prompt_and_completion_limits_hand_worked():
     cut = Collator.for_preference(pad_token_id=0, max_prompt_length=2, truncation_mode="keep_end")(pairs)
     assert cut["input_ids"].tolist() == [[3, 4, 5, 6, 7], [3, 4, 8, 0, 0]]
     cut = Collator.for_preference(pad_token_id=0, max_prompt_length=2, max_completion_length=2)(pairs)
-    assert cut["input_ids"].tolist() == [[1, 2, 5, 6], [1, 2, 8, 0]]
+    assert cut["input_ids"].tolist() == [[3, 4, 5, 6], [3, 4, 8, 0]]  # the prompt's end, in either mode
     assert cut["labels"].tolist() == [[-100, -100, 5, 6], [-100, -100, 8, -100]]
     shared = Collator.for_preference(padding_free=True, shared_prompt=True, max_length=5)(pairs)
     assert shared["input_ids"].tolist() == [[1, 2, 3, 4, 5, 8]]  # the prompt whole, once; each response cut

@@ -155,16 +155,53 @@ def test_one_row_layout_equals_stock(loss_type):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_a_batch_with_inputs_the_packed_forward_does_not_lay_out_is_refused():
-    """Vision inputs or token types would be dropped from the packed forward: refused by name."""
+def test_inputs_packing_does_not_lay_out_run_trls_own_forward():
+    """Token types (or vision inputs, inputs_embeds) are not laid out by packing: TRL's padded forward runs,
+    and gives its own numbers; PEFT's None-valued keywords do not count."""
     run = trainer(PackedDPOTrainer)
     batch = run.data_collator([run.train_dataset[i] for i in range(2)])
     labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
-    with pytest.raises(ValueError, match=r"carries \['token_type_ids'\].*TRL's own trainer"):
-        run.model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels, fused_lm_head=True,
-            packed=batch["packed"], token_type_ids=torch.zeros_like(batch["input_ids"]),
-        )  # fmt: skip
+    view = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": labels}
+    with torch.no_grad():
+        stock = run.model(**view, fused_lm_head=True, token_type_ids=torch.zeros_like(labels))
+        packed = run.model(
+            **view, fused_lm_head=True, packed=batch["packed"], token_type_ids=torch.zeros_like(labels)
+        )
+        nones = run.model(
+            **view, fused_lm_head=True, packed=batch["packed"], inputs_embeds=None, return_dict=None
+        )
+    assert torch.equal(packed.log_probs, stock.log_probs)
+    assert torch.allclose(nones.log_probs, stock.log_probs, atol=1e-6)
+
+
+def test_a_model_that_attends_across_packed_sequences_is_refused():
+    """OPT's attention does not restart at position_ids 0: packed, a sequence would see the one before it."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    config = OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2,
+                       max_position_embeddings=64, word_embed_proj_dim=16, pad_token_id=0)  # fmt: skip
+    model = OPTForCausalLM(config)
+    with pytest.raises(ValueError, match=r"PackedDPOTrainer: OPTForCausalLM lets packed sequences attend"):
+        PackedDPOTrainer(model=model, ref_model=OPTForCausalLM(config), args=trl_dpo.DPOConfig(
+            output_dir="/tmp/zephon-dpo-opt", report_to=[], use_cpu=True, bf16=False),
+            train_dataset=trl_dpo.pairs(4), processing_class=trl_dpo.tokenizer())  # fmt: skip
+
+
+def test_layout_follows_the_attention_and_generation_keeps_the_signature():
+    import inspect
+
+    from zephon_collate.trainers.view import packed_rows
+
+    model = llama()
+    assert packed_rows(model) == "fit"
+    model.config._attn_implementation = "flash_attention_2"
+    assert packed_rows(model) == "one"
+    model.config._attn_implementation = "sdpa"
+    model.config.output_router_logits = True  # an MoE's load-balancing loss counts every token of a row
+    assert packed_rows(model) == "one"
+    run = trainer(PackedDPOTrainer)
+    assert "input_ids" in inspect.signature(run.model.forward).parameters  # generate validates against it
 
 
 def test_packed_preference_refuses_an_unknown_row_layout():

@@ -100,8 +100,8 @@ class PreferenceOptions(SequenceOptions):
         return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free,
             unshared: a varlen kernel cannot express a shared prompt).
         return_seq_idx: emit ``seq_idx`` (padding-free, unshared).
-        max_prompt_length: cut each prompt to this many tokens, keeping its end (``truncation_mode=
-            "keep_end"``, TRL's prompt truncation) or its start (``"keep_start"``).
+        max_prompt_length: cut each prompt to its last this many tokens (as TRL 0.x did: the end holds
+            the chat template's turn header, next to the response).
         max_completion_length: cut each response to its first this many tokens.
         max_length: cut each sequence (prompt + response) to this many tokens, as TRL 1.16's
             ``DataCollatorForPreference`` does: its first (``"keep_start"``) or last (``"keep_end"``)
@@ -297,8 +297,8 @@ class Preference(Sequences):
         """The sides cut as the options ask: ``(chosen's prompt, chosen, rejected's prompt, rejected)``."""
         options = self.cut
         keep_end = options.truncation_mode == "keep_end"
-        if options.max_prompt_length is not None:
-            prompts = _kept(prompts, np.minimum(prompts.lengths, options.max_prompt_length), keep_end)
+        if options.max_prompt_length is not None:  # a prompt keeps its end, next to its response
+            prompts = _kept(prompts, np.minimum(prompts.lengths, options.max_prompt_length), True)
         if options.max_completion_length is not None:
             chosen = _kept(chosen, np.minimum(chosen.lengths, options.max_completion_length), False)
             rejected = _kept(rejected, np.minimum(rejected.lengths, options.max_completion_length), False)

@@ -157,7 +157,10 @@ def preference_loss(
         beta, label_smoothing, f_divergence_type, f_alpha_divergence_coef, discopop_tau: TRL's
             ``DPOConfig`` options of the same names and defaults.
         chosen_counts, rejected_counts: ``[P]``, each response's supervised token count
-            (``sequence_logprobs(...).counts``): needed by ``ipo``, ``sigmoid_norm`` and ``sft``.
+            (``sequence_logprobs(...).counts``): needed by ``ipo``, ``sigmoid_norm`` and ``sft``. TRL
+            counts a response's tokens (its ``completion_mask``); the two differ by one where a response
+            starts its sequence (an empty prompt, a prompt cut away by ``keep_end``), whose first token
+            nothing predicts.
 
     Raises:
         ValueError: for an unknown loss type or divergence, ``weights`` not one per type, a missing

@@ -27,7 +27,9 @@ reference model and an adapter-disabled PEFT reference alike.
 Not packed (TRL's own path runs): vision-language batches, prompt-learning
 PEFT (virtual tokens), and any call without the packed batch.
 ``precompute_ref_log_probs`` runs once, in TRL's ``__init__``, on TRL's padded
-batches.
+batches. A model that lets packed sequences attend to each other (OPT, BLOOM,
+MPT, ...: their attention does not restart at ``position_ids`` 0) is refused
+when the trainer is built.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from trl.trainer.dpo_trainer import DPOTrainer
 
 from zephon_collate.core.keys import ATTENTION_MASK, INPUT_IDS
 from zephon_collate.core.text import shown
-from zephon_collate.trainers.view import PACKED, ROWS, pack_view, wrap_forward
+from zephon_collate.trainers.view import PACKED, ROWS, check_packing, pack_view, packed_rows, wrap_forward
 
 __all__ = ["PackedDPOTrainer", "PackedPreference"]
 
@@ -137,8 +139,9 @@ class PackedDPOTrainer(DPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         model = self.accelerator.unwrap_model(self.model)
-        varlen = str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
-        self.data_collator = PackedPreference(self.data_collator, rows="one" if varlen else "fit")
-        wrap_forward(model.get_base_model() if hasattr(model, "get_base_model") else model)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        check_packing(base, "PackedDPOTrainer")
+        self.data_collator = PackedPreference(self.data_collator, rows=packed_rows(base))
+        wrap_forward(base)
         if self.ref_model is not None:
             wrap_forward(self.accelerator.unwrap_model(self.ref_model))

@@ -20,6 +20,8 @@ differences); a model with absolute position embeddings (GPT-2) does not, and
 trains better packed.
 
 Not packed (TRL's own pass runs): batches with vision inputs or token types.
+A model that lets packed sequences attend to each other is refused when the
+trainer is built.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any, Literal
 import torch
 from trl.trainer.grpo_trainer import GRPOTrainer
 
-from zephon_collate.trainers.view import PACKED, pack_view, wrap_forward
+from zephon_collate.trainers.view import PACKED, check_packing, pack_view, packed_rows, wrap_forward
 
 __all__ = ["PackedGRPOTrainer"]
 
@@ -48,9 +50,10 @@ class PackedGRPOTrainer(GRPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         model = self.accelerator.unwrap_model(self.model)
-        varlen = str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
-        self.packed_rows: Literal["one", "fit"] = "one" if varlen else "fit"
-        wrap_forward(model.get_base_model() if hasattr(model, "get_base_model") else model)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        check_packing(base, "PackedGRPOTrainer")
+        self.packed_rows: Literal["one", "fit"] = packed_rows(base)
+        wrap_forward(base)
         if self.ref_model is not None:
             wrap_forward(self.accelerator.unwrap_model(self.ref_model))
 
@@ -78,7 +81,13 @@ class PackedGRPOTrainer(GRPOTrainer):
             ids, mask = input_ids[start : start + size], attention_mask[start : start + size]
             labels = ids.masked_fill(mask == 0, -100)  # only the completion tokens are scored
             labels[:, :-logits_to_keep] = -100
-            packed = pack_view(ids, mask, labels != -100, self.packed_rows, "PackedGRPOTrainer")
+            # Packed on the host (the layout is NumPy's), then moved to the rows' device.
+            packed = {
+                key: value.to(ids.device)
+                for key, value in pack_view(
+                    ids.cpu(), mask.cpu(), (labels != -100).cpu(), self.packed_rows, "PackedGRPOTrainer"
+                ).items()
+            }
             extra = {"output_router_logits": True} if compute_aux_loss else {}
             with self.accelerator.autocast():
                 out = model(

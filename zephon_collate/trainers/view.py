@@ -17,6 +17,7 @@ sequences apart.
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -37,7 +38,7 @@ from zephon_collate.core.keys import (
 from zephon_collate.core.text import shown
 from zephon_collate.packing._plan import best_fit_rows
 
-__all__ = ["PACKED", "ROWS", "pack_view", "wrap_forward"]
+__all__ = ["PACKED", "ROWS", "check_packing", "pack_view", "packed_rows", "wrap_forward"]
 
 PACKED = "packed"
 """The keyword (and batch key) of the packed sequences, a dict of tensors that the wrapped forward reads."""
@@ -146,31 +147,29 @@ def _laid_out(values: torch.Tensor | None, packed: Mapping[str, torch.Tensor], s
 
 
 def wrap_forward(model: nn.Module) -> None:
-    """Make ``model``'s fused forward (TRL's ``add_fused_lm_head``) run packed when the batch carries
-    ``"packed"``; every other call (generation, a batch without it) runs as before."""
+    """Make ``model``'s fused forward (TRL's ``add_fused_lm_head``) run packed when the call carries
+    ``packed=...``; every other call (generation, a batch without it, or one with inputs packing does not
+    lay out: ``inputs_embeds``, vision inputs, token types) runs TRL's own forward, unchanged."""
     fused = model.forward
     if getattr(fused, "_zephon_packed", False):
         return
 
+    @functools.wraps(fused.__func__)  # type: ignore[attr-defined]  # generate reads the signature
     def forward(self: nn.Module, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
         packed = kwargs.pop(PACKED, None)
-        if packed is None or not fused_lm_head or args:
+        given = {key: value for key, value in kwargs.items() if value is not None}  # PEFT passes Nones
+        others = set(given) - _PASSED - {INPUT_IDS, ATTENTION_MASK, "labels"}
+        if packed is None or not fused_lm_head or args or others:
             return fused(*args, fused_lm_head=fused_lm_head, **kwargs)
-        labels = kwargs.pop("labels")
-        kwargs.pop(INPUT_IDS, None)
-        kwargs.pop(ATTENTION_MASK, None)
-        others = sorted(set(kwargs) - _PASSED)
-        if others:
-            raise ValueError(
-                f"{type(self).__name__}'s packed forward: the batch carries {shown(others)}, which packing "
-                "does not lay out (vision inputs, token types); train such data with TRL's own trainer"
-            )
+        labels = given.pop("labels")
+        given.pop(INPUT_IDS, None)
+        given.pop(ATTENTION_MASK, None)
         out = fused(
             input_ids=packed[INPUT_IDS],
             position_ids=packed[POSITION_IDS],
             shift_labels=packed["shift_labels"],
             fused_lm_head=True,
-            **kwargs,
+            **given,
         )
         shape = (labels.shape[0], labels.shape[1] - 1)
         fields = {name: _laid_out(getattr(out, name), packed, shape) for name in _PER_TOKEN}
@@ -180,3 +179,50 @@ def wrap_forward(model: nn.Module) -> None:
 
     forward._zephon_packed = True  # type: ignore[attr-defined]
     model.forward = types.MethodType(forward, model)
+
+
+def packed_rows(model: nn.Module) -> Literal["one", "fit"]:
+    """The packed layout for ``model``: one row under FlashAttention (its varlen kernels split a row's
+    sequences only in a batch of one) or when the model's MoE load-balancing loss is on (it counts every
+    token of a row, padding too), else rows as wide as the longest sequence."""
+    config: Any = model.config
+    try:
+        from transformers.utils.generic import is_flash_attention_requested
+
+        flash = bool(is_flash_attention_requested(config))
+    except ImportError:  # an older transformers
+        flash = "flash" in str(getattr(config, "_attn_implementation", ""))
+    moe = bool(getattr(config.get_text_config(), "output_router_logits", False))
+    return "one" if flash or moe else "fit"
+
+
+def check_packing(model: nn.Module, owner: str) -> None:
+    """Refuse a model that does not keep packed sequences apart: two sequences laid end to end with
+    ``position_ids`` restarting must score as they do alone. transformers does so from the positions for
+    most decoders; some (OPT, BLOOM, MPT, BioGPT, convolutional layers) attend across the boundary.
+
+    Raises:
+        ValueError: naming the model's class, when a sequence's logits change once packed.
+    """
+    parameter = next(model.parameters(), None)
+    device = parameter.device if parameter is not None else torch.device("cpu")
+    first, second = torch.tensor([[3, 4, 5]], device=device), torch.tensor([[6, 7]], device=device)
+    packed_ids = torch.cat([first, second], dim=1)
+    positions = torch.tensor([[0, 1, 2, 0, 1]], device=device)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            alone = model(input_ids=second, use_cache=False).logits[0].float()
+            together = (
+                model(input_ids=packed_ids, position_ids=positions, use_cache=False).logits[0, 3:].float()
+            )
+    finally:
+        model.train(training)
+    scale = float(alone.abs().max()) + 1.0
+    if not torch.allclose(together, alone, atol=1e-3 * scale, rtol=1e-3):
+        raise ValueError(
+            f"{owner}: {type(model).__name__} lets packed sequences attend to each other (a sequence scores "
+            "otherwise once another is packed before it: its attention does not restart at position_ids "
+            "0), so packing would change what is trained; train it with TRL's own trainer"
+        )
