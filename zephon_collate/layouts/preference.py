@@ -64,7 +64,7 @@ from zephon_collate.core.keys import (
 from zephon_collate.core.records import SampleRecord
 from zephon_collate.core.text import shown, shown_fields
 from zephon_collate.layouts.base import Settings, Stacked
-from zephon_collate.layouts.sequences import SequenceBatch, SequenceOptions, Sequences
+from zephon_collate.layouts.sequences import SequenceBatch, SequenceOptions, Sequences, prompt_lengths
 from zephon_collate.read.columns import Batch, Names, Ragged, as_numpy, gather_spans, places, row_of
 from zephon_collate.read.fields import FloatField, read_floats
 from zephon_collate.read.rules import check_flat, check_ids, kept_by_mask
@@ -217,13 +217,7 @@ class Preference(Sequences):
                     f"{int(tokens.lengths[index])} tokens; give one label per token"
                 )
             given = np.asarray(labels.host) != IGNORE_INDEX
-            prompt = np.array(
-                [
-                    int(np.argmax(given[a:b])) if given[a:b].any() else b - a
-                    for a, b in zip(labels.offsets[:-1], labels.offsets[1:], strict=True)
-                ],
-                dtype=np.int64,
-            )
+            prompt = prompt_lengths(Ragged(given, labels.offsets))
             after = places(tokens.offsets) >= np.repeat(prompt, tokens.lengths)
             wrong = after & ((~given) | (np.asarray(labels.host) != np.asarray(tokens.host)))
             if wrong.any():

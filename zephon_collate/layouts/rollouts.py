@@ -45,9 +45,9 @@ from zephon_collate.core.keys import (
 )
 from zephon_collate.core.text import shown
 from zephon_collate.layouts.base import Stacked
-from zephon_collate.layouts.sequences import SequenceBatch, SequenceOptions, Sequences
+from zephon_collate.layouts.sequences import SequenceBatch, SequenceOptions, Sequences, prompt_lengths
 from zephon_collate.layouts.transformers import supervision
-from zephon_collate.read.columns import Batch, Ragged, places, sequence_of
+from zephon_collate.read.columns import Batch, Ragged, places
 from zephon_collate.read.fields import FloatField, to_label_positions
 from zephon_collate.read.rules import kept_by_mask
 
@@ -93,17 +93,6 @@ class RolloutOptions(SequenceOptions):
             )
         super().__post_init__()
         object.__setattr__(self, "float_fields", self.transformers().floats)
-
-
-def _prompt_lengths(supervised: Ragged) -> np.ndarray:
-    """``[S]``: each sequence's tokens before its first supervised one."""
-    offsets = supervised.offsets
-    prompt = np.diff(offsets).astype(np.int64)
-    trained = np.flatnonzero(np.asarray(supervised.values))
-    if trained.size:
-        rows = sequence_of(offsets)[trained]
-        np.minimum.at(prompt, rows, places(offsets)[trained])
-    return prompt
 
 
 class Rollouts(Sequences):
@@ -156,7 +145,7 @@ class Rollouts(Sequences):
         sequences = SequenceBatch(
             tokens,
             Ragged(np.asarray(supervised.values, dtype=bool), tokens.offsets),
-            _prompt_lengths(supervised),
+            prompt_lengths(supervised),
             floats=floats,
             per_sequence={name: np.stack(values) for name, values in per_sequence.items()},
             broadcast=tuple(spec.name for spec in specs if spec.broadcast),

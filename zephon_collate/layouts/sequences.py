@@ -65,6 +65,7 @@ __all__ = [
     "SequenceBatch",
     "SequenceOptions",
     "Sequences",
+    "prompt_lengths",
     "share_groups",
 ]
 
@@ -128,6 +129,22 @@ class SequenceOptions(Keywords):
             return TransformersOptions(**layout)
         except (TypeError, ValueError) as error:
             raise type(error)(str(error).replace("Collator.for_transformers", owner)) from None
+
+
+def prompt_lengths(supervised: Ragged) -> np.ndarray:
+    """``[S]``: each sequence's tokens before its first supervised one (all of them where none is).
+
+    Example:
+        >>> prompt_lengths(Ragged(np.array([0, 0, 1, 1, 0, 0]), np.array([0, 4, 6]))).tolist()
+        [2, 2]
+    """
+    offsets = supervised.offsets
+    prompt = np.diff(offsets).astype(np.int64)
+    trained = np.flatnonzero(np.asarray(supervised.values))
+    if trained.size:
+        rows = sequence_of(offsets)[trained]
+        np.minimum.at(prompt, rows, places(offsets)[trained])
+    return prompt
 
 
 @dataclass
