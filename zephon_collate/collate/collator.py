@@ -149,7 +149,7 @@ class Collator:
     @classmethod
     @keywords(_Preference, "Collator.for_preference")
     def for_preference(cls, *args: Any, **options: Any) -> Collator:
-        """Preference pairs to one exact batch of their chosen and rejected sequences
+        """Preference pairs (or TRL's unpaired KTO examples) to one exact batch of their sequences
         (:mod:`zephon_collate.layouts.preference`).
 
         Example:

@@ -15,6 +15,8 @@ __all__ = [
     "CHOSEN_IDS",
     "CHOSEN_INDEX",
     "CHOSEN_INPUT_IDS",
+    "COMPLETION_IDS",
+    "COMPLETION_INDEX",
     "COMPLETION_MASK",
     "CU_SEQLENS",
     "CU_SEQ_LENS_K",
@@ -26,6 +28,9 @@ __all__ = [
     "INT32_MAX",
     "INT64_MAX",
     "INT64_MIN",
+    "KL_COMPLETION_IDS",
+    "KL_INDEX",
+    "LABEL",
     "LABELS",
     "LOGITS_INDEX",
     "LOSS_MASK",
@@ -43,11 +48,14 @@ __all__ = [
     "PROMPT_IDS",
     "PROMPT_INPUT_IDS",
     "REF_CHOSEN_LOGPS",
+    "REF_KL_LOGPS",
+    "REF_LOGPS",
     "REF_REJECTED_LOGPS",
     "REJECTED_ATTENTION_MASK",
     "REJECTED_IDS",
     "REJECTED_INDEX",
     "REJECTED_INPUT_IDS",
+    "RESPONSE_MASK",
     "SEGMENT_IDS",
     "SEQUENCE_INDEX",
     "SEQ_IDX",
@@ -86,6 +94,8 @@ ASSISTANT_MASK = "assistant_mask"
 """The singular spelling some datasets use for :data:`ASSISTANT_MASKS`."""
 COMPLETION_MASK = "completion_mask"
 """1 on completion tokens, as TRL's prompt-completion datasets name it."""
+RESPONSE_MASK = "response_mask"
+"""verl's 1 on response tokens: response-aligned (the row's last ``len(response_mask)`` tokens)."""
 CU_SEQ_LENS_Q, CU_SEQ_LENS_K = "cu_seq_lens_q", "cu_seq_lens_k"
 MAX_LENGTH_Q, MAX_LENGTH_K = "max_length_q", "max_length_k"
 SEQ_IDX = "seq_idx"
@@ -110,6 +120,15 @@ REF_CHOSEN_LOGPS, REF_REJECTED_LOGPS = "ref_chosen_logps", "ref_rejected_logps"
 """Precomputed reference log-probs of each side, one number per pair (TRL's names)."""
 CHOSEN_INDEX, REJECTED_INDEX = "chosen_index", "rejected_index"
 """``[num_pairs]`` int64: the sequence index of each pair's chosen and rejected side."""
+COMPLETION_IDS, KL_COMPLETION_IDS = "completion_ids", "KL_completion_ids"
+"""An unpaired (KTO) example's completion, and its KL term's mismatched completion, as TRL tokenizes them."""
+LABEL = "label"
+"""TRL's KTO flag, one bool per example: True where the completion is desirable (never the per-token
+``labels``)."""
+REF_LOGPS, REF_KL_LOGPS = "ref_logps", "ref_KL_logps"
+"""Precomputed reference log-probs of a KTO example's completion and of its KL completion (TRL's names)."""
+COMPLETION_INDEX, KL_INDEX = "completion_index", "KL_index"
+"""``[num_examples]`` int64: the sequence index of each KTO example's completion and of its KL completion."""
 DOCUMENT_IDS = "document_ids"
 """``[B, S]`` int32: the document a token belongs to (a sequence, or a shared prompt and its responses), -1 on
 padding."""

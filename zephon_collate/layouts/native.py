@@ -42,6 +42,7 @@ from zephon_collate.core.keys import (
     PADDING_MASK,
     POSITION_IDS,
     POSITIONS,
+    RESPONSE_MASK,
     SUPERVISION_MASKS,
     TEXTS,
     TOKEN_FIELD_CANDIDATES,
@@ -596,6 +597,13 @@ def _unused_message(where: str, name: str) -> str:
             "those tokens would be trained on as real ones. For Hugging Face examples use "
             "Collator.for_transformers(...); else give padding as meta.padding_length (pack_flat "
             "writes it) or pad with Collator(pad_token_id=...) and drop the mask"
+        )
+    if name == RESPONSE_MASK:
+        return (
+            f"{where}: payload has 'response_mask' (verl's mask of the row's last tokens, the response), "
+            "which is not read here: the prompt would be trained on. Collate verl rows with "
+            "Collator.for_rollouts(...), which reads it; else give the supervision as a loss_mask "
+            "(loss_mask = [0] * (len(input_ids) - len(response_mask)) + response_mask)"
         )
     return (
         f"{where}: payload has {shown(name)} with zeros, which are not read here: the "

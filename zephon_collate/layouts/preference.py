@@ -33,6 +33,16 @@ with ``.chunk(2)`` into chosen and rejected in any layout:
 
 Every sequence is kept apart whatever the padding of either side: the
 sequence map is built from each side's own tokens.
+
+TRL's unpaired (KTO) examples are read too: ``prompt_ids``, ``completion_ids``,
+``label`` (one bool: is the completion desirable) and, for the KL term,
+``KL_completion_ids`` (the prompt with a mismatched completion), with optional
+``ref_logps`` / ``ref_KL_logps``. Their sequences are every ``prompt +
+completion``, then every ``prompt + KL completion`` (``completion_index``,
+``KL_index``: each example's sequence index); ``label`` comes out as bool
+``[num_examples]``, apart from the per-token ``labels``. With a shared prompt,
+an example's completion and KL completion follow its prompt laid out once.
+Truncation cuts them as it cuts a pair's sides.
 """
 
 from __future__ import annotations
@@ -49,12 +59,19 @@ from zephon_collate.core.keys import (
     CHOSEN_IDS,
     CHOSEN_INDEX,
     CHOSEN_INPUT_IDS,
+    COMPLETION_IDS,
+    COMPLETION_INDEX,
     IGNORE_INDEX,
     INT32_MAX,
+    KL_COMPLETION_IDS,
+    KL_INDEX,
+    LABEL,
     PROMPT_ATTENTION_MASK,
     PROMPT_IDS,
     PROMPT_INPUT_IDS,
     REF_CHOSEN_LOGPS,
+    REF_KL_LOGPS,
+    REF_LOGPS,
     REF_REJECTED_LOGPS,
     REJECTED_ATTENTION_MASK,
     REJECTED_IDS,
@@ -80,6 +97,8 @@ _SIDES = (
 _REFERENCE = (REF_CHOSEN_LOGPS, REF_REJECTED_LOGPS)
 _FULL_LABELS = ("chosen_labels", "rejected_labels")
 """open-instruct's packed-DPO labels: whole sequences, -100 on the prompt."""
+_UNPAIRED = (COMPLETION_IDS, LABEL, KL_COMPLETION_IDS)
+"""The fields of TRL's unpaired (KTO) examples: any of them says the batch holds KTO examples."""
 _OPENRLHF_REJECTED = "reject_ids"
 """OpenRLHF's rejected side (the prompt inside; ``extra``: the prompt's length)."""
 
@@ -176,14 +195,74 @@ class Preference(Sequences):
                 "ids (TRL's format: each side without the prompt), so it is not clear what the sides hold; "
                 f"give one format: drop {shown(labelled[0])}, or drop the prompt ids"
             )
+        unpaired = [name for name in _UNPAIRED if name in batch]
+        if unpaired:
+            return [self.sequences(self._unpaired(batch, unpaired[0]), names)]
         if labelled:
             prompts, chosen, rejected = self._labelled(batch)
         elif _OPENRLHF_REJECTED in batch:
             prompts, chosen, rejected = self._openrlhf(batch, prompt_given)
         else:
             prompts, chosen, rejected = (self._side(batch, *side) for side in _SIDES)
-        sides = self._cut_sides(prompts, chosen, rejected, names)
-        return [self.sequences(self._pairs(*sides, self._reference(batch)), names)]
+        sides = self._cut_sides(prompts, {"chosen": chosen, "rejected": rejected}, names)
+        extras = {CHOSEN_INDEX: np.arange(batch.rows), REJECTED_INDEX: batch.rows + np.arange(batch.rows)}
+        return [
+            self.sequences(self._sequences(sides, {**extras, **self._reference(batch, _REFERENCE)}), names)
+        ]
+
+    def _unpaired(self, batch: Batch, found: str) -> SequenceBatch:
+        """TRL's KTO examples: a prompt, a completion, ``label`` (desirable or not) and, for the KL term, the
+        prompt with a mismatched completion (``KL_completion_ids``): its sequences after every completion."""
+        names = batch.names
+        index = int(np.flatnonzero(batch.carried(found))[0])
+        paired = [
+            name for name in (CHOSEN_INPUT_IDS, CHOSEN_IDS, REJECTED_INPUT_IDS, REJECTED_IDS) if name in batch
+        ]
+        if paired or COMPLETION_IDS not in batch or LABEL not in batch:
+            what = (
+                f"beside {shown(paired[0])} (a pair's side)"
+                if paired
+                else f"without {shown(COMPLETION_IDS if COMPLETION_IDS not in batch else LABEL)}"
+            )
+            raise ValueError(
+                f"{names(index)}: carries {shown(found)} (TRL's unpaired KTO format: prompt_ids, "
+                f"completion_ids and a bool label per example) {what}; give one format: pairs (prompt, "
+                "chosen and rejected ids) or KTO examples (prompt_ids, completion_ids, label)"
+            )
+        label = batch.objects(LABEL)
+        for row, value in enumerate(label):
+            if not isinstance(value, (bool, np.bool_)) and not (
+                isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.ndim == 0
+            ):
+                raise ValueError(
+                    f"{names(row)}: 'label' is {shown(value)}, but KTO's label is one bool per example "
+                    "(True where the completion is desirable); give True or False (per-token labels belong "
+                    "in 'labels', which this collator writes)"
+                )
+        prompts = self._side(batch, "prompt", PROMPT_INPUT_IDS, PROMPT_IDS, PROMPT_ATTENTION_MASK)
+        responses = {
+            "completion": self._side(
+                batch, "completion", COMPLETION_IDS, COMPLETION_IDS, "completion_attention_mask"
+            )
+        }
+        extras: dict[str, np.ndarray] = {
+            COMPLETION_INDEX: np.arange(batch.rows),
+            LABEL: np.array([bool(value) for value in label], dtype=bool),
+        }
+        references: tuple[str, ...] = (REF_LOGPS,)
+        if KL_COMPLETION_IDS in batch:
+            responses["KL"] = self._side(
+                batch, "KL", KL_COMPLETION_IDS, KL_COMPLETION_IDS, "KL_attention_mask"
+            )
+            extras[KL_INDEX] = batch.rows + np.arange(batch.rows)
+            references = (REF_LOGPS, REF_KL_LOGPS)
+        elif REF_KL_LOGPS in batch:
+            raise ValueError(
+                f"{_OWNER}: the examples carry {shown(REF_KL_LOGPS)} but no {shown(KL_COMPLETION_IDS)}, "
+                f"whose reference log-probs it holds; give both, or drop {shown(REF_KL_LOGPS)}"
+            )
+        sides = self._cut_sides(prompts, responses, names)
+        return self._sequences(sides, {**extras, **self._reference(batch, references)})
 
     def _labelled(self, batch: Batch) -> tuple[Ragged, Ragged, Ragged]:
         """open-instruct's pairs: whole sequences, labels -100 on the prompt and the tokens after it. The
@@ -286,29 +365,35 @@ class Preference(Sequences):
         )
 
     def _cut_sides(
-        self, prompts: Ragged, chosen: Ragged, rejected: Ragged, names: Names
-    ) -> tuple[Ragged, Ragged, Ragged, Ragged]:
-        """The sides cut as the options ask: ``(chosen's prompt, chosen, rejected's prompt, rejected)``."""
+        self, prompts: Ragged, responses: dict[str, Ragged], names: Names
+    ) -> list[tuple[Ragged, Ragged]]:
+        """Each side's response (by name) with its prompt, cut as the options ask: ``[(prompt, response),
+        ...]`` (each side its own prompt: ``keep_end`` may keep a different part of it for each)."""
         options = self.cut
         keep_end = options.truncation_mode == "keep_end"
         if options.max_prompt_length is not None:  # a prompt keeps its end, next to its response
             prompts = _kept(prompts, np.minimum(prompts.lengths, options.max_prompt_length), True)
-        if options.max_completion_length is not None:
-            chosen = _kept(chosen, np.minimum(chosen.lengths, options.max_completion_length), False)
-            rejected = _kept(rejected, np.minimum(rejected.lengths, options.max_completion_length), False)
+        cut = options.max_completion_length
+        if cut is not None:
+            responses = {
+                side: _kept(response, np.minimum(response.lengths, cut), False)
+                for side, response in responses.items()
+            }
         limit = options.max_length
         if limit is None:
-            return prompts, chosen, prompts, rejected
-        out: list[Ragged] = []
-        for side, response in (("chosen", chosen), ("rejected", rejected)):
+            return [(prompts, response) for response in responses.values()]
+        out: list[tuple[Ragged, Ragged]] = []
+        for side, response in responses.items():
             total = prompts.lengths + response.lengths
             if keep_end:  # the sequence's last max_length tokens: the prompt gives up its start first
                 cut = np.maximum(total - limit, 0)
                 from_prompt = np.minimum(cut, prompts.lengths)
-                out += [
-                    _kept(prompts, prompts.lengths - from_prompt, True),
-                    _kept(response, response.lengths - (cut - from_prompt), True),
-                ]
+                out.append(
+                    (
+                        _kept(prompts, prompts.lengths - from_prompt, True),
+                        _kept(response, response.lengths - (cut - from_prompt), True),
+                    )
+                )
                 continue
             full = np.flatnonzero((prompts.lengths >= limit) & (response.lengths > 0))
             if full.size:
@@ -319,11 +404,9 @@ class Preference(Sequences):
                     "(truncation_mode='keep_start'); drop such pairs (TRL does when it prepares the "
                     "dataset), raise max_length, or cut prompts with max_prompt_length"
                 )
-            out += [
-                prompts,
-                _kept(response, np.minimum(response.lengths, np.maximum(limit - prompts.lengths, 0)), False),
-            ]
-        return out[0], out[1], out[2], out[3]
+            kept = np.minimum(response.lengths, np.maximum(limit - prompts.lengths, 0))
+            out.append((prompts, _kept(response, kept, False)))
+        return out
 
     def _side(self, batch: Batch, side: str, new: str, old: str, mask_name: str) -> Ragged:
         """One side's tokens (either spelling; both given must agree), its padding dropped."""
@@ -364,63 +447,65 @@ class Preference(Sequences):
             tokens = tokens.select(kept_by_mask(Ragged(mask.host, mask.offsets), mask_name, names))
         return tokens
 
-    def _reference(self, batch: Batch) -> dict[str, np.ndarray]:
-        """The reference log-probs of both sides: float32 ``[num_pairs]`` each, when the pairs have them."""
+    def _reference(self, batch: Batch, expected: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """The reference log-probs of each side (``expected``: their names, all or none given): float32
+        ``[num_examples]`` each, when the examples have them."""
         found: dict[str, np.ndarray] = {}
         ones = np.ones(batch.rows, dtype=np.int64)
-        for name in _REFERENCE:
+        for name in expected:
             if name in batch:
                 spec = FloatField(name, align="sequence")
                 values = cast(
                     list[np.ndarray], read_floats(batch.per_row(name, "values"), ones, spec, batch.names)
                 )
                 found[name] = np.stack(values).astype(np.float32)
-        if len(found) == 1:
+        if found and len(found) < len(expected):
             given = next(iter(found))
-            other = next(name for name in _REFERENCE if name != given)
+            other = next(name for name in expected if name not in found)
             raise ValueError(
-                f"{_OWNER}: the pairs carry {shown(given)} but not {shown(other)}; give both, or neither"
+                f"{_OWNER}: the examples carry {shown(given)} but not {shown(other)}; give both, or neither"
             )
         return found
 
-    def _pairs(
-        self,
-        prompts: Ragged,
-        chosen: Ragged,
-        rejected_prompts: Ragged,
-        rejected: Ragged,
-        extras: dict[str, np.ndarray],
-    ) -> SequenceBatch:
-        """The ``prompt + chosen`` and ``prompt + rejected`` sequences, in this layout's order (each side's
-        own prompt: truncation may keep different parts of it; a shared prompt is one)."""
-        pairs = prompts.rows
-        # One sequence order in every layout, TRL's: every chosen sequence, then every rejected one. A shared
-        # prompt lays each pair's sequences out together (its prompt once), numbered in that order still.
+    def _sequences(self, sides: list[tuple[Ragged, Ragged]], extras: dict[str, np.ndarray]) -> SequenceBatch:
+        """The sequences ``prompt + response`` of every side (``sides``: each its prompts and responses,
+        one per example), in this layout's order, with the batch-level ``extras``."""
+        count, examples = len(sides), sides[0][0].rows
+        # One sequence order in every layout, TRL's: every sequence of the first side, then of the next. A
+        # shared prompt lays each example's sequences out together (its prompt once), numbered so still.
         interleaved = self.shared_prompt
-        order = np.arange(2 * pairs)
-        pair, side = (order // 2, order % 2) if interleaved else (order % pairs, order // pairs)
-        pool = np.concatenate(
-            [np.asarray(part.values) for part in (prompts, chosen, rejected_prompts, rejected)]
+        order = np.arange(count * examples)
+        example, side = (
+            (order // count, order % count) if interleaved else (order % examples, order // examples)
         )
-        first_c = prompts.values.shape[0]
-        first_p = first_c + chosen.values.shape[0]
-        first_r = first_p + rejected_prompts.values.shape[0]
-        response_start = np.where(side == 0, first_c + chosen.offsets[pair], first_r + rejected.offsets[pair])
-        response_length = np.where(side == 0, chosen.lengths[pair], rejected.lengths[pair])
-        prompt_start = np.where(side == 0, prompts.offsets[pair], first_p + rejected_prompts.offsets[pair])
-        prompt_length = np.where(side == 0, prompts.lengths[pair], rejected_prompts.lengths[pair])
-        starts = np.stack([prompt_start, response_start], axis=1).reshape(-1)
-        lengths = np.stack([prompt_length, response_length], axis=1).reshape(-1)
-        tokens = pool[gather_spans(starts, lengths)]
-        supervised = np.repeat(np.tile([False, True], 2 * pairs), lengths)
+        parts = [part for pair in sides for part in pair]
+        firsts = np.cumsum([0] + [part.values.shape[0] for part in parts])[:-1]
+        pool = np.concatenate([np.asarray(part.values) for part in parts])
+        starts, lengths = [
+            np.stack(
+                [
+                    firsts[k] + part.offsets[:-1] if which == 0 else part.lengths
+                    for k, part in enumerate(parts)
+                ]
+            )
+            for which in (0, 1)
+        ]
+        prompt_start, prompt_length = starts[2 * side, example], lengths[2 * side, example]
+        response_start, response_length = starts[2 * side + 1, example], lengths[2 * side + 1, example]
+        spans = np.stack([prompt_start, response_start], axis=1).reshape(-1)
+        sizes = np.stack([prompt_length, response_length], axis=1).reshape(-1)
+        tokens = pool[gather_spans(spans, sizes)]
+        supervised = np.repeat(np.tile([False, True], count * examples), sizes)
         offsets = np.concatenate([[0], np.cumsum(prompt_length + response_length)]).astype(np.int64)
-        index = np.arange(pairs, dtype=np.int64)
         return SequenceBatch(
             Ragged(tokens, offsets),
             Ragged(supervised, offsets),
             prompt_length.astype(np.int64),
-            extras={CHOSEN_INDEX: index, REJECTED_INDEX: pairs + index, **extras},
-            numbering=(side * pairs + pair).astype(np.int64) if interleaved else None,
+            extras={
+                name: value.astype(np.int64) if value.dtype.kind in "iu" else value
+                for name, value in extras.items()
+            },
+            numbering=(side * examples + example).astype(np.int64) if interleaved else None,
         )
 
 

@@ -4,7 +4,8 @@
 them: ``input_ids`` (prompt + completion), a field that says which tokens are
 the completion (``completion_mask``, ``loss_mask``, ``assistant_masks`` or
 ``labels`` with -100, every one given applied, as ``for_transformers`` does;
-at least one is required), an optional ``attention_mask`` (trailing padding,
+at least one is required; verl's ``response_mask`` too, which covers the row's
+last tokens), an optional ``attention_mask`` (padding on either end,
 dropped) and the ``float_fields`` named: per-token log-probs of the behaviour
 policy, per-token rewards, or one number per rollout (a GRPO advantage,
 ``FloatField(name, align="sequence")``, broadcast to its tokens with
@@ -22,6 +23,13 @@ continuing from the prompt; a per-token float field must then agree on the
 shared prompt (else the prompt is not shared), and a per-sequence one holds 0
 there. Score tokens with :func:`zephon_collate.losses.token_logprobs`, which
 reads ``logits_index``.
+
+verl's rows are read as verl keeps them (``DataProto``, as a dict of
+``[batch, ...]`` tensors or a list of rows): ``input_ids`` the prompt, left
+padded, then the response, right padded; ``attention_mask`` 0 on both
+paddings; ``response_mask`` and the per-token fields ``[batch, response_length]``,
+declared ``FloatField(name, align="response")``: they cover each row's last
+``response_length`` tokens.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from zephon_collate.core.keys import (
     LABELS,
     LOSS_MASK,
     POSITION_IDS,
+    RESPONSE_MASK,
     TOKEN_TYPE_IDS,
 )
 from zephon_collate.core.text import shown
@@ -49,12 +58,12 @@ from zephon_collate.layouts.sequences import SequenceBatch, SequenceOptions, Seq
 from zephon_collate.layouts.transformers import supervision
 from zephon_collate.read.columns import Batch, Ragged, places
 from zephon_collate.read.fields import FloatField, to_label_positions
-from zephon_collate.read.rules import kept_by_mask
+from zephon_collate.read.rules import check_zero_one, kept_by_mask, response_aligned
 
 __all__ = ["RolloutOptions", "Rollouts"]
 
 _OWNER = "Collator.for_rollouts"
-_SUPERVISING = (COMPLETION_MASK, LOSS_MASK, ASSISTANT_MASKS, ASSISTANT_MASK, LABELS)
+_SUPERVISING = (COMPLETION_MASK, LOSS_MASK, ASSISTANT_MASKS, ASSISTANT_MASK, LABELS, RESPONSE_MASK)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,8 +82,8 @@ class RolloutOptions(SequenceOptions):
         return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free, unshared).
         return_seq_idx: emit ``seq_idx`` (padding-free, unshared).
         supervision: the field that marks the completion, required in every example
-            (``"completion_mask"``, ``"loss_mask"``, ``"assistant_masks"``, ``"labels"``), or ``None``:
-            every such field given is applied, and one is required.
+            (``"completion_mask"``, ``"loss_mask"``, ``"assistant_masks"``, ``"labels"``,
+            ``"response_mask"``), or ``None``: every such field given is applied, and one is required.
         float_fields: float example fields (names or :class:`~zephon_collate.FloatField` specs).
 
     Raises:
@@ -101,6 +110,7 @@ class Rollouts(Sequences):
     OWNER: ClassVar[str] = _OWNER
     ITEM: ClassVar[str] = "rollout"
     UNIFORM_SUPERVISION: ClassVar[bool] = True
+    READS_RESPONSE_MASK: ClassVar[bool] = True
 
     def lay_out(self, batch: Batch) -> list[Stacked]:
         """Read, check and lay out the rollouts: supervision, padding dropped, float fields, sequences.
@@ -125,12 +135,18 @@ class Rollouts(Sequences):
                 f"{_OWNER}: the examples carry 'seq_lengths' (several documents packed in one example); give "
                 "one rollout per example, which this collator packs itself (padding_free=True)"
             )
-        if not any(name in fields for name in _SUPERVISING):
+        if not any(name in fields or name in batch for name in _SUPERVISING):
             raise ValueError(
                 f"{_OWNER}: the examples carry none of {', '.join(_SUPERVISING)}, so nothing says which "
                 "tokens are the completion; give a completion_mask (1 on completion tokens)"
             )
         supervised = supervision(fields, names)
+        if RESPONSE_MASK in batch:  # verl's: the row's last tokens, with every other supervision given
+            response = batch.get(RESPONSE_MASK, "values")
+            assert response is not None
+            check_zero_one(response, RESPONSE_MASK, names, "1 on the response tokens that are trained")
+            placed = response_aligned(response, tokens.lengths, RESPONSE_MASK, names)
+            supervised = Ragged(np.asarray(supervised.values) & (placed.host != 0), tokens.offsets)
         specs = self.options.floats
         floats = {spec.name: fields[spec.name] for spec in specs if spec.per_token}
         if ATTENTION_MASK in fields:

@@ -49,12 +49,15 @@ from zephon_collate.core.keys import (
     ATTENTION_MASK,
     BRANCH_IDS,
     CHOSEN_INDEX,
+    COMPLETION_INDEX,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
     DOCUMENT_IDS,
     IGNORE_INDEX,
     INPUT_IDS,
     INT32_MAX,
+    KL_INDEX,
+    LABEL,
     LABELS,
     LOGITS_INDEX,
     LOSS_MASK,
@@ -67,8 +70,11 @@ from zephon_collate.core.keys import (
     POSITION_IDS,
     POSITIONS,
     REF_CHOSEN_LOGPS,
+    REF_KL_LOGPS,
+    REF_LOGPS,
     REF_REJECTED_LOGPS,
     REJECTED_INDEX,
+    RESPONSE_MASK,
     SEQ_IDX,
     SEQ_LENGTHS,
     SEQUENCE_INDEX,
@@ -137,6 +143,11 @@ _WRITTEN = (
     REJECTED_INDEX,
     REF_CHOSEN_LOGPS,
     REF_REJECTED_LOGPS,
+    COMPLETION_INDEX,
+    KL_INDEX,
+    LABEL,
+    REF_LOGPS,
+    REF_KL_LOGPS,
 )
 """Keys this layout and the post-training presets over it write, which a float field may not take."""
 _PADDINGS: dict[object, str] = {
@@ -400,6 +411,8 @@ class Transformers(Layout):
     SCALARS: ClassVar[frozenset[str]] = frozenset({MAX_LENGTH_Q, MAX_LENGTH_K, NUM_SEQUENCES})
     UNIFORM_SUPERVISION: ClassVar[bool] = False
     """Refuse an example without a supervising field that another example carries (rollouts)."""
+    READS_RESPONSE_MASK: ClassVar[bool] = False
+    """Read verl's response-aligned ``response_mask`` (rollouts); elsewhere it is refused, never dropped."""
 
     options: TransformersOptions
 
@@ -559,6 +572,14 @@ class Transformers(Layout):
         scalar = batch.one_value_row(LABELS) if LABELS in batch else None
         if scalar is not None:
             raise _sequence_classification(names(scalar))
+        if RESPONSE_MASK in batch and not self.READS_RESPONSE_MASK:
+            index = int(np.flatnonzero(batch.carried(RESPONSE_MASK))[0])
+            raise ValueError(
+                f"{names(index)}: carries 'response_mask' (verl's mask of the row's last tokens, the "
+                "response), which this collator does not read: read as all trained, the prompt would be "
+                "trained; collate rollouts with Collator.for_rollouts(...), which reads it, or give a "
+                "completion_mask (0 on the prompt)"
+            )
         if "decoder_input_ids" in batch:
             index = int(np.flatnonzero(batch.carried("decoder_input_ids"))[0])
             raise ValueError(

@@ -41,6 +41,7 @@ from zephon_collate.core.keys import (
     LOSS_MASK,
     POSITION_IDS,
     POSITIONS,
+    RESPONSE_MASK,
     SUPERVISION_MASKS,
     TOKEN_FIELD_CANDIDATES,
 )
@@ -276,6 +277,12 @@ def unread_supervision(where: str, name: str) -> ValueError:
             f"{where}: payload has an 'attention_mask' with zeros (padding inside the document), which the "
             "packer would pack as real tokens, and the Collator refuses it. Give the documents without "
             f"their padding (drop the padded tokens and the mask: each row is padded when packed), {hf}"
+        )
+    if name == RESPONSE_MASK:
+        return ValueError(
+            f"{where}: payload has 'response_mask' (verl's mask of the row's last tokens), but {unread}. "
+            "Give it as the loss_mask (loss_mask = [0] * (len(input_ids) - len(response_mask)) + "
+            "response_mask) and drop 'response_mask'"
         )
     return ValueError(
         f"{where}: payload has {shown(name)} with zeros, but {unread}. Give it as the loss_mask "

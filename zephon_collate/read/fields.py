@@ -20,6 +20,12 @@ the labels:
   made at position ``t`` (of token ``t + 1``). Shifted layout: ``[:, :-1]``, like
   the inputs; unshifted layout: moved one token right inside each sequence (0 on
   a sequence's first token, which no position predicts).
+- ``align="response"``: one value per token of the row's last ``len(values)``
+  tokens, verl's response-aligned fields (``old_log_probs``, ``advantages``
+  ``[batch, response_length]`` beside ``input_ids = cat(prompts, responses)``):
+  value ``k`` belongs to token ``T - len(values) + k`` of a row of ``T`` tokens
+  as given (padding included), the tokens before it get 0. Read, it is a
+  token-aligned field.
 - ``align="sequence"``: one value per sequence (a reward, a GRPO advantage, TRL's
   ``ref_chosen_logps``): a ``[num_sequences]`` output; with ``broadcast=True`` it
   is repeated over the sequence's tokens instead, a token-aligned field.
@@ -41,6 +47,7 @@ import torch
 
 from zephon_collate.core.text import shown
 from zephon_collate.read.columns import Names, Ragged, Row, as_numpy, concat, numpy_dtype, row_of
+from zephon_collate.read.rules import response_aligned
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -52,10 +59,10 @@ __all__ = [
     "to_label_positions",
 ]
 
-Alignment: TypeAlias = Literal["token", "label", "sequence"]
+Alignment: TypeAlias = Literal["token", "label", "response", "sequence"]
 """What a float field's values belong to: a token, a prediction, a whole sequence (see the module doc)."""
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_ALIGNMENTS = ("token", "label", "sequence")
+_ALIGNMENTS = ("token", "label", "response", "sequence")
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,8 @@ class FloatField:
     Parameters:
         name: the payload field (and output key).
         align: ``"token"`` (value ``t`` belongs to token ``t``, the default), ``"label"``
-            (to the prediction made at ``t``) or ``"sequence"`` (one value per sequence).
+            (to the prediction made at ``t``), ``"response"`` (to the row's last ``len(values)`` tokens,
+            as verl keeps them) or ``"sequence"`` (one value per sequence).
         dtype: the float dtype it keeps (float16, bfloat16, float32 or float64; default float32).
         broadcast: with ``align="sequence"``, repeat the value over the sequence's tokens.
 
@@ -90,7 +98,8 @@ class FloatField:
             raise TypeError(f"FloatField: name must be a non-empty str, got {shown(self.name)}")
         if self.align not in _ALIGNMENTS:
             raise ValueError(
-                f"FloatField {shown(self.name)}: align must be 'token', 'label' or 'sequence', got "
+                f"FloatField {shown(self.name)}: align must be 'token', 'label', 'response' or "
+                "'sequence', got "
                 f"{shown(self.align)}"
             )
         if self.dtype not in FLOAT_DTYPES:
@@ -239,6 +248,14 @@ def read_floats(
             return [values[index] for index in range(len(arrays))]
         repeated = np.repeat(values, lengths)
         return Ragged(repeated, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    if spec.align == "response":  # checked as given (errors name its own index), then placed
+        for index, array in enumerate(arrays):
+            if array.ndim != 1:
+                raise ValueError(
+                    f"{names(index)}: float field {shown(name)} holds shape {tuple(array.shape)}, but it is "
+                    "declared one value per response token (align='response'); give a 1-D row"
+                )
+        return response_aligned(_checked(concat(arrays, name, names), spec, names), lengths, name, names)
     for index, (array, length) in enumerate(zip(arrays, lengths.tolist(), strict=True)):
         if array.ndim != 1 or array.shape[0] != length:
             got = "one number" if array.ndim == 0 else f"shape {tuple(array.shape)}"

@@ -25,10 +25,21 @@ from zephon_collate.core.keys import (
     LABELS,
     POSITION_IDS,
     POSITIONS,
+    RESPONSE_MASK,
 )
 from zephon_collate.core.records import PADDING_LENGTH_TAG
 from zephon_collate.core.text import shown
-from zephon_collate.read.columns import Batch, Names, Ragged, Values, as_numpy, host_view, row_any, row_of
+from zephon_collate.read.columns import (
+    Batch,
+    Names,
+    Ragged,
+    Values,
+    as_numpy,
+    host_view,
+    places,
+    row_any,
+    row_of,
+)
 
 __all__ = [
     "SUPERVISING_FIELDS",
@@ -42,11 +53,12 @@ __all__ = [
     "misaligned",
     "misspelled",
     "positions_field",
+    "response_aligned",
     "row_shape",
     "unread_supervision",
 ]
 
-SUPERVISING_FIELDS = (ATTENTION_MASK, LABELS, ASSISTANT_MASKS, ASSISTANT_MASK, COMPLETION_MASK)
+SUPERVISING_FIELDS = (ATTENTION_MASK, LABELS, ASSISTANT_MASKS, ASSISTANT_MASK, COMPLETION_MASK, RESPONSE_MASK)
 """Fields that say what is trained under other names than ``loss_mask`` (Hugging Face's, TRL's): a layout
 or packer that does not read one refuses it where it would change what is trained."""
 
@@ -119,6 +131,10 @@ def _changes_training(name: str, field: Ragged, tokens: Ragged, loss_mask: Ragge
     """``[B]`` booleans: would row ``b`` of supervising field ``name`` change what is trained?"""
     if name == LABELS:
         return _rows_differing(field, tokens)
+    if name == RESPONSE_MASK:  # response-aligned: shorter than its row, it leaves the prompt untrained
+        return np.asarray(
+            row_any(_any_entry(field.host != 1), field.offsets) | (field.lengths != tokens.lengths)
+        )
     bad = row_any(_any_entry(field.host != 1), field.offsets)
     if name != ATTENTION_MASK and loss_mask is not None:
         bad &= _rows_differing(field, loss_mask)  # a copy of the loss_mask is harmless
@@ -359,6 +375,42 @@ def kept_by_mask(mask: Ragged, name: str, names: Names) -> np.ndarray:
             "without holes"
         )
     return np.asarray(keep)
+
+
+def response_aligned(field: Ragged, lengths: np.ndarray, name: str, names: Names) -> Ragged:
+    """``field`` placed at the end of the token rows: row ``b``'s values on its last ``len(row)`` tokens, 0
+    before them.
+
+    verl lays a rollout out as ``input_ids = cat(prompts, responses)`` and keeps
+    its per-token fields (``response_mask``, ``old_log_probs``, ``advantages``)
+    ``[batch, response_length]``: column ``k`` belongs to the row's token
+    ``T - response_length + k``, ``T`` the row's width. ``lengths`` are the
+    token rows' lengths as given, padding included.
+
+    Raises:
+        ValueError: for a row that is not 1-D, or longer than its token row, naming the row.
+
+    Example:
+        >>> field = Ragged(np.array([0.5, 0.25, 0.75]), np.array([0, 2, 3]))
+        >>> response_aligned(field, np.array([4, 2]), "old_log_probs", str).values.tolist()
+        [0.0, 0.0, 0.5, 0.25, 0.0, 0.75]
+    """
+    check_flat(field, name, names)
+    longer = np.flatnonzero(field.lengths > lengths)
+    if longer.size:
+        index = int(longer[0])
+        raise ValueError(
+            f"{names(index)}: field {shown(name)} holds {int(field.lengths[index])} values, but the token "
+            f"row has {int(lengths[index])}; a response-aligned field covers the row's last tokens (verl's "
+            "[batch, response_length] beside input_ids = prompts + responses): give at most one value per "
+            "token"
+        )
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    given = field.host
+    values = np.zeros(int(offsets[-1]), dtype=given.dtype)
+    values[np.repeat(offsets[1:] - field.lengths, field.lengths) + places(field.offsets)] = given
+    return Ragged(values, offsets)
 
 
 def positions_field(batch: Batch) -> str | None:
