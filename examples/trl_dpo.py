@@ -67,8 +67,11 @@ def llama(hidden: int = 32, dtype: torch.dtype = torch.float64) -> LlamaForCausa
     return LlamaForCausalLM(config).to(dtype)
 
 
-def trainer(cls: type, data: Dataset, steps: int = 3, hidden: int = 32, **options: Any) -> Any:
-    """``cls`` (stock or packed) on ``data`` with a fresh :func:`llama` and a copy of it as the reference."""
+def trainer(
+    cls: type, data: Dataset, steps: int = 3, hidden: int = 32, shared_prompt: bool = False, **options: Any
+) -> Any:
+    """``cls`` (stock or packed; ``shared_prompt``: packed, each prompt once) on ``data`` with a fresh
+    :func:`llama` and a copy of it as the reference; ``options`` go to ``DPOConfig``."""
     disable_progress_bars()
     logging.set_verbosity_error()
     settings = {
@@ -86,6 +89,7 @@ def trainer(cls: type, data: Dataset, steps: int = 3, hidden: int = 32, **option
             args=args,
             train_dataset=data,
             processing_class=tokenizer(),
+            **({"shared_prompt": True} if shared_prompt else {}),
         )
 
 

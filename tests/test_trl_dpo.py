@@ -58,10 +58,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["unshared", "shared-prompt"])
 @pytest.mark.parametrize("options", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-def test_one_batch_equals_stock(options):
+def test_one_batch_equals_stock(options, shared):
     """Loss and metrics to 1e-6, gradients to 1e-6 + 1e-5 relative (TRL's head computes in float32)."""
-    out = one_batch(trainer(DPOTrainer, **options), trainer(PackedDPOTrainer, **options))
+    out = one_batch(
+        trainer(DPOTrainer, **options), trainer(PackedDPOTrainer, shared_prompt=shared, **options)
+    )
     (stock_loss, stock_grads, stock_metrics), (loss, grads, metrics) = out["stock"], out["packed"]
     assert torch.allclose(loss, stock_loss, atol=1e-6, rtol=0), (float(loss), float(stock_loss))
     for a, b in zip(grads, stock_grads, strict=True):
@@ -71,24 +74,29 @@ def test_one_batch_equals_stock(options):
         assert metrics[key] == pytest.approx(value, abs=1e-6), key
 
 
-def test_training_steps_equal_stock():
+@pytest.mark.parametrize("shared", [False, True], ids=["unshared", "shared-prompt"])
+def test_training_steps_equal_stock(shared):
     """Five optimizer steps with gradient accumulation: the same logged history and the same weights."""
     runs = []
-    for cls in (DPOTrainer, PackedDPOTrainer):  # each built, then trained: Trainer seeds at build
-        runs.append(trainer(cls, steps=5, gradient_accumulation_steps=2))
-        runs[-1].train()
+    for cls, options in ((DPOTrainer, {}), (PackedDPOTrainer, {"shared_prompt": shared})):
+        runs.append(trainer(cls, steps=5, gradient_accumulation_steps=2, **options))
+        runs[-1].train()  # each built, then trained: Trainer seeds at build
     stock, packed = (run.state.log_history for run in runs)
     losses = [(a["loss"], b["loss"]) for a, b in zip(stock, packed, strict=True) if "loss" in a]
     assert len(losses) == 5
     for a, b in losses:
         assert b == pytest.approx(a, abs=1e-6)
     weights = zip(runs[0].model.parameters(), runs[1].model.parameters(), strict=True)
-    assert max(float((a - b).abs().max()) for a, b in weights) < 1e-6
+    # TRL's head rounds its log-probs to float32; a shared prompt's rows are of another width, so the
+    # float64 hidden states differ in their last bits and Adam carries the rounding over five steps.
+    assert max(float((a - b).abs().max()) for a, b in weights) < (5e-6 if shared else 1e-6)
 
 
-def test_precomputed_reference_equals_stock():
+@pytest.mark.parametrize("shared", [False, True], ids=["unshared", "shared-prompt"])
+def test_precomputed_reference_equals_stock(shared):
     """precompute_ref_log_probs: the same reference columns, then the same loss."""
-    stock, packed = (trainer(cls, precompute_ref_log_probs=True) for cls in (DPOTrainer, PackedDPOTrainer))
+    stock = trainer(DPOTrainer, precompute_ref_log_probs=True)
+    packed = trainer(PackedDPOTrainer, precompute_ref_log_probs=True, shared_prompt=shared)
     for key in ("ref_chosen_logps", "ref_rejected_logps"):
         assert packed.train_dataset[key] == pytest.approx(stock.train_dataset[key], abs=1e-9)
     out = one_batch(stock, packed)
@@ -207,3 +215,57 @@ def test_layout_follows_the_attention_and_generation_keeps_the_signature():
 def test_packed_preference_refuses_an_unknown_row_layout():
     with pytest.raises(ValueError, match=r"rows must be 'one' or 'fit', got 'two'"):
         PackedPreference(_view({}), rows="two")  # type: ignore[arg-type]
+
+
+def test_a_shared_prompt_goes_through_the_transformer_once():
+    """Each pair's prompt once (its last token copied to open each branch), both responses after it; the
+    4-D mask keeps a response from its sibling."""
+    run = trainer(PackedDPOTrainer, shared_prompt=True)
+    examples = [run.train_dataset[i] for i in range(4)]
+    batch = run.data_collator(examples)
+    packed, mask = batch["packed"], batch["attention_mask"]
+    pairs = mask.shape[0] // 2
+    prompts = (batch["completion_mask"].cumsum(dim=1) == 0) & mask.bool()
+    real = int(mask.sum()) - int(prompts[pairs:].sum()) + pairs  # the rejected copies of the prompt go
+    assert int(packed["attention_mask"].shape[-1]) == packed["input_ids"].shape[1]
+    kept = sum(int(row.diagonal().sum()) for row in packed["attention_mask"][:, 0])
+    assert kept == packed["input_ids"].numel()  # every place attends to itself (padding too)
+    assert int((packed["shift_labels"] != -100).sum()) == int((batch["completion_mask"][:, 1:] != 0).sum())
+    counted = PackedPreference(run.data_collator.view, rows="one", shared_prompt=True)(examples)["packed"]
+    assert counted["input_ids"].shape == (1, real)
+
+
+def test_shared_prompt_refusals():
+    from zephon_collate.trainers.view import check_packing, packed_rows
+
+    model = llama()
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match=r"FlashAttention's varlen kernels cannot keep apart.*'sdpa'"):
+        packed_rows(model, shared_prompt=True)
+
+    class SegmentSums(torch.nn.Module):
+        """Restarts at position_ids 0 but ignores a 4-D mask: a branch would see its sibling."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(16, 4, dtype=torch.float64))
+
+        def forward(self, input_ids, position_ids=None, use_cache=False, attention_mask=None):
+            embedded = self.weight[input_ids]
+            if position_ids is None:
+                return type("Out", (), {"logits": embedded.cumsum(dim=1)})
+            segment = (position_ids == 0).cumsum(dim=1)
+            out = torch.stack([embedded[:, : t + 1][segment[:, : t + 1] == segment[:, t : t + 1]].sum(0)
+                               for t in range(input_ids.shape[1])])  # fmt: skip
+            return type("Out", (), {"logits": out[None]})
+
+    check_packing(SegmentSums(), "PackedDPOTrainer")  # packed end to end: kept apart
+    with pytest.raises(
+        ValueError, match=r"does not keep a shared prompt's responses apart.*shared_prompt=False"
+    ):
+        check_packing(SegmentSums(), "PackedDPOTrainer", shared_prompt=True)
+    view = _view({"input_ids": [[5, 6]], "attention_mask": [[1, 1]], "completion_mask": [[0, 1]]})
+    with pytest.raises(ValueError, match=r"reads the batch as pairs.*but it has 1 rows"):
+        PackedPreference(view, shared_prompt=True)([])
+    with pytest.raises(TypeError, match=r"shared_prompt must be a bool, got 'yes'"):
+        PackedPreference(view, shared_prompt="yes")  # type: ignore[arg-type]

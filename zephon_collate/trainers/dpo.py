@@ -60,6 +60,9 @@ class PackedPreference:
             best-fit into rows as wide as the longest, for attention that masks a dense row (SDPA,
             eager), whose cost grows with the row's width squared. Each row's padding is a sequence of
             its own, never trained.
+        shared_prompt: lay each pair's prompt out once, the chosen and the rejected response after it,
+            each in a branch that sees the prompt and itself (rows with a 4-D ``attention_mask``, for
+            SDPA or eager attention; see :func:`~zephon_collate.trainers.view.pack_view`).
 
     Returns (a call):
         the view's batch, and under ``"packed"``: ``input_ids``, ``position_ids`` and ``shift_labels``
@@ -88,11 +91,17 @@ class PackedPreference:
     """
 
     def __init__(
-        self, view: Callable[[list[dict[str, Any]]], Mapping[str, Any]], rows: Literal["one", "fit"] = "one"
+        self,
+        view: Callable[[list[dict[str, Any]]], Mapping[str, Any]],
+        rows: Literal["one", "fit"] = "one",
+        *,
+        shared_prompt: bool = False,
     ) -> None:
         if rows not in ROWS:
             raise ValueError(f"PackedPreference: rows must be 'one' or 'fit', got {shown(rows)}")
-        self.view, self.rows = view, rows
+        if not isinstance(shared_prompt, bool):
+            raise TypeError(f"PackedPreference: shared_prompt must be a bool, got {shown(shared_prompt)}")
+        self.view, self.rows, self.shared_prompt = view, rows, shared_prompt
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = dict(self.view(examples))
@@ -119,7 +128,19 @@ class PackedPreference:
                 f"({shown(attention_mask[row].tolist())}); the view must pad on the right, as TRL's "
                 "DataCollatorForPreference does"
             )
-        return pack_view(input_ids, attention_mask, completion_mask, self.rows, "PackedPreference")
+        if self.shared_prompt and input_ids.shape[0] % 2:
+            raise ValueError(
+                f"PackedPreference: shared_prompt=True reads the batch as pairs (the chosen rows, then the "
+                f"rejected ones), but it has {input_ids.shape[0]} rows; give TRL's DataCollatorForPreference"
+            )
+        return pack_view(
+            input_ids,
+            attention_mask,
+            completion_mask,
+            self.rows,
+            "PackedPreference",
+            shared_prompt=self.shared_prompt,
+        )
 
 
 class PackedDPOTrainer(DPOTrainer):
@@ -131,17 +152,25 @@ class PackedDPOTrainer(DPOTrainer):
     ``use_weighting``, a reference model, ``ref_model=None`` (the adapter-disabled PEFT model),
     ``precompute_ref_log_probs`` and the metrics keep TRL's meaning and values.
 
+    ``shared_prompt=True`` (its one keyword of its own) lays each pair's prompt out once, both responses
+    after it: the prompt's tokens go through the transformer once instead of twice. The attention comes
+    from a 4-D mask, so it needs SDPA or eager attention (FlashAttention is refused: its varlen kernels
+    cannot keep a response from its sibling).
+
     Example:
         >>> from zephon_collate.trainers import PackedDPOTrainer  # doctest: +SKIP
         >>> PackedDPOTrainer(model=model, args=DPOConfig(...), train_dataset=pairs)  # doctest: +SKIP
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, shared_prompt: bool = False, **kwargs: Any) -> None:
+        if not isinstance(shared_prompt, bool):
+            raise TypeError(f"PackedDPOTrainer: shared_prompt must be a bool, got {shown(shared_prompt)}")
         super().__init__(*args, **kwargs)
         model = self.accelerator.unwrap_model(self.model)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        check_packing(base, "PackedDPOTrainer")
-        self.data_collator = PackedPreference(self.data_collator, rows=packed_rows(base))
+        check_packing(base, "PackedDPOTrainer", shared_prompt=shared_prompt)
+        rows = packed_rows(base, shared_prompt=shared_prompt)
+        self.data_collator = PackedPreference(self.data_collator, rows=rows, shared_prompt=shared_prompt)
         wrap_forward(base)
         if self.ref_model is not None:
             wrap_forward(self.accelerator.unwrap_model(self.ref_model))

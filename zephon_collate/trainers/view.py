@@ -29,13 +29,15 @@ from trl.trainer.utils import FusedCausalLMOutput
 from zephon_collate.collate.collator import Collator
 from zephon_collate.core.keys import (
     ATTENTION_MASK,
+    BRANCH_IDS,
+    DOCUMENT_IDS,
     INPUT_IDS,
-    LABELS,
     LOGITS_INDEX,
     POSITION_IDS,
     SEQUENCE_INDEX,
 )
 from zephon_collate.core.text import shown
+from zephon_collate.functional.attention import dense_branch_mask
 from zephon_collate.packing._plan import best_fit_rows
 
 __all__ = ["PACKED", "ROWS", "check_packing", "pack_view", "packed_rows", "wrap_forward"]
@@ -48,7 +50,8 @@ ROWS = ("one", "fit")
 
 _PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 _PASSED = frozenset({"use_cache", "output_router_logits"})  # model keywords TRL adds that packing keeps
-_PACK = Collator.for_transformers(padding_free=True, return_position_ids=True, return_sequence_map=True)
+_PACK = Collator.for_rollouts(padding_free=True)
+_SHARE = Collator.for_rollouts(padding_free=True, shared_prompt=True)
 
 
 def pack_view(
@@ -57,6 +60,8 @@ def pack_view(
     trained: torch.Tensor,
     rows: Literal["one", "fit"],
     owner: str,
+    *,
+    shared_prompt: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The sequences of a padded batch, packed.
 
@@ -68,11 +73,17 @@ def pack_view(
             rows as wide as the longest (attention that masks a dense row, SDPA or eager, whose cost grows
             with the row's width squared). A row's padding is a sequence of its own, never scored.
         owner: who errors name.
+        shared_prompt: the rows are pairs (row ``i`` and row ``R / 2 + i``, TRL's chosen and rejected):
+            each pair's prompt is laid out once, each response after it in a branch of its own, opened by
+            a copy of the prompt's last token (which predicts the response's first token there: one
+            prediction per place). Sequences whose prompts differ stay apart. The rows then come with
+            the 4-D ``attention_mask`` that keeps a branch from its sibling.
 
     Returns:
         ``input_ids``, ``position_ids`` and ``shift_labels`` (each place's next token where it is scored,
-        else -100) ``[rows, width]``; ``source``, the flat packed place of each scored prediction, and
-        ``target``, its flat place in the ``[R, T - 1]`` view.
+        else -100) ``[rows, width]`` (and, shared, ``attention_mask`` ``[rows, 1, width, width]``);
+        ``source``, the flat packed place of each scored prediction, and ``target``, its flat place in the
+        ``[R, T - 1]`` view.
 
     Raises:
         ValueError: for a row whose tokens are not one span (holes in ``attention_mask``), naming it.
@@ -87,6 +98,13 @@ def pack_view(
         ([0, 1, 3], [1, 2, 3])
         >>> pack_view(ids, mask, mask, "fit", "example")["position_ids"].tolist()
         [[0, 1, 2], [0, 1, 0]]
+        >>> pairs = torch.tensor([[4, 5, 6, 7], [4, 5, 8, 0]])  # prompt [4, 5]: chosen [6, 7], rejected [8]
+        >>> trained = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 0]])
+        >>> shared = pack_view(pairs, pairs != 0, trained, "one", "example", shared_prompt=True)
+        >>> shared["input_ids"].tolist(), shared["position_ids"].tolist()
+        ([[4, 5, 6, 7, 5, 8]], [[0, 1, 2, 3, 1, 2]])
+        >>> shared["shift_labels"].tolist()  # the copy of 5 predicts the rejected response's 8
+        [[-100, 6, 7, -100, 8, -100]]
     """
     present = attention_mask.bool()
     counts = present.sum(dim=1)
@@ -101,39 +119,60 @@ def pack_view(
             "each row's tokens must be one span, with padding on the left or the right only"
         )
     lengths, starts_at = counts.tolist(), first.tolist()
-    width = max(lengths) if rows == "fit" else sum(lengths)
-    bins = best_fit_rows(lengths, width) if rows == "fit" else [list(range(len(lengths)))]
-    order = [index for members in bins for index in members]
-    flat = _PACK(
-        [
-            {
-                INPUT_IDS: input_ids[i, starts_at[i] : starts_at[i] + lengths[i]],
-                "completion_mask": trained[i, starts_at[i] : starts_at[i] + lengths[i]] != 0,
-            }
-            for i in order
-        ]
-    )
-    labels = flat[LABELS][0]  # -100 where not scored and on each sequence's first token
-    # Each flat place in the [bins, width] grid: bin b's sequences fill row b from its start.
-    used = torch.tensor([sum(lengths[i] for i in members) for members in bins])
-    owner_row = torch.repeat_interleave(torch.arange(len(bins)), used)
-    place = owner_row * width + torch.arange(labels.numel()) - (torch.cumsum(used, 0) - used)[owner_row]
+    half = len(lengths) // 2
+    order = [i for pair in range(half) for i in (pair, half + pair)] if shared_prompt else range(len(lengths))
+    scored = trained != 0
+    examples = []
+    for i in order:
+        span_of = slice(starts_at[i], starts_at[i] + lengths[i])
+        supervised = scored[i, span_of].clone()
+        if shared_prompt:  # the token before the response opens its branch: the prompt shared is one shorter
+            supervised[:-1] |= supervised[1:].clone()
+        examples.append({INPUT_IDS: input_ids[i, span_of], "completion_mask": supervised})
+    flat = (_SHARE if shared_prompt else _PACK)(examples)
+    # Each flat place in the [bins, width] grid: documents (a sequence, or a prompt and its branches) best
+    # fit into rows, each document's tokens together.
+    document = flat[DOCUMENT_IDS][0].long()
+    total = document.numel()
+    sizes = torch.bincount(document)
+    width = int(sizes.max()) if rows == "fit" else total
+    bins = best_fit_rows(sizes.tolist(), width) if rows == "fit" else [list(range(len(sizes)))]
+    row_of_doc, start_of_doc = torch.zeros_like(sizes), torch.zeros_like(sizes)
+    used = torch.zeros(len(bins), dtype=torch.long)
+    for row, members in enumerate(bins):
+        for member in members:
+            row_of_doc[member], start_of_doc[member] = row, used[row]
+            used[row] += sizes[member]
+    into = torch.arange(total) - (torch.cumsum(sizes, 0) - sizes)[document]  # each token's place in its doc
+    place = row_of_doc[document] * width + start_of_doc[document] + into
     after = torch.arange(width) - used[:, None]  # each row's padding counts from 0: a sequence of its own
     size = len(bins) * width
+    positions = flat[POSITION_IDS][0]
+    tokens = flat[INPUT_IDS][0]
+    # The predicted tokens: their view row, and their place in it (positions count from the row's start).
+    sequence = flat[SEQUENCE_INDEX][0]
+    view_row = torch.tensor(list(order), dtype=torch.long)[sequence.clamp(min=0)]
+    column_of = first[view_row] + positions
+    hit = (sequence >= 0) & (positions > 0)
+    hit &= scored[view_row, column_of.clamp(max=scored.shape[1] - 1)]
+    hit = hit.nonzero()[:, 0]
+    source = place[flat[LOGITS_INDEX][0, hit]]
     grid = {
-        INPUT_IDS: flat[INPUT_IDS].new_zeros(size).index_copy(0, place, flat[INPUT_IDS][0]),
-        POSITION_IDS: after.clamp(min=0).reshape(-1).index_copy(0, place, flat[POSITION_IDS][0]),
-        "shift_labels": labels.new_full((size,), -100).index_copy(
-            0, place, torch.cat([labels[1:], labels.new_full((1,), -100)])
-        ),
+        INPUT_IDS: tokens.new_zeros(size).index_copy(0, place, tokens),
+        POSITION_IDS: after.clamp(min=0).reshape(-1).index_copy(0, place, positions),
+        "shift_labels": tokens.new_full((size,), -100).index_copy(0, source, tokens[hit]),
     }
-    scored = (labels != -100).nonzero()[:, 0]  # the predicted tokens, at their flat places
-    sequence = torch.tensor(order, dtype=torch.long)[
-        flat[SEQUENCE_INDEX][0, scored]
-    ]  # the view's row of each
     out = {key: value.view(len(bins), width) for key, value in grid.items()}
-    out["source"] = place[flat[LOGITS_INDEX][0, scored]]
-    out["target"] = sequence * (input_ids.shape[1] - 1) + first[sequence] + flat[POSITION_IDS][0, scored] - 1
+    if shared_prompt:  # the attention: a branch sees its prompt and itself, never its sibling
+        ids = {
+            key: torch.full((size,), -1, dtype=flat[key].dtype).index_copy(0, place, flat[key][0])
+            for key in (DOCUMENT_IDS, BRANCH_IDS)
+        }
+        out[ATTENTION_MASK] = dense_branch_mask(
+            ids[DOCUMENT_IDS].view(len(bins), width), ids[BRANCH_IDS].view(len(bins), width)
+        )
+    out["source"] = source
+    out["target"] = view_row[hit] * (input_ids.shape[1] - 1) + column_of[hit] - 1
     return out
 
 
@@ -164,6 +203,8 @@ def wrap_forward(model: nn.Module) -> None:
         labels = given.pop("labels")
         given.pop(INPUT_IDS, None)
         given.pop(ATTENTION_MASK, None)
+        if ATTENTION_MASK in packed:  # a shared prompt's branches: the 4-D mask keeps them apart
+            given[ATTENTION_MASK] = packed[ATTENTION_MASK]
         out = fused(
             input_ids=packed[INPUT_IDS],
             position_ids=packed[POSITION_IDS],
@@ -181,10 +222,15 @@ def wrap_forward(model: nn.Module) -> None:
     model.forward = types.MethodType(forward, model)
 
 
-def packed_rows(model: nn.Module) -> Literal["one", "fit"]:
+def packed_rows(model: nn.Module, *, shared_prompt: bool = False) -> Literal["one", "fit"]:
     """The packed layout for ``model``: one row under FlashAttention (its varlen kernels split a row's
     sequences only in a batch of one) or when the model's MoE load-balancing loss is on (it counts every
-    token of a row, padding too), else rows as wide as the longest sequence."""
+    token of a row, padding too), else rows as wide as the longest sequence.
+
+    Raises:
+        ValueError: for ``shared_prompt`` under FlashAttention, whose varlen kernels cannot keep a response
+            from its sibling.
+    """
     config: Any = model.config
     try:
         from transformers.utils.generic import is_flash_attention_requested
@@ -193,13 +239,23 @@ def packed_rows(model: nn.Module) -> Literal["one", "fit"]:
     except ImportError:  # an older transformers
         flash = "flash" in str(getattr(config, "_attn_implementation", ""))
     moe = bool(getattr(config.get_text_config(), "output_router_logits", False))
+    if flash and shared_prompt:
+        raise ValueError(
+            "shared_prompt=True lays responses out as branches after one prompt, which "
+            "FlashAttention's varlen "
+            f"kernels cannot keep apart ({type(model).__name__} runs "
+            f"{getattr(config, '_attn_implementation', 'flash')}); load the model with "
+            "attn_implementation='sdpa' (or 'eager'), or pass shared_prompt=False"
+        )
     return "one" if flash or moe else "fit"
 
 
-def check_packing(model: nn.Module, owner: str) -> None:
+def check_packing(model: nn.Module, owner: str, *, shared_prompt: bool = False) -> None:
     """Refuse a model that does not keep packed sequences apart: two sequences laid end to end with
     ``position_ids`` restarting must score as they do alone. transformers does so from the positions for
     most decoders; some (OPT, BLOOM, MPT, BioGPT, convolutional layers) attend across the boundary.
+    ``shared_prompt``: a response after its sibling, behind a 4-D branch mask, must score as it does
+    after the prompt alone (the model must take the mask as given).
 
     Raises:
         ValueError: naming the model's class, when a sequence's logits change once packed.
@@ -209,18 +265,33 @@ def check_packing(model: nn.Module, owner: str) -> None:
     first, second = torch.tensor([[3, 4, 5]], device=device), torch.tensor([[6, 7]], device=device)
     packed_ids = torch.cat([first, second], dim=1)
     positions = torch.tensor([[0, 1, 2, 0, 1]], device=device)
+    extra: dict[str, torch.Tensor] = {}
+    if shared_prompt:  # prompt [3, 4], then the branches [5] and [6, 7]: the second alone is [3, 4, 6, 7]
+        second = torch.tensor([[3, 4, 6, 7]], device=device)
+        positions = torch.tensor([[0, 1, 2, 2, 3]], device=device)
+        branches = torch.tensor([[0, 0, 1, 2, 2]], device=device)
+        extra[ATTENTION_MASK] = dense_branch_mask(torch.zeros_like(branches), branches)
     training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            alone = model(input_ids=second, use_cache=False).logits[0].float()
+            alone = model(input_ids=second, use_cache=False).logits[0, -2:].float()
             together = (
-                model(input_ids=packed_ids, position_ids=positions, use_cache=False).logits[0, 3:].float()
+                model(input_ids=packed_ids, position_ids=positions, use_cache=False, **extra)
+                .logits[0, 3:]
+                .float()
             )
     finally:
         model.train(training)
     scale = float(alone.abs().max()) + 1.0
     if not torch.allclose(together, alone, atol=1e-3 * scale, rtol=1e-3):
+        if shared_prompt:
+            raise ValueError(
+                f"{owner}: {type(model).__name__} does not keep a shared prompt's responses apart "
+                "under a 4-D "
+                "attention mask (a response scores otherwise once its sibling is laid out before it), so "
+                "shared_prompt=True would change what is trained; pass shared_prompt=False"
+            )
         raise ValueError(
             f"{owner}: {type(model).__name__} lets packed sequences attend to each other (a sequence scores "
             "otherwise once another is packed before it: its attention does not restart at position_ids "
