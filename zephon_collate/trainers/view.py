@@ -38,7 +38,7 @@ from zephon_collate.core.keys import (
 from zephon_collate.core.text import shown
 from zephon_collate.packing._plan import best_fit_rows
 
-__all__ = ["PACKED", "ROWS", "check_packing", "pack_view", "packed_rows", "wrap_forward"]
+__all__ = ["PACKED", "ROWS", "check_packing", "pack_view", "packed_rows", "present", "wrap_forward"]
 
 PACKED = "packed"
 """The keyword (and batch key) of the packed sequences, a dict of tensors that the wrapped forward reads."""
@@ -146,6 +146,11 @@ def _laid_out(values: torch.Tensor | None, packed: Mapping[str, torch.Tensor], s
     return flat.index_copy(0, packed["target"], values.reshape(-1)[packed["source"]]).view(*shape)
 
 
+def present(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments a call gives: PEFT's wrappers pass every optional input, as ``None``."""
+    return {key: value for key, value in kwargs.items() if value is not None}
+
+
 def wrap_forward(model: nn.Module) -> None:
     """Make ``model``'s fused forward (TRL's ``add_fused_lm_head``) run packed when the call carries
     ``packed=...``; every other call (generation, a batch without it, or one with inputs packing does not
@@ -157,7 +162,7 @@ def wrap_forward(model: nn.Module) -> None:
     @functools.wraps(fused.__func__)  # type: ignore[attr-defined]  # generate reads the signature
     def forward(self: nn.Module, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
         packed = kwargs.pop(PACKED, None)
-        given = {key: value for key, value in kwargs.items() if value is not None}  # PEFT passes Nones
+        given = present(kwargs)
         others = set(given) - _PASSED - {INPUT_IDS, ATTENTION_MASK, "labels"}
         if packed is None or not fused_lm_head or args or others:
             return fused(*args, fused_lm_head=fused_lm_head, **kwargs)
@@ -200,6 +205,7 @@ def check_packing(model: nn.Module, owner: str) -> None:
     """Refuse a model that does not keep packed sequences apart: two sequences laid end to end with
     ``position_ids`` restarting must score as they do alone. transformers does so from the positions for
     most decoders; some (OPT, BLOOM, MPT, BioGPT, convolutional layers) attend across the boundary.
+    ``model`` is a causal LM (its logits are compared) or a bare decoder (its last hidden states).
 
     Raises:
         ValueError: naming the model's class, when a sequence's logits change once packed.
@@ -213,10 +219,9 @@ def check_packing(model: nn.Module, owner: str) -> None:
     model.eval()
     try:
         with torch.no_grad():
-            alone = model(input_ids=second, use_cache=False).logits[0].float()
-            together = (
-                model(input_ids=packed_ids, position_ids=positions, use_cache=False).logits[0, 3:].float()
-            )
+            alone = _per_token(model(input_ids=second, use_cache=False))[0].float()
+            together = _per_token(model(input_ids=packed_ids, position_ids=positions, use_cache=False))
+            together = together[0, 3:].float()
     finally:
         model.train(training)
     scale = float(alone.abs().max()) + 1.0
@@ -226,3 +231,10 @@ def check_packing(model: nn.Module, owner: str) -> None:
             "otherwise once another is packed before it: its attention does not restart at position_ids "
             "0), so packing would change what is trained; train it with TRL's own trainer"
         )
+
+
+def _per_token(out: Any) -> torch.Tensor:
+    """A forward's per-token output: a causal LM's logits, a decoder's last hidden states."""
+    logits = getattr(out, "logits", None)
+    found: torch.Tensor = logits if logits is not None else out.last_hidden_state
+    return found
