@@ -2,8 +2,9 @@
 
 Each case is one layout with one sample of its options: the native ``Collator``
 on records and on columns, ``for_transformers`` padded and padding-free,
-``for_preference`` in its four layouts and ``for_rollouts`` padding-free,
-shared-prompt and padded, over supervision fields, ``boundary_safe_labels``,
+``for_preference`` in its four layouts, ``for_rewards`` padded and
+padding-free, and ``for_rollouts`` padding-free, shared-prompt and padded,
+over supervision fields, ``boundary_safe_labels``,
 EOS masking, positions modes, float fields and transforms of yours. A case
 builds one collator per mode and runs the same batches (of several shapes)
 through each:
@@ -159,6 +160,19 @@ def pairs(seed: int, rows: int, length: int, *, shared: bool = False) -> list:
     return out
 
 
+def reward_pairs(seed: int, rows: int, length: int) -> list:
+    """Reward pairs (TRL's names), whole sequences often ending in EOS, a margin each."""
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "chosen_ids": [*rng.integers(2, 40, int(rng.integers(1, length))).tolist(), EOS],
+            "rejected_ids": rng.integers(2, 40, int(rng.integers(1, length))).tolist(),
+            "margin": float(rng.normal()),
+        }
+        for _ in range(rows)
+    ]
+
+
 def rollouts(seed: int, rows: int, length: int) -> list:
     """GRPO groups: completions after one prompt, behaviour log-probs, an advantage per rollout."""
     rng = np.random.default_rng(seed)
@@ -301,6 +315,18 @@ CASES: list[tuple[str, Callable[..., Any], Callable[[int, int, int], Any]]] = [
         "preference-shared-padding-free",
         lambda **m: Collator.for_preference(padding_free=True, shared_prompt=True, **m),
         lambda s, r, n: pairs(s, r, n, shared=True),
+    ),
+    (
+        "rewards-padded",
+        lambda **m: Collator.for_rewards(pad_token_id=PAD, pad_to_multiple_of=4, **m),
+        lambda s, r, n: reward_pairs(s, r, n),
+    ),
+    (
+        "rewards-padding-free-skip-eos",
+        lambda **m: Collator.for_rewards(
+            padding_free=True, return_flash_attn_kwargs=True, last_token_skip_id=EOS, **m
+        ),
+        lambda s, r, n: reward_pairs(s, r, n),
     ),
     (
         "rollouts-padding-free",

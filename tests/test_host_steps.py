@@ -25,6 +25,7 @@ from zephon_collate.transforms import (
     CuSeqlens,
     EosMask,
     Flatten,
+    LastTokenIndex,
     LeftPadding,
     LossMask,
     PaddingMask,
@@ -62,6 +63,8 @@ STEPS: dict[str, Callable[[], Transform]] = {
     "SeparatorLabels": lambda: SeparatorLabels(-7, "positions"),
     "CopyKeys": lambda: CopyKeys({"positions": "copied"}),
     "Flatten": lambda: Flatten(["input_ids", "positions", "loss_mask", "padding_length"]),
+    "LastTokenIndex": LastTokenIndex,
+    "LastTokenIndex(skip)": lambda: LastTokenIndex(skip_id=3),
 }
 
 
@@ -78,7 +81,9 @@ def batches(draw: st.DrawFn) -> dict[str, np.ndarray]:
     positions = (place - np.maximum.accumulate(np.where(starts, place, 0), axis=1)).astype(dtype)
     counts = rng.integers(0, length + 1, rows)
     padding = place >= (length - counts)[:, None]
+    numbers = np.cumsum(starts.reshape(-1)).reshape(rows, length) - 1  # each segment a sequence
     return {
+        "sequence_index": np.where(padding, -1, numbers).astype(np.int64),
         "input_ids": tokens,
         "labels": np.where(rng.random((rows, length)) < 0.2, -100, tokens.astype(np.int64)),
         "positions": positions,

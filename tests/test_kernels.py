@@ -203,6 +203,35 @@ def _ref_cp(cu, size, rank):
     return out
 
 
+def _sequences_case(dtype: torch.dtype, length: int, rng: random.Random) -> tuple[Any, ...]:
+    """Sequences numbered in order across rows (at most 100, so int8 holds them), -1 on each row's end;
+    ids with a skipped id sometimes at a sequence's end, sometimes throughout."""
+    rows, ids, number = [], [], -1
+    for _ in range(ROWS):
+        row = []
+        for t in range(length):
+            if number < 0 or (number < 99 and (t == 0 or rng.random() < 0.1)):
+                number += 1
+            row.append(number)
+        pad = rng.randint(0, length) if length else 0
+        rows.append(row[: length - pad] + [-1] * pad)
+        ids.append([rng.choice([2, 2, 5, 7]) for _ in range(length)])
+    skip = rng.choice([None, 2])
+    return torch.tensor(rows, dtype=dtype), torch.tensor(ids, dtype=dtype), skip
+
+
+def _ref_last_tokens(sequence_index, input_ids, skip):
+    flat = list(itertools.chain(*sequence_index.tolist()))
+    tokens = list(itertools.chain(*input_ids.tolist()))
+    count = max(flat, default=-1) + 1
+    out = []
+    for s in range(count):
+        places = [t for t, x in enumerate(flat) if x == s]
+        kept = [t for t in places if skip is None or tokens[t] != skip]
+        out.append(kept[-1] if kept else (places[0] if places else -1))
+    return out
+
+
 CASES: dict[str, Case] = {
     "shift_tokens": Case(
         lambda dtype, length, rng: (_tokens(dtype, length, rng),),
@@ -289,6 +318,7 @@ CASES: dict[str, Case] = {
     "dense_branch_mask": Case(
         lambda dtype, length, rng: _branch_case(dtype, min(length, 40), rng), _ref_branch, tuple(DTYPES[:4])
     ),
+    "last_token_index": Case(_sequences_case, _ref_last_tokens, tuple(DTYPES[:4])),
 }
 
 

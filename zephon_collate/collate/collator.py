@@ -3,7 +3,7 @@ main process.
 
 ``Collator(...)`` is the reference page's layout (records in, ``to_training``'s
 outputs out, with the collator's safety on top); ``Collator.for_transformers``,
-``for_preference`` and ``for_rollouts`` are the same class over another layout
+``for_preference``, ``for_rewards`` and ``for_rollouts`` are the same class over another layout
 (:mod:`zephon_collate.layouts`). Each keyword argument is a field of the
 layout's options dataclass or of :class:`~zephon_collate.layouts.base.Settings`:
 the signatures are derived from them, and type checkers see them.
@@ -39,6 +39,7 @@ from zephon_collate.layouts.base import Layout, Settings, Stacked
 from zephon_collate.layouts.native import CollatorOptions, Native
 from zephon_collate.layouts.plan import Plan
 from zephon_collate.layouts.preference import Preference, PreferenceOptions
+from zephon_collate.layouts.rewards import RewardOptions, Rewards
 from zephon_collate.layouts.rollouts import RolloutOptions, Rollouts
 from zephon_collate.layouts.transformers import Transformers, TransformersOptions
 
@@ -58,6 +59,11 @@ class _Transformers(Settings, TransformersOptions):
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _Preference(Settings, PreferenceOptions):
     """``Collator.for_preference(...)``'s keywords."""
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _Rewards(Settings, RewardOptions):
+    """``Collator.for_rewards(...)``'s keywords."""
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -168,6 +174,31 @@ class Collator:
         """
         layout_options, settings = _split(PreferenceOptions, args, options)
         return cls.of(Preference(layout_options, settings))
+
+    @classmethod
+    @keywords(_Rewards, "Collator.for_rewards")
+    def for_rewards(cls, *args: Any, **options: Any) -> Collator:
+        """Reward-model pairs to TRL's reward batch, plus where each sequence's score is read
+        (:mod:`zephon_collate.layouts.rewards`).
+
+        Example:
+            >>> pairs = [
+            ...     {"chosen_ids": [1, 2, 3], "rejected_ids": [4, 5], "margin": 0.5},
+            ...     {"chosen_ids": [6, 7], "rejected_ids": [8], "margin": 0.0},
+            ... ]
+            >>> batch = Collator.for_rewards(pad_token_id=0)(pairs)
+            >>> batch["input_ids"].tolist(), batch["attention_mask"].tolist()
+            ([[1, 2, 3], [6, 7, 0], [4, 5, 0], [8, 0, 0]], [[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 0, 0]])
+            >>> batch["margin"].tolist(), batch["last_token_index"].tolist()
+            ([0.5, 0.0], [2, 4, 7, 9])
+            >>> flat = Collator.for_rewards(padding_free=True)(pairs)
+            >>> flat["input_ids"].tolist(), flat["position_ids"].tolist()
+            ([[1, 2, 3, 6, 7, 4, 5, 8]], [[0, 1, 2, 0, 1, 0, 1, 0]])
+            >>> flat["last_token_index"].tolist()
+            [2, 4, 6, 7]
+        """
+        layout_options, settings = _split(RewardOptions, args, options)
+        return cls.of(Rewards(layout_options, settings))
 
     @classmethod
     @keywords(_Rollouts, "Collator.for_rollouts")

@@ -32,8 +32,10 @@ __all__ = [
     "KL_INDEX",
     "LABEL",
     "LABELS",
+    "LAST_TOKEN_INDEX",
     "LOGITS_INDEX",
     "LOSS_MASK",
+    "MARGIN",
     "MAX_LENGTH_K",
     "MAX_LENGTH_Q",
     "MAX_PAD_MULTIPLE",
@@ -140,6 +142,10 @@ SEQUENCE_INDEX = "sequence_index"
 """``[B, S]`` int64: the sequence a token belongs to, -1 on padding and on a prompt sequences share."""
 NUM_SEQUENCES = "num_sequences"
 """The number of sequences in a batch (an int, like ``max_length_q``)."""
+MARGIN = "margin"
+"""A reward pair's margin: one number per pair (TRL's ``RewardTrainer`` name)."""
+LAST_TOKEN_INDEX = "last_token_index"
+"""``[S]`` int64: the place of each sequence's last token in the flattened ``input_ids``."""
 
 TOKEN_FIELD_CANDIDATES = (INPUT_IDS, "tokens", "token_ids", "ids")
 """The payload fields ``tokens_field="auto"`` tries, in order."""

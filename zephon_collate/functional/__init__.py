@@ -8,7 +8,8 @@ synchronises with the device only in :func:`cu_seqlens_rows` /
 output size then depends on the data). :data:`KERNELS` lists them by name.
 
 - :mod:`~zephon_collate.functional.labels`: the shift, padding, label and loss masks.
-- :mod:`~zephon_collate.functional.segments`: the segment-start rule, ``cu_seqlens``, segment ids.
+- :mod:`~zephon_collate.functional.segments`: the segment-start rule, ``cu_seqlens``, segment ids,
+  each sequence's last token.
 - :mod:`~zephon_collate.functional.attention`: document masks for FlexAttention and SDPA.
 - :mod:`~zephon_collate.functional.context_parallel`: the load-balanced CP token layout.
 """
@@ -32,6 +33,7 @@ from zephon_collate.functional.segments import (
     cu_seqlens_flat,
     cu_seqlens_rows,
     flatten_segment_ids,
+    last_token_index,
     segment_ids_from_positions,
     segment_starts,
 )
@@ -48,6 +50,7 @@ __all__ = [
     "cu_seqlens_rows",
     "eos_label_mask",
     "flatten_segment_ids",
+    "last_token_index",
     "mask_labels",
     "padding_from_length",
     "segment_ids_from_positions",

@@ -12,6 +12,7 @@ import numpy as np
 __all__ = [
     "cu_seqlens_flat",
     "cu_seqlens_rows",
+    "last_token_index",
     "ragged_starts",
     "segment_ids",
     "segment_starts",
@@ -88,3 +89,23 @@ def cu_seqlens_flat(positions: np.ndarray, num_boundaries: int | None) -> tuple[
     boundaries = np.full(width, total, dtype=np.int32)
     boundaries[: starts.size] = starts
     return boundaries, _longest(boundaries)
+
+
+def last_token_index(
+    sequence_index: np.ndarray, input_ids: np.ndarray | None = None, skip_id: int | None = None
+) -> np.ndarray:
+    """Each sequence's last token (not ``skip_id``) in the flattened batch, as the torch kernel finds it."""
+    flat = sequence_index.reshape(-1).astype(np.int64)
+    total = flat.size
+    count = max(int(flat.max()) + 1, 0) if total else 0
+    place = np.arange(total, dtype=np.int64)
+    member = flat >= 0
+    first = np.full(count + 1, total, dtype=np.int64)
+    np.minimum.at(first, np.where(member, flat, count), place)
+    kept = member
+    if input_ids is not None and skip_id is not None:
+        kept = member & (input_ids.reshape(-1).astype(np.int64) != skip_id)
+    last = np.full(count + 1, -1, dtype=np.int64)
+    np.maximum.at(last, np.where(kept, flat, count), place)
+    found = np.where(first < total, first, -1)
+    return np.asarray(np.where(last >= 0, last, found)[:count], dtype=np.int64)

@@ -25,6 +25,7 @@ __all__ = [
     "cu_seqlens_flat",
     "cu_seqlens_rows",
     "flatten_segment_ids",
+    "last_token_index",
     "segment_ids_from_positions",
     "segment_starts",
 ]
@@ -221,3 +222,50 @@ def flatten_segment_ids(segment_ids: torch.Tensor) -> torch.Tensor:
     offsets = counts.cumsum(dim=0) - counts
     flat = torch.where(ids >= 0, ids + offsets.unsqueeze(1), ids)
     return flat.reshape(-1).to(torch.int32)
+
+
+@kernel
+def last_token_index(
+    sequence_index: torch.Tensor, input_ids: torch.Tensor | None = None, skip_id: int | None = None
+) -> torch.Tensor:
+    """``[S]`` int64: the place of each sequence's last token in the flattened ``sequence_index``.
+
+    ``sequence_index`` (``[B, L]`` or ``[N]``) numbers each token's sequence,
+    -1 on padding; ``S`` is the largest number plus one (read back from the
+    device: the output's size depends on the data). With ``input_ids`` (the same
+    shape) and ``skip_id``, the place is that of the sequence's last token whose
+    id is not ``skip_id`` (its first token where every one is): the token a
+    ``transformers`` sequence-classification model pools (the rightmost one that
+    is not its ``pad_token_id``). A number no token carries gets -1.
+
+    Example:
+        >>> index = torch.tensor([[0, 0, 0, -1], [1, 1, -1, -1]])
+        >>> last_token_index(index).tolist()
+        [2, 5]
+        >>> last_token_index(torch.tensor([0, 0, 0, 1, 1, -1])).tolist()
+        [2, 4]
+        >>> ids = torch.tensor([5, 6, 9, 7, 9, 0])
+        >>> last_token_index(torch.tensor([0, 0, 0, 1, 1, -1]), ids, skip_id=9).tolist()
+        [1, 3]
+    """
+    check_tensor("last_token_index", "sequence_index", sequence_index, 1, 2)
+    if input_ids is not None and input_ids.shape != sequence_index.shape:
+        raise ValueError(
+            f"last_token_index: input_ids has shape {tuple(input_ids.shape)}, sequence_index "
+            f"{tuple(sequence_index.shape)}; give one id per token"
+        )
+    flat = sequence_index.reshape(-1).to(torch.int64)
+    total = flat.numel()
+    count = max(int(flat.max()) + 1, 0) if total else 0  # the data-dependent size
+    place = torch.arange(total, device=flat.device)
+    member = flat >= 0
+    spare = torch.full_like(flat, count)  # tokens of no sequence go to a slot past the end
+    first = torch.full((count + 1,), total, dtype=torch.int64, device=flat.device)
+    first = first.scatter_reduce(0, torch.where(member, flat, spare), place, "amin")
+    kept = member
+    if input_ids is not None and skip_id is not None:
+        kept = member & (input_ids.reshape(-1).to(torch.int64) != skip_id)
+    last = torch.full((count + 1,), -1, dtype=torch.int64, device=flat.device)
+    last = last.scatter_reduce(0, torch.where(kept, flat, spare), place, "amax")
+    found = torch.where(first < total, first, torch.full_like(first, -1))
+    return torch.where(last >= 0, last, found)[:count]

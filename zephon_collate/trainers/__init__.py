@@ -1,11 +1,13 @@
 """Packed layouts inside the trainers people use (needs the ``trl`` extra).
 
-:class:`~zephon_collate.trainers.dpo.PackedDPOTrainer` and
-:class:`~zephon_collate.trainers.grpo.PackedGRPOTrainer` are ``trl.DPOTrainer``
-and ``trl.GRPOTrainer`` with their forward passes on packed rows.
+:class:`~zephon_collate.trainers.dpo.PackedDPOTrainer`,
+:class:`~zephon_collate.trainers.grpo.PackedGRPOTrainer` and
+:class:`~zephon_collate.trainers.rewards.PackedRewardTrainer` are ``trl.DPOTrainer``,
+``trl.GRPOTrainer`` and ``trl.RewardTrainer`` with their forward passes on packed rows.
 """
 
 from zephon_collate.trainers.dpo import PackedDPOTrainer, PackedPreference
 from zephon_collate.trainers.grpo import PackedGRPOTrainer
+from zephon_collate.trainers.rewards import PackedRewardTrainer
 
-__all__ = ["PackedDPOTrainer", "PackedGRPOTrainer", "PackedPreference"]
+__all__ = ["PackedDPOTrainer", "PackedGRPOTrainer", "PackedPreference", "PackedRewardTrainer"]

@@ -40,7 +40,7 @@ from zephon_collate.core.text import shown
 from zephon_collate.functional.attention import dense_branch_mask
 from zephon_collate.packing._plan import best_fit_rows
 
-__all__ = ["PACKED", "ROWS", "check_packing", "pack_view", "packed_rows", "wrap_forward"]
+__all__ = ["PACKED", "ROWS", "check_packing", "pack_view", "packed_rows", "present", "wrap_forward"]
 
 PACKED = "packed"
 """The keyword (and batch key) of the packed sequences, a dict of tensors that the wrapped forward reads."""
@@ -185,6 +185,11 @@ def _laid_out(values: torch.Tensor | None, packed: Mapping[str, torch.Tensor], s
     return flat.index_copy(0, packed["target"], values.reshape(-1)[packed["source"]]).view(*shape)
 
 
+def present(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments a call gives: PEFT's wrappers pass every optional input, as ``None``."""
+    return {key: value for key, value in kwargs.items() if value is not None}
+
+
 def wrap_forward(model: nn.Module) -> None:
     """Make ``model``'s fused forward (TRL's ``add_fused_lm_head``) run packed when the call carries
     ``packed=...``; every other call (generation, a batch without it, or one with inputs packing does not
@@ -196,7 +201,7 @@ def wrap_forward(model: nn.Module) -> None:
     @functools.wraps(fused.__func__)  # type: ignore[attr-defined]  # generate reads the signature
     def forward(self: nn.Module, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
         packed = kwargs.pop(PACKED, None)
-        given = {key: value for key, value in kwargs.items() if value is not None}  # PEFT passes Nones
+        given = present(kwargs)
         others = set(given) - _PASSED - {INPUT_IDS, ATTENTION_MASK, "labels"}
         if packed is None or not fused_lm_head or args or others:
             return fused(*args, fused_lm_head=fused_lm_head, **kwargs)
@@ -241,9 +246,8 @@ def packed_rows(model: nn.Module, *, shared_prompt: bool = False) -> Literal["on
     moe = bool(getattr(config.get_text_config(), "output_router_logits", False))
     if flash and shared_prompt:
         raise ValueError(
-            "shared_prompt=True lays responses out as branches after one prompt, which "
-            "FlashAttention's varlen "
-            f"kernels cannot keep apart ({type(model).__name__} runs "
+            "shared_prompt=True lays responses out as branches after one prompt, which FlashAttention's "
+            f"varlen kernels cannot keep apart ({type(model).__name__} runs "
             f"{getattr(config, '_attn_implementation', 'flash')}); load the model with "
             "attn_implementation='sdpa' (or 'eager'), or pass shared_prompt=False"
         )
@@ -255,7 +259,8 @@ def check_packing(model: nn.Module, owner: str, *, shared_prompt: bool = False) 
     ``position_ids`` restarting must score as they do alone. transformers does so from the positions for
     most decoders; some (OPT, BLOOM, MPT, BioGPT, convolutional layers) attend across the boundary.
     ``shared_prompt``: a response after its sibling, behind a 4-D branch mask, must score as it does
-    after the prompt alone (the model must take the mask as given).
+    after the prompt alone (the model must take the mask as given). ``model`` is a causal LM (its logits
+    are compared) or a bare decoder (its last hidden states).
 
     Raises:
         ValueError: naming the model's class, when a sequence's logits change once packed.
@@ -275,21 +280,19 @@ def check_packing(model: nn.Module, owner: str, *, shared_prompt: bool = False) 
     model.eval()
     try:
         with torch.no_grad():
-            alone = model(input_ids=second, use_cache=False).logits[0, -2:].float()
-            together = (
+            alone = _per_token(model(input_ids=second, use_cache=False))[0, -2:].float()
+            together = _per_token(
                 model(input_ids=packed_ids, position_ids=positions, use_cache=False, **extra)
-                .logits[0, 3:]
-                .float()
             )
+            together = together[0, 3:].float()
     finally:
         model.train(training)
     scale = float(alone.abs().max()) + 1.0
     if not torch.allclose(together, alone, atol=1e-3 * scale, rtol=1e-3):
         if shared_prompt:
             raise ValueError(
-                f"{owner}: {type(model).__name__} does not keep a shared prompt's responses apart "
-                "under a 4-D "
-                "attention mask (a response scores otherwise once its sibling is laid out before it), so "
+                f"{owner}: {type(model).__name__} does not keep a shared prompt's responses apart under a "
+                "4-D attention mask (a response scores otherwise once its sibling is laid out before it), so "
                 "shared_prompt=True would change what is trained; pass shared_prompt=False"
             )
         raise ValueError(
@@ -297,3 +300,10 @@ def check_packing(model: nn.Module, owner: str, *, shared_prompt: bool = False) 
             "otherwise once another is packed before it: its attention does not restart at position_ids "
             "0), so packing would change what is trained; train it with TRL's own trainer"
         )
+
+
+def _per_token(out: Any) -> torch.Tensor:
+    """A forward's per-token output: a causal LM's logits, a decoder's last hidden states."""
+    logits = getattr(out, "logits", None)
+    found: torch.Tensor = logits if logits is not None else out.last_hidden_state
+    return found

@@ -8,6 +8,7 @@ from zephon_collate.transforms.copy_keys import CopyKeys
 from zephon_collate.transforms.cu_seqlens import CuSeqlens
 from zephon_collate.transforms.eos_mask import EosMask
 from zephon_collate.transforms.flatten import Flatten
+from zephon_collate.transforms.last_token_index import LastTokenIndex
 from zephon_collate.transforms.left_padding import LeftPadding
 from zephon_collate.transforms.loss_mask import LossMask
 from zephon_collate.transforms.padding_mask import PaddingMask
@@ -27,6 +28,7 @@ __all__ = [
     "CuSeqlens",
     "EosMask",
     "Flatten",
+    "LastTokenIndex",
     "LeftPadding",
     "LossMask",
     "PaddingMask",

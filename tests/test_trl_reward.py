@@ -1,0 +1,411 @@
+"""Collator.for_rewards against TRL's reward collator, and PackedRewardTrainer against stock trl.RewardTrainer:
+the same batch key for key, the same scores read at ``last_token_index``, the same loss, gradients and metrics
+(margin and ``center_rewards_coefficient`` included), and the same model after several optimizer steps (tiny
+Llama sequence classifier from a config, float64 weights)."""
+
+from __future__ import annotations
+
+import random
+import re
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+import sys
+from pathlib import Path
+
+from datasets import Dataset, disable_progress_bars
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForSequenceClassification
+from transformers.utils import logging
+from trl import RewardConfig, RewardTrainer
+from trl.trainer.reward_trainer import DataCollatorForPreference
+
+from zephon_collate import Collator, use_host_pass
+from zephon_collate.trainers import PackedRewardTrainer
+from zephon_collate.trainers.rewards import packed_rewards
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from trl_dpo import tokenizer
+
+PAD, EOS = 0, 1
+
+
+def classifier(pad_token_id: int = PAD) -> LlamaForSequenceClassification:
+    """A 2-layer Llama reward model from a config, seeded, float64, SDPA."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=pad_token_id, eos_token_id=EOS,
+        bos_token_id=EOS, num_labels=1,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    return LlamaForSequenceClassification(config).to(torch.float64)
+
+
+def pairs(count: int, *, margin: bool = False, seed: int = 0, low: int = 2, high: int = 20) -> list[dict]:
+    """Tokenized reward pairs (whole sequences ending in EOS), of mixed lengths."""
+    rng = random.Random(seed)
+
+    def sequence() -> list[int]:
+        return [rng.randint(3, 63) for _ in range(rng.randint(low, high))] + [EOS]
+
+    out = []
+    for _ in range(count):
+        pair: dict[str, Any] = {"chosen_ids": sequence(), "rejected_ids": sequence()}
+        if margin:
+            pair["margin"] = rng.choice([0.0, 0.5, 1.25, -0.75])
+        out.append(pair)
+    return out
+
+
+def trainer(cls: type, data: list[dict], steps: int = 3, pad_token_id: int = PAD, **options: Any) -> Any:
+    disable_progress_bars()
+    logging.set_verbosity_error()
+    args = RewardConfig(
+        output_dir="/tmp/zephon-reward", per_device_train_batch_size=4, max_steps=steps, learning_rate=1e-2,
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, bf16=False, **options,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cls(
+            model=classifier(pad_token_id),
+            args=args,
+            train_dataset=Dataset.from_list(data),
+            processing_class=tokenizer(),
+        )
+
+
+# -- the collator ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("margin", [False, True])
+@pytest.mark.parametrize("multiple", [None, 8])
+def test_padded_batch_equals_trls_reward_collator(margin, multiple):
+    """TRL's keys and values, in TRL's order, then last_token_index; the legacy spelling reads alike."""
+    data = pairs(5, margin=margin)
+    want = DataCollatorForPreference(pad_token_id=PAD, pad_to_multiple_of=multiple)(data)
+    collate = Collator.for_rewards(pad_token_id=PAD, pad_to_multiple_of=multiple)
+    legacy = [
+        {"chosen_input_ids": p["chosen_ids"], "rejected_input_ids": p["rejected_ids"]}
+        | ({"margin": p["margin"]} if margin else {})
+        for p in data
+    ]
+    for samples in (data, legacy):
+        got = collate(samples)
+        assert list(got) == [*want, "last_token_index"]
+        for key, value in want.items():
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        lengths = want["attention_mask"].sum(dim=1)
+        width = want["input_ids"].shape[1]
+        assert got["last_token_index"].tolist() == [r * width + int(n) - 1 for r, n in enumerate(lengths)]
+
+
+def test_tokenizer_gives_the_padding_and_the_prompt_goes_first():
+    """A tokenizer's pad token pads; prompt_ids go before both sides, as RewardTrainer joins an explicit
+    prompt to each side before it tokenizes; per-side attention masks drop their padding."""
+    given = [
+        {
+            "prompt_ids": [9, 9],
+            "chosen_ids": [5, 6, 0],
+            "chosen_attention_mask": [1, 1, 0],
+            "rejected_ids": [7],
+        }
+    ]
+    batch = Collator.for_rewards(tokenizer())(given)
+    assert batch["input_ids"].tolist() == [[9, 9, 5, 6], [9, 9, 7, 0]]
+    assert batch["last_token_index"].tolist() == [3, 6]
+    assert "labels" not in batch and "position_ids" not in batch
+
+
+def test_openrlhf_pairs_read_extra_as_the_margin():
+    given = [
+        {"chosen_ids": [5, 6], "reject_ids": [7], "extra": 0.5},
+        {"chosen_ids": [8], "reject_ids": [9], "extra": 1},
+    ]
+    batch = Collator.for_rewards(pad_token_id=PAD)(given)
+    assert batch["input_ids"].tolist() == [[5, 6], [8, 0], [7, 0], [9, 0]]
+    assert batch["margin"].tolist() == [0.5, 1.0] and batch["margin"].dtype == torch.float32
+
+
+def reference_last_tokens(data: list[dict], padded_width: int | None, skip: int | None) -> list[int]:
+    """Each sequence's last token (not ``skip``; its first where every one is) in TRL's order, counted
+    token by token in the flattened batch."""
+    sequences = [p["chosen_ids"] for p in data] + [p["rejected_ids"] for p in data]
+    out, start = [], 0
+    for row, tokens in enumerate(sequences):
+        base = row * padded_width if padded_width is not None else start
+        kept = [t for t, token in enumerate(tokens) if token != skip]
+        out.append(base + (kept[-1] if kept else 0))
+        start += len(tokens)
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 9)), min_size=1, max_size=6),
+    seed=st.integers(0, 2**16),
+    skip=st.sampled_from([None, EOS]),
+    padding_free=st.booleans(),
+)
+def test_last_token_index_against_a_reference(lengths, seed, skip, padding_free):
+    """Padded and padding-free, host and torch alike: each sequence's last token (not ``skip``)."""
+    rng = random.Random(seed)
+    data = [
+        {
+            "chosen_ids": [rng.choice([EOS, 5, 6]) for _ in range(a)],
+            "rejected_ids": [rng.choice([EOS, 7]) for _ in range(b)],
+        }
+        for a, b in lengths
+    ]
+    collate = Collator.for_rewards(pad_token_id=PAD, padding_free=padding_free, last_token_skip_id=skip)
+    for host in (True, False):
+        with use_host_pass(host):
+            batch = collate(data)
+        width = None if padding_free else batch["input_ids"].shape[1]
+        assert batch["last_token_index"].tolist() == reference_last_tokens(data, width, skip)
+        flat = batch["input_ids"].flatten()
+        if skip is None:
+            ends = [p["chosen_ids"][-1] for p in data] + [p["rejected_ids"][-1] for p in data]
+            assert flat[batch["last_token_index"]].tolist() == ends
+
+
+# -- scores ---------------------------------------------------------------------------------------
+
+
+def test_scores_at_last_token_index_equal_the_models_padded_logits():
+    model = classifier().eval()
+    data = pairs(6)
+    with torch.no_grad():
+        want = model(**DataCollatorForPreference(pad_token_id=PAD)(data), use_cache=False).logits
+        padded = Collator.for_rewards(pad_token_id=PAD)(data)
+        hidden = model.model(
+            input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]
+        ).last_hidden_state
+        from_padded = model.score(hidden.flatten(0, 1)[padded["last_token_index"]])
+        flat = Collator.for_rewards(padding_free=True)(data)
+        hidden = model.model(
+            input_ids=flat["input_ids"], position_ids=flat["position_ids"], use_cache=False
+        ).last_hidden_state
+        from_flat = model.score(hidden.flatten(0, 1)[flat["last_token_index"]])
+    assert want.shape == from_flat.shape == (12, 1)
+    assert float((from_padded - want).abs().max()) <= 1e-6
+    assert float((from_flat - want).abs().max()) <= 1e-6
+
+
+# -- the trainer ----------------------------------------------------------------------------------
+
+
+def one_batch(stock: Any, packed: Any) -> dict[str, Any]:
+    """Loss, gradients and metrics of one batch through both trainers."""
+    examples = [stock.train_dataset[i] for i in range(4)]
+    out = {}
+    for name, run in (("stock", stock), ("packed", packed)):
+        loss = run.compute_loss(run.model, run.data_collator(examples))
+        loss.backward()
+        grads = [p.grad.clone() for p in run.model.parameters()]
+        metrics = {key: values[-1] for key, values in run._metrics["train"].items()}
+        out[name] = (loss.detach(), grads, metrics)
+    return out
+
+
+CASES = [
+    {},
+    {"margin": True},
+    {"margin": True, "center_rewards_coefficient": 0.01},
+    {"pad_to_multiple_of": 8, "center_rewards_coefficient": 0.1},
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "plain")
+def test_one_batch_equals_stock(case):
+    """Loss, gradients and every metric (num_tokens included) to 1e-6."""
+    options = {key: value for key, value in case.items() if key != "margin"}
+    data = pairs(8, margin=bool(case.get("margin")))
+    out = one_batch(trainer(RewardTrainer, data, **options), trainer(PackedRewardTrainer, data, **options))
+    (stock_loss, stock_grads, stock_metrics), (loss, grads, metrics) = out["stock"], out["packed"]
+    assert abs(float(loss) - float(stock_loss)) <= 1e-6
+    for a, b in zip(grads, stock_grads, strict=True):
+        assert float((a - b).abs().max()) <= 1e-6
+    assert metrics.keys() == stock_metrics.keys() and "num_tokens" in metrics
+    for key, value in stock_metrics.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_training_steps_equal_stock():
+    """Four optimizer steps with a margin and gradient accumulation: the same logged history (every
+    metric) and the same weights."""
+    runs = []
+    data = pairs(32, margin=True)
+    for cls in (RewardTrainer, PackedRewardTrainer):  # each built, then trained: Trainer seeds at build
+        runs.append(
+            trainer(cls, data, steps=4, gradient_accumulation_steps=2, center_rewards_coefficient=0.01)
+        )
+        runs[-1].train()
+    stock, packed = (run.state.log_history for run in runs)
+    assert len([entry for entry in stock if "loss" in entry]) == 4
+    for a, b in zip(stock, packed, strict=True):
+        for key in (
+            "loss",
+            "grad_norm",
+            "accuracy",
+            "margin",
+            "mean_reward",
+            "min_reward",
+            "max_reward",
+            "num_tokens",
+        ):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], abs=1e-6), key
+    weights = zip(runs[0].model.parameters(), runs[1].model.parameters(), strict=True)
+    assert max(float((a - b).abs().max()) for a, b in weights) < 1e-6
+
+
+def test_pad_equal_to_eos_scores_the_token_the_model_pools():
+    """pad_token = eos_token (TRL's fallback): the model pools the last token that is not the pad id,
+    and so does the packed trainer."""
+    data = pairs(8, margin=True)
+    out = one_batch(
+        trainer(RewardTrainer, data, pad_token_id=EOS), trainer(PackedRewardTrainer, data, pad_token_id=EOS)
+    )
+    assert abs(float(out["packed"][0]) - float(out["stock"][0])) <= 1e-6
+    for a, b in zip(out["packed"][1], out["stock"][1], strict=True):
+        assert float((a - b).abs().max()) <= 1e-6
+
+
+def test_the_transformer_sees_only_real_tokens_and_other_calls_run_stock():
+    run = trainer(PackedRewardTrainer, pairs(8))
+    examples = [run.train_dataset[i] for i in range(4)]
+    batch = run.data_collator(examples)
+    padded = DataCollatorForPreference(pad_token_id=PAD)(examples)
+    assert batch["input_ids"].shape == (1, int(padded["attention_mask"].sum()))
+    assert torch.equal(batch["attention_mask"], torch.ones_like(batch["input_ids"]))
+    assert "labels" not in batch
+    stock = classifier()
+    with torch.no_grad():  # a call without last_token_index: the model's own forward
+        assert torch.equal(run.model(**padded).logits, stock(**padded).logits)
+
+
+def test_packed_collator_keeps_a_for_rewards_collators_options():
+    view = Collator.for_rewards(pad_token_id=PAD, pad_to_multiple_of=4)
+    batch = packed_rewards(view, skip_id=None)([{"chosen_ids": [5, 6], "rejected_ids": [7]}])
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0]]
+    assert batch["last_token_index"].tolist() == [1, 2]
+
+
+def test_trainer_refusals():
+    """Another collate function (its batch cannot be packed); a packed call with inputs the packed forward
+    does not lay out."""
+    with pytest.raises(TypeError, match=r"PackedRewardTrainer: packs the pairs itself.*got function"):
+        packed_rewards(lambda examples: {}, skip_id=None)
+    run = trainer(PackedRewardTrainer, pairs(4))
+    batch = run.data_collator([run.train_dataset[i] for i in range(2)])
+    embeds = torch.zeros(1, batch["input_ids"].shape[1], 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"packed call.*'inputs_embeds'"):
+        run.model(**batch, inputs_embeds=embeds)
+
+
+# -- refusals -------------------------------------------------------------------------------------
+
+
+REFUSALS = [
+    ([{"chosen_ids": [5, 6]}], ValueError, r"example 0: has no rejected tokens.*'rejected_ids'"),
+    (
+        [{"chosen_ids": [5], "rejected_ids": [6], "ref_chosen_logps": -1.0, "ref_rejected_logps": -2.0}],
+        ValueError,
+        r"example 0: carries 'ref_chosen_logps', a field of DPO pairs.*Collator.for_preference",
+    ),
+    (
+        [{"chosen_input_ids": [5], "rejected_input_ids": [6], "chosen_labels": [5], "rejected_labels": [6]}],
+        ValueError,
+        r"example 0: carries 'chosen_labels', a field of DPO pairs",
+    ),
+    (
+        [{"chosen_ids": [5], "rejected_ids": [6], "margin": 1.0}, {"chosen_ids": [5], "rejected_ids": [6]}],
+        ValueError,
+        r"example 1: lacks 'margin', which other pairs of the batch carry",
+    ),
+    (
+        [{"chosen_ids": [5], "rejected_ids": [6], "margin": "high"}],
+        TypeError,
+        r"example 0: 'margin' is 'high'.*one real number",
+    ),
+    (
+        [{"chosen_ids": [5], "rejected_ids": [6], "margin": [1.0, 2.0]}],
+        ValueError,
+        r"example 0: 'margin' is .*one real number",
+    ),
+    ([{"chosen_ids": [5], "rejected_ids": [6], "margin": True}], TypeError, r"example 0: 'margin' is True"),
+    (
+        [{"chosen_ids": [5], "rejected_ids": [6], "margin": float("nan")}],
+        ValueError,
+        r"'margin' is nan.*finite",
+    ),
+    (
+        [{"chosen_ids": [5], "rejected_ids": [6], "margin": torch.tensor(float("inf"))}],
+        ValueError,
+        r"'margin' is inf",
+    ),
+    (
+        [{"chosen_ids": [5], "rejected_ids": []}],
+        ValueError,
+        r"example 0: its rejected side \('rejected_ids'\) holds no tokens",
+    ),
+    (
+        [{"chosen_ids": [5, 0], "chosen_attention_mask": [0, 0], "rejected_ids": [6]}],
+        ValueError,
+        r"example 0: its chosen side .* holds no tokens \(once its padding is dropped\)",
+    ),
+    (
+        [{"chosen_ids": [5], "reject_ids": [6], "extra": 0.0, "prompt_ids": [1]}],
+        ValueError,
+        r"example 0: carries 'reject_ids' \(OpenRLHF's reward pairs.*beside 'prompt_ids'.*one format",
+    ),
+    ([{"chosen_ids": [5], "reject_ids": [6], "extra": None}], TypeError, r"example 0: 'extra' is None"),
+    ([{"chosen_ids": [5, 6, 7], "rejected_ids": [6]}, "pair"], TypeError, r"example 1: must be a dict"),
+]
+
+
+@pytest.mark.parametrize("samples, kind, match", REFUSALS)
+def test_refusals_name_the_example_the_field_and_the_fix(samples, kind, match):
+    before = repr(samples)
+    with pytest.raises(Exception) as info:
+        Collator.for_rewards(pad_token_id=PAD)(samples)
+    assert type(info.value) is kind, info.value
+    assert re.search(match, str(info.value)), str(info.value)
+    assert repr(samples) == before  # inputs never changed
+
+
+def test_option_refusals():
+    with pytest.raises(ValueError, match=r"for_rewards: shared_prompt is not offered for reward pairs"):
+        Collator.for_rewards(pad_token_id=PAD, shared_prompt=True)
+    with pytest.raises(TypeError, match=r"for_rewards: last_token_skip_id must be an int >= 0"):
+        Collator.for_rewards(pad_token_id=PAD, last_token_skip_id="eos")
+    with pytest.raises(ValueError, match=r"for_rewards: the padded layout needs pad_token_id"):
+        Collator.for_rewards()
+    with pytest.raises(
+        ValueError, match=r"example 0: its chosen sequence has 3 tokens, more than max_length=2"
+    ):
+        Collator.for_rewards(pad_token_id=PAD, max_length=2)([{"chosen_ids": [5, 6, 7], "rejected_ids": [6]}])
+    with pytest.raises(ValueError, match=r"for_rewards: the batch holds no pairs"):
+        Collator.for_rewards(pad_token_id=PAD)([])
+
+
+def test_tokens_per_step_on_a_length_mix():
+    """The measured saving the docs quote: pairs of 20 to 400 tokens, batches of 8 pairs."""
+    data = pairs(256, low=20, high=400, seed=3)
+    padded = packed = 0
+    for start in range(0, len(data), 8):
+        chunk = data[start : start + 8]
+        padded += DataCollatorForPreference(pad_token_id=PAD)(chunk)["input_ids"].numel()
+        packed += Collator.for_rewards(padding_free=True)(chunk)["input_ids"].numel()
+    assert 1.4 < padded / packed < 2.0, padded / packed
+    np.testing.assert_equal(packed, sum(len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in data))

@@ -1,0 +1,177 @@
+"""Packed reward-model training inside TRL's ``RewardTrainer``: change the class, keep everything else.
+
+TRL 1.16 trains a reward model on padded pairs ``[2P, L]`` (every chosen
+sequence, then every rejected one) through one call, ``model(**batch)``, whose
+logits ``[2P, 1]`` are each sequence's score; its ``compute_loss`` splits them
+into chosen and rejected, applies the margin and ``center_rewards_coefficient``
+and logs its metrics. :class:`PackedRewardTrainer` keeps that code whole and
+changes what the call runs::
+
+    TRL's batch                          the same sequences, packed
+    chosen 0   p p p c c . .             one row: p p p c c | p c c c | p p p r | p r r
+    chosen 1   p c c c . . .             position_ids restart at 0 at each sequence;
+    rejected 0 p p p r . . .             the transformer sees 14 tokens, not 28
+    rejected 1 p r r . . . .
+
+The collate function is :meth:`Collator.for_rewards <zephon_collate.Collator.for_rewards>`,
+padding-free: the row, its ``position_ids``, TRL's ``margin``, an
+``attention_mask`` of ones on the row's tokens (TRL counts ``num_tokens`` from it;
+the model never reads it) and ``last_token_index``, each sequence's scored token.
+The model's forward, wrapped, runs the decoder under the score head on the
+packed row (``attention_mask=None``: transformers keeps the sequences apart from
+``position_ids``), applies the head at ``last_token_index`` and returns logits
+``[2P, num_labels]``: the scores the padded pass gives, so TRL's loss and
+metrics read the same values. The scored token is the one the model's own
+pooling reads: the last one that is not ``config.pad_token_id``.
+
+A model that lets packed sequences attend to each other (OPT, BLOOM, MPT, ...)
+is refused when the trainer is built, as is one without a decoder under a
+``score`` head. A call without ``last_token_index`` (evaluation code of yours,
+inference) runs the model's own forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import nn
+from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+from trl.trainer.reward_trainer import DataCollatorForPreference, RewardTrainer
+
+from zephon_collate.collate.collator import Collator
+from zephon_collate.core.keys import ATTENTION_MASK, INPUT_IDS, LAST_TOKEN_INDEX, MARGIN, POSITION_IDS
+from zephon_collate.core.text import shown
+from zephon_collate.layouts.rewards import Rewards
+from zephon_collate.trainers.view import check_packing, present
+from zephon_collate.transforms import AttentionMask, PaddingMask
+
+__all__ = ["PackedRewardTrainer", "packed_rewards", "wrap_score_forward"]
+
+_OWNER = "PackedRewardTrainer"
+_READ = frozenset({INPUT_IDS, ATTENTION_MASK, POSITION_IDS, MARGIN, "use_cache"})
+"""What the packed forward reads or may ignore: TRL's ``model(**batch, use_cache=False)``."""
+
+
+def packed_rewards(view: Callable[..., Mapping[str, Any]], skip_id: int | None) -> Collator:
+    """The padding-free :meth:`Collator.for_rewards <zephon_collate.Collator.for_rewards>` standing in for
+    ``view``, with the same padding, and an ``attention_mask`` (ones on the row's tokens) for TRL's token
+    count.
+
+    Parameters:
+        view: TRL's reward ``DataCollatorForPreference`` or a ``Collator.for_rewards`` collator.
+        skip_id: the model's ``pad_token_id``: each sequence is scored at its last token that is not it,
+            as the model's own pooling reads it.
+
+    Raises:
+        TypeError: for another collate function (its batch cannot be packed: name it).
+
+    Example:
+        >>> from trl.trainer.reward_trainer import DataCollatorForPreference
+        >>> collate = packed_rewards(DataCollatorForPreference(pad_token_id=0), skip_id=0)
+        >>> batch = collate([{"chosen_ids": [5, 6], "rejected_ids": [7]}])
+        >>> batch["input_ids"].tolist(), batch["position_ids"].tolist(), batch["last_token_index"].tolist()
+        ([[5, 6, 7]], [[0, 1, 0]], [1, 2])
+    """
+    masks = [PaddingMask(), AttentionMask()]
+    if isinstance(view, Collator) and isinstance(view.layout, Rewards):
+        options = dataclasses.replace(
+            view.layout.reward_options,
+            padding_free=True,
+            return_position_ids=True,
+            return_flash_attn_kwargs=False,
+            return_seq_idx=False,
+            last_token_skip_id=skip_id,
+        )
+        settings = dataclasses.replace(view.settings, transforms=[*masks, *view.settings.transforms])
+        return Collator.of(Rewards(options, settings))
+    if isinstance(view, DataCollatorForPreference):
+        return Collator.for_rewards(
+            padding_free=True,
+            pad_token_id=view.pad_token_id,
+            pad_to_multiple_of=view.pad_to_multiple_of,
+            last_token_skip_id=skip_id,
+            transforms=masks,
+        )
+    raise TypeError(
+        f"{_OWNER}: packs the pairs itself, so data_collator must be TRL's reward DataCollatorForPreference "
+        f"(the default) or Collator.for_rewards(...), got {type(view).__name__}; drop data_collator, or "
+        "train with RewardTrainer"
+    )
+
+
+def wrap_score_forward(model: nn.Module) -> None:
+    """Make ``model``'s forward (a ``transformers`` sequence-classification model: a decoder under a
+    ``score`` head) run packed when the call carries ``last_token_index``: the decoder on the packed row,
+    ``position_ids`` restarting per sequence, the head at ``last_token_index``, logits ``[S, num_labels]``.
+    Every other call runs the model's own forward, unchanged.
+
+    Raises (a packed call):
+        ValueError: for inputs the packed forward does not lay out (``inputs_embeds``, positional
+            arguments, ...), or a packed batch without ``input_ids`` or ``position_ids``.
+    """
+    original = model.forward
+    if getattr(original, "_zephon_packed", False):
+        return
+
+    @functools.wraps(original.__func__)  # type: ignore[attr-defined]
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        index = kwargs.pop(LAST_TOKEN_INDEX, None)
+        if index is None:
+            return original(*args, **kwargs)
+        given = present(kwargs)  # PEFT passes Nones
+        others = sorted(set(given) - _READ)
+        if args or others or INPUT_IDS not in given or POSITION_IDS not in given:
+            raise ValueError(
+                f"{_OWNER}: a packed call (with last_token_index) takes input_ids and position_ids by "
+                f"keyword, got {len(args)} positional arguments and {shown(sorted(given))}; the packed "
+                "forward lays out no other input: collate with Collator.for_rewards(padding_free=True), "
+                "or train such inputs with RewardTrainer"
+            )
+        decoder: Any = getattr(self, str(self.base_model_prefix))
+        head: Any = self.score
+        hidden = decoder(
+            input_ids=given[INPUT_IDS], position_ids=given[POSITION_IDS], use_cache=False
+        ).last_hidden_state
+        logits = head(hidden.flatten(0, 1)[index.to(hidden.device)])
+        return SequenceClassifierOutputWithPast(logits=logits)
+
+    forward._zephon_packed = True  # type: ignore[attr-defined]
+    model.forward = types.MethodType(forward, model)
+
+
+class PackedRewardTrainer(RewardTrainer):
+    """``trl.RewardTrainer`` whose forward passes run on one packed padding-free row (see the module doc).
+
+    Takes ``RewardTrainer``'s arguments, unchanged: ``margin`` pairs, ``center_rewards_coefficient``,
+    PEFT adapters and the metrics (``num_tokens`` included) keep TRL's meaning and values.
+
+    Raises:
+        ValueError: when built on a model without a decoder under a ``score`` head, or one whose
+            attention does not restart at ``position_ids`` 0.
+        TypeError: for a ``data_collator`` other than TRL's reward collator or ``Collator.for_rewards``.
+
+    Example:
+        >>> from zephon_collate.trainers import PackedRewardTrainer  # doctest: +SKIP
+        >>> PackedRewardTrainer(model=model, args=RewardConfig(...), train_dataset=pairs)  # doctest: +SKIP
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        model = self.accelerator.unwrap_model(self.model)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        decoder = getattr(base, getattr(base, "base_model_prefix", ""), None)
+        if not isinstance(decoder, nn.Module) or not isinstance(getattr(base, "score", None), nn.Module):
+            raise ValueError(
+                f"{_OWNER}: {type(base).__name__} has no decoder under a score head (model."
+                f"{getattr(base, 'base_model_prefix', '?')} and model.score, as transformers' "
+                "...ForSequenceClassification models have), so its packed forward cannot be laid out; "
+                "train it with RewardTrainer"
+            )
+        check_packing(decoder, _OWNER)
+        skip_id = getattr(base.config.get_text_config(), "pad_token_id", None)
+        self.data_collator = packed_rewards(self.data_collator, skip_id)
+        wrap_score_forward(base)
