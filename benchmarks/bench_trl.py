@@ -4,7 +4,8 @@ DPO: pairs of the realistic mix (prompt 200-800 tokens, each response 50-1,000,
 uniform), ``--pairs`` per step. Tokens per step: the padded batch's
 ``input_ids`` (``[2P, L]``, what stock TRL runs) against the packed rows: best-fit
 into rows as wide as the longest sequence (the layout under SDPA, padding
-included), and one row of every real token (the layout under FlashAttention).
+included), one row of every real token (the layout under FlashAttention), and
+``shared_prompt=True``'s rows (each pair's prompt once, a 4-D branch mask).
 Time per step: ``compute_loss`` and ``backward`` on the same batch through each
 trainer, interleaved, medians of ``--rounds`` rounds (CPU,
 one torch thread), on a small Llama from a config (``--hidden``, 2 layers,
@@ -131,26 +132,39 @@ def main() -> None:
     disable_progress_bars()
     logging.set_verbosity_error()
     data = pairs(args.steps * args.pairs, prompt=(200, 800), response=(50, 1000))
-    stock, packed = (
-        trainer(cls, data, hidden=args.hidden, per_device_train_batch_size=args.pairs, max_length=None)
-        for cls in (DPOTrainer, PackedDPOTrainer)
+    stock, packed, shared = (
+        trainer(
+            cls, data, hidden=args.hidden, per_device_train_batch_size=args.pairs, max_length=None, **more
+        )
+        for cls, more in (
+            (DPOTrainer, {}),
+            (PackedDPOTrainer, {}),
+            (PackedDPOTrainer, {"shared_prompt": True}),
+        )
     )
-    for run in (stock, packed):  # timed in float32
+    runs = {"stock": stock, "packed": packed, "shared": shared}
+    for run in runs.values():  # timed in float32
         run.model.to(torch.float32), run.ref_model.to(torch.float32)
-    padded_tokens = packed_tokens = real_tokens = 0
+    padded_tokens = packed_tokens = real_tokens = shared_tokens = shared_real = 0
     for index in range(args.steps):
         examples = [packed.train_dataset[i] for i in range(index * args.pairs, (index + 1) * args.pairs)]
         batch = packed.data_collator(examples)
         padded_tokens += batch["input_ids"].numel()
         packed_tokens += batch["packed"]["input_ids"].numel()
         real_tokens += int(batch["attention_mask"].sum())
+        rows = shared.data_collator(examples)["packed"]
+        shared_tokens += rows["input_ids"].numel()
+        shared_real += int(rows["attention_mask"].diagonal(dim1=-2, dim2=-1).sum()) - int(
+            (rows["attention_mask"].sum(dim=-1) == 1).sum()  # a padding place attends to itself only
+        )
     examples = [packed.train_dataset[i] for i in range(args.pairs)]
-    batches = {"stock": stock.data_collator(examples), "packed": packed.data_collator(examples)}
-    runs = {"stock": stock, "packed": packed}
+    batches = {name: run.data_collator(examples) for name, run in runs.items()}
     for run in runs.values():  # checked in float64 weights: float32 sums over 1,000 tokens round apart
         run.model.to(torch.float64), run.ref_model.to(torch.float64)
     losses = {name: step(runs[name], batches[name]) for name in runs}
-    assert abs(losses["stock"] - losses["packed"]) < 1e-6, losses
+    assert (
+        abs(losses["stock"] - losses["packed"]) < 1e-6 and abs(losses["stock"] - losses["shared"]) < 1e-6
+    ), losses
     for run in runs.values():
         run.model.to(torch.float32), run.ref_model.to(torch.float32)
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -159,7 +173,7 @@ def main() -> None:
             start = time.perf_counter()
             step(runs[name], batches[name])
             times[name].append(time.perf_counter() - start)
-    stock_s, packed_s = (statistics.median(times[name]) for name in ("stock", "packed"))
+    stock_s, packed_s, shared_s = (statistics.median(times[name]) for name in ("stock", "packed", "shared"))
     print(
         f"{args.steps} steps of {args.pairs} pairs (prompt 200-800, responses 50-1,000 tokens), "
         f"Llama hidden {args.hidden}, 2 layers, CPU 1 thread\n"
@@ -176,6 +190,18 @@ def main() -> None:
     )
     print(
         f"| time per step, SDPA rows (loss + backward) | {stock_s:.2f} s | {packed_s:.2f} s | {stock_s / packed_s:.2f}x |"
+    )
+    print(
+        f"| shared_prompt=True: tokens per step in its rows (mean) | {padded_tokens / args.steps:,.0f} | "
+        f"{shared_tokens / args.steps:,.0f} | {padded_tokens / shared_tokens:.2f}x fewer |"
+    )
+    print(
+        f"| shared_prompt=True: real tokens per step (each prompt once) | {padded_tokens / args.steps:,.0f} | "
+        f"{shared_real / args.steps:,.0f} | {padded_tokens / shared_real:.2f}x fewer |"
+    )
+    print(
+        f"| shared_prompt=True: time per step (4-D mask) | {stock_s:.2f} s | {shared_s:.2f} s | "
+        f"{stock_s / shared_s:.2f}x |"
     )
     grpo(args)
 
