@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from trl import DPOTrainer, GRPOConfig, GRPOTrainer
 from trl_dpo import llama, pairs, tokenizer, trainer
 
-from zephon_collate.trainers import PackedDPOTrainer, PackedGRPOTrainer
+from zephon_collate.trainers import PackedDPOTrainer, PackedGRPOTrainer, PackedPreference
+from zephon_collate.trainers.view import pack_view
 
 
 def step(run: Any, batch: dict[str, Any]) -> float:
@@ -52,15 +53,16 @@ def rollouts(prompts: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, i
     """``input_ids``, ``attention_mask`` ``[8 * prompts, P + C]`` and ``C``: each prompt (200-800 tokens, padded
     on the left) with 8 completions (50-1,000 tokens, padded on the right)."""
     rng = random.Random(seed)
-    rows = [
-        (p, rng.randint(50, 1000)) for p in (rng.randint(200, 800) for _ in range(prompts)) for _ in range(8)
-    ]
-    width_p, width_c = max(p for p, _ in rows), max(c for _, c in rows)
+    generator = torch.Generator().manual_seed(seed)
+    groups = [torch.randint(3, 60, (rng.randint(200, 800),), generator=generator) for _ in range(prompts)]
+    rows = [(prompt, rng.randint(50, 1000)) for prompt in groups for _ in range(8)]
+    width_p, width_c = max(len(p) for p, _ in rows), max(c for _, c in rows)
     ids = torch.zeros(len(rows), width_p + width_c, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for row, (p, c) in enumerate(rows):
-        ids[row, width_p - p : width_p + c] = torch.randint(3, 60, (p + c,))
-        mask[row, width_p - p : width_p + c] = 1
+    for row, (prompt, c) in enumerate(rows):
+        ids[row, width_p - len(prompt) : width_p] = prompt  # a group's 8 completions share its prompt
+        ids[row, width_p : width_p + c] = torch.randint(3, 60, (c,), generator=generator)
+        mask[row, width_p - len(prompt) : width_p + c] = 1
     return ids, mask, width_c
 
 
@@ -84,16 +86,27 @@ def grpo(args: argparse.Namespace) -> None:
                       train_dataset=pairs(8), processing_class=tokenizer())
             for name, cls in (("stock", GRPOTrainer), ("packed", PackedGRPOTrainer))
         }  # fmt: skip
-    padded = packed = 0
+        runs["shared"] = PackedGRPOTrainer(
+            model=path, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=config,
+            train_dataset=pairs(8), processing_class=tokenizer(), shared_prompt=True,
+        )  # fmt: skip
+    padded = packed = shared = shared_real = 0
     for step in range(args.steps):
         ids, mask, keep = rollouts(args.prompts, seed=step)
         padded += ids.numel()
         packed += int(mask.sum())
+        trained = mask.clone()
+        trained[:, :-keep] = 0
+        rows = pack_view(ids, mask, trained, "fit", "bench", shared_prompt=True)
+        shared += rows["input_ids"].numel()
+        shared_real += pack_view(ids, mask, trained, "one", "bench", shared_prompt=True)["input_ids"].numel()
     ids, mask, keep = rollouts(args.prompts)
     for run in runs.values():
         run.model.to(torch.float64)
     losses = {name: grpo_step(run, ids, mask, keep) for name, run in runs.items()}
-    assert abs(losses["stock"] - losses["packed"]) < 1e-6, losses
+    assert (
+        abs(losses["stock"] - losses["packed"]) < 1e-6 and abs(losses["stock"] - losses["shared"]) < 1e-6
+    ), losses
     for run in runs.values():
         run.model.to(torch.float32)
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -102,7 +115,7 @@ def grpo(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             grpo_step(run, ids, mask, keep)
             times[name].append(time.perf_counter() - start)
-    stock_s, packed_s = (statistics.median(times[name]) for name in ("stock", "packed"))
+    stock_s, packed_s, shared_s = (statistics.median(times[name]) for name in ("stock", "packed", "shared"))
     print(
         f"\nGRPO: {args.prompts} prompts x 8 completions per step (prompt 200-800, completions 50-1,000 tokens)\n"
     )
@@ -114,6 +127,18 @@ def grpo(args: argparse.Namespace) -> None:
     )
     print(
         f"| time of the policy pass, SDPA rows (+ backward) | {stock_s:.2f} s | {packed_s:.2f} s | {stock_s / packed_s:.2f}x |"
+    )
+    print(
+        f"| shared_prompt=True: tokens per step in its rows (mean) | {padded / args.steps:,.0f} | "
+        f"{shared / args.steps:,.0f} | {padded / shared:.2f}x fewer |"
+    )
+    print(
+        f"| shared_prompt=True: real tokens per step (each prompt once) | {padded / args.steps:,.0f} | "
+        f"{shared_real / args.steps:,.0f} | {padded / shared_real:.2f}x fewer |"
+    )
+    print(
+        f"| shared_prompt=True: time of the policy pass (4-D mask) | {stock_s:.2f} s | {shared_s:.2f} s | "
+        f"{stock_s / shared_s:.2f}x |"
     )
 
 
@@ -152,11 +177,9 @@ def main() -> None:
         padded_tokens += batch["input_ids"].numel()
         packed_tokens += batch["packed"]["input_ids"].numel()
         real_tokens += int(batch["attention_mask"].sum())
-        rows = shared.data_collator(examples)["packed"]
-        shared_tokens += rows["input_ids"].numel()
-        shared_real += int(rows["attention_mask"].diagonal(dim1=-2, dim2=-1).sum()) - int(
-            (rows["attention_mask"].sum(dim=-1) == 1).sum()  # a padding place attends to itself only
-        )
+        shared_tokens += shared.data_collator(examples)["packed"]["input_ids"].numel()
+        one_row = PackedPreference(shared.data_collator.view, rows="one", shared_prompt=True)
+        shared_real += one_row(examples)["packed"]["input_ids"].numel()  # one row: no padding
     examples = [packed.train_dataset[i] for i in range(args.pairs)]
     batches = {name: run.data_collator(examples) for name, run in runs.items()}
     for run in runs.values():  # checked in float64 weights: float32 sums over 1,000 tokens round apart

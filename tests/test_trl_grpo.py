@@ -44,7 +44,7 @@ def reward(completions: list[str], **_: Any) -> list[float]:
     return [len(text) / 10 for text in completions]
 
 
-def trainer(cls: type, path: str, steps: int = 3, **options: Any) -> Any:
+def trainer(cls: type, path: str, steps: int = 3, shared_prompt: bool = False, **options: Any) -> Any:
     args = GRPOConfig(
         output_dir="/tmp/zephon-grpo-test", per_device_train_batch_size=4, num_generations=4,
         max_completion_length=6, max_steps=steps, learning_rate=1e-2, logging_steps=1, save_strategy="no",
@@ -52,33 +52,48 @@ def trainer(cls: type, path: str, steps: int = 3, **options: Any) -> Any:
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        shared = {} if shared_prompt is False else {"shared_prompt": shared_prompt}
         run = cls(
-            model=path, reward_funcs=reward, args=args, train_dataset=prompts(), processing_class=tokenizer()
+            model=path,
+            reward_funcs=reward,
+            args=args,
+            train_dataset=prompts(),
+            processing_class=tokenizer(),
+            **shared,
         )
     run.current_gradient_accumulation_steps = 1  # what a training step sets, for _compute_loss called alone
     return run
 
 
-def rows() -> dict[str, torch.Tensor]:
+def rows(grouped: bool = False) -> dict[str, torch.Tensor]:
     """Four rollouts: prompts of 3, 7, 5 and 2 tokens padded on the left to 7, completions of 6, 2, 4 and 1
-    padded on the right to 6."""
+    padded on the right to 6. ``grouped``: two groups of two completions, a prompt of 3 and one of 5
+    tokens each, as TRL generates ``num_generations`` completions per prompt."""
     generator = torch.Generator().manual_seed(1)
     out = {name: torch.zeros(4, width, dtype=torch.long) for name, width in
            (("prompt_ids", 7), ("prompt_mask", 7), ("completion_ids", 6), ("completion_mask", 6))}  # fmt: skip
-    for row, (prompt, completion) in enumerate(((3, 6), (7, 2), (5, 4), (2, 1))):
-        out["prompt_ids"][row, 7 - prompt :] = torch.randint(3, 60, (prompt,), generator=generator)
+    prompts = (3, 3, 5, 5) if grouped else (3, 7, 5, 2)
+    for row, (prompt, completion) in enumerate(zip(prompts, (6, 2, 4, 1), strict=True)):
+        if grouped and row % 2:
+            out["prompt_ids"][row] = out["prompt_ids"][row - 1]
+        else:
+            out["prompt_ids"][row, 7 - prompt :] = torch.randint(3, 60, (prompt,), generator=generator)
         out["prompt_mask"][row, 7 - prompt :] = 1
         out["completion_ids"][row, :completion] = torch.randint(3, 60, (completion,), generator=generator)
         out["completion_mask"][row, :completion] = 1
     return out
 
 
-@pytest.mark.parametrize("layout", ["fit", "one"])
+@pytest.mark.parametrize("layout", ["fit", "one", "shared-fit", "shared-one"])
 @pytest.mark.parametrize("batch_size", [None, 3])
 def test_log_probs_and_entropies_equal_stock(model_path, layout, batch_size):
-    stock, packed = trainer(GRPOTrainer, model_path), trainer(PackedGRPOTrainer, model_path)
-    packed.packed_rows = layout
-    batch = rows()
+    shared = layout.startswith("shared")
+    stock, packed = (
+        trainer(GRPOTrainer, model_path),
+        trainer(PackedGRPOTrainer, model_path, shared_prompt=shared),
+    )
+    packed.packed_rows = layout.removeprefix("shared-")
+    batch = rows(grouped=shared)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     want = stock._get_per_token_logps_and_entropies(
@@ -103,11 +118,13 @@ CASES = [{"loss_type": kind} for kind in ("grpo", "bnpo", "dr_grpo", "dapo", "ci
 ]
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["unshared", "shared-prompt"])
 @pytest.mark.parametrize("options", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-def test_loss_gradients_and_metrics_equal_stock(model_path, options):
+def test_loss_gradients_and_metrics_equal_stock(model_path, options, shared):
     """Old-policy and reference log-probs off the current ones, so the ratios clip and the KL term counts."""
-    runs = [trainer(cls, model_path, **options) for cls in (GRPOTrainer, PackedGRPOTrainer)]
-    batch = rows()
+    runs = [trainer(GRPOTrainer, model_path, **options)]
+    runs.append(trainer(PackedGRPOTrainer, model_path, shared_prompt=shared, **options))
+    batch = rows(grouped=shared)
     generator = torch.Generator().manual_seed(2)
     noise = torch.randn(2, 4, 6, generator=generator, dtype=torch.float64)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
@@ -136,15 +153,14 @@ def test_loss_gradients_and_metrics_equal_stock(model_path, options):
         assert metrics[key] == pytest.approx(value, abs=1e-6), key
 
 
-def test_training_with_generation_equals_stock(model_path):
-    """Three steps of sampling, rewards and updates: the same logged losses and rewards, the same weights."""
+@pytest.mark.parametrize("shared", [False, True], ids=["unshared", "shared-prompt"])
+def test_training_with_generation_equals_stock(model_path, shared):
+    """Three steps of sampling, rewards and updates: the same logged losses and rewards, the same weights
+    (shared: each prompt's 4 completions after one copy of it)."""
     runs = []
-    for cls in (
-        GRPOTrainer,
-        PackedGRPOTrainer,
-    ):  # each built, then trained: Trainer seeds the sampling at build
-        runs.append(trainer(cls, model_path, steps=3, beta=0.04))
-        runs[-1].train()
+    for cls, more in ((GRPOTrainer, {}), (PackedGRPOTrainer, {"shared_prompt": shared})):
+        runs.append(trainer(cls, model_path, steps=3, beta=0.04, **more))
+        runs[-1].train()  # each built, then trained: Trainer seeds the sampling at build
     stock, packed = ([entry for entry in run.state.log_history if "loss" in entry] for run in runs)
     assert len(stock) == len(packed) == 3
     for want, got in zip(stock, packed, strict=True):
@@ -152,3 +168,30 @@ def test_training_with_generation_equals_stock(model_path):
             assert got[key] == pytest.approx(want[key], abs=1e-6), key
     weights = zip(runs[0].model.parameters(), runs[1].model.parameters(), strict=True)
     assert max(float((a - b).detach().abs().max()) for a, b in weights) < 1e-6
+
+
+def test_shared_prompt_lays_each_group_out_once():
+    """Two groups of two completions: each prompt once (but its last token, which opens every branch)."""
+    from zephon_collate.trainers.view import pack_view
+
+    batch = rows(grouped=True)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    trained = torch.cat([torch.zeros_like(batch["prompt_mask"]), batch["completion_mask"]], dim=1)
+    shared = pack_view(ids, mask, trained, "one", "test", shared_prompt=True)
+    unshared = pack_view(ids, mask, trained, "one", "test")
+    assert unshared["input_ids"].shape == (1, 3 + 6 + 3 + 2 + 5 + 4 + 5 + 1)
+    assert shared["input_ids"].shape == (1, (3 - 1) + (1 + 6) + (1 + 2) + (5 - 1) + (1 + 4) + (1 + 1))
+    assert shared["attention_mask"].shape == (1, 1, 23, 23)
+    assert torch.equal(shared["target"].sort().values, unshared["target"].sort().values)
+
+
+def test_shared_prompt_under_flash_attention_is_refused(model_path):
+    run = trainer(PackedGRPOTrainer, model_path)
+    run.model.config._attn_implementation = "flash_attention_2"
+    from zephon_collate.trainers.view import packed_rows
+
+    with pytest.raises(ValueError, match=r"FlashAttention's varlen kernels cannot keep apart"):
+        packed_rows(run.model, shared_prompt=True)
+    with pytest.raises(TypeError, match=r"PackedGRPOTrainer: shared_prompt must be a bool"):
+        trainer(PackedGRPOTrainer, model_path, shared_prompt=1)

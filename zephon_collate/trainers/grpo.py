@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 from trl.trainer.grpo_trainer import GRPOTrainer
 
+from zephon_collate.core.text import shown
 from zephon_collate.trainers.view import PACKED, check_packing, pack_view, packed_rows, wrap_forward
 
 __all__ = ["PackedGRPOTrainer"]
@@ -42,17 +43,26 @@ class PackedGRPOTrainer(GRPOTrainer):
     The rows are packed in one row under FlashAttention (varlen), else best-fit into rows as wide as
     the longest sequence. Takes ``GRPOTrainer``'s arguments, unchanged.
 
+    ``shared_prompt=True`` (its one keyword of its own) lays the completions of one prompt (consecutive
+    rows, as TRL generates them) out after one copy of the prompt, each in a branch behind a 4-D
+    attention mask (SDPA or eager; FlashAttention is refused): the prompt goes through the transformer
+    once per group instead of once per completion. A dense mask costs the document's width squared, so
+    it pays when prompts are long next to the completions.
+
     Example:
         >>> from zephon_collate.trainers import PackedGRPOTrainer  # doctest: +SKIP
         >>> PackedGRPOTrainer(model, reward_funcs=reward, args=config, train_dataset=data)  # doctest: +SKIP
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, shared_prompt: bool = False, **kwargs: Any) -> None:
+        if not isinstance(shared_prompt, bool):
+            raise TypeError(f"PackedGRPOTrainer: shared_prompt must be a bool, got {shown(shared_prompt)}")
         super().__init__(*args, **kwargs)
         model = self.accelerator.unwrap_model(self.model)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        check_packing(base, "PackedGRPOTrainer")
-        self.packed_rows: Literal["one", "fit"] = packed_rows(base)
+        check_packing(base, "PackedGRPOTrainer", shared_prompt=shared_prompt)
+        self.packed_rows: Literal["one", "fit"] = packed_rows(base, shared_prompt=shared_prompt)
+        self.shared_prompt = shared_prompt
         wrap_forward(base)
         if self.ref_model is not None:
             wrap_forward(self.accelerator.unwrap_model(self.ref_model))
@@ -85,7 +95,12 @@ class PackedGRPOTrainer(GRPOTrainer):
             packed = {
                 key: value.to(ids.device)
                 for key, value in pack_view(
-                    ids.cpu(), mask.cpu(), (labels != -100).cpu(), self.packed_rows, "PackedGRPOTrainer"
+                    ids.cpu(),
+                    mask.cpu(),
+                    (labels != -100).cpu(),
+                    self.packed_rows,
+                    "PackedGRPOTrainer",
+                    shared_prompt=self.shared_prompt,
                 ).items()
             }
             extra = {"output_router_logits": True} if compute_aux_loss else {}

@@ -62,6 +62,7 @@ def pack_view(
     owner: str,
     *,
     shared_prompt: bool = False,
+    order: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The sequences of a padded batch, packed.
 
@@ -73,11 +74,13 @@ def pack_view(
             rows as wide as the longest (attention that masks a dense row, SDPA or eager, whose cost grows
             with the row's width squared). A row's padding is a sequence of its own, never scored.
         owner: who errors name.
-        shared_prompt: the rows are pairs (row ``i`` and row ``R / 2 + i``, TRL's chosen and rejected):
-            each pair's prompt is laid out once, each response after it in a branch of its own, opened by
-            a copy of the prompt's last token (which predicts the response's first token there: one
-            prediction per place). Sequences whose prompts differ stay apart. The rows then come with
-            the 4-D ``attention_mask`` that keeps a branch from its sibling.
+        shared_prompt: consecutive sequences (in ``order``) with the same prompt (the tokens before the
+            first trained one) share it: it is laid out once, each response after it in a branch of its
+            own, opened by a copy of the prompt's last token (which predicts the response's first token
+            there: one prediction per place). The rows then come with the 4-D ``attention_mask`` that
+            keeps a branch from its siblings.
+        order: the rows in the order they are laid out (default: as given), e.g. each DPO pair's chosen
+            and rejected rows together, so that they share their prompt.
 
     Returns:
         ``input_ids``, ``position_ids`` and ``shift_labels`` (each place's next token where it is scored,
@@ -98,7 +101,7 @@ def pack_view(
         ([0, 1, 3], [1, 2, 3])
         >>> pack_view(ids, mask, mask, "fit", "example")["position_ids"].tolist()
         [[0, 1, 2], [0, 1, 0]]
-        >>> pairs = torch.tensor([[4, 5, 6, 7], [4, 5, 8, 0]])  # prompt [4, 5]: chosen [6, 7], rejected [8]
+        >>> pairs = torch.tensor([[4, 5, 6, 7], [4, 5, 8, 0]])  # prompt [4, 5]: responses [6, 7] and [8]
         >>> trained = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 0]])
         >>> shared = pack_view(pairs, pairs != 0, trained, "one", "example", shared_prompt=True)
         >>> shared["input_ids"].tolist(), shared["position_ids"].tolist()
@@ -119,8 +122,7 @@ def pack_view(
             "each row's tokens must be one span, with padding on the left or the right only"
         )
     lengths, starts_at = counts.tolist(), first.tolist()
-    half = len(lengths) // 2
-    order = [i for pair in range(half) for i in (pair, half + pair)] if shared_prompt else range(len(lengths))
+    order = range(len(lengths)) if order is None else order
     scored = trained != 0
     examples = []
     for i in order:
