@@ -180,12 +180,7 @@ class Preference(Sequences):
             TypeError, ValueError: for a bad pair, naming the example, the field and the fix.
         """
         names = batch.names
-        for index, payload in enumerate(getattr(batch, "payloads", ())):
-            if isinstance(payload, SampleRecord) or not hasattr(payload, "keys"):
-                raise TypeError(
-                    f"{names(index)}: must be a dict of a pair's token ids (prompt_input_ids, "
-                    f"chosen_input_ids, rejected_input_ids), got {type(payload).__name__}"
-                )
+        self._check_dicts(batch, "prompt_input_ids, chosen_input_ids, rejected_input_ids")
         prompt_given = PROMPT_INPUT_IDS in batch or PROMPT_IDS in batch
         labelled = [name for name in _FULL_LABELS if name in batch]
         if labelled and prompt_given:
@@ -209,6 +204,16 @@ class Preference(Sequences):
         return [
             self.sequences(self._sequences(sides, {**extras, **self._reference(batch, _REFERENCE)}), names)
         ]
+
+    def _check_dicts(self, batch: Batch, fields: str) -> None:
+        """``TypeError`` naming the first example that is not a dict of token ids (``fields``: the expected
+        ones, for the message)."""
+        for index, payload in enumerate(getattr(batch, "payloads", ())):
+            if isinstance(payload, SampleRecord) or not hasattr(payload, "keys"):
+                raise TypeError(
+                    f"{batch.names(index)}: must be a dict of a pair's token ids ({fields}), got "
+                    f"{type(payload).__name__}"
+                )
 
     def _unpaired(self, batch: Batch, found: str) -> SequenceBatch:
         """TRL's KTO examples: a prompt, a completion, ``label`` (desirable or not) and, for the KL term, the

@@ -72,7 +72,6 @@ from zephon_collate.core.keys import (
     SEQ_IDX,
     SEQUENCE_INDEX,
 )
-from zephon_collate.core.records import SampleRecord
 from zephon_collate.core.text import shown
 from zephon_collate.layouts.base import Settings, Stacked
 from zephon_collate.layouts.preference import Preference
@@ -183,12 +182,7 @@ class Rewards(Preference):
             TypeError, ValueError: for a bad pair, naming the example, the field and the fix.
         """
         names = batch.names
-        for index, payload in enumerate(getattr(batch, "payloads", ())):
-            if isinstance(payload, SampleRecord) or not hasattr(payload, "keys"):
-                raise TypeError(
-                    f"{names(index)}: must be a dict of a pair's token ids (chosen_ids, rejected_ids), "
-                    f"got {type(payload).__name__}"
-                )
+        self._check_dicts(batch, "chosen_ids, rejected_ids")
         for name in _DPO_ONLY:
             if name in batch:
                 index = int(np.flatnonzero(batch.carried(name))[0])
