@@ -100,7 +100,9 @@ def dense(field: Ragged, width: int, fill: int | float, *, restart: bool = False
     values, lengths = field.values, field.lengths
     rows = len(lengths)
     trailing = tuple(values.shape[1:])
-    if rows and bool(np.logical_and.reduce(lengths == width)):  # the ufunc: ndarray.all is Python
+    # No row is longer than ``width``, so every row has it exactly when the values fill ``rows * width``:
+    # known from the shape, no pass over the lengths.
+    if rows and values.shape[0] == rows * width:
         if isinstance(values, np.ndarray) and not values.flags.writeable:
             return values.reshape(rows, width, *trailing).copy()
         return values.reshape(rows, width, *trailing)

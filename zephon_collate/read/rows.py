@@ -183,7 +183,13 @@ class Rows(Batch):
     def _values(self, name: str) -> list[Any]:
         found = self._found.get(name)
         if found is None:
-            found = self._found[name] = [self._value(payload, name) for payload in self.payloads]
+            if self._others:
+                found = [self._value(payload, name) for payload in self.payloads]
+            else:  # plain dicts only (the common case): one comprehension, no method call per row
+                found = [payload.get(name, MISSING) for payload in self.payloads]
+                if name in self.absent_if_none:
+                    found = [MISSING if value is None else value for value in found]
+            self._found[name] = found
         return found
 
     def _carried(self, name: str) -> np.ndarray:
