@@ -310,10 +310,23 @@ def sequence_of(offsets: np.ndarray) -> np.ndarray:
 
 
 def places(offsets: np.ndarray) -> np.ndarray:
-    """``[N]``: every value's place in its row."""
-    count = np.arange(int(offsets[-1]), dtype=np.int64)
-    if len(offsets) == 2:  # one row (padding-free): its count from 0
-        return np.asarray(count - offsets[0])
+    """``[N]``: every value's place in its row.
+
+    Example:
+        >>> places(np.array([0, 3, 3, 5])).tolist()
+        [0, 1, 2, 0, 1]
+    """
+    total, rows = int(offsets[-1]), len(offsets) - 1
+    if rows > 1 and total > 512 * rows:
+        # Long rows: each row's count is a slice of one ramp, written once by one concatenation (the
+        # count below writes N three times: the ramp, the repeated starts and their difference).
+        lengths = (offsets[1:] - offsets[:-1]).tolist()
+        ramp = np.arange(max(lengths), dtype=np.int64)
+        return np.concatenate([ramp[:length] for length in lengths])
+    count = np.arange(total, dtype=np.int64)
+    if rows == 1:  # one row (padding-free): its count from 0
+        count -= offsets[0]
+        return count
     count -= offsets[:-1].repeat(offsets[1:] - offsets[:-1])  # in place: one [N] temporary fewer
     return count
 
