@@ -21,7 +21,8 @@ __all__ = [
 
 def trailing(counts: np.ndarray, length: int) -> np.ndarray:
     """``[B, length]`` booleans, True on the last ``counts[b]`` entries of row ``b``."""
-    return np.asarray(np.arange(length) >= (length - counts.astype(np.int64))[:, None])
+    ends: np.ndarray = np.arange(length) >= (length - counts.astype(np.int64, copy=False))[:, None]
+    return ends
 
 
 def segment_starts(positions: np.ndarray) -> np.ndarray:

@@ -217,7 +217,12 @@ class Layout:
         if columns is not None:
             return columns
         if self.READS == "examples":
-            key = next((k for k in self.KEY if isinstance(samples, Mapping) and k in samples), self.KEY[0])
+            if type(samples) is list:  # the common case, no batched dict: no ABC check, no search
+                key = self.KEY[0]
+            else:
+                key = next(
+                    (k for k in self.KEY if isinstance(samples, Mapping) and k in samples), self.KEY[0]
+                )
             return examples_of(samples, self.OWNER, key=key)
         if isinstance(samples, Mapping):
             pairs = [name for name, value in samples.items() if type(value) is tuple and len(value) == 2]

@@ -767,7 +767,7 @@ class Transformers(Layout):
             name: dense(field, width, padding.pad_token_id if name == INPUT_IDS else 0)
             for name, field in per_token.items()
         }
-        data[PADDING_LENGTH] = (width - lengths).astype(np.int64)
+        data[PADDING_LENGTH] = np.subtract(width, lengths, dtype=np.int64)  # one op: no astype copy
         return Stacked(data)
 
     def flat(self, per_token: dict[str, Ragged]) -> Stacked:
@@ -849,7 +849,7 @@ def _filled(batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Rag
     bad = field.lengths != tokens.lengths if values.ndim == 1 else np.ones(len(tokens.lengths), dtype=bool)
     if carried is not None:
         bad &= carried
-    if bad.any():
+    if np.logical_or.reduce(bad):  # the ufunc: ndarray.any is Python
         index = int(np.flatnonzero(bad)[0])
         shape = tuple(values[field.offsets[index] : field.offsets[index + 1]].shape)
         raise _misfit(batch.names(index), name, shape, int(tokens.lengths[index]))
@@ -882,7 +882,7 @@ def supervision(fields: dict[str, Ragged], names: Names) -> Ragged:
         wrong &= given  # in place: no [N] temporary
         if ATTENTION_MASK in fields:
             wrong &= fields[ATTENTION_MASK].host != 0  # labels under the padding are dropped, unread
-        if wrong.any():  # one reduction on the common path; the search only when it fails
+        if np.logical_or.reduce(wrong):  # one reduction (the ufunc) on the common path; the search on failure
             index = int(wrong.nonzero()[0][0])  # the method: np.flatnonzero costs three Python calls
             row = row_of(tokens.offsets, index)
             t = index - int(tokens.offsets[row])

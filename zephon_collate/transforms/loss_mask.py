@@ -118,7 +118,8 @@ class LossMask(Transform):
         if self.padding_length_key is not None:
             # Padding sits at the end of each row: only the last ``widest`` columns are touched.
             counts = data[self.padding_length_key]
-            widest = min(int(counts.max()), labels.shape[1]) if counts.size else 0
+            largest = int(np.maximum.reduce(counts)) if counts.size else 0  # the ufunc: .max is Python
+            widest = min(largest, labels.shape[1])
             if widest > 0:
                 pad = host.trailing(counts, widest)
                 tail = labels[:, labels.shape[1] - widest :]
