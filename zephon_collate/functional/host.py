@@ -22,15 +22,16 @@ __all__ = [
 
 def trailing(counts: np.ndarray, length: int) -> np.ndarray:
     """``[B, length]`` booleans, True on the last ``counts[b]`` entries of row ``b``."""
-    return np.asarray(np.arange(length) >= (length - counts.astype(np.int64))[:, None])
+    ends: np.ndarray = np.arange(length) >= (length - counts.astype(np.int64, copy=False))[:, None]
+    return ends
 
 
 def segment_starts(positions: np.ndarray) -> np.ndarray:
     """The segment rule on ``[B, S]`` positions: True at each row's first token and where positions are 0."""
-    starts = positions == 0
+    starts: np.ndarray = positions == 0
     if starts.shape[-1]:
         starts[..., 0] = True
-    return np.asarray(starts)
+    return starts
 
 
 def ragged_starts(offsets: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
@@ -50,7 +51,9 @@ def ragged_starts(offsets: np.ndarray, positions: np.ndarray | None = None) -> n
 def segment_ids(starts: np.ndarray) -> np.ndarray:
     """``[B, S]`` int32: each token's segment in its row (``cumsum(starts) - 1``)."""
     if starts.ndim != 2 or starts.size < 4096 or not starts[:, 0].all():
-        return np.asarray(np.cumsum(starts, axis=-1, dtype=np.int32) - 1)
+        counted: np.ndarray = starts.cumsum(axis=-1, dtype=np.int32)  # the method: np.cumsum adds two calls
+        counted -= 1
+        return counted
     # Every row starts a segment: each segment's number repeated over its length, a pass cumsum's
     # serial scan cannot match (on large batches); numbered across rows, then from 0 in each row.
     firsts = np.flatnonzero(starts)
@@ -66,7 +69,8 @@ def segment_ids(starts: np.ndarray) -> np.ndarray:
 def _longest(boundaries: np.ndarray) -> np.ndarray:
     if boundaries.shape[-1] < 2:
         return np.zeros(boundaries.shape[:-1], dtype=np.int32)
-    return np.asarray((boundaries[..., 1:] - boundaries[..., :-1]).max(axis=-1))
+    # The ufunc's reduce: ndarray.max goes through a Python wrapper.
+    return np.asarray(np.maximum.reduce(boundaries[..., 1:] - boundaries[..., :-1], axis=-1))
 
 
 def cu_seqlens_rows(positions: np.ndarray, num_boundaries: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -86,8 +90,9 @@ def cu_seqlens_flat(positions: np.ndarray, num_boundaries: int | None) -> tuple[
     starts = segment_starts(positions).reshape(-1).nonzero()[0]
     total = positions.size
     width = starts.size + 1 if num_boundaries is None else num_boundaries
-    boundaries = np.full(width, total, dtype=np.int32)
+    boundaries = np.empty(width, dtype=np.int32)  # np.full is Python over np.empty and np.copyto
     boundaries[: starts.size] = starts
+    boundaries[starts.size :] = total
     return boundaries, _longest(boundaries)
 
 

@@ -217,7 +217,12 @@ class Layout:
         if columns is not None:
             return columns
         if self.READS == "examples":
-            key = next((k for k in self.KEY if isinstance(samples, Mapping) and k in samples), self.KEY[0])
+            if type(samples) is list:  # the common case, no batched dict: no ABC check, no search
+                key = self.KEY[0]
+            else:
+                key = next(
+                    (k for k in self.KEY if isinstance(samples, Mapping) and k in samples), self.KEY[0]
+                )
             return examples_of(samples, self.OWNER, key=key)
         if isinstance(samples, Mapping):
             pairs = [name for name, value in samples.items() if type(value) is tuple and len(value) == 2]
@@ -346,26 +351,22 @@ class Layout:
         """
         kind = self.kind
         scalar = int if self.settings.python_scalars else torch.as_tensor
-        per_row: dict[str, list[Any]] = {
-            key: [value for part in stacked for value in part.per_row.get(key, [])] for key in (IDS, TEXTS)
-        }
         out: dict[str, Any] = {}
         names = self._names.get(tuple(keys))
         if names is None:
             names = self._names[tuple(keys)] = self.output_names(keys)
+        one = results[0] if len(results) == 1 else None  # the common case: no list per output to join
         for key, name in names:
-            if key in per_row:
-                out[name] = per_row[key]
-                continue
-            values = [result[key] for result in results]
-            if len(values) > 1:
-                out[name] = self._joined(key, values)
+            if key in (IDS, TEXTS):
+                out[name] = [value for part in stacked for value in part.per_row.get(key, [])]
+            elif one is None:
+                out[name] = self._joined(key, [result[key] for result in results])
             elif key == NUM_VALID_TOKENS:
-                out[name] = scalar(values[0].sum())
-            elif key in self.SCALARS and values[0].ndim == 0:
-                out[name] = scalar(values[0]) if self.settings.python_scalars else convert(values[0], kind)
+                out[name] = scalar(one[key].sum())
+            elif key in self.SCALARS and one[key].ndim == 0:
+                out[name] = scalar(one[key]) if self.settings.python_scalars else convert(one[key], kind)
             else:
-                out[name] = convert(values[0], kind)
+                out[name] = convert(one[key], kind)
         return out
 
     def _joined(self, key: str, values: list[Any]) -> Any:

@@ -100,7 +100,9 @@ def dense(field: Ragged, width: int, fill: int | float, *, restart: bool = False
     values, lengths = field.values, field.lengths
     rows = len(lengths)
     trailing = tuple(values.shape[1:])
-    if rows and bool(np.logical_and.reduce(lengths == width)):  # the ufunc: ndarray.all is Python
+    # No row is longer than ``width``, so every row has it exactly when the values fill ``rows * width``:
+    # known from the shape, no pass over the lengths.
+    if rows and values.shape[0] == rows * width:
         if isinstance(values, np.ndarray) and not values.flags.writeable:
             return values.reshape(rows, width, *trailing).copy()
         return values.reshape(rows, width, *trailing)
@@ -110,13 +112,16 @@ def dense(field: Ragged, width: int, fill: int | float, *, restart: bool = False
         start: Values = np.broadcast_to(base, (rows, width, *trailing))
     else:
         start = np.full((rows, width, *trailing), fill)
+    if isinstance(values, np.ndarray):
+        # In the values' dtype: np.full's array converted (or taken as it is), the broadcast ramp copied.
+        out = np.asarray(start).astype(values.dtype, copy=restart)
+        # The rows' values end to end fill each row's first ``length`` places, in row-major order: one
+        # boolean assignment (a scatter costs a repeat, a ramp and a sum of [N] indices more).
+        out[np.arange(width) < lengths[:, None]] = values
+        return out
     # The flat destination of every token: its row times the width, plus its place in the row.
     destination = np.repeat(np.arange(rows, dtype=np.int64) * width - field.offsets[:-1], lengths)
     destination += np.arange(values.shape[0], dtype=np.int64)
-    if isinstance(values, np.ndarray):
-        out = np.asarray(start).astype(values.dtype)  # a copy, in the values' dtype
-        out.reshape(rows * width, *trailing)[destination] = values
-        return out
     tensor = torch.from_numpy(np.ascontiguousarray(start)).to(device=values.device, dtype=values.dtype)
     index = torch.from_numpy(destination).to(values.device)
     tensor.view(rows * width, *trailing).index_copy_(0, index, values)

@@ -656,7 +656,7 @@ class Transformers(Layout):
             _check_one_document(per_token[POSITIONS], names)
         if POSITIONS not in per_token and (options.padding_free or options.positions_out):
             offsets = per_token[INPUT_IDS].offsets
-            per_token[POSITIONS] = Ragged(places(offsets), offsets)
+            per_token[POSITIONS] = Ragged(places(offsets), offsets, per_token[INPUT_IDS].lengths)
         starts = None
         for spec in options.floats:
             if spec.align == "label":  # moved to the token each prediction is scored against
@@ -767,7 +767,7 @@ class Transformers(Layout):
             name: dense(field, width, padding.pad_token_id if name == INPUT_IDS else 0)
             for name, field in per_token.items()
         }
-        data[PADDING_LENGTH] = (width - lengths).astype(np.int64)
+        data[PADDING_LENGTH] = np.subtract(width, lengths, dtype=np.int64)  # one op: no astype copy
         return Stacked(data)
 
     def flat(self, per_token: dict[str, Ragged]) -> Stacked:
@@ -781,10 +781,10 @@ class Transformers(Layout):
             )
         multiple = self.options.pad_to_multiple_of
         width = total if multiple is None else -(-total // multiple) * multiple
-        one_row = np.array([0, total], dtype=np.int64)
+        one_row, length = np.array([0, total], dtype=np.int64), np.array([total], dtype=np.int64)
         pad_id = self.options.pad_token_id or 0
         data: dict[str, Any] = {
-            name: dense(Ragged(field.values, one_row), width, pad_id if name == INPUT_IDS else 0)
+            name: dense(Ragged(field.values, one_row, length), width, pad_id if name == INPUT_IDS else 0)
             for name, field in per_token.items()
         }
         data[PADDING_LENGTH] = np.array([width - total], dtype=np.int64)
@@ -849,12 +849,12 @@ def _filled(batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Rag
     bad = field.lengths != tokens.lengths if values.ndim == 1 else np.ones(len(tokens.lengths), dtype=bool)
     if carried is not None:
         bad &= carried
-    if bad.any():
+    if np.logical_or.reduce(bad):  # the ufunc: ndarray.any is Python
         index = int(np.flatnonzero(bad)[0])
         shape = tuple(values[field.offsets[index] : field.offsets[index + 1]].shape)
         raise _misfit(batch.names(index), name, shape, int(tokens.lengths[index]))
     if carried is None:
-        return Ragged(values, field.offsets)
+        return Ragged(values, field.offsets, field.lengths)
     if name == LABELS:
         filled = tokens.host.copy()
     elif name in (POSITION_IDS, POSITIONS):
@@ -863,7 +863,7 @@ def _filled(batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Rag
         filled = np.ones(tokens.values.shape[0], dtype=np.int64)
     filled = filled.astype(np.result_type(filled.dtype, values.dtype), copy=False)
     filled[np.repeat(carried, tokens.lengths)] = values
-    return Ragged(filled, tokens.offsets)
+    return Ragged(filled, tokens.offsets, tokens.lengths)
 
 
 def supervision(fields: dict[str, Ragged], names: Names) -> Ragged:
@@ -878,12 +878,12 @@ def supervision(fields: dict[str, Ragged], names: Names) -> Ragged:
     if LABELS in fields:
         labels = fields[LABELS].host
         given = labels != IGNORE_INDEX
-        wrong = given & (labels != tokens.host)
+        wrong = labels != tokens.host
+        wrong &= given  # in place: no [N] temporary
         if ATTENTION_MASK in fields:
             wrong &= fields[ATTENTION_MASK].host != 0  # labels under the padding are dropped, unread
-        flat = wrong.nonzero()[0]  # the method: np.flatnonzero costs three Python calls
-        if flat.size:
-            index = int(flat[0])
+        if np.logical_or.reduce(wrong):  # one reduction (the ufunc) on the common path; the search on failure
+            index = int(wrong.nonzero()[0][0])  # the method: np.flatnonzero costs three Python calls
             row = row_of(tokens.offsets, index)
             t = index - int(tokens.offsets[row])
             raise ValueError(
@@ -896,7 +896,7 @@ def supervision(fields: dict[str, Ragged], names: Names) -> Ragged:
         trained = given if trained is None else trained & given
     if trained is None:
         trained = np.ones(tokens.values.shape[0], dtype=bool)
-    return Ragged(trained, tokens.offsets)
+    return Ragged(trained, tokens.offsets, tokens.lengths)
 
 
 def _restarted(positions: Ragged, cut: np.ndarray) -> Ragged:
@@ -940,7 +940,7 @@ def _positions(fields: dict[str, Ragged], segments: Ragged | None, names: Names)
         documents = sizes[sizes > 0]
         bounds = np.zeros(documents.size + 1, dtype=np.int64)
         np.cumsum(documents, out=bounds[1:])
-        return Ragged(places(bounds), tokens.offsets)
+        return Ragged(places(bounds), tokens.offsets, tokens.lengths)
     if POSITION_IDS not in fields:
         return None
     given = fields[POSITION_IDS]

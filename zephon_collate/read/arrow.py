@@ -298,6 +298,9 @@ class Columns(Batch):
     def _carried(self, name: str) -> np.ndarray:
         return np.full(self.rows, name in self.fields, dtype=bool)
 
+    def lacking(self, name: str) -> int | None:
+        return None if name in self.fields or not self.rows else 0  # known without an array
+
     def _lacks(self, index: int, name: str) -> str:
         return f"payload lacks field {shown(name)} (its fields: {shown_fields(dict.fromkeys(self.order))})"
 

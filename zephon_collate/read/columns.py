@@ -77,10 +77,11 @@ class Ragged:
 
     __slots__ = ("lengths", "offsets", "values")  # a plain class: several are made per field and call
 
-    def __init__(self, values: Values, offsets: np.ndarray) -> None:
+    def __init__(self, values: Values, offsets: np.ndarray, lengths: np.ndarray | None = None) -> None:
         self.values = values
         self.offsets = offsets
-        self.lengths: np.ndarray = offsets[1:] - offsets[:-1]  # np.diff costs more on short arrays
+        # ``lengths``: those of a field these offsets come from, not computed again (np.diff costs more)
+        self.lengths: np.ndarray = offsets[1:] - offsets[:-1] if lengths is None else lengths
 
     def __repr__(self) -> str:
         return f"Ragged(values={self.values!r}, offsets={self.offsets!r})"
@@ -115,8 +116,8 @@ class Ragged:
         view of columnar input), which a batch never hands out."""
         if isinstance(self.values, np.ndarray):
             copy = not self.values.flags.writeable
-            return Ragged(self.values.astype(numpy_dtype(dtype), copy=copy), self.offsets)
-        return Ragged(self.values.to(dtype), self.offsets)
+            return Ragged(self.values.astype(numpy_dtype(dtype), copy=copy), self.offsets, self.lengths)
+        return Ragged(self.values.to(dtype), self.offsets, self.lengths)
 
 
 class Batch:
@@ -309,11 +310,25 @@ def sequence_of(offsets: np.ndarray) -> np.ndarray:
 
 
 def places(offsets: np.ndarray) -> np.ndarray:
-    """``[N]``: every value's place in its row."""
-    count = np.arange(int(offsets[-1]), dtype=np.int64)
-    if len(offsets) == 2:  # one row (padding-free): its count from 0
-        return np.asarray(count - offsets[0])
-    return np.asarray(count - offsets[:-1].repeat(offsets[1:] - offsets[:-1]))
+    """``[N]``: every value's place in its row.
+
+    Example:
+        >>> places(np.array([0, 3, 3, 5])).tolist()
+        [0, 1, 2, 0, 1]
+    """
+    total, rows = int(offsets[-1]), len(offsets) - 1
+    if rows > 1 and total > 512 * rows:
+        # Long rows: each row's count is a slice of one ramp, written once by one concatenation (the
+        # count below writes N three times: the ramp, the repeated starts and their difference).
+        lengths = (offsets[1:] - offsets[:-1]).tolist()
+        ramp = np.arange(max(lengths), dtype=np.int64)
+        return np.concatenate([ramp[:length] for length in lengths])
+    count = np.arange(total, dtype=np.int64)
+    if rows == 1:  # one row (padding-free): its count from 0
+        count -= offsets[0]
+        return count
+    count -= offsets[:-1].repeat(offsets[1:] - offsets[:-1])  # in place: one [N] temporary fewer
+    return count
 
 
 def gather_spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -542,16 +557,14 @@ def joined_ints(values: list[Any]) -> Ragged | None:
     """Lists of Python ints end to end in one int64 buffer, or ``None`` for anything else (read row
     by row, where the errors are named)."""
     buffer = array.array("q")
-    lengths = []
+    ends = [0]  # the offsets, counted as the buffer grows: one conversion, no running sum in NumPy
     try:
         for value in values:
             if type(value) is not list or (value and type(value[0]) is not int):
                 return None
             buffer.fromlist(value)
-            lengths.append(len(value))
+            ends.append(len(buffer))
     except (OverflowError, TypeError):
         return None  # beyond int64, or not ints after the first: the row-by-row read names it
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    offsets[1:] = lengths
-    offsets.cumsum(out=offsets)  # in place, on the array: np.cumsum of a list converts it again
+    offsets = np.array(ends, dtype=np.int64)
     return Ragged(np.frombuffer(buffer, dtype=np.int64) if buffer else np.empty(0, np.int64), offsets)

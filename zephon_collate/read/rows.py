@@ -183,7 +183,13 @@ class Rows(Batch):
     def _values(self, name: str) -> list[Any]:
         found = self._found.get(name)
         if found is None:
-            found = self._found[name] = [self._value(payload, name) for payload in self.payloads]
+            if self._others:
+                found = [self._value(payload, name) for payload in self.payloads]
+            else:  # plain dicts only (the common case): one comprehension, no method call per row
+                found = [payload.get(name, MISSING) for payload in self.payloads]
+                if name in self.absent_if_none:
+                    found = [MISSING if value is None else value for value in found]
+            self._found[name] = found
         return found
 
     def _carried(self, name: str) -> np.ndarray:
@@ -326,21 +332,30 @@ def examples_of(
         ValueError: for a batched dict without ``key``, one example given as a batch, or a batched
             field without one entry per example.
     """
-    if isinstance(features, Mapping):
-        examples: list[Any] = _unbatched(features, owner, key, keep)
+    examples: list[Any]
+    if type(features) is list:  # the common case, known without the ABC checks below
+        examples = _listed(features)
+    elif isinstance(features, Mapping):
+        examples = _unbatched(features, owner, key, keep)
     elif isinstance(features, (str, bytes)) or not isinstance(features, Sequence):
         raise TypeError(
             f"{owner}: expected a list of example dicts or a batched dict of lists, got "
             f"{type(features).__name__}"
         )
     else:
-        examples = list(features)
-        if examples and type(examples[0]) is not dict and all(is_array_payload(row) for row in examples):
-            examples = [{INPUT_IDS: row} for row in examples]  # raw token rows
+        examples = _listed(features)
     ids = [(0, 0, index) for index in range(len(examples))]
     return Rows(
         examples, example_names, tokens=None, ids=ids, owner=owner, absent_if_none=frozenset(("labels",))
     )
+
+
+def _listed(features: Sequence[Any]) -> list[Any]:
+    """A sequence of examples as a list of its own; raw token rows as examples of ``input_ids`` alone."""
+    examples = list(features)
+    if examples and type(examples[0]) is not dict and all(is_array_payload(row) for row in examples):
+        return [{INPUT_IDS: row} for row in examples]
+    return examples
 
 
 def _unbatched(features: Mapping[str, Any], owner: str, key: str, keep: Sequence[str] | None) -> list[Any]:

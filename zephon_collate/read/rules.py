@@ -222,7 +222,10 @@ def check_ids(field: Ragged, name: str, names: Names) -> None:
         ValueError: example 1: field 'input_ids' token ids must be >= 0, found -4 at input_ids[1]
     """
     values = host_view(field.values)
-    if not _size(values) or _kind(values) in "bu" or values.min() >= 0:  # one reduction on the common path
+    if not _size(values) or _kind(values) in "bu":
+        return
+    # One reduction on the common path (on the host the ufunc's: ndarray.min is a Python wrapper).
+    if (np.minimum.reduce(values, axis=None) if isinstance(values, np.ndarray) else values.min()) >= 0:
         return
     found = _bad_at(field, values < 0)
     assert found is not None
