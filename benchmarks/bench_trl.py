@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from trl import DPOTrainer, GRPOConfig, GRPOTrainer
 from trl_dpo import llama, pairs, tokenizer, trainer
 
-from zephon_collate.trainers import PackedDPOTrainer, PackedGRPOTrainer, PackedPreference
+from zephon_collate.trainers import PackedDPOTrainer, PackedGRPOTrainer, PackedPreference, PackedRewardTrainer
 from zephon_collate.trainers.view import pack_view
 
 
@@ -142,6 +142,62 @@ def grpo(args: argparse.Namespace) -> None:
     )
 
 
+def reward(args: argparse.Namespace) -> None:
+    """RewardTrainer against PackedRewardTrainer: one ``compute_loss`` and ``backward`` on the same pairs."""
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from trl import RewardConfig, RewardTrainer
+
+    rng = random.Random(0)
+
+    def sequence() -> list[int]:  # a prompt of 200-800 tokens and a response of 50-1,000
+        return [rng.randint(3, 63) for _ in range(rng.randint(200, 800) + rng.randint(50, 1000))]
+
+    data = Dataset.from_list(
+        [{"chosen_ids": sequence(), "rejected_ids": sequence()} for _ in range(args.pairs)]
+    )
+    runs = {}
+    for name, cls in (("stock", RewardTrainer), ("packed", PackedRewardTrainer)):
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=64, hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0,
+            num_labels=1,
+        )  # fmt: skip
+        config._attn_implementation = "sdpa"
+        settings = RewardConfig(
+            output_dir="/tmp/zephon-reward-bench", per_device_train_batch_size=args.pairs, report_to=[],
+            use_cpu=True, save_strategy="no", bf16=False,
+        )  # fmt: skip
+        runs[name] = cls(model=LlamaForSequenceClassification(config), args=settings, train_dataset=data,
+                         processing_class=tokenizer())  # fmt: skip
+    examples = [data[i] for i in range(args.pairs)]
+    batches = {name: run.data_collator(examples) for name, run in runs.items()}
+    for run in runs.values():
+        run.model.to(torch.float64)
+    losses = {name: step(runs[name], dict(batches[name])) for name in runs}
+    assert abs(losses["stock"] - losses["packed"]) < 1e-6, losses
+    for run in runs.values():
+        run.model.to(torch.float32)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            step(run, dict(batches[name]))
+            times[name].append(time.perf_counter() - start)
+    stock_s, packed_s = (statistics.median(times[name]) for name in runs)
+    padded, packed = batches["stock"]["input_ids"].numel(), batches["packed"]["input_ids"].numel()
+    real = int(batches["stock"]["attention_mask"].sum())
+    print(f"\nReward model: {args.pairs} pairs of 250-1,800 token sequences\n")
+    print("| | stock RewardTrainer | PackedRewardTrainer | ratio |")
+    print("|---|---:|---:|---:|")
+    print(f"| tokens, SDPA rows | {padded:,} | {packed:,} | {padded / packed:.2f}x fewer |")
+    print(f"| tokens, one row (FlashAttention) | {padded:,} | {real:,} | {padded / real:.2f}x fewer |")
+    print(
+        f"| time per step, SDPA rows (loss + backward) | {stock_s:.2f} s | {packed_s:.2f} s | {stock_s / packed_s:.2f}x |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -227,6 +283,7 @@ def main() -> None:
         f"{stock_s / shared_s:.2f}x |"
     )
     grpo(args)
+    reward(args)
 
 
 if __name__ == "__main__":

@@ -224,12 +224,16 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("rows", ["fit", "one"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "plain")
-def test_one_batch_equals_stock(case):
-    """Loss, gradients and every metric (num_tokens included) to 1e-6."""
+def test_one_batch_equals_stock(case, rows):
+    """Loss, gradients and every metric (num_tokens included) to 1e-6, in SDPA's best-fit rows and in
+    FlashAttention's one row."""
     options = {key: value for key, value in case.items() if key != "margin"}
     data = pairs(8, margin=bool(case.get("margin")))
-    out = one_batch(trainer(RewardTrainer, data, **options), trainer(PackedRewardTrainer, data, **options))
+    packed = trainer(PackedRewardTrainer, data, **options)
+    packed.data_collator.rows = rows
+    out = one_batch(trainer(RewardTrainer, data, **options), packed)
     (stock_loss, stock_grads, stock_metrics), (loss, grads, metrics) = out["stock"], out["packed"]
     assert abs(float(loss) - float(stock_loss)) <= 1e-6
     for a, b in zip(grads, stock_grads, strict=True):
@@ -283,10 +287,18 @@ def test_pad_equal_to_eos_scores_the_token_the_model_pools():
 def test_the_transformer_sees_only_real_tokens_and_other_calls_run_stock():
     run = trainer(PackedRewardTrainer, pairs(8))
     examples = [run.train_dataset[i] for i in range(4)]
-    batch = run.data_collator(examples)
+    batch = run.data_collator(examples)  # SDPA: best-fit rows as wide as the longest sequence
     padded = DataCollatorForPreference(pad_token_id=PAD)(examples)
-    assert batch["input_ids"].shape == (1, int(padded["attention_mask"].sum()))
-    assert torch.equal(batch["attention_mask"], torch.ones_like(batch["input_ids"]))
+    real = int(padded["attention_mask"].sum())
+    assert batch["input_ids"].shape[1] == int(padded["attention_mask"].sum(dim=1).max())
+    assert (
+        int(batch["attention_mask"].sum()) == real <= batch["input_ids"].numel() < padded["input_ids"].numel()
+    )
+    one = run.data_collator.collate(examples)  # FlashAttention's layout: one row of every real token
+    assert one["input_ids"].shape == (1, real)
+    assert torch.equal(one["attention_mask"], torch.ones_like(one["input_ids"]))
+    scored = batch["input_ids"].flatten()[batch["last_token_index"]]
+    assert torch.equal(scored, one["input_ids"].flatten()[one["last_token_index"]])
     assert "labels" not in batch
     stock = classifier()
     with torch.no_grad():  # a call without last_token_index: the model's own forward

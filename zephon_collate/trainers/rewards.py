@@ -17,9 +17,13 @@ The collate function is :meth:`Collator.for_rewards <zephon_collate.Collator.for
 padding-free: the row, its ``position_ids``, TRL's ``margin``, an
 ``attention_mask`` of ones on the row's tokens (TRL counts ``num_tokens`` from it;
 the model never reads it) and ``last_token_index``, each sequence's scored token.
-The model's forward, wrapped, runs the decoder under the score head on the
-packed row (``attention_mask=None``: transformers keeps the sequences apart from
-``position_ids``), applies the head at ``last_token_index`` and returns logits
+Under SDPA or eager attention, which mask a dense row and cost its width
+squared, the row's sequences are then best-fit into rows as wide as the longest
+(``last_token_index`` and the mask carried into them); under FlashAttention it
+stays one row. The model's forward, wrapped, runs the decoder under the score
+head on the packed rows (``attention_mask=None``: transformers keeps the
+sequences apart from ``position_ids``), applies the head at
+``last_token_index`` and returns logits
 ``[2P, num_labels]``: the scores the padded pass gives, so TRL's loss and
 metrics read the same values. The scored token is the one the model's own
 pooling reads: the last one that is not ``config.pad_token_id``.
@@ -36,8 +40,9 @@ import dataclasses
 import functools
 import types
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
+import torch
 from torch import nn
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from trl.trainer.reward_trainer import DataCollatorForPreference, RewardTrainer
@@ -46,7 +51,7 @@ from zephon_collate.collate.collator import Collator
 from zephon_collate.core.keys import ATTENTION_MASK, INPUT_IDS, LAST_TOKEN_INDEX, MARGIN, POSITION_IDS
 from zephon_collate.core.text import shown
 from zephon_collate.layouts.rewards import Rewards
-from zephon_collate.trainers.view import check_packing, present
+from zephon_collate.trainers.view import check_packing, grid_rows, packed_rows, present
 from zephon_collate.transforms import AttentionMask, PaddingMask
 
 __all__ = ["PackedRewardTrainer", "packed_rewards", "wrap_score_forward"]
@@ -103,6 +108,32 @@ def packed_rewards(view: Callable[..., Mapping[str, Any]], skip_id: int | None) 
     )
 
 
+class _Rows:
+    """A padding-free reward collator whose row is laid out in the rows the attention wants
+    (:func:`~zephon_collate.trainers.view.packed_rows`): under SDPA or eager attention, which mask a dense
+    row and cost its width squared, the sequences best-fit into rows as wide as the longest, with
+    ``last_token_index`` and the ``attention_mask`` (TRL's token count) carried into them."""
+
+    def __init__(self, collate: Collator, rows: Literal["one", "fit"]) -> None:
+        self.collate, self.rows = collate, rows
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.collate(examples)
+        if self.rows == "one":
+            return batch
+        positions = batch[POSITION_IDS][0]
+        grid = grid_rows(torch.cumsum(positions == 0, 0) - 1, batch[INPUT_IDS][0], positions, "fit")
+        place = grid.pop("place")
+        mask = batch[ATTENTION_MASK][0]
+        laid = mask.new_zeros(grid[INPUT_IDS].numel()).index_copy(0, place, mask)
+        return {
+            **batch,
+            **grid,
+            ATTENTION_MASK: laid.view_as(grid[INPUT_IDS]),
+            LAST_TOKEN_INDEX: place[batch[LAST_TOKEN_INDEX]],
+        }
+
+
 def wrap_score_forward(model: nn.Module) -> None:
     """Make ``model``'s forward (a ``transformers`` sequence-classification model: a decoder under a
     ``score`` head) run packed when the call carries ``last_token_index``: the decoder on the packed row,
@@ -144,7 +175,8 @@ def wrap_score_forward(model: nn.Module) -> None:
 
 
 class PackedRewardTrainer(RewardTrainer):
-    """``trl.RewardTrainer`` whose forward passes run on one packed padding-free row (see the module doc).
+    """``trl.RewardTrainer`` whose forward passes run on packed rows (see the module doc): one row under
+    FlashAttention, else the sequences best-fit into rows as wide as the longest.
 
     Takes ``RewardTrainer``'s arguments, unchanged: ``margin`` pairs, ``center_rewards_coefficient``,
     PEFT adapters and the metrics (``num_tokens`` included) keep TRL's meaning and values.
@@ -173,5 +205,5 @@ class PackedRewardTrainer(RewardTrainer):
             )
         check_packing(decoder, _OWNER)
         skip_id = getattr(base.config.get_text_config(), "pad_token_id", None)
-        self.data_collator = packed_rewards(self.data_collator, skip_id)
+        self.data_collator = _Rows(packed_rewards(self.data_collator, skip_id), packed_rows(base))
         wrap_score_forward(base)

@@ -40,7 +40,16 @@ from zephon_collate.core.text import shown
 from zephon_collate.functional.attention import dense_branch_mask
 from zephon_collate.packing._plan import best_fit_rows
 
-__all__ = ["PACKED", "ROWS", "check_packing", "pack_view", "packed_rows", "present", "wrap_forward"]
+__all__ = [
+    "PACKED",
+    "ROWS",
+    "check_packing",
+    "grid_rows",
+    "pack_view",
+    "packed_rows",
+    "present",
+    "wrap_forward",
+]
 
 PACKED = "packed"
 """The keyword (and batch key) of the packed sequences, a dict of tensors that the wrapped forward reads."""
@@ -134,7 +143,52 @@ def pack_view(
     flat = (_SHARE if shared_prompt else _PACK)(examples)
     # Each flat place in the [bins, width] grid: documents (a sequence, or a prompt and its branches) best
     # fit into rows, each document's tokens together.
-    document = flat[DOCUMENT_IDS][0].long()
+    positions = flat[POSITION_IDS][0]
+    tokens = flat[INPUT_IDS][0]
+    grid = grid_rows(flat[DOCUMENT_IDS][0], tokens, positions, rows)
+    place = grid.pop("place")
+    bins, width = grid[INPUT_IDS].shape
+    size = bins * width
+    # The predicted tokens: their view row, and their place in it (positions count from the row's start).
+    sequence = flat[SEQUENCE_INDEX][0]
+    view_row = torch.tensor(list(order), dtype=torch.long)[sequence.clamp(min=0)]
+    column_of = first[view_row] + positions
+    hit = (sequence >= 0) & (positions > 0)
+    hit &= scored[view_row, column_of.clamp(max=scored.shape[1] - 1)]
+    hit = hit.nonzero()[:, 0]
+    source = place[flat[LOGITS_INDEX][0, hit]]
+    shift_labels = tokens.new_full((size,), -100).index_copy(0, source, tokens[hit])
+    out = {**grid, "shift_labels": shift_labels.view(bins, width)}
+    if shared_prompt:  # the attention: a branch sees its prompt and itself, never its sibling
+        ids = {
+            key: torch.full((size,), -1, dtype=flat[key].dtype).index_copy(0, place, flat[key][0])
+            for key in (DOCUMENT_IDS, BRANCH_IDS)
+        }
+        out[ATTENTION_MASK] = dense_branch_mask(
+            ids[DOCUMENT_IDS].view(bins, width), ids[BRANCH_IDS].view(bins, width)
+        )
+    out["source"] = source
+    out["target"] = view_row[hit] * (input_ids.shape[1] - 1) + column_of[hit] - 1
+    return out
+
+
+def grid_rows(
+    document: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, rows: Literal["one", "fit"]
+) -> dict[str, torch.Tensor]:
+    """A packed row's documents (``document``: each token's, ``[N]``, numbered from 0 in order) laid out
+    in rows: ``"one"``, as they are; ``"fit"``, best-fit into rows as wide as the longest document.
+
+    Returns:
+        ``input_ids`` and ``position_ids`` ``[rows, width]`` (each row's padding counts from 0, a
+        sequence of its own, never read), and ``place``: each token's flat place in them.
+
+    Example:
+        >>> tokens, positions = torch.tensor([5, 6, 7, 8, 9]), torch.tensor([0, 1, 2, 0, 1])
+        >>> grid = grid_rows(torch.tensor([0, 0, 0, 1, 1]), tokens, positions, "fit")
+        >>> grid["input_ids"].tolist(), grid["position_ids"].tolist(), grid["place"].tolist()
+        ([[5, 6, 7], [8, 9, 0]], [[0, 1, 2], [0, 1, 0]], [0, 1, 2, 3, 4])
+    """
+    document = document.long()
     total = document.numel()
     sizes = torch.bincount(document)
     width = int(sizes.max()) if rows == "fit" else total
@@ -149,33 +203,11 @@ def pack_view(
     place = row_of_doc[document] * width + start_of_doc[document] + into
     after = torch.arange(width) - used[:, None]  # each row's padding counts from 0: a sequence of its own
     size = len(bins) * width
-    positions = flat[POSITION_IDS][0]
-    tokens = flat[INPUT_IDS][0]
-    # The predicted tokens: their view row, and their place in it (positions count from the row's start).
-    sequence = flat[SEQUENCE_INDEX][0]
-    view_row = torch.tensor(list(order), dtype=torch.long)[sequence.clamp(min=0)]
-    column_of = first[view_row] + positions
-    hit = (sequence >= 0) & (positions > 0)
-    hit &= scored[view_row, column_of.clamp(max=scored.shape[1] - 1)]
-    hit = hit.nonzero()[:, 0]
-    source = place[flat[LOGITS_INDEX][0, hit]]
-    grid = {
-        INPUT_IDS: tokens.new_zeros(size).index_copy(0, place, tokens),
-        POSITION_IDS: after.clamp(min=0).reshape(-1).index_copy(0, place, positions),
-        "shift_labels": tokens.new_full((size,), -100).index_copy(0, source, tokens[hit]),
+    return {
+        INPUT_IDS: tokens.new_zeros(size).index_copy(0, place, tokens).view(len(bins), width),
+        POSITION_IDS: after.clamp(min=0).reshape(-1).index_copy(0, place, positions).view(len(bins), width),
+        "place": place,
     }
-    out = {key: value.view(len(bins), width) for key, value in grid.items()}
-    if shared_prompt:  # the attention: a branch sees its prompt and itself, never its sibling
-        ids = {
-            key: torch.full((size,), -1, dtype=flat[key].dtype).index_copy(0, place, flat[key][0])
-            for key in (DOCUMENT_IDS, BRANCH_IDS)
-        }
-        out[ATTENTION_MASK] = dense_branch_mask(
-            ids[DOCUMENT_IDS].view(len(bins), width), ids[BRANCH_IDS].view(len(bins), width)
-        )
-    out["source"] = source
-    out["target"] = view_row[hit] * (input_ids.shape[1] - 1) + column_of[hit] - 1
-    return out
 
 
 def _laid_out(values: torch.Tensor | None, packed: Mapping[str, torch.Tensor], shape: Sequence[int]) -> Any:
