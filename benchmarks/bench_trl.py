@@ -15,7 +15,8 @@ steps are timed.
 
 GRPO: the policy pass (``_get_per_token_logps_and_entropies``, then ``backward``) on
 ``--prompts`` prompts of 200-800 tokens with 8 completions of 50-1,000 tokens each,
-prompts padded on the left and completions on the right as TRL pads them,
+prompts padded on the left and completions on the right as TRL pads them, the rows
+shuffled as TRL shuffles them before its training pass,
 checked equal (float64) and timed the same way.
 
 Run: python benchmarks/bench_trl.py [--steps 20] [--pairs 4] [--prompts 4] [--rounds 5] [--hidden 256]
@@ -39,6 +40,7 @@ from trl import DPOTrainer, GRPOConfig, GRPOTrainer
 from trl_dpo import llama, pairs, tokenizer, trainer
 
 from zephon_collate.trainers import PackedDPOTrainer, PackedGRPOTrainer, PackedPreference, PackedRewardTrainer
+from zephon_collate.trainers.grpo import _by_prompt
 from zephon_collate.trainers.view import pack_view
 
 
@@ -63,7 +65,8 @@ def rollouts(prompts: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, i
         ids[row, width_p - len(prompt) : width_p] = prompt  # a group's 8 completions share its prompt
         ids[row, width_p : width_p + c] = torch.randint(3, 60, (c,), generator=generator)
         mask[row, width_p - len(prompt) : width_p + c] = 1
-    return ids, mask, width_c
+    shuffle = torch.randperm(len(rows), generator=generator)  # as TRL shuffles them before the training pass
+    return ids[shuffle], mask[shuffle], width_c
 
 
 def grpo_step(run: Any, ids: torch.Tensor, mask: torch.Tensor, keep: int) -> float:
@@ -97,9 +100,12 @@ def grpo(args: argparse.Namespace) -> None:
         packed += int(mask.sum())
         trained = mask.clone()
         trained[:, :-keep] = 0
-        rows = pack_view(ids, mask, trained, "fit", "bench", shared_prompt=True)
-        shared += rows["input_ids"].numel()
-        shared_real += pack_view(ids, mask, trained, "one", "bench", shared_prompt=True)["input_ids"].numel()
+        order = _by_prompt(ids, mask, keep)
+        shared += pack_view(ids, mask, trained, "fit", "bench", shared_prompt=True, order=order)[
+            "input_ids"
+        ].numel()
+        one_row = pack_view(ids, mask, trained, "one", "bench", shared_prompt=True, order=order)
+        shared_real += one_row["input_ids"].numel()
     ids, mask, keep = rollouts(args.prompts)
     for run in runs.values():
         run.model.to(torch.float64)

@@ -78,9 +78,20 @@ def test_positions_and_position_ids_that_differ_are_refused_in_rows_and_columns(
 
 
 def test_rollouts_refuse_the_pages_positions_as_they_refuse_position_ids() -> None:
+    """Positions that restart inside a rollout (documents packed) are refused under either name; positions
+    counting the tokens from 0 (verl's, padding dropped) say nothing more and are read."""
     rollout = {"input_ids": [1, 5, 2, 1, 6], "positions": [0, 1, 2, 0, 1], "completion_mask": [0, 1, 1, 0, 1]}
-    with pytest.raises(ValueError, match=r"pre-packed positions \('position_ids' or 'positions'\)"):
-        Collator.for_rollouts(padding_free=True)([rollout])
+    for name in ("positions", "position_ids"):
+        given = {**rollout, name: rollout["positions"]} if name == "position_ids" else rollout
+        if name == "position_ids":
+            given = {key: value for key, value in given.items() if key != "positions"}
+        with pytest.raises(
+            ValueError, match=r"example 0: its positions \('position_ids' or 'positions'\) do"
+        ):
+            Collator.for_rollouts(padding_free=True)([given])
+    verl = {"input_ids": [0, 5, 2, 1, 6], "attention_mask": [0, 1, 1, 1, 1], "position_ids": [0, 0, 1, 2, 3]}
+    out = Collator.for_rollouts(padding_free=True)([{**verl, "completion_mask": [0, 0, 0, 1, 1]}])
+    assert out["input_ids"].tolist() == [[5, 2, 1, 6]] and out["position_ids"].tolist() == [[0, 1, 2, 3]]
 
 
 def test_an_eos_put_back_keeps_its_own_values() -> None:

@@ -156,3 +156,14 @@ def test_kto_refusals():
     rows = kto_examples(3)
     collate(rows)
     assert rows == before  # inputs are never changed
+
+
+def test_a_batched_dict_of_kto_examples_reads_as_its_rows():
+    """A ``datasets`` batch (a dict of columns) of KTO examples, as for pairs."""
+    rows = kto_examples(3)
+    columns = {key: [row[key] for row in rows] for key in rows[0]}
+    collate = Collator.for_preference(pad_token_id=0)
+    got, want = collate(columns), collate(rows)
+    assert list(got) == list(want)
+    for key, value in want.items():
+        assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, key

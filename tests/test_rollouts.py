@@ -106,7 +106,11 @@ def test_padding_masks_and_the_worker_transfer():
             "one rollout per example",
         ),
         ([{"input_ids": [1, 2], "completion_mask": [0, 1], "token_type_ids": [0, 0]}], {}, "token_type_ids"),
-        ([{"input_ids": [1, 2], "completion_mask": [0, 1], "position_ids": [0, 1]}], {}, "position_ids"),
+        (
+            [{"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1], "position_ids": [0, 1, 0]}],
+            {},
+            "do not count its",
+        ),
         (
             [{"input_ids": [1, 2], "completion_mask": [0, 2]}],
             {},

@@ -195,3 +195,28 @@ def test_shared_prompt_under_flash_attention_is_refused(model_path):
         packed_rows(run.model, shared_prompt=True)
     with pytest.raises(TypeError, match=r"PackedGRPOTrainer: shared_prompt must be a bool"):
         trainer(PackedGRPOTrainer, model_path, shared_prompt=1)
+
+
+def test_shuffled_groups_still_share_and_score_as_stock(model_path):
+    """TRL shuffles a generation batch's rows before the training pass: a group's completions are found
+    wherever they sit, laid out after one copy of their prompt, and scored as stock scores them."""
+    from zephon_collate.trainers.grpo import _by_prompt
+    from zephon_collate.trainers.view import pack_view
+
+    batch = rows(grouped=True)
+    shuffle = torch.tensor([2, 0, 3, 1])  # no two of a group side by side
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)[shuffle]
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)[shuffle]
+    trained = mask.clone()
+    trained[:, :-6] = 0
+    order = _by_prompt(ids, mask, 6)
+    shared = pack_view(ids, mask, trained, "one", "test", shared_prompt=True, order=order)
+    assert shared["input_ids"].shape == (1, 23)  # as the grouped rows: each prompt once
+    stock, packed = (
+        trainer(GRPOTrainer, model_path),
+        trainer(PackedGRPOTrainer, model_path, shared_prompt=True),
+    )
+    want = stock._get_per_token_logps_and_entropies(stock.model, ids, mask, 6, compute_entropy=True)
+    got = packed._get_per_token_logps_and_entropies(packed.model, ids, mask, 6, compute_entropy=True)
+    assert torch.allclose(got[0], want[0], atol=1e-6, rtol=0)
+    assert torch.allclose(got[1], want[1], atol=1e-6, rtol=0)

@@ -31,8 +31,8 @@ TOKEN = ["old_log_probs", "advantages"]
 
 
 def verl_rows(prompts, responses, old, advantages, mask=None):
-    """verl's batch ``[B, P + R]`` / ``[B, R]``: prompts left padded, responses right padded; a value under
-    padding is garbage (9.0), as verl leaves it."""
+    """verl's batch ``[B, P + R]`` / ``[B, R]``: prompts left padded, responses right padded, the position
+    ids verl computes from the attention mask; a value under padding is garbage (9.0), as verl leaves it."""
     width_p = max(len(p) for p in prompts)
     width_r = max(len(r) for r in responses)
     rows = {"input_ids": [], "attention_mask": [], "response_mask": [], "old_log_probs": [], "advantages": []}
@@ -44,7 +44,9 @@ def verl_rows(prompts, responses, old, advantages, mask=None):
         rows["response_mask"].append(trained + [0] * right)
         rows["old_log_probs"].append(old[index] + [9.0] * right)
         rows["advantages"].append(advantages[index] + [9.0] * right)
-    return {key: torch.tensor(value) for key, value in rows.items()}
+    out = {key: torch.tensor(value) for key, value in rows.items()}
+    out["position_ids"] = (out["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # a DataProto carries them
+    return out
 
 
 def token_rows(prompts, responses, old, advantages, mask=None):
@@ -197,9 +199,25 @@ def test_response_mask_is_never_dropped_elsewhere():
         Collator(return_labels=True)([row])
     with pytest.raises(ValueError, match=r"'response_mask'.*loss_mask = \[0\] \* \(len\(input_ids\)"):
         pack_flat([row], seq_len=8, pad_token_id=0)
-    # A response_mask of ones over the whole row changes nothing, and passes.
-    out = Collator(return_labels=True)([{"input_ids": [5, 6, 7], "response_mask": [1, 1, 1]}])
-    assert out["labels"].tolist() == [[6, 7]]
+    # A response_mask of ones over the whole row changes nothing, and passes, in each of them.
+    whole = {"input_ids": [5, 6, 7], "response_mask": [1, 1, 1]}
+    assert Collator(return_labels=True)([whole])["labels"].tolist() == [[6, 7]]
+    assert Collator.for_transformers(pad_token_id=0)([whole])["labels"].tolist() == [[5, 6, 7]]
+    assert pack_flat([whole], seq_len=8, pad_token_id=0)[0].payload["input_ids"][:3].tolist() == [5, 6, 7]
+    # Pairs, KTO examples and reward pairs train each side whole: a mask that would leave tokens out is refused.
+    pair = {"prompt_ids": [5], "chosen_ids": [6, 7], "rejected_ids": [8], "response_mask": [1, 0]}
+    with pytest.raises(
+        ValueError, match=r"example 0: carries 'response_mask', which this collator does not read"
+    ):
+        Collator.for_preference(pad_token_id=0)([pair])
+    kto = {"prompt_ids": [5, 6], "completion_ids": [7, 8], "label": True, "completion_mask": [0, 1]}
+    with pytest.raises(
+        ValueError, match=r"example 0: carries 'completion_mask', which this collator does not"
+    ):
+        Collator.for_preference(pad_token_id=0)([kto])
+    reward = {"chosen_ids": [5, 6], "rejected_ids": [7], "labels": [5, 6]}
+    with pytest.raises(ValueError, match=r"example 0: carries 'labels', which this collator does not read"):
+        Collator.for_rewards(pad_token_id=0)([reward])
 
 
 def test_inputs_are_not_changed():

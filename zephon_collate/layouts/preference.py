@@ -66,6 +66,7 @@ from zephon_collate.core.keys import (
     KL_COMPLETION_IDS,
     KL_INDEX,
     LABEL,
+    LABELS,
     PROMPT_ATTENTION_MASK,
     PROMPT_IDS,
     PROMPT_INPUT_IDS,
@@ -82,9 +83,9 @@ from zephon_collate.core.records import SampleRecord
 from zephon_collate.core.text import shown, shown_fields
 from zephon_collate.layouts.base import Settings, Stacked
 from zephon_collate.layouts.sequences import SequenceBatch, SequenceOptions, Sequences, prompt_lengths
-from zephon_collate.read.columns import Batch, Names, Ragged, as_numpy, gather_spans, places, row_of
+from zephon_collate.read.columns import Batch, Names, Ragged, as_numpy, gather_spans, places, row_any, row_of
 from zephon_collate.read.fields import FloatField, read_floats
-from zephon_collate.read.rules import check_flat, check_ids, kept_by_mask
+from zephon_collate.read.rules import SUPERVISING_FIELDS, check_flat, check_ids, kept_by_mask
 
 __all__ = ["Preference", "PreferenceOptions"]
 
@@ -171,7 +172,7 @@ class Preference(Sequences):
 
     OWNER: ClassVar[str] = _OWNER
     ITEM: ClassVar[str] = "pair"
-    KEY: ClassVar[tuple[str, ...]] = (CHOSEN_INPUT_IDS, CHOSEN_IDS)
+    KEY: ClassVar[tuple[str, ...]] = (CHOSEN_INPUT_IDS, CHOSEN_IDS, COMPLETION_IDS)
 
     def lay_out(self, batch: Batch) -> list[Stacked]:
         """Read, check and lay out the pairs.
@@ -207,12 +208,30 @@ class Preference(Sequences):
 
     def _check_dicts(self, batch: Batch, fields: str) -> None:
         """``TypeError`` naming the first example that is not a dict of token ids (``fields``: the expected
-        ones, for the message)."""
+        ones, for the message); ``ValueError`` for a supervising field of one sequence (``labels``, a
+        ``loss_mask``, ``completion_mask``, ``response_mask``, an ``attention_mask``) that would leave
+        tokens untrained: a side's tokens are trained whole, so it would be lost."""
         for index, payload in enumerate(getattr(batch, "payloads", ())):
             if isinstance(payload, SampleRecord) or not hasattr(payload, "keys"):
                 raise TypeError(
                     f"{batch.names(index)}: must be a dict of a pair's token ids ({fields}), got "
                     f"{type(payload).__name__}"
+                )
+        for name in SUPERVISING_FIELDS:
+            if name not in batch:
+                continue
+            values = batch.get(name, "values", partial=True)
+            assert values is not None
+            untrained = (
+                row_any(values.host != 1, values.offsets) if name != LABELS else np.ones(batch.rows, bool)
+            )
+            rows = np.flatnonzero(untrained & batch.carried(name))
+            if rows.size:
+                raise ValueError(
+                    f"{batch.names(int(rows[0]))}: carries {shown(name)}, which this collator does not read: "
+                    "each side's tokens are trained whole, so what it leaves out would be trained; give each "
+                    "side (or completion) as the tokens to train, its padding in the side's own "
+                    "*_attention_mask, and drop the field"
                 )
 
     def _unpaired(self, batch: Batch, found: str) -> SequenceBatch:

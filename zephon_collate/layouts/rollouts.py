@@ -27,7 +27,8 @@ reads ``logits_index``.
 verl's rows are read as verl keeps them (``DataProto``, as a dict of
 ``[batch, ...]`` tensors or a list of rows): ``input_ids`` the prompt, left
 padded, then the response, right padded; ``attention_mask`` 0 on both
-paddings; ``response_mask`` and the per-token fields ``[batch, response_length]``,
+paddings; ``position_ids`` counting the real tokens from 0 (read, and dropped:
+a rollout is one sequence); ``response_mask`` and the per-token fields ``[batch, response_length]``,
 declared ``FloatField(name, align="response")``: they cover each row's last
 ``response_length`` tokens.
 """
@@ -56,7 +57,7 @@ from zephon_collate.core.text import shown
 from zephon_collate.layouts.base import Stacked
 from zephon_collate.layouts.sequences import SequenceBatch, SequenceOptions, Sequences, prompt_lengths
 from zephon_collate.layouts.transformers import supervision
-from zephon_collate.read.columns import Batch, Ragged, places
+from zephon_collate.read.columns import Batch, Ragged, places, row_any
 from zephon_collate.read.fields import FloatField, to_label_positions
 from zephon_collate.read.rules import check_zero_one, kept_by_mask, response_aligned
 
@@ -121,15 +122,11 @@ class Rollouts(Sequences):
         fields, segments, per_sequence = self.fields(batch)
         names = batch.names
         tokens = fields[INPUT_IDS]
-        for name, problem in (
-            (POSITION_IDS, "pre-packed positions ('position_ids' or 'positions')"),
-            (TOKEN_TYPE_IDS, "'token_type_ids'"),
-        ):
-            if name in fields:
-                raise ValueError(
-                    f"{_OWNER}: the examples carry {problem}; a rollout is one sequence (prompt and "
-                    "completion) for a causal LM: drop the field"
-                )
+        if TOKEN_TYPE_IDS in fields:
+            raise ValueError(
+                f"{_OWNER}: the examples carry 'token_type_ids'; a rollout is one sequence (prompt and "
+                "completion) for a causal LM: drop the field"
+            )
         if segments is not None:
             raise ValueError(
                 f"{_OWNER}: the examples carry 'seq_lengths' (several documents packed in one example); give "
@@ -149,11 +146,22 @@ class Rollouts(Sequences):
             supervised = Ragged(np.asarray(supervised.values) & (placed.host != 0), tokens.offsets)
         specs = self.options.floats
         floats = {spec.name: fields[spec.name] for spec in specs if spec.per_token}
+        positions = fields.get(POSITION_IDS)
         if ATTENTION_MASK in fields:
             keep = kept_by_mask(fields[ATTENTION_MASK], ATTENTION_MASK, names)
             if not keep.all():
                 tokens, supervised = tokens.select(keep), supervised.select(keep)
                 floats = {name: values.select(keep) for name, values in floats.items()}
+                positions = None if positions is None else positions.select(keep)
+        if positions is not None:  # one sequence each (verl writes them so): they say nothing more
+            wrong = np.flatnonzero(row_any(positions.host != places(positions.offsets), positions.offsets))
+            if wrong.size:
+                raise ValueError(
+                    f"{names(int(wrong[0]))}: its positions ('position_ids' or 'positions') do not count its "
+                    "tokens from 0 (padding dropped): several documents packed in one example; a rollout is "
+                    "one sequence (prompt and completion): give one rollout per example, which this "
+                    "collator packs itself (padding_free=True), or drop the field"
+                )
         starts = places(tokens.offsets) == 0
         for spec in specs:
             if spec.align == "label":  # moved to the token each prediction is scored against

@@ -91,12 +91,14 @@ from zephon_collate.read.arrow import Columns, read_by_rows
 from zephon_collate.read.columns import Batch, Names, Ragged, places, row_any, row_of, to_row
 from zephon_collate.read.fields import FloatField, check_float_fields, read_floats, to_label_positions
 from zephon_collate.read.rules import (
+    SUPERVISING_FIELDS,
     check_flat,
     check_ids,
     check_zero_one,
     kept_by_mask,
     misspelled,
     positions_field,
+    unread_supervision,
 )
 from zephon_collate.transforms import (
     AttentionMask,
@@ -496,6 +498,16 @@ class Transformers(Layout):
         check_flat(tokens, INPUT_IDS, names)
         check_ids(tokens, INPUT_IDS, names)
         tokens = tokens.cast(torch.int64)
+        if RESPONSE_MASK in batch and not self.READS_RESPONSE_MASK:  # refused where it would change training
+            others = [name for name in SUPERVISING_FIELDS if name != RESPONSE_MASK]
+            found = unread_supervision(batch, tokens, others, None)
+            if found is not None:
+                raise ValueError(
+                    f"{names(found[0])}: carries 'response_mask' (verl's mask of the row's last tokens, the "
+                    "response), which this collator does not read: read as all trained, the prompt would be "
+                    "trained; collate rollouts with Collator.for_rollouts(...), which reads it, or give a "
+                    "completion_mask (0 on the prompt)"
+                )
         fields: dict[str, Ragged] = {INPUT_IDS: tokens}
         for name, kind in _PER_TOKEN:
             source = positions_field(batch) or name if name == POSITION_IDS else name  # the page's name too
@@ -572,14 +584,6 @@ class Transformers(Layout):
         scalar = batch.one_value_row(LABELS) if LABELS in batch else None
         if scalar is not None:
             raise _sequence_classification(names(scalar))
-        if RESPONSE_MASK in batch and not self.READS_RESPONSE_MASK:
-            index = int(np.flatnonzero(batch.carried(RESPONSE_MASK))[0])
-            raise ValueError(
-                f"{names(index)}: carries 'response_mask' (verl's mask of the row's last tokens, the "
-                "response), which this collator does not read: read as all trained, the prompt would be "
-                "trained; collate rollouts with Collator.for_rollouts(...), which reads it, or give a "
-                "completion_mask (0 on the prompt)"
-            )
         if "decoder_input_ids" in batch:
             index = int(np.flatnonzero(batch.carried("decoder_input_ids"))[0])
             raise ValueError(

@@ -262,6 +262,9 @@ def read_floats(
             hint = (
                 "; declare FloatField(name, align='sequence') for one value per sequence"
                 if array.ndim == 0
+                else "; a field of the response's tokens only (verl's old_log_probs, advantages) is "
+                "FloatField(name, align='response')"
+                if array.ndim == 1 and array.shape[0] < length
                 else ""
             )
             raise ValueError(

@@ -43,11 +43,12 @@ class PackedGRPOTrainer(GRPOTrainer):
     The rows are packed in one row under FlashAttention (varlen), else best-fit into rows as wide as
     the longest sequence. Takes ``GRPOTrainer``'s arguments, unchanged.
 
-    ``shared_prompt=True`` (its one keyword of its own) lays the completions of one prompt (consecutive
-    rows, as TRL generates them) out after one copy of the prompt, each in a branch behind a 4-D
-    attention mask (SDPA or eager; FlashAttention is refused): the prompt goes through the transformer
-    once per group instead of once per completion. A dense mask costs the document's width squared, so
-    it pays when prompts are long next to the completions.
+    ``shared_prompt=True`` (its one keyword of its own) lays the completions of one prompt (wherever
+    they sit among the rows: TRL shuffles them before the training pass) out after one copy of the
+    prompt, each in a branch behind a 4-D attention mask (SDPA or eager; FlashAttention is refused):
+    the prompt goes through the transformer once per group instead of once per completion. A dense
+    mask costs the document's width squared, so it pays when prompts are long next to the
+    completions.
 
     Example:
         >>> from zephon_collate.trainers import PackedGRPOTrainer  # doctest: +SKIP
@@ -101,6 +102,7 @@ class PackedGRPOTrainer(GRPOTrainer):
                     self.packed_rows,
                     "PackedGRPOTrainer",
                     shared_prompt=self.shared_prompt,
+                    order=_by_prompt(ids, mask, logits_to_keep) if self.shared_prompt else None,
                 ).items()
             }
             extra = {"output_router_logits": True} if compute_aux_loss else {}
@@ -123,3 +125,11 @@ class PackedGRPOTrainer(GRPOTrainer):
             torch.cat(entropies, dim=0) if compute_entropy else None,
             torch.stack(aux_losses).mean() if compute_aux_loss else None,
         )
+
+
+def _by_prompt(ids: torch.Tensor, mask: torch.Tensor, keep: int) -> list[int]:
+    """The rows in an order that puts equal prompts (the columns before the last ``keep``) together: TRL
+    shuffles a generation batch's rows before the training pass, so a group's completions are not
+    neighbours there."""
+    prompts = (ids[:, :-keep] * mask[:, :-keep]).tolist()
+    return sorted(range(len(prompts)), key=prompts.__getitem__)
