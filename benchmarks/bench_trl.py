@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,31 @@ def step(run: Any, batch: dict[str, Any]) -> float:
     loss = run.compute_loss(run.model, batch)
     loss.backward()
     return float(loss.detach())
+
+
+def checked_and_timed(
+    runs: dict[str, Any], call: Callable[[str, Any], float], rounds: int
+) -> dict[str, float]:
+    """Each run's loss checked equal to the first's with float64 weights (float32 sums over 1,000 tokens
+    round apart), then each call timed in float32: medians of ``rounds`` interleaved rounds."""
+    for run in runs.values():
+        run.model.to(torch.float64)
+        if getattr(run, "ref_model", None) is not None:
+            run.ref_model.to(torch.float64)
+    losses = {name: call(name, run) for name, run in runs.items()}
+    first = next(iter(losses.values()))
+    assert all(abs(loss - first) < 1e-6 for loss in losses.values()), losses
+    for run in runs.values():
+        run.model.to(torch.float32)
+        if getattr(run, "ref_model", None) is not None:
+            run.ref_model.to(torch.float32)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            call(name, run)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def rollouts(prompts: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -107,21 +133,8 @@ def grpo(args: argparse.Namespace) -> None:
         one_row = pack_view(ids, mask, trained, "one", "bench", shared_prompt=True, order=order)
         shared_real += one_row["input_ids"].numel()
     ids, mask, keep = rollouts(args.prompts)
-    for run in runs.values():
-        run.model.to(torch.float64)
-    losses = {name: grpo_step(run, ids, mask, keep) for name, run in runs.items()}
-    assert (
-        abs(losses["stock"] - losses["packed"]) < 1e-6 and abs(losses["stock"] - losses["shared"]) < 1e-6
-    ), losses
-    for run in runs.values():
-        run.model.to(torch.float32)
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.rounds):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            grpo_step(run, ids, mask, keep)
-            times[name].append(time.perf_counter() - start)
-    stock_s, packed_s, shared_s = (statistics.median(times[name]) for name in ("stock", "packed", "shared"))
+    times = checked_and_timed(runs, lambda name, run: grpo_step(run, ids, mask, keep), args.rounds)
+    stock_s, packed_s, shared_s = (times[name] for name in ("stock", "packed", "shared"))
     print(
         f"\nGRPO: {args.prompts} prompts x 8 completions per step (prompt 200-800, completions 50-1,000 tokens)\n"
     )
@@ -179,19 +192,8 @@ def reward(args: argparse.Namespace) -> None:
                          processing_class=tokenizer())  # fmt: skip
     examples = [data[i] for i in range(args.pairs)]
     batches = {name: run.data_collator(examples) for name, run in runs.items()}
-    for run in runs.values():
-        run.model.to(torch.float64)
-    losses = {name: step(runs[name], dict(batches[name])) for name in runs}
-    assert abs(losses["stock"] - losses["packed"]) < 1e-6, losses
-    for run in runs.values():
-        run.model.to(torch.float32)
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.rounds):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            step(run, dict(batches[name]))
-            times[name].append(time.perf_counter() - start)
-    stock_s, packed_s = (statistics.median(times[name]) for name in runs)
+    times = checked_and_timed(runs, lambda name, run: step(run, dict(batches[name])), args.rounds)
+    stock_s, packed_s = times["stock"], times["packed"]
     padded, packed = batches["stock"]["input_ids"].numel(), batches["packed"]["input_ids"].numel()
     real = int(batches["stock"]["attention_mask"].sum())
     print(f"\nReward model: {args.pairs} pairs of 250-1,800 token sequences\n")
@@ -244,21 +246,8 @@ def main() -> None:
         shared_real += one_row(examples)["packed"]["input_ids"].numel()  # one row: no padding
     examples = [packed.train_dataset[i] for i in range(args.pairs)]
     batches = {name: run.data_collator(examples) for name, run in runs.items()}
-    for run in runs.values():  # checked in float64 weights: float32 sums over 1,000 tokens round apart
-        run.model.to(torch.float64), run.ref_model.to(torch.float64)
-    losses = {name: step(runs[name], batches[name]) for name in runs}
-    assert (
-        abs(losses["stock"] - losses["packed"]) < 1e-6 and abs(losses["stock"] - losses["shared"]) < 1e-6
-    ), losses
-    for run in runs.values():
-        run.model.to(torch.float32), run.ref_model.to(torch.float32)
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.rounds):
-        for name in runs:
-            start = time.perf_counter()
-            step(runs[name], batches[name])
-            times[name].append(time.perf_counter() - start)
-    stock_s, packed_s, shared_s = (statistics.median(times[name]) for name in ("stock", "packed", "shared"))
+    times = checked_and_timed(runs, lambda name, run: step(run, batches[name]), args.rounds)
+    stock_s, packed_s, shared_s = (times[name] for name in ("stock", "packed", "shared"))
     print(
         f"{args.steps} steps of {args.pairs} pairs (prompt 200-800, responses 50-1,000 tokens), "
         f"Llama hidden {args.hidden}, 2 layers, CPU 1 thread\n"
