@@ -63,14 +63,19 @@ def token_rows(prompts, responses, old, advantages, mask=None):
     return out
 
 
-def same(got, want):
-    assert list(got) == list(want)
-    for key, value in want.items():
-        if isinstance(value, torch.Tensor):
-            assert got[key].dtype == value.dtype, key
-            assert torch.equal(got[key], value), key
-        else:
-            assert got[key] == value, key
+def differing(got, want) -> list[str]:
+    """The keys on which two batches differ (in presence, order, dtype or a value)."""
+    if list(got) != list(want):
+        return sorted(set(got) ^ set(want)) or ["(order)"]
+    return [
+        key
+        for key, value in want.items()
+        if not (
+            got[key].dtype == value.dtype and torch.equal(got[key], value)
+            if isinstance(value, torch.Tensor)
+            else got[key] == value
+        )
+    ]
 
 
 def rollouts(seed, count=6):
@@ -110,9 +115,9 @@ def test_verl_rows_equal_the_same_rollouts_token_aligned(layout):
     )
     collate = Collator.for_rollouts(float_fields=RESPONSE, **LAYOUTS[layout])
     batch = verl_rows(prompts, responses, old, advantages)
-    same(collate(batch), want)  # verl's DataProto batch: a dict of [B, ...] tensors
+    assert differing(collate(batch), want) == []  # verl's DataProto batch: a dict of [B, ...] tensors
     as_list = [{key: value[index] for key, value in batch.items()} for index in range(len(prompts))]
-    same(collate(as_list), want)  # or its rows
+    assert differing(collate(as_list), want) == []  # or its rows
 
 
 @settings(max_examples=40, deadline=None)
@@ -128,7 +133,7 @@ def test_property_response_aligned_equals_token_aligned(seed, layout, holes):
     got = Collator.for_rollouts(float_fields=RESPONSE, **LAYOUTS[layout])(
         verl_rows(prompts, responses, old, advantages, mask)
     )
-    same(got, want)
+    assert differing(got, want) == []
 
 
 def test_packed_logprobs_meet_verls_old_log_probs():

@@ -40,9 +40,10 @@ from typing import Any, Literal
 import torch
 from trl.trainer.dpo_trainer import DPOTrainer
 
+from zephon_collate.core.checks import check_bool
 from zephon_collate.core.keys import ATTENTION_MASK, INPUT_IDS
 from zephon_collate.core.text import shown
-from zephon_collate.trainers.view import PACKED, ROWS, check_packing, pack_view, packed_rows, wrap_forward
+from zephon_collate.trainers.view import PACKED, ROWS, pack_view, packed_base, wrap_forward
 
 __all__ = ["PackedDPOTrainer", "PackedPreference"]
 
@@ -99,9 +100,8 @@ class PackedPreference:
     ) -> None:
         if rows not in ROWS:
             raise ValueError(f"PackedPreference: rows must be 'one' or 'fit', got {shown(rows)}")
-        if not isinstance(shared_prompt, bool):
-            raise TypeError(f"PackedPreference: shared_prompt must be a bool, got {shown(shared_prompt)}")
-        self.view, self.rows, self.shared_prompt = view, rows, shared_prompt
+        self.view, self.rows = view, rows
+        self.shared_prompt = check_bool("shared_prompt", shared_prompt, owner="PackedPreference")
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = dict(self.view(examples))
@@ -166,13 +166,9 @@ class PackedDPOTrainer(DPOTrainer):
     """
 
     def __init__(self, *args: Any, shared_prompt: bool = False, **kwargs: Any) -> None:
-        if not isinstance(shared_prompt, bool):
-            raise TypeError(f"PackedDPOTrainer: shared_prompt must be a bool, got {shown(shared_prompt)}")
+        shared_prompt = check_bool("shared_prompt", shared_prompt, owner="PackedDPOTrainer")
         super().__init__(*args, **kwargs)
-        model = self.accelerator.unwrap_model(self.model)
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        check_packing(base, "PackedDPOTrainer", shared_prompt=shared_prompt)
-        rows = packed_rows(base, shared_prompt=shared_prompt)
+        base, rows = packed_base(self, "PackedDPOTrainer", shared_prompt)
         self.data_collator = PackedPreference(self.data_collator, rows=rows, shared_prompt=shared_prompt)
         wrap_forward(base)
         if self.ref_model is not None:

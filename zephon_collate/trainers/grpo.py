@@ -26,13 +26,13 @@ trainer is built.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from trl.trainer.grpo_trainer import GRPOTrainer
 
-from zephon_collate.core.text import shown
-from zephon_collate.trainers.view import PACKED, check_packing, pack_view, packed_rows, wrap_forward
+from zephon_collate.core.checks import check_bool
+from zephon_collate.trainers.view import PACKED, pack_view, packed_base, wrap_forward
 
 __all__ = ["PackedGRPOTrainer"]
 
@@ -56,14 +56,9 @@ class PackedGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *args: Any, shared_prompt: bool = False, **kwargs: Any) -> None:
-        if not isinstance(shared_prompt, bool):
-            raise TypeError(f"PackedGRPOTrainer: shared_prompt must be a bool, got {shown(shared_prompt)}")
+        self.shared_prompt = check_bool("shared_prompt", shared_prompt, owner="PackedGRPOTrainer")
         super().__init__(*args, **kwargs)
-        model = self.accelerator.unwrap_model(self.model)
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        check_packing(base, "PackedGRPOTrainer", shared_prompt=shared_prompt)
-        self.packed_rows: Literal["one", "fit"] = packed_rows(base, shared_prompt=shared_prompt)
-        self.shared_prompt = shared_prompt
+        base, self.packed_rows = packed_base(self, "PackedGRPOTrainer", self.shared_prompt)
         wrap_forward(base)
         if self.ref_model is not None:
             wrap_forward(self.accelerator.unwrap_model(self.ref_model))

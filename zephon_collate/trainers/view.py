@@ -288,6 +288,15 @@ def packed_rows(model: nn.Module, *, shared_prompt: bool = False) -> Literal["on
     return "one" if flash or moe else "fit"
 
 
+def packed_base(trainer: Any, owner: str, shared_prompt: bool) -> tuple[nn.Module, Literal["one", "fit"]]:
+    """A built TRL trainer's model (under PEFT, its base model), checked to keep packed sequences apart
+    (:func:`check_packing`), and the packed rows its attention wants (:func:`packed_rows`)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    base: nn.Module = model.get_base_model() if hasattr(model, "get_base_model") else model
+    check_packing(base, owner, shared_prompt=shared_prompt)
+    return base, packed_rows(base, shared_prompt=shared_prompt)
+
+
 def check_packing(model: nn.Module, owner: str, *, shared_prompt: bool = False) -> None:
     """Refuse a model that does not keep packed sequences apart: two sequences laid end to end with
     ``position_ids`` restarting must score as they do alone. transformers does so from the positions for
