@@ -46,6 +46,7 @@ __all__ = [
     "check_packing",
     "grid_rows",
     "pack_view",
+    "packed_base",
     "packed_rows",
     "present",
     "wrap_forward",
