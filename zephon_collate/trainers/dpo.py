@@ -16,8 +16,9 @@ whole and changes what that call runs::
 
 The collate function (:class:`PackedPreference`) returns TRL's batch as its own
 collator builds it, plus the same sequences packed padding-free by
-:meth:`Collator.for_transformers <zephon_collate.Collator.for_transformers>`
-under ``"packed"``. The model's forward, wrapped, runs the transformer on the
+:meth:`Collator.for_rollouts <zephon_collate.Collator.for_rollouts>` (its
+sequence map places every prediction) under ``"packed"``
+(:func:`~zephon_collate.trainers.view.pack_view`). The model's forward, wrapped, runs the transformer on the
 packed row (``position_ids`` keep the sequences apart, as transformers reads
 packed rows) with TRL's fused head, then lays each per-token output back out
 as the padded view: TRL's loss and metrics read exactly the values the padded
