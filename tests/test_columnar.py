@@ -24,6 +24,7 @@ from zephon_collate import (
     pack_flat,
 )
 from zephon_collate.read.arrow import ColumnBatch, columns_of
+from zephon_collate.read.fields import TensorField
 
 pa = pytest.importorskip("pyarrow")
 
@@ -623,7 +624,7 @@ def test_packers_and_the_wrapper_refuse_what_is_not_columns():
         ColumnarDataset(pa.table({"input_ids": [[1]]})).__getitems__([0, 3])
 
 
-def test_float_fields_and_groups_are_refused_for_columns_by_every_entry_point():
+def test_float_fields_and_groups_are_refused_for_columns_by_the_packers():
     table = pa.table({"input_ids": [[1, 2], [3]], "advantages": [[0.5, 0.5], [1.0]], "group": [0, 0]})
     message = "are read example by example, not from columns; give the batch as a list of examples"
     with pytest.raises(ValueError, match=f"pack_columns: float_fields {message}"):
@@ -632,16 +633,43 @@ def test_float_fields_and_groups_are_refused_for_columns_by_every_entry_point():
         pack_flat(table, 4, pad_token_id=0, group_key="group")
     with pytest.raises(ValueError, match=f"FlatPacker: float_fields {message}"):
         list(FlatPacker(4, pad_token_id=0, float_fields=["advantages"]).pack([table]))
-    # The collators: never a batch without the float fields (they weight the loss)
-    with pytest.raises(ValueError, match=f"^Collator: float_fields {message}"):
-        Collator(return_labels=True, float_fields=["advantages"])(table)
-    with pytest.raises(ValueError, match=f"Collator.for_transformers: float_fields {message}"):
-        Collator.for_transformers(padding_free=True, float_fields=["advantages"])(table)
-    padded = Collator(return_labels=True, pad_token_id=0, float_fields=["advantages"])(table.to_pylist())
-    assert padded["advantages"].tolist() == [[0.5], [0.0]]
     # The same documents as records pack with both.
     rows = pack_flat(table.to_pylist(), 4, pad_token_id=0, float_fields=["advantages"], group_key="group")
     assert rows[0].payload["advantages"].tolist() == [0.5, 0.5, 1.0, 0.0]
+
+
+def test_the_collators_read_float_and_tensor_fields_from_columns_as_from_rows():
+    top = pa.list_(pa.list_(pa.float32(), 2))  # a fixed-size top-k per token
+    table = pa.table(
+        {
+            "input_ids": [[1, 2], [3]],
+            "advantages": [[0.5, 0.5], [1.0]],
+            "top": pa.array([[[0.0, -1.0], [-2.0, float("-inf")]], [[-0.5, -0.25]]], type=top),
+            "routes": [[[1, 2], [3, 4]], [[5, 6]]],  # list<list<int64>>: equal inner lists
+        }
+    )
+    specs = [
+        "advantages",
+        TensorField("top", align="label", fill=float("-inf"), shape=(2,)),
+        TensorField("routes", dtype=torch.int16, shape=(2,)),
+    ]
+    for collate in (
+        Collator(return_labels=True, pad_token_id=0, float_fields=specs),
+        Collator.for_transformers(padding_free=True, float_fields=specs),
+        Collator.for_transformers(pad_token_id=0, float_fields=specs),
+    ):
+        columns, rows = collate(table), collate(table.to_pylist())
+        assert sorted(columns) == sorted(rows)
+        for key, value in rows.items():
+            same = torch.equal(columns[key], value) if isinstance(value, torch.Tensor) else columns[key] == value
+            assert same, key
+    padded = Collator(return_labels=True, pad_token_id=0, float_fields=specs)(table)
+    assert padded["advantages"].tolist() == [[0.5], [0.0]]
+    assert padded["top"].tolist() == [[[0.0, -1.0]], [[-0.5, -0.25]]]  # the prediction at each input
+    assert padded["routes"].dtype == torch.int16 and padded["routes"].tolist() == [[[3, 4]], [[0, 0]]]
+    ragged = pa.table({"input_ids": [[1, 2]], "top": [[[0.0, -1.0], [-2.0]]]})
+    with pytest.raises(ValueError, match=r"example 0: field 'top' holds 1 values at top\[1\], but 2 at"):
+        Collator(return_labels=True, float_fields=specs[1:2])(ragged)
 
 
 def test_padding_length_column_is_checked_like_meta_padding_length():

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from zephon_collate import Collator, FloatField, SampleMeta, SampleRecord, Transform, use_host_pass
+from zephon_collate.read.fields import TensorField
 
 EOS, PAD = 2, 0
 CUDA = torch.cuda.is_available()
@@ -75,6 +76,7 @@ def packed_records(seed: int, rows: int, length: int, *, floats: bool = False, m
             payload["loss_mask"] = (rng.random(length) < 0.7).astype(np.int64)
         if floats:
             payload["old"] = rng.normal(size=length).astype(np.float32)
+            payload.update(_top_k(rng, length))
             payload["adv"] = float(rng.normal())
         meta = SampleMeta((0, 0, seed * 100 + index), 0, 0, tags={"_padding_length": padding})
         records.append(SampleRecord(meta, payload))
@@ -118,6 +120,7 @@ def hf_examples(seed: int, rows: int, length: int, *, packed: bool = False, floa
             example["seq_lengths"] = _documents(rng, size)
         if floats:
             example["old"] = rng.normal(size=size).astype(np.float32).tolist()
+            example.update(_top_k(rng, size))
             example["adv"] = float(rng.normal())
         out.append(example)
     return out
@@ -173,6 +176,16 @@ def reward_pairs(seed: int, rows: int, length: int) -> list:
     ]
 
 
+def _top_k(rng: np.random.Generator, length: int) -> dict[str, np.ndarray]:
+    return {"top_ids": rng.integers(0, 40, (length, 2)), "top_logprobs": _absent(rng.normal(size=(length, 2)))}
+
+
+def _absent(values: np.ndarray) -> np.ndarray:
+    values = values.astype(np.float32)
+    values[values > 1.5] = -np.inf  # a token with fewer entries
+    return values
+
+
 def rollouts(seed: int, rows: int, length: int) -> list:
     """GRPO groups: completions after one prompt, behaviour log-probs, an advantage per rollout."""
     rng = np.random.default_rng(seed)
@@ -187,6 +200,7 @@ def rollouts(seed: int, rows: int, length: int) -> list:
                 "input_ids": prompt + completion,
                 "completion_mask": [0] * len(prompt) + [1] * len(completion),
                 "old": [0.0] * len(prompt) + rng.normal(size=len(completion)).astype(np.float32).tolist(),
+                **_top_k(rng, len(prompt) + len(completion)),
                 "adv": float(rng.normal()),
             }
         )
@@ -196,8 +210,12 @@ def rollouts(seed: int, rows: int, length: int) -> list:
 SHAPES = [(3, 16), (2, 9), (4, 23), (1, 12)]
 """(rows, length) of each batch a case runs: several shapes, so compiled graphs see dynamic sizes."""
 
-FLOATS = ["old", FloatField("adv", "sequence")]
-ROLLOUT_FLOATS = ["old", FloatField("adv", "sequence", broadcast=True)]
+TOP = [  # a teacher's top-2 per prediction, some entries absent (-inf): tensor-valued fields
+    TensorField("top_ids", align="label", dtype=torch.int32, shape=(2,)),
+    TensorField("top_logprobs", align="label", fill=float("-inf"), shape=(None,)),
+]
+FLOATS = ["old", FloatField("adv", "sequence"), *TOP]
+ROLLOUT_FLOATS = ["old", FloatField("adv", "sequence", broadcast=True), *TOP]
 NATIVE_FULL = {
     "return_labels": True,
     "return_loss_mask": True,

@@ -27,7 +27,7 @@ from zephon_collate.parallel.balance import BalanceOptions
 from zephon_collate.parallel.cost import CostModel
 from zephon_collate.parallel.distributed import global_num_valid_tokens, normalize_loss
 from zephon_collate.parallel.sampler import BalancedBatchSampler
-from zephon_collate.read.fields import FloatField
+from zephon_collate.read.fields import FloatField, TensorField
 from zephon_collate.transforms import Chain, Transform
 from zephon_collate.types import (
     ChunkId,
@@ -65,6 +65,7 @@ __all__ = [
     "DatasetId",
     "FlatPacker",
     "FloatField",
+    "TensorField",
     "LaneId",
     "LineageIndex",
     "LocalSampleId",

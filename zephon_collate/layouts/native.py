@@ -52,9 +52,9 @@ from zephon_collate.functional import host
 from zephon_collate.layouts.base import Layout, Stacked, per_row_outputs
 from zephon_collate.layouts.stack import RowPadding, dense, stack_rows
 from zephon_collate.layouts.training import TrainingOptions
-from zephon_collate.read.arrow import Columns, read_by_rows
+from zephon_collate.read.arrow import Columns
 from zephon_collate.read.columns import Batch, Names, Ragged, Row, as_numpy, concat, numpy_dtype
-from zephon_collate.read.fields import FloatField, check_float_fields, read_floats
+from zephon_collate.read.fields import TensorField, check_float_fields, read_floats
 from zephon_collate.read.rules import (
     SUPERVISING_FIELDS,
     check_fits,
@@ -112,7 +112,7 @@ class CollatorOptions(TrainingOptions):
     pad_token_id: int | None = None
     pad_to_multiple_of: int | None = None
     boundary_safe_labels: bool = True
-    float_fields: Sequence[str | FloatField] = ()
+    float_fields: Sequence[str | TensorField] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -179,8 +179,8 @@ class Native(Layout):
         return RowPadding.create(options.pad_token_id, options.pad_to_multiple_of)
 
     @functools.cached_property
-    def floats(self) -> tuple[FloatField, ...]:
-        return tuple(cast(Sequence[FloatField], getattr(self.options, "float_fields", ())))
+    def floats(self) -> tuple[TensorField, ...]:
+        return tuple(cast(Sequence[TensorField], getattr(self.options, "float_fields", ())))
 
     @property
     def boundary_safe(self) -> bool:
@@ -250,8 +250,6 @@ class Native(Layout):
         """
         options = self.options
         names = batch.names
-        if self.floats and isinstance(batch, Columns):
-            raise read_by_rows("Collator", "float_fields")
         tokens_field = _tokens_field(batch, options.tokens_field)
         tokens = batch.get(tokens_field, "ids")
         assert tokens is not None
@@ -458,8 +456,8 @@ class Native(Layout):
         floats = {spec.name: spec for spec in self.floats}
         for name, values in per_token.items():
             spec = floats.get(name)
-            if spec is not None:  # a float field: its own dtype, 0.0 on padding
-                data[name] = _in_dtype(dense(values, width, 0.0), spec.dtype)
+            if spec is not None:  # a value field: its own dtype, its fill on padding
+                data[name] = _in_dtype(dense(values, width, spec.fill), spec.dtype)
                 continue
             if name == LOSS_MASK and options.return_labels:
                 # The supervision, checked to hold 0 and 1, as booleans: the masks that read it

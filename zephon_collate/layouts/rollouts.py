@@ -58,7 +58,7 @@ from zephon_collate.layouts.base import Stacked
 from zephon_collate.layouts.sequences import SequenceBatch, SequenceOptions, Sequences, prompt_lengths
 from zephon_collate.layouts.transformers import supervision
 from zephon_collate.read.columns import Batch, Ragged, places, row_any
-from zephon_collate.read.fields import FloatField, to_label_positions
+from zephon_collate.read.fields import TensorField, to_label_positions
 from zephon_collate.read.rules import check_zero_one, kept_by_mask, response_aligned
 
 __all__ = ["RolloutOptions", "Rollouts"]
@@ -93,7 +93,7 @@ class RolloutOptions(SequenceOptions):
 
     OWNER: ClassVar[str] = _OWNER
     supervision: str | None = None
-    float_fields: Sequence[str | FloatField] = ()
+    float_fields: Sequence[str | TensorField] = ()
 
     def __post_init__(self) -> None:
         if self.supervision is not None and self.supervision not in _SUPERVISING:
@@ -165,7 +165,7 @@ class Rollouts(Sequences):
         starts = places(tokens.offsets) == 0
         for spec in specs:
             if spec.align == "label":  # moved to the token each prediction is scored against
-                floats[spec.name] = to_label_positions(floats[spec.name], starts)
+                floats[spec.name] = to_label_positions(floats[spec.name], starts, spec.fill)
         sequences = SequenceBatch(
             tokens,
             Ragged(np.asarray(supervised.values, dtype=bool), tokens.offsets),

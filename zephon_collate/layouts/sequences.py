@@ -178,6 +178,8 @@ def _spans_equal(
     if not len(lengths):
         return np.zeros(0, dtype=bool)
     differ = values[gather_spans(first, lengths)] != values[gather_spans(second, lengths)]
+    if differ.ndim > 1:  # a value that is a tensor differs where any of its entries does
+        differ = differ.reshape(differ.shape[0], -1).any(axis=1)
     counts = np.bincount(np.repeat(np.arange(len(lengths)), lengths), weights=differ, minlength=len(lengths))
     return np.asarray(counts == 0)
 

@@ -87,9 +87,9 @@ from zephon_collate.functional import host
 from zephon_collate.layouts.base import Layout, Stacked
 from zephon_collate.layouts.native import check_boundary_count
 from zephon_collate.layouts.stack import RowPadding, dense
-from zephon_collate.read.arrow import Columns, read_by_rows
+from zephon_collate.read.arrow import Columns
 from zephon_collate.read.columns import Batch, Names, Ragged, places, row_any, row_of, to_row
-from zephon_collate.read.fields import FloatField, check_float_fields, read_floats, to_label_positions
+from zephon_collate.read.fields import TensorField, check_float_fields, read_floats, to_label_positions
 from zephon_collate.read.rules import (
     SUPERVISING_FIELDS,
     check_flat,
@@ -237,7 +237,7 @@ class TransformersOptions(Keywords):
     separator_id: int | None = None
     position_ids_start: int = 0
     supervision: str | None = None
-    float_fields: Sequence[str | FloatField] = ()
+    float_fields: Sequence[str | TensorField] = ()
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -377,8 +377,8 @@ class TransformersOptions(Keywords):
         return self.padding_free if self.return_position_ids is None else self.return_position_ids
 
     @functools.cached_property
-    def floats(self) -> tuple[FloatField, ...]:
-        return cast(tuple[FloatField, ...], self.float_fields)
+    def floats(self) -> tuple[TensorField, ...]:
+        return cast(tuple[TensorField, ...], self.float_fields)
 
     @property
     def kind(self) -> Literal["torch", "numpy", "list"]:
@@ -475,6 +475,10 @@ class Transformers(Layout):
     def _token_floats(self) -> tuple[str, ...]:
         return tuple(spec.name for spec in self.options.floats if spec.per_token)
 
+    def _fills(self, pad_token_id: int) -> dict[str, int | float]:
+        """What padding holds, field by field (0 where not named): the pad id, each value field's fill."""
+        return {INPUT_IDS: pad_token_id, **{spec.name: spec.fill for spec in self.options.floats}}
+
     # -- reading -------------------------------------------------------------------------------------
 
     def lay_out(self, batch: Batch) -> list[Stacked]:
@@ -532,8 +536,6 @@ class Transformers(Layout):
                 np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64), offsets
             )
         per_sequence: dict[str, list[np.ndarray]] = {}
-        if options.floats and isinstance(batch, Columns):
-            raise read_by_rows(self.OWNER, "float_fields")
         for spec in options.floats:
             floats = read_floats(batch.per_row(spec.name, "values"), tokens.lengths, spec, names)
             if isinstance(floats, Ragged):
@@ -665,7 +667,7 @@ class Transformers(Layout):
         for spec in options.floats:
             if spec.align == "label":  # moved to the token each prediction is scored against
                 starts = _starts(per_token) if starts is None else starts
-                per_token[spec.name] = to_label_positions(per_token[spec.name], starts)
+                per_token[spec.name] = to_label_positions(per_token[spec.name], starts, spec.fill)
         if options.return_sequence_map:
             per_token.update(_sequence_map(per_token))
         if POSITIONS in per_token and self.positions_key != POSITIONS:
@@ -767,9 +769,9 @@ class Transformers(Layout):
                 f"{self.OWNER}: padding=False (do_not_pad) needs examples of one length, got lengths "
                 f"{shown(lengths.tolist())}; pad them (padding=True)"
             )
+        fills = self._fills(padding.pad_token_id)
         data: dict[str, Any] = {
-            name: dense(field, width, padding.pad_token_id if name == INPUT_IDS else 0)
-            for name, field in per_token.items()
+            name: dense(field, width, fills.get(name, 0)) for name, field in per_token.items()
         }
         data[PADDING_LENGTH] = np.subtract(width, lengths, dtype=np.int64)  # one op: no astype copy
         return Stacked(data)
@@ -786,9 +788,9 @@ class Transformers(Layout):
         multiple = self.options.pad_to_multiple_of
         width = total if multiple is None else -(-total // multiple) * multiple
         one_row, length = np.array([0, total], dtype=np.int64), np.array([total], dtype=np.int64)
-        pad_id = self.options.pad_token_id or 0
+        fills = self._fills(self.options.pad_token_id or 0)
         data: dict[str, Any] = {
-            name: dense(Ragged(field.values, one_row, length), width, pad_id if name == INPUT_IDS else 0)
+            name: dense(Ragged(field.values, one_row, length), width, fills.get(name, 0))
             for name, field in per_token.items()
         }
         data[PADDING_LENGTH] = np.array([width - total], dtype=np.int64)
@@ -994,7 +996,7 @@ def _sequence_map(per_token: dict[str, Ragged]) -> dict[str, Ragged]:
     return {LOGITS_INDEX: Ragged(predictor, offsets), SEQUENCE_INDEX: Ragged(number, offsets)}
 
 
-def in_float(value: Any, spec: FloatField) -> Any:
+def in_float(value: Any, spec: TensorField) -> Any:
     """A float field's stacked values in its dtype (bfloat16, which NumPy lacks: a tensor)."""
     if spec.dtype == torch.bfloat16:
         return torch.from_numpy(np.asarray(value)).to(torch.bfloat16)

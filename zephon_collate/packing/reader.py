@@ -50,7 +50,7 @@ from zephon_collate.core.text import shown, shown_fields
 from zephon_collate.read import rules
 from zephon_collate.read.arrow import Columns, read_by_rows
 from zephon_collate.read.columns import Batch, Names, Ragged, as_numpy, places, row_any, to_row
-from zephon_collate.read.fields import FloatField, check_float_fields, read_floats
+from zephon_collate.read.fields import TensorField, check_float_fields, read_floats
 from zephon_collate.read.rows import Rows, describe_record, example_names, is_array_payload
 from zephon_collate.read.rules import SUPERVISING_FIELDS, check_flat, check_ids, check_zero_one, misaligned
 
@@ -96,7 +96,7 @@ class PackOptions(Keywords):
     overflow: Literal["auto", "split", "truncate"] = "auto"
     buffer_size: int | None = None
     fields: Sequence[str] | None = None
-    float_fields: Sequence[str | FloatField] = ()
+    float_fields: Sequence[str | TensorField] = ()
     group_key: str | None = None
 
     @classmethod
@@ -183,15 +183,16 @@ class PackOptions(Keywords):
             raise read_by_rows(owner, "group_key groups")
 
     @property
-    def floats(self) -> tuple[FloatField, ...]:
+    def floats(self) -> tuple[TensorField, ...]:
         """The float fields, as specs (checked by :meth:`create`)."""
-        return cast(tuple[FloatField, ...], self.float_fields)
+        return cast(tuple[TensorField, ...], self.float_fields)
 
     def plain(self) -> dict[str, Any]:
         """The options as plain data (float fields as tuples), for a state that ``torch.load`` reads back."""
         values = dict(vars(self))
         values["float_fields"] = [
-            [spec.name, spec.align, str(spec.dtype), spec.broadcast] for spec in self.floats
+            [type(spec).__name__, spec.name, spec.align, str(spec.dtype), spec.broadcast, spec.fill]
+            for spec in self.floats
         ]
         if values["fields"] is not None:
             values["fields"] = list(values["fields"])
@@ -348,7 +349,7 @@ class Reader:
         fields: tuple[str, ...] | None,
         *,
         strict: bool,
-        floats: tuple[FloatField, ...] = (),
+        floats: tuple[TensorField, ...] = (),
         segments: bool = False,
         group_key: str | None = None,
     ) -> None:

@@ -458,9 +458,11 @@ def build_row(
     np.concatenate([piece.tokens for piece in pieces], out=tokens[:used])
     tokens[used:] = options.pad_token_id
     payload: dict[str, np.ndarray] = {tokens_name: tokens}
+    fills = {spec.name: spec.fill for spec in options.floats}  # value fields pad with their own fill
     for name in fields:
         parts = [piece.fields[name] for piece in pieces]
-        values = np.zeros(size, np.result_type(*{part.dtype for part in parts}))
+        dtype = np.result_type(*{part.dtype for part in parts})
+        values = np.full((size, *parts[0].shape[1:]), fills.get(name, 0), dtype)
         np.concatenate(parts, out=values[:used])
         payload[name] = values
     segments: list[Segment] = []

@@ -385,7 +385,7 @@ class Columns(Batch):
                     "as a row of values per example; give it as a (values, offsets) pair or a list column"
                 )
             else:
-                pieces.append(_arrow_list(arrow(), chunk, name, first, names))
+                pieces.append(_arrow_list(arrow(), chunk, name, first, names, nested=kind == "values"))
             first += len(pieces[-1][1]) - 1
         values: Row
         if not pieces:  # a table of no chunks (a filter that kept nothing): no rows
@@ -584,9 +584,10 @@ def _number_type(pa: ModuleType, kind: Any) -> bool:
 
 
 def _arrow_list(
-    pa: ModuleType, array: Any, name: str, first: int, names: Names
+    pa: ModuleType, array: Any, name: str, first: int, names: Names, *, nested: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One Arrow list chunk as values (a read-only view, bools unpacked) and offsets from 0."""
+    """One Arrow list chunk as values (a read-only view, bools unpacked) and offsets from 0; with
+    ``nested``, a list of equal-length lists per token is values ``[N, ...]`` (token ids never are)."""
     kind = array.type
     layout = _list_type(pa, kind)
     if layout is None:
@@ -600,12 +601,15 @@ def _arrow_list(
             "numbers (list<int64>, large_list<int32>, ...)"
         )
     value_type = kind.value_type
-    value_kind = _type(pa, value_type)
-    if not _number_type(pa, value_type):
+    leaf_type = value_type
+    while nested and _list_type(pa, leaf_type):  # a tensor per token (top-k, routes): lists of lists
+        leaf_type = leaf_type.value_type
+    value_kind = _type(pa, leaf_type)
+    if not _number_type(pa, leaf_type):
         what = "a list of lists" if _list_type(pa, value_type) else f"a list of {value_type}"
         raise TypeError(
             f"field {shown(name)} is {what} per example (Arrow type {array.type}); it must hold one list of "
-            "numbers per example"
+            "numbers (or of equal-length lists of numbers) per example"
         )
     if array.null_count:
         raise ValueError(
@@ -638,12 +642,55 @@ def _arrow_list(
                 f"{name}[{flat - int(offsets[row])}]; give numbers only: fill the nulls (dataset.map) or "
                 "drop the example (dataset.filter)"
             )
+    shape: list[int] = []
+    tokens = count
+    while _list_type(pa, child.type):  # one level of a tensor per token: its size, then its values
+        child, start, count, size = _inner(pa, child, start, count, name, first, offsets, names)
+        shape.append(size)
     values = None
     if value_kind != "bool":
         values = _view(child, 1, np.dtype(value_kind), child.offset + start, count)
     if values is None:  # bools (Arrow packs them in bits): unpacked, a copy
         values = child.slice(start, count).to_numpy(zero_copy_only=False)
+    if shape:
+        values = values.reshape(tokens, *shape)
     return values, offsets
+
+
+def _inner(
+    pa: ModuleType, child: Any, start: int, count: int, name: str, first: int, rows: np.ndarray, names: Names
+) -> tuple[Any, int, int, int]:
+    """One inner list level of a tensor-valued column (``count`` lists from ``start`` of ``child``): its
+    values array, where they start and how many there are, and the lists' one size.
+
+    Raises:
+        ValueError: for a null list, or lists of different sizes (a ragged inner list), naming the row.
+    """
+    part = child.slice(start, count)
+    if part.null_count:
+        flat = _first_null(pa, part)
+        row = int(np.searchsorted(rows, flat, side="right")) - 1
+        token = flat - int(rows[row])
+        raise ValueError(
+            f"{names(first + row)}: field {shown(name)} holds a null list at {name}[{token}]; give every "
+            "token its values"
+        )
+    if _list_type(pa, child.type) == "fixed_size_list":
+        size = int(child.type.list_size)
+        return child.values, (child.offset + start) * size, count * size, size
+    offsets = part.offsets.to_numpy().astype(np.int64)
+    sizes = offsets[1:] - offsets[:-1]
+    if sizes.size and bool((sizes != sizes[0]).any()):
+        flat = int(np.flatnonzero(sizes != sizes[0])[0])
+        row = int(np.searchsorted(rows, flat, side="right")) - 1
+        token, given, first_size = flat - int(rows[row]), int(sizes[flat]), int(sizes[0])
+        raise ValueError(
+            f"{names(first + row)}: field {shown(name)} holds {given} values at {name}[{token}], but "
+            f"{first_size} at {name}[0] of {names(first)}; give every token the same number (pad a ragged "
+            "top-k with its fill, -inf for log-probs)"
+        )
+    size = int(sizes[0]) if sizes.size else 0
+    return child.values, int(offsets[0]) if offsets.size else 0, count * size, size
 
 
 def _view(array: Any, buffer: int, dtype: np.dtype, start: int, count: int) -> np.ndarray | None:

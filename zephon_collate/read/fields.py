@@ -38,6 +38,7 @@ turn the loss into NaN several steps later): a NaN or an infinity is a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
@@ -60,31 +61,48 @@ __all__ = [
 ]
 
 Alignment: TypeAlias = Literal["token", "label", "response", "sequence"]
-"""What a float field's values belong to: a token, a prediction, a whole sequence (see the module doc)."""
+"""What a field's values belong to: a token, a prediction, a whole sequence (see the module doc)."""
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _ALIGNMENTS = ("token", "label", "response", "sequence")
 
 
 @dataclass(frozen=True)
-class FloatField:
-    """One float field beside the tokens: its name, alignment, dtype and broadcast (see the module doc).
+class TensorField:
+    """One value field beside the tokens: its name, alignment, dtype, broadcast and fill (see the module
+    doc).
+
+    A token's value may be a number or a tensor of any trailing shape, the same for every token of a
+    batch: the teacher's top-k ids ``[T, K]`` (int) and log-probs ``[T, K]`` (float), MoE routes
+    ``[T, layers, k]`` (int). The output is ``[B, S, ...]`` (``[1, N, ...]`` padding-free).
 
     Parameters:
         name: the payload field (and output key).
         align: ``"token"`` (value ``t`` belongs to token ``t``, the default), ``"label"``
-            (to the prediction made at ``t``), ``"response"`` (to the row's last ``len(values)`` tokens,
-            as verl keeps them) or ``"sequence"`` (one value per sequence).
-        dtype: the float dtype it keeps (float16, bfloat16, float32 or float64; default float32).
+            (to the prediction made at ``t``: the right alignment for a teacher's top-k), ``"response"``
+            (to the row's last ``len(values)`` tokens, as verl keeps them) or ``"sequence"`` (one value
+            per sequence).
+        dtype: the dtype it keeps: a float (float16, bfloat16, float32, float64; the default float32) or
+            an integer dtype (uint8, int8, int16, int32, int64).
         broadcast: with ``align="sequence"``, repeat the value over the sequence's tokens.
+        shape: each token's value shape: ``()`` (a number, the default), ``(K,)`` for a top-k,
+            ``(layers, k)`` for routes; ``None`` for a size that may change from batch to batch (every row
+            of one batch shares it).
+        fill: the value of every place that holds no given value: padding, and the first token of a
+            sequence for ``align="label"`` in an unshifted layout. 0 by default; ``float("-inf")`` for
+            log-probs (probability 0: :func:`~zephon_collate.losses.distillation_loss` gives it no
+            weight), which then may also appear in the values (a token with fewer than ``K`` entries).
 
     Raises:
-        TypeError, ValueError: for a name that is not a non-empty str, an unknown alignment, a
-            non-float dtype, or ``broadcast`` without ``align="sequence"``.
+        TypeError, ValueError: for a name that is not a non-empty str, an unknown alignment, a dtype
+            that is neither float nor integer, ``broadcast`` without ``align="sequence"``, or a fill that
+            the dtype cannot hold (NaN, an infinity but ``-inf`` for a float, a fraction or an
+            out-of-range number for an integer dtype).
 
     Example:
-        >>> FloatField("advantages", align="sequence", broadcast=True).per_token
-        True
-        >>> FloatField("old_logprobs").dtype
+        >>> TensorField("teacher_ids", align="label", dtype=torch.int64, shape=(4,)).fill
+        0
+        >>> TensorField("teacher_logprobs", align="label", fill=float("-inf")).dtype
         torch.float32
     """
 
@@ -92,29 +110,55 @@ class FloatField:
     align: Alignment = "token"
     dtype: torch.dtype = torch.float32
     broadcast: bool = False
+    fill: int | float = 0
+    shape: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
+        owner = f"{type(self).__name__} {shown(self.name)}"
         if not isinstance(self.name, str) or not self.name:
-            raise TypeError(f"FloatField: name must be a non-empty str, got {shown(self.name)}")
+            raise TypeError(f"{type(self).__name__}: name must be a non-empty str, got {shown(self.name)}")
         if self.align not in _ALIGNMENTS:
             raise ValueError(
-                f"FloatField {shown(self.name)}: align must be 'token', 'label', 'response' or "
-                "'sequence', got "
-                f"{shown(self.align)}"
+                f"{owner}: align must be 'token', 'label', 'response' or 'sequence', got {shown(self.align)}"
             )
-        if self.dtype not in FLOAT_DTYPES:
+        if self.dtype not in (*FLOAT_DTYPES, *INT_DTYPES):
             raise ValueError(
-                f"FloatField {shown(self.name)}: dtype must be a torch float dtype (float16, bfloat16, "
-                f"float32, float64), got {shown(self.dtype)}"
+                f"{owner}: dtype must be a torch float dtype (float16, bfloat16, float32, float64) or "
+                "integer "
+                f"dtype (uint8, int8, int16, int32, int64), got {shown(self.dtype)}"
             )
         if not isinstance(self.broadcast, bool):
-            raise TypeError(
-                f"FloatField {shown(self.name)}: broadcast must be a bool, got {shown(self.broadcast)}"
-            )
+            raise TypeError(f"{owner}: broadcast must be a bool, got {shown(self.broadcast)}")
         if self.broadcast and self.align != "sequence":
             raise ValueError(
-                f"FloatField {shown(self.name)}: broadcast=True repeats one value per sequence over its "
-                "tokens; it needs align='sequence'"
+                f"{owner}: broadcast=True repeats one value per sequence over its tokens; it needs "
+                "align='sequence'"
+            )
+        if not isinstance(self.shape, tuple) or not all(
+            size is None or (type(size) is int and size > 0) for size in self.shape
+        ):
+            raise TypeError(
+                f"{owner}: shape must be a tuple of sizes (ints > 0, or None for any size), got "
+                f"{shown(self.shape)}"
+            )
+        if self.shape and self.align == "sequence":
+            raise ValueError(
+                f"{owner}: a value per sequence is one number; shape needs a per-token alignment"
+            )
+        fill = self.fill
+        if isinstance(fill, bool) or not isinstance(fill, (int, float)):
+            raise TypeError(f"{owner}: fill must be an int or a float, got {shown(fill)}")
+        if self.dtype.is_floating_point:
+            if math.isnan(fill) or fill == math.inf:
+                raise ValueError(
+                    f"{owner}: fill must be a finite number or float('-inf') (a log-prob of probability 0), "
+                    f"got {fill}: a NaN or +inf would reach the loss"
+                )
+        elif not float(fill).is_integer() or not _fits(int(fill), self.dtype):
+            info = torch.iinfo(self.dtype)
+            raise ValueError(
+                f"{owner}: fill must be an integer from {info.min} to {info.max} for dtype {self.dtype}, "
+                f"got {fill}"
             )
 
     @property
@@ -133,15 +177,46 @@ class FloatField:
         return np.dtype(np.float32) if self.dtype == torch.bfloat16 else numpy_dtype(self.dtype)
 
 
-FloatFields: TypeAlias = "Sequence[str | FloatField]"
-"""How callers name float fields: names (token-aligned float32) or :class:`FloatField` specs."""
-
-
-def check_float_fields(owner: str, value: object, reserved: Sequence[str] = ()) -> tuple[FloatField, ...]:
-    """The float fields ``value`` names, as specs: a str is ``FloatField(name)``.
+@dataclass(frozen=True)
+class FloatField(TensorField):
+    """A :class:`TensorField` of a float dtype: log-probs, advantages, rewards, weights.
 
     Raises:
-        TypeError: if ``value`` is a str or not a sequence, or an item is neither a str nor a FloatField.
+        ValueError: for a dtype that is not a float dtype (declare a :class:`TensorField` for ids).
+
+    Example:
+        >>> FloatField("advantages", align="sequence", broadcast=True).per_token
+        True
+        >>> FloatField("old_logprobs").dtype
+        torch.float32
+    """
+
+    def __post_init__(self) -> None:
+        if isinstance(self.name, str) and self.name and self.dtype in INT_DTYPES:
+            raise ValueError(
+                f"FloatField {shown(self.name)}: dtype must be a torch float dtype (float16, bfloat16, "
+                f"float32, float64), got {shown(self.dtype)}; declare TensorField({shown(self.name)}, "
+                f"dtype={shown(self.dtype)}) for integer values"
+            )
+        super().__post_init__()
+
+
+def _fits(value: int, dtype: torch.dtype) -> bool:
+    info = torch.iinfo(dtype)
+    return info.min <= value <= info.max
+
+
+FloatFields: TypeAlias = "Sequence[str | TensorField]"
+"""How callers name value fields: names (token-aligned float32) or :class:`TensorField` /
+:class:`FloatField` specs."""
+
+
+def check_float_fields(owner: str, value: object, reserved: Sequence[str] = ()) -> tuple[TensorField, ...]:
+    """The value fields ``value`` names, as specs: a str is ``FloatField(name)``.
+
+    Raises:
+        TypeError: if ``value`` is a str or not a sequence, or an item is neither a str nor a
+            TensorField.
         ValueError: if a name is given twice or is one of ``reserved`` (a name the caller writes).
 
     Example:
@@ -150,17 +225,19 @@ def check_float_fields(owner: str, value: object, reserved: Sequence[str] = ()) 
     """
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(
-            f"{owner}: float_fields must be a list of field names or FloatField specs, got {shown(value)}"
+            f"{owner}: float_fields must be a list of field names or FloatField / TensorField specs, got "
+            f"{shown(value)}"
         )
-    specs: list[FloatField] = []
+    specs: list[TensorField] = []
     for item in value:
         if isinstance(item, str):
             specs.append(FloatField(item))
-        elif isinstance(item, FloatField):
+        elif isinstance(item, TensorField):
             specs.append(item)
         else:
             raise TypeError(
-                f"{owner}: float_fields items must be names or FloatField specs, got {shown(item)}"
+                f"{owner}: float_fields items must be names or FloatField / TensorField specs, got "
+                f"{shown(item)}"
             )
     names = [spec.name for spec in specs]
     for name in names:
@@ -174,54 +251,117 @@ def check_float_fields(owner: str, value: object, reserved: Sequence[str] = ()) 
     return tuple(specs)
 
 
-def _first_bad(field: Ragged, bad: np.ndarray, names: Names, name: str) -> tuple[str, int]:
-    """``(where, flat index)`` of the first True of ``bad``: ``record 3 ... at name[t]``."""
-    flat = int(np.flatnonzero(bad)[0])
-    row = row_of(field.offsets, flat)
-    return f"{names(row)}: float field {shown(name)}", flat - int(field.offsets[row])
+def _first_bad(field: Ragged, bad: np.ndarray, names: Names, name: str) -> tuple[str, str]:
+    """``(where, index)`` of the first True of ``bad`` (``[N, ...]``): ``record 3 ... at name[t]``."""
+    flat = np.flatnonzero(bad)[0]
+    place = np.unravel_index(flat, bad.shape)
+    row = row_of(field.offsets, int(place[0]))
+    token = ", ".join(str(int(i)) for i in (place[0] - int(field.offsets[row]), *place[1:]))
+    return f"{names(row)}: float field {shown(name)}", token
 
 
-def _checked(source: Ragged, spec: FloatField, names: Names) -> Ragged:
-    """``source`` in ``spec.host_dtype``: its values finite, and each one within ``spec.dtype``'s range.
+def _checked(source: Ragged, spec: TensorField, names: Names) -> Ragged:
+    """``source`` in ``spec.host_dtype``: each value one the dtype holds exactly as given.
 
-    A NaN or an infinity given is named as such; a finite value beyond the dtype (1e39 for float32,
-    70000 for float16, 3.5e38 for bfloat16), which the cast would turn into an infinity, is named as an
-    overflow of that dtype.
+    A float field's values are finite (or the fill, ``-inf``); a NaN or an infinity given is named as
+    such, and a finite value beyond the dtype (1e39 for float32, 70000 for float16, 3.5e38 for
+    bfloat16), which the cast would turn into an infinity, as an overflow of that dtype. An integer
+    field's values are whole numbers within its dtype.
     """
     values, name = np.asarray(source.values), spec.name
-    if values.size and values.dtype.kind == "f" and not np.isfinite(values).all():
-        where, token = _first_bad(source, ~np.isfinite(values), names, spec.name)
+    if not spec.dtype.is_floating_point:
+        return Ragged(_checked_ints(source, spec, names), source.offsets)
+    allowed = np.isfinite(values) | (values == spec.fill) if spec.fill == -math.inf else np.isfinite(values)
+    if values.size and values.dtype.kind == "f" and not allowed.all():
+        where, token = _first_bad(source, ~allowed, names, spec.name)
         raise ValueError(
-            f"{where} holds {values[np.flatnonzero(~np.isfinite(values))[0]]} at {name}[{token}]; give "
-            "finite values (a NaN or an infinity would make the loss NaN)"
+            f"{where} holds {values[np.unravel_index(np.flatnonzero(~allowed)[0], values.shape)]} at "
+            f"{name}[{token}]; give finite values (a NaN or an infinity would make the loss NaN)"
+            + ("" if spec.fill == -math.inf else "; for absent log-probs declare fill=float('-inf')")
         )
     with np.errstate(over="ignore"):
         cast = values.astype(spec.host_dtype, copy=False)
     kept = cast if spec.dtype != torch.bfloat16 else torch.from_numpy(cast).to(torch.bfloat16).float().numpy()
-    if values.size and not np.isfinite(kept).all():
-        where, token = _first_bad(source, ~np.isfinite(kept), names, spec.name)
+    overflow = ~(np.isfinite(kept) | (kept == values))
+    if values.size and overflow.any():
+        where, token = _first_bad(source, overflow, names, spec.name)
         largest = torch.finfo(spec.dtype).max
         raise ValueError(
-            f"{where} holds {values[np.flatnonzero(~np.isfinite(kept))[0]]} at {name}[{token}], beyond "
-            f"{spec.dtype} (largest {largest:.6g}): it would overflow to an infinity; rescale it, or declare "
-            f"a wider dtype (FloatField({shown(name)}, dtype=torch.float32 or torch.float64))"
+            f"{where} holds {values[np.unravel_index(np.flatnonzero(overflow)[0], values.shape)]} at "
+            f"{name}[{token}], beyond {spec.dtype} (largest {largest:.6g}): it would overflow to an "
+            f"infinity; rescale it, or declare a wider dtype (FloatField({shown(name)}, "
+            "dtype=torch.float32 or torch.float64))"
         )
     return Ragged(cast, source.offsets)
 
 
+def _checked_ints(source: Ragged, spec: TensorField, names: Names) -> np.ndarray:
+    """An integer field's values in its dtype: whole numbers (bools read as 0 and 1) within it."""
+    values = np.asarray(source.values)
+    if values.dtype.kind == "f":
+        whole = np.isfinite(values) & (values == np.round(values))
+        if not whole.all():
+            where, token = _first_bad(source, ~whole, names, spec.name)
+            raise ValueError(
+                f"{where} holds {values[np.unravel_index(np.flatnonzero(~whole)[0], values.shape)]} at "
+                f"{spec.name}[{token}], but it is declared {spec.dtype}; give whole numbers"
+            )
+    info = torch.iinfo(spec.dtype)
+    outside = (values < info.min) | (values > info.max)
+    if values.size and outside.any():
+        where, token = _first_bad(source, outside, names, spec.name)
+        raise ValueError(
+            f"{where} holds {values[np.unravel_index(np.flatnonzero(outside)[0], values.shape)]} at "
+            f"{spec.name}[{token}], beyond {spec.dtype} ({info.min} to {info.max}); declare a wider dtype"
+        )
+    return values.astype(spec.host_dtype, copy=False)
+
+
+def _check_shapes(arrays: list[np.ndarray], spec: TensorField, names: Names) -> None:
+    """Every row holds values of the declared shape (a ``None`` size: the first row's, in every row)."""
+    declared = spec.shape
+    first = next((array.shape[1:] for array in arrays if array.ndim == len(declared) + 1), None)
+    for index, array in enumerate(arrays):
+        given = array.shape[1:]
+        fits = array.ndim == len(declared) + 1 and all(
+            size == (want if want is not None else first[k] if first is not None else size)
+            for k, (size, want) in enumerate(zip(given, declared, strict=True))
+        )
+        if not fits:
+            what = "a number" if not declared else f"shape {_shown_shape(declared)}"
+            raise ValueError(
+                f"{names(index)}: float field {shown(spec.name)} holds shape {tuple(array.shape)}, but it "
+                f"is declared one value of {what} per {'response ' if spec.align == 'response' else ''}"
+                f"token (align={shown(spec.align)}, shape={_shown_shape(declared)}); give "
+                + ("a 1-D row" if not declared else f"rows of [tokens, {_shown_shape(declared)[1:-1]}]")
+                + (
+                    f" (pad a ragged K with the fill, {spec.fill}, and mask it)"
+                    if declared and first is not None and array.ndim == len(declared) + 1
+                    else ""
+                )
+            )
+
+
+def _shown_shape(shape: tuple[int | None, ...]) -> str:
+    inner = ", ".join("K" if size is None else str(size) for size in shape)
+    return f"({inner},)" if len(shape) == 1 else f"({inner})"
+
+
 def read_floats(
-    rows: Sequence[Row], lengths: np.ndarray, spec: FloatField, names: Names
+    rows: Sequence[Row], lengths: np.ndarray, spec: TensorField, names: Names
 ) -> Ragged | list[np.ndarray]:
-    """A float field's checked rows (from :meth:`~zephon_collate.read.columns.Batch.per_row`) in the
+    """A value field's checked rows (from :meth:`~zephon_collate.read.columns.Batch.per_row`) in the
     spec's layout.
 
     Per token (``spec.per_token``): a host :class:`~zephon_collate.read.columns.Ragged`
-    in ``spec.host_dtype`` with one value per token (a broadcast sequence value
-    repeated ``lengths[b]`` times). Per sequence: one 0-d array per payload.
+    ``[N, ...]`` in ``spec.host_dtype``, one value (a number, or a tensor of the row's trailing shape)
+    per token (a broadcast sequence value repeated ``lengths[b]`` times). Per sequence: one 0-d array per
+    payload.
 
     Raises:
         ValueError: for a row whose shape does not fit the alignment (one value per token, or one
-            number per sequence), or a value that is not finite; naming the record and the field.
+            number per sequence), rows of different trailing shapes, or a value the dtype cannot hold;
+            naming the record and the field.
 
     Example:
         >>> lengths = np.array([2, 1])
@@ -230,6 +370,9 @@ def read_floats(
         >>> spec = FloatField("adv", align="sequence", broadcast=True)
         >>> read_floats([np.array(1.5), np.array(-2.0)], lengths, spec, str).values.tolist()
         [1.5, 1.5, -2.0]
+        >>> top = TensorField("top_ids", dtype=torch.int64, shape=(2,))
+        >>> read_floats([np.array([[3, 1], [2, 0]]), np.array([[4, 4]])], lengths, top, str).values.shape
+        (3, 2)
     """
     name = spec.name
     arrays = [as_numpy(row) for row in rows]
@@ -242,44 +385,52 @@ def read_floats(
                     "FloatField(name) for one value per token"
                 )
         offsets = np.arange(len(arrays) + 1, dtype=np.int64)
-        given = np.array([array.item() for array in arrays], dtype=np.float64)
+        given = np.array([array.item() for array in arrays])
         values = np.asarray(_checked(Ragged(given, offsets), spec, names).values)
         if not spec.broadcast:
             return [values[index] for index in range(len(arrays))]
         repeated = np.repeat(values, lengths)
         return Ragged(repeated, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    arrays = _shaped(arrays, spec)
     if spec.align == "response":  # checked as given (errors name its own index), then placed
-        for index, array in enumerate(arrays):
-            if array.ndim != 1:
-                raise ValueError(
-                    f"{names(index)}: float field {shown(name)} holds shape {tuple(array.shape)}, but it is "
-                    "declared one value per response token (align='response'); give a 1-D row"
-                )
-        return response_aligned(_checked(concat(arrays, name, names), spec, names), lengths, name, names)
+        _check_shapes(arrays, spec, names)
+        checked = _checked(concat(arrays, name, names), spec, names)
+        return response_aligned(checked, lengths, name, names, spec.fill, flat=False)
     for index, (array, length) in enumerate(zip(arrays, lengths.tolist(), strict=True)):
-        if array.ndim != 1 or array.shape[0] != length:
+        if array.ndim == 0 or array.shape[0] != length:
             got = "one number" if array.ndim == 0 else f"shape {tuple(array.shape)}"
             hint = (
                 "; declare FloatField(name, align='sequence') for one value per sequence"
                 if array.ndim == 0
                 else "; a field of the response's tokens only (verl's old_log_probs, advantages) is "
                 "FloatField(name, align='response')"
-                if array.ndim == 1 and array.shape[0] < length
+                if array.shape[0] < length
                 else ""
             )
             raise ValueError(
                 f"{names(index)}: float field {shown(name)} holds {got}, but the token row has {length} "
                 f"tokens; give one value per token{hint}"
             )
+    _check_shapes(arrays, spec, names)
     return _checked(concat(arrays, name, names), spec, names)
 
 
-def to_label_positions(field: Ragged, starts: np.ndarray) -> Ragged:
+def _shaped(arrays: list[np.ndarray], spec: TensorField) -> list[np.ndarray]:
+    """The rows, an empty one (``[]``, shape ``(0,)``) given the declared value shape."""
+    if not spec.shape:
+        return arrays
+    trailing = next((array.shape[1:] for array in arrays if array.ndim == len(spec.shape) + 1), None)
+    if trailing is None:
+        return arrays
+    return [array.reshape(0, *trailing) if array.shape == (0,) else array for array in arrays]
+
+
+def to_label_positions(field: Ragged, starts: np.ndarray, fill: int | float = 0) -> Ragged:
     """A label-aligned field for the unshifted layout: each value moved one token right.
 
     Value ``t`` (of the prediction made at ``t``) goes to token ``t + 1``, the
     token that prediction is scored against; ``starts`` (``[N]`` booleans) marks
-    each sequence's first token, which no position predicts: it gets 0.
+    each sequence's first token, which no position predicts: it gets ``fill``.
 
     Example:
         >>> field = Ragged(np.array([1.0, 2.0, 3.0, 4.0, 5.0]), np.array([0, 3, 5]))
@@ -287,7 +438,7 @@ def to_label_positions(field: Ragged, starts: np.ndarray) -> Ragged:
         [0.0, 1.0, 2.0, 0.0, 4.0]
     """
     values = np.asarray(field.values)
-    moved = np.zeros_like(values)
+    moved = np.empty_like(values)
     moved[1:] = values[:-1]
-    moved[starts] = 0
+    moved[starts] = fill
     return Ragged(moved, field.offsets)

@@ -380,9 +380,11 @@ def kept_by_mask(mask: Ragged, name: str, names: Names) -> np.ndarray:
     return np.asarray(keep)
 
 
-def response_aligned(field: Ragged, lengths: np.ndarray, name: str, names: Names) -> Ragged:
-    """``field`` placed at the end of the token rows: row ``b``'s values on its last ``len(row)`` tokens, 0
-    before them.
+def response_aligned(
+    field: Ragged, lengths: np.ndarray, name: str, names: Names, fill: int | float = 0, *, flat: bool = True
+) -> Ragged:
+    """``field`` placed at the end of the token rows: row ``b``'s values on its last ``len(row)`` tokens,
+    ``fill`` before them.
 
     verl lays a rollout out as ``input_ids = cat(prompts, responses)`` and keeps
     its per-token fields (``response_mask``, ``old_log_probs``, ``advantages``)
@@ -391,14 +393,16 @@ def response_aligned(field: Ragged, lengths: np.ndarray, name: str, names: Names
     token rows' lengths as given, padding included.
 
     Raises:
-        ValueError: for a row that is not 1-D, or longer than its token row, naming the row.
+        ValueError: for a row that is not 1-D (with ``flat``; else a value may be a tensor), or longer
+            than its token row, naming the row.
 
     Example:
         >>> field = Ragged(np.array([0.5, 0.25, 0.75]), np.array([0, 2, 3]))
         >>> response_aligned(field, np.array([4, 2]), "old_log_probs", str).values.tolist()
         [0.0, 0.0, 0.5, 0.25, 0.0, 0.75]
     """
-    check_flat(field, name, names)
+    if flat:
+        check_flat(field, name, names)
     longer = np.flatnonzero(field.lengths > lengths)
     if longer.size:
         index = int(longer[0])
@@ -411,7 +415,7 @@ def response_aligned(field: Ragged, lengths: np.ndarray, name: str, names: Names
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     given = field.host
-    values = np.zeros(int(offsets[-1]), dtype=given.dtype)
+    values = np.full((int(offsets[-1]), *given.shape[1:]), fill, dtype=given.dtype)
     values[np.repeat(offsets[1:] - field.lengths, field.lengths) + places(field.offsets)] = given
     return Ragged(values, offsets)
 

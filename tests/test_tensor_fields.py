@@ -1,0 +1,275 @@
+"""Tensor-valued fields (a teacher's top-k, MoE routes): any value shape, int or float, their own fill.
+
+Hand-worked layouts; a property in every layout (a field whose entries hold the tokens equals the
+labels wherever a label is kept, the fill everywhere nothing is given); the packers (greedy and
+best-fit), context-parallel shards, the worker transfer; and every refusal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from zephon_collate import Collator, FloatField, SampleMeta, SampleRecord, TensorField, pack_flat
+from zephon_collate.parallel.context_parallel import gather_context_parallel
+from zephon_collate.transforms import ContextParallelShard
+
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+NEG = float("-inf")
+IDS = TensorField("top_ids", align="label", dtype=torch.int64, shape=(2,))
+LOGPROBS = TensorField("top_logprobs", align="label", fill=NEG, shape=(2,))
+ROUTES = TensorField("routes", dtype=torch.int16, shape=(2, 1), fill=7)
+
+
+def examples() -> list[dict]:
+    """Two examples; the teacher's top-2 of the prediction at each token, its routes per token."""
+    return [
+        {
+            "input_ids": [1, 2, 3],
+            "top_ids": [[2, 9], [3, 8], [4, 4]],
+            "top_logprobs": [[-0.125, -2.0], [-0.25, NEG], [-0.375, -1.0]],
+            "routes": [[[0], [1]], [[2], [3]], [[4], [5]]],
+        },
+        {"input_ids": [5, 6], "top_ids": [[6, 1], [0, 0]], "top_logprobs": [[-0.5, -0.875], [NEG, NEG]],
+         "routes": [[[6], [6]], [[1], [2]]]},  # fmt: skip
+    ]
+
+
+SPECS = [IDS, LOGPROBS, ROUTES]
+
+
+def test_shifted_layout_by_hand():
+    out = Collator(return_labels=True, pad_token_id=0, float_fields=SPECS)(examples())
+    assert out["labels"].tolist() == [[2, 3], [6, -100]]
+    # label-aligned: the prediction at each input, [:, :-1]; the padding holds the fill
+    assert out["top_ids"].tolist() == [[[2, 9], [3, 8]], [[6, 1], [0, 0]]]
+    assert out["top_logprobs"].tolist() == [[[-0.125, -2.0], [-0.25, NEG]], [[-0.5, -0.875], [NEG, NEG]]]
+    # token-aligned: with the labels, [:, 1:]; routes keep int16 and pad with 7
+    assert out["routes"].dtype == torch.int16
+    assert out["routes"].tolist() == [[[[2], [3]], [[4], [5]]], [[[1], [2]], [[7], [7]]]]
+    assert out["top_logprobs"].dtype == torch.float32 and out["top_ids"].shape == (2, 2, 2)
+
+
+def test_unshifted_layouts_by_hand():
+    flat = Collator.for_transformers(padding_free=True, float_fields=SPECS)(examples())
+    assert flat["labels"].tolist() == [[-100, 2, 3, -100, 6]]
+    # label-aligned, unshifted: moved to the token each prediction is scored against; a sequence's first
+    # token (no prediction) holds the fill
+    assert flat["top_ids"].tolist() == [[[0, 0], [2, 9], [3, 8], [0, 0], [6, 1]]]
+    assert flat["top_logprobs"][0, :, 0].tolist() == [NEG, -0.125, -0.25, NEG, -0.5]
+    assert flat["routes"].shape == (1, 5, 2, 1)
+    left = Collator.for_transformers(pad_token_id=0, padding_side="left", float_fields=SPECS)(examples())
+    assert left["top_ids"].tolist() == [[[0, 0], [2, 9], [3, 8]], [[0, 0], [0, 0], [6, 1]]]
+    assert left["routes"][1, 0].tolist() == [[7], [7]]  # the padding, moved left with its fill
+    multiple = Collator.for_transformers(
+        padding_free=True, pad_to_multiple_of=4, pad_token_id=0, float_fields=SPECS
+    )(examples())
+    assert multiple["top_logprobs"][0, 5:].tolist() == [[NEG, NEG]] * 3
+    assert multiple["routes"][0, 5:].flatten().tolist() == [7] * 6
+
+
+def test_rollouts_and_shared_prompts_carry_them():
+    rollouts = [{**example, "completion_mask": [0] + [1] * (len(example["input_ids"]) - 1)} for example in examples()]
+    out = Collator.for_rollouts(padding_free=True, float_fields=SPECS)(rollouts)
+    flat = Collator.for_transformers(padding_free=True, float_fields=SPECS)(rollouts)
+    for name in ("top_ids", "top_logprobs", "routes"):
+        assert torch.equal(out[name], flat[name]), name
+    same_prompt = [{**rollouts[0]}, {**rollouts[0], "top_ids": [[2, 9], [1, 1], [1, 1]]}]
+    shared = Collator.for_rollouts(padding_free=True, shared_prompt=True, float_fields=SPECS)(same_prompt)
+    assert shared["input_ids"].tolist() == [[1, 2, 3, 2, 3]]  # the prompt [1] once
+    assert shared["top_ids"].tolist() == [[[0, 0], [2, 9], [3, 8], [2, 9], [1, 1]]]
+    # the prompt's label-aligned values moved right hold the fill: its routes differ, so it is not shared
+    differ = [{**rollouts[0]}, {**rollouts[0], "routes": [[[1], [1]], [[2], [3]], [[4], [5]]]}]
+    unshared = Collator.for_rollouts(padding_free=True, shared_prompt=True, float_fields=SPECS)(differ)
+    assert unshared["input_ids"].shape == (1, 6)
+
+
+@st.composite
+def batches(draw):
+    lengths = draw(st.lists(st.integers(1, 8), min_size=1, max_size=5))
+    k = draw(st.integers(1, 3))
+    rows = []
+    for i, n in enumerate(lengths):
+        tokens = [10 * i + t + 1 for t in range(n)]
+        following = [*tokens[1:], 0]
+        rows.append(
+            {
+                "input_ids": tokens,
+                # entry j of token t: (j + 1) * token t (token-aligned), (j + 1) * token t + 1 (label-aligned)
+                "tok": [[(j + 1) * token for j in range(k)] for token in tokens],
+                "lab": [[float((j + 1) * token) for j in range(k)] for token in following],
+            }
+        )
+    return rows, k
+
+
+LAYOUTS = ["native", "native-padded", "native-flatten", "hf-padded", "hf-left", "hf-flat", "hf-flat-64"]
+
+
+@FAST
+@given(data=batches(), layout=st.sampled_from(LAYOUTS))
+def test_every_entry_goes_with_its_label_and_the_rest_holds_the_fill(data, layout):
+    rows, k = data
+    specs = [
+        TensorField("tok", dtype=torch.int32, shape=(None,), fill=-1),
+        TensorField("lab", align="label", dtype=torch.float64, shape=(k,), fill=NEG),
+    ]
+    if layout.startswith("native"):
+        if layout == "native":
+            shortest = min(len(row["input_ids"]) for row in rows)
+            rows = [{key: value[:shortest] for key, value in row.items()} for row in rows]
+        pad = {"pad_token_id": 0} if layout != "native" else {}
+        out = Collator(return_labels=True, flatten=layout == "native-flatten", float_fields=specs, **pad)(rows)
+        labels = out["labels"]
+        scored = labels != -100
+    else:
+        kwargs = {"hf-padded": {"pad_token_id": 0}, "hf-left": {"pad_token_id": 0, "padding_side": "left"},
+                  "hf-flat": {"padding_free": True},
+                  "hf-flat-64": {"padding_free": True, "pad_to_multiple_of": 64, "pad_token_id": 0}}[layout]  # fmt: skip
+        out = Collator.for_transformers(float_fields=specs, **kwargs)(rows)
+        labels = out["labels"]
+        scored = labels != -100
+    weights = torch.arange(1, k + 1)
+    assert out["tok"].dtype == torch.int32 and out["lab"].dtype == torch.float64
+    assert out["tok"].shape == (*labels.shape, k) == out["lab"].shape
+    assert torch.equal(out["tok"][scored], (labels[scored, None] * weights).to(torch.int32))
+    if "attention_mask" in out:  # unshifted labels: the first of each row is never scored (no prediction)
+        predicted = torch.zeros_like(scored)
+        predicted[:, 1:] = out["attention_mask"][:, :-1] == 1
+        scored &= predicted
+    assert torch.equal(out["lab"][scored], (labels[scored, None] * weights).double())
+    padding = out["input_ids"] == 0  # tokens are >= 1: the padding of the inputs
+    # token-aligned values go with the labels (shifted: the padding of the labels), label-aligned ones with
+    # the inputs; wherever nothing was given, the fill
+    with_labels = labels == -100 if layout.startswith("native") else padding
+    assert bool((out["tok"][with_labels] == -1).all())
+    assert bool((out["lab"][padding] == NEG).all())
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "best_fit"])
+def test_packed_rows_keep_each_documents_values_and_fill_the_rest(strategy):
+    records = [
+        SampleRecord(SampleMeta((0, 0, i), 0, 0, i), example) for i, example in enumerate(examples() * 3)
+    ]
+    rows = pack_flat(records, 8, pad_token_id=0, float_fields=SPECS, strategy=strategy)
+    for row in rows:
+        payload = row.payload
+        tokens = np.asarray(payload["input_ids"])
+        used = int((tokens != 0).sum())
+        assert payload["top_ids"].shape == (8, 2) and payload["routes"].shape == (8, 2, 1)
+        assert payload["routes"].dtype == np.int16
+        assert (payload["top_logprobs"][used:] == NEG).all() and (payload["routes"][used:] == 7).all()
+    by_first = {2: examples()[0], 1: None}
+    del by_first
+    collated = Collator(return_labels=True, return_cu_seqlens=True, float_fields=SPECS)(rows)
+    direct = Collator(return_labels=True, pad_token_id=0, float_fields=SPECS)(examples())
+    # each document's label-aligned values sit at its labels, wherever it was packed
+    got = {tuple(v.tolist()) for v in collated["top_ids"][collated["labels"] != -100]}
+    want = {tuple(v.tolist()) for v in direct["top_ids"][direct["labels"] != -100]}
+    assert got == want
+
+
+def test_context_parallel_shards_gather_back_with_the_fill_on_added_tokens():
+    out = Collator(return_labels=True, return_cu_seqlens=True, float_fields=SPECS, flatten=True)(
+        pack_flat(
+            [SampleRecord(SampleMeta((0, 0, i), 0, 0, i), e) for i, e in enumerate(examples())],
+            8,
+            pad_token_id=0,
+            float_fields=SPECS,
+        )
+    )
+    fills = {spec.name: spec.fill for spec in SPECS}
+    tensors = {key: value for key, value in out.items() if isinstance(value, torch.Tensor)}
+    from tensordict import TensorDict
+
+    shards = [ContextParallelShard(2, rank, fill_values=fills)(TensorDict(tensors, [])) for rank in range(2)]
+    for shard in shards:
+        added = shard["cp_padding_mask"]
+        assert bool((shard["top_logprobs"][added] == NEG).all()) and bool((shard["routes"][added] == 7).all())
+    back = gather_context_parallel(shards)
+    for name in ("top_ids", "top_logprobs", "routes"):
+        assert torch.equal(back[name], out[name][: back[name].shape[0]]), name
+
+
+def test_a_worker_transfer_keeps_values_shapes_and_dtypes():
+    collate = Collator(return_labels=True, pad_token_id=0, float_fields=SPECS)
+    records = [SampleRecord(SampleMeta((0, 0, i), 0, 0, i), e) for i, e in enumerate(examples())]
+    direct, finished = collate(records), collate.finish(collate.stack(records))
+    for name in ("top_ids", "top_logprobs", "routes"):
+        assert finished[name].dtype == direct[name].dtype and torch.equal(finished[name], direct[name])
+
+
+def test_inputs_are_never_changed():
+    given = examples()
+    arrays = [{key: np.array(value) for key, value in example.items()} for example in given]
+    before = [{key: value.copy() for key, value in example.items()} for example in arrays]
+    Collator.for_transformers(padding_free=True, float_fields=SPECS)(arrays)
+    for example, kept in zip(arrays, before, strict=True):
+        for key, value in example.items():
+            assert np.array_equal(value, kept[key], equal_nan=False) or key == "top_logprobs"
+            assert np.array_equal(np.nan_to_num(value), np.nan_to_num(kept[key]))
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"top_ids": [[2, 9], [3, 8]]}, r"example 0: float field 'top_ids' holds shape \(2, 2\), but the token row"),
+        ({"top_ids": [[2], [3], [4]]}, r"example 0: float field 'top_ids' holds shape \(3, 1\), but it is declared one value of shape \(2,\)"),
+        ({"top_ids": [2, 3, 4]}, r"holds shape \(3,\), but it is declared one value of shape \(2,\) per token"),
+        ({"top_ids": [[2.5, 9], [3, 8], [4, 4]]}, r"example 0: float field 'top_ids' holds 2.5 at top_ids\[0, 0\], but it is declared torch.int64; give whole numbers"),
+        ({"routes": [[[0], [1]], [[2], [40000]], [[4], [5]]]}, r"holds 40000 at routes\[1, 1, 0\], beyond torch.int16"),
+        ({"top_logprobs": [[-0.125, math.nan], [-0.25, NEG], [-0.375, -1.0]]}, r"holds nan at top_logprobs\[0, 1\]; give finite values"),
+        ({"top_logprobs": [[-0.125, math.inf], [-0.25, NEG], [-0.375, -1.0]]}, r"holds inf at top_logprobs\[0, 1\]"),
+    ],
+)  # fmt: skip
+def test_bad_values_name_the_example_the_field_and_the_place(change, match):
+    rows = examples()
+    rows[0] = {**rows[0], **change}
+    with pytest.raises(ValueError, match=match):
+        Collator.for_transformers(padding_free=True, float_fields=SPECS)(rows)
+
+
+def test_minus_infinity_needs_the_fill_that_says_so():
+    with pytest.raises(ValueError, match=r"holds -inf at lp\[1, 1\].*declare fill=float\('-inf'\)"):
+        Collator.for_transformers(padding_free=True, float_fields=[TensorField("lp", shape=(2,))])(
+            [{"input_ids": [1, 2], "lp": [[0.0, -1.0], [-2.0, NEG]]}]
+        )
+
+
+def test_rows_of_different_value_shapes_are_refused():
+    spec = TensorField("top", shape=(None,))
+    rows = [{"input_ids": [1], "top": [[0.0, 1.0]]}, {"input_ids": [2], "top": [[0.0, 1.0, 2.0]]}]
+    with pytest.raises(ValueError, match=r"example 1: float field 'top' holds shape \(1, 3\).*pad a ragged K"):
+        Collator.for_transformers(padding_free=True, float_fields=[spec])(rows)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"dtype": torch.bool}, ValueError, "dtype must be a torch float dtype .* or integer dtype"),
+        ({"fill": math.nan}, ValueError, "fill must be a finite number or float"),
+        ({"fill": math.inf}, ValueError, "fill must be a finite number or float"),
+        ({"dtype": torch.int8, "fill": 300}, ValueError, "fill must be an integer from -128 to 127"),
+        ({"dtype": torch.int64, "fill": NEG}, ValueError, "fill must be an integer"),
+        ({"dtype": torch.int64, "fill": 0.5}, ValueError, "fill must be an integer"),
+        ({"fill": True}, TypeError, "fill must be an int or a float"),
+        ({"shape": [2]}, TypeError, "shape must be a tuple of sizes"),
+        ({"shape": (0,)}, TypeError, "shape must be a tuple of sizes"),
+        ({"align": "sequence", "shape": (2,)}, ValueError, "a value per sequence is one number"),
+    ],
+)
+def test_bad_declarations(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        TensorField("x", **kwargs)
+
+
+def test_a_float_field_is_a_tensor_field_of_a_float_dtype():
+    assert isinstance(FloatField("lp"), TensorField)
+    with pytest.raises(ValueError, match=r"declare TensorField\('ids', dtype=torch.int64\) for integer"):
+        FloatField("ids", dtype=torch.int64)
+    assert FloatField("lp", fill=NEG, shape=(4,)).shape == (4,)
