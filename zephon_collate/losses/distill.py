@@ -1,0 +1,197 @@
+"""Knowledge distillation from a teacher's top-k log-probs: TRL GKD's generalised JSD on their support.
+
+A distillation batch carries, for every position, the teacher's ``K`` most likely token ids
+``teacher_ids`` ``[..., L, K]`` and their log-probs ``teacher_logprobs`` ``[..., L, K]``; a position
+with fewer than ``K`` (ragged top-k) or no teacher at all fills the rest with id 0 and log-prob
+``-inf``. :func:`distillation_loss` restricts the student's distribution to the same ids, renormalises
+both over the entries present and takes TRL GKD's ``generalized_jsd_loss`` between them::
+
+    loss = distillation_loss(logits, batch["teacher_ids"], batch["teacher_logprobs"], batch["labels"])
+
+The fields and ``labels`` must be aligned with the logits by the caller: ``teacher_*[..., t, :]`` and
+``labels[..., t]`` belong to the prediction at ``logits[..., t, :]``. For a batch whose fields are
+aligned with ``input_ids`` (unshifted), pass ``logits[..., :-1, :]`` with ``teacher_ids[..., 1:, :]``,
+``teacher_logprobs[..., 1:, :]`` and ``labels[..., 1:]``. With ``K = V`` (every id present) the loss is
+TRL 1.16's ``GKDTrainer.generalized_jsd_loss`` on the full distributions; ``tests/test_distill_loss.py``
+checks it against that function side by side.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+from zephon_collate.core.text import shown
+
+__all__ = ["DIVERGENCES", "distillation_loss"]
+
+DIVERGENCES = (
+    "the distributions are the teacher's top-k support, renormalised (TRL: the full vocabulary)",
+    "reduction='none' returns one loss per token [..., L], 0 where not trained (TRL: [n_trained, V])",
+    "reduction='mean' with no trained token is 0 (TRL: nan); 'batchmean' is 0 there as in TRL",
+    "labels are required (or a bool mask); for TRL's num_items_in_batch, divide 'sum' by the global count",
+)
+"""Where :func:`distillation_loss` differs from TRL's ``generalized_jsd_loss``."""
+
+_REDUCTIONS = ("batchmean", "sum", "mean", "none")
+
+
+def distillation_loss(
+    student_logits: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    reduction: Literal["batchmean", "sum", "mean", "none"] = "batchmean",
+) -> torch.Tensor:
+    """TRL GKD's generalised Jensen-Shannon divergence between teacher and student on the teacher's top-k.
+
+    At each position, ``q = softmax(gather(student_logits / T, ids))`` and
+    ``p = softmax(teacher_logprobs / T)``, both over the entries present (log-prob ``> -inf``; absent ones
+    have probability 0 in both and contribute exactly 0, value and gradient). The per-token loss is
+    ``KL(p || q)`` for ``beta = 0`` (forward KL), ``KL(q || p)`` for ``beta = 1`` (reverse KL), else
+    ``beta KL(p || m) + (1 - beta) KL(q || m)`` with ``log m = logsumexp(log q + log(1 - beta),
+    log p + log(beta))``: TRL's ``generalized_jsd_loss`` (its beta convention and temperature), which
+    it equals when every position holds all ``V`` ids. Computed in ``student_logits``' dtype, at least
+    float32; the gradient flows to ``student_logits`` (and ``teacher_logprobs`` if it requires one).
+    Duplicate ids within a position are refused; ``-inf`` entries may hold any id in ``[0, V)``. Under
+    ``torch.compile`` the value checks are skipped: duplicates are then the caller's to avoid, and a
+    trained position without entries adds 0 (and counts in ``"batchmean"``'s denominator).
+
+    Parameters:
+        student_logits: ``[..., L, V]`` floating logits, aligned with the other arguments (module docs).
+        teacher_ids: ``[..., L, K]`` integer token ids in ``[0, V)``.
+        teacher_logprobs: ``[..., L, K]`` floating log-probs of ``teacher_ids``, ``-inf`` where absent;
+            need not be normalised (each position is renormalised over its entries).
+        labels: ``[..., L]`` integer labels, ``ignore_index`` where not trained, or a bool mask (True:
+            trained).
+        beta: in ``[0, 1]``, TRL's ``GKDConfig.beta``.
+        temperature: ``> 0``, divides both logits as in TRL.
+        ignore_index: the label of positions not trained.
+        reduction: ``"batchmean"``: the sum over trained tokens divided by their number (TRL with
+            labels; 0 when none); ``"sum"``; ``"mean"``: the sum divided by ``n_trained * V``, TRL's
+            mean over its ``[n_trained, V]`` elements; ``"none"``: the per-token loss ``[..., L]``, 0 where
+            not trained.
+
+    Returns:
+        A scalar, or ``[..., L]`` for ``reduction="none"``.
+
+    Raises:
+        TypeError: a tensor of the wrong dtype.
+        ValueError: mismatched shapes, ``beta``, ``temperature`` or ``reduction`` out of range, and,
+            outside ``torch.compile`` (one device sync), ids outside ``[0, V)``, duplicate ids, a NaN or
+            ``+inf`` log-prob, or a trained position without any entry present.
+
+    Example:
+        >>> logits = torch.tensor([[1.0, 1.0, 5.0]])  # V = 3, L = 1; id 2 is not in the teacher's top-2
+        >>> ids, logps = torch.tensor([[[0, 1]]]), torch.tensor([[[0.3, 0.1]]]).log()  # p = [.75, .25]
+        >>> loss = distillation_loss(logits[None], ids, logps, torch.tensor([[1]]), beta=0.0)
+        >>> round(float(loss), 4)  # KL(p || q), q = [.5, .5]: .75 log 1.5 + .25 log .5
+        0.1308
+    """
+    _check(student_logits, teacher_ids, teacher_logprobs, labels, beta, temperature, reduction)
+    dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    trained = labels if labels.dtype == torch.bool else labels != ignore_index
+    present = teacher_logprobs > float("-inf")
+    some = present.any(dim=-1, keepdim=True)
+    vocab = student_logits.shape[-1]
+    ids = teacher_ids.long()
+    if not torch.compiler.is_compiling():
+        _check_values(ids, teacher_logprobs, present, trained & ~some.squeeze(-1), vocab)
+    # Every value stays finite: an absent entry gets a stand-in logit, left out of the normaliser by
+    # -inf (kept when nothing is present, so the normaliser stays finite), and probability exactly 0.
+    kept = present | ~some
+    student = torch.gather(student_logits, -1, ids).to(dtype) / temperature
+    teacher = torch.where(present, teacher_logprobs.to(dtype), 0.0) / temperature
+    log_q = student - torch.logsumexp(torch.where(kept, student, float("-inf")), dim=-1, keepdim=True)
+    log_p = teacher - torch.logsumexp(torch.where(kept, teacher, float("-inf")), dim=-1, keepdim=True)
+    q = torch.where(present, log_q, float("-inf")).exp()
+    p = torch.where(present, log_p, float("-inf")).exp()
+    if beta == 0:
+        per_entry = p * (log_p - log_q)
+    elif beta == 1:
+        per_entry = q * (log_q - log_p)
+    else:
+        log_m = torch.logsumexp(torch.stack([log_q + math.log1p(-beta), log_p + math.log(beta)]), dim=0)
+        per_entry = beta * p * (log_p - log_m) + (1 - beta) * q * (log_q - log_m)
+    per_token = torch.where(trained & some.squeeze(-1), per_entry.sum(dim=-1), 0.0)
+    if reduction == "none":
+        return per_token
+    if reduction == "sum":
+        return per_token.sum()
+    count = trained.sum() * (vocab if reduction == "mean" else 1)
+    return per_token.sum() / count.clamp_min(1)
+
+
+def _check(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    logps: torch.Tensor,
+    labels: torch.Tensor,
+    beta: float,
+    temperature: float,
+    reduction: str,
+) -> None:
+    """The arguments' dtypes, shapes and options: free, no data read."""
+    name = "distillation_loss"
+    for arg, tensor in (("student_logits", logits), ("teacher_logprobs", logps)):
+        if not tensor.is_floating_point():
+            raise TypeError(f"{name}: {arg} must be floating, got {tensor.dtype}: cast it with .float()")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{name}: teacher_ids must be integer, got {ids.dtype}: cast it with .long()")
+    if labels.is_floating_point() or labels.is_complex():
+        raise TypeError(f"{name}: labels must be integer (or a bool mask), got {labels.dtype}: use .long()")
+    if logits.dim() < 2 or logits.shape[-1] == 0:
+        raise ValueError(f"{name}: student_logits must be [..., L, V] with V >= 1, got {tuple(logits.shape)}")
+    if ids.shape != logps.shape or ids.dim() < 2 or ids.shape[-1] == 0:
+        raise ValueError(
+            f"{name}: teacher_ids {tuple(ids.shape)} and teacher_logprobs {tuple(logps.shape)} must be one "
+            "[..., L, K] shape with K >= 1, padded with id 0 and log-prob -inf"
+        )
+    if not logits.shape[:-1] == ids.shape[:-1] == labels.shape:
+        raise ValueError(
+            f"{name}: student_logits {tuple(logits.shape)}, teacher_ids {tuple(ids.shape)} and labels "
+            f"{tuple(labels.shape)} must share the leading shape [..., L]: align (shift) them as the logits"
+        )
+    if not {ids.device, logps.device, labels.device} <= {logits.device}:
+        raise ValueError(f"{name}: all tensors must be on student_logits' device {logits.device}")
+    if not 0 <= beta <= 1:
+        raise ValueError(f"{name}: beta must be in [0, 1] (0: forward KL, 1: reverse KL), got {shown(beta)}")
+    if not 0 < temperature < math.inf:
+        raise ValueError(f"{name}: temperature must be finite and > 0, got {shown(temperature)}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{name}: reduction must be one of {_REDUCTIONS}, got {shown(reduction)}")
+
+
+def _check_values(
+    ids: torch.Tensor, logps: torch.Tensor, present: torch.Tensor, empty: torch.Tensor, vocab: int
+) -> None:
+    """The values' checks, read in one device sync: ids in range, no duplicate, log-probs, no empty row."""
+    k = ids.shape[-1]
+    slots = torch.arange(-1, -k - 1, -1, device=ids.device)  # absent entries: distinct negative keys
+    keys = torch.where(present, ids, slots).sort(dim=-1).values
+    flags = torch.stack(
+        [
+            ((ids < 0) | (ids >= vocab)).any(),
+            (keys[..., 1:] == keys[..., :-1]).any(),
+            (logps.isnan() | (logps == float("inf"))).any(),
+            empty.any(),
+        ]
+    ).tolist()
+    if flags[0]:
+        raise ValueError(f"distillation_loss: teacher_ids must be in [0, {vocab}) (V), absent entries too")
+    if flags[1]:
+        raise ValueError("distillation_loss: teacher_ids repeat an id within a position: merge duplicates")
+    if flags[2]:
+        raise ValueError("distillation_loss: teacher_logprobs must be finite or -inf (absent), not nan/+inf")
+    if flags[3]:
+        where = tuple(empty.nonzero()[0].tolist())
+        raise ValueError(
+            f"distillation_loss: trained position {where} has no teacher entry (all teacher_logprobs -inf): "
+            "label it ignore_index or give it a teacher"
+        )
