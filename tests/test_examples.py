@@ -200,3 +200,12 @@ def test_trl_grpo_example_trains_as_stock_trl():
     )
     assert len(steps) == 3 and all(a == c and b == d for a, b, c, d in steps)
     assert float(re.search(r"largest weight difference after 3 steps: (\S+)", out).group(1)) < 1e-6
+
+
+def test_distillation_example_is_exact_packed_and_learns():
+    out = run_example("distill_topk.py", "--steps", "30")
+    assert float(re.search(r"max difference ([\d.e+-]+)", out).group(1)) <= 1e-5
+    first, last = map(float, re.search(r"distillation loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first * 0.5
+    exact = run_example("distill_topk.py", "--steps", "1", "--dtype", "float64")
+    assert float(re.search(r"max difference ([\d.e+-]+)", exact).group(1)) <= 1e-12
