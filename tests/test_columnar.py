@@ -661,7 +661,9 @@ def test_the_collators_read_float_and_tensor_fields_from_columns_as_from_rows():
         columns, rows = collate(table), collate(table.to_pylist())
         assert sorted(columns) == sorted(rows)
         for key, value in rows.items():
-            same = torch.equal(columns[key], value) if isinstance(value, torch.Tensor) else columns[key] == value
+            same = (
+                torch.equal(columns[key], value) if isinstance(value, torch.Tensor) else columns[key] == value
+            )
             assert same, key
     padded = Collator(return_labels=True, pad_token_id=0, float_fields=specs)(table)
     assert padded["advantages"].tolist() == [[0.5], [0.0]]

@@ -177,7 +177,10 @@ def reward_pairs(seed: int, rows: int, length: int) -> list:
 
 
 def _top_k(rng: np.random.Generator, length: int) -> dict[str, np.ndarray]:
-    return {"top_ids": rng.integers(0, 40, (length, 2)), "top_logprobs": _absent(rng.normal(size=(length, 2)))}
+    return {
+        "top_ids": rng.integers(0, 40, (length, 2)),
+        "top_logprobs": _absent(rng.normal(size=(length, 2))),
+    }
 
 
 def _absent(values: np.ndarray) -> np.ndarray:

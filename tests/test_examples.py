@@ -75,6 +75,7 @@ DOC_PAGES = [
     "post_training.md",
     "columns.md",
     "distributed.md",
+    "tensor_fields.md",
 ]
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tensordict import TensorDict
 
 from zephon_collate import Collator, FloatField, SampleMeta, SampleRecord, TensorField, pack_flat
 from zephon_collate.parallel.context_parallel import gather_context_parallel
@@ -35,8 +36,12 @@ def examples() -> list[dict]:
             "top_logprobs": [[-0.125, -2.0], [-0.25, NEG], [-0.375, -1.0]],
             "routes": [[[0], [1]], [[2], [3]], [[4], [5]]],
         },
-        {"input_ids": [5, 6], "top_ids": [[6, 1], [0, 0]], "top_logprobs": [[-0.5, -0.875], [NEG, NEG]],
-         "routes": [[[6], [6]], [[1], [2]]]},  # fmt: skip
+        {
+            "input_ids": [5, 6],
+            "top_ids": [[6, 1], [0, 0]],
+            "top_logprobs": [[-0.5, -0.875], [NEG, NEG]],
+            "routes": [[[6], [6]], [[1], [2]]],
+        },
     ]
 
 
@@ -74,7 +79,9 @@ def test_unshifted_layouts_by_hand():
 
 
 def test_rollouts_and_shared_prompts_carry_them():
-    rollouts = [{**example, "completion_mask": [0] + [1] * (len(example["input_ids"]) - 1)} for example in examples()]
+    rollouts = [
+        {**example, "completion_mask": [0] + [1] * (len(example["input_ids"]) - 1)} for example in examples()
+    ]
     out = Collator.for_rollouts(padding_free=True, float_fields=SPECS)(rollouts)
     flat = Collator.for_transformers(padding_free=True, float_fields=SPECS)(rollouts)
     for name in ("top_ids", "top_logprobs", "routes"):
@@ -124,7 +131,9 @@ def test_every_entry_goes_with_its_label_and_the_rest_holds_the_fill(data, layou
             shortest = min(len(row["input_ids"]) for row in rows)
             rows = [{key: value[:shortest] for key, value in row.items()} for row in rows]
         pad = {"pad_token_id": 0} if layout != "native" else {}
-        out = Collator(return_labels=True, flatten=layout == "native-flatten", float_fields=specs, **pad)(rows)
+        out = Collator(return_labels=True, flatten=layout == "native-flatten", float_fields=specs, **pad)(
+            rows
+        )
         labels = out["labels"]
         scored = labels != -100
     else:
@@ -164,8 +173,6 @@ def test_packed_rows_keep_each_documents_values_and_fill_the_rest(strategy):
         assert payload["top_ids"].shape == (8, 2) and payload["routes"].shape == (8, 2, 1)
         assert payload["routes"].dtype == np.int16
         assert (payload["top_logprobs"][used:] == NEG).all() and (payload["routes"][used:] == 7).all()
-    by_first = {2: examples()[0], 1: None}
-    del by_first
     collated = Collator(return_labels=True, return_cu_seqlens=True, float_fields=SPECS)(rows)
     direct = Collator(return_labels=True, pad_token_id=0, float_fields=SPECS)(examples())
     # each document's label-aligned values sit at its labels, wherever it was packed
@@ -185,8 +192,6 @@ def test_context_parallel_shards_gather_back_with_the_fill_on_added_tokens():
     )
     fills = {spec.name: spec.fill for spec in SPECS}
     tensors = {key: value for key, value in out.items() if isinstance(value, torch.Tensor)}
-    from tensordict import TensorDict
-
     shards = [ContextParallelShard(2, rank, fill_values=fills)(TensorDict(tensors, [])) for rank in range(2)]
     for shard in shards:
         added = shard["cp_padding_mask"]
@@ -244,7 +249,9 @@ def test_minus_infinity_needs_the_fill_that_says_so():
 def test_rows_of_different_value_shapes_are_refused():
     spec = TensorField("top", shape=(None,))
     rows = [{"input_ids": [1], "top": [[0.0, 1.0]]}, {"input_ids": [2], "top": [[0.0, 1.0, 2.0]]}]
-    with pytest.raises(ValueError, match=r"example 1: float field 'top' holds shape \(1, 3\).*pad a ragged K"):
+    with pytest.raises(
+        ValueError, match=r"example 1: float field 'top' holds shape \(1, 3\).*pad a ragged K"
+    ):
         Collator.for_transformers(padding_free=True, float_fields=[spec])(rows)
 
 

@@ -1,13 +1,16 @@
-"""Float fields: per-token (or per-sequence) float values beside the tokens, declared once.
+"""Value fields: per-token (or per-sequence) values beside the tokens, declared once.
 
 Post-training carries float data with the tokens: the log-probs of a reference
-or behaviour policy, advantages, rewards, per-token weights. A
-:class:`FloatField` declares one such field: its name, what its values belong
-to (``align``) and the float dtype it keeps, float32 by default, whatever the
-dtype of the tokens. The :class:`~zephon_collate.Collator`
+or behaviour policy, advantages, rewards, per-token weights; distillation and
+MoE router replay carry tensors per token: a teacher's top-k ids and log-probs
+``[T, K]``, routes ``[T, layers, k]``. A :class:`TensorField` declares one such
+field: its name, what its values belong to (``align``), the dtype it keeps
+(float32 by default, whatever the dtype of the tokens; any float or integer
+dtype), each token's value shape and the fill of every place nothing was given;
+:class:`FloatField` is its float case. The :class:`~zephon_collate.Collator`
 (``float_fields=[...]``), ``Collator.for_transformers``, the presets
 ``for_preference`` / ``for_rollouts`` and the packer (``pack_flat(float_fields=...)``)
-all read a float field through :func:`read_floats` here, and place it with
+all read a value field through :func:`read_floats` here, and place it with
 the labels:
 
 - ``align="token"``: one value per token, value ``t`` belongs to token ``t``
@@ -18,22 +21,24 @@ the labels:
   beside the unshifted labels.
 - ``align="label"``: one value per token, value ``t`` belongs to the prediction
   made at position ``t`` (of token ``t + 1``). Shifted layout: ``[:, :-1]``, like
-  the inputs; unshifted layout: moved one token right inside each sequence (0 on
-  a sequence's first token, which no position predicts).
+  the inputs; unshifted layout: moved one token right inside each sequence (the
+  fill on a sequence's first token, which no position predicts).
 - ``align="response"``: one value per token of the row's last ``len(values)``
   tokens, verl's response-aligned fields (``old_log_probs``, ``advantages``
   ``[batch, response_length]`` beside ``input_ids = cat(prompts, responses)``):
   value ``k`` belongs to token ``T - len(values) + k`` of a row of ``T`` tokens
-  as given (padding included), the tokens before it get 0. Read, it is a
+  as given (padding included), the tokens before it get the fill. Read, it is a
   token-aligned field.
 - ``align="sequence"``: one value per sequence (a reward, a GRPO advantage, TRL's
   ``ref_chosen_logps``): a ``[num_sequences]`` output; with ``broadcast=True`` it
   is repeated over the sequence's tokens instead, a token-aligned field.
 
 Either way ``out[field][..., j]`` goes with ``out["labels"][..., j]``: an
-off-by-one cannot happen silently. Values must be finite (a NaN log-prob would
-turn the loss into NaN several steps later): a NaN or an infinity is a
-``ValueError`` naming the record, the field and the token.
+off-by-one cannot happen silently. Float values must be finite (a NaN log-prob
+would turn the loss into NaN several steps later), or ``-inf`` where the fill is
+``-inf`` (an absent top-k entry): a NaN or another infinity is a ``ValueError``
+naming the record, the field and the place; integer values must be whole numbers
+within the dtype.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ __all__ = [
     "Alignment",
     "FloatField",
     "FloatFields",
+    "TensorField",
     "check_float_fields",
     "read_floats",
     "to_label_positions",
@@ -63,7 +69,7 @@ __all__ = [
 Alignment: TypeAlias = Literal["token", "label", "response", "sequence"]
 """What a field's values belong to: a token, a prediction, a whole sequence (see the module doc)."""
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _ALIGNMENTS = ("token", "label", "response", "sequence")
 
 
@@ -121,7 +127,7 @@ class TensorField:
             raise ValueError(
                 f"{owner}: align must be 'token', 'label', 'response' or 'sequence', got {shown(self.align)}"
             )
-        if self.dtype not in (*FLOAT_DTYPES, *INT_DTYPES):
+        if self.dtype not in (*FLOAT_DTYPES, *_INT_DTYPES):
             raise ValueError(
                 f"{owner}: dtype must be a torch float dtype (float16, bfloat16, float32, float64) or "
                 "integer "
@@ -192,7 +198,7 @@ class FloatField(TensorField):
     """
 
     def __post_init__(self) -> None:
-        if isinstance(self.name, str) and self.name and self.dtype in INT_DTYPES:
+        if isinstance(self.name, str) and self.name and self.dtype in _INT_DTYPES:
             raise ValueError(
                 f"FloatField {shown(self.name)}: dtype must be a torch float dtype (float16, bfloat16, "
                 f"float32, float64), got {shown(self.dtype)}; declare TensorField({shown(self.name)}, "
