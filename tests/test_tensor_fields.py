@@ -259,8 +259,8 @@ def test_rows_of_different_value_shapes_are_refused():
     ("kwargs", "error", "match"),
     [
         ({"dtype": torch.bool}, ValueError, "dtype must be a torch float dtype .* or integer dtype"),
-        ({"fill": math.nan}, ValueError, "fill must be a finite number or float"),
-        ({"fill": math.inf}, ValueError, "fill must be a finite number or float"),
+        ({"fill": math.nan}, ValueError, "fill must be a number within torch.float32"),
+        ({"fill": math.inf}, ValueError, "fill must be a number within torch.float32"),
         ({"dtype": torch.int8, "fill": 300}, ValueError, "fill must be an integer from -128 to 127"),
         ({"dtype": torch.int64, "fill": NEG}, ValueError, "fill must be an integer"),
         ({"dtype": torch.int64, "fill": 0.5}, ValueError, "fill must be an integer"),
@@ -280,3 +280,54 @@ def test_a_float_field_is_a_tensor_field_of_a_float_dtype():
     with pytest.raises(ValueError, match=r"declare TensorField\('ids', dtype=torch.int64\) for integer"):
         FloatField("ids", dtype=torch.int64)
     assert FloatField("lp", fill=NEG, shape=(4,)).shape == (4,)
+
+
+def test_a_fill_beyond_the_float_dtype_is_refused():
+    with pytest.raises(ValueError, match=r"fill must be a number within torch.float16 \(largest 65504\)"):
+        FloatField("w", dtype=torch.float16, fill=1e5)
+    assert FloatField("w", dtype=torch.float16, fill=-65504.0).fill == -65504.0
+
+
+def test_a_shared_prompt_whose_sequences_disagree_holds_the_fill():
+    spec = TensorField("adv", align="sequence", broadcast=True, fill=-9.0)
+    rollouts = [
+        {"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1], "adv": 1.0},
+        {"input_ids": [1, 2, 4], "completion_mask": [0, 1, 1], "adv": 2.0},
+    ]
+    out = Collator.for_rollouts(padding_free=True, shared_prompt=True, float_fields=[spec])(rollouts)
+    assert out["input_ids"].tolist() == [[1, 2, 3, 2, 4]]
+    assert out["adv"].tolist() == [[-9.0, 1.0, 1.0, 2.0, 2.0]]
+
+
+def test_a_packer_state_with_tensor_fields_round_trips():
+    from zephon_collate import FlatPacker
+
+    records = [SampleRecord(SampleMeta((0, 0, i), 0, 0, i), e) for i, e in enumerate(examples() * 4)]
+    whole = [row.payload for row in FlatPacker(8, pad_token_id=0, float_fields=SPECS).pack(records)]
+    packer = FlatPacker(8, pad_token_id=0, float_fields=SPECS)
+    first = [next(iter(packer.pack(records))).payload]  # stopped after one row, pieces pending
+    restored = FlatPacker(8, pad_token_id=0, float_fields=SPECS)
+    restored.load_state_dict(packer.state_dict())
+    rest = [row.payload for row in restored.pack(records[packer.records_consumed :])]
+    assert len(first + rest) == len(whole)
+    for got, want in zip(first + rest, whole, strict=True):
+        for name in ("input_ids", "top_ids", "top_logprobs", "routes"):
+            assert np.array_equal(got[name], want[name]), name
+    other = FlatPacker(8, pad_token_id=0, float_fields=[IDS, LOGPROBS, TensorField("routes", shape=(3,))])
+    with pytest.raises(ValueError, match="the state was saved with other options"):
+        other.load_state_dict(packer.state_dict())
+
+
+def test_arrow_nulls_and_chunks_of_other_value_shapes_are_named():
+    import pyarrow as pa
+
+    spec = [TensorField("top", shape=(None,), fill=NEG)]
+    nulls = pa.Table.from_pylist([{"input_ids": [1, 2], "top": [[-0.5, None], [-1.0, -2.0]]}])
+    with pytest.raises(ValueError, match=r"example 0: field 'top' holds a null at top\[0\]"):
+        Collator.for_transformers(padding_free=True, float_fields=spec)(nulls)
+    chunks = pa.concat_tables(
+        [pa.Table.from_pylist([{"input_ids": [1], "top": [[0.0, -1.0]]}]),
+         pa.Table.from_pylist([{"input_ids": [2], "top": [[0.0, -1.0, -2.0]]}])]
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"field 'top' holds values of shapes \[\(2,\), \(3,\)\] per token"):
+        Collator.for_transformers(padding_free=True, float_fields=spec)(chunks)

@@ -293,11 +293,13 @@ class Sequences(Transformers):
         }
         if self.options.padding_free or self.options.positions_out:
             per_token[POSITIONS] = Ragged(place[kept], doc_offsets)
+        fills = {spec.name: spec.fill for spec in self.options.floats}
         for name, values in batch.floats.items():
             kept_values = np.asarray(values.values)[kept]
             if name in batch.broadcast:  # one value per sequence: a shared prompt belongs to several
                 differ = _differs_in_group(np.asarray(values.values), offsets, group)
-                kept_values = np.where(trunk[kept] & differ[seq[kept]], 0, kept_values).astype(
+                fill = fills.get(name, 0)
+                kept_values = np.where(trunk[kept] & differ[seq[kept]], fill, kept_values).astype(
                     kept_values.dtype
                 )
             per_token[name] = Ragged(kept_values, doc_offsets)

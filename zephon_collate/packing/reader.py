@@ -191,7 +191,8 @@ class PackOptions(Keywords):
         """The options as plain data (float fields as tuples), for a state that ``torch.load`` reads back."""
         values = dict(vars(self))
         values["float_fields"] = [
-            [type(spec).__name__, spec.name, spec.align, str(spec.dtype), spec.broadcast, spec.fill]
+            [spec.name, spec.align, str(spec.dtype), spec.broadcast]  # a float field as states saved it
+            + ([] if (spec.fill, spec.shape) == (0, ()) else [spec.fill, list(spec.shape)])
             for spec in self.floats
         ]
         if values["fields"] is not None:
@@ -214,8 +215,9 @@ class StreamOptions(PackOptions):
 """The packing keyword without a default, and what it is (for the error naming it)."""
 
 
-def as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
-    """A 1-D NumPy array of a payload value, read by the one payload reader.
+def as_array(value: object, where: str, name: str, *, ids: bool, flat: bool = True) -> np.ndarray:
+    """A 1-D NumPy array of a payload value (``flat=False``: ``[T, ...]``, a tensor field's), read by the
+    one payload reader.
 
     :func:`~zephon_collate.read.columns.to_row` checks the value; token ids come back
     as int64 and ``>= 0``; an int64 ndarray is not copied.
@@ -226,7 +228,7 @@ def as_array(value: object, where: str, name: str, *, ids: bool) -> np.ndarray:
             f"got {type(value).__name__}"
         )
     row = as_numpy(to_row(value, where, name, "ids" if ids else "values"))
-    if row.ndim != 1:
+    if row.ndim != 1 and (flat or ids or row.ndim == 0):
         raise ValueError(
             f"{where}: field {shown(name)} must be 1-D (one entry per token), got shape {row.shape}"
         )

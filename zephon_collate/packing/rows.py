@@ -461,6 +461,12 @@ def build_row(
     fills = {spec.name: spec.fill for spec in options.floats}  # value fields pad with their own fill
     for name in fields:
         parts = [piece.fields[name] for piece in pieces]
+        shapes = {part.shape[1:] for part in parts}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"pack: field {shown(name)} holds values of shapes {sorted(shapes)} in the documents of one "
+                "row; give every document the same value shape (pad a ragged K with the fill)"
+            )
         dtype = np.result_type(*{part.dtype for part in parts})
         values = np.full((size, *parts[0].shape[1:]), fills.get(name, 0), dtype)
         np.concatenate(parts, out=values[:used])

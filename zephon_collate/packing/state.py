@@ -88,15 +88,15 @@ def piece_from_state(state: object, where: str, seq_len: int, fields: Sequence[s
     values = {}
     for name in fields:
         try:
-            values[name] = as_array(saved[name], f"{_OWNER}: {where}['fields']", name, ids=False)
+            values[name] = as_array(saved[name], f"{_OWNER}: {where}['fields']", name, ids=False, flat=False)
             if name == LOSS_MASK:
                 check_loss_mask(values[name], f"{_OWNER}: {where}['fields']")
         except (TypeError, ValueError) as error:
             raise corrupt(f"{where}['fields'][{shown(name)}]", f"is not a packed field ({error})") from None
-        if values[name].size != tokens.size:
+        if values[name].shape[0] != tokens.size:
             raise corrupt(
                 f"{where}['fields'][{shown(name)}]",
-                f"has {values[name].size} entries for {tokens.size} tokens",
+                f"has {values[name].shape[0]} entries for {tokens.size} tokens",
             )
     index = check_count(state["index"], f"{where}['index']")
     if not isinstance(state["closes"], (bool, np.bool_)):

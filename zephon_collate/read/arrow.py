@@ -393,7 +393,7 @@ class Columns(Batch):
         elif len(pieces) == 1:
             values, offsets = pieces[0]
         else:  # chunk by chunk: one copy joins the values, each chunk's offsets shifted
-            values = _joined([values for values, _ in pieces])
+            values = _joined(_same_value_shape([values for values, _ in pieces], name))
             offsets = np.zeros(first + 1, dtype=np.int64)
             row, total = 0, 0
             for _, part_offsets in pieces:
@@ -518,6 +518,21 @@ def _host(values: Row) -> np.ndarray | torch.Tensor:
     if values.device.type == "cpu":
         return _read_only(as_numpy(values))
     return values.detach().clone()
+
+
+def _same_value_shape(parts: list[Row], name: str) -> list[Row]:
+    """The chunks' values, an empty chunk's given the others' value shape; chunks of different value
+    shapes (a top-k of another K) are a ``ValueError``."""
+    shapes = {tuple(part.shape[1:]) for part in parts if part.shape[0]}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"field {shown(name)} holds values of shapes {sorted(shapes)} per token in different chunks of "
+            "the batch; give every token the same value shape (pad a ragged top-k with its fill)"
+        )
+    if not shapes:
+        return parts
+    shape = next(iter(shapes))
+    return [part if part.shape[0] else part.reshape(0, *shape) for part in parts]
 
 
 def _joined(parts: Sequence[Row]) -> np.ndarray | torch.Tensor:
@@ -647,6 +662,13 @@ def _arrow_list(
     while _list_type(pa, child.type):  # one level of a tensor per token: its size, then its values
         child, start, count, size = _inner(pa, child, start, count, name, first, offsets, names)
         shape.append(size)
+    if shape and child.null_count and child.slice(start, count).null_count:  # a null number inside
+        token = _first_null(pa, child.slice(start, count)) // int(np.prod(shape))
+        row = int(np.searchsorted(offsets, token, side="right")) - 1
+        raise ValueError(
+            f"{names(first + row)}: field {shown(name)} holds a null at {name}[{token - int(offsets[row])}]; "
+            "give numbers only: fill the nulls (dataset.map) or drop the example (dataset.filter)"
+        )
     values = None
     if value_kind != "bool":
         values = _view(child, 1, np.dtype(value_kind), child.offset + start, count)

@@ -155,10 +155,12 @@ class TensorField:
         if isinstance(fill, bool) or not isinstance(fill, (int, float)):
             raise TypeError(f"{owner}: fill must be an int or a float, got {shown(fill)}")
         if self.dtype.is_floating_point:
-            if math.isnan(fill) or fill == math.inf:
+            largest = torch.finfo(self.dtype).max
+            if math.isnan(fill) or (fill != -math.inf and abs(fill) > largest):
                 raise ValueError(
-                    f"{owner}: fill must be a finite number or float('-inf') (a log-prob of probability 0), "
-                    f"got {fill}: a NaN or +inf would reach the loss"
+                    f"{owner}: fill must be a number within {self.dtype} (largest {largest:.6g}) or "
+                    f"float('-inf') (a log-prob of probability 0), got {fill}: a NaN or an infinity would "
+                    "reach the loss"
                 )
         elif not float(fill).is_integer() or not _fits(int(fill), self.dtype):
             info = torch.iinfo(self.dtype)
@@ -339,7 +341,7 @@ def _check_shapes(arrays: list[np.ndarray], spec: TensorField, names: Names) -> 
                 f"{names(index)}: float field {shown(spec.name)} holds shape {tuple(array.shape)}, but it "
                 f"is declared one value of {what} per {'response ' if spec.align == 'response' else ''}"
                 f"token (align={shown(spec.align)}, shape={_shown_shape(declared)}); give "
-                + ("a 1-D row" if not declared else f"rows of [tokens, {_shown_shape(declared)[1:-1]}]")
+                + ("a 1-D row" if not declared else f"rows of [tokens, {_sizes(declared)}]")
                 + (
                     f" (pad a ragged K with the fill, {spec.fill}, and mask it)"
                     if declared and first is not None and array.ndim == len(declared) + 1
@@ -348,9 +350,12 @@ def _check_shapes(arrays: list[np.ndarray], spec: TensorField, names: Names) -> 
             )
 
 
+def _sizes(shape: tuple[int | None, ...]) -> str:
+    return ", ".join("K" if size is None else str(size) for size in shape)
+
+
 def _shown_shape(shape: tuple[int | None, ...]) -> str:
-    inner = ", ".join("K" if size is None else str(size) for size in shape)
-    return f"({inner},)" if len(shape) == 1 else f"({inner})"
+    return f"({_sizes(shape)},)" if len(shape) == 1 else f"({_sizes(shape)})"
 
 
 def read_floats(
