@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from zephon_collate import Collator, FloatField, SampleMeta, SampleRecord, Transform, use_host_pass
+from zephon_collate.layouts.vision import MRope
 from zephon_collate.read.fields import TensorField
 
 EOS, PAD = 2, 0
@@ -189,6 +190,35 @@ def _absent(values: np.ndarray) -> np.ndarray:
     return values
 
 
+def vlm_examples(seed: int, rows: int, length: int) -> list:
+    """Qwen-VL examples: text, 0-2 images (grids of 2-6 patches a side, merged by 2), a video now and then."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(rows):
+        ids: list[int] = []
+        types: list[int] = []
+        grids = {1: [], 2: []}
+        for _ in range(int(rng.integers(0, 3))):
+            modality = 2 if rng.random() < 0.25 else 1
+            grid = [int(rng.integers(2, 4)) if modality == 2 else 1, *(2 * rng.integers(1, 4, 2)).tolist()]
+            text = rng.integers(3, 40, int(rng.integers(1, max(2, length // 4)))).tolist()
+            ids += text + [90 + modality] * (grid[0] * grid[1] * grid[2] // 4)
+            types += [0] * len(text) + [modality] * (grid[0] * grid[1] * grid[2] // 4)
+            grids[modality].append(grid)
+        tail = rng.integers(3, 40, int(rng.integers(1, length))).tolist()
+        example: dict[str, Any] = {"input_ids": ids + tail, "mm_token_type_ids": types + [0] * len(tail)}
+        for modality, pixels, grid_name in ((1, "pixel_values", "image_grid_thw"),
+                                            (2, "pixel_values_videos", "video_grid_thw")):  # fmt: skip
+            if grids[modality]:
+                patches = sum(t * h * w for t, h, w in grids[modality])
+                example[pixels] = rng.normal(size=(patches, 6)).astype(np.float32)
+                example[grid_name] = grids[modality]
+        if grids[2]:
+            example["second_per_grid_ts"] = [0.5] * len(grids[2])
+        out.append(example)
+    return out
+
+
 def rollouts(seed: int, rows: int, length: int) -> list:
     """GRPO groups: completions after one prompt, behaviour log-probs, an advantage per rollout."""
     rng = np.random.default_rng(seed)
@@ -289,6 +319,18 @@ CASES: list[tuple[str, Callable[..., Any], Callable[[int, int, int], Any]]] = [
             pad_token_id=PAD, padding_side="left", pad_to_multiple_of=4, label_pad_token_id=-1, **m
         ),
         padded_examples,
+    ),
+    (
+        "transformers-vision-language-packed",
+        lambda **m: Collator.for_transformers(
+            padding_free=True, mrope=MRope(video_time="seconds"), return_flash_attn_kwargs=True, **m
+        ),
+        vlm_examples,
+    ),
+    (
+        "transformers-vision-language-padded",
+        lambda **m: Collator.for_transformers(pad_token_id=PAD, mrope=MRope(video_time="index"), **m),
+        vlm_examples,
     ),
     (
         "transformers-padding-free",

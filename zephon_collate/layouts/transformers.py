@@ -87,6 +87,15 @@ from zephon_collate.functional import host
 from zephon_collate.layouts.base import Layout, Stacked
 from zephon_collate.layouts.native import check_boundary_count
 from zephon_collate.layouts.stack import RowPadding, dense
+from zephon_collate.layouts.vision import (
+    MEDIA,
+    MM_TOKEN_TYPE_IDS,
+    MROPE_POSITIONS,
+    Media,
+    MRope,
+    mrope_positions,
+    read_media,
+)
 from zephon_collate.read.arrow import Columns
 from zephon_collate.read.columns import Batch, Names, Ragged, places, row_any, row_of, to_row
 from zephon_collate.read.fields import TensorField, check_float_fields, read_floats, to_label_positions
@@ -107,6 +116,7 @@ from zephon_collate.transforms import (
     CuSeqlens,
     LeftPadding,
     LossMask,
+    MRopePositions,
     PaddingMask,
     PositionOffset,
     SegmentIds,
@@ -209,6 +219,11 @@ class TransformersOptions(Keywords):
         float_fields: float example fields (names or :class:`~zephon_collate.FloatField` specs): per
             token ``[B, L]`` (padding-free ``[1, N]``) beside the labels, 0.0 on padding; one value per
             sequence ``[B]``.
+        mrope: a Qwen-VL model's position rule (:class:`~zephon_collate.layouts.vision.MRope`,
+            ``MRope.from_config(model.config)``): read ``mm_token_type_ids`` and the media
+            (``pixel_values``, ``image_grid_thw``, the video fields), concatenated in document order;
+            padding-free, ``position_ids`` ``[4, 1, N]`` (the text row, then the 3 mRoPE planes).
+            Without it, examples carrying media are refused.
 
     Raises:
         TypeError, ValueError: for a value of the wrong type or out of range, or options that
@@ -238,6 +253,7 @@ class TransformersOptions(Keywords):
     position_ids_start: int = 0
     supervision: str | None = None
     float_fields: Sequence[str | TensorField] = ()
+    mrope: MRope | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -292,8 +308,12 @@ class TransformersOptions(Keywords):
             raise ValueError(
                 f"{owner}: {self.SUPERVISION_MEANS} one of {self.SUPERVISING}, got {shown(self.supervision)}"
             )
-        reserved = (*_READ, "label", POSITIONS, PADDING_LENGTH, *_WRITTEN)
+        reserved = (*_READ, "label", POSITIONS, PADDING_LENGTH, *_WRITTEN, MM_TOKEN_TYPE_IDS, *MEDIA)
         put(self, "float_fields", check_float_fields(owner, self.float_fields, reserved))
+        if self.mrope is not None and not isinstance(self.mrope, MRope):
+            raise TypeError(
+                f"{owner}: mrope must be an MRope (MRope.from_config(model.config)), got {shown(self.mrope)}"
+            )
         self._check_combinations()
 
     SUPERVISING: ClassVar[tuple[str, ...]] = _SUPERVISION
@@ -469,6 +489,8 @@ class Transformers(Layout):
             steps.append(SegmentIds(positions, out_key=SEQ_IDX))
         if options.position_ids_start:
             steps.append(PositionOffset(options.position_ids_start, positions))
+        if MROPE_POSITIONS in keys:
+            steps.append(MRopePositions(positions, MROPE_POSITIONS))
         return steps
 
     @property
@@ -488,7 +510,9 @@ class Transformers(Layout):
             TypeError, ValueError: for a bad example, naming it, the field and the fix.
         """
         fields, segments, per_sequence = self.fields(batch)
-        return [self.layout(fields, segments, per_sequence, batch.names)]
+        mrope = self.options.mrope
+        media = None if mrope is None else read_media(batch, batch.names, mrope)
+        return [self.layout(fields, segments, per_sequence, batch.names, media)]
 
     def fields(self, batch: Batch) -> tuple[dict[str, Ragged], Ragged | None, dict[str, list[np.ndarray]]]:
         """The examples' fields as this layout reads them: ``input_ids`` (int64), the per-token fields
@@ -513,6 +537,18 @@ class Transformers(Layout):
                     "completion_mask (0 on the prompt)"
                 )
         fields: dict[str, Ragged] = {INPUT_IDS: tokens}
+        if options.mrope is not None:  # text-only examples: all text
+            fields[MM_TOKEN_TYPE_IDS] = _filled(batch, MM_TOKEN_TYPE_IDS, "ids", tokens)
+        else:
+            carried = next((name for name in (*MEDIA, MM_TOKEN_TYPE_IDS) if name in batch), None)
+            if carried is not None:
+                index = int(np.flatnonzero(batch.carried(carried))[0])
+                raise ValueError(
+                    f"{names(index)}: carries {shown(carried)}, a vision-language example's; collated as "
+                    "text its images would be dropped and its positions wrong: pass "
+                    "mrope=MRope.from_config(model.config) (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) or "
+                    "MRope(rule=...) for another model's positions"
+                )
         for name, kind in _PER_TOKEN:
             source = positions_field(batch) or name if name == POSITION_IDS else name  # the page's name too
             if source in batch:
@@ -639,12 +675,15 @@ class Transformers(Layout):
         segments: Ragged | None,
         per_sequence: dict[str, list[np.ndarray]],
         names: Names,
+        media: Media | None = None,
     ) -> Stacked:
-        """The read fields to the chain's input: supervision, padding dropped, truncation, rows."""
+        """The read fields to the chain's input: supervision, padding dropped, truncation, rows (and a
+        vision-language batch's media, in document order, with its mRoPE planes)."""
         options = self.options
         per_token: dict[str, Ragged] = {INPUT_IDS: fields[INPUT_IDS], LOSS_MASK: supervision(fields, names)}
-        if TOKEN_TYPE_IDS in fields:
-            per_token[TOKEN_TYPE_IDS] = fields[TOKEN_TYPE_IDS]
+        for name in (TOKEN_TYPE_IDS, MM_TOKEN_TYPE_IDS):
+            if name in fields:
+                per_token[name] = fields[name]
         for name in self._token_floats:
             per_token[name] = fields[name]
         positions = _positions(fields, segments, names)
@@ -663,6 +702,11 @@ class Transformers(Layout):
         if POSITIONS not in per_token and (options.padding_free or options.positions_out):
             offsets = per_token[INPUT_IDS].offsets
             per_token[POSITIONS] = Ragged(places(offsets), offsets, per_token[INPUT_IDS].lengths)
+        if media is not None and options.mrope is not None:  # checked on what is kept: no run cut
+            kept = per_token[INPUT_IDS]
+            planes = mrope_positions(kept, per_token[MM_TOKEN_TYPE_IDS], media, options.mrope, names)
+            if options.padding_free:  # padded, the model computes them from the types and grids
+                per_token[MROPE_POSITIONS] = Ragged(planes, kept.offsets, kept.lengths)
         starts = None
         for spec in options.floats:
             if spec.align == "label":  # moved to the token each prediction is scored against
@@ -682,6 +726,8 @@ class Transformers(Layout):
         for spec in options.floats:
             value = np.stack(per_sequence[spec.name]) if not spec.per_token else data[spec.name]
             data[spec.name] = in_float(value, spec)
+        if media is not None:
+            data.update(media.joined())
         if (
             options.padding_free
             and self.settings.num_boundaries is not None
@@ -865,6 +911,8 @@ def _filled(batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Rag
         filled = tokens.host.copy()
     elif name in (POSITION_IDS, POSITIONS):
         filled = places(tokens.offsets)
+    elif name == MM_TOKEN_TYPE_IDS:  # an example without media: all text
+        filled = np.zeros(tokens.values.shape[0], dtype=np.int64)
     else:
         filled = np.ones(tokens.values.shape[0], dtype=np.int64)
     filled = filled.astype(np.result_type(filled.dtype, values.dtype), copy=False)
@@ -873,7 +921,9 @@ def _filled(batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Rag
 
 
 def supervision(fields: dict[str, Ragged], names: Names) -> Ragged:
-    """The boolean ``[N]`` supervision: where ``labels`` are not -100 and every mask field is 1."""
+    """The boolean ``[N]`` supervision: where ``labels`` are not -100, every mask field is 1, and the
+    token is text (``mm_token_type_ids`` 0: a vision placeholder stands for an image, not a token to
+    predict)."""
     tokens = fields[INPUT_IDS]
     trained: np.ndarray | None = None
     for name in _MASKS:
@@ -900,6 +950,9 @@ def supervision(fields: dict[str, Ragged], names: Names) -> Ragged:
                 "transformers.DataCollatorForSeq2Seq(tokenizer, model=model)"
             )
         trained = given if trained is None else trained & given
+    if MM_TOKEN_TYPE_IDS in fields:
+        text = fields[MM_TOKEN_TYPE_IDS].host == 0
+        trained = text if trained is None else trained & text
     if trained is None:
         trained = np.ones(tokens.values.shape[0], dtype=bool)
     return Ragged(trained, tokens.offsets, tokens.lengths)

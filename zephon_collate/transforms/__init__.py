@@ -11,6 +11,7 @@ from zephon_collate.transforms.flatten import Flatten
 from zephon_collate.transforms.last_token_index import LastTokenIndex
 from zephon_collate.transforms.left_padding import LeftPadding
 from zephon_collate.transforms.loss_mask import LossMask
+from zephon_collate.transforms.mrope_positions import MRopePositions
 from zephon_collate.transforms.padding_mask import PaddingMask
 from zephon_collate.transforms.positions import Positions
 from zephon_collate.transforms.positions_offset import PositionOffset
@@ -31,6 +32,7 @@ __all__ = [
     "LastTokenIndex",
     "LeftPadding",
     "LossMask",
+    "MRopePositions",
     "PaddingMask",
     "PositionOffset",
     "Positions",

@@ -1,0 +1,201 @@
+"""Vision-language packing, exact: tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL built from configs.
+
+The positions equal each model's own ``get_rope_index`` per document; the logits of a packed
+padding-free batch equal each example run alone (float32 and float64), and so do a padded batch's;
+the media travel in document order; every refusal names the example and the fix.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from vlm_models import FAMILIES, IMAGE_TOKEN_ID, alone, reference_positions, rope_alone, sample, tiny_model
+
+from zephon_collate import Collator
+from zephon_collate.layouts.vision import MRope
+
+MODELS: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
+
+
+def model_of(family: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    if (family, dtype) not in MODELS:
+        MODELS[family, dtype] = tiny_model(family, dtype)
+    return MODELS[family, dtype]
+
+
+def mix(family: str, seed: int, count: int = 4) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [
+        sample(family, None, rng, int(rng.integers(0, 3)), int(rng.integers(0, 2)), int(rng.integers(1, 6)))
+        for _ in range(count)
+    ]
+
+
+def packed_batch(family: str, examples: list[dict]) -> dict:
+    model = model_of(family)
+    return Collator.for_transformers(padding_free=True, mrope=MRope.from_config(model.config))(examples)
+
+
+def run(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The model on a collated batch, as a training step feeds it (no cache: packing needs none)."""
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    with torch.no_grad():
+        return model(**inputs, use_cache=False).logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("seed", range(4))
+def test_positions_equal_the_models_get_rope_index_per_document(family, seed):
+    examples = mix(family, seed)
+    got = packed_batch(family, examples)["position_ids"]
+    assert torch.equal(got, reference_positions(model_of(family), examples))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_logits_equal_each_example_alone_float32(family):
+    model = model_of(family)
+    examples = mix(family, 10 + FAMILIES.index(family))
+    batch = packed_batch(family, examples)
+    got = run(model, batch)[0]
+    want = torch.cat([alone(model, example) for example in examples])
+    assert (got - want).abs().max() <= 1e-5
+
+
+def test_packed_logits_equal_each_example_alone_float64():
+    model = model_of("qwen2_5_vl", torch.float64)
+    examples = mix("qwen2_5_vl", 7)
+    batch = packed_batch("qwen2_5_vl", examples)
+    batch["pixel_values"] = batch["pixel_values"].double()
+    if "pixel_values_videos" in batch:
+        batch["pixel_values_videos"] = batch["pixel_values_videos"].double()
+    got = run(model, batch)[0]
+    want = torch.cat([alone(model, example) for example in examples])
+    assert (got - want).abs().max() <= 1e-12
+
+
+def test_a_padded_batch_equals_each_example_alone():
+    family = "qwen2_5_vl"
+    model = model_of(family)
+    examples = mix(family, 3)
+    batch = Collator.for_transformers(pad_token_id=0, mrope=MRope.from_config(model.config))(examples)
+    assert "position_ids" not in batch  # padded, the model computes them from the types and grids
+    logits = run(model, batch)
+    for row, example in enumerate(examples):
+        length = len(example["input_ids"])
+        assert (logits[row, :length] - alone(model, example)).abs().max() <= 1e-5
+
+
+def test_the_layout_by_hand():
+    """The module doc's drawing: two documents, one image each, and a text-only one."""
+
+    def example(before: int, grid: list[int], after: int) -> dict:
+        placeholders = grid[0] * grid[1] * grid[2] // 4
+        return {
+            "input_ids": [5] * before + [IMAGE_TOKEN_ID] * placeholders + [6] * after,
+            "mm_token_type_ids": [0] * before + [1] * placeholders + [0] * after,
+            "pixel_values": np.full((grid[0] * grid[1] * grid[2], 2), float(grid[2])),
+            "image_grid_thw": [grid],
+        }
+
+    out = Collator.for_transformers(padding_free=True, mrope=MRope())(
+        [example(2, [1, 4, 4], 2), example(1, [1, 4, 6], 1), {"input_ids": [7, 8]}]
+    )
+    assert out["position_ids"][:, 0].tolist() == [
+        [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1],
+        [0, 1, 2, 2, 2, 2, 4, 5, 0, 1, 1, 1, 1, 1, 1, 4, 0, 1],
+        [0, 1, 2, 2, 3, 3, 4, 5, 0, 1, 1, 1, 2, 2, 2, 4, 0, 1],
+        [0, 1, 2, 3, 2, 3, 4, 5, 0, 1, 2, 3, 1, 2, 3, 4, 0, 1],
+    ]
+    # a placeholder is never a label; each document's first token predicts nothing
+    assert out["labels"].tolist() == [[-100, 5] + [-100] * 4 + [6, 6, -100] + [-100] * 6 + [6, -100, 8]]
+    assert out["mm_token_type_ids"].tolist() == [[0, 0, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0]]
+    assert out["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6]]
+    assert out["pixel_values"][:, 0].tolist() == [4.0] * 16 + [6.0] * 24  # in document order
+
+
+def test_a_models_own_rule_through_the_hook():
+    model = model_of("qwen2_vl")
+
+    def rule(ids, types, images, videos, seconds):
+        example = {"input_ids": ids.tolist(), "mm_token_type_ids": types.tolist(), "image_grid_thw": images}
+        if videos.size:
+            example["video_grid_thw"] = videos
+        return rope_alone(model, example).numpy()
+
+    examples = mix("qwen2_vl", 5)
+    hooked = Collator.for_transformers(padding_free=True, mrope=MRope(rule=rule))(examples)
+    assert torch.equal(hooked["position_ids"], packed_batch("qwen2_vl", examples)["position_ids"])
+
+
+def test_truncation_keeps_an_image_whole_or_refuses():
+    examples = mix("qwen2_vl", 1, count=6)
+    with_image = next(e for e in examples if len(e["image_grid_thw"]))
+    first = with_image["mm_token_type_ids"].index(1)
+    collate = Collator.for_transformers(
+        padding_free=True, mrope=MRope(), max_length=first + 1, truncation_mode="keep_start"
+    )
+    with pytest.raises(
+        ValueError, match=r"example 0: a run of 1 image placeholder tokens.*must not cut them"
+    ):
+        collate([with_image])
+    before = Collator.for_transformers(
+        padding_free=True, mrope=MRope(), max_length=first, truncation_mode="keep_start"
+    )
+    with pytest.raises(ValueError, match=r"example 0: holds 0 runs of image placeholder tokens .* but"):
+        before([with_image])  # the whole image cut away, its pixels still given
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"image_grid_thw": [[1, 4, 4], [1, 2, 2]], "pixel_values": np.zeros((20, 2), np.float32)}, r"holds 1 runs of image placeholder tokens .* but 2 image"),
+        ({"image_grid_thw": [[1, 4, 6]], "pixel_values": np.zeros((24, 2), np.float32)}, r"a run of 4 image placeholder tokens .* needs 6"),
+        ({"image_grid_thw": [[1, 3, 4]]}, r"multiples of spatial_merge_size=2"),
+        ({"image_grid_thw": [[1, 4]]}, r"has shape \(1, 2\).*give \[n, 3\] integers"),
+        ({"pixel_values": np.zeros((15, 2), np.float32)}, r"'pixel_values' has shape \(15, 2\), but its 'image_grid_thw'"),
+        ({"pixel_values": None}, r"has 'image_grid_thw' of 1 grids but no 'pixel_values'"),
+        ({"mm_token_type_ids": [0, 3, 1, 1, 1, 0]}, r"'mm_token_type_ids' holds 3 at mm_token_type_ids\[1\]"),
+        ({"second_per_grid_ts": [1.0]}, r"'second_per_grid_ts' holds 1 values for 0 videos"),
+    ],
+)  # fmt: skip
+def test_bad_vision_examples_name_the_example_and_the_fix(change, match):
+    example = {
+        "input_ids": [5, IMAGE_TOKEN_ID, IMAGE_TOKEN_ID, IMAGE_TOKEN_ID, IMAGE_TOKEN_ID, 6],
+        "mm_token_type_ids": [0, 1, 1, 1, 1, 0],
+        "pixel_values": np.zeros((16, 2), np.float32),
+        "image_grid_thw": [[1, 4, 4]],
+    }
+    bad = {key: value for key, value in {**example, **change}.items() if value is not None}
+    with pytest.raises(ValueError, match=match):
+        Collator.for_transformers(padding_free=True, mrope=MRope())([example, bad])
+    wider = {**example, "pixel_values": np.zeros((16, 3), np.float32)}
+    with pytest.raises(
+        ValueError, match=r"example 1: 'pixel_values' rows hold \(3,\), the batch's first \(2,\)"
+    ):
+        Collator.for_transformers(padding_free=True, mrope=MRope())([example, wider])
+
+
+def test_media_without_mrope_are_refused_never_dropped():
+    example = sample("qwen2_5_vl", None, np.random.default_rng(0), 1, 0, 2)
+    for collate in (Collator.for_transformers(padding_free=True), Collator.for_transformers(pad_token_id=0)):
+        with pytest.raises(
+            ValueError, match=r"example 0: carries 'pixel_values'.*pass mrope=MRope.from_config"
+        ):
+            collate([example])
+
+
+def test_bad_mrope_declarations():
+    with pytest.raises(TypeError, match="spatial_merge_size must be an int >= 1"):
+        MRope(spatial_merge_size=0)
+    with pytest.raises(ValueError, match="video_time must be 'index', 'seconds' or 'frames'"):
+        MRope(video_time="time")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tokens_per_second must be a number > 0"):
+        MRope(tokens_per_second=0)
+    with pytest.raises(TypeError, match="rule must be a function"):
+        MRope(rule=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"model_type 'llama' is not one of .*MRope\(rule=\.\.\.\)"):
+        MRope.from_config(type("Config", (), {"model_type": "llama"})())
+    with pytest.raises(TypeError, match="mrope must be an MRope"):
+        Collator.for_transformers(padding_free=True, mrope={"spatial_merge_size": 2})
+    assert MRope.from_config(model_of("qwen3_vl").config).video_time == "frames"

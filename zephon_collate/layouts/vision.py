@@ -1,0 +1,364 @@
+"""Vision-language examples: their media read as fields of their document, and mRoPE positions.
+
+A Qwen-VL example (as its processor writes it) holds its tokens, with a run of
+placeholder tokens per image (or video frame group), ``mm_token_type_ids``
+(0 text, 1 image, 2 video, per token), and its media: ``pixel_values``
+``[patches, dim]`` with ``image_grid_thw`` ``[images, 3]``, and
+``pixel_values_videos`` with ``video_grid_thw`` (and Qwen2.5-VL's
+``second_per_grid_ts``). Packed padding-free, the media of the documents are
+concatenated in document order, and the positions are the model's 3-D mRoPE,
+computed per document and laid end to end::
+
+    tokens        t t [i i i i] t t | t [i i i i i i] t       two documents, one image each
+    text row      0 1  2 3 4 5  6 7 | 0  1 2 3 4 5 6  7       restarts per document: the boundaries
+    mRoPE t       0 1  2 2 2 2  4 5 | 0  1 1 1 1 1 1  4       each document's own rule, from 0
+    mRoPE h       0 1  2 2 3 3  4 5 | 0  1 1 1 2 2 2  4
+    mRoPE w       0 1  2 3 2 3  4 5 | 0  1 2 3 1 2 3  4
+    position_ids  [4, 1, N]: the text row, then t, h, w (transformers reads the text row for the packed
+                  attention mask, and rotates with t, h, w)
+
+The rule is the one Qwen2-VL, Qwen2.5-VL and Qwen3-VL's ``get_rope_index``
+follow: runs of one ``mm_token_type_ids`` value; a text run counts on from
+where the document stands on all three planes; a vision run of grid
+``(t, h, w)`` (``h``, ``w`` merged by ``spatial_merge_size``) puts its patch
+``(ti, hi, wi)`` at ``start + (floor(ti * interval), hi, wi)`` and moves the
+document on by ``max(h, w)``. ``interval`` is 1 for images and Qwen2-VL's
+videos, ``tokens_per_second * second_per_grid_ts`` for Qwen2.5-VL's videos;
+Qwen3-VL splits each video into its frames, each a run of its own. Every
+check is against the model's own ``get_rope_index`` (``tests/test_vision.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+import numpy as np
+import torch
+
+from zephon_collate.core.text import shown
+from zephon_collate.read.columns import Batch, Names, Ragged, as_numpy
+
+__all__ = [
+    "GRIDS",
+    "MEDIA",
+    "MM_TOKEN_TYPE_IDS",
+    "MROPE_POSITIONS",
+    "MRope",
+    "Media",
+    "VideoTime",
+    "mrope_positions",
+    "read_media",
+]
+
+MM_TOKEN_TYPE_IDS = "mm_token_type_ids"
+MROPE_POSITIONS = "mrope_positions"
+"""The chain's internal ``[B, S, 3]`` planes, joined into ``position_ids`` by ``MRopePositions``."""
+PIXELS = {1: "pixel_values", 2: "pixel_values_videos"}
+GRIDS = {1: "image_grid_thw", 2: "video_grid_thw"}
+SECONDS = "second_per_grid_ts"
+MEDIA = (*PIXELS.values(), *GRIDS.values(), SECONDS)
+"""The per-example media fields, concatenated in document order (``mm_token_type_ids`` is per token)."""
+VideoTime: TypeAlias = Literal["index", "seconds", "frames"]
+"""How a video's frames are numbered: Qwen2-VL's ``"index"``, Qwen2.5-VL's ``"seconds"``, Qwen3-VL's
+``"frames"`` (each frame its own run)."""
+Rule: TypeAlias = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+"""A model's own rule, one document at a time: ``(input_ids [n], mm_token_type_ids [n], image_grid_thw
+[images, 3], video_grid_thw [videos, 3], second_per_grid_ts [videos]) -> positions [3, n]``."""
+_FAMILIES: dict[str, VideoTime] = {
+    "qwen2_vl": "index",
+    "qwen2_5_vl": "seconds",
+    "qwen3_vl": "frames",
+    "qwen3_vl_moe": "frames",
+}
+
+
+@dataclass(frozen=True)
+class MRope:
+    """The mRoPE rule of a Qwen-VL model (see the module doc), or a hook for another model's.
+
+    Parameters:
+        spatial_merge_size: patches merged per side into one token (``vision_config.spatial_merge_size``).
+        video_time: ``"index"`` (Qwen2-VL), ``"seconds"`` (Qwen2.5-VL) or ``"frames"`` (Qwen3-VL).
+        tokens_per_second: Qwen2.5-VL's ``vision_config.tokens_per_second`` (``"seconds"`` only).
+        rule: another model's rule, run on each document (see :data:`Rule`); the built-in rule when
+            ``None``.
+
+    Raises:
+        TypeError, ValueError: for a merge size that is not an int >= 1, an unknown ``video_time``,
+            a ``tokens_per_second`` that is not a positive number, or a ``rule`` that is not callable.
+
+    Example:
+        >>> MRope(spatial_merge_size=2, video_time="seconds", tokens_per_second=2.0).video_time
+        'seconds'
+    """
+
+    spatial_merge_size: int = 2
+    video_time: VideoTime = "seconds"
+    tokens_per_second: float = 2.0
+    rule: Rule | None = None
+
+    def __post_init__(self) -> None:
+        merge = self.spatial_merge_size
+        if type(merge) is not int or merge < 1:
+            raise TypeError(f"MRope: spatial_merge_size must be an int >= 1, got {shown(merge)}")
+        if self.video_time not in ("index", "seconds", "frames"):
+            raise ValueError(
+                f"MRope: video_time must be 'index', 'seconds' or 'frames', got {shown(self.video_time)}"
+            )
+        rate = self.tokens_per_second
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+            raise ValueError(f"MRope: tokens_per_second must be a number > 0, got {shown(rate)}")
+        if self.rule is not None and not callable(self.rule):
+            raise TypeError(f"MRope: rule must be a function, got {shown(self.rule)}")
+
+    @classmethod
+    def from_config(cls, config: Any) -> MRope:
+        """The rule of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL config (``model.config``).
+
+        Raises:
+            ValueError: for another ``model_type`` (give ``MRope(rule=...)``).
+        """
+        kind = getattr(config, "model_type", None)
+        if kind not in _FAMILIES:
+            raise ValueError(
+                f"MRope.from_config: model_type {shown(kind)} is not one of {sorted(_FAMILIES)}; give "
+                "MRope(rule=...) with that model's rule"
+            )
+        vision = config.vision_config
+        rate = float(getattr(vision, "tokens_per_second", 2.0) or 2.0)
+        return cls(int(vision.spatial_merge_size), _FAMILIES[kind], rate)
+
+
+@dataclass(frozen=True)
+class Media:
+    """A batch's media, per example: pixels ``[patches, dim]``, grids ``[n, 3]`` and seconds ``[videos]``
+    (an example without one: an empty array), by modality (1 image, 2 video)."""
+
+    pixels: Mapping[int, list[np.ndarray]]
+    grids: Mapping[int, list[np.ndarray]]
+    seconds: list[np.ndarray]
+
+    def joined(self) -> dict[str, np.ndarray]:
+        """The media fields, each example's end to end in document order (only those some example has)."""
+        out: dict[str, np.ndarray] = {}
+        for modality in (1, 2):
+            if any(grid.shape[0] for grid in self.grids[modality]):
+                out[PIXELS[modality]] = np.concatenate([p for p in self.pixels[modality] if p.shape[0]])
+                out[GRIDS[modality]] = np.concatenate(self.grids[modality]).astype(np.int64)
+        if any(seconds.size for seconds in self.seconds):
+            out[SECONDS] = np.concatenate(self.seconds)
+        return out
+
+
+def read_media(batch: Batch, names: Names, mrope: MRope) -> Media:
+    """Each example's media, checked: grids ``[n, 3]`` of positive ints whose ``h`` and ``w`` the merge
+    size divides, pixels of one row per patch (``t * h * w`` per grid) and one width across the batch.
+
+    Raises:
+        TypeError, ValueError: naming the example, the field and the fix.
+    """
+    rows = batch.rows
+    pixels: dict[int, list[np.ndarray]] = {}
+    grids: dict[int, list[np.ndarray]] = {}
+    for modality in (1, 2):
+        grid_name, pixel_name = GRIDS[modality], PIXELS[modality]
+        given_grids = batch.objects(grid_name) if grid_name in batch else [None] * rows
+        given_pixels = batch.objects(pixel_name) if pixel_name in batch else [None] * rows
+        grids[modality], pixels[modality] = [], []
+        width: tuple[int, ...] | None = None
+        for index, (grid_value, pixel_value) in enumerate(zip(given_grids, given_pixels, strict=True)):
+            grid = _grid(grid_value, index, grid_name, names, mrope.spatial_merge_size)
+            patches = int(grid.prod(axis=1).sum()) if grid.size else 0
+            if pixel_value is None:
+                if patches:
+                    raise ValueError(
+                        f"{names(index)}: has {shown(grid_name)} of {grid.shape[0]} grids but no "
+                        f"{shown(pixel_name)}; give the pixels of each, as the processor returns them"
+                    )
+                pixel = np.zeros((0, *(width or (0,))), np.float32)
+            else:
+                pixel = _array(pixel_value, index, pixel_name, names)
+                if pixel.ndim < 2 or pixel.shape[0] != patches:
+                    raise ValueError(
+                        f"{names(index)}: {shown(pixel_name)} has shape {tuple(pixel.shape)}, but its "
+                        f"{shown(grid_name)} {shown(grid.tolist())} holds {patches} patches (t * h * w); "
+                        "give one row per patch, as the processor returns them"
+                    )
+                if width is not None and pixel.shape[0] and pixel.shape[1:] != width:
+                    raise ValueError(
+                        f"{names(index)}: {shown(pixel_name)} rows hold {pixel.shape[1:]}, the batch's first "
+                        f"{width}; give every example's pixels from one processor"
+                    )
+                width = width or (tuple(pixel.shape[1:]) if pixel.shape[0] else None)
+            grids[modality].append(grid)
+            pixels[modality].append(pixel)
+    seconds = [np.zeros(0, np.float64)] * rows
+    if SECONDS in batch:
+        seconds = []
+        for index, value in enumerate(batch.objects(SECONDS)):
+            given = np.zeros(0) if value is None else _array(value, index, SECONDS, names).reshape(-1)
+            if given.size != grids[2][index].shape[0]:
+                raise ValueError(
+                    f"{names(index)}: {shown(SECONDS)} holds {given.size} values for "
+                    f"{grids[2][index].shape[0]} videos; give one per video"
+                )
+            seconds.append(given.astype(np.float64))
+    return Media(pixels, grids, seconds)
+
+
+def mrope_positions(tokens: Ragged, types: Ragged, media: Media, mrope: MRope, names: Names) -> np.ndarray:
+    """``[N, 3]`` int64: each token's (t, h, w) position, every document from 0 (see the module doc).
+
+    Raises:
+        ValueError: for a type that is not 0, 1 or 2, a document whose vision runs and grids disagree in
+            number or in size (a placeholder run cut, an image missing its tokens), naming the example.
+
+    Example:
+        >>> from zephon_collate.read.columns import concat
+        >>> tokens = concat([np.array([5, 9, 9, 9, 9, 6])], "input_ids", str)
+        >>> types = concat([np.array([0, 1, 1, 1, 1, 0])], "mm_token_type_ids", str)
+        >>> media = Media({1: [np.zeros((16, 3))], 2: [np.zeros((0, 3))]},
+        ...               {1: [np.array([[1, 4, 4]])], 2: [np.zeros((0, 3), np.int64)]}, [np.zeros(0)])
+        >>> mrope_positions(tokens, types, media, MRope(), str).T.tolist()
+        [[0, 1, 1, 1, 1, 3], [0, 1, 1, 2, 2, 3], [0, 1, 2, 1, 2, 3]]
+    """
+    kind = np.asarray(types.values).astype(np.int64)
+    bad = np.flatnonzero((kind < 0) | (kind > 2))
+    offsets = tokens.offsets
+    if bad.size:
+        row = int(np.searchsorted(offsets, bad[0], side="right")) - 1
+        raise ValueError(
+            f"{names(row)}: {shown(MM_TOKEN_TYPE_IDS)} holds {int(kind[bad[0]])} at "
+            f"{MM_TOKEN_TYPE_IDS}[{int(bad[0] - offsets[row])}]; give 0 (text), 1 (image) or 2 (video)"
+        )
+    if mrope.rule is not None:
+        return _by_rule(tokens, kind, media, mrope.rule)
+    count = kind.size
+    opens = np.ones(count, dtype=bool)  # a run opens at a type change or a document's first token
+    opens[1:] = kind[1:] != kind[:-1]
+    opens[offsets[:-1][offsets[:-1] < count]] = True
+    starts = np.flatnonzero(opens)
+    ends = np.append(starts[1:], count)
+    run_kind = kind[starts]
+    run_doc = np.searchsorted(offsets, starts, side="right") - 1
+    grid, interval = _run_grids(run_kind, run_doc, media, mrope, names)
+    merge = mrope.spatial_merge_size
+    lh, lw = grid[:, 1] // merge, grid[:, 2] // merge
+    vision = run_kind != 0
+    wanted = np.where(vision, grid[:, 0] * lh * lw, ends - starts)
+    wrong = np.flatnonzero(wanted != ends - starts)
+    if wrong.size:
+        bad_run = int(wrong[0])
+        row = int(run_doc[bad_run])
+        name = "image" if run_kind[bad_run] == 1 else "video"
+        raise ValueError(
+            f"{names(row)}: a run of {int(ends[bad_run] - starts[bad_run])} {name} placeholder tokens at "
+            f"input_ids[{int(starts[bad_run] - offsets[row])}], but its grid "
+            f"{shown(grid[bad_run].tolist())} needs {int(wanted[bad_run])} (t * h * w / "
+            f"spatial_merge_size**2 = {merge}**2); give every "
+            f"{name} all its placeholder tokens (a truncation must not cut them)"
+        )
+    advance = np.where(vision, np.maximum(lh, lw), ends - starts)
+    before = np.cumsum(advance) - advance  # where each run starts, counted over the whole batch
+    first_run = np.searchsorted(starts, offsets[:-1])  # each document's first run (a run opens there)
+    base = np.zeros(len(offsets) - 1, dtype=np.int64)
+    has = first_run < starts.size
+    base[has] = before[first_run[has]]
+    opened = before - base[run_doc]  # each run's start, from its document's
+    run = np.repeat(np.arange(starts.size), ends - starts)
+    within = np.arange(count) - starts[run]
+    plane = lh[run] * lw[run]
+    safe_plane, safe_w, safe_h = np.maximum(plane, 1), np.maximum(lw[run], 1), np.maximum(lh[run], 1)
+    t_index = within // safe_plane
+    t = (t_index.astype(np.float32) * interval[run]).astype(np.int64)
+    h = (within // safe_w) % safe_h
+    w = within % safe_w
+    text = ~vision[run]
+    out = np.empty((count, 3), dtype=np.int64)
+    out[:, 0] = opened[run] + np.where(text, within, t)
+    out[:, 1] = opened[run] + np.where(text, within, h)
+    out[:, 2] = opened[run] + np.where(text, within, w)
+    return out
+
+
+def _run_grids(
+    run_kind: np.ndarray, run_doc: np.ndarray, media: Media, mrope: MRope, names: Names
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each run's grid ``[runs, 3]`` (text runs: ones) and time interval ``[runs]`` (float32): the
+    document's grids of that modality in order, one per run, their count checked."""
+    grid = np.ones((run_kind.size, 3), dtype=np.int64)
+    interval = np.ones(run_kind.size, dtype=np.float32)
+    documents = len(media.seconds)
+    for modality in (1, 2):
+        grids = media.grids[modality]
+        times = [np.ones(g.shape[0], np.float32) for g in grids]
+        if modality == 2 and mrope.video_time == "frames":  # Qwen3-VL: each frame a run of its own
+            times = [np.ones(int(g[:, 0].sum()), np.float32) for g in grids]
+            grids = [
+                np.repeat(np.column_stack([np.ones(len(g), np.int64), g[:, 1:]]), g[:, 0], axis=0)
+                for g in grids
+            ]
+        elif modality == 2 and mrope.video_time == "seconds":
+            times = [
+                np.float32(mrope.tokens_per_second)
+                * (seconds.astype(np.float32) if seconds.size else np.ones(g.shape[0], np.float32))
+                for g, seconds in zip(grids, media.seconds, strict=True)
+            ]
+        runs = run_kind == modality
+        counts = np.bincount(run_doc[runs], minlength=documents)
+        for row in np.flatnonzero(counts != np.array([g.shape[0] for g in grids], dtype=np.int64)):
+            name = "image" if modality == 1 else "video frame" if mrope.video_time == "frames" else "video"
+            raise ValueError(
+                f"{names(int(row))}: holds {int(counts[row])} runs of {name} placeholder tokens "
+                f"({shown(MM_TOKEN_TYPE_IDS)} = {modality}) but {grids[row].shape[0]} {name} grids in "
+                f"{shown(GRIDS[modality])}; give each {name} its grid and its run of placeholders"
+            )
+        if runs.any():
+            grid[runs] = np.concatenate(grids)
+            interval[runs] = np.concatenate(times)
+    return grid, interval
+
+
+def _by_rule(tokens: Ragged, kind: np.ndarray, media: Media, rule: Rule) -> np.ndarray:
+    """The positions of a model's own rule, document by document."""
+    values, offsets = np.asarray(tokens.values), tokens.offsets
+    parts = []
+    for row in range(len(offsets) - 1):
+        start, end = int(offsets[row]), int(offsets[row + 1])
+        found = rule(
+            values[start:end], kind[start:end], media.grids[1][row], media.grids[2][row], media.seconds[row]
+        )
+        parts.append(np.asarray(found, dtype=np.int64).reshape(3, end - start).T)
+    return np.concatenate(parts) if parts else np.zeros((0, 3), np.int64)
+
+
+def _array(value: object, index: int, name: str, names: Names) -> np.ndarray:
+    try:
+        array = as_numpy(value) if isinstance(value, torch.Tensor) else np.asarray(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{names(index)}: {shown(name)} is not an array of numbers") from None
+    if array.dtype.kind not in "iuf":
+        raise TypeError(f"{names(index)}: {shown(name)} holds {array.dtype}, not numbers")
+    return array
+
+
+def _grid(value: object, index: int, name: str, names: Names, merge: int) -> np.ndarray:
+    """An example's grids ``[n, 3]`` (none: ``[0, 3]``), positive ints, h and w divisible by ``merge``."""
+    if value is None:
+        return np.zeros((0, 3), dtype=np.int64)
+    grid = _array(value, index, name, names)
+    if grid.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    if grid.ndim != 2 or grid.shape[1] != 3 or grid.dtype.kind not in "iu":
+        raise ValueError(
+            f"{names(index)}: {shown(name)} has shape {tuple(grid.shape)} ({grid.dtype}); give [n, 3] "
+            "integers (t, h, w) per image or video"
+        )
+    if (grid < 1).any() or (grid[:, 1:] % merge).any():
+        raise ValueError(
+            f"{names(index)}: {shown(name)} holds {shown(grid.tolist())}; each t, h, w must be >= 1, and "
+            f"h, w multiples of spatial_merge_size={merge}"
+        )
+    return grid.astype(np.int64)
