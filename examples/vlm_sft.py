@@ -99,9 +99,8 @@ def main() -> None:
         value = float(loss.detach())
         first, last = (value, value) if step == 0 else (first, value)
         if step % 20 == 0 or step == args.steps - 1:
-            print(
-                f"step {step:3d}  {batch['input_ids'].shape[1]} tokens, {len(batch['image_grid_thw'])} images in one row  loss {value:.3f}"
-            )
+            tokens, images = batch["input_ids"].shape[1], len(batch["image_grid_thw"])
+            print(f"step {step:3d}  {tokens} tokens, {images} images in one row  loss {value:.3f}")
     print(f"loss {first:.3f} -> {last:.3f} (naming a pattern without seeing it: ln 4 = {np.log(4):.3f})")
 
 
