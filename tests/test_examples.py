@@ -76,6 +76,7 @@ DOC_PAGES = [
     "columns.md",
     "distributed.md",
     "tensor_fields.md",
+    "vision_language.md",
 ]
 
 
