@@ -199,3 +199,30 @@ def test_bad_mrope_declarations():
     with pytest.raises(TypeError, match="mrope must be an MRope"):
         Collator.for_transformers(padding_free=True, mrope={"spatial_merge_size": 2})
     assert MRope.from_config(model_of("qwen3_vl").config).video_time == "frames"
+
+
+def test_a_text_only_batch_gets_a_dummy_image_that_changes_nothing():
+    model = model_of("qwen2_5_vl")
+    text = [{"input_ids": [5, 6, 7, 8]}, {"input_ids": [9, 10, 11]}]
+    plain = Collator.for_transformers(padding_free=True, mrope=MRope.from_config(model.config))(text)
+    dummy = MRope.from_config(model.config, dummy_image=True)
+    batch = Collator.for_transformers(padding_free=True, mrope=dummy)(text)
+    assert "pixel_values" not in plain
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, IMAGE_TOKEN_ID]]
+    assert batch["labels"][0, -1] == -100 and batch["image_grid_thw"].tolist() == [[1, 2, 2]]
+    assert batch["pixel_values"].shape == (4, 24) and not batch["pixel_values"].any()
+    assert batch["position_ids"][:, 0, -1].tolist() == [0, 0, 0, 0]  # a document of its own
+    logits = run(model, batch)[0]
+    assert (logits[:-1] - run(model, plain)[0]).abs().max() <= 1e-5  # the real tokens see no image
+    # a batch with an image already runs the tower: nothing is added
+    examples = mix("qwen2_5_vl", 2)
+    assert torch.equal(
+        Collator.for_transformers(padding_free=True, mrope=dummy)(examples)["input_ids"],
+        packed_batch("qwen2_5_vl", examples)["input_ids"],
+    )
+    with pytest.raises(
+        ValueError, match=r"dummy_image=\.\.\.\) adds its image as one more document of a padding-free"
+    ):
+        Collator.for_transformers(pad_token_id=0, mrope=dummy)(text)
+    with pytest.raises(TypeError, match=r"dummy_image must be \(image_token_id, pixel_width\)"):
+        MRope(dummy_image=(120,))  # type: ignore[arg-type]

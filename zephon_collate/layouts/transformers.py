@@ -95,6 +95,7 @@ from zephon_collate.layouts.vision import (
     MRope,
     mrope_positions,
     read_media,
+    with_dummy_image,
 )
 from zephon_collate.read.arrow import Columns
 from zephon_collate.read.columns import Batch, Names, Ragged, places, row_any, row_of, to_row
@@ -512,6 +513,14 @@ class Transformers(Layout):
         fields, segments, per_sequence = self.fields(batch)
         mrope = self.options.mrope
         media = None if mrope is None else read_media(batch, batch.names, mrope)
+        if media is not None and mrope is not None and mrope.dummy_image and media.empty:
+            if segments is not None or per_sequence or not self.options.padding_free:
+                raise ValueError(
+                    f"{self.OWNER}: MRope(dummy_image=...) adds its image as one more document of a "
+                    "padding-free batch (padding_free=True), without seq_lengths or per-sequence float fields"
+                )
+            fills = {LABELS: IGNORE_INDEX, ATTENTION_MASK: 1, **{s.name: s.fill for s in self.options.floats}}
+            fields, media = with_dummy_image(fields, fills, media, mrope)
         return [self.layout(fields, segments, per_sequence, batch.names, media)]
 
     def fields(self, batch: Batch) -> tuple[dict[str, Ragged], Ragged | None, dict[str, list[np.ndarray]]]:
@@ -538,7 +547,11 @@ class Transformers(Layout):
                 )
         fields: dict[str, Ragged] = {INPUT_IDS: tokens}
         if options.mrope is not None:  # text-only examples: all text
-            fields[MM_TOKEN_TYPE_IDS] = _filled(batch, MM_TOKEN_TYPE_IDS, "ids", tokens)
+            fields[MM_TOKEN_TYPE_IDS] = (
+                _filled(batch, MM_TOKEN_TYPE_IDS, "ids", tokens)
+                if MM_TOKEN_TYPE_IDS in batch
+                else Ragged(np.zeros(tokens.values.shape[0], np.int64), tokens.offsets, tokens.lengths)
+            )
         else:
             carried = next((name for name in (*MEDIA, MM_TOKEN_TYPE_IDS) if name in batch), None)
             if carried is not None:

@@ -50,6 +50,7 @@ __all__ = [
     "VideoTime",
     "mrope_positions",
     "read_media",
+    "with_dummy_image",
 ]
 
 MM_TOKEN_TYPE_IDS = "mm_token_type_ids"
@@ -84,6 +85,11 @@ class MRope:
         tokens_per_second: Qwen2.5-VL's ``vision_config.tokens_per_second`` (``"seconds"`` only).
         rule: another model's rule, run on each document (see :data:`Rule`); the built-in rule when
             ``None``.
+        dummy_image: ``(image_token_id, pixel_width)``: a padding-free batch without any image or video
+            gets one more document, a single-token image of zeros (grid ``(1, merge, merge)``), never
+            trained and attending to nothing else, so that the vision tower runs on every rank (FSDP
+            gathers its weights in step on every rank; a rank skipping it hangs the others).
+            ``MRope.from_config(config, dummy_image=True)`` reads both from the config.
 
     Raises:
         TypeError, ValueError: for a merge size that is not an int >= 1, an unknown ``video_time``,
@@ -98,6 +104,7 @@ class MRope:
     video_time: VideoTime = "seconds"
     tokens_per_second: float = 2.0
     rule: Rule | None = None
+    dummy_image: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         merge = self.spatial_merge_size
@@ -112,10 +119,18 @@ class MRope:
             raise ValueError(f"MRope: tokens_per_second must be a number > 0, got {shown(rate)}")
         if self.rule is not None and not callable(self.rule):
             raise TypeError(f"MRope: rule must be a function, got {shown(self.rule)}")
+        dummy = self.dummy_image
+        if dummy is not None and (
+            not isinstance(dummy, tuple) or len(dummy) != 2 or any(type(v) is not int or v < 1 for v in dummy)
+        ):
+            raise TypeError(
+                f"MRope: dummy_image must be (image_token_id, pixel_width), two ints >= 1, got {shown(dummy)}"
+            )
 
     @classmethod
-    def from_config(cls, config: Any) -> MRope:
-        """The rule of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL config (``model.config``).
+    def from_config(cls, config: Any, *, dummy_image: bool = False) -> MRope:
+        """The rule of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL config (``model.config``); with
+        ``dummy_image``, the dummy image of text-only batches (see the parameters).
 
         Raises:
             ValueError: for another ``model_type`` (give ``MRope(rule=...)``).
@@ -128,7 +143,11 @@ class MRope:
             )
         vision = config.vision_config
         rate = float(getattr(vision, "tokens_per_second", 2.0) or 2.0)
-        return cls(int(vision.spatial_merge_size), _FAMILIES[kind], rate)
+        dummy = None
+        if dummy_image:
+            width = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+            dummy = (int(config.image_token_id), width)
+        return cls(int(vision.spatial_merge_size), _FAMILIES[kind], rate, dummy_image=dummy)
 
 
 @dataclass(frozen=True)
@@ -140,6 +159,11 @@ class Media:
     grids: Mapping[int, list[np.ndarray]]
     seconds: list[np.ndarray]
 
+    @property
+    def empty(self) -> bool:
+        """True when no example holds an image or a video."""
+        return not any(grid.shape[0] for modality in (1, 2) for grid in self.grids[modality])
+
     def joined(self) -> dict[str, np.ndarray]:
         """The media fields, each example's end to end in document order (only those some example has)."""
         out: dict[str, np.ndarray] = {}
@@ -150,6 +174,39 @@ class Media:
         if any(seconds.size for seconds in self.seconds):
             out[SECONDS] = np.concatenate(self.seconds)
         return out
+
+
+def with_dummy_image(
+    fields: dict[str, Ragged], fills: Mapping[str, int | float], media: Media, mrope: MRope
+) -> tuple[dict[str, Ragged], Media]:
+    """``fields`` and ``media`` with one more document: a single-token image of zeros (see
+    :class:`MRope`'s ``dummy_image``). Its token is the image token, of type 1; every other field
+    holds ``fills[name]`` there (0 where not named).
+
+    Example:
+        >>> from zephon_collate.read.columns import concat
+        >>> fields = {"input_ids": concat([np.array([5, 6])], "input_ids", str),
+        ...           "mm_token_type_ids": concat([np.array([0, 0])], "mm_token_type_ids", str)}
+        >>> media = Media({1: [np.zeros((0, 0))], 2: [np.zeros((0, 0))]},
+        ...               {1: [np.zeros((0, 3), np.int64)], 2: [np.zeros((0, 3), np.int64)]}, [np.zeros(0)])
+        >>> more, media = with_dummy_image(fields, {}, media, MRope(dummy_image=(99, 12)))
+        >>> more["input_ids"].values.tolist(), media.joined()["image_grid_thw"].tolist()
+        ([5, 6, 99], [[1, 2, 2]])
+    """
+    assert mrope.dummy_image is not None
+    token, width = mrope.dummy_image
+    merge = mrope.spatial_merge_size
+    given = {"input_ids": token, MM_TOKEN_TYPE_IDS: 1, **fills}
+    out = {}
+    for name, field in fields.items():
+        values = np.asarray(field.values)
+        one = np.full((1, *values.shape[1:]), given.get(name, 0), dtype=values.dtype)
+        out[name] = Ragged(np.concatenate([values, one]), np.append(field.offsets, field.offsets[-1] + 1))
+    pixels = {**media.pixels, 1: [*media.pixels[1], np.zeros((merge * merge, width), np.float32)]}
+    grids = {**media.grids, 1: [*media.grids[1], np.array([[1, merge, merge]], dtype=np.int64)]}
+    more = {2: [*media.pixels[2], np.zeros((0, width), np.float32)]}
+    return out, Media({**pixels, **more}, {**grids, 2: [*media.grids[2], np.zeros((0, 3), np.int64)]},
+                      [*media.seconds, np.zeros(0)])  # fmt: skip
 
 
 def read_media(batch: Batch, names: Names, mrope: MRope) -> Media:
