@@ -57,7 +57,7 @@ from zephon_collate.core.keys import (
 )
 from zephon_collate.layouts.base import Settings, Stacked
 from zephon_collate.layouts.transformers import Transformers, TransformersOptions, in_float
-from zephon_collate.read.columns import Names, Ragged, gather_spans, places, sequence_of
+from zephon_collate.read.columns import Names, Ragged, Spread, gather_spans, places, sequence_of
 from zephon_collate.transforms import AttentionMask, PaddingMask, Transform
 
 __all__ = [
@@ -298,7 +298,8 @@ class Sequences(Transformers):
             kept_values = np.asarray(values.values)[kept]
             if name in batch.broadcast:  # one value per sequence: a shared prompt belongs to several
                 differ = _differs_in_group(np.asarray(values.values), offsets, group)
-                fill = fills.get(name, 0)
+                given = fills.get(name, 0)
+                fill = 0 if isinstance(given, Spread) else given  # a broadcast value is one number
                 kept_values = np.where(trunk[kept] & differ[seq[kept]], fill, kept_values).astype(
                     kept_values.dtype
                 )

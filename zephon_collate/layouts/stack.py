@@ -27,7 +27,7 @@ import torch
 from zephon_collate.core.checks import check_int
 from zephon_collate.core.keys import INT32_MAX, MAX_PAD_MULTIPLE
 from zephon_collate.core.text import shown
-from zephon_collate.read.columns import Names, Ragged, Row, Values, as_numpy
+from zephon_collate.read.columns import Names, Ragged, Row, Spread, Values, as_numpy, filled
 
 __all__ = ["RowPadding", "dense", "stack_rows"]
 
@@ -83,8 +83,9 @@ class RowPadding:
         return longest if self.multiple is None else -(-longest // self.multiple) * self.multiple
 
 
-def dense(field: Ragged, width: int, fill: int | float, *, restart: bool = False) -> Values:
-    """``[B, width, ...]``: each row's values, then ``fill`` (or 0, 1, ... with ``restart``) to ``width``.
+def dense(field: Ragged, width: int, fill: int | float | Spread, *, restart: bool = False) -> Values:
+    """``[B, width, ...]``: each row's values, then ``fill`` (or 0, 1, ... with ``restart``) to ``width``
+    (a :class:`~zephon_collate.read.columns.Spread` numbers the places by their position in the row).
 
     Rows must not be longer than ``width``. Every row of exactly ``width``
     gives a view of the values, no copy (a copy of read-only values: a view of
@@ -110,11 +111,15 @@ def dense(field: Ragged, width: int, fill: int | float, *, restart: bool = False
         base = np.arange(width, dtype=np.int64)[None] - lengths[:, None]
         base = base.reshape(rows, width, *([1] * len(trailing)))
         start: Values = np.broadcast_to(base, (rows, width, *trailing))
+    elif isinstance(fill, Spread):
+        start = np.broadcast_to(
+            filled((width, *trailing), fill, np.dtype(np.int64)), (rows, width, *trailing)
+        )
     else:
         start = np.full((rows, width, *trailing), fill)
     if isinstance(values, np.ndarray):
-        # In the values' dtype: np.full's array converted (or taken as it is), the broadcast ramp copied.
-        out = np.asarray(start).astype(values.dtype, copy=restart)
+        # In the values' dtype: np.full's array converted (or taken as it is), a broadcast copied.
+        out = np.asarray(start).astype(values.dtype, copy=restart or isinstance(fill, Spread))
         # The rows' values end to end fill each row's first ``length`` places, in row-major order: one
         # boolean assignment (a scatter costs a repeat, a ramp and a sum of [N] indices more).
         out[np.arange(width) < lengths[:, None]] = values

@@ -98,7 +98,7 @@ from zephon_collate.layouts.vision import (
     with_dummy_image,
 )
 from zephon_collate.read.arrow import Columns
-from zephon_collate.read.columns import Batch, Names, Ragged, places, row_any, row_of, to_row
+from zephon_collate.read.columns import Batch, Names, Ragged, Spread, places, row_any, row_of, to_row
 from zephon_collate.read.fields import TensorField, check_float_fields, read_floats, to_label_positions
 from zephon_collate.read.rules import (
     SUPERVISING_FIELDS,
@@ -498,7 +498,7 @@ class Transformers(Layout):
     def _token_floats(self) -> tuple[str, ...]:
         return tuple(spec.name for spec in self.options.floats if spec.per_token)
 
-    def _fills(self, pad_token_id: int) -> dict[str, int | float]:
+    def _fills(self, pad_token_id: int) -> dict[str, int | float | Spread]:
         """What padding holds, field by field (0 where not named): the pad id, each value field's fill."""
         return {INPUT_IDS: pad_token_id, **{spec.name: spec.fill for spec in self.options.floats}}
 

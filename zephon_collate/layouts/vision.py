@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from zephon_collate.core.text import shown
-from zephon_collate.read.columns import Batch, Names, Ragged, as_numpy
+from zephon_collate.read.columns import Batch, Names, Ragged, Spread, as_numpy, filled
 
 __all__ = [
     "GRIDS",
@@ -177,7 +177,7 @@ class Media:
 
 
 def with_dummy_image(
-    fields: dict[str, Ragged], fills: Mapping[str, int | float], media: Media, mrope: MRope
+    fields: dict[str, Ragged], fills: Mapping[str, int | float | Spread], media: Media, mrope: MRope
 ) -> tuple[dict[str, Ragged], Media]:
     """``fields`` and ``media`` with one more document: a single-token image of zeros (see
     :class:`MRope`'s ``dummy_image``). Its token is the image token, of type 1; every other field
@@ -200,7 +200,7 @@ def with_dummy_image(
     out = {}
     for name, field in fields.items():
         values = np.asarray(field.values)
-        one = np.full((1, *values.shape[1:]), given.get(name, 0), dtype=values.dtype)
+        one = filled((1, *values.shape[1:]), given.get(name, 0), values.dtype)
         out[name] = Ragged(np.concatenate([values, one]), np.append(field.offsets, field.offsets[-1] + 1))
     pixels = {**media.pixels, 1: [*media.pixels[1], np.zeros((merge * merge, width), np.float32)]}
     grids = {**media.grids, 1: [*media.grids[1], np.array([[1, merge, merge]], dtype=np.int64)]}

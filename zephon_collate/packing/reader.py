@@ -49,7 +49,7 @@ from zephon_collate.core.records import SampleRecord
 from zephon_collate.core.text import shown, shown_fields
 from zephon_collate.read import rules
 from zephon_collate.read.arrow import Columns, read_by_rows
-from zephon_collate.read.columns import Batch, Names, Ragged, as_numpy, places, row_any, to_row
+from zephon_collate.read.columns import Batch, Names, Ragged, Spread, as_numpy, places, row_any, to_row
 from zephon_collate.read.fields import TensorField, check_float_fields, read_floats
 from zephon_collate.read.rows import Rows, describe_record, example_names, is_array_payload
 from zephon_collate.read.rules import SUPERVISING_FIELDS, check_flat, check_ids, check_zero_one, misaligned
@@ -192,7 +192,7 @@ class PackOptions(Keywords):
         values = dict(vars(self))
         values["float_fields"] = [
             [spec.name, spec.align, str(spec.dtype), spec.broadcast]  # a float field as states saved it
-            + ([] if (spec.fill, spec.shape) == (0, ()) else [spec.fill, list(spec.shape)])
+            + ([] if (spec.fill, spec.shape) == (0, ()) else [_plain_fill(spec.fill), list(spec.shape)])
             for spec in self.floats
         ]
         if values["fields"] is not None:
@@ -609,3 +609,8 @@ def candidates(
         if field is not None and field.values.ndim == 1 and bool(_aligned_rows(field, tokens).all()):
             found.append(name)
     return tuple(found)
+
+
+def _plain_fill(fill: int | float | Spread) -> int | float | list[object]:
+    """A fill as plain data: a number, or ``["spread", count]``."""
+    return ["spread", fill.count] if isinstance(fill, Spread) else fill

@@ -40,7 +40,7 @@ from zephon_collate.packing.reader import (
     prompt_entries,
 )
 from zephon_collate.read.arrow import Columns
-from zephon_collate.read.columns import Names, Ragged, row_any
+from zephon_collate.read.columns import Names, Ragged, filled, row_any
 from zephon_collate.read.rows import describe_record
 from zephon_collate.read.rules import check_zero_one
 
@@ -468,7 +468,7 @@ def build_row(
                 "row; give every document the same value shape (pad a ragged K with the fill)"
             )
         dtype = np.result_type(*{part.dtype for part in parts})
-        values = np.full((size, *parts[0].shape[1:]), fills.get(name, 0), dtype)
+        values = filled((size, *parts[0].shape[1:]), fills.get(name, 0), dtype)
         np.concatenate(parts, out=values[:used])
         payload[name] = values
     segments: list[Segment] = []

@@ -19,6 +19,7 @@ import array
 import itertools
 import numbers
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, cast
 
 import numpy as np
@@ -36,10 +37,12 @@ __all__ = [
     "Names",
     "Ragged",
     "Row",
+    "Spread",
     "Values",
     "as_numpy",
     "as_tensor",
     "concat",
+    "filled",
     "gather_spans",
     "host_view",
     "joined_ints",
@@ -307,6 +310,36 @@ def row_any(flags: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 def sequence_of(offsets: np.ndarray) -> np.ndarray:
     """``[N]``: the row of every value of a :class:`Ragged` with these offsets."""
     return np.repeat(np.arange(len(offsets) - 1, dtype=np.int64), np.diff(offsets))
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A fill of integer ids spread over ``range(count)``: MoE routes of padding, over every expert.
+
+    The place at position ``p`` of its row gets ``(p * k + j) % count`` in entry ``j`` of its last dim
+    (``k`` entries: the experts of one token), the same in every other dim (every layer). Padding
+    routed to one expert (a fill of 0) sends every padding token there, and a batch's padding can
+    overload it.
+
+    Example:
+        >>> filled((3, 2), Spread(4), np.dtype(np.int64), start=1).tolist()
+        [[2, 3], [0, 1], [2, 3]]
+    """
+
+    count: int
+
+
+def filled(
+    shape: tuple[int, ...], fill: int | float | Spread, dtype: np.dtype, *, start: int = 0
+) -> np.ndarray:
+    """``shape`` (``[places, ...]``) of ``fill``: a number, or a :class:`Spread` of the places numbered
+    from ``start``."""
+    if not isinstance(fill, Spread):
+        return np.full(shape, fill, dtype=dtype)
+    ramp = np.arange(start, start + shape[0], dtype=np.int64).reshape(-1, *([1] * (len(shape) - 1)))
+    last = shape[-1] if len(shape) > 1 else 1
+    entry = np.arange(last, dtype=np.int64)
+    return np.broadcast_to((ramp * last + entry) % fill.count, shape).astype(dtype)
 
 
 def places(offsets: np.ndarray) -> np.ndarray:

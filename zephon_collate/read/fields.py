@@ -52,7 +52,17 @@ import numpy as np
 import torch
 
 from zephon_collate.core.text import shown
-from zephon_collate.read.columns import Names, Ragged, Row, as_numpy, concat, numpy_dtype, row_of
+from zephon_collate.read.columns import (
+    Names,
+    Ragged,
+    Row,
+    Spread,
+    as_numpy,
+    concat,
+    filled,
+    numpy_dtype,
+    row_of,
+)
 from zephon_collate.read.rules import response_aligned
 
 __all__ = [
@@ -60,6 +70,7 @@ __all__ = [
     "Alignment",
     "FloatField",
     "FloatFields",
+    "Spread",
     "TensorField",
     "check_float_fields",
     "read_floats",
@@ -97,7 +108,9 @@ class TensorField:
         fill: the value of every place that holds no given value: padding, and the first token of a
             sequence for ``align="label"`` in an unshifted layout. 0 by default; ``float("-inf")`` for
             log-probs (probability 0: :func:`~zephon_collate.losses.distillation_loss` gives it no
-            weight), which then may also appear in the values (a token with fewer than ``K`` entries).
+            weight), which then may also appear in the values (a token with fewer than ``K`` entries);
+            ``Spread(experts)`` for MoE routes (an integer field of ``shape=(..., k)``): the padding's
+            routes cycle through every expert instead of all going to one.
 
     Raises:
         TypeError, ValueError: for a name that is not a non-empty str, an unknown alignment, a dtype
@@ -116,7 +129,7 @@ class TensorField:
     align: Alignment = "token"
     dtype: torch.dtype = torch.float32
     broadcast: bool = False
-    fill: int | float = 0
+    fill: int | float | Spread = 0
     shape: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
@@ -152,8 +165,11 @@ class TensorField:
                 f"{owner}: a value per sequence is one number; shape needs a per-token alignment"
             )
         fill = self.fill
+        if isinstance(fill, Spread):
+            self._check_spread(owner, fill)
+            return
         if isinstance(fill, bool) or not isinstance(fill, (int, float)):
-            raise TypeError(f"{owner}: fill must be an int or a float, got {shown(fill)}")
+            raise TypeError(f"{owner}: fill must be an int, a float or a Spread, got {shown(fill)}")
         if self.dtype.is_floating_point:
             largest = torch.finfo(self.dtype).max
             if math.isnan(fill) or (fill != -math.inf and abs(fill) > largest):
@@ -168,6 +184,21 @@ class TensorField:
                 f"{owner}: fill must be an integer from {info.min} to {info.max} for dtype {self.dtype}, "
                 f"got {fill}"
             )
+
+    def _check_spread(self, owner: str, fill: Spread) -> None:
+        count, last = fill.count, self.shape[-1] if self.shape else None
+        if self.dtype.is_floating_point or not self.shape:
+            raise ValueError(
+                f"{owner}: fill=Spread(...) spreads integer ids (MoE routes) over the last dim of a value: "
+                "declare an integer dtype and shape=(..., k)"
+            )
+        if type(count) is not int or count < 1 or (last is not None and count < last):
+            raise ValueError(
+                f"{owner}: Spread(count) needs an int count >= the {last} entries of a token, got "
+                f"{shown(count)}"
+            )
+        if not _fits(count - 1, self.dtype):
+            raise ValueError(f"{owner}: Spread({count}) holds ids beyond {self.dtype}")
 
     @property
     def per_token(self) -> bool:
@@ -436,7 +467,7 @@ def _shaped(arrays: list[np.ndarray], spec: TensorField) -> list[np.ndarray]:
     return [array.reshape(0, *trailing) if array.shape == (0,) else array for array in arrays]
 
 
-def to_label_positions(field: Ragged, starts: np.ndarray, fill: int | float = 0) -> Ragged:
+def to_label_positions(field: Ragged, starts: np.ndarray, fill: int | float | Spread = 0) -> Ragged:
     """A label-aligned field for the unshifted layout: each value moved one token right.
 
     Value ``t`` (of the prediction made at ``t``) goes to token ``t + 1``, the
@@ -451,5 +482,6 @@ def to_label_positions(field: Ragged, starts: np.ndarray, fill: int | float = 0)
     values = np.asarray(field.values)
     moved = np.empty_like(values)
     moved[1:] = values[:-1]
-    moved[starts] = fill
+    first = np.flatnonzero(starts)
+    moved[first] = fill if not isinstance(fill, Spread) else filled(moved.shape, fill, moved.dtype)[first]
     return Ragged(moved, field.offsets)

@@ -33,8 +33,10 @@ from zephon_collate.read.columns import (
     Batch,
     Names,
     Ragged,
+    Spread,
     Values,
     as_numpy,
+    filled,
     host_view,
     places,
     row_any,
@@ -381,7 +383,13 @@ def kept_by_mask(mask: Ragged, name: str, names: Names) -> np.ndarray:
 
 
 def response_aligned(
-    field: Ragged, lengths: np.ndarray, name: str, names: Names, fill: int | float = 0, *, flat: bool = True
+    field: Ragged,
+    lengths: np.ndarray,
+    name: str,
+    names: Names,
+    fill: int | float | Spread = 0,
+    *,
+    flat: bool = True,
 ) -> Ragged:
     """``field`` placed at the end of the token rows: row ``b``'s values on its last ``len(row)`` tokens,
     ``fill`` before them.
@@ -415,7 +423,7 @@ def response_aligned(
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     given = field.host
-    values = np.full((int(offsets[-1]), *given.shape[1:]), fill, dtype=given.dtype)
+    values = filled((int(offsets[-1]), *given.shape[1:]), fill, given.dtype)
     values[np.repeat(offsets[1:] - field.lengths, field.lengths) + places(field.offsets)] = given
     return Ragged(values, offsets)
 
