@@ -264,7 +264,7 @@ def test_rows_of_different_value_shapes_are_refused():
         ({"dtype": torch.int8, "fill": 300}, ValueError, "fill must be an integer from -128 to 127"),
         ({"dtype": torch.int64, "fill": NEG}, ValueError, "fill must be an integer"),
         ({"dtype": torch.int64, "fill": 0.5}, ValueError, "fill must be an integer"),
-        ({"fill": True}, TypeError, "fill must be an int or a float"),
+        ({"fill": True}, TypeError, "fill must be an int, a float or a Spread"),
         ({"shape": [2]}, TypeError, "shape must be a tuple of sizes"),
         ({"shape": (0,)}, TypeError, "shape must be a tuple of sizes"),
         ({"align": "sequence", "shape": (2,)}, ValueError, "a value per sequence is one number"),
@@ -331,3 +331,41 @@ def test_arrow_nulls_and_chunks_of_other_value_shapes_are_named():
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"field 'top' holds values of shapes \[\(2,\), \(3,\)\] per token"):
         Collator.for_transformers(padding_free=True, float_fields=spec)(chunks)
+
+
+def test_spread_routes_padding_over_every_expert_in_every_layout():
+    from zephon_collate.read.fields import Spread
+
+    spec = TensorField("routes", dtype=torch.int16, shape=(2, 2), fill=Spread(8))
+    rows = [
+        {"input_ids": [1, 2, 3], "routes": np.zeros((3, 2, 2), np.int64)},
+        {"input_ids": [4], "routes": np.zeros((1, 2, 2), np.int64)},
+    ]
+    padded = Collator.for_transformers(pad_token_id=0, float_fields=[spec])(rows)["routes"]
+    # padding at row place p gets experts (2p, 2p + 1) % 8 in every layer
+    assert padded[1].tolist() == [[[0, 0], [0, 0]], [[2, 3], [2, 3]], [[4, 5], [4, 5]]]
+    assert padded.dtype == torch.int16
+    tail = Collator.for_transformers(
+        padding_free=True, pad_to_multiple_of=8, pad_token_id=0, float_fields=[spec]
+    )
+    assert tail(rows)["routes"][0, 4:, 0].tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    records = [SampleRecord(SampleMeta((0, 0, i), 0, 0, i), row) for i, row in enumerate(rows)]
+    packed = pack_flat(records, 6, pad_token_id=0, float_fields=[spec])[0].payload["routes"]
+    assert packed[4:, 1].tolist() == [[0, 1], [2, 3]]
+    experts = torch.as_tensor(padded[1, 1:]).flatten().tolist() + packed[4:].flatten().tolist()
+    assert len(set(experts)) == 6  # over many experts, not one
+
+
+def test_bad_spread_declarations():
+    from zephon_collate.read.fields import Spread
+
+    with pytest.raises(
+        ValueError, match=r"spreads integer ids .* declare an integer dtype and shape=\(\.\.\., k\)"
+    ):
+        TensorField("r", fill=Spread(8), shape=(2,))
+    with pytest.raises(ValueError, match=r"spreads integer ids"):
+        TensorField("r", dtype=torch.int64, fill=Spread(8))
+    with pytest.raises(ValueError, match=r"Spread\(count\) needs an int count >= the 4 entries"):
+        TensorField("r", dtype=torch.int64, shape=(4,), fill=Spread(2))
+    with pytest.raises(ValueError, match=r"Spread\(300\) holds ids beyond torch.int8"):
+        TensorField("r", dtype=torch.int8, shape=(2,), fill=Spread(300))
