@@ -624,18 +624,30 @@ def test_packers_and_the_wrapper_refuse_what_is_not_columns():
         ColumnarDataset(pa.table({"input_ids": [[1]]})).__getitems__([0, 3])
 
 
-def test_float_fields_and_groups_are_refused_for_columns_by_the_packers():
-    table = pa.table({"input_ids": [[1, 2], [3]], "advantages": [[0.5, 0.5], [1.0]], "group": [0, 0]})
+def test_the_packers_pack_float_and_tensor_fields_from_columns_as_from_records():
+    top = pa.list_(pa.list_(pa.float32(), 2))
+    table = pa.table(
+        {
+            "input_ids": [[1, 2, 3], [4, 5], [6]],
+            "advantages": [[0.5, 0.5, 0.5], [1.0, 1.0], [2.0]],
+            "top": pa.array(
+                [[[0, -1], [-2, -3], [-4, -5]], [[0.5, -1.5], [-2.5, -3.5]], [[0.25, -0.75]]], type=top
+            ),
+            "group": [0, 0, 1],
+        }
+    )
+    specs = ["advantages", TensorField("top", align="label", fill=float("-inf"), shape=(2,))]
+    records = pack_flat(table.to_pylist(), 4, pad_token_id=0, float_fields=specs)
+    columns = pack_columns(table, 4, pad_token_id=0, float_fields=specs)
+    streamed = list(FlatPacker(4, pad_token_id=0, float_fields=specs).pack([table]))
+    for name in ("input_ids", "advantages", "top", "positions"):
+        want = np.stack([row.payload[name] for row in records])
+        assert np.array_equal(columns.fields[name], want), name
+        assert np.array_equal(np.stack([row.payload[name] for row in streamed]), want), name
+    assert columns.fields["top"].shape == (2, 4, 2) and columns.fields["top"][1, 3].tolist() == [-np.inf] * 2
     message = "are read example by example, not from columns; give the batch as a list of examples"
-    with pytest.raises(ValueError, match=f"pack_columns: float_fields {message}"):
-        pack_columns(table, 4, pad_token_id=0, float_fields=["advantages"])
     with pytest.raises(ValueError, match=f"pack_flat: group_key groups {message}"):
         pack_flat(table, 4, pad_token_id=0, group_key="group")
-    with pytest.raises(ValueError, match=f"FlatPacker: float_fields {message}"):
-        list(FlatPacker(4, pad_token_id=0, float_fields=["advantages"]).pack([table]))
-    # The same documents as records pack with both.
-    rows = pack_flat(table.to_pylist(), 4, pad_token_id=0, float_fields=["advantages"], group_key="group")
-    assert rows[0].payload["advantages"].tolist() == [0.5, 0.5, 1.0, 0.0]
 
 
 def test_the_collators_read_float_and_tensor_fields_from_columns_as_from_rows():

@@ -26,6 +26,7 @@ from zephon_collate.packing._plan import best_fit_rows, greedy_breaks
 from zephon_collate.packing.reader import REQUIRED, PackOptions, Reader
 from zephon_collate.packing.rows import refuse_cut_columns
 from zephon_collate.read.arrow import ColumnarBatch, ColumnBatch, columns_of
+from zephon_collate.read.columns import filled
 from zephon_collate.read.rows import example_names
 
 __all__ = ["PackedColumns", "pack_columns"]
@@ -123,9 +124,10 @@ def pack_columns(documents: ColumnarBatch, *args: Any, **given: Any) -> PackedCo
             Arrow columns or ``(values, offsets)`` pairs), one document per row.
         seq_len, pad_token_id, emit_positions, tokens_field, strategy, overflow, buffer_size, fields:
             as for :func:`~zephon_collate.pack_flat`.
-        float_fields, group_key: accepted so that one set of options serves both entry points, and
-            refused unless empty/``None``: columns carry integer tokens and fields only (pack records
-            with :func:`~zephon_collate.pack_flat` for float fields or groups).
+        float_fields: as for :func:`~zephon_collate.pack_flat` (a column of fixed-size or equal-length
+            lists per token for a tensor field), packed ``[rows, seq_len, ...]`` with each field's fill.
+        group_key: accepted so that one set of options serves both entry points, and refused unless
+            ``None``: columns carry no group per record (pack records with :func:`~zephon_collate.pack_flat`).
 
     Returns:
         A :class:`PackedColumns`.
@@ -134,7 +136,7 @@ def pack_columns(documents: ColumnarBatch, *args: Any, **given: Any) -> PackedCo
         TypeError: for an option of the wrong type, ``documents`` that are not columns, or a field
             that is not numbers.
         ValueError: as :func:`~zephon_collate.pack_flat` raises them, naming the document; for
-            ``float_fields`` or ``group_key``.
+            ``group_key``.
 
     Example:
         >>> import numpy as np
@@ -155,7 +157,9 @@ def pack_columns(documents: ColumnarBatch, *args: Any, **given: Any) -> PackedCo
         )
     tokens_name = None if options.tokens_field == "auto" else options.tokens_field
     listed = None if options.fields is None else tuple(options.fields)
-    reader = Reader(tokens_name, listed, strict=listed is None, segments=options.emit_positions)
+    reader = Reader(
+        tokens_name, listed, strict=listed is None, floats=options.floats, segments=options.emit_positions
+    )
     tokens, values = reader.read_columns(columns, 0)
     size = options.seq_len
     lengths = tokens.lengths
@@ -187,14 +191,19 @@ def pack_columns(documents: ColumnarBatch, *args: Any, **given: Any) -> PackedCo
     pad_slots = np.repeat(place[pad] - np.cumsum(length[pad]) + length[pad], length[pad])
     pad_slots += np.arange(pad_slots.size, dtype=np.int64)  # the slots of the trailing padding
     out: dict[str, np.ndarray] = {}
+    fills = {spec.name: spec.fill for spec in options.floats}  # value fields pad with their own fill
     for field_name, field in [(reader.tokens_name or INPUT_IDS, tokens), *values.items()]:
         host = field.host
         dtype = np.dtype(np.int64) if field is tokens else host.dtype  # token ids widened here, once
+        trailing = host.shape[1:]
         gathered = (
-            host.take(index, mode="clip").astype(dtype, copy=False) if host.size else index.astype(dtype)
+            host.take(index, axis=0, mode="clip").astype(dtype, copy=False)
+            if host.size
+            else np.zeros((index.size, *trailing), dtype)
         )
-        gathered[pad_slots] = options.pad_token_id if field is tokens else 0
-        out[field_name] = gathered.reshape(rows, size)
+        fill = options.pad_token_id if field is tokens else fills.get(field_name, 0)
+        gathered[pad_slots] = filled((pad_slots.size, *trailing), fill, dtype, at=pad_slots % max(size, 1))
+        out[field_name] = gathered.reshape(rows, size, *trailing)
     if options.emit_positions:  # each slot's place in its segment, computed in the slots' buffer
         slots -= np.repeat(place.astype(narrow), length)
         out[POSITIONS] = slots.reshape(rows, size)

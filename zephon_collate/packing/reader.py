@@ -175,10 +175,8 @@ class PackOptions(Keywords):
         return cls(**checked)
 
     def check_columnar(self, owner: str) -> None:
-        """Refuse the options a columnar batch cannot serve: groups and float fields are read record by
-        record (their values are Python lists per record, which the columns do not carry)."""
-        if self.float_fields:
-            raise read_by_rows(owner, "float_fields")
+        """Refuse the options a columnar batch cannot serve: groups are read record by record (a group
+        key per record, which the columns do not carry)."""
         if self.group_key is not None:
             raise read_by_rows(owner, "group_key groups")
 
@@ -398,14 +396,6 @@ class Reader:
         if not tokens.values.size:
             return None
         values = {name: field.host for name, field in fields.items()}
-        for spec in self.floats:
-            if spec.name not in batch:
-                raise ValueError(
-                    f"{where}: payload lacks float field {shown(spec.name)} (its fields: "
-                    f"{shown_fields(payload)}); give every record this field, or drop it from float_fields"
-                )
-            floats = read_floats(batch.per_row(spec.name, "values"), tokens.lengths, spec, batch.names)
-            values[spec.name] = np.asarray(cast(Ragged, floats).values)
         positions = self._segments(batch, tokens) if self.segments else None
         group = self._group(batch) if self.group_key is not None else None
         return Document(tokens.host, values, positions, group)
@@ -474,6 +464,20 @@ class Reader:
             if field_name == LOSS_MASK:
                 check_zero_one(field, LOSS_MASK, names, "1 for supervised tokens, 0 for the rest")
             values[field_name] = field
+        for spec in self.floats:  # by their specs, one path for records and columns
+            lacking = batch.lacking(spec.name)
+            if lacking is not None:
+                fields = dict.fromkeys(getattr(batch, "order", None) or sorted(batch.fields))
+                raise ValueError(
+                    f"{names(lacking)}: payload lacks float field {shown(spec.name)} (its fields: "
+                    f"{shown_fields(fields)}); give every record this field, or drop it from float_fields"
+                )
+            floats = cast(
+                Ragged, read_floats(batch.per_row(spec.name, "values"), tokens.lengths, spec, names)
+            )
+            if not np.array_equal(floats.offsets, tokens.offsets):  # documents without tokens hold none
+                floats = floats.select(np.repeat(has_tokens, floats.lengths))
+            values[spec.name] = floats
         return tokens, values
 
     def _check_present(self, batch: Batch) -> None:

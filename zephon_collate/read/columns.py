@@ -322,7 +322,7 @@ class Spread:
     overload it.
 
     Example:
-        >>> filled((3, 2), Spread(4), np.dtype(np.int64), start=1).tolist()
+        >>> filled((3, 2), Spread(4), np.dtype(np.int64), at=np.array([1, 2, 3])).tolist()
         [[2, 3], [0, 1], [2, 3]]
     """
 
@@ -330,13 +330,15 @@ class Spread:
 
 
 def filled(
-    shape: tuple[int, ...], fill: int | float | Spread, dtype: np.dtype, *, start: int = 0
+    shape: tuple[int, ...], fill: int | float | Spread, dtype: np.dtype, *, at: np.ndarray | None = None
 ) -> np.ndarray:
-    """``shape`` (``[places, ...]``) of ``fill``: a number, or a :class:`Spread` of the places numbered
-    from ``start``."""
+    """``shape`` (``[places, ...]``) of ``fill``: a number, or a :class:`Spread` of the places at
+    positions ``at`` of their rows (``0, 1, ...`` by default)."""
     if not isinstance(fill, Spread):
         return np.full(shape, fill, dtype=dtype)
-    ramp = np.arange(start, start + shape[0], dtype=np.int64).reshape(-1, *([1] * (len(shape) - 1)))
+    ramp = (np.arange(shape[0], dtype=np.int64) if at is None else at.astype(np.int64)).reshape(
+        -1, *([1] * (len(shape) - 1))
+    )
     last = shape[-1] if len(shape) > 1 else 1
     entry = np.arange(last, dtype=np.int64)
     return np.broadcast_to((ramp * last + entry) % fill.count, shape).astype(dtype)
