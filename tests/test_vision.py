@@ -226,3 +226,23 @@ def test_a_text_only_batch_gets_a_dummy_image_that_changes_nothing():
         Collator.for_transformers(pad_token_id=0, mrope=dummy)(text)
     with pytest.raises(TypeError, match=r"dummy_image must be \(image_token_id, pixel_width\)"):
         MRope(dummy_image=(120,))  # type: ignore[arg-type]
+
+
+def test_vision_cu_seqlens_are_the_towers_own():
+    from transformers.vision_utils import get_vision_cu_seqlens
+
+    examples = mix("qwen2_5_vl", 4, count=5)
+    model = model_of("qwen2_5_vl")
+    mrope = MRope.from_config(model.config)
+    batch = Collator.for_transformers(
+        padding_free=True,
+        mrope=MRope(mrope.spatial_merge_size, mrope.video_time, 2.0, vision_cu_seqlens=True),
+    )(examples)
+    for kind in ("image", "video"):
+        if f"{kind}_grid_thw" in batch:
+            want = get_vision_cu_seqlens(batch[f"{kind}_grid_thw"])
+            assert batch[f"{kind}_cu_seqlens"].dtype == torch.int32
+            assert torch.equal(batch[f"{kind}_cu_seqlens"], want)
+    assert "image_cu_seqlens" not in packed_batch("qwen2_5_vl", examples)
+    with pytest.raises(TypeError, match="vision_cu_seqlens must be a bool"):
+        MRope(vision_cu_seqlens=1)  # type: ignore[arg-type]

@@ -88,6 +88,7 @@ from zephon_collate.layouts.base import Layout, Stacked
 from zephon_collate.layouts.native import check_boundary_count
 from zephon_collate.layouts.stack import RowPadding, dense
 from zephon_collate.layouts.vision import (
+    CU_SEQLENS,
     MEDIA,
     MM_TOKEN_TYPE_IDS,
     MROPE_POSITIONS,
@@ -309,7 +310,16 @@ class TransformersOptions(Keywords):
             raise ValueError(
                 f"{owner}: {self.SUPERVISION_MEANS} one of {self.SUPERVISING}, got {shown(self.supervision)}"
             )
-        reserved = (*_READ, "label", POSITIONS, PADDING_LENGTH, *_WRITTEN, MM_TOKEN_TYPE_IDS, *MEDIA)
+        reserved = (
+            *_READ,
+            "label",
+            POSITIONS,
+            PADDING_LENGTH,
+            *_WRITTEN,
+            MM_TOKEN_TYPE_IDS,
+            *MEDIA,
+            *CU_SEQLENS.values(),
+        )
         put(self, "float_fields", check_float_fields(owner, self.float_fields, reserved))
         if self.mrope is not None and not isinstance(self.mrope, MRope):
             raise TypeError(
@@ -739,8 +749,8 @@ class Transformers(Layout):
         for spec in options.floats:
             value = np.stack(per_sequence[spec.name]) if not spec.per_token else data[spec.name]
             data[spec.name] = in_float(value, spec)
-        if media is not None:
-            data.update(media.joined())
+        if media is not None and options.mrope is not None:
+            data.update(media.joined(options.mrope.vision_cu_seqlens))
         if (
             options.padding_free
             and self.settings.num_boundaries is not None

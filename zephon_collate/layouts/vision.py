@@ -41,6 +41,7 @@ from zephon_collate.core.text import shown
 from zephon_collate.read.columns import Batch, Names, Ragged, Spread, as_numpy, filled
 
 __all__ = [
+    "CU_SEQLENS",
     "GRIDS",
     "MEDIA",
     "MM_TOKEN_TYPE_IDS",
@@ -58,6 +59,7 @@ MROPE_POSITIONS = "mrope_positions"
 """The chain's internal ``[B, S, 3]`` planes, joined into ``position_ids`` by ``MRopePositions``."""
 PIXELS = {1: "pixel_values", 2: "pixel_values_videos"}
 GRIDS = {1: "image_grid_thw", 2: "video_grid_thw"}
+CU_SEQLENS = {1: "image_cu_seqlens", 2: "video_cu_seqlens"}
 SECONDS = "second_per_grid_ts"
 MEDIA = (*PIXELS.values(), *GRIDS.values(), SECONDS)
 """The per-example media fields, concatenated in document order (``mm_token_type_ids`` is per token)."""
@@ -90,6 +92,10 @@ class MRope:
             trained and attending to nothing else, so that the vision tower runs on every rank (FSDP
             gathers its weights in step on every rank; a rank skipping it hangs the others).
             ``MRope.from_config(config, dummy_image=True)`` reads both from the config.
+        vision_cu_seqlens: also emit ``image_cu_seqlens`` / ``video_cu_seqlens`` ``[frames + 1]``
+            int32, the vision tower's varlen attention boundaries from the grids (each frame of
+            ``h * w`` patches a segment, as the Qwen vision towers attend), for a tower run with
+            flash-attn's varlen kernels outside transformers.
 
     Raises:
         TypeError, ValueError: for a merge size that is not an int >= 1, an unknown ``video_time``,
@@ -105,6 +111,7 @@ class MRope:
     tokens_per_second: float = 2.0
     rule: Rule | None = None
     dummy_image: tuple[int, int] | None = None
+    vision_cu_seqlens: bool = False
 
     def __post_init__(self) -> None:
         merge = self.spatial_merge_size
@@ -119,6 +126,8 @@ class MRope:
             raise ValueError(f"MRope: tokens_per_second must be a number > 0, got {shown(rate)}")
         if self.rule is not None and not callable(self.rule):
             raise TypeError(f"MRope: rule must be a function, got {shown(self.rule)}")
+        if not isinstance(self.vision_cu_seqlens, bool):
+            raise TypeError(f"MRope: vision_cu_seqlens must be a bool, got {shown(self.vision_cu_seqlens)}")
         dummy = self.dummy_image
         if dummy is not None and (
             not isinstance(dummy, tuple) or len(dummy) != 2 or any(type(v) is not int or v < 1 for v in dummy)
@@ -164,13 +173,20 @@ class Media:
         """True when no example holds an image or a video."""
         return not any(grid.shape[0] for modality in (1, 2) for grid in self.grids[modality])
 
-    def joined(self) -> dict[str, np.ndarray]:
-        """The media fields, each example's end to end in document order (only those some example has)."""
+    def joined(self, cu_seqlens: bool = False) -> dict[str, np.ndarray]:
+        """The media fields, each example's end to end in document order (only those some example has);
+        with ``cu_seqlens``, each modality's vision attention boundaries (``image_cu_seqlens``: one
+        segment of ``h * w`` patches per frame)."""
         out: dict[str, np.ndarray] = {}
         for modality in (1, 2):
             if any(grid.shape[0] for grid in self.grids[modality]):
                 out[PIXELS[modality]] = np.concatenate([p for p in self.pixels[modality] if p.shape[0]])
-                out[GRIDS[modality]] = np.concatenate(self.grids[modality]).astype(np.int64)
+                grid = out[GRIDS[modality]] = np.concatenate(self.grids[modality]).astype(np.int64)
+                if cu_seqlens:
+                    frames = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0])
+                    bounds = np.zeros(frames.size + 1, dtype=np.int32)
+                    np.cumsum(frames, out=bounds[1:])
+                    out[CU_SEQLENS[modality]] = bounds
         if any(seconds.size for seconds in self.seconds):
             out[SECONDS] = np.concatenate(self.seconds)
         return out
