@@ -318,6 +318,7 @@ def plan_balance(
     groups: npt.ArrayLike | None = None,
     waited: npt.ArrayLike | None = None,
     final: bool = False,
+    extra_costs: npt.ArrayLike | None = None,
 ) -> BalancePlan:
     """Plan one step: the window's documents over ``micro_batches`` slots x ``ranks`` ranks, balanced.
 
@@ -339,13 +340,17 @@ def plan_balance(
         groups: ``[n]`` integer keys; equal keys stay in one micro-batch.
         waited: ``[n]`` windows each document has waited already (default 0).
         final: place everything (the epoch's last window).
+        extra_costs: ``[n]`` cost units (ints >= 0) added to each document's modelled cost, work
+            that its tokens do not show: a vision-language document's vision tower,
+            ``options.cost.vision_costs(grids)``. Token budgets are unchanged (it is work, not
+            tokens); :attr:`BalancePlan.costs` and :attr:`BalancePlan.largest` include it.
 
     Returns:
         A :class:`BalancePlan`; the same input gives the same plan everywhere.
 
     Raises:
-        TypeError, ValueError: naming the argument and the document for bad lengths, groups or
-            waits, a unit longer than the budget (``max_tokens``, or ``seq_len`` in fixed-row
+        TypeError, ValueError: naming the argument and the document for bad lengths, groups,
+            waits or extra costs, a unit longer than the budget (``max_tokens``, or ``seq_len`` in fixed-row
             mode), or a total cost beyond int64.
 
     Example:
@@ -356,6 +361,16 @@ def plan_balance(
         ((((0,), (5, 6)), ((1, 4), (2, 3))),)
         >>> plan.costs.tolist(), plan.held, plan.padding_fraction()  # cost: L + L**2 per segment
         ([[110, 90]], (), 0.15625)
+
+        Two documents of 8 tokens, one with a large image: the image's extra cost sends both
+        small documents to the other rank.
+
+        >>> options = BalanceOptions(cost=cost, max_tokens=16, micro_batches=1)
+        >>> plan_balance([8, 8, 4, 4], options, ranks=2).cells  # 72 + 20 on each rank
+        (((0, 2), (1, 3)),)
+        >>> plan = plan_balance([8, 8, 4, 4], options, ranks=2, extra_costs=[0, 40, 0, 0])
+        >>> plan.cells, plan.costs.tolist()  # 72 + 40 against 72 + 20 + 20
+        ((((1,), (0, 2, 3)),), [[112, 112]])
     """
     ranks = check_int("plan_balance", "ranks", ranks, 1)
     if not isinstance(options, BalanceOptions):
@@ -365,14 +380,26 @@ def plan_balance(
     waits = np.zeros(count, np.int64) if waited is None else as_counts(waited, "waited", 0)
     if waits.size != count:
         raise ValueError(f"plan_balance: waited has {waits.size} entries for {count} documents")
+    extras = None if extra_costs is None else as_counts(extra_costs, "extra_costs", 0)
+    if extras is not None and extras.size != count:
+        raise ValueError(
+            f"plan_balance: extra_costs has {extras.size} entries for {count} documents (one per document)"
+        )
     units, first = _units(groups, count)
     unit_count = first.size
     costs = options.cost.costs(sizes)
-    if float(costs.astype(np.float64).sum()) > COST_LIMIT:
+    if extras is None:
+        too_costly = float(costs.astype(np.float64).sum()) > COST_LIMIT
+    else:  # Python ints: exact, so the sums below stay within int64
+        too_costly = sum(costs.tolist()) + sum(extras.tolist()) > COST_LIMIT
+    if too_costly:
         raise ValueError(
             "plan_balance: the window's total cost exceeds 2**62; use coarser CostModel coefficients "
-            "or a smaller window"
+            + ("(and extra_costs) " if extras is not None else "")
+            + "or a smaller window"
         )
+    if extras is not None:
+        costs = costs + extras  # within 2**62 in all (checked above), so exact in int64
     unit_size = np.zeros(unit_count, np.int64)
     np.add.at(unit_size, units, sizes)
     unit_cost = np.zeros(unit_count, np.int64)
