@@ -34,9 +34,9 @@ from torch.utils.data import dataloader as _dataloader
 
 from zephon_collate.core.checks import check_int
 from zephon_collate.core.text import shown
-from zephon_collate.parallel.balance import BalanceOptions, BalancePlan, as_counts, plan_balance
+from zephon_collate.parallel.balance import BalanceOptions, BalancePlan, as_counts
 from zephon_collate.parallel.placement import Ints
-from zephon_collate.parallel.schedule import _NO_GROUP, BalanceSchedule, _unit_keys
+from zephon_collate.parallel.schedule import BalanceSchedule
 
 __all__ = ["STATE_VERSION", "BalancedBatchSampler", "Ints"]
 
@@ -264,11 +264,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         lengths = self.lengths[order]
         groups = None if self.groups is None else self.groups[order]
         ends = np.cumsum(lengths)
-        schedule = (
-            BalanceSchedule(self.options, self.num_replicas)
-            if self.extra_costs is None
-            else _ExtraCostSchedule(self.options, self.num_replicas, self.extra_costs)
-        )
+        schedule = BalanceSchedule(self.options, self.num_replicas, self.extra_costs)
         schedule.load_state_dict(start["waiting"])
         cursor = int(start["cursor"])
         while cursor < order.size or schedule.waiting:
@@ -290,49 +286,6 @@ class BalancedBatchSampler(Sampler[list[int]]):
             yield plan, window
             if final:
                 return
-
-
-class _ExtraCostSchedule(BalanceSchedule):
-    """A :class:`~zephon_collate.parallel.schedule.BalanceSchedule` whose keys are dataset indices,
-    each planned with its item's extra cost (``extra_costs[key]``); the state is the schedule's."""
-
-    def __init__(self, options: BalanceOptions, ranks: int, extra_costs: Ints) -> None:
-        super().__init__(options, ranks)
-        self._extra = extra_costs
-
-    def plan(
-        self,
-        keys: Sequence[int],
-        lengths: Sequence[int],
-        groups: Sequence[int] | None = None,
-        *,
-        final: bool = False,
-    ) -> BalancePlan:
-        """:meth:`BalanceSchedule.plan <zephon_collate.parallel.schedule.BalanceSchedule.plan>`, each
-        document with its extra cost."""
-        # The same steps as BalanceSchedule.plan, with extra_costs passed to plan_balance.
-        new_groups = [_NO_GROUP] * len(keys) if groups is None else [int(g) for g in groups]
-        all_keys = self._keys + [int(key) for key in keys]
-        all_lengths = self._lengths + [int(length) for length in lengths]
-        all_groups = self._groups + new_groups
-        waited = self._waited + [0] * len(keys)
-        plan = plan_balance(
-            np.array(all_lengths, np.int64),
-            self.options,
-            ranks=self.ranks,
-            groups=_unit_keys(all_keys, all_groups),
-            waited=np.array(waited, np.int64),
-            final=final,
-            extra_costs=self._extra[np.array(all_keys, np.int64)],
-        )
-        plan = plan.without_sparse_slots(hold=not final)  # no rank gets an empty micro-batch
-        held = plan.held
-        self._keys = [all_keys[i] for i in held]
-        self._lengths = [all_lengths[i] for i in held]
-        self._groups = [all_groups[i] for i in held]
-        self._waited = [waited[i] + 1 for i in held]
-        self.dropped += len(plan.dropped)
-        return plan.with_keys(all_keys)
 
 
 def _prefetching_loader(frame: FrameType | None) -> str | None:

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from zephon_collate.core.checks import check_int
 from zephon_collate.core.text import shown
@@ -46,6 +47,9 @@ class BalanceSchedule:
         options: the :class:`~zephon_collate.parallel.balance.BalanceOptions` (``micro_batches``
             required: it sets the step's capacity).
         ranks: the number of data-parallel ranks.
+        extra_costs: each key's extra cost (``extra_costs[key]``, e.g. its vision tower's,
+            :meth:`~zephon_collate.parallel.cost.CostModel.vision_costs`), added to its document's cost
+            in every plan; keys are then indices into it.
 
     Raises:
         TypeError, ValueError: for bad options or ranks.
@@ -63,7 +67,9 @@ class BalanceSchedule:
         (((15,), (14,)),)
     """
 
-    def __init__(self, options: BalanceOptions, ranks: int) -> None:
+    def __init__(
+        self, options: BalanceOptions, ranks: int, extra_costs: npt.NDArray[np.int64] | None = None
+    ) -> None:
         if not isinstance(options, BalanceOptions):
             raise TypeError(f"BalanceSchedule: options must be BalanceOptions, got {type(options).__name__}")
         if options.micro_batches is None:
@@ -73,6 +79,7 @@ class BalanceSchedule:
             )
         self.options = options
         self.ranks = check_int("BalanceSchedule", "ranks", ranks, 1)
+        self.extra_costs = extra_costs
         self._keys: list[int] = []
         self._lengths: list[int] = []
         self._groups: list[int] = []
@@ -125,6 +132,7 @@ class BalanceSchedule:
             groups=_unit_keys(all_keys, all_groups),
             waited=np.array(waited, np.int64),
             final=final,
+            extra_costs=None if self.extra_costs is None else self.extra_costs[np.array(all_keys, np.int64)],
         )
         plan = plan.without_sparse_slots(hold=not final)  # no rank gets an empty micro-batch
         held = plan.held
