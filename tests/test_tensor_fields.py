@@ -369,3 +369,32 @@ def test_bad_spread_declarations():
         TensorField("r", dtype=torch.int64, shape=(4,), fill=Spread(2))
     with pytest.raises(ValueError, match=r"Spread\(300\) holds ids beyond torch.int8"):
         TensorField("r", dtype=torch.int8, shape=(2,), fill=Spread(300))
+
+
+def test_spread_in_label_moves_and_context_parallel_shards():
+    from zephon_collate.read.fields import Spread
+
+    spread = Spread(4)
+    label = TensorField("next_routes", align="label", dtype=torch.int64, shape=(2,), fill=spread)
+    rows = [
+        {"input_ids": [1, 2], "next_routes": [[3, 3], [3, 3]]},
+        {"input_ids": [4], "next_routes": [[3, 3]]},
+    ]
+    out = Collator.for_transformers(pad_token_id=0, float_fields=[label])(rows)["next_routes"]
+    # each example's first token (no prediction) and the padding: numbered by their place in the row
+    assert out.tolist() == [[[0, 1], [3, 3]], [[0, 1], [2, 3]]]
+    routes = TensorField("routes", dtype=torch.int64, shape=(2,), fill=spread)
+    flat = Collator(return_labels=True, return_cu_seqlens=True, flatten=True, float_fields=[routes])(
+        [
+            SampleRecord(
+                SampleMeta((0, 0, 0), 0, 0, 0),
+                {"input_ids": [1, 2, 3, 4], "positions": [0, 1, 2, 0], "routes": [[3, 3]] * 4},
+            )
+        ]
+    )
+    tensors = {key: value for key, value in flat.items() if isinstance(value, torch.Tensor)}
+    added = []
+    for rank in range(2):
+        shard = ContextParallelShard(2, rank, fill_values={"routes": spread})(TensorDict(tensors, []))
+        added += shard["routes"][shard["cp_padding_mask"]].tolist()
+    assert added and all(route != [3, 3] and route[1] == (route[0] + 1) % 4 for route in added)

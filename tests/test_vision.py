@@ -74,16 +74,53 @@ def test_packed_logits_equal_each_example_alone_float64():
     assert (got - want).abs().max() <= 1e-12
 
 
-def test_a_padded_batch_equals_each_example_alone():
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_padded_batch_equals_each_example_alone(side):
     family = "qwen2_5_vl"
     model = model_of(family)
     examples = mix(family, 3)
-    batch = Collator.for_transformers(pad_token_id=0, mrope=MRope.from_config(model.config))(examples)
+    collate = Collator.for_transformers(
+        pad_token_id=0, padding_side=side, mrope=MRope.from_config(model.config)
+    )
+    batch = collate(examples)
     assert "position_ids" not in batch  # padded, the model computes them from the types and grids
     logits = run(model, batch)
+    width = logits.shape[1]
     for row, example in enumerate(examples):
         length = len(example["input_ids"])
-        assert (logits[row, :length] - alone(model, example)).abs().max() <= 1e-5
+        real = logits[row, :length] if side == "right" else logits[row, width - length :]
+        assert (real - alone(model, example)).abs().max() <= 1e-5
+
+
+def test_options_that_would_replace_the_mrope_positions_are_refused():
+    for options in (
+        {"padding_free": True, "return_position_ids": False},
+        {"pad_token_id": 0, "return_position_ids": True},
+    ):
+        with pytest.raises(ValueError, match="leave return_position_ids at its default"):
+            Collator.for_transformers(mrope=MRope(), **options)
+    with pytest.raises(ValueError, match="drop position_ids_start"):
+        Collator.for_transformers(padding_free=True, mrope=MRope(), position_ids_start=2)
+
+
+def test_seconds_travel_in_float32_as_the_model_rounds_them():
+    """A padded batch's video times: the model multiplies by second_per_grid_ts in its own dtype."""
+    model = model_of("qwen2_5_vl")
+    video = {
+        "input_ids": [5] + [121] * 46 + [6],
+        "mm_token_type_ids": [0] + [2] * 46 + [0],
+        "pixel_values_videos": np.zeros((46 * 4, 24), np.float32),
+        "video_grid_thw": [[46, 2, 2]],
+        "second_per_grid_ts": [0.7],
+    }
+    padded = Collator.for_transformers(pad_token_id=0, mrope=MRope.from_config(model.config))([video])
+    assert padded["second_per_grid_ts"].dtype == torch.float32
+    inputs = {
+        key: padded[key] for key in ("input_ids", "mm_token_type_ids", "video_grid_thw", "attention_mask")
+    }
+    theirs = model.model.get_rope_index(**inputs, second_per_grid_ts=padded["second_per_grid_ts"])[0][:, 0]
+    packed = packed_batch("qwen2_5_vl", [video])["position_ids"][1:, 0]
+    assert torch.equal(theirs, packed)
 
 
 def test_the_layout_by_hand():

@@ -372,6 +372,18 @@ class TransformersOptions(Keywords):
                 "padding='max_length' needs max_length, the padded row length",
             ),
             (
+                self.mrope is not None and self.positions_out != self.padding_free,
+                "mrope=...: padding-free, position_ids [4, 1, N] carry each document's mRoPE positions "
+                "(return_position_ids=False would drop them); padded, the model computes them from "
+                "mm_token_type_ids and the grids (1-D position_ids would replace them): leave "
+                "return_position_ids at its default",
+            ),
+            (
+                self.mrope is not None and self.position_ids_start != 0,
+                "mrope=... positions start at 0 in every plane, as the model's get_rope_index; drop "
+                "position_ids_start",
+            ),
+            (
                 self.truncation_mode is not None and self.max_length is None,
                 f"truncation_mode={self.truncation_mode!r} needs max_length, the cut length",
             ),
@@ -486,7 +498,11 @@ class Transformers(Layout):
             )
         if not options.padding_free:
             if options.padding_side == "left":
-                moved = [k for k in (INPUT_IDS, positions, TOKEN_TYPE_IDS, *self._token_floats) if k in keys]
+                moved = [
+                    k
+                    for k in (INPUT_IDS, positions, TOKEN_TYPE_IDS, MM_TOKEN_TYPE_IDS, *self._token_floats)
+                    if k in keys
+                ]
                 steps.append(LeftPadding([*moved, ATTENTION_MASK, LABELS]))
             if options.position_ids_start and positions in keys:
                 steps.append(PositionOffset(options.position_ids_start, positions))

@@ -46,8 +46,11 @@ __all__ = [
     "MEDIA",
     "MM_TOKEN_TYPE_IDS",
     "MROPE_POSITIONS",
+    "PIXELS",
+    "SECONDS",
     "MRope",
     "Media",
+    "Rule",
     "VideoTime",
     "mrope_positions",
     "read_media",
@@ -187,8 +190,8 @@ class Media:
                     bounds = np.zeros(frames.size + 1, dtype=np.int32)
                     np.cumsum(frames, out=bounds[1:])
                     out[CU_SEQLENS[modality]] = bounds
-        if any(seconds.size for seconds in self.seconds):
-            out[SECONDS] = np.concatenate(self.seconds)
+        if any(seconds.size for seconds in self.seconds):  # float32, as the processors give it: the
+            out[SECONDS] = np.concatenate(self.seconds).astype(np.float32)  # model rounds times in it
         return out
 
 

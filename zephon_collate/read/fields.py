@@ -61,6 +61,7 @@ from zephon_collate.read.columns import (
     concat,
     filled,
     numpy_dtype,
+    places,
     row_of,
 )
 from zephon_collate.read.rules import response_aligned
@@ -483,5 +484,9 @@ def to_label_positions(field: Ragged, starts: np.ndarray, fill: int | float | Sp
     moved = np.empty_like(values)
     moved[1:] = values[:-1]
     first = np.flatnonzero(starts)
-    moved[first] = fill if not isinstance(fill, Spread) else filled(moved.shape, fill, moved.dtype)[first]
+    if isinstance(fill, Spread):  # numbered by the place in its row
+        at = places(field.offsets)[first]
+        moved[first] = filled((first.size, *moved.shape[1:]), fill, moved.dtype, at=at)
+    else:
+        moved[first] = fill
     return Ragged(moved, field.offsets)

@@ -423,7 +423,7 @@ def response_aligned(
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     given = field.host
-    values = filled((int(offsets[-1]), *given.shape[1:]), fill, given.dtype)
+    values = filled((int(offsets[-1]), *given.shape[1:]), fill, given.dtype, at=places(offsets))
     values[np.repeat(offsets[1:] - field.lengths, field.lengths) + places(field.offsets)] = given
     return Ragged(values, offsets)
 

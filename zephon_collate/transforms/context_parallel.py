@@ -52,6 +52,7 @@ from zephon_collate.core.text import shown
 from zephon_collate.functional.context_parallel import check_cp, partition
 from zephon_collate.functional.labels import align_mask
 from zephon_collate.functional.segments import segment_starts
+from zephon_collate.read.columns import Spread
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["ContextParallelShard"]
@@ -129,7 +130,8 @@ class ContextParallelShard(Transform):
         cu_seqlens_key: boundaries to read when present, and where to write the real ones.
         padded_key, max_key, count_key, added_key: where to write ``cu_seqlens_padded``,
             ``max_seqlen``, the local ``num_valid_tokens`` and the added-padding mask.
-        fill_values: ``{key: value}`` for added tokens, overriding the defaults above.
+        fill_values: ``{key: value}`` for added tokens, overriding the defaults above (a
+            ``Spread(experts)`` spreads MoE routes over the experts, as a ``TensorField``'s fill).
 
     Raises:
         TypeError, ValueError: for a bad ``cp_size``/``cp_rank``/key at construction; when
@@ -178,7 +180,7 @@ class ContextParallelShard(Transform):
         max_key: str = MAX_SEQLEN,
         count_key: str = NUM_VALID_TOKENS,
         added_key: str = "cp_padding_mask",
-        fill_values: Mapping[str, int | float | bool] | None = None,
+        fill_values: Mapping[str, int | float | bool | Spread] | None = None,
     ) -> None:
         super().__init__()
         owner = "ContextParallelShard"
@@ -201,7 +203,7 @@ class ContextParallelShard(Transform):
             raise ValueError(f"{owner}: output keys must be distinct from each other and the fields")
         if self.keys is not None and set(self.keys) & set(written):
             raise ValueError(f"{owner}: keys may not list the metadata keys {list(written)}")
-        defaults: dict[str, int | float | bool] = {
+        defaults: dict[str, int | float | bool | Spread] = {
             tokens_key: pad_token_id,
             labels_key: self.ignore_index,
             PADDING_MASK: True,
@@ -275,8 +277,9 @@ class ContextParallelShard(Transform):
             if key == self.positions_key:
                 updates[key] = picked + (offset - within).to(picked.dtype)  # numbering continues
                 continue
-            fill = torch.tensor(self.fill_values.get(key, 0), device=picked.device).to(picked.dtype)
-            updates[key] = torch.where(align_mask(real, picked), picked, fill)
+            updates[key] = torch.where(
+                align_mask(real, picked), picked, _fill(self.fill_values.get(key, 0), picked)
+            )
         updates[self.cu_seqlens_key] = cu.to(torch.int32)
         updates[self.padded_key] = cu_padded.to(torch.int32)
         longest = padded.amax() if padded.numel() else torch.zeros((), dtype=torch.int64, device=device)
@@ -306,3 +309,14 @@ class ContextParallelShard(Transform):
         out = {key: value for key, value in batch.items() if key not in tensors}
         out.update(result.items())
         return out
+
+
+def _fill(fill: int | float | bool | Spread, like: torch.Tensor) -> torch.Tensor:
+    """What an added token holds in a field like ``like`` (``[N, ...]``): a number, or a
+    :class:`~zephon_collate.read.columns.Spread` of the shard's places (routes over every expert)."""
+    if not isinstance(fill, Spread):
+        return torch.tensor(fill, device=like.device).to(like.dtype)
+    last = like.shape[-1] if like.dim() > 1 else 1
+    place = torch.arange(like.shape[0], device=like.device).reshape(-1, *([1] * (like.dim() - 1)))
+    entry = torch.arange(last, device=like.device)
+    return ((place * last + entry) % fill.count).expand(like.shape).to(like.dtype)
