@@ -246,13 +246,32 @@ def test_minus_infinity_needs_the_fill_that_says_so():
         )
 
 
-def test_rows_of_different_value_shapes_are_refused():
-    spec = TensorField("top", shape=(None,))
-    rows = [{"input_ids": [1], "top": [[0.0, 1.0]]}, {"input_ids": [2], "top": [[0.0, 1.0, 2.0]]}]
-    with pytest.raises(
-        ValueError, match=r"example 1: float field 'top' holds shape \(1, 3\).*pad a ragged K"
-    ):
-        Collator.for_transformers(padding_free=True, float_fields=[spec])(rows)
+def test_a_jagged_top_k_is_padded_with_the_fill_and_a_fixed_one_is_refused():
+    jagged = TensorField("top", shape=(None,), fill=NEG)
+    rows = [
+        {"input_ids": [1, 2], "top": [[-0.5], [-0.25, -2.0, -3.0]]},  # tokens of 1 and 3 entries
+        {"input_ids": [3], "top": [[-1.0, -1.5]]},
+    ]
+    want = [[[NEG, NEG, NEG], [-0.5, NEG, NEG]]]  # label-aligned: moved one token right
+    out = Collator.for_transformers(padding_free=True, float_fields=[jagged])(rows)["top"]
+    assert out.tolist() == [[[-0.5, NEG, NEG], [-0.25, -2.0, -3.0], [-1.0, -1.5, NEG]]]
+    import pyarrow as pa
+
+    table = pa.Table.from_pylist(rows)  # list<list<double>>: the offsets of each token's entries
+    assert torch.equal(Collator.for_transformers(padding_free=True, float_fields=[jagged])(table)["top"], out)
+    moved = TensorField("top", align="label", shape=(None,), fill=NEG)
+    assert (
+        Collator.for_transformers(padding_free=True, float_fields=[moved])(rows[:1])["top"].tolist() == want
+    )
+    across = [{"input_ids": [1], "top": [[0.0, 1.0]]}, {"input_ids": [2], "top": [[0.0, 1.0, 2.0]]}]
+    assert Collator.for_transformers(padding_free=True, float_fields=[jagged])(across)["top"].shape == (
+        1,
+        2,
+        3,
+    )
+    fixed = TensorField("top", shape=(2,))
+    with pytest.raises(ValueError, match=r"example 1: float field 'top' holds shape \(1, 3\).*shape=\(2,\)"):
+        Collator.for_transformers(padding_free=True, float_fields=[fixed])(across)
 
 
 @pytest.mark.parametrize(
@@ -323,14 +342,16 @@ def test_arrow_nulls_and_chunks_of_other_value_shapes_are_named():
 
     spec = [TensorField("top", shape=(None,), fill=NEG)]
     nulls = pa.Table.from_pylist([{"input_ids": [1, 2], "top": [[-0.5, None], [-1.0, -2.0]]}])
-    with pytest.raises(ValueError, match=r"example 0: field 'top' holds a null at top\[0\]"):
+    with pytest.raises(ValueError, match=r"example 0: (float )?field 'top' holds a null at top\[0"):
         Collator.for_transformers(padding_free=True, float_fields=spec)(nulls)
     chunks = pa.concat_tables(
         [pa.Table.from_pylist([{"input_ids": [1], "top": [[0.0, -1.0]]}]),
          pa.Table.from_pylist([{"input_ids": [2], "top": [[0.0, -1.0, -2.0]]}])]
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"field 'top' holds values of shapes \[\(2,\), \(3,\)\] per token"):
-        Collator.for_transformers(padding_free=True, float_fields=spec)(chunks)
+        Collator.for_transformers(padding_free=True, float_fields=[TensorField("top", shape=(2,))])(chunks)
+    padded = Collator.for_transformers(padding_free=True, float_fields=spec)(chunks)["top"]  # shape=(None,)
+    assert padded.tolist() == [[[0.0, -1.0, NEG], [0.0, -1.0, -2.0]]]
 
 
 def test_spread_routes_padding_over_every_expert_in_every_layout():

@@ -54,7 +54,7 @@ from zephon_collate.layouts.stack import RowPadding, dense, stack_rows
 from zephon_collate.layouts.training import TrainingOptions
 from zephon_collate.read.arrow import Columns
 from zephon_collate.read.columns import Batch, Names, Ragged, Row, as_numpy, concat, numpy_dtype
-from zephon_collate.read.fields import TensorField, check_float_fields, read_floats
+from zephon_collate.read.fields import TensorField, check_float_fields, read_floats, value_rows
 from zephon_collate.read.rules import (
     SUPERVISING_FIELDS,
     check_fits,
@@ -271,7 +271,7 @@ class Native(Layout):
         self._check_supervision(batch, tokens, {*per_token, *per_record})
         self._check_values(per_token, names)
         for spec in self.floats:  # checked by read_floats: finite, in range, one value per token or sequence
-            floats = read_floats(batch.per_row(spec.name, "values"), lengths, spec, names)
+            floats = read_floats(value_rows(batch, spec), lengths, spec, names)
             if isinstance(floats, Ragged):
                 per_token[spec.name] = floats
             else:

@@ -100,7 +100,13 @@ from zephon_collate.layouts.vision import (
 )
 from zephon_collate.read.arrow import Columns
 from zephon_collate.read.columns import Batch, Names, Ragged, Spread, places, row_any, row_of, to_row
-from zephon_collate.read.fields import TensorField, check_float_fields, read_floats, to_label_positions
+from zephon_collate.read.fields import (
+    TensorField,
+    check_float_fields,
+    read_floats,
+    to_label_positions,
+    value_rows,
+)
 from zephon_collate.read.rules import (
     SUPERVISING_FIELDS,
     check_flat,
@@ -612,7 +618,7 @@ class Transformers(Layout):
             )
         per_sequence: dict[str, list[np.ndarray]] = {}
         for spec in options.floats:
-            floats = read_floats(batch.per_row(spec.name, "values"), tokens.lengths, spec, names)
+            floats = read_floats(value_rows(batch, spec), tokens.lengths, spec, names)
             if isinstance(floats, Ragged):
                 fields[spec.name] = floats
             else:

@@ -50,7 +50,7 @@ from zephon_collate.core.text import shown, shown_fields
 from zephon_collate.read import rules
 from zephon_collate.read.arrow import Columns, read_by_rows
 from zephon_collate.read.columns import Batch, Names, Ragged, Spread, as_numpy, places, row_any, to_row
-from zephon_collate.read.fields import TensorField, check_float_fields, read_floats
+from zephon_collate.read.fields import TensorField, check_float_fields, read_floats, value_rows
 from zephon_collate.read.rows import Rows, describe_record, example_names, is_array_payload
 from zephon_collate.read.rules import SUPERVISING_FIELDS, check_flat, check_ids, check_zero_one, misaligned
 
@@ -472,9 +472,7 @@ class Reader:
                     f"{names(lacking)}: payload lacks float field {shown(spec.name)} (its fields: "
                     f"{shown_fields(fields)}); give every record this field, or drop it from float_fields"
                 )
-            floats = cast(
-                Ragged, read_floats(batch.per_row(spec.name, "values"), tokens.lengths, spec, names)
-            )
+            floats = cast(Ragged, read_floats(value_rows(batch, spec), tokens.lengths, spec, names))
             if not np.array_equal(floats.offsets, tokens.offsets):  # documents without tokens hold none
                 floats = floats.select(np.repeat(has_tokens, floats.lengths))
             values[spec.name] = floats

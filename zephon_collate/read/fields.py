@@ -53,6 +53,7 @@ import torch
 
 from zephon_collate.core.text import shown
 from zephon_collate.read.columns import (
+    Batch,
     Names,
     Ragged,
     Row,
@@ -76,6 +77,7 @@ __all__ = [
     "check_float_fields",
     "read_floats",
     "to_label_positions",
+    "value_rows",
 ]
 
 Alignment: TypeAlias = Literal["token", "label", "response", "sequence"]
@@ -388,6 +390,63 @@ def _sizes(shape: tuple[int | None, ...]) -> str:
 
 def _shown_shape(shape: tuple[int | None, ...]) -> str:
     return f"({_sizes(shape)},)" if len(shape) == 1 else f"({_sizes(shape)})"
+
+
+def value_rows(batch: Batch, spec: TensorField) -> list[Row]:
+    """Each row's values of ``spec`` (:meth:`~zephon_collate.read.columns.Batch.per_row`), for
+    :func:`read_floats`. A field of ``shape=(None,)`` may give each token its own number of entries
+    (a top-p teacher's, or a jagged ``(nnz, K)`` one), as lists or as an Arrow list of lists: each
+    token's entries are padded with the fill to the batch's largest, so that the fill marks what is
+    absent (``-inf`` log-probs: probability 0).
+
+    Example:
+        >>> from zephon_collate.read.rows import examples_of
+        >>> batch = examples_of([{"input_ids": [1, 2], "lp": [[-0.5], [-0.25, -2.0]]}], "Collator")
+        >>> spec = TensorField("lp", shape=(None,), fill=float("-inf"))
+        >>> value_rows(batch, spec)[0].tolist()
+        [[-0.5, -inf], [-0.25, -2.0]]
+    """
+    try:
+        given = batch.per_row(spec.name, "values")
+    except ValueError:
+        if spec.shape != (None,) or batch.lacking(spec.name) is not None:
+            raise  # a row lacking the field, or one that no jagged top-k explains: as it was named
+    else:
+        widths = {row.shape[1] for row in given if row.ndim == 2 and row.shape[0]}
+        if spec.shape != (None,) or len(widths) < 2 or any(row.ndim != 2 for row in given):
+            return given
+    rows: list[list[np.ndarray]] = []
+    for index, value in enumerate(batch.objects(spec.name)):
+        where = f"{batch.names(index)}: float field {shown(spec.name)}"
+        for token, entry in enumerate(value):
+            if isinstance(entry, (list, tuple)) and any(item is None for item in entry):
+                place = [item is None for item in entry].index(True)
+                raise ValueError(
+                    f"{where} holds a null at {spec.name}[{token}, {place}]; give numbers only (an absent "
+                    f"entry is the fill, {spec.fill})"
+                )
+        try:
+            rows.append([np.asarray(_host(entry), dtype=float) for entry in value])
+        except (TypeError, ValueError):
+            raise ValueError(f"{where} is not a list of number lists (one per token)") from None
+        if any(entry.ndim != 1 for entry in rows[-1]):
+            raise ValueError(
+                f"{where} gives a token more than one list of entries; declared shape=(None,), each token "
+                "holds one list"
+            )
+    width = max((entry.size for row in rows for entry in row), default=0)
+    out: list[Row] = []
+    for row in rows:
+        sizes = np.array([entry.size for entry in row], dtype=np.int64)
+        padded = filled((len(row), width), spec.fill, np.dtype(np.float64))
+        if row:
+            padded[np.arange(width) < sizes[:, None]] = np.concatenate(row)
+        out.append(padded)
+    return out
+
+
+def _host(entry: object) -> object:
+    return as_numpy(entry) if isinstance(entry, torch.Tensor) else entry
 
 
 def read_floats(
