@@ -148,6 +148,7 @@ def test_the_layout_by_hand():
     assert out["labels"].tolist() == [[-100, 5] + [-100] * 4 + [6, 6, -100] + [-100] * 6 + [6, -100, 8]]
     assert out["mm_token_type_ids"].tolist() == [[0, 0, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0]]
     assert out["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6]]
+    assert out["image_counts"].tolist() == [1, 1, 0]  # each document's images: a row of the grids each
     assert out["pixel_values"][:, 0].tolist() == [4.0] * 16 + [6.0] * 24  # in document order
 
 

@@ -88,6 +88,7 @@ from zephon_collate.layouts.base import Layout, Stacked
 from zephon_collate.layouts.native import check_boundary_count
 from zephon_collate.layouts.stack import RowPadding, dense
 from zephon_collate.layouts.vision import (
+    COUNTS,
     CU_SEQLENS,
     MEDIA,
     MM_TOKEN_TYPE_IDS,
@@ -325,6 +326,7 @@ class TransformersOptions(Keywords):
             MM_TOKEN_TYPE_IDS,
             *MEDIA,
             *CU_SEQLENS.values(),
+            *COUNTS.values(),
         )
         put(self, "float_fields", check_float_fields(owner, self.float_fields, reserved))
         if self.mrope is not None and not isinstance(self.mrope, MRope):

@@ -41,6 +41,7 @@ from zephon_collate.core.text import shown
 from zephon_collate.read.columns import Batch, Names, Ragged, Spread, as_numpy, filled
 
 __all__ = [
+    "COUNTS",
     "CU_SEQLENS",
     "GRIDS",
     "MEDIA",
@@ -63,6 +64,7 @@ MROPE_POSITIONS = "mrope_positions"
 PIXELS = {1: "pixel_values", 2: "pixel_values_videos"}
 GRIDS = {1: "image_grid_thw", 2: "video_grid_thw"}
 CU_SEQLENS = {1: "image_cu_seqlens", 2: "video_cu_seqlens"}
+COUNTS = {1: "image_counts", 2: "video_counts"}
 SECONDS = "second_per_grid_ts"
 MEDIA = (*PIXELS.values(), *GRIDS.values(), SECONDS)
 """The per-example media fields, concatenated in document order (``mm_token_type_ids`` is per token)."""
@@ -177,14 +179,16 @@ class Media:
         return not any(grid.shape[0] for modality in (1, 2) for grid in self.grids[modality])
 
     def joined(self, cu_seqlens: bool = False) -> dict[str, np.ndarray]:
-        """The media fields, each example's end to end in document order (only those some example has);
-        with ``cu_seqlens``, each modality's vision attention boundaries (``image_cu_seqlens``: one
-        segment of ``h * w`` patches per frame)."""
+        """The media fields, each example's end to end in document order (only those some example has),
+        with each example's count (``image_counts``: its rows of ``image_grid_thw``); with ``cu_seqlens``,
+        each modality's vision attention boundaries (``image_cu_seqlens``: one segment of ``h * w``
+        patches per frame)."""
         out: dict[str, np.ndarray] = {}
         for modality in (1, 2):
             if any(grid.shape[0] for grid in self.grids[modality]):
                 out[PIXELS[modality]] = np.concatenate([p for p in self.pixels[modality] if p.shape[0]])
                 grid = out[GRIDS[modality]] = np.concatenate(self.grids[modality]).astype(np.int64)
+                out[COUNTS[modality]] = np.array([g.shape[0] for g in self.grids[modality]], dtype=np.int64)
                 if cu_seqlens:
                     frames = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0])
                     bounds = np.zeros(frames.size + 1, dtype=np.int32)
