@@ -12,7 +12,7 @@ import pytest
 import torch
 from vlm_models import FAMILIES, IMAGE_TOKEN_ID, alone, reference_positions, rope_alone, sample, tiny_model
 
-from zephon_collate import Collator
+from zephon_collate import Collator, FlatPacker, SampleMeta, SampleRecord, pack_flat
 from zephon_collate.layouts.vision import MRope
 
 MODELS: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
@@ -221,6 +221,19 @@ def test_media_without_mrope_are_refused_never_dropped():
             ValueError, match=r"example 0: carries 'pixel_values'.*pass mrope=MRope.from_config"
         ):
             collate([example])
+    text = {key: value for key, value in example.items() if key != "labels"}
+    records = [SampleRecord(SampleMeta((0, 0, 0), 0, 0, 0), text)]
+    fix = r"carries 'pixel_values'.*which the (Collator|packer) does not read.*Collator.for_transformers\("
+    for refused in (
+        lambda: Collator(return_labels=True, pad_token_id=0)(records),
+        lambda: pack_flat(records, 64, pad_token_id=0),
+        lambda: list(FlatPacker(64, pad_token_id=0).pack(records)),
+    ):
+        with pytest.raises(ValueError, match=fix):
+            refused()
+    only_types = {"input_ids": [1, 2], "mm_token_type_ids": [0, 0]}
+    with pytest.raises(ValueError, match=r"carries 'mm_token_type_ids'.*the packer does not read"):
+        pack_flat([only_types], 8, pad_token_id=0)
 
 
 def test_bad_mrope_declarations():

@@ -40,6 +40,8 @@ __all__ = [
     "MAX_LENGTH_Q",
     "MAX_PAD_MULTIPLE",
     "MAX_SEQLEN",
+    "MEDIA",
+    "MM_TOKEN_TYPE_IDS",
     "NUM_SEQUENCES",
     "NUM_VALID_TOKENS",
     "PADDING_LENGTH",
@@ -146,6 +148,10 @@ MARGIN = "margin"
 """A reward pair's margin: one number per pair (TRL's ``RewardTrainer`` name)."""
 LAST_TOKEN_INDEX = "last_token_index"
 """``[S]`` int64: the place of each sequence's last token in the flattened ``input_ids``."""
+MM_TOKEN_TYPE_IDS = "mm_token_type_ids"
+"""A vision-language example's token types: 0 text, 1 image placeholder, 2 video placeholder."""
+MEDIA = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+"""A vision-language example's media fields (Qwen-VL processors' names), fields of its document."""
 
 TOKEN_FIELD_CANDIDATES = (INPUT_IDS, "tokens", "token_ids", "ids")
 """The payload fields ``tokens_field="auto"`` tries, in order."""

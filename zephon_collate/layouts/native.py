@@ -64,6 +64,7 @@ from zephon_collate.read.rules import (
     misaligned,
     misspelled,
     positions_field,
+    refuse_media,
     unread_supervision,
 )
 from zephon_collate.transforms import Chain, Transform
@@ -250,6 +251,7 @@ class Native(Layout):
         """
         options = self.options
         names = batch.names
+        refuse_media(batch, "the Collator")
         tokens_field = _tokens_field(batch, options.tokens_field)
         tokens = batch.get(tokens_field, "ids")
         assert tokens is not None

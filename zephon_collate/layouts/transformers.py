@@ -116,6 +116,7 @@ from zephon_collate.read.rules import (
     kept_by_mask,
     misspelled,
     positions_field,
+    refuse_media,
     unread_supervision,
 )
 from zephon_collate.transforms import (
@@ -587,15 +588,12 @@ class Transformers(Layout):
                 else Ragged(np.zeros(tokens.values.shape[0], np.int64), tokens.offsets, tokens.lengths)
             )
         else:
-            carried = next((name for name in (*MEDIA, MM_TOKEN_TYPE_IDS) if name in batch), None)
-            if carried is not None:
-                index = int(np.flatnonzero(batch.carried(carried))[0])
-                raise ValueError(
-                    f"{names(index)}: carries {shown(carried)}, a vision-language example's; collated as "
-                    "text its images would be dropped and its positions wrong: pass "
-                    "mrope=MRope.from_config(model.config) (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) or "
-                    "MRope(rule=...) for another model's positions"
-                )
+            refuse_media(
+                batch,
+                f"{self.OWNER} without mrope=",
+                "pass mrope=MRope.from_config(model.config) (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) or "
+                "MRope(rule=...) for another model's positions",
+            )
         for name, kind in _PER_TOKEN:
             source = positions_field(batch) or name if name == POSITION_IDS else name  # the page's name too
             if source in batch:

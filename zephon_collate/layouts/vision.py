@@ -37,6 +37,7 @@ from typing import Any, Literal, TypeAlias
 import numpy as np
 import torch
 
+from zephon_collate.core.keys import MEDIA, MM_TOKEN_TYPE_IDS
 from zephon_collate.core.text import shown
 from zephon_collate.read.columns import Batch, Names, Ragged, Spread, as_numpy, filled
 
@@ -58,7 +59,6 @@ __all__ = [
     "with_dummy_image",
 ]
 
-MM_TOKEN_TYPE_IDS = "mm_token_type_ids"
 MROPE_POSITIONS = "mrope_positions"
 """The chain's internal ``[B, S, 3]`` planes, joined into ``position_ids`` by ``MRopePositions``."""
 PIXELS = {1: "pixel_values", 2: "pixel_values_videos"}
@@ -66,8 +66,6 @@ GRIDS = {1: "image_grid_thw", 2: "video_grid_thw"}
 CU_SEQLENS = {1: "image_cu_seqlens", 2: "video_cu_seqlens"}
 COUNTS = {1: "image_counts", 2: "video_counts"}
 SECONDS = "second_per_grid_ts"
-MEDIA = (*PIXELS.values(), *GRIDS.values(), SECONDS)
-"""The per-example media fields, concatenated in document order (``mm_token_type_ids`` is per token)."""
 VideoTime: TypeAlias = Literal["index", "seconds", "frames"]
 """How a video's frames are numbered: Qwen2-VL's ``"index"``, Qwen2.5-VL's ``"seconds"``, Qwen3-VL's
 ``"frames"`` (each frame its own run)."""

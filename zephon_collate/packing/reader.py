@@ -434,6 +434,7 @@ class Reader:
     def read_batch(self, batch: Batch) -> tuple[Ragged, dict[str, Ragged]]:
         """The tokens and the packed fields of every document of ``batch`` (records or columns alike)."""
         names = batch.names
+        rules.refuse_media(batch, "the packer")
         tokens = self.tokens(batch)
         name = self._name
         source = rules.positions_field(batch) if self.segments and not isinstance(batch, Rows) else None

@@ -23,6 +23,8 @@ from zephon_collate.core.keys import (
     ATTENTION_MASK,
     COMPLETION_MASK,
     LABELS,
+    MEDIA,
+    MM_TOKEN_TYPE_IDS,
     POSITION_IDS,
     POSITIONS,
     RESPONSE_MASK,
@@ -55,6 +57,7 @@ __all__ = [
     "misaligned",
     "misspelled",
     "positions_field",
+    "refuse_media",
     "response_aligned",
     "row_shape",
     "unread_supervision",
@@ -453,3 +456,22 @@ def positions_field(batch: Batch) -> str | None:
                 "spelling), and they differ, so it is not clear where its documents start; keep one"
             )
     return POSITIONS
+
+
+_VISION_LANGUAGE = (
+    "collate vision-language examples with Collator.for_transformers(padding_free=True, "
+    "mrope=MRope.from_config(model.config))"
+)
+
+
+def refuse_media(batch: Batch, owner: str, fix: str = _VISION_LANGUAGE) -> None:
+    """``ValueError`` naming the first example carrying vision-language fields (media, or
+    ``mm_token_type_ids``) where ``owner`` does not read them: read as text, its images would be
+    dropped and its positions wrong. ``fix`` says what reads them."""
+    carried = next((name for name in (*MEDIA, MM_TOKEN_TYPE_IDS) if name in batch), None)
+    if carried is not None:
+        index = int(np.flatnonzero(batch.carried(carried))[0])
+        raise ValueError(
+            f"{batch.names(index)}: carries {shown(carried)}, a vision-language example's, which {owner} "
+            f"does not read: collated as text its images would be dropped and its positions wrong; {fix}"
+        )
