@@ -419,3 +419,56 @@ def test_spread_in_label_moves_and_context_parallel_shards():
         shard = ContextParallelShard(2, rank, fill_values={"routes": spread})(TensorDict(tensors, []))
         added += shard["routes"][shard["cp_padding_mask"]].tolist()
     assert added and all(route != [3, 3] and route[1] == (route[0] + 1) % 4 for route in added)
+
+
+def test_jagged_fields_in_the_record_packers_and_their_bad_rows():
+    jagged = TensorField("lp", shape=(None,), fill=NEG)
+    rows = [
+        {"input_ids": [1, 2], "lp": [[-0.5], [-0.25, -2.0]]},
+        {"input_ids": [3], "lp": [[-1.0, -1.5, -3.0]]},
+        {"input_ids": [], "lp": []},  # an empty example takes any K
+    ]
+    out = Collator.for_transformers(padding_free=True, float_fields=[jagged])(rows)["lp"]
+    assert out.tolist() == [[[-0.5, NEG, NEG], [-0.25, -2.0, NEG], [-1.0, -1.5, -3.0]]]
+    packed = pack_flat(rows[:2], 4, pad_token_id=0, float_fields=[jagged])[0].payload["lp"]
+    assert packed.tolist() == [[-0.5, NEG, NEG], [-0.25, -2.0, NEG], [-1.0, -1.5, -3.0], [NEG, NEG, NEG]]
+    for bad, match in (
+        ([{"input_ids": [1, 2], "lp": [[1.0], None]}], r"gives token 1 None, not a list of numbers"),
+        ([{"input_ids": [1, 2], "lp": [[1.0], 2.0]}], r"gives token 1 2.0, not a list of numbers"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            Collator.for_transformers(padding_free=True, float_fields=[jagged])(bad)
+
+
+def test_a_jagged_row_that_is_no_list_is_refused():
+    jagged = TensorField("lp", shape=(None,), fill=NEG)
+    with pytest.raises(TypeError, match=r"example 1: field 'lp' must be a list, .* got NoneType"):
+        Collator.for_transformers(padding_free=True, float_fields=[jagged])(
+            [{"input_ids": [1], "lp": [[1.0]]}, {"input_ids": [2], "lp": None}]
+        )
+
+
+def test_preference_and_reward_pairs_refuse_media():
+    pair = {"prompt_input_ids": [1, 2], "chosen_input_ids": [3], "rejected_input_ids": [4]}
+    media = {"pixel_values": np.zeros((4, 8)), "image_grid_thw": [[1, 2, 2]]}
+    with pytest.raises(
+        ValueError, match=r"example 0: carries 'pixel_values'.*Collator.for_preference does not read"
+    ):
+        Collator.for_preference(pad_token_id=0)([{**pair, **media}])
+    with pytest.raises(ValueError, match=r"carries 'mm_token_type_ids'.*Collator.for_rewards does not read"):
+        Collator.for_rewards(pad_token_id=0)(
+            [{"chosen_ids": [1, 2], "rejected_ids": [3], "mm_token_type_ids": [0, 0]}]
+        )
+    with pytest.raises(
+        ValueError, match=r"carries 'pixel_values'.*Collator.for_rollouts does not read.*mrope"
+    ):
+        Collator.for_rollouts(padding_free=True)([{"input_ids": [1, 2], "completion_mask": [0, 1], **media}])
+
+
+def test_spread_needs_a_fixed_k_and_a_shard_a_count():
+    from zephon_collate.read.fields import Spread
+
+    with pytest.raises(ValueError, match=r"with k fixed \(a jagged token's missing routes are not padding\)"):
+        TensorField("r", dtype=torch.int64, shape=(None,), fill=Spread(4))
+    with pytest.raises(ValueError, match=r"fill_values\['r'\] = Spread\(count=0\) needs a count >= 1"):
+        ContextParallelShard(2, 0, fill_values={"r": Spread(0)})

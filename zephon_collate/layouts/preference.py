@@ -85,7 +85,7 @@ from zephon_collate.layouts.base import Settings, Stacked
 from zephon_collate.layouts.sequences import SequenceBatch, SequenceOptions, Sequences, prompt_lengths
 from zephon_collate.read.columns import Batch, Names, Ragged, as_numpy, gather_spans, places, row_any, row_of
 from zephon_collate.read.fields import FloatField, read_floats
-from zephon_collate.read.rules import SUPERVISING_FIELDS, check_flat, check_ids, kept_by_mask
+from zephon_collate.read.rules import SUPERVISING_FIELDS, check_flat, check_ids, kept_by_mask, refuse_media
 
 __all__ = ["Preference", "PreferenceOptions"]
 
@@ -181,6 +181,7 @@ class Preference(Sequences):
             TypeError, ValueError: for a bad pair, naming the example, the field and the fix.
         """
         names = batch.names
+        refuse_media(batch, self.OWNER)
         self._check_dicts(batch, "prompt_input_ids, chosen_input_ids, rejected_input_ids")
         prompt_given = PROMPT_INPUT_IDS in batch or PROMPT_IDS in batch
         labelled = [name for name in _FULL_LABELS if name in batch]

@@ -77,6 +77,7 @@ from zephon_collate.layouts.base import Settings, Stacked
 from zephon_collate.layouts.preference import Preference
 from zephon_collate.layouts.sequences import SequenceOptions, Sequences
 from zephon_collate.read.columns import Batch, Names, Ragged, as_numpy
+from zephon_collate.read.rules import refuse_media
 from zephon_collate.transforms import (
     BoundaryMask,
     LastTokenIndex,
@@ -182,6 +183,7 @@ class Rewards(Preference):
             TypeError, ValueError: for a bad pair, naming the example, the field and the fix.
         """
         names = batch.names
+        refuse_media(batch, self.OWNER)
         self._check_dicts(batch, "chosen_ids, rejected_ids")
         for name in _DPO_ONLY:
             if name in batch:

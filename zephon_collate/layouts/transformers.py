@@ -587,13 +587,15 @@ class Transformers(Layout):
                 if MM_TOKEN_TYPE_IDS in batch
                 else Ragged(np.zeros(tokens.values.shape[0], np.int64), tokens.offsets, tokens.lengths)
             )
-        else:
+        elif self.OWNER == _OWNER:  # the layout that reads media, given mrope=
             refuse_media(
                 batch,
                 f"{self.OWNER} without mrope=",
                 "pass mrope=MRope.from_config(model.config) (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) or "
                 "MRope(rule=...) for another model's positions",
             )
+        else:
+            refuse_media(batch, self.OWNER)
         for name, kind in _PER_TOKEN:
             source = positions_field(batch) or name if name == POSITION_IDS else name  # the page's name too
             if source in batch:

@@ -40,7 +40,7 @@ from zephon_collate.packing.reader import (
     prompt_entries,
 )
 from zephon_collate.read.arrow import Columns
-from zephon_collate.read.columns import Names, Ragged, filled, row_any
+from zephon_collate.read.columns import Names, Ragged, Spread, filled, row_any
 from zephon_collate.read.rows import describe_record
 from zephon_collate.read.rules import check_zero_one
 
@@ -459,9 +459,14 @@ def build_row(
     tokens[used:] = options.pad_token_id
     payload: dict[str, np.ndarray] = {tokens_name: tokens}
     fills = {spec.name: spec.fill for spec in options.floats}  # value fields pad with their own fill
+    jagged = {spec.name for spec in options.floats if spec.shape == (None,)}
     for name in fields:
         parts = [piece.fields[name] for piece in pieces]
         shapes = {part.shape[1:] for part in parts}
+        if len(shapes) > 1 and name in jagged:  # each document's K: the row's largest, with the fill
+            width = max(shape[0] for shape in shapes)
+            parts = [_widened(part, width, fills[name]) for part in parts]
+            shapes = {part.shape[1:] for part in parts}
         if len(shapes) > 1:
             raise ValueError(
                 f"pack: field {shown(name)} holds values of shapes {sorted(shapes)} in the documents of one "
@@ -513,3 +518,12 @@ def build_row(
         {CONTRIBUTORS_TAG: tuple(refs), PADDING_LENGTH_TAG: padding, SEGMENTS_TAG: tuple(segments)},
     )
     return SampleRecord(meta, payload)
+
+
+def _widened(part: np.ndarray, width: int, fill: int | float | Spread) -> np.ndarray:
+    """``part`` ``[n, k]`` as ``[n, width]``, the added entries ``fill`` (a jagged top-k's)."""
+    if part.shape[1] == width:
+        return part
+    out = filled((part.shape[0], width), fill, part.dtype)
+    out[:, : part.shape[1]] = part
+    return out

@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, cast
 
 import numpy as np
 import torch
@@ -190,10 +190,11 @@ class TensorField:
 
     def _check_spread(self, owner: str, fill: Spread) -> None:
         count, last = fill.count, self.shape[-1] if self.shape else None
-        if self.dtype.is_floating_point or not self.shape:
+        if self.dtype.is_floating_point or last is None:
             raise ValueError(
                 f"{owner}: fill=Spread(...) spreads integer ids (MoE routes) over the last dim of a value: "
-                "declare an integer dtype and shape=(..., k)"
+                "declare an integer dtype and shape=(..., k) with k fixed (a jagged token's missing routes "
+                "are not padding)"
             )
         if type(count) is not int or count < 1 or (last is not None and count < last):
             raise ValueError(
@@ -412,13 +413,25 @@ def value_rows(batch: Batch, spec: TensorField) -> list[Row]:
         if spec.shape != (None,) or batch.lacking(spec.name) is not None:
             raise  # a row lacking the field, or one that no jagged top-k explains: as it was named
     else:
-        widths = {row.shape[1] for row in given if row.ndim == 2 and row.shape[0]}
-        if spec.shape != (None,) or len(widths) < 2 or any(row.ndim != 2 for row in given):
+        if spec.shape != (None,):
+            return given
+        full = [row for row in given if row.ndim and row.shape[0]]  # an empty row takes any width
+        widths = {row.shape[1] for row in full if row.ndim == 2}
+        if spec.shape != (None,) or len(widths) < 2 or any(row.ndim != 2 for row in full):
             return given
     rows: list[list[np.ndarray]] = []
     for index, value in enumerate(batch.objects(spec.name)):
         where = f"{batch.names(index)}: float field {shown(spec.name)}"
+        if not isinstance(value, (list, tuple, np.ndarray, torch.Tensor)):
+            raise ValueError(
+                f"{where} is {shown(value)}, not a list of each token's entries; give every example its list"
+            )
         for token, entry in enumerate(value):
+            if entry is None or np.ndim(cast(Any, _host(entry))) != 1:
+                raise ValueError(
+                    f"{where} gives token {token} {shown(entry)}, not a list of numbers; give each token the "
+                    f"list of its entries (an absent entry is the fill, {spec.fill})"
+                )
             if isinstance(entry, (list, tuple)) and any(item is None for item in entry):
                 place = [item is None for item in entry].index(True)
                 raise ValueError(
@@ -429,11 +442,6 @@ def value_rows(batch: Batch, spec: TensorField) -> list[Row]:
             rows.append([np.asarray(_host(entry), dtype=float) for entry in value])
         except (TypeError, ValueError):
             raise ValueError(f"{where} is not a list of number lists (one per token)") from None
-        if any(entry.ndim != 1 for entry in rows[-1]):
-            raise ValueError(
-                f"{where} gives a token more than one list of entries; declared shape=(None,), each token "
-                "holds one list"
-            )
     width = max((entry.size for row in rows for entry in row), default=0)
     out: list[Row] = []
     for row in rows:

@@ -211,6 +211,9 @@ class ContextParallelShard(Transform):
         if fill_values is not None and not isinstance(fill_values, Mapping):
             raise TypeError(f"{owner}: fill_values must be a dict of key -> value, got {shown(fill_values)}")
         self.fill_values = {**defaults, **dict(fill_values or {})}
+        for key, value in self.fill_values.items():
+            if isinstance(value, Spread) and (type(value.count) is not int or value.count < 1):
+                raise ValueError(f"{owner}: fill_values[{shown(key)}] = {value} needs a count >= 1 (experts)")
         self.in_keys = [positions_key, *(k for k in (self.keys or ()) if k != positions_key)]
         self.optional_keys = (cu_seqlens_key,)  # the segments, when given
         self.out_keys = [*(self.keys or ()), positions_key, *written]
