@@ -362,3 +362,15 @@ def build_batch(spec: dict[str, Any]) -> Any:
     if "not_records" in spec:
         return spec["not_records"]
     return SampleBatch([SampleRecord(SampleMeta(**meta), payload) for meta, payload in spec["records"]])
+
+
+def grouped(draw: st.DrawFn, lengths: list[int], budget: int) -> tuple[list[int], list[int]]:
+    """Small documents (a quarter of ``lengths``) in random groups whose total fits ``budget``."""
+    lengths = [max(1, n // 4) for n in lengths]
+    keys = draw(st.lists(st.integers(0, 5), min_size=len(lengths), max_size=len(lengths)))
+    groups, sums = [], {}
+    for i, (length, key) in enumerate(zip(lengths, keys, strict=True)):
+        key = key if sums.get(key, 0) + length <= budget else 100 + i
+        sums[key] = sums.get(key, 0) + length
+        groups.append(key)
+    return lengths, groups

@@ -25,6 +25,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import grouped
 from torch.utils.data import DataLoader
 
 from zephon_collate.parallel.balance import BalanceOptions, plan_balance
@@ -159,13 +160,7 @@ def corpora(draw):
     lengths = draw(st.lists(st.integers(1, budget), min_size=1, max_size=24))
     groups = None
     if draw(st.booleans()):  # groups of small documents that fit one row (or the budget)
-        lengths = [max(1, n // 4) for n in lengths]
-        keys = draw(st.lists(st.integers(0, 5), min_size=len(lengths), max_size=len(lengths)))
-        groups, sums = [], {}
-        for i, (length, key) in enumerate(zip(lengths, keys, strict=True)):
-            key = key if sums.get(key, 0) + length <= budget else 100 + i
-            sums[key] = sums.get(key, 0) + length
-            groups.append(key)
+        lengths, groups = grouped(draw, lengths, budget)
     budget_kwargs = {"rows": draw(st.integers(1, 3)), "seq_len": budget} if fixed else {"max_tokens": budget}
     options = BalanceOptions(
         cost=draw(st.sampled_from([SQUARES, MIXED, CostModel(linear=1, quadratic=0)])),

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import grouped
 from test_balance import next_fit, saved
 from transformers import LlamaConfig, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
@@ -299,13 +300,7 @@ def windows(draw):
     lengths = draw(st.lists(st.integers(1, budget), min_size=1, max_size=30))
     groups = None
     if not fixed and draw(st.booleans()):
-        lengths = [max(1, n // 4) for n in lengths]
-        drawn = draw(st.lists(st.integers(0, 5), min_size=len(lengths), max_size=len(lengths)))
-        groups, sums = [], {}
-        for i, (length, key) in enumerate(zip(lengths, drawn, strict=True)):
-            key = key if sums.get(key, 0) + length <= budget else 100 + i
-            sums[key] = sums.get(key, 0) + length
-            groups.append(key)
+        lengths, groups = grouped(draw, lengths, budget)
     budget_kwargs = {"rows": draw(st.integers(1, 3)), "seq_len": budget} if fixed else {"max_tokens": budget}
     options = BalanceOptions(
         cost=draw(st.sampled_from([CostModel(linear=0, quadratic=1), CostModel(linear=3, quadratic=1)])),
