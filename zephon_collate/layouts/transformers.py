@@ -28,7 +28,9 @@ is supervised; every one given is applied (a token is supervised where all agree
 after the tokens, dropped), ``loss_mask``, ``assistant_masks`` / ``assistant_mask``,
 ``completion_mask`` (1 where trained); ``seq_lengths`` (TRL's packed rows) or
 restarting ``position_ids`` (several documents in one example, padding-free);
-``token_type_ids`` (padded with 0); the ``float_fields`` named. A per-example
+``token_type_ids`` (padded with 0); the ``float_fields`` named; with ``mrope=``, a
+vision-language example's ``mm_token_type_ids`` and media (:mod:`.vision`: the
+media in document order, padding-free ``position_ids`` ``[4, 1, N]``). A per-example
 ``label``, ``decoder_input_ids`` or labels of another length (sequence
 classification, encoder-decoder targets) are refused: this layout is for causal LMs.
 """
