@@ -26,6 +26,7 @@ from zephon_collate.transforms import (
     EosMask,
     Flatten,
     LastTokenIndex,
+    MRopePositions,
     LeftPadding,
     LossMask,
     PaddingMask,
@@ -65,6 +66,7 @@ STEPS: dict[str, Callable[[], Transform]] = {
     "Flatten": lambda: Flatten(["input_ids", "positions", "loss_mask", "padding_length"]),
     "LastTokenIndex": LastTokenIndex,
     "LastTokenIndex(skip)": lambda: LastTokenIndex(skip_id=3),
+    "MRopePositions": lambda: MRopePositions("positions"),
 }
 
 
@@ -90,6 +92,7 @@ def batches(draw: st.DrawFn) -> dict[str, np.ndarray]:
         "loss_mask": (rng.random((rows, length)) < 0.7).astype(dtype),
         "padding_length": counts.astype(np.int64),
         "padding_mask": padding,
+        "mrope_positions": np.stack([positions, positions // 2, positions % 3], axis=-1).astype(np.int64),
     }
 
 
