@@ -223,11 +223,12 @@ def with_dummy_image(
         values = np.asarray(field.values)
         one = filled((1, *values.shape[1:]), given.get(name, 0), values.dtype)
         out[name] = Ragged(np.concatenate([values, one]), np.append(field.offsets, field.offsets[-1] + 1))
-    pixels = {**media.pixels, 1: [*media.pixels[1], np.zeros((merge * merge, width), np.float32)]}
-    grids = {**media.grids, 1: [*media.grids[1], np.array([[1, merge, merge]], dtype=np.int64)]}
-    more = {2: [*media.pixels[2], np.zeros((0, width), np.float32)]}
-    return out, Media({**pixels, **more}, {**grids, 2: [*media.grids[2], np.zeros((0, 3), np.int64)]},
-                      [*media.seconds, np.zeros(0)])  # fmt: skip
+    # The dummy document's media: one image of merge x merge patches, no video.
+    image, video = np.zeros((merge * merge, width), np.float32), np.zeros((0, width), np.float32)
+    pixels = {1: [*media.pixels[1], image], 2: [*media.pixels[2], video]}
+    no_video = np.zeros((0, 3), np.int64)
+    grids = {1: [*media.grids[1], np.array([[1, merge, merge]], np.int64)], 2: [*media.grids[2], no_video]}
+    return out, Media(pixels, grids, [*media.seconds, np.zeros(0)])
 
 
 def read_media(batch: Batch, names: Names, mrope: MRope) -> Media:
