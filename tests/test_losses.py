@@ -7,6 +7,7 @@ into micro-batches must give the whole step's gradient.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -22,7 +23,7 @@ from zephon_collate import (
     token_logprobs,
     unpack,
 )
-from zephon_collate.losses import MODES
+from zephon_collate.losses import EMPTY, MODES
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LAYOUTS = [
@@ -118,7 +119,8 @@ def test_every_layout_gives_the_sequences_numbers(layout):
     cut=st.integers(1, 7),
 )
 def test_gradient_accumulation_gives_the_whole_steps_gradient(spec, layout, cut):
-    """Micro-batches with the step's global count: the summed gradient is the whole batch's, in every mode."""
+    """Micro-batches with the step's global count: the summed gradient is the whole batch's, in every mode,
+    skipping or counting the sequences without a supervised token."""
     cut = min(cut, len(spec))
     weights = torch.linspace(-1, 1, 5 * VOCAB, dtype=torch.float64).reshape(5, VOCAB).requires_grad_()
     collate = Collator.for_rollouts(**layout)
@@ -130,15 +132,16 @@ def test_gradient_accumulation_gives_the_whole_steps_gradient(spec, layout, cut)
     examples = rollouts(spec)
     whole = collate(examples)
     micro = [collate(examples[:cut])] + ([collate(examples[cut:])] if cut < len(spec) else [])
-    for mode in MODES:
+    for mode, empty in itertools.product(MODES, EMPTY):
         weights.grad = None
-        aggregate_loss(per_token(whole), whole, mode=mode, normalizer=7.0).backward()
+        aggregate_loss(per_token(whole), whole, mode=mode, empty=empty, normalizer=7.0).backward()
         expected = weights.grad.clone()
         weights.grad = None
-        count = None if mode == "token-sum" else global_loss_count(micro, mode=mode)
+        count = None if mode == "token-sum" else global_loss_count(micro, mode=mode, empty=empty)
         for batch in micro:
-            aggregate_loss(per_token(batch), batch, mode=mode, global_count=count, normalizer=7.0).backward()
-        assert torch.allclose(weights.grad, expected, rtol=1e-10, atol=1e-12), mode
+            loss = aggregate_loss(per_token(batch), batch, mode=mode, global_count=count, normalizer=7.0)
+            loss.backward()
+        assert torch.allclose(weights.grad, expected, rtol=1e-10, atol=1e-12), (mode, empty)
 
 
 def test_transformers_batches_read_from_their_masks_and_positions():
@@ -198,7 +201,9 @@ def test_every_mode_equals_verl_and_dr_grpo_equals_trl():
     """The same per-token losses, response-aligned ``[B, C]`` as verl and TRL hold them and packed as the
     collator lays them out: ``aggregate_loss`` equals verl 0.10's ``agg_loss`` in every mode, and
     ``"seq-mean-token-sum-norm"`` with ``normalizer=max_completion_length`` equals TRL 1.16's ``dr_grpo``
-    (``grpo_trainer.py``: ``(per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)``)."""
+    (``grpo_trainer.py``: ``(per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)``)
+    here, where no row is all masked and the step is one micro-batch (``tests/test_loss_modes_peers.py`` has
+    the rest: ``empty="count"``, ``accumulation_steps``)."""
     spec = [(0, 3), (1, 1), (0, 5), (1, 2)]
     examples = rollouts(spec)
     width, max_completion_length = max(n for _, n in spec), 8

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zephon_collate import Collator, SampleMeta, SampleRecord
-from zephon_collate.layouts.preference import PreferenceOptions
+from zephon_collate.layouts.presets import PreferenceOptions
 
 PAIRS = [
     {"prompt_input_ids": [1, 2, 3], "chosen_input_ids": [4, 5], "rejected_input_ids": [6]},
@@ -269,3 +269,17 @@ def test_other_formats_refusals():
         Collator.for_preference(pad_token_id=0)([dict(OPENRLHF[0], reject_ids=[1, 2, 9, 6])])
     with pytest.raises(ValueError, match=r"beside prompt ids \(TRL's format\)"):
         Collator.for_preference(pad_token_id=0)([dict(OPENRLHF[0], prompt_ids=[1, 2, 3])])
+
+
+@pytest.mark.parametrize("name", ["loss_mask", "assistant_masks"])
+def test_a_pairs_loss_mask_is_refused_not_ignored(name):
+    """A side's tokens are trained whole: a loss_mask with zeros (which nothing reads) was ignored, so
+    the tokens it leaves out were trained; now refused, naming the example and the field."""
+    pair = {"prompt_input_ids": [1, 2], "chosen_input_ids": [3, 4], "rejected_input_ids": [5], name: [0, 1]}
+    with pytest.raises(ValueError, match=rf"example 1: carries '{name}', which this collator does not read"):
+        Collator.for_preference(padding_free=True)([{k: v for k, v in pair.items() if k != name}, pair])
+    reward = {"chosen_ids": [1, 3, 4], "rejected_ids": [1, 5], name: [0, 1, 1]}
+    with pytest.raises(ValueError, match=rf"example 0: carries '{name}'"):
+        Collator.for_rewards(pad_token_id=0)([reward])
+    ones = {**pair, name: [1, 1]}  # all trained: nothing left out, read as the whole side
+    assert Collator.for_preference(padding_free=True)([ones])["input_ids"].tolist() == [[1, 2, 3, 4, 1, 2, 5]]

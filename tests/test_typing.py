@@ -30,8 +30,7 @@ from zephon_collate import (
 )
 from zephon_collate.layouts.base import Settings
 from zephon_collate.layouts.native import CollatorOptions
-from zephon_collate.layouts.preference import PreferenceOptions
-from zephon_collate.layouts.rollouts import RolloutOptions
+from zephon_collate.layouts.presets import PreferenceOptions, RolloutOptions
 from zephon_collate.layouts.training import TrainingOptions
 from zephon_collate.layouts.transformers import TransformersOptions
 from zephon_collate.packing.reader import PackOptions, StreamOptions

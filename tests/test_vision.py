@@ -168,20 +168,33 @@ def test_a_models_own_rule_through_the_hook():
 
 def test_truncation_keeps_an_image_whole_or_refuses():
     examples = mix("qwen2_vl", 1, count=6)
-    with_image = next(e for e in examples if len(e["image_grid_thw"]))
+    with_image = next(e for e in examples if len(e["image_grid_thw"]) and 2 not in e["mm_token_type_ids"])
     first = with_image["mm_token_type_ids"].index(1)
     collate = Collator.for_transformers(
         padding_free=True, mrope=MRope(), max_length=first + 1, truncation_mode="keep_start"
     )
-    with pytest.raises(
-        ValueError, match=r"example 0: a run of 1 image placeholder tokens.*must not cut them"
-    ):
+    cut = r"example 0: max_length={} with truncation_mode='{}' would cut {} of its image placeholder tokens"
+    fix = r".*cut the example's text before its images and videos, or raise max_length"
+    run = with_image["mm_token_type_ids"].count(1)
+    with pytest.raises(ValueError, match=cut.format(first + 1, "keep_start", run - 1) + fix):
         collate([with_image])
     before = Collator.for_transformers(
         padding_free=True, mrope=MRope(), max_length=first, truncation_mode="keep_start"
     )
-    with pytest.raises(ValueError, match=r"example 0: holds 0 runs of image placeholder tokens .* but"):
+    with pytest.raises(ValueError, match=cut.format(first, "keep_start", run) + fix):
         before([with_image])  # the whole image cut away, its pixels still given
+    last = with_image["mm_token_type_ids"][::-1].index(1)  # the tokens after the last image token
+    assert set(with_image["mm_token_type_ids"][-last:]) == {0}
+    after = Collator.for_transformers(
+        padding_free=True, mrope=MRope(), max_length=last, truncation_mode="keep_end"
+    )
+    with pytest.raises(ValueError, match=cut.format(last, "keep_end", run) + fix):
+        after([with_image])
+    kept = len(with_image["input_ids"]) - first  # from the first image on: only text before it is cut
+    whole = Collator.for_transformers(
+        padding_free=True, mrope=MRope(), max_length=kept, truncation_mode="keep_end"
+    )
+    assert whole([with_image])["input_ids"].shape[1] == kept
 
 
 @pytest.mark.parametrize(

@@ -38,10 +38,9 @@ from zephon_collate.core.keys import IDS, INPUT_IDS, TEXTS
 from zephon_collate.layouts.base import Layout, Settings, Stacked
 from zephon_collate.layouts.native import CollatorOptions, Native
 from zephon_collate.layouts.plan import Plan
-from zephon_collate.layouts.preference import Preference, PreferenceOptions
-from zephon_collate.layouts.rewards import RewardOptions, Rewards
-from zephon_collate.layouts.rollouts import RolloutOptions, Rollouts
+from zephon_collate.layouts.presets import PreferenceOptions, RewardOptions, RolloutOptions, TrajectoryOptions
 from zephon_collate.layouts.transformers import Transformers, TransformersOptions
+from zephon_collate.layouts.trees import Trees
 
 __all__ = ["Collator"]
 
@@ -69,6 +68,11 @@ class _Rewards(Settings, RewardOptions):
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _Rollouts(Settings, RolloutOptions):
     """``Collator.for_rollouts(...)``'s keywords."""
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _Trajectories(Settings, TrajectoryOptions):
+    """``Collator.for_trees(...)``'s keywords."""
 
 
 def _split(options: type[Keywords], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Settings]:
@@ -156,7 +160,7 @@ class Collator:
     @keywords(_Preference, "Collator.for_preference")
     def for_preference(cls, *args: Any, **options: Any) -> Collator:
         """Preference pairs (or TRL's unpaired KTO examples) to one exact batch of their sequences
-        (:mod:`zephon_collate.layouts.preference`).
+        (:mod:`zephon_collate.layouts.presets`).
 
         Example:
             >>> pairs = [
@@ -173,13 +177,13 @@ class Collator:
             ([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]], [[0, 1, 2, 3, 4, 3, 0, 1, 2, 2, 3, 4]])
         """
         layout_options, settings = _split(PreferenceOptions, args, options)
-        return cls.of(Preference(layout_options, settings))
+        return cls.of(Trees(layout_options, settings))
 
     @classmethod
     @keywords(_Rewards, "Collator.for_rewards")
     def for_rewards(cls, *args: Any, **options: Any) -> Collator:
         """Reward-model pairs to TRL's reward batch, plus where each sequence's score is read
-        (:mod:`zephon_collate.layouts.rewards`).
+        (:mod:`zephon_collate.layouts.presets`).
 
         Example:
             >>> pairs = [
@@ -198,13 +202,13 @@ class Collator:
             [2, 4, 6, 7]
         """
         layout_options, settings = _split(RewardOptions, args, options)
-        return cls.of(Rewards(layout_options, settings))
+        return cls.of(Trees(layout_options, settings))
 
     @classmethod
     @keywords(_Rollouts, "Collator.for_rollouts")
     def for_rollouts(cls, *args: Any, **options: Any) -> Collator:
         """RL rollouts (a prompt and a completion, float fields) to one exact training batch
-        (:mod:`zephon_collate.layouts.rollouts`).
+        (:mod:`zephon_collate.layouts.presets`).
 
         Example:
             >>> from zephon_collate import FloatField
@@ -222,7 +226,29 @@ class Collator:
             ([1.0, -1.0], [[-1, 0, 1, 2, 1]])
         """
         layout_options, settings = _split(RolloutOptions, args, options)
-        return cls.of(Rollouts(layout_options, settings))
+        return cls.of(Trees(layout_options, settings))
+
+    @classmethod
+    @keywords(_Trajectories, "Collator.for_trees")
+    def for_trees(cls, *args: Any, **options: Any) -> Collator:
+        """Trajectories (flat, or as lists of turns) or explicit trees to one batch that computes every
+        shared prefix once: the trees depth-first, each path's positions continuing, ``subtree_end`` for
+        the attention and every path's tokens (``path_index``), so that the loss helpers give each path
+        the numbers it has run alone (:mod:`zephon_collate.layouts.trees`, ``docs/trees.md``).
+
+        Example:
+            >>> trajectories = [
+            ...     {"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1]},
+            ...     {"input_ids": [1, 2, 3, 5, 6], "completion_mask": [0, 0, 1, 1, 1]},
+            ... ]
+            >>> batch = Collator.for_trees()(trajectories)
+            >>> batch["input_ids"].tolist(), batch["position_ids"].tolist()
+            ([[1, 2, 3, 4, 5, 6]], [[0, 1, 2, 3, 3, 4]])
+            >>> batch["logits_index"].tolist(), batch["subtree_end"].tolist()
+            ([[-1, 0, 1, 2, 2, 4]], [[6, 6, 6, 4, 6, 6]])
+        """
+        layout_options, settings = _split(TrajectoryOptions, args, options)
+        return cls.of(Trees(layout_options, settings))
 
     # -- the options, as attributes ---------------------------------------------------------------
 

@@ -46,6 +46,8 @@ __all__ = [
     "NUM_VALID_TOKENS",
     "PADDING_LENGTH",
     "PADDING_MASK",
+    "PATH_INDEX",
+    "PATH_OFFSETS",
     "POSITIONS",
     "POSITION_IDS",
     "PROMPT_ATTENTION_MASK",
@@ -64,6 +66,7 @@ __all__ = [
     "SEQUENCE_INDEX",
     "SEQ_IDX",
     "SEQ_LENGTHS",
+    "SUBTREE_END",
     "SUPERVISION_MASKS",
     "TEXT",
     "TEXTS",
@@ -144,6 +147,12 @@ SEQUENCE_INDEX = "sequence_index"
 """``[B, S]`` int64: the sequence a token belongs to, -1 on padding and on a prompt sequences share."""
 NUM_SEQUENCES = "num_sequences"
 """The number of sequences in a batch (an int, like ``max_length_q``)."""
+SUBTREE_END = "subtree_end"
+"""``[B, S]`` int64, a tree batch's attention: token ``k`` is seen by the tokens ``q`` of its row with
+``k <= q < subtree_end[k]`` (its node's later tokens and its subtree); padding by itself only."""
+PATH_INDEX, PATH_OFFSETS = "path_index", "path_offsets"
+"""A tree batch's paths: ``path_index`` ``[P]`` int64, the flat places (in ``input_ids.reshape(-1)``) of every
+sequence's tokens in order, sequence ``s``'s from ``path_offsets[s]`` to ``path_offsets[s + 1]``."""
 MARGIN = "margin"
 """A reward pair's margin: one number per pair (TRL's ``RewardTrainer`` name)."""
 LAST_TOKEN_INDEX = "last_token_index"

@@ -164,21 +164,21 @@ class Layout:
         settings: the collator's :class:`Settings`.
     """
 
-    OWNER: ClassVar[str] = "Collator"
+    OWNER: str = "Collator"
     """How errors name the entry point."""
     READS: ClassVar[Literal["records", "examples"]] = "examples"
     """Row-wise input read as records (``record i (sample_id ...)``) or examples (``example i``)."""
-    KEY: ClassVar[tuple[str, ...]] = (INPUT_IDS,)
+    KEY: tuple[str, ...] = (INPUT_IDS,)
     """The field every row of a batched dict of lists has (the first found of these)."""
-    ITEM: ClassVar[str] = "example"
+    ITEM: str = "example"
     TORCH_OUTPUT: ClassVar[str] = "return_tensors='pt'"
     """The option that asks for torch output, for the messages that need it."""
-    ORDER: ClassVar[tuple[str | None, ...]] = ()
+    ORDER: tuple[str | None, ...] = ()
     """The outputs' order; ``None`` is where the extra fields go; the keys not named follow, in the
     chain's order."""
-    INTERNAL: ClassVar[frozenset[str]] = frozenset({PADDING_LENGTH})
+    INTERNAL: frozenset[str] = frozenset({PADDING_LENGTH})
     """Keys of the stacked batch that no output carries."""
-    SCALARS: ClassVar[frozenset[str]] = frozenset()
+    SCALARS: frozenset[str] = frozenset({NUM_VALID_TOKENS})
     """0-d outputs returned as Python ints (with ``python_scalars``)."""
 
     def __init__(self, options: Any, settings: Settings | None = None) -> None:
@@ -361,8 +361,6 @@ class Layout:
                 out[name] = [value for part in stacked for value in part.per_row.get(key, [])]
             elif one is None:
                 out[name] = self._joined(key, [result[key] for result in results])
-            elif key == NUM_VALID_TOKENS:
-                out[name] = scalar(one[key].sum())
             elif key in self.SCALARS and one[key].ndim == 0:
                 out[name] = scalar(one[key]) if self.settings.python_scalars else convert(one[key], kind)
             else:
@@ -373,8 +371,8 @@ class Layout:
         """One output of a ragged list batch, from each row's (run as a batch of one)."""
         rows = [value.tolist() for value in values]
         flat = bool(getattr(self.options, "flatten", False))
-        if key == NUM_VALID_TOKENS:
-            return sum(sum(row) for row in rows)
+        if key == NUM_VALID_TOKENS:  # each row's total
+            return sum(rows)
         if key == CU_SEQLENS and flat:
             joined: list[int] = []
             total = 0

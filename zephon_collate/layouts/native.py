@@ -43,7 +43,6 @@ from zephon_collate.core.keys import (
     POSITION_IDS,
     POSITIONS,
     RESPONSE_MASK,
-    SUPERVISION_MASKS,
     TEXTS,
     TOKEN_FIELD_CANDIDATES,
 )
@@ -53,16 +52,28 @@ from zephon_collate.layouts.base import Layout, Stacked, per_row_outputs
 from zephon_collate.layouts.stack import RowPadding, dense, stack_rows
 from zephon_collate.layouts.training import TrainingOptions
 from zephon_collate.read.arrow import Columns
-from zephon_collate.read.columns import Batch, Names, Ragged, Row, as_numpy, concat, numpy_dtype
+from zephon_collate.read.columns import (
+    Batch,
+    Names,
+    Ragged,
+    Row,
+    Spread,
+    as_numpy,
+    concat,
+    filled,
+    numpy_dtype,
+)
 from zephon_collate.read.fields import TensorField, check_float_fields, read_floats, value_rows
 from zephon_collate.read.rules import (
     SUPERVISING_FIELDS,
+    SUPERVISION_NAMES,
     check_fits,
     check_ids,
     check_zero_one,
     declared_padding,
     misaligned,
     misspelled,
+    near_miss,
     positions_field,
     refuse_media,
     unread_supervision,
@@ -146,11 +157,11 @@ class Native(Layout):
     the ``Collator`` (refused).
     """
 
-    OWNER: ClassVar[str] = "Collator"
+    OWNER: str = "Collator"
     READS: ClassVar[Literal["records", "examples"]] = "records"
-    ITEM: ClassVar[str] = "record"
+    ITEM: str = "record"
     TORCH_OUTPUT: ClassVar[str] = "dtype='auto' or a torch dtype"
-    ORDER: ClassVar[tuple[str | None, ...]] = (
+    ORDER: tuple[str | None, ...] = (
         IDS,
         TEXTS,
         INPUT_IDS,
@@ -163,7 +174,7 @@ class Native(Layout):
         MAX_SEQLEN,
         PADDING_MASK,
     )
-    SCALARS: ClassVar[frozenset[str]] = frozenset({MAX_SEQLEN})
+    SCALARS: frozenset[str] = frozenset({MAX_SEQLEN, NUM_VALID_TOKENS})
 
     options: TrainingOptions
 
@@ -313,19 +324,23 @@ class Native(Layout):
         by ``to_training`` (labels only: without labels nothing is supervised, so nothing is said)."""
         if not (self.strict or self.options.return_labels):
             return
-        near = misspelled(batch.fields, SUPERVISION_MASKS)
+        options = self.options
+        given = (*read, *options.extra_fields, *(spec.name for spec in self.floats), options.tokens_field)
+        near = misspelled(batch.fields, SUPERVISION_NAMES, (*given, POSITION_IDS))
         if near is not None:
             name, meant = near
             index = int(np.flatnonzero(batch.carried(name))[0])
             hint = (
                 ""
                 if meant == LOSS_MASK
+                else " (for rollouts, Collator.for_rollouts reads it)"
+                if meant == RESPONSE_MASK
                 else " (for Hugging Face examples, Collator.for_transformers reads it)"
             )
             self._refuse(
-                f"{batch.names(index)}: payload has {shown(name)}, which nothing reads: did you mean "
-                f"{shown(meant)}? Read under no name, every token would be trained; rename it {shown(meant)}"
-                + hint
+                near_miss(
+                    batch.names(index), name, meant, f"{hint}, or list it in extra_fields to read it as data"
+                )
             )
         for name in SUPERVISING_FIELDS:
             if isinstance(batch, Columns) and name in batch and name not in read and not batch.is_list(name):
@@ -459,7 +474,10 @@ class Native(Layout):
         for name, values in per_token.items():
             spec = floats.get(name)
             if spec is not None:  # a value field: its own dtype, its fill on padding
-                data[name] = _in_dtype(dense(values, width, spec.fill), spec.dtype)
+                stacked = dense(values, width, spec.fill)
+                if isinstance(spec.fill, Spread) and options.return_labels and spec.shifted_like_labels:
+                    stacked = _shifted_spread(stacked, counts, spec.fill)
+                data[name] = _in_dtype(stacked, spec.dtype)
                 continue
             if name == LOSS_MASK and options.return_labels:
                 # The supervision, checked to hold 0 and 1, as booleans: the masks that read it
@@ -620,6 +638,23 @@ def _check_position_count(count: int, dtype: torch.dtype, how: str) -> None:
             f"to_training: positions {how} {count} tokens do not fit dtype {dtype} (at most "
             f"{torch.iinfo(dtype).max + 1}); pick a wider dtype"
         )
+
+
+def _shifted_spread(stacked: Any, counts: np.ndarray, fill: Spread) -> Any:
+    """A token-aligned field's padding (each row's last ``counts`` places), numbered for the column it will
+    hold once ``TokenShift`` cuts it like the labels (``[:, 1:]``: place ``p`` becomes column ``p - 1``)."""
+    rows, width = stacked.shape[:2]
+    place = np.arange(width, dtype=np.int64)
+    padding = place[None] >= (width - counts)[:, None]
+    at = np.broadcast_to(np.maximum(place - 1, 0), (rows, width))[padding]
+    spread = filled((int(at.size), *stacked.shape[2:]), fill, np.dtype(np.int64), at=at)
+    if isinstance(stacked, np.ndarray):
+        out = stacked.copy()
+        out[padding] = spread.astype(out.dtype)
+        return out
+    out = stacked.clone()
+    out[torch.from_numpy(padding).to(out.device)] = torch.from_numpy(spread).to(out.device, out.dtype)
+    return out
 
 
 def _flat_offsets(stacked: torch.Tensor) -> np.ndarray:

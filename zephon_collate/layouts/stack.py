@@ -27,9 +27,9 @@ import torch
 from zephon_collate.core.checks import check_int
 from zephon_collate.core.keys import INT32_MAX, MAX_PAD_MULTIPLE
 from zephon_collate.core.text import shown
-from zephon_collate.read.columns import Names, Ragged, Row, Spread, Values, as_numpy, filled
+from zephon_collate.read.columns import Names, Ragged, Row, Spread, Values, as_numpy, filled, places
 
-__all__ = ["RowPadding", "dense", "stack_rows"]
+__all__ = ["RowPadding", "dense", "row_places", "stack_rows"]
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,13 @@ class RowPadding:
         return longest if self.multiple is None else -(-longest // self.multiple) * self.multiple
 
 
-def dense(field: Ragged, width: int, fill: int | float | Spread, *, restart: bool = False) -> Values:
+def dense(
+    field: Ragged, width: int, fill: int | float | Spread, *, restart: bool = False, left: bool = False
+) -> Values:
     """``[B, width, ...]``: each row's values, then ``fill`` (or 0, 1, ... with ``restart``) to ``width``
-    (a :class:`~zephon_collate.read.columns.Spread` numbers the places by their position in the row).
+    (a :class:`~zephon_collate.read.columns.Spread` numbers the places by their position in the row
+    handed out: ``left``, once :class:`~zephon_collate.transforms.LeftPadding` has moved each row's
+    padding to its front, the padding's place ``p`` after a row of ``n`` values is ``p - n``).
 
     Rows must not be longer than ``width``. Every row of exactly ``width``
     gives a view of the values, no copy (a copy of read-only values: a view of
@@ -97,6 +101,12 @@ def dense(field: Ragged, width: int, fill: int | float | Spread, *, restart: boo
         >>> field = concat([np.array([5, 6, 7]), np.array([8])], "input_ids", str)
         >>> dense(field, 4, 0).tolist(), dense(field, 4, 0, restart=True).tolist()
         ([[5, 6, 7, 0], [8, 0, 0, 0]], [[5, 6, 7, 0], [8, 0, 1, 2]])
+        >>> from zephon_collate.read.columns import Spread
+        >>> routes = concat([np.full((3, 1), 9), np.full((1, 1), 9)], "routes", str)
+        >>> dense(routes, 4, Spread(4))[..., 0].tolist()
+        [[9, 9, 9, 3], [9, 1, 2, 3]]
+        >>> dense(routes, 4, Spread(4), left=True)[..., 0].tolist()  # moved: [[0, 9, 9, 9], [0, 1, 2, 9]]
+        [[9, 9, 9, 0], [9, 0, 1, 2]]
     """
     values, lengths = field.values, field.lengths
     rows = len(lengths)
@@ -111,6 +121,10 @@ def dense(field: Ragged, width: int, fill: int | float | Spread, *, restart: boo
         base = np.arange(width, dtype=np.int64)[None] - lengths[:, None]
         base = base.reshape(rows, width, *([1] * len(trailing)))
         start: Values = np.broadcast_to(base, (rows, width, *trailing))
+    elif isinstance(fill, Spread) and left:  # each padding place numbered where LeftPadding puts it
+        at = np.maximum(np.arange(width, dtype=np.int64)[None] - lengths[:, None], 0).reshape(-1)
+        spread = filled((rows * width, *trailing), fill, np.dtype(np.int64), at=at)
+        start = spread.reshape(rows, width, *trailing)
     elif isinstance(fill, Spread):
         start = np.broadcast_to(
             filled((width, *trailing), fill, np.dtype(np.int64)), (rows, width, *trailing)
@@ -131,6 +145,27 @@ def dense(field: Ragged, width: int, fill: int | float | Spread, *, restart: boo
     index = torch.from_numpy(destination).to(values.device)
     tensor.view(rows * width, *trailing).index_copy_(0, index, values)
     return tensor
+
+
+def row_places(lengths: np.ndarray, width: int | None, *, left: bool = False) -> np.ndarray:
+    """``[N]``: the place of each of the rows' values in the row handed out: padded to ``width`` (on the
+    left with ``left``: after the row's padding), or one padding-free row (``width=None``: end to end).
+
+    Example:
+        >>> lengths = np.array([3, 1])
+        >>> row_places(lengths, 4).tolist(), row_places(lengths, 4, left=True).tolist()
+        ([0, 1, 2, 0], [1, 2, 3, 3])
+        >>> row_places(lengths, None).tolist()
+        [0, 1, 2, 3]
+    """
+    if width is None:
+        return np.arange(int(lengths.sum()), dtype=np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    at = places(offsets)
+    if left:
+        at += np.repeat(width - lengths, lengths)
+    return at
 
 
 def stack_rows(rows: Sequence[Row] | np.ndarray, name: str, names: Names) -> torch.Tensor:

@@ -53,6 +53,7 @@ from zephon_collate.transforms import (
     PaddingMask,
     Positions,
     TokenShift,
+    Total,
     Transform,
 )
 
@@ -195,7 +196,7 @@ class TrainingOptions(Keywords):
     ) -> list[Transform]:
         """The transforms these options run on a stacked batch holding ``keys``, in order.
 
-        ``PaddingMask -> BoundaryMask -> TokenShift -> EosMask -> LossMask ->
+        ``PaddingMask -> BoundaryMask -> TokenShift -> EosMask -> LossMask -> Total ->
         CuSeqlens -> Positions -> Flatten``, each only when asked for. ``boundary_safe`` (the
         Collator's ``boundary_safe_labels``) adds ``BoundaryMask`` when there are
         labels and positions; ``num_boundaries`` gives ``CuSeqlens`` a static
@@ -236,6 +237,8 @@ class TrainingOptions(Keywords):
                     count_key=NUM_VALID_TOKENS if self.return_num_valid_tokens else None,
                 )
             )
+            if self.return_num_valid_tokens:  # the batch's count, made in the chain: yours see it
+                transforms.append(Total(NUM_VALID_TOKENS))
         if self.return_cu_seqlens:
             transforms.append(CuSeqlens(flatten=self.flatten, num_boundaries=num_boundaries))
         if self.position_mode == "sequence":

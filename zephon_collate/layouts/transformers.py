@@ -67,6 +67,7 @@ from zephon_collate.core.keys import (
     MAX_LENGTH_Q,
     MAX_PAD_MULTIPLE,
     NUM_SEQUENCES,
+    NUM_VALID_TOKENS,
     PADDING_LENGTH,
     PADDING_MASK,
     POSITION_IDS,
@@ -76,19 +77,16 @@ from zephon_collate.core.keys import (
     REF_LOGPS,
     REF_REJECTED_LOGPS,
     REJECTED_INDEX,
-    RESPONSE_MASK,
     SEQ_IDX,
-    SEQ_LENGTHS,
     SEQUENCE_INDEX,
     SUPERVISION_MASKS,
     TOKEN_TYPE_IDS,
 )
-from zephon_collate.core.records import PADDING_LENGTH_TAG, SampleRecord
-from zephon_collate.core.text import shown, shown_fields
+from zephon_collate.core.text import shown
 from zephon_collate.functional import host
 from zephon_collate.layouts.base import Layout, Stacked
 from zephon_collate.layouts.native import check_boundary_count
-from zephon_collate.layouts.stack import RowPadding, dense
+from zephon_collate.layouts.stack import RowPadding, dense, row_places
 from zephon_collate.layouts.vision import (
     COUNTS,
     CU_SEQLENS,
@@ -101,25 +99,18 @@ from zephon_collate.layouts.vision import (
     read_media,
     with_dummy_image,
 )
-from zephon_collate.read.arrow import Columns
-from zephon_collate.read.columns import Batch, Names, Ragged, Spread, places, row_any, row_of, to_row
+from zephon_collate.read.columns import Batch, Names, Ragged, Spread, places, row_any, row_of
+from zephon_collate.read.examples import READ as _READ
+from zephon_collate.read.examples import ExampleSpec, read_examples, supervision
 from zephon_collate.read.fields import (
     TensorField,
     check_float_fields,
-    read_floats,
+    spread_starts,
     to_label_positions,
-    value_rows,
 )
 from zephon_collate.read.rules import (
-    SUPERVISING_FIELDS,
-    check_flat,
     check_ids,
-    check_zero_one,
     kept_by_mask,
-    misspelled,
-    positions_field,
-    refuse_media,
-    unread_supervision,
 )
 from zephon_collate.transforms import (
     AttentionMask,
@@ -137,20 +128,10 @@ from zephon_collate.transforms import (
     UnshiftedLabels,
 )
 
-__all__ = ["Transformers", "TransformersOptions", "from_tokenizer", "in_float", "supervision"]
+__all__ = ["Transformers", "TransformersOptions", "from_tokenizer", "in_float"]
 
 _OWNER = "Collator.for_transformers"
-_MASKS = SUPERVISION_MASKS
-_SUPERVISION = (LABELS, *_MASKS)
-_PER_TOKEN: tuple[tuple[str, Literal["ids", "values"]], ...] = (
-    (ATTENTION_MASK, "values"),
-    *((name, "values") for name in _MASKS),
-    (LABELS, "ids"),
-    (TOKEN_TYPE_IDS, "ids"),
-    (POSITION_IDS, "ids"),
-)
-"""The per-token fields beside ``input_ids``, in the order they are read, and how."""
-_READ = (INPUT_IDS, *(name for name, _ in _PER_TOKEN), SEQ_LENGTHS)
+_SUPERVISION = (LABELS, *SUPERVISION_MASKS)
 _WRITTEN = (
     LABELS,
     CU_SEQ_LENS_Q,
@@ -450,8 +431,8 @@ class TransformersOptions(Keywords):
 class Transformers(Layout):
     """The ``transformers`` layout: HF examples to a causal LM's batch; see the module doc."""
 
-    OWNER: ClassVar[str] = _OWNER
-    ORDER: ClassVar[tuple[str | None, ...]] = (
+    OWNER: str = _OWNER
+    ORDER: tuple[str | None, ...] = (
         INPUT_IDS,
         TOKEN_TYPE_IDS,
         ATTENTION_MASK,
@@ -463,8 +444,8 @@ class Transformers(Layout):
         MAX_LENGTH_K,
         SEQ_IDX,
     )
-    INTERNAL: ClassVar[frozenset[str]] = frozenset({PADDING_LENGTH, POSITIONS, LOSS_MASK, PADDING_MASK})
-    SCALARS: ClassVar[frozenset[str]] = frozenset({MAX_LENGTH_Q, MAX_LENGTH_K, NUM_SEQUENCES})
+    INTERNAL: frozenset[str] = frozenset({PADDING_LENGTH, POSITIONS, LOSS_MASK, PADDING_MASK})
+    SCALARS: frozenset[str] = frozenset({MAX_LENGTH_Q, MAX_LENGTH_K, NUM_SEQUENCES, NUM_VALID_TOKENS})
     UNIFORM_SUPERVISION: ClassVar[bool] = False
     """Refuse an example without a supervising field that another example carries (rollouts)."""
     READS_RESPONSE_MASK: ClassVar[bool] = False
@@ -547,7 +528,8 @@ class Transformers(Layout):
         Raises:
             TypeError, ValueError: for a bad example, naming it, the field and the fix.
         """
-        fields, segments, per_sequence = self.fields(batch)
+        read = read_examples(batch, self.examples)
+        fields, segments, per_sequence = read.fields, read.segments, read.per_sequence
         mrope = self.options.mrope
         media = None if mrope is None else read_media(batch, batch.names, mrope)
         if media is not None and mrope is not None and mrope.dummy_image and media.empty:
@@ -560,161 +542,24 @@ class Transformers(Layout):
             fields, media = with_dummy_image(fields, fills, media, mrope)
         return [self.layout(fields, segments, per_sequence, batch.names, media)]
 
-    def fields(self, batch: Batch) -> tuple[dict[str, Ragged], Ragged | None, dict[str, list[np.ndarray]]]:
-        """The examples' fields as this layout reads them: ``input_ids`` (int64), the per-token fields
-        (rows without one filled: labels as the tokens, masks as ones, positions counting), each
-        example's ``seq_lengths``, and the float fields."""
+    @functools.cached_property
+    def examples(self) -> ExampleSpec:
+        """What this layout reads of its examples."""
         options = self.options
-        names = batch.names
-        self._check_examples(batch)
-        tokens = batch.get(INPUT_IDS, "ids")
-        assert tokens is not None
-        check_flat(tokens, INPUT_IDS, names)
-        check_ids(tokens, INPUT_IDS, names)
-        tokens = tokens.cast(torch.int64)
-        if RESPONSE_MASK in batch and not self.READS_RESPONSE_MASK:  # refused where it would change training
-            others = [name for name in SUPERVISING_FIELDS if name != RESPONSE_MASK]
-            found = unread_supervision(batch, tokens, others, None)
-            if found is not None:
-                raise ValueError(
-                    f"{names(found[0])}: carries 'response_mask' (verl's mask of the row's last tokens, the "
-                    "response), which this collator does not read: read as all trained, the prompt would be "
-                    "trained; collate rollouts with Collator.for_rollouts(...), which reads it, or give a "
-                    "completion_mask (0 on the prompt)"
-                )
-        fields: dict[str, Ragged] = {INPUT_IDS: tokens}
-        if options.mrope is not None:  # text-only examples: all text
-            fields[MM_TOKEN_TYPE_IDS] = (
-                _filled(batch, MM_TOKEN_TYPE_IDS, "ids", tokens)
-                if MM_TOKEN_TYPE_IDS in batch
-                else Ragged(np.zeros(tokens.values.shape[0], np.int64), tokens.offsets, tokens.lengths)
-            )
-        elif self.OWNER == _OWNER:  # the layout that reads media, given mrope=
-            refuse_media(
-                batch,
-                f"{self.OWNER} without mrope=",
+        return ExampleSpec(
+            self.OWNER,
+            options.floats,
+            options.supervision,
+            vision=options.mrope is not None,
+            media_fix=(
                 "pass mrope=MRope.from_config(model.config) (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) or "
-                "MRope(rule=...) for another model's positions",
-            )
-        else:
-            refuse_media(batch, self.OWNER)
-        for name, kind in _PER_TOKEN:
-            source = positions_field(batch) or name if name == POSITION_IDS else name  # the page's name too
-            if source in batch:
-                fields[name] = _filled(batch, source, kind, tokens)
-        segments = None
-        if SEQ_LENGTHS in batch:  # each example's document lengths, end to end
-            given = batch.get(SEQ_LENGTHS, "ids", partial=True)
-            assert given is not None
-            rows = [
-                np.reshape(given.host[given.offsets[i] : given.offsets[i + 1]], -1)
-                if carried
-                else np.array([length])
-                for i, (carried, length) in enumerate(
-                    zip(batch.carried(SEQ_LENGTHS), tokens.lengths, strict=True)
-                )
-            ]
-            lengths = np.array([row.size for row in rows], dtype=np.int64)
-            offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-            np.cumsum(lengths, out=offsets[1:])
-            segments = Ragged(
-                np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64), offsets
-            )
-        per_sequence: dict[str, list[np.ndarray]] = {}
-        for spec in options.floats:
-            floats = read_floats(value_rows(batch, spec), tokens.lengths, spec, names)
-            if isinstance(floats, Ragged):
-                fields[spec.name] = floats
-            else:
-                per_sequence[spec.name] = floats
-        return fields, segments, per_sequence
-
-    def _check_examples(self, batch: Batch) -> None:
-        """The refusals that look at which fields the examples carry, before any is read."""
-        names = batch.names
-        for index, payload in enumerate(getattr(batch, "payloads", ())):
-            if type(payload) is dict:
-                continue
-            if isinstance(payload, SampleRecord):
-                raise TypeError(
-                    f"{names(index)}: is a SampleRecord; this collator takes Hugging Face example "
-                    "dicts: pass "
-                    "the payloads, or collate records (pack_flat's rows) with Collator(...)"
-                )
-            if not hasattr(payload, "keys"):
-                raise TypeError(
-                    f"{names(index)}: must be a dict of fields such as 'input_ids', got "
-                    f"{type(payload).__name__}"
-                )
-        if PADDING_LENGTH_TAG in batch and isinstance(batch, Columns):
-            raise ValueError(
-                f"{_OWNER}: the batch has a {shown(PADDING_LENGTH_TAG)} column: packed rows (as pack_columns "
-                "writes them), whose documents and padding this layout does not read; collate them with "
-                "Collator(return_labels=True, return_cu_seqlens=True), or pack Hugging Face examples with "
-                "trl.pack_dataset (seq_lengths)"
-            )
-        lacking = batch.lacking(INPUT_IDS)
-        if lacking is not None:
-            raise ValueError(
-                f"{names(lacking)}: has no 'input_ids' ({_fields_of(batch, lacking)}); tokenize the "
-                "examples first"
-            )
-        if "label" in batch:
-            label = batch.objects("label")
-            index = next(i for i, value in enumerate(label) if value is not None)
-            if not _scalar(label[index]):
-                raise ValueError(
-                    f"{names(index)}: carries 'label' of one value per token; this collator reads per-token "
-                    "labels from 'labels': rename the field 'labels'"
-                )
-            raise _sequence_classification(names(index))
-        scalar = batch.one_value_row(LABELS) if LABELS in batch else None
-        if scalar is not None:
-            raise _sequence_classification(names(scalar))
-        if "decoder_input_ids" in batch:
-            index = int(np.flatnonzero(batch.carried("decoder_input_ids"))[0])
-            raise ValueError(
-                f"{names(index)}: carries 'decoder_input_ids' (an encoder-decoder target); this "
-                "collator is for "
-                "causal LMs, whose labels align with input_ids: use "
-                "transformers.DataCollatorForSeq2Seq(tokenizer, model=model) for encoder-decoder models"
-            )
-        supervision = self.options.supervision
-        if supervision is not None:
-            lacking = batch.lacking(supervision)
-            if lacking is not None:
-                raise ValueError(
-                    f"{names(lacking)}: lacks {shown(supervision)}, the field this collator was told carries "
-                    f"the supervision ({_fields_of(batch, lacking)}); transformers.Trainer drops "
-                    "dataset columns "
-                    "its model's forward does not name: pass TrainingArguments(remove_unused_columns=False), "
-                    "or build the collator without supervision=..."
-                )
-        else:
-            near = misspelled(batch.fields, _MASKS)
-            if near is not None:
-                name, meant = near
-                index = int(np.flatnonzero(batch.carried(name))[0])
-                raise ValueError(
-                    f"{names(index)}: has {shown(name)}, which nothing reads: did you mean "
-                    f"{shown(meant)}? Read "
-                    f"under no name, every token would be trained; rename it {shown(meant)} (or name "
-                    "the field "
-                    "that carries the supervision with supervision=...)"
-                )
-        if self.UNIFORM_SUPERVISION:
-            for name in _SUPERVISION:
-                if name not in batch:
-                    continue
-                lacking = batch.lacking(name)
-                if lacking is not None:
-                    carrier = int(np.flatnonzero(batch.carried(name))[0])
-                    raise ValueError(
-                        f"{names(lacking)}: lacks {shown(name)}, which {names(carrier)} carries to say which "
-                        "tokens are trained; read "
-                        "as all trained, its prompt would be trained. Give every example "
-                        f"{shown(name)} (0 on the prompt), or drop it from every example ({self.OWNER})"
-                    )
+                "MRope(rule=...) for another model's positions"
+                if self.OWNER == _OWNER
+                else None
+            ),
+            response_mask=self.READS_RESPONSE_MASK,
+            uniform=self.UNIFORM_SUPERVISION,
+        )
 
     # -- the layout ----------------------------------------------------------------------------------
 
@@ -800,6 +645,8 @@ class Transformers(Layout):
             if options.truncation_mode == "keep_start"
             else place >= np.repeat(lengths - limit, lengths)
         )
+        if MM_TOKEN_TYPE_IDS in per_token:  # vision placeholders stand for an image: never cut
+            self._check_no_image_cut(per_token[MM_TOKEN_TYPE_IDS], keep, names)
         cut = {name: field.select(keep) for name, field in per_token.items()}
         if options.keep_eos:
             self._put_back_eos(per_token, cut)
@@ -816,6 +663,24 @@ class Transformers(Layout):
                 "or shorten such examples, raise max_length, or use the other truncation_mode"
             )
         return cut
+
+    def _check_no_image_cut(self, types: Ragged, keep: np.ndarray, names: Names) -> None:
+        """Refuse a ``max_length`` cut that removes vision placeholders (part of an image, or all of it):
+        the model would read an image whose tokens are gone."""
+        lost = ~keep & (types.host != 0)
+        if not lost.any():
+            return
+        row = row_of(types.offsets, int(np.flatnonzero(lost)[0]))
+        start, end = int(types.offsets[row]), int(types.offsets[row + 1])
+        gone = types.host[start:end][lost[start:end]]
+        counts = [(int((gone == kind).sum()), name) for kind, name in ((1, "image"), (2, "video"))]
+        what = " and ".join(f"{count} of its {name} placeholder tokens" for count, name in counts if count)
+        options = self.options
+        raise ValueError(
+            f"{names(row)}: max_length={options.max_length} with truncation_mode={options.truncation_mode!r} "
+            f"would cut {what} ({shown(MM_TOKEN_TYPE_IDS)} != 0) away, and a truncation must never cut an "
+            "image or a video; cut the example's text before its images and videos, or raise max_length"
+        )
 
     def _put_back_eos(self, per_token: dict[str, Ragged], cut: dict[str, Ragged]) -> None:
         """A cut example that ended in EOS ends in EOS again, with the EOS's own values in every
@@ -865,8 +730,11 @@ class Transformers(Layout):
                 f"{shown(lengths.tolist())}; pad them (padding=True)"
             )
         fills = self._fills(padding.pad_token_id)
+        left = self.options.padding_side == "left"  # a Spread fill: numbered where LeftPadding puts it
+        at = functools.partial(row_places, lengths, width, left=left)
+        per_token = spread_starts(per_token, self.options.floats, functools.partial(_starts, per_token), at)
         data: dict[str, Any] = {
-            name: dense(field, width, fills.get(name, 0)) for name, field in per_token.items()
+            name: dense(field, width, fills.get(name, 0), left=left) for name, field in per_token.items()
         }
         data[PADDING_LENGTH] = np.subtract(width, lengths, dtype=np.int64)  # one op: no astype copy
         return Stacked(data)
@@ -884,127 +752,14 @@ class Transformers(Layout):
         width = total if multiple is None else -(-total // multiple) * multiple
         one_row, length = np.array([0, total], dtype=np.int64), np.array([total], dtype=np.int64)
         fills = self._fills(self.options.pad_token_id or 0)
+        at = functools.partial(np.arange, total, dtype=np.int64)  # a Spread fill: its place in this row
+        per_token = spread_starts(per_token, self.options.floats, functools.partial(_starts, per_token), at)
         data: dict[str, Any] = {
             name: dense(Ragged(field.values, one_row, length), width, fills.get(name, 0))
             for name, field in per_token.items()
         }
         data[PADDING_LENGTH] = np.array([width - total], dtype=np.int64)
         return Stacked(data)
-
-
-def _fields_of(batch: Batch, index: int) -> str:
-    payloads = getattr(batch, "payloads", None)
-    if payloads is not None and hasattr(payloads[index], "keys"):
-        return f"its fields: {shown_fields(payloads[index])}"
-    return f"its fields: {shown_fields(dict.fromkeys(sorted(batch.fields)))}"
-
-
-def _scalar(value: object) -> bool:
-    if value is None:
-        return False
-    if isinstance(value, (int, float, np.generic)) and not isinstance(value, bool):
-        return True
-    return getattr(value, "ndim", None) == 0
-
-
-def _sequence_classification(where: str) -> ValueError:
-    return ValueError(
-        f"{where}: carries one label for the whole example (sequence classification); this collator makes "
-        "causal-LM labels, one per token: use transformers.DataCollatorWithPadding for a classifier, or give "
-        "per-token 'labels'"
-    )
-
-
-def _misfit(where: str, name: str, shape: tuple[int, ...], length: int) -> ValueError:
-    """The refusal of a per-token row that is not one value per token."""
-    hint = (
-        " (labels of their own length: an encoder-decoder target; this collator is for causal LMs, "
-        "use transformers.DataCollatorForSeq2Seq(tokenizer, model=model))"
-        if name == LABELS
-        else ""
-    )
-    return ValueError(
-        f"{where}: field {shown(name)} has shape {shape}, but 'input_ids' has {length} tokens; give "
-        "one value "
-        f"per token{hint}"
-    )
-
-
-def _filled(batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Ragged) -> Ragged:
-    """Per-token field ``name``, one value per token in every example; an example without it reads as all
-    trained (labels: its tokens; a mask: ones) and, for ``position_ids``, as one document."""
-    try:
-        field = batch.get(name, kind, partial=True)
-    except ValueError:  # rows that differ beyond their length: name the first that does not fit
-        for index, value in enumerate(batch.objects(name)):
-            if value is not None:
-                row = to_row(value, batch.names(index), name, kind)
-                if row.ndim != 1 or row.shape[0] != tokens.lengths[index]:
-                    raise _misfit(
-                        batch.names(index), name, tuple(row.shape), int(tokens.lengths[index])
-                    ) from None
-        raise
-    assert field is not None
-    carried = None if batch.lacking(name) is None else batch.carried(name)
-    values = field.host
-    bad = field.lengths != tokens.lengths if values.ndim == 1 else np.ones(len(tokens.lengths), dtype=bool)
-    if carried is not None:
-        bad &= carried
-    if np.logical_or.reduce(bad):  # the ufunc: ndarray.any is Python
-        index = int(np.flatnonzero(bad)[0])
-        shape = tuple(values[field.offsets[index] : field.offsets[index + 1]].shape)
-        raise _misfit(batch.names(index), name, shape, int(tokens.lengths[index]))
-    if carried is None:
-        return Ragged(values, field.offsets, field.lengths)
-    if name == LABELS:
-        filled = tokens.host.copy()
-    elif name in (POSITION_IDS, POSITIONS):
-        filled = places(tokens.offsets)
-    elif name == MM_TOKEN_TYPE_IDS:  # an example without media: all text
-        filled = np.zeros(tokens.values.shape[0], dtype=np.int64)
-    else:
-        filled = np.ones(tokens.values.shape[0], dtype=np.int64)
-    filled = filled.astype(np.result_type(filled.dtype, values.dtype), copy=False)
-    filled[np.repeat(carried, tokens.lengths)] = values
-    return Ragged(filled, tokens.offsets, tokens.lengths)
-
-
-def supervision(fields: dict[str, Ragged], names: Names) -> Ragged:
-    """The boolean ``[N]`` supervision: where ``labels`` are not -100, every mask field is 1, and the
-    token is text (``mm_token_type_ids`` 0: a vision placeholder stands for an image, not a token to
-    predict)."""
-    tokens = fields[INPUT_IDS]
-    trained: np.ndarray | None = None
-    for name in _MASKS:
-        if name in fields:
-            check_zero_one(fields[name], name, names, "1 where the token is trained")
-            given = fields[name].host != 0
-            trained = given if trained is None else trained & given
-    if LABELS in fields:
-        labels = fields[LABELS].host
-        given = labels != IGNORE_INDEX
-        wrong = labels != tokens.host
-        wrong &= given  # in place: no [N] temporary
-        if ATTENTION_MASK in fields:
-            wrong &= fields[ATTENTION_MASK].host != 0  # labels under the padding are dropped, unread
-        if np.logical_or.reduce(wrong):  # one reduction (the ufunc) on the common path; the search on failure
-            index = int(wrong.nonzero()[0][0])  # the method: np.flatnonzero costs three Python calls
-            row = row_of(tokens.offsets, index)
-            t = index - int(tokens.offsets[row])
-            raise ValueError(
-                f"{names(row)}: labels[{t}] is {int(labels[index])}, neither -100 nor the token there "
-                f"(input_ids[{t}] = {int(tokens.host[index])}); causal LMs take unshifted labels "
-                "(input_ids, -100 where no loss is taken) and shift them in forward: unshift labels "
-                "shifted already, or give a loss_mask; an encoder-decoder target needs "
-                "transformers.DataCollatorForSeq2Seq(tokenizer, model=model)"
-            )
-        trained = given if trained is None else trained & given
-    if MM_TOKEN_TYPE_IDS in fields:
-        text = fields[MM_TOKEN_TYPE_IDS].host == 0
-        trained = text if trained is None else trained & text
-    if trained is None:
-        trained = np.ones(tokens.values.shape[0], dtype=bool)
-    return Ragged(trained, tokens.offsets, tokens.lengths)
 
 
 def _restarted(positions: Ragged, cut: np.ndarray) -> Ragged:

@@ -37,7 +37,7 @@ from typing import Any, Literal, TypeAlias
 import numpy as np
 import torch
 
-from zephon_collate.core.keys import MEDIA, MM_TOKEN_TYPE_IDS
+from zephon_collate.core.keys import ATTENTION_MASK, MEDIA, MM_TOKEN_TYPE_IDS
 from zephon_collate.core.text import shown
 from zephon_collate.read.columns import Batch, Names, Ragged, Spread, as_numpy, filled
 
@@ -202,7 +202,9 @@ def with_dummy_image(
 ) -> tuple[dict[str, Ragged], Media]:
     """``fields`` and ``media`` with one more document: a single-token image of zeros (see
     :class:`MRope`'s ``dummy_image``). Its token is the image token, of type 1; every other field
-    holds ``fills[name]`` there (0 where not named).
+    holds ``fills[name]`` there (0 where not named; a :class:`~zephon_collate.read.columns.Spread`
+    numbered by the token's place at the end of the padding-free row: after every token of the
+    examples but those their ``attention_mask`` drops).
 
     Example:
         >>> from zephon_collate.read.columns import concat
@@ -218,10 +220,12 @@ def with_dummy_image(
     token, width = mrope.dummy_image
     merge = mrope.spatial_merge_size
     given = {"input_ids": token, MM_TOKEN_TYPE_IDS: 1, **fills}
+    mask = fields.get(ATTENTION_MASK)
+    place = int(fields["input_ids"].offsets[-1]) if mask is None else int(np.count_nonzero(mask.host))
     out = {}
     for name, field in fields.items():
         values = np.asarray(field.values)
-        one = filled((1, *values.shape[1:]), given.get(name, 0), values.dtype)
+        one = filled((1, *values.shape[1:]), given.get(name, 0), values.dtype, at=np.array([place]))
         out[name] = Ragged(np.concatenate([values, one]), np.append(field.offsets, field.offsets[-1] + 1))
     # The dummy document's media: one image of merge x merge patches, no video.
     image, video = np.zeros((merge * merge, width), np.float32), np.zeros((0, width), np.float32)

@@ -1,7 +1,7 @@
 """Losses that stay exact under packing, gradient accumulation and data-parallel ranks.
 
 :mod:`~zephon_collate.losses.sequences` reads a batch's sequences (token and
-sequence log-probs, ``unpack``, verl's loss aggregation);
+sequence log-probs, ``unpack``, the loss aggregation of verl's modes and TRL's loss types);
 :mod:`~zephon_collate.losses.preference` is the DPO family on the sequences'
 log-probs; :mod:`~zephon_collate.losses.policy` the clipped policy losses,
 GSPO's sequence ratios and the KL estimators on token-aligned log-probs;
@@ -13,10 +13,13 @@ from zephon_collate.losses.distill import distillation_loss
 from zephon_collate.losses.policy import KL_ESTIMATORS, clipped_policy_loss, importance_ratio, kl_penalty
 from zephon_collate.losses.preference import PREFERENCE_LOSSES, preference_loss
 from zephon_collate.losses.sequences import (
+    EMPTY,
     MODES,
+    Empty,
     Mode,
     SequenceLogprobs,
     aggregate_loss,
+    along_paths,
     global_loss_count,
     sequence_logprobs,
     sequence_means,
@@ -25,12 +28,15 @@ from zephon_collate.losses.sequences import (
 )
 
 __all__ = [
+    "EMPTY",
     "KL_ESTIMATORS",
     "MODES",
     "PREFERENCE_LOSSES",
+    "Empty",
     "Mode",
     "SequenceLogprobs",
     "aggregate_loss",
+    "along_paths",
     "clipped_policy_loss",
     "distillation_loss",
     "global_loss_count",

@@ -5,18 +5,20 @@ Every tensor is ``[R, L]`` and token-aligned, as
 a rollout batch carries a behaviour policy's (a ``FloatField``, ``align="token"``):
 value ``t`` belongs to token ``t``. The per-token losses go to
 :func:`~zephon_collate.losses.aggregate_loss`, which masks them and divides
-them as verl's ``loss_agg_mode`` says::
+them as verl's ``loss_agg_mode`` or TRL's ``loss_type`` says (its docstring has the
+table; here TRL's ``"grpo"`` over ``n`` micro-batches a step)::
 
     ratio = importance_ratio(logps, batch["old_logprobs"], batch, level="sequence")  # GSPO
     per_token = clipped_policy_loss(ratio, batch["advantage"], clip=0.2, clip_high=0.28)
     per_token = per_token + beta * kl_penalty(logps, batch["ref_logprobs"], "k3", ratio=ratio)
-    loss = aggregate_loss(per_token, batch, mode="seq-mean-token-mean", global_count=count)
+    loss = aggregate_loss(per_token, batch, mode="seq-mean-token-mean", empty="count", accumulation_steps=n)
 
 The definitions are TRL 1.16's GRPO (``importance_sampling_level``,
 ``epsilon``/``epsilon_high``, ``delta``, the k3 estimator and
 ``use_bias_correction_kl``) and verl 0.10's (``clip_ratio_c`` dual clipping,
 ``kl_penalty``'s estimators); ``tests/test_policy_losses.py`` checks them against
-``GRPOTrainer``'s loss on the same rollouts.
+``GRPOTrainer``'s loss on the same rollouts, in one micro-batch and in two with an all-masked
+completion.
 """
 
 from __future__ import annotations

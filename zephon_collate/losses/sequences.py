@@ -11,8 +11,9 @@ shared prompt or not, the same numbers:
 - :func:`sequence_logprobs`: per-sequence sums over supervised tokens, and counts;
 - :func:`unpack`: a per-token tensor back to one row per sequence;
 - :func:`aggregate_loss`: a per-token loss to the scalar to call ``backward`` on,
-  in verl's four ``loss_agg_mode`` s, with :func:`global_loss_count` for the
-  denominator of a step that spans micro-batches and ranks.
+  in verl's five ``loss_agg_mode`` s, with :func:`global_loss_count` for the
+  denominator of a step that spans micro-batches and ranks; ``empty=`` and
+  ``accumulation_steps=`` give each TRL ``loss_type`` (its docstring has the table).
 
 The sequences are read from what the collator wrote, never guessed:
 
@@ -34,9 +35,11 @@ The sequences are read from what the collator wrote, never guessed:
   token is labelled with its own id (a supervised token, as the collator labels
   them: no padding follows it; a ``label_pad_token_id`` equal to
   ``pad_token_id`` labels padding so too, and is not told apart): collate with
-  ``Collator.for_transformers(..., return_sequence_map=True)``. The other
-  helpers give the same numbers either way (the first token of a sequence is
-  never supervised) and read such a row.
+  ``Collator.for_transformers(..., return_sequence_map=True)``. So do
+  :func:`aggregate_loss` and :func:`global_loss_count` when they count every
+  sequence (``empty="count"`` in a ``"seq-mean-*"`` mode). The other helpers
+  give the same numbers either way (the first token of a sequence is never
+  supervised) and read such a row.
 
 A token is *supervised* when its label is not -100 and some position predicts
 it (``logits_index >= 0``). Every function takes logits ``[R, L, V]`` aligned
@@ -73,6 +76,8 @@ from zephon_collate.core.keys import (
     LABELS,
     LOGITS_INDEX,
     NUM_SEQUENCES,
+    PATH_INDEX,
+    PATH_OFFSETS,
     POSITION_IDS,
     SEQUENCE_INDEX,
 )
@@ -80,10 +85,13 @@ from zephon_collate.core.text import shown
 from zephon_collate.parallel.distributed import data_parallel_size, global_num_valid_tokens, normalize_loss
 
 __all__ = [
+    "EMPTY",
     "MODES",
+    "Empty",
     "Mode",
     "SequenceLogprobs",
     "aggregate_loss",
+    "along_paths",
     "global_loss_count",
     "sequence_logprobs",
     "sequence_means",
@@ -103,6 +111,11 @@ MODES: tuple[Mode, ...] = (
 )
 """verl's ``loss_agg_mode`` values (``verl.trainer.ppo.core_algos.agg_loss``, verl 0.10), for
 :func:`aggregate_loss`."""
+Empty: TypeAlias = Literal["skip", "count"]
+EMPTY: tuple[Empty, ...] = ("skip", "count")
+""":func:`aggregate_loss`'s and :func:`global_loss_count`'s ``empty``: whether a sequence without a
+supervised token counts in a ``"seq-mean-*"`` mode's denominator (``"count"``: TRL, verl's trainer) or
+not (``"skip"``: verl's ``agg_loss`` alone)."""
 _Batch: TypeAlias = Mapping[str, Any]
 _FIX = "pass the batch the collator returned"
 
@@ -115,10 +128,37 @@ class SequenceLogprobs(NamedTuple):
 
 
 class _Map(NamedTuple):
+    """A batch's sequences. Their *entries*: every token of every sequence, where a helper gathers per-token
+    values. A tree batch's entries are its paths (``paths`` ``[P]``: flat places, sequence by sequence, a
+    shared token once per path through it); any other batch's are its tokens (each in one sequence at most,
+    ``sequence_index``), flattened."""
+
     input_ids: torch.Tensor  # [R, L] int64
     logits_index: torch.Tensor  # [R, L] int64
     sequence_index: torch.Tensor  # [R, L] int64
     num_sequences: int
+    paths: torch.Tensor | None = None  # [P] int64 flat places; None: the entries are the tokens
+    path_sequence: torch.Tensor | None = None  # [P] int64
+
+    @property
+    def entry_sequence(self) -> torch.Tensor:
+        """``[E]``: each entry's sequence (-1: none)."""
+        return self.sequence_index.reshape(-1) if self.path_sequence is None else self.path_sequence
+
+    def entries(self, values: torch.Tensor, name: str) -> torch.Tensor:
+        """``values`` per entry ``[E, ...]``: token-aligned ``[R, L, ...]`` gathered, entry-aligned
+        ``[E, ...]`` (:func:`along_paths`) as given."""
+        rows, length = self.logits_index.shape
+        count = rows * length if self.paths is None else self.paths.numel()
+        if values.dim() >= 2 and tuple(values.shape[:2]) == (rows, length):
+            flat = values.reshape(rows * length, *values.shape[2:])
+            return flat if self.paths is None else flat[self.paths.to(values.device)]
+        if values.dim() >= 1 and values.shape[0] == count:
+            return values
+        raise ValueError(
+            f"{name} has shape {tuple(values.shape)}; give one value per token, aligned with input_ids "
+            f"{(rows, length)}, or per entry ({count}, as along_paths(values, batch) returns them)"
+        )
 
 
 def _tensor(
@@ -169,13 +209,17 @@ def _count(value: object) -> int:
     return number
 
 
-def _sequence_map(batch: _Batch, *, split: bool = False, logits_shape: tuple[int, ...] | None = None) -> _Map:
+def _sequence_map(
+    batch: _Batch, *, split: bool = False, ends: bool = False, logits_shape: tuple[int, ...] | None = None
+) -> _Map:
     """The batch's sequences, read from what the collator wrote (the module doc says how), checked.
 
     Parameters:
         split: the caller returns the sequences themselves (:func:`sequence_logprobs`, :func:`unpack`):
             refuse a padding-free row that ends with one-token sequences, the last not labelled with
             its own id (padding or examples: no one can tell).
+        ends: that refusal alone, for a caller that counts the sequences (``empty="count"``); it reads
+            nothing more than the row's count of sequences, read anyway.
         logits_shape: the logits' shape (:func:`token_logprobs`): check it fits, and that every token id
             is inside its vocabulary.
 
@@ -208,10 +252,23 @@ def _sequence_map(batch: _Batch, *, split: bool = False, logits_shape: tuple[int
     if logits_shape is not None and ids.numel():
         read["low"], read["high"] = ids.aminmax()
     count: int | None = None
+    path_count = -1
+    paths = path_sequence = None
+    if PATH_INDEX in batch and PATH_OFFSETS in batch:  # a tree batch: its paths are its entries
+        paths = _tensor(batch, PATH_INDEX).reshape(-1).long().to(ids.device)
+        offsets = _tensor(batch, PATH_OFFSETS).reshape(-1).long().to(ids.device)
+        if offsets.numel() < 1:
+            raise ValueError(f"batch['path_offsets'] must hold [num_sequences + 1] offsets; {_FIX}")
+        count = path_count = offsets.numel() - 1
+        path_sequence = torch.repeat_interleave(
+            torch.arange(count, device=ids.device), offsets[1:] - offsets[:-1], output_size=paths.numel()
+        )
+        if paths.numel():
+            read["path_low"], read["path_high"] = paths.aminmax()
     if LOGITS_INDEX in batch and SEQUENCE_INDEX in batch:
         index, sequence = _tensor(batch, LOGITS_INDEX, ids).long(), _tensor(batch, SEQUENCE_INDEX, ids).long()
         given = batch.get(NUM_SEQUENCES)
-        count = None if given is None else _count(given)
+        count = count if given is None else _count(given)
         checked = split or logits_shape is not None or ids.device.type == "cpu" or count is None
         if checked and ids.numel():
             read["index"], read["sequence"] = index.max(), sequence.max()
@@ -228,7 +285,7 @@ def _sequence_map(batch: _Batch, *, split: bool = False, logits_shape: tuple[int
         sequence = (starts.reshape(-1).cumsum(0) - 1).reshape(ids.shape)
         index = torch.where(starts, -1, place - 1)
         read["count"] = starts.sum()
-        if split and ids.numel():
+        if (split or ends) and ids.numel():
             # Each row's closing run of one-token sequences: padding can follow a real token only, so
             # a row whose last token is labelled with its own id (supervised) has none. Any other
             # label says nothing: padding is labelled label_pad_token_id, whatever the user chose.
@@ -260,6 +317,12 @@ def _sequence_map(batch: _Batch, *, split: bool = False, logits_shape: tuple[int
             f"batch['logits_index'] points at place {values['index']}, past the end of its row of {length} "
             f"tokens; {_FIX}"
         )
+    if values.get("path_low", 0) < 0 or values.get("path_high", -1) >= rows * length:
+        raise ValueError(f"batch['path_index'] points outside input_ids of shape {(rows, length)}; {_FIX}")
+    if paths is not None and count != path_count:
+        raise ValueError(
+            f"batch['path_offsets'] holds {path_count} sequences, batch['num_sequences'] {count}; {_FIX}"
+        )
     if values.get("sequence", -1) >= count:
         raise ValueError(
             f"batch['sequence_index'] holds sequence {values['sequence']}, but batch['num_sequences'] is "
@@ -278,12 +341,15 @@ def _sequence_map(batch: _Batch, *, split: bool = False, logits_shape: tuple[int
                 f"input_ids hold a negative token id {values['low']}; token ids index the logits' "
                 f"vocabulary (0 to {vocabulary - 1}): {_FIX}"
             )
-    return _Map(ids, index, sequence, count)
+    return _Map(ids, index, sequence, count, paths, path_sequence)
 
 
 def _supervised(batch: _Batch, view: _Map) -> torch.Tensor:
+    """``[E]`` bool: the entries whose token is supervised: its label is not -100 and a position predicts
+    it, and it belongs to a sequence."""
     labels = _labels(batch, view.logits_index)
-    return (labels != IGNORE_INDEX) & (view.logits_index >= 0) & (view.sequence_index >= 0)
+    trained = view.entries((labels != IGNORE_INDEX) & (view.logits_index >= 0), "labels")
+    return trained & (view.entry_sequence >= 0)
 
 
 def _check_tensor(value: object, name: str, shape: str) -> torch.Tensor:
@@ -408,24 +474,22 @@ def _token_logprobs(logits: torch.Tensor, view: _Map) -> torch.Tensor:
 
 
 def _per_sequence(values: torch.Tensor, supervised: torch.Tensor, view: _Map) -> torch.Tensor:
-    """``[S]``: ``values`` ``[R, L]`` summed over each sequence's supervised tokens (no device sync)."""
+    """``[S]``: entry values ``[E]`` summed over each sequence's supervised entries (no device sync)."""
     supervised = supervised.to(values.device)
-    sequence = view.sequence_index.to(values.device)
-    slot = torch.where(supervised, sequence, view.num_sequences).reshape(-1)
+    sequence = view.entry_sequence.to(values.device)
+    slot = torch.where(supervised, sequence, view.num_sequences)
     picked = torch.where(supervised, values, torch.zeros((), dtype=values.dtype, device=values.device))
     total = torch.zeros(view.num_sequences + 1, dtype=values.dtype, device=values.device)
-    return total.scatter_add(0, slot, picked.reshape(-1))[: view.num_sequences]
+    return total.scatter_add(0, slot, picked)[: view.num_sequences]
 
 
-def _token_view(values: torch.Tensor, batch: _Batch, name: str) -> tuple[_Map, torch.Tensor]:
-    """The batch's sequence map and supervised tokens, for ``values`` that must hold one value per token."""
-    view = _sequence_map(batch)
-    if tuple(values.shape) != tuple(view.logits_index.shape):
-        raise ValueError(
-            f"{name} has shape {tuple(values.shape)}, the batch's tokens {tuple(view.logits_index.shape)}; "
-            "give one value per token, aligned with input_ids"
-        )
-    return view, _supervised(batch, view)
+def _entry_view(
+    values: torch.Tensor, batch: _Batch, name: str, *, ends: bool = False
+) -> tuple[_Map, torch.Tensor, torch.Tensor]:
+    """The batch's sequence map, ``values`` per entry and the supervised entries (``ends``: refuse a
+    padding-free row whose end cannot be told from padding, as ``_sequence_map``)."""
+    view = _sequence_map(batch, ends=ends)
+    return view, view.entries(values, name), _supervised(batch, view)
 
 
 def sequence_means(values: torch.Tensor, batch: _Batch) -> torch.Tensor:
@@ -442,12 +506,56 @@ def sequence_means(values: torch.Tensor, batch: _Batch) -> torch.Tensor:
         [[1.5, 1.5, 1.5, 5.0, 5.0]]
     """
     values = _check_tensor(values, "sequence_means: values", "[R, L]")
-    view, supervised = _token_view(values, batch, "sequence_means: values")
-    counts = _per_sequence(torch.ones_like(values), supervised, view).clamp(min=1)
-    means = _per_sequence(values, supervised, view) / counts
-    sequence = view.sequence_index.to(values.device)
-    spread = means[sequence.clamp(min=0)] if view.num_sequences else torch.zeros_like(values)
-    return torch.where(sequence >= 0, spread, torch.zeros_like(spread))
+    view, given, supervised = _entry_view(values, batch, "sequence_means: values")
+    counts = _per_sequence(torch.ones_like(given), supervised, view).clamp(min=1)
+    means = _per_sequence(given, supervised, view) / counts
+    sequence = view.entry_sequence.to(values.device)
+    spread = means[sequence.clamp(min=0)] if view.num_sequences else torch.zeros_like(given)
+    out = torch.where(sequence >= 0, spread, torch.zeros_like(spread))
+    if given is values:  # entry-aligned in, entry-aligned out
+        return out
+    if view.paths is not None:
+        raise ValueError(
+            "sequence_means: a tree batch's tokens belong to several sequences, so one mean per token is not "
+            "defined; give the values per entry (along_paths(values, batch)) and get one mean per entry"
+        )
+    return out.reshape(values.shape)
+
+
+def along_paths(values: torch.Tensor, batch: _Batch) -> torch.Tensor:
+    """``values`` per *entry*, every token of every sequence: what the loss helpers take on a tree batch,
+    where a token belongs to several sequences (each path its own advantage, say).
+
+    A tree batch's entries are its paths, sequence by sequence (``path_index``); any other batch's its
+    tokens, flattened. ``values`` is per token (``[R, L, ...]``, gathered) or per sequence (``[S, ...]``,
+    repeated over the sequence's entries; 0 on entries of no sequence). Every helper takes the result in
+    place of a per-token tensor, and gives each sequence the numbers it has run alone.
+
+    Example:
+        >>> from zephon_collate import Collator
+        >>> batch = Collator.for_trees()([
+        ...     {"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1]},
+        ...     {"input_ids": [1, 2, 3, 5], "completion_mask": [0, 0, 1, 1]},
+        ... ])
+        >>> batch["input_ids"].tolist()  # 1 2 3 once, then each path's last token
+        [[1, 2, 3, 4, 5]]
+        >>> along_paths(batch["input_ids"], batch).tolist()
+        [1, 2, 3, 4, 1, 2, 3, 5]
+        >>> along_paths(torch.tensor([1.0, -1.0]), batch).tolist()  # one value per sequence
+        [1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0]
+    """
+    values = _check_tensor(values, "along_paths: values", "[R, L, ...] or [S, ...]")
+    view = _sequence_map(batch)
+    if (
+        values.dim() >= 1
+        and values.shape[0] == view.num_sequences
+        and not (values.dim() >= 2 and tuple(values.shape[:2]) == tuple(view.logits_index.shape))
+    ):
+        sequence = view.entry_sequence.to(values.device)
+        picked = values[sequence.clamp(min=0)] if view.num_sequences else values.new_zeros(sequence.shape)
+        mask = (sequence >= 0).reshape(-1, *([1] * (values.dim() - 1)))
+        return torch.where(mask, picked, torch.zeros((), dtype=values.dtype, device=values.device))
+    return view.entries(values, "along_paths: values")
 
 
 def sequence_logprobs(logits: torch.Tensor, batch: _Batch) -> SequenceLogprobs:
@@ -479,7 +587,7 @@ def sequence_logprobs(logits: torch.Tensor, batch: _Batch) -> SequenceLogprobs:
     """
     logits = _check_logits(logits, "sequence_logprobs")
     view = _sequence_map(batch, split=True, logits_shape=tuple(logits.shape))
-    scores = _token_logprobs(logits, view)
+    scores = view.entries(_token_logprobs(logits, view), "logits")
     supervised = _supervised(batch, view)
     counts = _per_sequence(torch.ones_like(scores, dtype=torch.int64), supervised, view)
     return SequenceLogprobs(_per_sequence(scores, supervised, view), counts)
@@ -529,13 +637,17 @@ def unpack(
     fill = _padding_value(padding_value, tensor.dtype) if padded else 0
     view = _sequence_map(batch, split=True)
     rows, length = view.sequence_index.shape
+    device = tensor.device
+    count = view.num_sequences
+    if view.path_sequence is not None:  # a tree batch: each sequence's path
+        values = view.entries(tensor, "unpack: tensor")
+        total = torch.bincount(view.path_sequence.to(device), minlength=count)
+        return _split(values, total, count, padded, fill)
     if tuple(tensor.shape[:2]) != (rows, length):
         raise ValueError(
             f"unpack: tensor has shape {tuple(tensor.shape)}; it must be [R, L, ...] for input_ids of shape "
             f"{(rows, length)}"
         )
-    device = tensor.device
-    count = view.num_sequences
     if rows * length == 0:  # no tokens: every sequence is empty
         empty = tensor.new_empty((count, 0, *tensor.shape[2:]))
         return empty if padded else list(empty)
@@ -565,19 +677,26 @@ def unpack(
         trunk_start = starts[mine]
         trunk_length = torch.where(own_length > 0, lengths[mine], 0)  # an empty sequence has no prompt here
     total = trunk_length + own_length
-    sizes = total.tolist()  # the one read of the sizes
-    size = sum(sizes)
     spans_start = torch.stack([trunk_start, own_start], dim=1).reshape(-1)
     spans_length = torch.stack([trunk_length, own_length], dim=1).reshape(-1)
     ends = spans_length.cumsum(0)
+    size = int(ends[-1]) if ends.numel() else 0
     index = torch.arange(size, device=device)
     index = index + torch.repeat_interleave(
         spans_start - (ends - spans_length), spans_length, output_size=size
     )
-    values = tensor.reshape(rows * length, *tensor.shape[2:])[index]
+    return _split(tensor.reshape(rows * length, *tensor.shape[2:])[index], total, count, padded, fill)
+
+
+def _split(
+    values: torch.Tensor, total: torch.Tensor, count: int, padded: bool, fill: float | int
+) -> list[torch.Tensor] | torch.Tensor:
+    """``values`` (each sequence's, end to end; ``total`` ``[S]`` their sizes) as a list, or padded."""
+    sizes = total.tolist()  # the one read of the sizes
     if not padded:
         return list(torch.split(values, sizes))
-    out = values.new_full((count, max(sizes, default=0), *tensor.shape[2:]), fill)
+    size, device = sum(sizes), values.device
+    out = values.new_full((count, max(sizes, default=0), *values.shape[1:]), fill)
     place = torch.arange(size, device=device) - torch.repeat_interleave(
         total.cumsum(0) - total, total, output_size=size
     )
@@ -585,18 +704,25 @@ def unpack(
     return out
 
 
-def _local_count(supervised: torch.Tensor, view: _Map, mode: Mode) -> torch.Tensor:
-    """This batch's units of ``mode``: supervised tokens, or sequences with a supervised token (the
-    ``"seq-mean-*"`` modes, ``"seq-mean-token-sum-norm"`` too)."""
+def _counts_sequences(mode: Mode, empty: Empty) -> bool:
+    """Whether the count of ``mode`` is every sequence: a row's padding must then be told from sequences."""
+    return empty == "count" and mode.startswith("seq-mean")
+
+
+def _local_count(supervised: torch.Tensor, view: _Map, mode: Mode, empty: Empty) -> torch.Tensor:
+    """This batch's units of ``mode``: supervised tokens (``"token-mean"``), or sequences (the
+    ``"seq-mean-*"`` modes): those with a supervised token (``empty="skip"``) or all (``"count"``)."""
     if mode == "token-mean":
         return supervised.sum()
+    if empty == "count":
+        return torch.tensor(view.num_sequences, dtype=torch.int64, device=supervised.device)
     per_sequence = _per_sequence(supervised.long(), supervised, view)
     return (per_sequence > 0).sum()
 
 
-def _count_of(batch: _Batch, mode: Mode) -> torch.Tensor:
-    view = _sequence_map(batch)
-    return _local_count(_supervised(batch, view), view, mode)
+def _count_of(batch: _Batch, mode: Mode, empty: Empty) -> torch.Tensor:
+    view = _sequence_map(batch, ends=_counts_sequences(mode, empty))
+    return _local_count(_supervised(batch, view), view, mode, empty)
 
 
 def _check_mode(mode: object) -> Mode:
@@ -605,36 +731,52 @@ def _check_mode(mode: object) -> Mode:
     return mode
 
 
+def _check_empty(owner: str, empty: object) -> Empty:
+    if empty not in EMPTY:
+        raise ValueError(
+            f"{owner}: empty must be 'skip' or 'count' (whether a sequence without a supervised token counts "
+            f"in a 'seq-mean-*' mode's denominator), got {shown(empty)}"
+        )
+    return empty
+
+
 def global_loss_count(
     batches: _Batch | Iterable[_Batch],
     *,
     mode: Mode = "token-mean",
+    empty: Empty = "skip",
     group: Any = None,
     device: str | torch.device | None = None,
 ) -> torch.Tensor:
     """The denominator of ``mode`` over one optimizer step: every micro-batch of every rank.
 
-    Supervised tokens (``"token-mean"``) or sequences with at least one
-    supervised token (``"seq-mean-*"``, verl's ``global_batch_size``), summed over this rank's micro-batches
-    (``batches``), then all-reduced over ``group``
-    (:func:`~zephon_collate.parallel.distributed.global_num_valid_tokens`): a
-    collective every rank of ``group`` calls once per step. Pass it to
-    :func:`aggregate_loss` as ``global_count``.
+    Supervised tokens (``"token-mean"``: TRL's ``num_items_in_batch``, verl's ``batch_num_tokens``), or
+    sequences (``"seq-mean-*"``): those with at least one supervised token (``empty="skip"``), or every
+    sequence (``empty="count"``: verl's trainer's ``global_batch_size``, every row of the mini-batch), summed
+    over this rank's micro-batches (``batches``), then all-reduced over ``group``
+    (:func:`~zephon_collate.parallel.distributed.global_num_valid_tokens`): a collective every rank of
+    ``group`` calls once per step. Pass it to :func:`aggregate_loss` as ``global_count``. Counting every
+    sequence refuses a padding-free ``for_transformers`` row whose end cannot be told from padding, as
+    :func:`sequence_logprobs` does (collate with ``return_sequence_map=True``).
 
     Raises:
-        ValueError: for an unknown mode, or ``"token-sum"`` (which divides by nothing); a batch without
-            ``labels`` or whose sequences cannot be read (the message names the field).
+        ValueError: for an unknown mode or ``empty``, or ``"token-sum"`` (which divides by nothing); a batch
+            without ``labels`` or whose sequences cannot be read (the message names the field).
         TypeError: if ``batches`` is neither a batch dict nor an iterable of them.
 
     Example:
         >>> from zephon_collate import Collator
         >>> collate = Collator.for_rollouts(padding_free=True)
         >>> micro = [collate([{"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1]}]),
-        ...          collate([{"input_ids": [4, 5], "completion_mask": [0, 1]}] * 2)]
+        ...          collate([{"input_ids": [4, 5], "completion_mask": [0, 1]},
+        ...                   {"input_ids": [4, 6], "completion_mask": [0, 0]}])]  # all masked
         >>> int(global_loss_count(micro)), int(global_loss_count(micro, mode="seq-mean-token-mean"))
-        (4, 3)
+        (3, 2)
+        >>> int(global_loss_count(micro, mode="seq-mean-token-mean", empty="count"))
+        3
     """
     checked = _check_mode(mode)
+    how = _check_empty("global_loss_count", empty)
     if checked == "token-sum":
         raise ValueError("global_loss_count: 'token-sum' divides by nothing; call aggregate_loss without it")
     if isinstance(batches, Mapping):
@@ -646,7 +788,8 @@ def global_loss_count(
             "global_loss_count: batches must be a batch dict or an iterable of them (the step's "
             f"micro-batches on this rank), got {shown(batches)}"
         )
-    return global_num_valid_tokens([_count_of(batch, checked) for batch in items], group=group, device=device)
+    counts = [_count_of(batch, checked, how) for batch in items]
+    return global_num_valid_tokens(counts, group=group, device=device)
 
 
 def aggregate_loss(
@@ -654,7 +797,9 @@ def aggregate_loss(
     batch: _Batch,
     *,
     mode: Mode = "token-mean",
+    empty: Empty = "skip",
     global_count: torch.Tensor | int | None = None,
+    accumulation_steps: int | None = None,
     normalizer: float | None = None,
     group: Any = None,
     world_size: int | None = None,
@@ -662,34 +807,59 @@ def aggregate_loss(
     """The loss to call ``backward`` on: ``per_token_loss`` over supervised tokens, aggregated by ``mode``.
 
     With ``l`` the per-token loss, ``m`` the supervised tokens, ``i`` the
-    sequences and ``n_i = sum_t m_i,t``, over the whole step, as verl 0.10's
-    ``agg_loss`` (``verl/trainer/ppo/core_algos.py``) defines them:
+    sequences, ``n_i = sum_t m_i,t`` and ``S`` the count of sequences (``empty``
+    says which), verl 0.10's ``agg_loss`` modes (``verl/trainer/ppo/core_algos.py``):
 
     - ``"token-mean"``: ``sum_i,t l*m / sum_i,t m``;
-    - ``"seq-mean-token-sum"``: ``mean_i sum_t l*m`` (over sequences with ``n_i > 0``);
-    - ``"seq-mean-token-mean"``: ``mean_i (sum_t l*m / n_i)`` (over sequences with ``n_i > 0``);
-    - ``"seq-mean-token-sum-norm"``: ``mean_i sum_t l*m / normalizer`` (Dr. GRPO). ``normalizer`` is
-      verl's ``loss_scale_factor``: a constant response length, e.g. the largest a rollout may have.
-      With ``normalizer=max_completion_length`` this is TRL 1.16's ``loss_type="dr_grpo"`` (whose
-      ``B`` counts every row, this mode the sequences with ``n_i > 0``: pass ``global_count`` to count
-      otherwise), and verl 0.9.1's. verl of January 2026 (0.8.0.dev) divided by the constant alone, a
-      loss as many times larger as the step has sequences;
+    - ``"seq-mean-token-sum"``: ``sum_i (sum_t l*m) / S``;
+    - ``"seq-mean-token-mean"``: ``sum_i (sum_t l*m / n_i) / S`` (a sequence with ``n_i = 0`` adds 0);
+    - ``"seq-mean-token-sum-norm"``: ``sum_i (sum_t l*m) / S / normalizer`` (Dr. GRPO). ``normalizer`` is
+      verl's ``loss_scale_factor``: a constant response length, e.g. the largest a rollout may have
+      (TRL's ``max_completion_length``). verl of January 2026 (0.8.0.dev) divided by the constant
+      alone, a loss as many times larger as the step has sequences;
     - ``"token-sum"``: ``sum_i,t l*m``, divided by nothing (verl 0.10).
 
-    Each is exact under packing (sequences come from the batch's map, not its
-    rows), under gradient accumulation and across data-parallel ranks: this
-    micro-batch's part of the numerator is divided by ``global_count`` (from
-    :func:`global_loss_count` over the step's micro-batches; ``None``: this
-    batch's own count, all-reduced over ``group`` when torch.distributed runs)
-    and multiplied by ``world_size`` (:func:`~zephon_collate.parallel.distributed.normalize_loss`),
-    which cancels the gradient averaging of DDP and FSDP. The sum of ``backward``
-    over the micro-batches is then the gradient of the whole step's loss.
+    Two choices, each one argument:
+
+    - ``empty``: ``S`` counts the sequences with a supervised token (``"skip"``, the default: ``agg_loss``
+      called without ``global_batch_size``), or every sequence (``"count"``: TRL, where
+      ``mask_truncated_completions`` leaves all-masked completions that still count, and verl's trainer,
+      whose ``global_batch_size`` is every row of the mini-batch). The token modes have no sequences to
+      count. With ``global_count`` given the count is that number: take it with
+      ``global_loss_count(..., empty=...)``.
+    - ``accumulation_steps``: ``None`` (the default), the step-global denominator (verl): this
+      micro-batch's part of the numerator over ``global_count`` (from :func:`global_loss_count` over the
+      step's micro-batches and ranks; ``None``: this batch's own count, all-reduced over ``group`` when
+      torch.distributed runs), times ``world_size``
+      (:func:`~zephon_collate.parallel.distributed.normalize_loss`), which cancels the gradient averaging
+      of DDP and FSDP: the sum of ``backward`` over the micro-batches is the gradient of the whole step's
+      loss. An int, TRL's per-micro-batch denominator: this micro-batch's own value (its own count on this
+      rank, nothing all-reduced) over ``accumulation_steps`` (TRL's
+      ``current_gradient_accumulation_steps``); DDP's averaging then makes the step's loss the mean over
+      micro-batches and ranks of their own values.
+
+    TRL 1.16's ``GRPOTrainer`` (``GA`` its accumulation steps; each exact with 1e-12 in float64 against
+    ``_compute_loss`` itself, all-masked completions, micro-batches and ranks included):
+
+    - ``grpo``, ``sapo``: ``mode="seq-mean-token-mean", empty="count", accumulation_steps=GA``;
+    - ``bnpo``: ``mode="token-mean", accumulation_steps=GA``;
+    - ``dr_grpo``: ``mode="seq-mean-token-sum-norm", empty="count", normalizer=max_completion_length,
+      accumulation_steps=GA``;
+    - ``luspo``: ``mode="seq-mean-token-sum", empty="count", accumulation_steps=GA``;
+    - ``dapo``, ``cispo``, ``vespo``: ``mode="token-mean", global_count=num_items_in_batch`` (TRL's: the
+      generation batch's ``global_loss_count``), the loss times ``steps_per_generation / GA`` where those
+      differ (TRL's default makes them equal).
 
     Parameters:
         per_token_loss: ``[R, L]``, aligned with ``input_ids`` (e.g. from :func:`token_logprobs`).
         batch: the micro-batch (``Collator.for_preference`` / ``for_rollouts`` / ``for_transformers``).
         mode: one of :data:`MODES`.
+        empty: ``"skip"`` or ``"count"`` the sequences without a supervised token (``"seq-mean-*"``).
+            ``"count"`` refuses a padding-free ``for_transformers`` row whose end cannot be told from
+            padding, as :func:`sequence_logprobs` does (collate with ``return_sequence_map=True``).
         global_count: the step's denominator (tokens or sequences), or ``None``.
+        accumulation_steps: ``None``, or the micro-batches of a step on each rank, for TRL's
+            per-micro-batch denominator (then neither ``global_count`` nor ``world_size``).
         normalizer: the response length of ``"seq-mean-token-sum-norm"`` (required there, unused elsewhere).
         group: the data-parallel group (``None``: the default group).
         world_size: the ranks gradients are averaged over (default: ``group``'s size, 1 alone).
@@ -699,23 +869,29 @@ def aggregate_loss(
 
     Raises:
         TypeError: if ``per_token_loss`` is not a tensor, ``global_count`` is not an int or a 0-d integer
-            tensor, or a field of the batch is not one of integers.
-        ValueError: for an unknown mode, a shape that does not fit the batch, a missing, non-positive
-            or non-finite ``normalizer``, a negative ``global_count``, a batch without ``labels`` or
-            whose sequences cannot be read (the message names the field).
+            tensor, ``accumulation_steps`` not an int, or a field of the batch is not one of integers.
+        ValueError: for an unknown mode or ``empty``, a shape that does not fit the batch, a missing,
+            non-positive or non-finite ``normalizer``, a negative ``global_count``, ``accumulation_steps``
+            below 1 or given with ``global_count`` or ``world_size``, a batch without ``labels`` or whose
+            sequences cannot be read (the message names the field).
 
     Example:
         >>> from zephon_collate import Collator
         >>> batch = Collator.for_rollouts(padding_free=True)([
         ...     {"input_ids": [1, 2, 3, 4], "completion_mask": [0, 1, 1, 1]},
         ...     {"input_ids": [1, 5], "completion_mask": [0, 1]},
+        ...     {"input_ids": [1, 6, 7], "completion_mask": [0, 0, 0]},  # all masked (truncated)
         ... ])
-        >>> loss = torch.tensor([[0.0, 1.0, 2.0, 3.0, 0.0, 6.0]])  # sequence sums 6 and 6
+        >>> loss = torch.tensor([[0.0, 1.0, 2.0, 3.0, 0.0, 6.0, 0.0, 9.0, 9.0]])  # sequence sums 6, 6, 0
         >>> [round(float(aggregate_loss(loss, batch, mode=m, normalizer=8.0)), 4) for m in MODES]
         [3.0, 6.0, 4.0, 0.75, 12.0]
+        >>> counted = [aggregate_loss(loss, batch, mode=m, empty="count", normalizer=8.0) for m in MODES]
+        >>> [round(float(value), 4) for value in counted]
+        [3.0, 4.0, 2.6667, 0.5, 12.0]
     """
     per_token_loss = _check_tensor(per_token_loss, "aggregate_loss: per_token_loss", "[R, L]")
     checked = _check_mode(mode)
+    how = _check_empty("aggregate_loss", empty)
     norm = checked == "seq-mean-token-sum-norm"
     if norm and (
         isinstance(normalizer, bool)
@@ -727,12 +903,27 @@ def aggregate_loss(
             f"the largest response length), got {shown(normalizer)}"
         )
     count = None if global_count is None else _check_global_count(global_count)
-    view, supervised = _token_view(per_token_loss, batch, "aggregate_loss: per_token_loss")
+    steps = None
+    if accumulation_steps is not None:
+        steps = check_int("aggregate_loss", "accumulation_steps", accumulation_steps, 1)
+        for name, value in (("global_count", global_count), ("world_size", world_size)):
+            if value is not None:
+                raise ValueError(
+                    f"aggregate_loss: {name}= and accumulation_steps= are two ways to scale the loss: "
+                    "accumulation_steps= divides each micro-batch by its own count (TRL's per-micro-batch "
+                    "denominator, ranks averaged as DDP averages them), global_count= and world_size= by the "
+                    "step's (verl's); pass one of them"
+                )
+    view, per_token_loss, supervised = _entry_view(
+        per_token_loss, batch, "aggregate_loss: per_token_loss", ends=_counts_sequences(checked, how)
+    )
     on_device = supervised.to(per_token_loss.device)
     zero = torch.zeros((), dtype=per_token_loss.dtype, device=per_token_loss.device)
     if checked == "token-sum":
-        ranks = data_parallel_size(group) if world_size is None else world_size
-        return torch.where(on_device, per_token_loss, zero).sum() * ranks
+        total = torch.where(on_device, per_token_loss, zero).sum()
+        if steps is not None:
+            return total / steps
+        return total * (data_parallel_size(group) if world_size is None else world_size)
     if checked in ("token-mean", "seq-mean-token-sum-norm"):
         numerator = torch.where(on_device, per_token_loss, zero).sum()
     else:
@@ -741,7 +932,11 @@ def aggregate_loss(
             counts = _per_sequence(torch.ones_like(per_token_loss, dtype=torch.int64), supervised, view)
             sums = sums / counts.clamp(min=1).to(sums.dtype)
         numerator = sums.sum()
-    if count is None:
-        count = global_num_valid_tokens(_local_count(supervised, view, checked), group=group)
-    loss = normalize_loss(numerator, count, group=group, world_size=world_size)
+    if steps is not None:
+        own = _local_count(supervised, view, checked, how)
+        loss = normalize_loss(numerator, own, world_size=1) / steps
+    else:
+        if count is None:
+            count = global_num_valid_tokens(_local_count(supervised, view, checked, how), group=group)
+        loss = normalize_loss(numerator, count, group=group, world_size=world_size)
     return loss / float(normalizer) if norm else loss

@@ -39,18 +39,34 @@ class PackedColumns:
     ``fields`` maps the tokens field (int64), each packed field (in its own
     dtype) and, with ``emit_positions``, ``"positions"`` (int64, restarting at
     0 on every segment, the trailing padding included) to a ``[R, seq_len]``
-    array; ``padding_length`` is each row's ``[R]`` trailing padding. The
-    pieces of row ``r`` are ``pieces[offsets[r]:offsets[r + 1]]`` in the order
-    the row holds them: ``documents`` gives each piece's document (its row in
-    the input batch), ``parts`` its place among its document's pieces (from
-    0), ``closes`` whether it is its document's last.
+    array, ``[R, seq_len, ...]`` for a value field (a ``TensorField`` of
+    ``shape=(K,)``, ``(layers, k)``...); ``padding_length`` is each row's
+    ``[R]`` trailing padding. The pieces of row ``r`` are
+    ``pieces[offsets[r]:offsets[r + 1]]`` in the order the row holds them:
+    ``documents`` gives each piece's document (its row in the input batch),
+    ``parts`` its place among its document's pieces (from 0), ``closes``
+    whether it is its document's last.
 
     A map-style dataset of rows: ``len()`` is the number of rows, and
     ``__getitems__(indices)`` returns those rows as ``[batch]``, one columnar
-    batch (a ``ColumnBatch`` of ``(values, offsets)`` pairs, and each row's
+    batch (a ``ColumnBatch`` of ``(values, offsets)`` pairs, a value field's
+    values ``[rows * seq_len, ...]`` with its value shape kept, and each row's
     trailing padding under ``"_padding_length"``) that
     :class:`~zephon_collate.Collator` reads as it reads ``pack_flat``'s records
     (as ``ColumnarDataset``'s, it passes ``Trainer``'s column filter untouched).
+
+    Example:
+        >>> import numpy as np
+        >>> from zephon_collate import Collator, TensorField
+        >>> offsets = np.array([0, 2, 3])
+        >>> documents = {"input_ids": (np.array([5, 6, 7]), offsets), "top": (np.eye(3)[:, :2], offsets)}
+        >>> specs = [TensorField("top", align="label", fill=-1.0, shape=(2,))]
+        >>> packed = pack_columns(documents, 4, pad_token_id=0, float_fields=specs)
+        >>> values, offsets = packed.__getitems__([0])[0]["top"]
+        >>> values.shape, offsets.tolist()
+        ((4, 2), [0, 4])
+        >>> Collator(return_labels=True, float_fields=specs)(packed.__getitems__([0]))["top"].tolist()
+        [[[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]]
     """
 
     fields: dict[str, np.ndarray]
@@ -64,12 +80,14 @@ class PackedColumns:
         return len(self.padding_length)
 
     def __getitems__(self, indices: Sequence[int]) -> list[ColumnBatch]:
-        """Rows ``indices`` as ``[batch]`` (copies)."""
-        rows = np.asarray(indices, dtype=np.int64)
+        """Rows ``indices`` as ``[batch]`` (copies): each field's values ``[len(indices) * seq_len, ...]``,
+        a value field's trailing dims (a top-k's ``K``, routes' ``layers, k``) kept."""
+        rows = np.asarray(indices, dtype=np.int64).reshape(-1)
         width = next(iter(self.fields.values())).shape[1] if self.fields else 0
         offsets = np.arange(len(rows) + 1, dtype=np.int64) * width
-        batch: dict[str, Any] = {
-            name: (values[rows].reshape(-1), offsets) for name, values in self.fields.items()
+        batch: dict[str, Any] = {  # [rows * seq_len, ...]: each token's value shape (K, ...) kept
+            name: (values[rows].reshape(len(rows) * width, *values.shape[2:]), offsets)
+            for name, values in self.fields.items()
         }
         batch[PADDING_LENGTH_TAG] = self.padding_length[rows]
         return [ColumnBatch(batch)]

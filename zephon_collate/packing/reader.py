@@ -18,7 +18,9 @@ native Collator's rule, written once here for records and columns
 (:func:`unread_supervision`): one that would change what is trained is refused
 unless ``fields`` lists it (then it is a data field, whose prompt
 ``overflow="auto"`` still keeps whole: :func:`prompt_entries`); a harmless copy
-is accepted and never packed.
+is accepted and never packed. A near miss of any of them (``loss_maks``,
+``Completion_Mask``: :func:`~zephon_collate.read.rules.misspelled`) is refused
+unless ``fields`` lists it.
 """
 
 from __future__ import annotations
@@ -444,6 +446,7 @@ class Reader:
         if not has_tokens.any():
             return tokens, {}
         self.tokens_name = name
+        self._check_names(batch, name)
         if self.fields is None:
             skipped = [spec.name for spec in self.floats] + ([self.group_key] if self.group_key else [])
             self.fields = candidates(batch, name, tokens, skipped)
@@ -495,6 +498,19 @@ class Reader:
                     f"{where}: payload lacks field {shown(field_name)}, which is packed beside the tokens "
                     f"(fields {self.fields}); give every record this field, or pass fields=(...) without it"
                 )
+
+    def _check_names(self, batch: Batch, tokens_name: str) -> None:
+        """A near miss of a supervision field (:func:`~zephon_collate.read.rules.misspelled`: ``loss_maks``)
+        not listed: refused, naming the document, before the fields are found (read under no name, or
+        packed as data, what it leaves untrained would be trained)."""
+        read = (*self._listed, tokens_name, POSITIONS, POSITION_IDS)
+        near = rules.misspelled(batch.fields, rules.SUPERVISION_NAMES, read)
+        if near is not None:
+            name, meant = near
+            where = batch.names(int(np.flatnonzero(batch.carried(name))[0]))
+            raise ValueError(
+                rules.near_miss(where, name, meant, ", or list it in fields=(...) to pack it as data")
+            )
 
     def _check_supervision(self, batch: Batch, tokens: Ragged) -> None:
         """Supervision spelled otherwise than ``loss_mask`` and not listed: refused where it would change

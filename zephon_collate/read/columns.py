@@ -317,9 +317,11 @@ class Spread:
     """A fill of integer ids spread over ``range(count)``: MoE routes of padding, over every expert.
 
     The place at position ``p`` of its row gets ``(p * k + j) % count`` in entry ``j`` of its last dim
-    (``k`` entries: the experts of one token), the same in every other dim (every layer). Padding
-    routed to one expert (a fill of 0) sends every padding token there, and a batch's padding can
-    overload it.
+    (``k`` entries: the experts of one token), the same in every other dim (every layer). Its row is the
+    row the batch holds: left padding is numbered at the front, where it ends up; a padding-free batch
+    by the place in its one row (a label-aligned field's first token of every sequence too); a packed
+    row by the place in it. Padding routed to one expert (a fill of 0) sends every padding token there,
+    and a batch's padding can overload it.
 
     Example:
         >>> filled((3, 2), Spread(4), np.dtype(np.int64), at=np.array([1, 2, 3])).tolist()

@@ -44,7 +44,7 @@ within the dtype.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, cast
 
@@ -76,6 +76,8 @@ __all__ = [
     "TensorField",
     "check_float_fields",
     "read_floats",
+    "refilled",
+    "spread_starts",
     "to_label_positions",
     "value_rows",
 ]
@@ -541,6 +543,10 @@ def to_label_positions(field: Ragged, starts: np.ndarray, fill: int | float | Sp
     Value ``t`` (of the prediction made at ``t``) goes to token ``t + 1``, the
     token that prediction is scored against; ``starts`` (``[N]`` booleans) marks
     each sequence's first token, which no position predicts: it gets ``fill``.
+    A :class:`Spread` fill is numbered by the token's place in its example (its
+    place in a right-padded row); a layout that lays the tokens out elsewhere
+    (left padding, one padding-free row) numbers them again as it stacks them
+    (:func:`spread_starts`).
 
     Example:
         >>> field = Ragged(np.array([1.0, 2.0, 3.0, 4.0, 5.0]), np.array([0, 3, 5]))
@@ -551,9 +557,53 @@ def to_label_positions(field: Ragged, starts: np.ndarray, fill: int | float | Sp
     moved = np.empty_like(values)
     moved[1:] = values[:-1]
     first = np.flatnonzero(starts)
-    if isinstance(fill, Spread):  # numbered by the place in its row
+    if isinstance(fill, Spread):  # numbered by the place in its example
         at = places(field.offsets)[first]
         moved[first] = filled((first.size, *moved.shape[1:]), fill, moved.dtype, at=at)
     else:
         moved[first] = fill
     return Ragged(moved, field.offsets)
+
+
+def refilled(field: Ragged, where: np.ndarray, fill: Spread, at: np.ndarray) -> Ragged:
+    """``field`` with the places ``where`` (``[N]`` booleans) holding ``fill``, each numbered by its place
+    ``at`` (``[N]``) in the row handed out; a copy.
+
+    Example:
+        >>> field = Ragged(np.full((4, 2), 9), np.array([0, 2, 4]))
+        >>> refilled(field, np.array([True, False, True, False]), Spread(5), np.arange(4)).values.tolist()
+        [[0, 1], [9, 9], [4, 0], [9, 9]]
+    """
+    values = np.array(field.values)
+    first = np.flatnonzero(where)
+    values[first] = filled((first.size, *values.shape[1:]), fill, values.dtype, at=at[first])
+    return Ragged(values, field.offsets, field.lengths)
+
+
+def spread_starts(
+    fields: dict[str, Ragged],
+    specs: Sequence[TensorField],
+    starts: Callable[[], np.ndarray],
+    at: Callable[[], np.ndarray],
+) -> dict[str, Ragged]:
+    """``fields`` as an unshifted layout stacks them, each label-aligned field of a :class:`Spread` fill
+    with every sequence's first token (``starts()``, ``[N]`` booleans: no position predicts it) numbered
+    by its place in the row handed out (``at()``, ``[N]``): left padding or the padding-free row moves a
+    sequence from the place in its example, where :func:`to_label_positions` numbered it.
+
+    Example:
+        >>> spec = TensorField("routes", align="label", dtype=torch.int64, shape=(2,), fill=Spread(5))
+        >>> fields = {"routes": Ragged(np.array([[0, 1], [9, 9], [0, 1]]), np.array([0, 2, 3]))}
+        >>> starts = np.array([True, False, True])
+        >>> spread_starts(fields, [spec], lambda: starts, lambda: np.arange(3))["routes"].values.tolist()
+        [[0, 1], [9, 9], [4, 0]]
+    """
+    spread = [spec.name for spec in specs if spec.align == "label" and isinstance(spec.fill, Spread)]
+    if not spread:
+        return fields
+    first, place = starts(), at()
+    out = dict(fields)
+    for spec in specs:
+        if spec.name in spread and spec.name in out:
+            out[spec.name] = refilled(out[spec.name], first, cast(Spread, spec.fill), place)
+    return out

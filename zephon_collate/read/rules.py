@@ -4,13 +4,12 @@ Every layout and the packer check what they read here: token ids (``>= 0``),
 0/1 masks, values an integer dtype must hold, one entry per token (alignment,
 flatness), the declared trailing padding, and the supervision a batch carries
 under a name that is not read (``labels`` that differ from the tokens, a mask
-with zeros, a misspelled mask). Each check is vectorised over the whole batch
+with zeros, a misspelled supervision field). Each check is vectorised over the whole batch
 and names the row, the field, the token and the fix.
 """
 
 from __future__ import annotations
 
-import difflib
 import functools
 from collections.abc import Iterable, Sequence
 
@@ -21,13 +20,36 @@ from zephon_collate.core.keys import (
     ASSISTANT_MASK,
     ASSISTANT_MASKS,
     ATTENTION_MASK,
+    CHOSEN_ATTENTION_MASK,
+    CHOSEN_IDS,
+    CHOSEN_INPUT_IDS,
+    COMPLETION_IDS,
     COMPLETION_MASK,
+    KL_COMPLETION_IDS,
+    LABEL,
     LABELS,
+    MARGIN,
     MEDIA,
     MM_TOKEN_TYPE_IDS,
+    PADDING_LENGTH,
+    PADDING_MASK,
     POSITION_IDS,
     POSITIONS,
+    PROMPT_ATTENTION_MASK,
+    PROMPT_IDS,
+    PROMPT_INPUT_IDS,
+    REF_CHOSEN_LOGPS,
+    REF_KL_LOGPS,
+    REF_LOGPS,
+    REF_REJECTED_LOGPS,
+    REJECTED_ATTENTION_MASK,
+    REJECTED_IDS,
+    REJECTED_INPUT_IDS,
     RESPONSE_MASK,
+    SEQ_LENGTHS,
+    SUPERVISION_MASKS,
+    TOKEN_FIELD_CANDIDATES,
+    TOKEN_TYPE_IDS,
 )
 from zephon_collate.core.records import PADDING_LENGTH_TAG
 from zephon_collate.core.text import shown
@@ -46,7 +68,9 @@ from zephon_collate.read.columns import (
 )
 
 __all__ = [
+    "FIELDS_OF_THEIR_OWN",
     "SUPERVISING_FIELDS",
+    "SUPERVISION_NAMES",
     "aligned",
     "check_fits",
     "check_flat",
@@ -56,6 +80,7 @@ __all__ = [
     "kept_by_mask",
     "misaligned",
     "misspelled",
+    "near_miss",
     "positions_field",
     "refuse_media",
     "response_aligned",
@@ -66,6 +91,55 @@ __all__ = [
 SUPERVISING_FIELDS = (ATTENTION_MASK, LABELS, ASSISTANT_MASKS, ASSISTANT_MASK, COMPLETION_MASK, RESPONSE_MASK)
 """Fields that say what is trained under other names than ``loss_mask`` (Hugging Face's, TRL's): a layout
 or packer that does not read one refuses it where it would change what is trained."""
+
+SUPERVISION_NAMES = (*SUPERVISION_MASKS, RESPONSE_MASK, LABELS, ATTENTION_MASK)
+"""Every name a field that says what is trained goes by (:data:`~zephon_collate.core.keys.SUPERVISION_MASKS`
+and :data:`SUPERVISING_FIELDS`): each entry point reads or checks them, and refuses a near miss
+(:func:`misspelled`), which it would otherwise read under no name."""
+
+FIELDS_OF_THEIR_OWN = (
+    *TOKEN_FIELD_CANDIDATES,
+    LABEL,
+    "label_ids",
+    POSITIONS,
+    POSITION_IDS,
+    TOKEN_TYPE_IDS,
+    MM_TOKEN_TYPE_IDS,
+    SEQ_LENGTHS,
+    PADDING_MASK,
+    PADDING_LENGTH,
+    PADDING_LENGTH_TAG,
+    "action_mask",
+    "loss_weights",
+    "response_ids",
+    PROMPT_INPUT_IDS,
+    CHOSEN_INPUT_IDS,
+    REJECTED_INPUT_IDS,
+    PROMPT_IDS,
+    CHOSEN_IDS,
+    REJECTED_IDS,
+    "reject_ids",
+    COMPLETION_IDS,
+    KL_COMPLETION_IDS,
+    PROMPT_ATTENTION_MASK,
+    CHOSEN_ATTENTION_MASK,
+    REJECTED_ATTENTION_MASK,
+    "reject_attention_mask",
+    "completion_attention_mask",
+    "KL_attention_mask",
+    "chosen_labels",
+    "rejected_labels",
+    REF_CHOSEN_LOGPS,
+    REF_REJECTED_LOGPS,
+    REF_LOGPS,
+    REF_KL_LOGPS,
+    MARGIN,
+    *MEDIA,
+)
+"""Fields users pass that mean something else than a supervision field, some of them close to one
+(``label``, KTO's flag and sequence classification's; ``action_mask``; the per-side padding masks
+``chosen_attention_mask``, ``KL_attention_mask``): never a near miss (:func:`misspelled`), nor is a
+name closer to one of them than to a supervision field."""
 
 
 def aligned(field: Ragged, tokens: Ragged) -> np.ndarray:
@@ -342,18 +416,126 @@ def misaligned(where: str, name: str, entries: int | None, length: int) -> Value
     )
 
 
-def misspelled(fields: Iterable[object], known: Sequence[str]) -> tuple[str, str] | None:
-    """``(field, meant)``: the first of ``fields`` that is a near miss of a supervision mask in ``known``
-    (``loss_masks``, ``completion_masks``: a mask under a name nothing reads, so every token would be
-    trained), or ``None``. Only names holding ``mask`` count, and only close ones (``attention_mask``,
-    ``action_mask`` are other fields)."""
-    for name in fields:
-        if not isinstance(name, str) or name in known or "mask" not in name.lower():
-            continue
-        close = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.85)
-        if close:
-            return name, close[0]
+def misspelled(
+    fields: Iterable[object], known: Sequence[str] = SUPERVISION_NAMES, read: Iterable[str] = ()
+) -> tuple[str, str] | None:
+    """``(field, meant)``: a field of ``fields`` that is a near miss of a name in ``known`` (the
+    supervision fields an entry point reads or checks: a field under such a name is read under none, so
+    what it leaves untrained would be trained), or ``None``. Of several, the first in sorted order.
+
+    The rule, on each name made canonical (lower-cased, every character but letters and digits dropped:
+    ``Loss_Mask``, ``loss-mask`` and ``lossmask`` are ``loss_mask``), with the optimal string alignment
+    distance (edits of one character: an insertion, a deletion, a substitution, or a transposition of two
+    neighbours, ``loss_maks``):
+
+    - a field named exactly as a name of ``known``, of ``read`` (the fields the call reads: float and
+      extra fields, the tokens, what the layout reads itself) or of :data:`FIELDS_OF_THEIR_OWN` is never
+      a near miss;
+    - else it is a near miss of the nearest name of ``known`` (the first, of equally near ones) within
+      1 edit of a name of up to 6 characters (``labels``: two edits make other words, ``levels``,
+      ``label_ids``) and within 2 of a longer one (``completion_msk``, ``assistant_mask5``);
+    - unless a name of ``read`` or :data:`FIELDS_OF_THEIR_OWN` not in ``known`` is at least as near: it
+      is that field's (``lable`` is one edit from ``label``, two from ``labels``; ``action_msk`` is
+      ``action_mask``'s).
+
+    Names that are not strings are skipped.
+
+    Example:
+        >>> misspelled(["input_ids", "loss_maks"])
+        ('loss_maks', 'loss_mask')
+        >>> misspelled(["Completion_Msk"])
+        ('Completion_Msk', 'completion_mask')
+        >>> misspelled(["label", "action_mask", "prompt_attention_mask"]) is None
+        True
+        >>> misspelled(["loss_maks"], read=["loss_maks"]) is None  # a float or extra field the call reads
+        True
+    """
+    names = sorted(name for name in fields if isinstance(name, str))
+    if not names:
+        return None
+    chosen, others = tuple(known), _others(frozenset(read))
+    for name in names:
+        meant = _meant(name, chosen, others)
+        if meant is not None:
+            return name, meant
     return None
+
+
+def near_miss(where: str, name: str, meant: str, fix: str = "") -> str:
+    """The refusal of field ``name``, a near miss of ``meant`` (:func:`misspelled`), for ``where`` (the
+    record or example), ``fix`` appended.
+
+    Example:
+        >>> print(near_miss("example 1", "lables", "labels"))  # doctest: +NORMALIZE_WHITESPACE
+        example 1: has 'lables', which nothing reads: did you mean 'labels'? Read under no name,
+        every token would be trained; rename it 'labels'
+    """
+    lost = (
+        "its padding would be trained as tokens"
+        if meant.endswith(ATTENTION_MASK)
+        else "every token would be trained"
+    )
+    return (
+        f"{where}: has {shown(name)}, which nothing reads: did you mean {shown(meant)}? Read under no "
+        f"name, {lost}; rename it {shown(meant)}{fix}"
+    )
+
+
+def _canonical(name: str) -> str:
+    """``name`` lower-cased, with every character but letters and digits dropped."""
+    return "".join(char for char in name.lower() if char.isalnum())
+
+
+def _limit(canonical: str) -> int:
+    """The edits a near miss of a (canonical) supervision name may be away: 1 up to 6 characters, else 2."""
+    return 1 if len(canonical) <= 6 else 2
+
+
+def _edits(a: str, b: str, limit: int) -> int:
+    """The optimal string alignment distance of ``a`` and ``b`` (a transposition of neighbours is one
+    edit), or ``limit + 1`` where it is more than ``limit``."""
+    if abs(len(a) - len(b)) > limit:
+        return limit + 1
+    before: list[int] = []
+    previous = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        current = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            value = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                value = min(value, before[j - 2] + 1)
+            current[j] = value
+        if min(current) > limit:  # a row's least never falls: the distance is more than limit
+            return limit + 1
+        before, previous = previous, current
+    return min(previous[-1], limit + 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _others(read: frozenset[str]) -> frozenset[str]:
+    """The names of fields of their own (:func:`misspelled`): ``read``, and :data:`FIELDS_OF_THEIR_OWN`."""
+    return read.union(FIELDS_OF_THEIR_OWN)
+
+
+@functools.lru_cache(maxsize=4096)
+def _meant(name: str, known: tuple[str, ...], others: frozenset[str]) -> str | None:
+    """The supervision name of ``known`` that field ``name`` is a near miss of (:func:`misspelled`), or
+    ``None``: once per name and entry point (batches carry the same fields)."""
+    if name in known or name in others:
+        return None
+    given = _canonical(name)
+    best, meant = 0, None
+    for candidate in known:
+        target = _canonical(candidate)
+        most = _limit(target) if meant is None else min(_limit(target), best - 1)
+        if most >= 0 and (distance := _edits(given, target, most)) <= most:
+            best, meant = distance, candidate
+    if meant is None:
+        return None
+    for other in others:
+        if other not in known and _edits(given, _canonical(other), best) <= best:
+            return None  # as near to a field of its own
+    return meant
 
 
 def kept_by_mask(mask: Ragged, name: str, names: Names) -> np.ndarray:

@@ -28,9 +28,12 @@ reference model and an adapter-disabled PEFT reference alike.
 Not packed (TRL's own path runs): vision-language batches, prompt-learning
 PEFT (virtual tokens), and any call without the packed batch.
 ``precompute_ref_log_probs`` runs once, in TRL's ``__init__``, on TRL's padded
-batches. A model that lets packed sequences attend to each other (OPT, BLOOM,
-MPT, ...: their attention does not restart at ``position_ids`` 0) is refused
-when the trainer is built.
+batches. A model (or reference model) that lets packed sequences attend to each
+other (OPT, BLOOM, MPT, GPT-OSS, Mamba, ...: their attention does not restart at
+``position_ids`` 0) is refused when the trainer is built, with or without
+``shared_prompt``; so, with ``shared_prompt=True``, is one whose layers a branch
+mask cannot express, one that raises on it, and an MoE trained with its
+load-balancing loss (``router_aux_loss_coef=0.0`` turns it off).
 """
 
 from __future__ import annotations
@@ -159,7 +162,9 @@ class PackedDPOTrainer(DPOTrainer):
     ``shared_prompt=True`` (its one keyword of its own) lays each pair's prompt out once, both responses
     after it: the prompt's tokens go through the transformer once instead of twice. The attention comes
     from a 4-D mask, so it needs SDPA or eager attention (FlashAttention is refused: its varlen kernels
-    cannot keep a response from its sibling).
+    cannot keep a response from its sibling); a sliding window or attention chunk goes into that mask by
+    position, as transformers applies it to the padded batch. An MoE's load-balancing loss would count a
+    shared prompt once instead of once per sequence: refused (``router_aux_loss_coef=0.0`` turns it off).
 
     Example:
         >>> from zephon_collate.trainers import PackedDPOTrainer  # doctest: +SKIP

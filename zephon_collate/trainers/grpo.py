@@ -20,8 +20,10 @@ differences); a model with absolute position embeddings (GPT-2) does not, and
 trains better packed.
 
 Not packed (TRL's own pass runs): batches with vision inputs or token types.
-A model that lets packed sequences attend to each other is refused when the
-trainer is built.
+A model (or reference model) that lets packed sequences attend to each other is
+refused when the trainer is built, with or without ``shared_prompt``; so, with
+``shared_prompt=True``, is one whose layers a branch mask cannot express, one
+that raises on it, and an MoE trained with its load-balancing loss.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class PackedGRPOTrainer(GRPOTrainer):
     prompt, each in a branch behind a 4-D attention mask (SDPA or eager; FlashAttention is refused):
     the prompt goes through the transformer once per group instead of once per completion. A dense
     mask costs the document's width squared, so it pays when prompts are long next to the
-    completions.
+    completions. A sliding window or attention chunk goes into the mask by position; an MoE's
+    load-balancing loss is refused there (``router_aux_loss_coef=0.0`` turns it off).
 
     Example:
         >>> from zephon_collate.trainers import PackedGRPOTrainer  # doctest: +SKIP

@@ -50,7 +50,8 @@ from trl.trainer.reward_trainer import DataCollatorForPreference, RewardTrainer
 from zephon_collate.collate.collator import Collator
 from zephon_collate.core.keys import ATTENTION_MASK, INPUT_IDS, LAST_TOKEN_INDEX, MARGIN, POSITION_IDS
 from zephon_collate.core.text import shown
-from zephon_collate.layouts.rewards import Rewards
+from zephon_collate.layouts.presets import RewardOptions
+from zephon_collate.layouts.trees import Trees
 from zephon_collate.trainers.view import check_packing, grid_rows, packed_rows, present
 from zephon_collate.transforms import AttentionMask, PaddingMask
 
@@ -82,9 +83,9 @@ def packed_rewards(view: Callable[..., Mapping[str, Any]], skip_id: int | None) 
         ([[5, 6, 7]], [[0, 1, 0]], [1, 2])
     """
     masks = [PaddingMask(), AttentionMask()]
-    if isinstance(view, Collator) and isinstance(view.layout, Rewards):
+    if isinstance(view, Collator) and isinstance(view.layout.options, RewardOptions):
         options = dataclasses.replace(
-            view.layout.reward_options,
+            view.layout.options,
             padding_free=True,
             return_position_ids=True,
             return_flash_attn_kwargs=False,
@@ -92,7 +93,7 @@ def packed_rewards(view: Callable[..., Mapping[str, Any]], skip_id: int | None) 
             last_token_skip_id=skip_id,
         )
         settings = dataclasses.replace(view.settings, transforms=[*masks, *view.settings.transforms])
-        return Collator.of(Rewards(options, settings))
+        return Collator.of(Trees(options, settings))
     if isinstance(view, DataCollatorForPreference):
         return Collator.for_rewards(
             padding_free=True,

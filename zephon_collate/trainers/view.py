@@ -12,14 +12,17 @@ side); :func:`wrap_forward` makes the model's fused forward run the packed rows 
     p c . . . .
 
 The packed rows' ``position_ids`` restart at 0 at each sequence, which is how transformers keeps packed
-sequences apart.
+sequences apart (and applies a sliding window per sequence). A shared prompt's rows come with a 4-D branch
+mask, which transformers takes as given: :func:`branch_attention` folds each layer kind's window or chunk
+into it by position. :func:`check_packing` refuses, when the trainer is built, a model that would score
+packed rows otherwise than the padded batch.
 """
 
 from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -43,8 +46,10 @@ from zephon_collate.packing._plan import best_fit_rows
 __all__ = [
     "PACKED",
     "ROWS",
+    "branch_attention",
     "check_packing",
     "grid_rows",
+    "layer_limits",
     "pack_view",
     "packed_base",
     "packed_rows",
@@ -244,7 +249,9 @@ def wrap_forward(model: nn.Module) -> None:
         given.pop(INPUT_IDS, None)
         given.pop(ATTENTION_MASK, None)
         if ATTENTION_MASK in packed:  # a shared prompt's branches: the 4-D mask keeps them apart
-            given[ATTENTION_MASK] = packed[ATTENTION_MASK]
+            given[ATTENTION_MASK] = branch_attention(self, packed)
+            if _has_router(self):  # no load-balancing loss from a 4-D mask (the trainer refuses one here)
+                given.setdefault("output_router_logits", False)
         out = fused(
             input_ids=packed[INPUT_IDS],
             position_ids=packed[POSITION_IDS],
@@ -262,10 +269,13 @@ def wrap_forward(model: nn.Module) -> None:
     model.forward = types.MethodType(forward, model)
 
 
-def packed_rows(model: nn.Module, *, shared_prompt: bool = False) -> Literal["one", "fit"]:
+def packed_rows(
+    model: nn.Module, *, shared_prompt: bool = False, aux_loss: bool = False
+) -> Literal["one", "fit"]:
     """The packed layout for ``model``: one row under FlashAttention (its varlen kernels split a row's
-    sequences only in a batch of one) or when the model's MoE load-balancing loss is on (it counts every
-    token of a row, padding too), else rows as wide as the longest sequence.
+    sequences only in a batch of one) or when the model's MoE load-balancing loss is on (``aux_loss``, what
+    the trainer computes, or the config's ``output_router_logits``: it counts every token of a row, padding
+    too), else rows as wide as the longest sequence.
 
     Raises:
         ValueError: for ``shared_prompt`` under FlashAttention, whose varlen kernels cannot keep a response
@@ -278,7 +288,7 @@ def packed_rows(model: nn.Module, *, shared_prompt: bool = False) -> Literal["on
         flash = bool(is_flash_attention_requested(config))
     except ImportError:  # an older transformers
         flash = "flash" in str(getattr(config, "_attn_implementation", ""))
-    moe = bool(getattr(config.get_text_config(), "output_router_logits", False))
+    moe = aux_loss or bool(getattr(config.get_text_config(), "output_router_logits", False))
     if flash and shared_prompt:
         raise ValueError(
             "shared_prompt=True lays responses out as branches after one prompt, which FlashAttention's "
@@ -290,60 +300,273 @@ def packed_rows(model: nn.Module, *, shared_prompt: bool = False) -> Literal["on
 
 
 def packed_base(trainer: Any, owner: str, shared_prompt: bool) -> tuple[nn.Module, Literal["one", "fit"]]:
-    """A built TRL trainer's model (under PEFT, its base model), checked to keep packed sequences apart
-    (:func:`check_packing`), and the packed rows its attention wants (:func:`packed_rows`)."""
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    base: nn.Module = model.get_base_model() if hasattr(model, "get_base_model") else model
-    check_packing(base, owner, shared_prompt=shared_prompt)
-    return base, packed_rows(base, shared_prompt=shared_prompt)
-
-
-def check_packing(model: nn.Module, owner: str, *, shared_prompt: bool = False) -> None:
-    """Refuse a model that does not keep packed sequences apart: two sequences laid end to end with
-    ``position_ids`` restarting must score as they do alone. transformers does so from the positions for
-    most decoders; some (OPT, BLOOM, MPT, BioGPT, convolutional layers) attend across the boundary.
-    ``shared_prompt``: a response after its sibling, behind a 4-D branch mask, must score as it does
-    after the prompt alone (the model must take the mask as given). ``model`` is a causal LM (its logits
-    are compared) or a bare decoder (its last hidden states).
+    """A built TRL trainer's model (under PEFT, its base model) and its reference model, each checked to
+    train on packed rows as on the padded batch (:func:`check_packing`), and the packed rows the model's
+    attention wants (:func:`packed_rows`).
 
     Raises:
-        ValueError: naming the model's class, when a sequence's logits change once packed.
+        ValueError: naming the model's class and the fix, for a model :func:`check_packing` refuses, or for
+            a shared prompt under the MoE load-balancing loss that the trainer adds (TRL's
+            ``aux_loss_enabled``): over a shared prompt it would count the prompt's tokens once, where
+            stock counts them once per sequence.
     """
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    base: nn.Module = model.get_base_model() if hasattr(model, "get_base_model") else model
+    aux_loss = bool(getattr(trainer, "aux_loss_enabled", False))
+    if shared_prompt and aux_loss:
+        coefficient = getattr(trainer, "router_aux_loss_coef", "?")
+        raise ValueError(
+            f"{owner}: {type(base).__name__} trains with its MoE load-balancing loss (router_aux_loss_coef="
+            f"{coefficient}), which over a shared prompt counts the prompt's tokens once where stock TRL "
+            "counts them once per sequence, so shared_prompt=True would change what is trained; pass "
+            "router_aux_loss_coef=0.0 in the trainer's config to train without that loss, or "
+            "shared_prompt=False"
+        )
+    check_packing(base, owner, shared_prompt=shared_prompt)
+    reference = getattr(trainer, "ref_model", None)
+    if reference is not None:  # it runs the same packed rows
+        unwrapped = trainer.accelerator.unwrap_model(reference)
+        check_packing(unwrapped, owner, shared_prompt=shared_prompt, role="the reference model ")
+    return base, packed_rows(base, shared_prompt=shared_prompt, aux_loss=aux_loss)
+
+
+def check_packing(model: nn.Module, owner: str, *, shared_prompt: bool = False, role: str = "") -> None:
+    """Refuse a model that does not train on packed rows as on the padded batch.
+
+    Packed: a short sequence and one longer than the model's window (or attention chunk) laid end to end,
+    ``position_ids`` restarting, must score as each does alone. transformers keeps them apart (and applies
+    a window per sequence) from the positions for most decoders; some (OPT, BLOOM, MPT, BioGPT, GPT-OSS,
+    convolutional and recurrent layers) attend across the boundary. ``shared_prompt`` adds a prompt longer
+    than the window with two responses after it, in branches behind the 4-D mask
+    :func:`branch_attention` gives the model: each response must score as it does after the prompt alone.
+    A model's exception during either probe is a refusal too.
+
+    Parameters:
+        model: a causal LM (its logits are compared) or a bare decoder (its last hidden states).
+        owner: who errors name; ``role``: what the model is to the owner (``"the reference model "``).
+        shared_prompt: check the shared-prompt layout too (every check of plain packing still applies).
+
+    Raises:
+        ValueError: naming the model's class and the fix, when a sequence's outputs change once packed, the
+            model raises on the packed rows, or (``shared_prompt``) its layers keep a state that no mask
+            can keep from a sibling branch (:func:`layer_limits`).
+    """
+    name = f"{role}{type(model).__name__}"
+    span = _probe_span(model)
+    past = min(span, 16)  # tokens past the window: enough of the keys for a wrong window to show
+    draw = _token_draw(model)
+    plain = [draw(3), draw(span + past)]
+    if not _probe_agrees(model, plain, [[1] * len(plain[0]), [1] * len(plain[1])], owner, name, shared=False):
+        raise ValueError(
+            f"{owner}: {name} lets packed sequences attend to each other (a sequence scores otherwise once "
+            "another is packed before it: its attention does not restart at position_ids 0), so packing "
+            "would change what is trained; train it with TRL's own trainer"
+        )
+    if not shared_prompt:
+        return
+    limits = layer_limits(model, owner, role)
+    prompt = draw(span)  # as long as the window: the responses reach past it
+    pair = [prompt + draw(past + 1), prompt + draw(past)]
+    trained = [[0] * len(prompt) + [1] * (len(sequence) - len(prompt)) for sequence in pair]
+    if not _probe_agrees(model, pair, trained, owner, name, shared=True):
+        folded = {kind: size for kind, size in limits.items() if size}
+        detail = f" (each layer kind's window or chunk, {folded}, folded in by position)" if folded else ""
+        raise ValueError(
+            f"{owner}: {name} does not keep a shared prompt's responses apart under a 4-D attention mask"
+            f"{detail}: a response scores otherwise once its sibling is laid out before it, so "
+            "shared_prompt=True would change what is trained; pass shared_prompt=False"
+        )
+
+
+def layer_limits(model: nn.Module, owner: str = "layer_limits", role: str = "") -> dict[str, int]:
+    """Each kind of attention layer ``model`` has (its config's ``layer_types``, else one kind for every
+    layer) and how far it sees: 0 (full attention), the ``sliding_window`` of a sliding layer, the
+    ``attention_chunk_size`` of a chunked one (Llama 4).
+
+    Raises:
+        ValueError: naming the model, for a layer kind that a shared prompt's branch mask cannot express
+            (recurrent, convolutional or compressed layers: their state runs along the row), or a window
+            or chunk the config does not size.
+
+    Example:
+        >>> from transformers import Qwen2Config, Qwen2ForCausalLM
+        >>> config = Qwen2Config(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
+        ...                      num_attention_heads=2, use_sliding_window=True, sliding_window=4,
+        ...                      max_window_layers=1)  # layer 0 full, layer 1 a window of 4
+        >>> layer_limits(Qwen2ForCausalLM(config))
+        {'full_attention': 0, 'sliding_attention': 4}
+    """
+    config = _text_config(model)
+    kinds = getattr(config, "layer_types", None)
+    if not kinds:  # one kind for every layer: a window wherever the config gives one (Mistral, Phi-3)
+        window = getattr(config, "sliding_window", None)
+        return {"sliding_attention": window} if isinstance(window, int) and window > 0 else {_FULL: 0}
+    limits = {}
+    for kind in dict.fromkeys(kinds):
+        size = 0 if kind == _FULL else getattr(config, _SIZED.get(kind, ""), None)
+        if not isinstance(size, int) or size < 0 or (kind != _FULL and size == 0):
+            raise ValueError(
+                f"{owner}: {role}{type(model).__name__} has {kind} layers (config.layer_types), which a "
+                "shared prompt's branch mask cannot keep from a sibling response (only full, sliding-window "
+                "and chunked attention layers take it); pass shared_prompt=False"
+            )
+        limits[str(kind)] = size
+    return limits
+
+
+def branch_attention(
+    model: nn.Module, packed: Mapping[str, torch.Tensor]
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The ``attention_mask`` ``model`` takes for a shared prompt's packed rows: ``packed``'s boolean branch
+    mask (``attention_mask`` ``[rows, 1, W, W]``) with each layer kind's window or chunk
+    (:func:`layer_limits`) folded in by position, as transformers applies it to the padded batch (a branch
+    sees the keys its ``position_ids`` would see in its own sequence).
+
+    transformers takes a 4-D mask as given, for every layer: the limits must be in it. Layers of one kind:
+    one mask; of several (``config.layer_types``, e.g. Gemma 3, Qwen2 with ``max_window_layers``): a dict by
+    kind, which such models read per layer. Boolean for SDPA; else additive (0 where seen, the dtype's
+    minimum elsewhere), as transformers builds eager and flex masks.
+
+    Example:
+        >>> from transformers import MistralConfig, MistralForCausalLM
+        >>> config = MistralConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+        ...                        num_attention_heads=2, num_key_value_heads=1, sliding_window=2)
+        >>> config._attn_implementation = "sdpa"
+        >>> seen = torch.ones(1, 1, 3, 3, dtype=torch.bool).tril()
+        >>> mask = branch_attention(MistralForCausalLM(config), {"attention_mask": seen,
+        ...                                                      "position_ids": torch.tensor([[0, 1, 2]])})
+        >>> mask[0, 0].int().tolist()  # each token sees itself and the one before it
+        [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+    """
+    seen, positions = packed[ATTENTION_MASK], packed[POSITION_IDS]
+    query, key = positions[:, None, :, None], positions[:, None, None, :]
+    masks = {}
+    for kind, size in layer_limits(model).items():
+        if kind == "sliding_attention":  # transformers: a key within the window's last `size` positions
+            masks[kind] = seen & (query - key < size)
+        elif kind == "chunked_attention":  # transformers: a key in the query's chunk of `size` positions
+            masks[kind] = seen & (
+                torch.div(query, size, rounding_mode="floor") == torch.div(key, size, rounding_mode="floor")
+            )
+        else:
+            masks[kind] = seen
+    config = _text_config(model)
+    implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    if implementation != "sdpa":  # eager and flex add the mask to the scores
+        dtype = _float_dtype(model)
+        masks = {
+            kind: torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(dtype).min
+            )
+            for kind, mask in masks.items()
+        }
+    return next(iter(masks.values())) if len(masks) == 1 else masks
+
+
+_FULL = "full_attention"
+_SIZED = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
+
+
+def _probe_agrees(
+    model: nn.Module,
+    sequences: list[list[int]],
+    trained: list[list[int]],
+    owner: str,
+    name: str,
+    *,
+    shared: bool,
+) -> bool:
+    """Whether ``model`` scores ``sequences`` packed (in one row; ``shared``: their prompt once, the rest in
+    branches) as it scores each alone, at each ``trained`` place.
+
+    Raises:
+        ValueError: naming the model and the fix, for an exception the model raises on either.
+    """
+    width = max(map(len, sequences))
+    ids, mask, marks = (torch.zeros(len(sequences), width, dtype=torch.long) for _ in range(3))
+    for row, (sequence, scored) in enumerate(zip(sequences, trained, strict=True)):
+        ids[row, : len(sequence)], mask[row, : len(sequence)] = torch.tensor(sequence), 1
+        marks[row, : len(scored)] = torch.tensor(scored)
+    packed = pack_view(ids, mask, marks, "one", owner, shared_prompt=shared)
     parameter = next(model.parameters(), None)
     device = parameter.device if parameter is not None else torch.device("cpu")
-    first, second = torch.tensor([[3, 4, 5]], device=device), torch.tensor([[6, 7]], device=device)
-    packed_ids = torch.cat([first, second], dim=1)
-    positions = torch.tensor([[0, 1, 2, 0, 1]], device=device)
-    extra: dict[str, torch.Tensor] = {}
-    if shared_prompt:  # prompt [3, 4], then the branches [5] and [6, 7]: the second alone is [3, 4, 6, 7]
-        second = torch.tensor([[3, 4, 6, 7]], device=device)
-        positions = torch.tensor([[0, 1, 2, 2, 3]], device=device)
-        branches = torch.tensor([[0, 0, 1, 2, 2]], device=device)
-        extra[ATTENTION_MASK] = dense_branch_mask(torch.zeros_like(branches), branches)
+    packed = {key: value.to(device) for key, value in packed.items()}
+    extra = {"use_cache": False, **({"output_router_logits": False} if _has_router(model) else {})}
+    given = {POSITION_IDS: packed[POSITION_IDS], **extra}
+    if shared:
+        given[ATTENTION_MASK] = branch_attention(model, packed)
     training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            alone = _per_token(model(input_ids=second, use_cache=False))[0, -2:].float()
-            together = _per_token(
-                model(input_ids=packed_ids, position_ids=positions, use_cache=False, **extra)
-            )
-            together = together[0, 3:].float()
+            together = _per_token(model(input_ids=packed[INPUT_IDS], **given)).flatten(0, 1)
+            alone = [_per_token(model(input_ids=ids[row : row + 1, : len(sequence)].to(device), **extra))[0]
+                     for row, sequence in enumerate(sequences)]  # fmt: skip
+    except Exception as error:  # the model's own: it cannot run this layout, which is a refusal
+        fix = "pass shared_prompt=False" if shared else "train it with TRL's own trainer"
+        layout = "a shared prompt's packed rows (a 4-D attention mask)" if shared else "packed sequences"
+        raise ValueError(
+            f"{owner}: {name} cannot run {layout}: its forward raised {type(error).__name__}: "
+            f"{_first_line(error)}; {fix}"
+        ) from error
     finally:
         model.train(training)
-    scale = float(alone.abs().max()) + 1.0
-    if not torch.allclose(together, alone, atol=1e-3 * scale, rtol=1e-3):
-        if shared_prompt:
-            raise ValueError(
-                f"{owner}: {type(model).__name__} does not keep a shared prompt's responses apart under a "
-                "4-D attention mask (a response scores otherwise once its sibling is laid out before it), so "
-                "shared_prompt=True would change what is trained; pass shared_prompt=False"
-            )
-        raise ValueError(
-            f"{owner}: {type(model).__name__} lets packed sequences attend to each other (a sequence scores "
-            "otherwise once another is packed before it: its attention does not restart at position_ids "
-            "0), so packing would change what is trained; train it with TRL's own trainer"
-        )
+    grid = torch.zeros(len(sequences), width - 1, together.shape[-1], dtype=together.dtype, device=device)
+    for row, out in enumerate(alone):
+        grid[row, : out.shape[0] - 1] = out[:-1]
+    got, want = together[packed["source"]].float(), grid.flatten(0, 1)[packed["target"]].float()
+    # Other shapes round otherwise: a tolerance of the output's scale, wider in bfloat16 and float16.
+    tolerance = max(1e-3, 2 * torch.finfo(together.dtype).eps) * (float(want.abs().max()) + 1.0)
+    return bool(torch.allclose(got, want, atol=tolerance, rtol=0))
+
+
+def _first_line(error: Exception) -> str:
+    """An exception's message for another one: its first line, cut to 160 characters."""
+    line = (str(error).strip().splitlines() or [""])[0]
+    return line if len(line) <= 160 else line[:157] + "..."
+
+
+def _text_config(model: nn.Module) -> Any:
+    """The model's (text) config, or None for a module without one."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "get_text_config", None)
+    return text() if callable(text) else config
+
+
+def _has_router(model: nn.Module) -> bool:
+    """Whether the model takes ``output_router_logits`` (an MoE with a load-balancing loss)."""
+    return hasattr(_text_config(model), "output_router_logits")
+
+
+def _probe_span(model: nn.Module) -> int:
+    """How long the probe's prompt must be to see every window and chunk the config declares (a declared
+    one that no layer uses too: the probe then shows it unused), within the model's positions."""
+    config = _text_config(model)
+    sizes = [getattr(config, name, None) for name in _SIZED.values()]
+    span = max([size for size in sizes if isinstance(size, int) and size > 0], default=2)
+    top = getattr(config, "max_position_embeddings", None)  # the longest probe is span + 17 tokens
+    return max(2, min(span, top - 17)) if isinstance(top, int) else span
+
+
+def _token_draw(model: nn.Module) -> Callable[[int], list[int]]:
+    """Draws of probe tokens (ids from 3 on, within the model's vocabulary), seeded."""
+    generator, top = torch.Generator().manual_seed(0), max(_vocab_size(model), 4)
+    return lambda count: torch.randint(3, top, (count,), generator=generator).tolist()
+
+
+def _vocab_size(model: nn.Module) -> int:
+    """The token ids the model embeds (8 for a module that says nothing)."""
+    try:
+        embeddings = model.get_input_embeddings()  # type: ignore[operator]
+        return int(embeddings.num_embeddings)
+    except (AttributeError, NotImplementedError, TypeError):
+        size = getattr(_text_config(model), "vocab_size", None)
+        return size if isinstance(size, int) else 8
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's floating weights (float32 if none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _per_token(out: Any) -> torch.Tensor:

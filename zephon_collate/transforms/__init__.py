@@ -17,7 +17,9 @@ from zephon_collate.transforms.positions import Positions
 from zephon_collate.transforms.positions_offset import PositionOffset
 from zephon_collate.transforms.segment_ids import SegmentIds
 from zephon_collate.transforms.separator_labels import SeparatorLabels
+from zephon_collate.transforms.sequence_roles import SequenceRoles
 from zephon_collate.transforms.token_shift import TokenShift
+from zephon_collate.transforms.total import Total
 from zephon_collate.transforms.unshifted_labels import UnshiftedLabels
 
 __all__ = [
@@ -38,7 +40,9 @@ __all__ = [
     "Positions",
     "SegmentIds",
     "SeparatorLabels",
+    "SequenceRoles",
     "TokenShift",
+    "Total",
     "Transform",
     "UnshiftedLabels",
 ]

@@ -1,0 +1,215 @@
+"""Attention that follows a tree batch: a token sees its ancestors and the earlier tokens of its node.
+
+A tree batch lays each tree out depth-first (``Collator.for_trees``; a shared prompt is a
+tree of one level), so a token's node and its subtree are contiguous: token ``k`` is seen
+by the tokens ``q`` of its row with ``k <= q < subtree_end[k]``. From that one array
+come a FlexAttention ``mask_mod`` and ``BlockMask`` and a dense mask for SDPA and
+eager attention. Their cost is the row's width squared; :func:`tree_attention` costs
+the tree's true attention instead, the keys each token sees: it runs each *chain* (a
+run of tokens each predicted by the one before, read from ``logits_index``) on its
+ancestors' keys and its own, causally, with SDPA. :func:`use_tree_attention` makes a
+``transformers`` model run it (``model(..., tree=TreeBlocks.from_batch(batch))``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn.attention.bias import causal_lower_right
+
+from zephon_collate.core.keys import DOCUMENT_IDS, LOGITS_INDEX
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+__all__ = [
+    "TREE_ATTENTION",
+    "TreeBlocks",
+    "dense_tree_mask",
+    "tree_attention",
+    "tree_block_mask",
+    "tree_mask_mod",
+    "use_tree_attention",
+]
+
+TREE_ATTENTION = "zephon_tree"
+"""The name :func:`use_tree_attention` registers with ``transformers``' ``AttentionInterface``."""
+
+
+def _rows(subtree_end: torch.Tensor) -> torch.Tensor:
+    if subtree_end.dim() == 1:
+        return subtree_end.unsqueeze(0)
+    if subtree_end.dim() != 2:
+        raise ValueError(f"subtree_end must be [B, S] or [N], got shape {tuple(subtree_end.shape)}")
+    return subtree_end
+
+
+def tree_mask_mod(subtree_end: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``: ``kv <= q < subtree_end[b, kv]``.
+
+    Example:
+        >>> mod = tree_mask_mod(torch.tensor([[7, 7, 4, 4, 7, 7, 7]]))  # prompt, then branches a and b
+        >>> z, q = torch.tensor(0), torch.tensor(4)
+        >>> bool(mod(z, z, q, torch.tensor(1))), bool(mod(z, z, q, torch.tensor(3)))
+        (True, False)
+    """
+    ends = _rows(subtree_end)
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return (kv_idx <= q_idx) & (q_idx < ends[b, kv_idx])
+
+    return mask_mod
+
+
+def tree_block_mask(
+    subtree_end: torch.Tensor, *, block_size: int | tuple[int, int] = 128, compile: bool = False
+) -> BlockMask:
+    """The FlexAttention ``BlockMask`` of :func:`tree_mask_mod`, on the device of ``subtree_end``."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    ends = _rows(subtree_end)
+    rows, length = ends.shape
+    return create_block_mask(
+        tree_mask_mod(ends), rows, None, length, length, device=str(ends.device),
+        BLOCK_SIZE=block_size, _compile=compile,
+    )  # fmt: skip
+
+
+def dense_tree_mask(subtree_end: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, S, S]`` bool, True where query ``q`` may attend key ``k`` (SDPA's ``attn_mask``).
+
+    Example:
+        >>> dense_tree_mask(torch.tensor([[3, 2, 3]]))[0, 0].int().tolist()  # a root, then two branches
+        [[1, 0, 0], [1, 1, 0], [1, 0, 1]]
+    """
+    ends = _rows(subtree_end)
+    place = torch.arange(ends.shape[1], device=ends.device)
+    q, k = place[:, None], place[None, :]
+    return ((k <= q) & (q < ends[:, None, :])).unsqueeze(1)
+
+
+@dataclass
+class TreeBlocks:
+    """A tree batch's attention chain by chain: for each chain (a run of tokens each predicted by the one
+    before), its row, its places and the places of every key it sees, its ancestors' then its own.
+
+    Parameters:
+        chains: ``(row, start, end, keys)`` each; ``keys`` ends with ``start .. end - 1``.
+        loose: ``[K, 2]`` ``(row, place)`` of the tokens in no chain (padding): each sees itself only.
+    """
+
+    chains: list[tuple[int, int, int, torch.Tensor]]
+    loose: torch.Tensor
+
+    @classmethod
+    def from_batch(cls, batch: Mapping[str, Any]) -> TreeBlocks:
+        """The chains of a batch with ``logits_index`` (a tree, a shared prompt, packed sequences):
+        padding (``document_ids`` -1) is loose.
+
+        Example:
+            >>> batch = {"logits_index": torch.tensor([[-1, 0, 1, 1, 3, -1]]),
+            ...          "document_ids": torch.tensor([[0, 0, 0, 0, 0, -1]])}
+            >>> blocks = TreeBlocks.from_batch(batch)
+            >>> [(row, start, end, keys.tolist()) for row, start, end, keys in blocks.chains]
+            [(0, 0, 3, [0, 1, 2]), (0, 3, 5, [0, 1, 3, 4])]
+            >>> blocks.loose.tolist()
+            [[0, 5]]
+        """
+        index = torch.as_tensor(batch[LOGITS_INDEX]).cpu()
+        real = (
+            torch.as_tensor(batch[DOCUMENT_IDS]).cpu() >= 0
+            if DOCUMENT_IDS in batch
+            else torch.ones_like(index, dtype=torch.bool)
+        )
+        chains: list[tuple[int, int, int, torch.Tensor]] = []
+        for row, (predictor, kept) in enumerate(zip(index.tolist(), real.tolist(), strict=True)):
+            owner = [-1] * len(predictor)  # each place's chain, by its start
+            ends: dict[int, int] = {}
+            seen: dict[int, torch.Tensor] = {}  # the keys each chain's last token sees
+            place = 0
+            while place < len(predictor):
+                if not kept[place]:
+                    place += 1
+                    continue
+                start, before = place, predictor[place]
+                place += 1
+                while place < len(predictor) and kept[place] and predictor[place] == place - 1:
+                    place += 1
+                keys = torch.arange(start, place)
+                if before >= 0:  # after what ``before`` sees: its chain's keys up to it
+                    parent = owner[before]
+                    inherited = seen[parent]
+                    keys = torch.cat([inherited[: inherited.numel() - (ends[parent] - 1 - before)], keys])
+                owner[start:place] = [start] * (place - start)
+                ends[start], seen[start] = place, keys
+                chains.append((row, start, place, keys))
+        return cls(chains, (~real).nonzero())
+
+
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    tree: TreeBlocks,
+    *,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Attention ``[B, H, S, D]`` that follows the tree: each chain's queries on the keys it sees, causally
+    (SDPA with the causal mask at the lower right); a loose token (padding) takes its own value.
+
+    Parameters:
+        query: ``[B, H, S, D]``; key, value: ``[B, H_kv, S, D]`` (grouped-query heads repeated).
+        tree: the batch's :class:`TreeBlocks`.
+        scaling: the softmax scale (default ``1 / sqrt(D)``).
+    """
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = torch.zeros_like(query)
+    for row, start, end, keys in tree.chains:
+        keys = keys.to(query.device)
+        bias = causal_lower_right(end - start, keys.numel())
+        part = torch.nn.functional.scaled_dot_product_attention(
+            query[row : row + 1, :, start:end], key[row : row + 1, :, keys], value[row : row + 1, :, keys],
+            attn_mask=bias, scale=scaling,
+        )  # fmt: skip
+        out[row : row + 1, :, start:end] = part
+    if tree.loose.numel():
+        rows, places = tree.loose[:, 0].to(query.device), tree.loose[:, 1].to(query.device)
+        out[rows, :, places] = value[rows, :, places]
+    return out
+
+
+def _transformers_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``transformers``' attention signature over :func:`tree_attention` (``tree=`` from the forward)."""
+    tree = kwargs.get("tree")
+    if not isinstance(tree, TreeBlocks):
+        raise ValueError(
+            f"{TREE_ATTENTION} attention needs the batch's tree: call the model with "
+            "tree=TreeBlocks.from_batch(batch) (and position_ids), or load it with another "
+            "attn_implementation"
+        )
+    out = tree_attention(query, key, value, tree, scaling=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_tree_attention(model: torch.nn.Module) -> None:
+    """Make a ``transformers`` model attend by :func:`tree_attention`: registered as ``"zephon_tree"`` in
+    its ``AttentionInterface``; call it with ``tree=TreeBlocks.from_batch(batch)`` and the batch's
+    ``position_ids``. ``model.set_attn_implementation("sdpa")`` switches back."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(TREE_ATTENTION, _transformers_attention)
+    model.set_attn_implementation(TREE_ATTENTION)  # type: ignore[operator]

@@ -1,0 +1,352 @@
+"""The post-training presets: each a :class:`~zephon_collate.layouts.trees.TreeOptions` with its read
+adapter and its outputs, on the one ``Trees`` layout.
+
+- :class:`PreferenceOptions`: ``Collator.for_preference``, DPO pairs and KTO examples;
+- :class:`RewardOptions`: ``Collator.for_rewards``, a reward model's pairs, scored at their last token;
+- :class:`RolloutOptions`: ``Collator.for_rollouts``, RL rollouts with their value fields;
+- :class:`TrajectoryOptions`: ``Collator.for_trees``, trajectories and explicit trees, every shared
+  prefix once.
+
+The layouts they produce, drawn: ``docs/post_training.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from zephon_collate.core.checks import check_bool, check_int
+from zephon_collate.core.keys import (
+    ASSISTANT_MASK,
+    ASSISTANT_MASKS,
+    ATTENTION_MASK,
+    CHOSEN_IDS,
+    CHOSEN_INPUT_IDS,
+    COMPLETION_IDS,
+    COMPLETION_MASK,
+    CU_SEQ_LENS_K,
+    CU_SEQ_LENS_Q,
+    INPUT_IDS,
+    INT32_MAX,
+    LABEL,
+    LABELS,
+    LAST_TOKEN_INDEX,
+    LOSS_MASK,
+    MARGIN,
+    MAX_LENGTH_K,
+    MAX_LENGTH_Q,
+    PADDING_LENGTH,
+    PADDING_MASK,
+    POSITION_IDS,
+    POSITIONS,
+    REF_CHOSEN_LOGPS,
+    REF_KL_LOGPS,
+    REF_LOGPS,
+    REF_REJECTED_LOGPS,
+    RESPONSE_MASK,
+    SEQ_IDX,
+    SEQUENCE_INDEX,
+)
+from zephon_collate.core.text import shown
+from zephon_collate.layouts.trees import Sharing, TreeOptions
+from zephon_collate.read.columns import Batch
+from zephon_collate.read.examples import ExampleSpec
+from zephon_collate.read.fields import TensorField
+from zephon_collate.read.forest import Forest
+from zephon_collate.read.formats import (
+    PARENT_ID,
+    Cut,
+    read_pairs,
+    read_reward_pairs,
+    read_rollouts,
+    read_trajectories,
+    read_trees,
+)
+
+__all__ = ["PreferenceOptions", "RewardOptions", "RolloutOptions", "TrajectoryOptions"]
+
+_ROLLOUT_SUPERVISION = (COMPLETION_MASK, LOSS_MASK, ASSISTANT_MASKS, ASSISTANT_MASK, LABELS, RESPONSE_MASK)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreferenceOptions(TreeOptions):
+    """The options of :meth:`Collator.for_preference <zephon_collate.Collator.for_preference>`.
+
+    Parameters:
+        tokenizer: a ``transformers`` tokenizer, or ``None``; it gives ``pad_token_id`` where not passed.
+        padding_free: one row ``[1, N]`` with ``position_ids`` instead of padded rows.
+        shared_prompt: lay each pair out as its prompt once, then both responses.
+        pad_token_id: the id padding gets; required for the padded layout.
+        pad_to_multiple_of: round the padded length (padding-free: the row's) up to a multiple of this.
+        return_position_ids: emit ``position_ids`` (default: padding-free or shared prompt).
+        return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free, unshared).
+        return_seq_idx: emit ``seq_idx`` (padding-free, unshared).
+        max_prompt_length: cut each prompt to its last this many tokens (TRL 0.x's).
+        max_completion_length: cut each response to its first this many tokens.
+        max_length: cut each sequence (prompt + response) to this many tokens, as TRL 1.16's
+            ``DataCollatorForPreference`` does (a pair whose prompt fills it under ``"keep_start"`` is
+            refused: TRL drops such pairs).
+        truncation_mode: ``"keep_start"`` (TRL's default) or ``"keep_end"``.
+
+    Raises:
+        TypeError, ValueError: for a value of the wrong type, or options that contradict each other.
+    """
+
+    OWNER: ClassVar[str] = "Collator.for_preference"
+    ITEM: ClassVar[str] = "pair"
+    KEY: ClassVar[tuple[str, ...]] = (CHOSEN_INPUT_IDS, CHOSEN_IDS, COMPLETION_IDS)
+    OWN: ClassVar[tuple[str, ...]] = (
+        "shared_prompt", "tokenizer", "max_prompt_length", "max_completion_length", "max_length",
+        "truncation_mode",
+    )  # fmt: skip
+    ROLE_VALUES: ClassVar[Mapping[str, Mapping[str, str]]] = {
+        REF_LOGPS: {
+            "chosen": REF_CHOSEN_LOGPS, "rejected": REF_REJECTED_LOGPS,
+            "completion": REF_LOGPS, "KL": REF_KL_LOGPS,
+        },
+        LABEL: {"completion": LABEL},
+    }  # fmt: skip
+    shared_prompt: bool = False
+    max_prompt_length: int | None = None
+    max_completion_length: int | None = None
+    max_length: int | None = None
+    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "shared_prompt", check_bool("shared_prompt", self.shared_prompt, owner=self.OWNER)
+        )
+        for name in ("max_prompt_length", "max_completion_length", "max_length"):
+            value = getattr(self, name)
+            if value is not None:
+                check_int(self.OWNER, name, value, 1, INT32_MAX)
+        if self.truncation_mode not in ("keep_start", "keep_end"):
+            raise ValueError(
+                f"{self.OWNER}: truncation_mode must be 'keep_start' or 'keep_end', got "
+                f"{shown(self.truncation_mode)}"
+            )
+        if self.shared_prompt and self.max_length is not None and self.truncation_mode == "keep_end":
+            raise ValueError(
+                f"{self.OWNER}: shared_prompt=True with max_length and truncation_mode='keep_end' would keep "
+                "a different part of the prompt for each response (the longer one keeps less), so the prompt "
+                "could not be shared; use truncation_mode='keep_start', max_prompt_length, or "
+                "shared_prompt=False"
+            )
+        super().__post_init__()
+
+    @property
+    def sharing(self) -> Sharing:
+        return "prompt" if self.shared_prompt else "none"
+
+    def read(self, batch: Batch) -> Forest:
+        cut = Cut(
+            self.OWNER,
+            self.max_prompt_length,
+            self.max_completion_length,
+            self.max_length,
+            self.truncation_mode,
+        )
+        return read_pairs(batch, cut)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardOptions(TreeOptions):
+    """The options of :meth:`Collator.for_rewards <zephon_collate.Collator.for_rewards>`.
+
+    Parameters:
+        tokenizer: a ``transformers`` tokenizer, or ``None``; it gives ``pad_token_id`` where not passed.
+        padding_free: one row ``[1, N]`` with ``position_ids`` instead of padded rows.
+        pad_token_id: the id padding gets; required for the padded layout.
+        pad_to_multiple_of: round the padded length (padding-free: the row's) up to a multiple of this.
+        return_position_ids: emit ``position_ids`` (default: padding-free only).
+        return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free).
+        return_seq_idx: emit ``seq_idx`` (padding-free).
+        max_length: refuse a pair with a sequence longer than this, as ``RewardTrainer`` drops such
+            pairs when it prepares the dataset (a cut sequence would be scored at another token).
+        last_token_skip_id: ``last_token_index`` reads each sequence's last token whose id is not this one
+            (its first where every one is): pass the model's ``config.pad_token_id`` to read the token a
+            ``transformers`` sequence-classification model pools. ``None``: the last token.
+
+    Raises:
+        TypeError, ValueError: for a value of the wrong type, or options that contradict each other.
+    """
+
+    OWNER: ClassVar[str] = "Collator.for_rewards"
+    ITEM: ClassVar[str] = "pair"
+    KEY: ClassVar[tuple[str, ...]] = (CHOSEN_IDS, CHOSEN_INPUT_IDS)
+    OWN: ClassVar[tuple[str, ...]] = ("shared_prompt", "tokenizer", "max_length", "last_token_skip_id")
+    LABELLED: ClassVar[bool] = False
+    MAP: ClassVar[tuple[str, ...]] = (SEQUENCE_INDEX,)
+    COUNT: ClassVar[bool] = False
+    ROLE_VALUES: ClassVar[Mapping[str, Mapping[str, str]]] = {MARGIN: {"chosen": MARGIN}}
+    ORDER: ClassVar[tuple[str | None, ...]] = (
+        INPUT_IDS, ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K,
+        SEQ_IDX, MARGIN, LAST_TOKEN_INDEX,
+    )  # fmt: skip
+    INTERNAL: ClassVar[frozenset[str]] = frozenset(
+        {PADDING_LENGTH, POSITIONS, LOSS_MASK, PADDING_MASK, SEQUENCE_INDEX}
+    )
+    shared_prompt: bool = False
+    max_length: int | None = None
+    last_token_skip_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_length is not None:
+            check_int(self.OWNER, "max_length", self.max_length, 1, INT32_MAX)
+        if self.last_token_skip_id is not None:
+            check_int(self.OWNER, "last_token_skip_id", self.last_token_skip_id, 0)
+        if self.shared_prompt is not False:
+            raise ValueError(
+                f"{self.OWNER}: shared_prompt is not offered for reward pairs: a reward model scores each "
+                "sequence whole (TRL's RewardTrainer calls model(**batch)); drop shared_prompt, or use "
+                "Collator.for_preference(shared_prompt=True) for DPO pairs"
+            )
+        super().__post_init__()
+
+    def read(self, batch: Batch) -> Forest:
+        return read_reward_pairs(batch, self.OWNER, self.max_length)
+
+    @property
+    def score_skip_id(self) -> int | Literal[False] | None:
+        return self.last_token_skip_id
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutOptions(TreeOptions):
+    """The options of :meth:`Collator.for_rollouts <zephon_collate.Collator.for_rollouts>`.
+
+    Parameters:
+        tokenizer: a ``transformers`` tokenizer, or ``None``; it gives ``pad_token_id`` where not passed.
+        padding_free: one row ``[1, N]`` with ``position_ids`` instead of padded rows.
+        shared_prompt: lay consecutive rollouts of one prompt out as the prompt once, then each completion.
+        pad_token_id: the id padding gets; required for the padded layout.
+        pad_to_multiple_of: round the padded length (padding-free: the row's) up to a multiple of this.
+        return_position_ids: emit ``position_ids`` (default: padding-free or shared prompt).
+        return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free, unshared).
+        return_seq_idx: emit ``seq_idx`` (padding-free, unshared).
+        supervision: the field that marks the completion, required in every example (``"completion_mask"``,
+            ``"loss_mask"``, ``"assistant_masks"``, ``"labels"``, ``"response_mask"``), or ``None``: every
+            such field given is applied, and one is required.
+        float_fields: float example fields (names or :class:`~zephon_collate.FloatField` specs).
+
+    Raises:
+        TypeError, ValueError: for a value of the wrong type, or options that contradict each other.
+    """
+
+    OWNER: ClassVar[str] = "Collator.for_rollouts"
+    ITEM: ClassVar[str] = "rollout"
+    OWN: ClassVar[tuple[str, ...]] = ("shared_prompt", "tokenizer")
+    shared_prompt: bool = False
+    supervision: str | None = None
+    float_fields: Sequence[str | TensorField] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "shared_prompt", check_bool("shared_prompt", self.shared_prompt, owner=self.OWNER)
+        )
+        if self.supervision is not None and self.supervision not in _ROLLOUT_SUPERVISION:
+            raise ValueError(
+                f"{self.OWNER}: supervision must name the field that marks the completion, one of "
+                f"{_ROLLOUT_SUPERVISION}, got {shown(self.supervision)}"
+            )
+        super().__post_init__()
+        object.__setattr__(self, "float_fields", self.transformers().floats)
+
+    @property
+    def sharing(self) -> Sharing:
+        return "prompt" if self.shared_prompt else "none"
+
+    @property
+    def floats(self) -> tuple[TensorField, ...]:
+        return tuple(field for field in self.float_fields if isinstance(field, TensorField))
+
+    def read(self, batch: Batch) -> Forest:
+        spec = ExampleSpec(self.OWNER, self.floats, self.supervision, response_mask=True, uniform=True)
+        return read_rollouts(batch, spec)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrajectoryOptions(TreeOptions):
+    """The options of :meth:`Collator.for_trees <zephon_collate.Collator.for_trees>`.
+
+    Parameters:
+        tokenizer: a ``transformers`` tokenizer, or ``None``; it gives ``pad_token_id`` where not passed.
+        padding_free: the trees end to end in one row ``[1, N]`` (the default), or a padded row each.
+        pad_token_id: the id padding gets; required for the padded layout.
+        pad_to_multiple_of: round the padded length (padding-free: the row's) up to a multiple of this.
+        return_position_ids: emit ``position_ids`` (default: yes).
+        return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (``share="none"``).
+        return_seq_idx: emit ``seq_idx`` (``share="none"``).
+        share: share every common prefix of the trajectories of each group (``"group"``, the default;
+            a batch without ``group_key`` is one group), of the whole batch (``"batch"``), or none
+            (``"none"``: every path laid out whole, for varlen kernels). Explicit trees keep their nodes.
+        group_key: the example field naming each trajectory's group.
+        copy_openers: give each branch a copy of its parent's last token, so that each place predicts one
+            token (a model's own shifted loss, a fused head reading one label row).
+        supervision: the field that marks the trained tokens, required in every example, or ``None``: every
+            such field given is applied, and one is required.
+        float_fields: value fields (names or :class:`~zephon_collate.FloatField` specs): per token, or one
+            per sequence (on a tree's leaves).
+
+    Raises:
+        TypeError, ValueError: for a value of the wrong type, or options that contradict each other.
+    """
+
+    OWNER: ClassVar[str] = "Collator.for_trees"
+    ITEM: ClassVar[str] = "trajectory"
+    OWN: ClassVar[tuple[str, ...]] = ("tokenizer", "share", "group_key", "copy_openers")
+    padding_free: bool = True
+    share: Literal["group", "batch", "none"] = "group"
+    group_key: str = "group"
+    copy_openers: bool = False
+    supervision: str | None = None
+    float_fields: Sequence[str | TensorField] = ()
+
+    def __post_init__(self) -> None:
+        if self.share not in ("group", "batch", "none"):
+            raise ValueError(
+                f"{self.OWNER}: share must be 'group', 'batch' or 'none', got {shown(self.share)}"
+            )
+        if not isinstance(self.group_key, str) or not self.group_key:
+            raise TypeError(f"{self.OWNER}: group_key must be a field name, got {shown(self.group_key)}")
+        object.__setattr__(
+            self, "copy_openers", check_bool("copy_openers", self.copy_openers, owner=self.OWNER)
+        )
+        if self.supervision is not None and self.supervision not in _ROLLOUT_SUPERVISION:
+            raise ValueError(
+                f"{self.OWNER}: supervision must name the field that marks the trained tokens, one of "
+                f"{_ROLLOUT_SUPERVISION}, got {shown(self.supervision)}"
+            )
+        super().__post_init__()
+        object.__setattr__(self, "float_fields", self.transformers().floats)
+
+    @property
+    def sharing(self) -> Sharing:
+        return "none" if self.share == "none" else "prefix"
+
+    @property
+    def shared_by(self) -> str:
+        return f"share={self.share!r}"
+
+    @property
+    def within_groups(self) -> bool:
+        return self.share == "group"
+
+    @property
+    def tree_outputs(self) -> bool:
+        return True
+
+    @property
+    def copied_openers(self) -> bool:
+        return self.copy_openers
+
+    @property
+    def floats(self) -> tuple[TensorField, ...]:
+        return tuple(field for field in self.float_fields if isinstance(field, TensorField))
+
+    def read(self, batch: Batch) -> Forest:
+        spec = ExampleSpec(self.OWNER, self.floats, self.supervision, response_mask=True, uniform=True)
+        if PARENT_ID in batch:
+            return read_trees(batch, spec)
+        return read_trajectories(batch, spec, self.group_key)

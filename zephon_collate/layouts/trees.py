@@ -1,0 +1,416 @@
+"""The post-training layout: a forest of sequences to a ``transformers`` batch, every path exact.
+
+Every post-training preset reads its examples into a :class:`~zephon_collate.read.forest.Forest`
+(its read adapter, :mod:`zephon_collate.read.formats`), and this one layout lays it out:
+unshared, every sequence is a document of its own; with ``shared_prompt``, consecutive
+sequences with one prompt share it (one level); a tree batch shares every common
+prefix. Each document (tree) is a row of a padded batch ``[D, L]``, or they lie end
+to end in one padding-free row ``[1, N]``. The batch carries the ``transformers``
+keys (labels unshifted, -100 where no loss is taken) and the map that makes every
+loss exact (:mod:`zephon_collate.losses`): ``document_ids``, ``branch_ids``,
+``logits_index``, ``sequence_index`` and ``num_sequences``; a tree batch also its
+``subtree_end`` (the attention) and its paths (``path_index``, ``path_offsets``).
+The narrative, with drawings: ``docs/post_training.md`` and ``docs/trees.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+
+from zephon_collate.core.checks import Keywords, check_bool
+from zephon_collate.core.keys import (
+    ATTENTION_MASK,
+    BRANCH_IDS,
+    CU_SEQ_LENS_K,
+    CU_SEQ_LENS_Q,
+    DOCUMENT_IDS,
+    IGNORE_INDEX,
+    INPUT_IDS,
+    LABELS,
+    LOGITS_INDEX,
+    LOSS_MASK,
+    MAX_LENGTH_K,
+    MAX_LENGTH_Q,
+    NUM_SEQUENCES,
+    NUM_VALID_TOKENS,
+    PADDING_LENGTH,
+    PADDING_MASK,
+    PATH_INDEX,
+    PATH_OFFSETS,
+    POSITION_IDS,
+    POSITIONS,
+    SEQ_IDX,
+    SEQUENCE_INDEX,
+    SUBTREE_END,
+    TOKEN_TYPE_IDS,
+)
+from zephon_collate.layouts.base import Layout, Settings, Stacked
+from zephon_collate.layouts.forest import Laid, as_paths, copy_openers, lay_out, merge_prefixes, share_prompts
+from zephon_collate.layouts.stack import dense
+from zephon_collate.layouts.transformers import TransformersOptions, in_float
+from zephon_collate.read.columns import Batch, Names, Ragged, Spread, filled
+from zephon_collate.read.fields import TensorField
+from zephon_collate.read.forest import Forest
+from zephon_collate.transforms import (
+    AttentionMask,
+    BoundaryMask,
+    CopyKeys,
+    CuSeqlens,
+    LastTokenIndex,
+    LossMask,
+    PaddingMask,
+    SegmentIds,
+    SequenceRoles,
+    Transform,
+    UnshiftedLabels,
+)
+
+__all__ = ["ROLES", "Sharing", "TreeOptions", "Trees"]
+
+ROLES = "sequence_roles:"
+"""The stacked key of each sequence's role, followed by the role names (``sequence_roles:chosen,rejected``):
+the chain's :class:`~zephon_collate.transforms.SequenceRoles` step reads the names from it."""
+_MAP = (DOCUMENT_IDS, BRANCH_IDS, LOGITS_INDEX, SEQUENCE_INDEX)
+Sharing = Literal["none", "prompt", "prefix"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TreeOptions(Keywords):
+    """The layout options every post-training preset shares; a preset adds its own and its reader.
+
+    Parameters:
+        tokenizer: a ``transformers`` tokenizer, or ``None``; it gives ``pad_token_id`` where not passed.
+        padding_free: one row ``[1, N]`` with ``position_ids`` instead of a padded row per document.
+        pad_token_id: the id padding gets; required for the padded layout.
+        pad_to_multiple_of: round the padded length (padding-free: the row's) up to a multiple of this.
+        return_position_ids: emit ``position_ids`` (default: padding-free or shared, where needed).
+        return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free, unshared).
+        return_seq_idx: emit ``seq_idx`` (padding-free, unshared).
+
+    Raises:
+        TypeError, ValueError: for a value of the wrong type, or options that do not fit each other.
+    """
+
+    OWNER: ClassVar[str] = "Collator.for_transformers"
+    ITEM: ClassVar[str] = "example"
+    KEY: ClassVar[tuple[str, ...]] = (INPUT_IDS,)
+    OWN: ClassVar[tuple[str, ...]] = ("tokenizer",)
+    """The options a preset reads itself (not the ``transformers`` layout's it is checked as)."""
+    LABELLED: ClassVar[bool] = True
+    """Emit labels (a reward batch has none)."""
+    MAP: ClassVar[tuple[str, ...]] = _MAP
+    """The sequence map's per-token keys the batch carries (output or internal)."""
+    COUNT: ClassVar[bool] = True
+    """Emit ``num_sequences`` and ``{role}_index`` (a pair's ``chosen_index``, ...)."""
+    ROLE_VALUES: ClassVar[Mapping[str, Mapping[str, str]]] = {}
+    """Per-sequence values split by role: ``{key: {role: output}}``."""
+    ORDER: ClassVar[tuple[str | None, ...]] = (
+        INPUT_IDS, TOKEN_TYPE_IDS, ATTENTION_MASK, LABELS, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K,
+        MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX,
+    )  # fmt: skip
+    INTERNAL: ClassVar[frozenset[str]] = frozenset({PADDING_LENGTH, POSITIONS, LOSS_MASK, PADDING_MASK})
+
+    tokenizer: Any = dataclasses.field(default=None, kw_only=False, compare=False, repr=False)
+    padding_free: bool = False
+    pad_token_id: int | None = None
+    pad_to_multiple_of: int | None = None
+    return_position_ids: bool | None = None
+    return_flash_attn_kwargs: bool = False
+    return_seq_idx: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pad_token_id is None and self.tokenizer is not None:
+            object.__setattr__(self, "pad_token_id", getattr(self.tokenizer, "pad_token_id", None))
+        object.__setattr__(self, "tokenizer", None)  # read once: the options hold plain values only
+        for name in ("padding_free", "return_flash_attn_kwargs", "return_seq_idx"):
+            object.__setattr__(self, name, check_bool(name, getattr(self, name), owner=self.OWNER))
+        self.transformers()  # checks the rest, naming the preset
+
+    # -- what a preset sets -------------------------------------------------------------------------
+
+    def read(self, batch: Batch) -> Forest:  # pragma: no cover
+        """The examples as a forest: the preset's read adapter (:mod:`zephon_collate.read.formats`)."""
+        raise NotImplementedError
+
+    @property
+    def sharing(self) -> Sharing:
+        """How prefixes are shared: not at all, a prompt of consecutive sequences, or every prefix."""
+        return "none"
+
+    @property
+    def shared_by(self) -> str:
+        """The option that shares prefixes, as messages name it."""
+        return "shared_prompt=True"
+
+    @property
+    def within_groups(self) -> bool:
+        """Share prefixes within each group of sequences only (``Forest.groups``), not across the batch."""
+        return True
+
+    @property
+    def floats(self) -> tuple[TensorField, ...]:
+        """The value fields read (their dtype, fill and alignment)."""
+        return ()
+
+    @property
+    def score_skip_id(self) -> int | Literal[False] | None:
+        """``False``: no score index; else ``LastTokenIndex``'s ``skip_id`` (a reward batch)."""
+        return False
+
+    @property
+    def tree_outputs(self) -> bool:
+        """Emit ``subtree_end`` and the paths (a tree batch)."""
+        return False
+
+    @property
+    def copied_openers(self) -> bool:
+        """Copy each branching node's last token into its branches (one prediction per place)."""
+        return False
+
+    # -- the underlying checks --------------------------------------------------------------------------
+
+    def transformers(self) -> TransformersOptions:
+        """The options as the ``transformers`` layout's (checked, errors naming the preset)."""
+        owner = self.OWNER
+        layout = {name: getattr(self, name) for name in self.names() if name not in self.OWN}
+        if self.sharing != "none":
+            if self.return_flash_attn_kwargs or self.return_seq_idx:
+                fix = (
+                    "build the attention from document_ids and branch_ids (attention.branch_block_mask or "
+                    "dense_branch_mask), or pass shared_prompt=False"
+                    if self.sharing == "prompt"
+                    else "build the attention from subtree_end (trees.tree_block_mask, dense_tree_mask or "
+                    "use_tree_attention), or pass share='none' to lay every path out whole"
+                )
+                raise ValueError(
+                    f"{owner}: {self.shared_by} puts several responses after one prompt, which cu_seq_lens "
+                    "and seq_idx cannot describe (a varlen kernel would let a response attend to its "
+                    f"sibling); {fix}"
+                )
+            if self.return_position_ids is False:
+                raise ValueError(
+                    f"{owner}: {self.shared_by} needs position_ids (each response's positions continue "
+                    "from the prompt); drop return_position_ids=False"
+                )
+            layout["return_position_ids"] = True
+        try:
+            return TransformersOptions(**layout)
+        except (TypeError, ValueError) as error:
+            raise type(error)(str(error).replace("Collator.for_transformers", owner)) from None
+
+
+class Trees(Layout):
+    """The post-training layout: a preset's forest laid out (see the module doc).
+
+    Parameters:
+        options: a preset's :class:`TreeOptions`: its reader, its outputs.
+        settings: the collator's settings.
+    """
+
+    options: TreeOptions
+
+    def __init__(self, options: TreeOptions, settings: Settings | None = None) -> None:
+        super().__init__(options, settings)
+        self.OWNER, self.ITEM, self.KEY = options.OWNER, options.ITEM, options.KEY
+        self.ORDER, self.INTERNAL = options.ORDER, options.INTERNAL
+        self.SCALARS = frozenset({MAX_LENGTH_Q, MAX_LENGTH_K, NUM_SEQUENCES, NUM_VALID_TOKENS})
+
+    @functools.cached_property
+    def rows(self) -> TransformersOptions:
+        """The row options: padding, positions, the varlen keys."""
+        return self.options.transformers()
+
+    @property
+    def positions_key(self) -> str:
+        return POSITION_IDS if self.rows.positions_out else POSITIONS
+
+    # -- the chain ---------------------------------------------------------------------------------
+
+    def chain(self, keys: Sequence[str]) -> list[Transform]:
+        """``BoundaryMask -> PaddingMask -> AttentionMask -> UnshiftedLabels -> LossMask -> CuSeqlens ->
+        SegmentIds -> SequenceRoles -> LastTokenIndex``, each as the options and the keys ask."""
+        options, rows = self.options, self.rows
+        shared = options.sharing != "none"
+        steps: list[Transform] = []
+        if options.LABELLED and rows.padding_free and rows.boundary_safe_labels:
+            steps.append(BoundaryMask(positions_key=self.positions_key))
+        if not rows.padding_free and not shared:  # shared: a 2-D mask would let branches see each other
+            steps += [PaddingMask(), AttentionMask()]
+        if options.LABELLED:
+            padded = not rows.padding_free or rows.pad_to_multiple_of is not None
+            counts = PADDING_LENGTH if padded else None
+            steps += [
+                UnshiftedLabels(),
+                LossMask(IGNORE_INDEX, padding_length_key=counts, out_key=None, count_key=None),
+            ]
+        if rows.return_flash_attn_kwargs:
+            cu = CuSeqlens(
+                self.positions_key, True, self.settings.num_boundaries, CU_SEQ_LENS_Q, MAX_LENGTH_Q
+            )
+            steps += [cu, CopyKeys({CU_SEQ_LENS_Q: CU_SEQ_LENS_K, MAX_LENGTH_Q: MAX_LENGTH_K})]
+        if rows.return_seq_idx:
+            steps.append(SegmentIds(self.positions_key, out_key=SEQ_IDX))
+        role_key = next((key for key in keys if key.startswith(ROLES)), None)
+        if role_key is not None:
+            names = tuple(name for name in role_key[len(ROLES) :].split(",") if name)
+            values = {
+                key: {role: out for role, out in targets.items() if role in names}
+                for key, targets in options.ROLE_VALUES.items()
+                if key in keys
+            }
+            count = NUM_SEQUENCES if options.COUNT else None
+            steps.append(SequenceRoles(role_key, names, values, count, index=options.COUNT))
+        skip = options.score_skip_id
+        if skip is not False:
+            steps.append(LastTokenIndex(skip))
+        return steps
+
+    # -- the layout --------------------------------------------------------------------------------
+
+    def lay_out(self, batch: Batch) -> list[Stacked]:
+        """Read the examples into a forest (the preset's adapter), share its prefixes, lay it out.
+
+        Raises:
+            TypeError, ValueError: for a bad example, naming it, the field and the fix.
+        """
+        forest = self.shared(self.options.read(batch))
+        return [self.stacked(forest, lay_out(forest), batch.names)]
+
+    def shared(self, forest: Forest) -> Forest:
+        """``forest`` with its prefixes shared as the options ask."""
+        options = self.options
+        skipped = [spec.name for spec in options.floats if spec.broadcast]
+        if skipped:  # one value per sequence, on its tokens: kept per sequence, written back where they agree
+            forest = _per_sequence(forest, skipped)
+        whole = bool((forest.parent < 0).all())  # sequences given whole (not explicit trees)
+        if options.sharing == "prompt":
+            forest = share_prompts(forest.by_example(), skipped)
+        elif options.sharing == "prefix" and whole:
+            forest = merge_prefixes(forest, forest.groups if options.within_groups else None, skipped)
+        elif options.sharing == "none" and not whole:
+            forest = as_paths(forest)
+        return copy_openers(forest) if options.copied_openers else forest
+
+    def stacked(self, forest: Forest, laid: Laid, names: Names) -> Stacked:
+        """The laid-out forest as the chain's input: documents in rows, every per-token field (the map's
+        places counted in its row), the per-sequence values and roles."""
+        options, rows = self.options, self.rows
+        documents = laid.documents
+        lengths = np.diff(documents)
+        doc = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
+        shift = np.zeros_like(doc) if rows.padding_free else documents[:-1][doc]  # laid index -> row place
+        per_token: dict[str, Ragged] = {
+            INPUT_IDS: Ragged(np.asarray(forest.tokens.values)[laid.order].astype(np.int64), documents),
+            LOSS_MASK: Ragged(np.asarray(forest.trained.values)[laid.order].astype(bool), documents),
+        }
+        if rows.padding_free or rows.positions_out:
+            per_token[self.positions_key] = Ragged(laid.position, documents)
+        specs = {spec.name: spec for spec in options.floats}
+        place = np.arange(laid.position.size, dtype=np.int64) - shift  # each token's place in its row
+        for name, field in forest.values.items():
+            values = np.asarray(field.values)[laid.order]
+            fill = specs[name].fill if name in specs else 0
+            if name in forest.fills and isinstance(fill, Spread):  # numbered by the place laid out
+                where = np.asarray(forest.fills[name].values)[laid.order]
+                values = np.array(values)
+                values[where] = filled(
+                    (int(where.sum()), *values.shape[1:]), fill, values.dtype, at=place[where]
+                )
+            per_token[name] = Ragged(values, documents)
+        per_sequence = dict(forest.per_sequence)
+        for spec in options.floats:
+            if spec.broadcast:  # one value per sequence on its tokens: where its sequences agree
+                per_token[spec.name] = Ragged(
+                    _broadcast(per_sequence.pop(spec.name), laid, spec.fill), documents
+                )
+        structure = {
+            DOCUMENT_IDS: doc.astype(np.int32),
+            BRANCH_IDS: laid.branch.astype(np.int32),
+            LOGITS_INDEX: np.where(laid.predictor >= 0, laid.predictor - shift, -1),
+            SEQUENCE_INDEX: laid.sequence,
+            SUBTREE_END: laid.subtree_end - shift,
+        }
+        kept = [*options.MAP, *((SUBTREE_END,) if options.tree_outputs else ())]
+        for name in kept:  # each + 1: padding, filled with 0, reads -1 once stacked
+            per_token[name] = Ragged((structure[name] + 1).astype(structure[name].dtype), documents)
+        stacked = self._rows(per_token, specs, names)
+        data = stacked.data
+        for name in kept:
+            data[name] = data[name] - 1
+        if options.tree_outputs:
+            width = data[INPUT_IDS].shape[1]
+            where = laid.path_index
+            row = doc[where] if not rows.padding_free else np.zeros_like(where)
+            data[PATH_INDEX] = row * width + where - shift[where]
+            data[PATH_OFFSETS] = laid.path_offsets
+            padding = data[SUBTREE_END] < 0  # padding sees itself only
+            data[SUBTREE_END] = np.where(padding, np.arange(width, dtype=np.int64) + 1, data[SUBTREE_END])
+        for name, values in per_sequence.items():
+            data[name] = in_float(values, specs[name]) if name in specs else np.asarray(values)
+        if options.COUNT or options.ROLE_VALUES:
+            data[ROLES + ",".join(forest.roles)] = forest.role_of
+        return stacked
+
+    def _rows(self, per_token: dict[str, Ragged], specs: Mapping[str, TensorField], names: Names) -> Stacked:
+        """Documents as rows: each its own (padded), or end to end in one (padding-free)."""
+        rows = self.rows
+        fills: dict[str, int | float | Spread] = {INPUT_IDS: rows.pad_token_id or 0}
+        fills.update((name, spec.fill) for name, spec in specs.items())
+        tokens = per_token[INPUT_IDS]
+        if rows.padding_free:
+            total = int(tokens.values.shape[0])
+            if not total:
+                raise ValueError(
+                    f"{self.OWNER}: every {self.ITEM} of the batch is empty; padding_free needs a token "
+                    "(give non-empty ones, or pad them: padding_free=False)"
+                )
+            multiple = rows.pad_to_multiple_of
+            width = total if multiple is None else -(-total // multiple) * multiple
+            one = np.array([0, total], dtype=np.int64)
+            per_token = {name: Ragged(field.values, one) for name, field in per_token.items()}
+            padding = np.array([width - total], dtype=np.int64)
+        else:
+            assert rows.row_padding is not None
+            width = rows.row_padding.width(tokens.lengths)
+            padding = np.subtract(width, tokens.lengths, dtype=np.int64)
+        data: dict[str, Any] = {}
+        for name, field in per_token.items():
+            values = dense(field, width, fills.get(name, 0))
+            data[name] = in_float(values, specs[name]) if name in specs else values
+        data[PADDING_LENGTH] = padding
+        return Stacked(data)
+
+
+def _per_sequence(forest: Forest, names: Sequence[str]) -> Forest:
+    """``forest`` (sequences given whole) with the value fields ``names`` moved to ``per_sequence``: each
+    sequence's value, read on its first token (0 for a sequence without tokens)."""
+    values = dict(forest.values)
+    per_sequence = dict(forest.per_sequence)
+    first = forest.tokens.offsets[np.maximum(forest.ends, 0)]
+    for name in names:
+        field = values.pop(name)
+        given = np.asarray(field.values)
+        taken = (
+            given[np.minimum(first, max(given.shape[0] - 1, 0))] if given.shape[0] else np.zeros(len(first))
+        )
+        per_sequence[name] = np.where(forest.ends >= 0, taken, 0).astype(given.dtype)
+    return dataclasses.replace(forest, values=values, per_sequence=per_sequence)
+
+
+def _broadcast(values: np.ndarray, laid: Laid, fill: int | float | Spread) -> np.ndarray:
+    """``[N]``: each token's sequences' value (one per sequence), where they agree; else ``fill``."""
+    count = laid.position.size
+    entry_sequence = np.repeat(np.arange(laid.path_offsets.size - 1), np.diff(laid.path_offsets))
+    low = np.full(count, np.inf)
+    high = np.full(count, -np.inf)
+    given = values.astype(np.float64)[entry_sequence]
+    np.minimum.at(low, laid.path_index, given)
+    np.maximum.at(high, laid.path_index, given)
+    number = 0 if isinstance(fill, Spread) else fill
+    return np.where((low == high) & np.isfinite(low), low, number).astype(values.dtype)

@@ -1,0 +1,375 @@
+"""Hugging Face examples read: ``input_ids`` and the fields that say what is trained, checked once.
+
+An example is a dict with ``input_ids`` and, optionally, fields that say what is
+supervised; every one given is applied by :func:`supervision` (a token is trained
+where all agree): ``labels`` (-100 or the token there), ``attention_mask`` (0 on
+padding before or after the tokens), ``loss_mask``, ``assistant_masks`` /
+``assistant_mask``, ``completion_mask`` (1 where trained); ``seq_lengths`` (TRL's
+packed rows) or restarting ``position_ids``; ``token_type_ids``; the float fields
+named; a vision-language example's ``mm_token_type_ids``. :func:`read_examples`
+reads them for every layout that takes such examples (``for_transformers``, the
+rollouts and trees of the post-training presets), refusing what would train the
+wrong tokens, naming the example, the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from zephon_collate.core.keys import (
+    ATTENTION_MASK,
+    IGNORE_INDEX,
+    INPUT_IDS,
+    LABEL,
+    LABELS,
+    MEDIA,
+    MM_TOKEN_TYPE_IDS,
+    POSITION_IDS,
+    POSITIONS,
+    RESPONSE_MASK,
+    SEQ_LENGTHS,
+    SUPERVISION_MASKS,
+    TOKEN_TYPE_IDS,
+)
+from zephon_collate.core.records import PADDING_LENGTH_TAG, SampleRecord
+from zephon_collate.core.text import shown, shown_fields
+from zephon_collate.read.arrow import Columns
+from zephon_collate.read.columns import Batch, Names, Ragged, places, row_of, to_row
+from zephon_collate.read.fields import TensorField, read_floats, value_rows
+from zephon_collate.read.rules import (
+    SUPERVISING_FIELDS,
+    check_flat,
+    check_ids,
+    check_zero_one,
+    misspelled,
+    near_miss,
+    positions_field,
+    refuse_media,
+    unread_supervision,
+)
+
+__all__ = ["READ", "ExampleSpec", "Examples", "read_examples", "supervision"]
+
+_MASKS = SUPERVISION_MASKS
+_SUPERVISION = (LABELS, *_MASKS)
+_PER_TOKEN: tuple[tuple[str, Literal["ids", "values"]], ...] = (
+    (ATTENTION_MASK, "values"),
+    *((name, "values") for name in _MASKS),
+    (LABELS, "ids"),
+    (TOKEN_TYPE_IDS, "ids"),
+    (POSITION_IDS, "ids"),
+)
+"""The per-token fields beside ``input_ids``, in the order they are read, and how."""
+READ = (INPUT_IDS, *(name for name, _ in _PER_TOKEN), SEQ_LENGTHS)
+"""The fields :func:`read_examples` reads by name."""
+
+
+@dataclass(frozen=True)
+class ExampleSpec:
+    """What a layout reads of its examples.
+
+    Parameters:
+        owner: how errors name the entry point.
+        floats: the value fields (:class:`~zephon_collate.read.fields.TensorField`).
+        supervision: the field every example must carry to say what is trained, or ``None``.
+        vision: read ``mm_token_type_ids`` (a vision-language layout); else media are refused.
+        media_fix: the fix a refusal of media names, where this entry point reads them when asked.
+        response_mask: read verl's ``response_mask`` (the caller applies it); else it is refused where
+            it would change what is trained.
+        uniform: refuse an example without a supervising field that another example carries.
+    """
+
+    owner: str
+    floats: tuple[TensorField, ...] = ()
+    supervision: str | None = None
+    vision: bool = False
+    media_fix: str | None = None
+    response_mask: bool = False
+    uniform: bool = False
+
+
+@dataclass
+class Examples:
+    """The fields read: ``input_ids`` (int64) and the per-token fields (rows without one filled: labels
+    as the tokens, masks as ones, positions counting), each example's ``seq_lengths`` (``segments``), the
+    float fields (per token in ``fields``, one value per sequence in ``per_sequence``)."""
+
+    fields: dict[str, Ragged]
+    segments: Ragged | None = None
+    per_sequence: dict[str, list[np.ndarray]] = dataclasses.field(default_factory=dict)
+
+
+def read_examples(batch: Batch, spec: ExampleSpec) -> Examples:
+    """The examples' fields as the layout of ``spec`` reads them (see the module doc).
+
+    Raises:
+        TypeError, ValueError: for a bad example, naming it, the field and the fix.
+    """
+    names = batch.names
+    _check_examples(batch, spec)
+    tokens = batch.get(INPUT_IDS, "ids")
+    assert tokens is not None
+    check_flat(tokens, INPUT_IDS, names)
+    check_ids(tokens, INPUT_IDS, names)
+    tokens = tokens.cast(torch.int64)
+    if RESPONSE_MASK in batch and not spec.response_mask:  # refused where it would change training
+        others = [name for name in SUPERVISING_FIELDS if name != RESPONSE_MASK]
+        found = unread_supervision(batch, tokens, others, None)
+        if found is not None:
+            raise ValueError(
+                f"{names(found[0])}: carries 'response_mask' (verl's mask of the row's last tokens, the "
+                "response), which this collator does not read: read as all trained, the prompt would be "
+                "trained; collate rollouts with Collator.for_rollouts(...), which reads it, or give a "
+                "completion_mask (0 on the prompt)"
+            )
+    fields: dict[str, Ragged] = {INPUT_IDS: tokens}
+    if spec.vision:  # text-only examples: all text
+        fields[MM_TOKEN_TYPE_IDS] = (
+            _filled(batch, MM_TOKEN_TYPE_IDS, "ids", tokens)
+            if MM_TOKEN_TYPE_IDS in batch
+            else Ragged(np.zeros(tokens.values.shape[0], np.int64), tokens.offsets, tokens.lengths)
+        )
+    elif spec.media_fix is not None:  # the layout that reads media, given mrope=
+        refuse_media(batch, f"{spec.owner} without mrope=", spec.media_fix)
+    else:
+        refuse_media(batch, spec.owner)
+    for name, kind in _PER_TOKEN:
+        source = positions_field(batch) or name if name == POSITION_IDS else name  # the page's name too
+        if source in batch:
+            fields[name] = _filled(batch, source, kind, tokens)
+    segments = None
+    if SEQ_LENGTHS in batch:  # each example's document lengths, end to end
+        given = batch.get(SEQ_LENGTHS, "ids", partial=True)
+        assert given is not None
+        rows = [
+            np.reshape(given.host[given.offsets[i] : given.offsets[i + 1]], -1)
+            if carried
+            else np.array([length])
+            for i, (carried, length) in enumerate(
+                zip(batch.carried(SEQ_LENGTHS), tokens.lengths, strict=True)
+            )
+        ]
+        lengths = np.array([row.size for row in rows], dtype=np.int64)
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        segments = Ragged(np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64), offsets)
+    per_sequence: dict[str, list[np.ndarray]] = {}
+    for field in spec.floats:
+        floats = read_floats(value_rows(batch, field), tokens.lengths, field, names)
+        if isinstance(floats, Ragged):
+            fields[field.name] = floats
+        else:
+            per_sequence[field.name] = floats
+    return Examples(fields, segments, per_sequence)
+
+
+def _check_examples(batch: Batch, spec: ExampleSpec) -> None:
+    """The refusals that look at which fields the examples carry, before any is read."""
+    names = batch.names
+    for index, payload in enumerate(getattr(batch, "payloads", ())):
+        if type(payload) is dict:
+            continue
+        if isinstance(payload, SampleRecord):
+            raise TypeError(
+                f"{names(index)}: is a SampleRecord; this collator takes Hugging Face example "
+                "dicts: pass "
+                "the payloads, or collate records (pack_flat's rows) with Collator(...)"
+            )
+        if not hasattr(payload, "keys"):
+            raise TypeError(
+                f"{names(index)}: must be a dict of fields such as 'input_ids', got {type(payload).__name__}"
+            )
+    if PADDING_LENGTH_TAG in batch and isinstance(batch, Columns):
+        raise ValueError(
+            f"{spec.owner}: the batch has a {shown(PADDING_LENGTH_TAG)} column: packed rows (as pack_columns "
+            "writes them), whose documents and padding this layout does not read; collate them with "
+            "Collator(return_labels=True, return_cu_seqlens=True), or pack Hugging Face examples with "
+            "trl.pack_dataset (seq_lengths)"
+        )
+    lacking = batch.lacking(INPUT_IDS)
+    if lacking is not None:
+        raise ValueError(
+            f"{names(lacking)}: has no 'input_ids' ({_fields_of(batch, lacking)}); tokenize the "
+            "examples first"
+        )
+    if "label" in batch:
+        label = batch.objects("label")
+        index = next(i for i, value in enumerate(label) if value is not None)
+        if not _scalar(label[index]):
+            raise ValueError(
+                f"{names(index)}: carries 'label' of one value per token; this collator reads per-token "
+                "labels from 'labels': rename the field 'labels'"
+            )
+        raise _sequence_classification(names(index))
+    scalar = batch.one_value_row(LABELS) if LABELS in batch else None
+    if scalar is not None:
+        raise _sequence_classification(names(scalar))
+    if "decoder_input_ids" in batch:
+        index = int(np.flatnonzero(batch.carried("decoder_input_ids"))[0])
+        raise ValueError(
+            f"{names(index)}: carries 'decoder_input_ids' (an encoder-decoder target); this "
+            "collator is for "
+            "causal LMs, whose labels align with input_ids: use "
+            "transformers.DataCollatorForSeq2Seq(tokenizer, model=model) for encoder-decoder models"
+        )
+    supervision = spec.supervision
+    if supervision is not None:
+        lacking = batch.lacking(supervision)
+        if lacking is not None:
+            raise ValueError(
+                f"{names(lacking)}: lacks {shown(supervision)}, the field this collator was told carries "
+                f"the supervision ({_fields_of(batch, lacking)}); transformers.Trainer drops "
+                "dataset columns "
+                "its model's forward does not name: pass TrainingArguments(remove_unused_columns=False), "
+                "or build the collator without supervision=..."
+            )
+    else:
+        # Every supervision name: read here (response_mask by rollouts), or refused where it changes
+        # training; the float fields and what this layout reads are fields of their own.
+        floats = (field.name for field in spec.floats)
+        read = (*READ, LABEL, POSITIONS, MM_TOKEN_TYPE_IDS, *MEDIA, *floats)
+        near = misspelled(batch.fields, (*_MASKS, RESPONSE_MASK, LABELS, ATTENTION_MASK), read)
+        if near is not None:
+            name, meant = near
+            index = int(np.flatnonzero(batch.carried(name))[0])
+            raise ValueError(
+                near_miss(
+                    names(index),
+                    name,
+                    meant,
+                    " (or name the field that carries the supervision with supervision=...)",
+                )
+            )
+    if spec.uniform:
+        for name in _SUPERVISION:
+            if name not in batch:
+                continue
+            lacking = batch.lacking(name)
+            if lacking is not None:
+                carrier = int(np.flatnonzero(batch.carried(name))[0])
+                raise ValueError(
+                    f"{names(lacking)}: lacks {shown(name)}, which {names(carrier)} carries to say which "
+                    "tokens are trained; read "
+                    "as all trained, its prompt would be trained. Give every example "
+                    f"{shown(name)} (0 on the prompt), or drop it from every example ({spec.owner})"
+                )
+
+
+def _fields_of(batch: Batch, index: int) -> str:
+    payloads = getattr(batch, "payloads", None)
+    if payloads is not None and hasattr(payloads[index], "keys"):
+        return f"its fields: {shown_fields(payloads[index])}"
+    return f"its fields: {shown_fields(dict.fromkeys(sorted(batch.fields)))}"
+
+
+def _scalar(value: object) -> bool:
+    if value is None:
+        return False
+    if isinstance(value, (int, float, np.generic)) and not isinstance(value, bool):
+        return True
+    return getattr(value, "ndim", None) == 0
+
+
+def _sequence_classification(where: str) -> ValueError:
+    return ValueError(
+        f"{where}: carries one label for the whole example (sequence classification); this collator makes "
+        "causal-LM labels, one per token: use transformers.DataCollatorWithPadding for a classifier, or give "
+        "per-token 'labels'"
+    )
+
+
+def _misfit(where: str, name: str, shape: tuple[int, ...], length: int) -> ValueError:
+    """The refusal of a per-token row that is not one value per token."""
+    hint = (
+        " (labels of their own length: an encoder-decoder target; this collator is for causal LMs, "
+        "use transformers.DataCollatorForSeq2Seq(tokenizer, model=model))"
+        if name == LABELS
+        else ""
+    )
+    return ValueError(
+        f"{where}: field {shown(name)} has shape {shape}, but 'input_ids' has {length} tokens; give "
+        "one value "
+        f"per token{hint}"
+    )
+
+
+def _filled(batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Ragged) -> Ragged:
+    """Per-token field ``name``, one value per token in every example; an example without it reads as all
+    trained (labels: its tokens; a mask: ones) and, for ``position_ids``, as one document."""
+    try:
+        field = batch.get(name, kind, partial=True)
+    except ValueError:  # rows that differ beyond their length: name the first that does not fit
+        for index, value in enumerate(batch.objects(name)):
+            if value is not None:
+                row = to_row(value, batch.names(index), name, kind)
+                if row.ndim != 1 or row.shape[0] != tokens.lengths[index]:
+                    raise _misfit(
+                        batch.names(index), name, tuple(row.shape), int(tokens.lengths[index])
+                    ) from None
+        raise
+    assert field is not None
+    carried = None if batch.lacking(name) is None else batch.carried(name)
+    values = field.host
+    bad = field.lengths != tokens.lengths if values.ndim == 1 else np.ones(len(tokens.lengths), dtype=bool)
+    if carried is not None:
+        bad &= carried
+    if np.logical_or.reduce(bad):  # the ufunc: ndarray.any is Python
+        index = int(np.flatnonzero(bad)[0])
+        shape = tuple(values[field.offsets[index] : field.offsets[index + 1]].shape)
+        raise _misfit(batch.names(index), name, shape, int(tokens.lengths[index]))
+    if carried is None:
+        return Ragged(values, field.offsets, field.lengths)
+    if name == LABELS:
+        filled = tokens.host.copy()
+    elif name in (POSITION_IDS, POSITIONS):
+        filled = places(tokens.offsets)
+    elif name == MM_TOKEN_TYPE_IDS:  # an example without media: all text
+        filled = np.zeros(tokens.values.shape[0], dtype=np.int64)
+    else:
+        filled = np.ones(tokens.values.shape[0], dtype=np.int64)
+    filled = filled.astype(np.result_type(filled.dtype, values.dtype), copy=False)
+    filled[np.repeat(carried, tokens.lengths)] = values
+    return Ragged(filled, tokens.offsets, tokens.lengths)
+
+
+def supervision(fields: dict[str, Ragged], names: Names) -> Ragged:
+    """The boolean ``[N]`` supervision: where ``labels`` are not -100, every mask field is 1, and the
+    token is text (``mm_token_type_ids`` 0: a vision placeholder stands for an image, not a token to
+    predict)."""
+    tokens = fields[INPUT_IDS]
+    trained: np.ndarray | None = None
+    for name in _MASKS:
+        if name in fields:
+            check_zero_one(fields[name], name, names, "1 where the token is trained")
+            given = fields[name].host != 0
+            trained = given if trained is None else trained & given
+    if LABELS in fields:
+        labels = fields[LABELS].host
+        given = labels != IGNORE_INDEX
+        wrong = labels != tokens.host
+        wrong &= given  # in place: no [N] temporary
+        if ATTENTION_MASK in fields:
+            wrong &= fields[ATTENTION_MASK].host != 0  # labels under the padding are dropped, unread
+        if np.logical_or.reduce(wrong):  # one reduction (the ufunc) on the common path; the search on failure
+            index = int(wrong.nonzero()[0][0])  # the method: np.flatnonzero costs three Python calls
+            row = row_of(tokens.offsets, index)
+            t = index - int(tokens.offsets[row])
+            raise ValueError(
+                f"{names(row)}: labels[{t}] is {int(labels[index])}, neither -100 nor the token there "
+                f"(input_ids[{t}] = {int(tokens.host[index])}); causal LMs take unshifted labels "
+                "(input_ids, -100 where no loss is taken) and shift them in forward: unshift labels "
+                "shifted already, or give a loss_mask; an encoder-decoder target needs "
+                "transformers.DataCollatorForSeq2Seq(tokenizer, model=model)"
+            )
+        trained = given if trained is None else trained & given
+    if MM_TOKEN_TYPE_IDS in fields:
+        text = fields[MM_TOKEN_TYPE_IDS].host == 0
+        trained = text if trained is None else trained & text
+    if trained is None:
+        trained = np.ones(tokens.values.shape[0], dtype=bool)
+    return Ragged(trained, tokens.offsets, tokens.lengths)
