@@ -319,6 +319,7 @@ def plan_balance(
     waited: npt.ArrayLike | None = None,
     final: bool = False,
     extra_costs: npt.ArrayLike | None = None,
+    costs: npt.ArrayLike | None = None,
 ) -> BalancePlan:
     """Plan one step: the window's documents over ``micro_batches`` slots x ``ranks`` ranks, balanced.
 
@@ -344,14 +345,18 @@ def plan_balance(
             that its tokens do not show: a vision-language document's vision tower,
             ``options.cost.vision_costs(grids)``. Token budgets are unchanged (it is work, not
             tokens); :attr:`BalancePlan.costs` and :attr:`BalancePlan.largest` include it.
+        costs: ``[n]`` each document's modelled cost (ints >= 0) in place of
+            ``options.cost.costs(lengths)``, for documents that are not flat: trees,
+            ``options.cost.tree_costs(positions)``. ``extra_costs`` still adds; a fixed row's
+            padding is still priced by ``options.cost``; token budgets are unchanged.
 
     Returns:
         A :class:`BalancePlan`; the same input gives the same plan everywhere.
 
     Raises:
         TypeError, ValueError: naming the argument and the document for bad lengths, groups,
-            waits or extra costs, a unit longer than the budget (``max_tokens``, or ``seq_len`` in fixed-row
-            mode), or a total cost beyond int64.
+            waits, costs or extra costs, a unit longer than the budget (``max_tokens``, or
+            ``seq_len`` in fixed-row mode), or a total cost beyond int64.
 
     Example:
         >>> cost = CostModel(linear=1, quadratic=1)
@@ -371,6 +376,18 @@ def plan_balance(
         >>> plan = plan_balance([8, 8, 4, 4], options, ranks=2, extra_costs=[0, 40, 0, 0])
         >>> plan.cells, plan.costs.tolist()  # 72 + 40 against 72 + 20 + 20
         ((((1,), (0, 2, 3)),), [[112, 112]])
+
+        Document 1 is a tree, a 2-token prompt and three 2-token completions: its 8 tokens cost
+        48 units (:meth:`~zephon_collate.parallel.cost.CostModel.tree_costs`), not 72, and both
+        short documents join it.
+
+        >>> positions = [list(range(8)), [0, 1, 2, 3, 2, 3, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3]]
+        >>> trees = cost.tree_costs(positions)
+        >>> trees.tolist()
+        [72, 48, 20, 20]
+        >>> plan = plan_balance([8, 8, 4, 4], options, ranks=2, costs=trees)
+        >>> plan.cells, plan.costs.tolist()  # 72 against 48 + 20 + 20
+        ((((0,), (1, 2, 3)),), [[72, 88]])
     """
     ranks = check_int("plan_balance", "ranks", ranks, 1)
     if not isinstance(options, BalanceOptions):
@@ -385,17 +402,24 @@ def plan_balance(
         raise ValueError(
             f"plan_balance: extra_costs has {extras.size} entries for {count} documents (one per document)"
         )
+    modelled = None if costs is None else as_counts(costs, "costs", 0)
+    if modelled is not None and modelled.size != count:
+        raise ValueError(
+            f"plan_balance: costs has {modelled.size} entries for {count} documents (one per document; "
+            "for trees, options.cost.tree_costs(positions) with one positions array per document)"
+        )
     units, first = _units(groups, count)
     unit_count = first.size
-    costs = options.cost.costs(sizes)
-    if extras is None:
+    costs = options.cost.costs(sizes) if modelled is None else modelled
+    if extras is None and modelled is None:
         too_costly = float(costs.astype(np.float64).sum()) > COST_LIMIT
-    else:  # Python ints: exact, so the sums below stay within int64
-        too_costly = sum(costs.tolist()) + sum(extras.tolist()) > COST_LIMIT
+    else:  # Python ints: exact (given costs may be near int64's top), so the sums below stay within int64
+        too_costly = sum(costs.tolist()) + (0 if extras is None else sum(extras.tolist())) > COST_LIMIT
     if too_costly:
+        given = [name for name, array in (("costs", modelled), ("extra_costs", extras)) if array is not None]
         raise ValueError(
             "plan_balance: the window's total cost exceeds 2**62; use coarser CostModel coefficients "
-            + ("(and extra_costs) " if extras is not None else "")
+            + (f"(and {' and '.join(given)}) " if given else "")
             + "or a smaller window"
         )
     if extras is not None:

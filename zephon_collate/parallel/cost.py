@@ -15,6 +15,12 @@ Vision-language documents also run the vision tower (ViT) over their images:
 attention segment (a frame). :meth:`CostModel.vision_costs` turns each
 document's grids into that cost, which the planner adds to the document's own
 (``extra_costs``).
+
+A tree of sequences that share prefixes (``Collator.for_trees``) is not a flat
+document: a token at position ``p`` along its path attends to ``p + 1`` keys, not
+to every earlier token of the row. :meth:`CostModel.tree_costs` prices each tree
+from its tokens' positions, in the same units, and the planner takes those as the
+documents' costs (``costs``).
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ class CostModel:
         >>> vision = CostModel(linear=3, quadratic=1, vision_linear=2, vision_quadratic=1)
         >>> vision.vision_costs([[[1, 2, 2]], []]).tolist()  # 4 patches in one frame: 2*4 + 4**2; text only
         [24, 0]
+        >>> model.tree_costs([[0, 1, 2, 3], [0, 1, 2, 2]]).tolist()  # a chain of 4 is cost(4); a fork is less
+        [28, 26]
     """
 
     linear: int
@@ -176,6 +184,92 @@ class CostModel:
                     "coefficients (divide all four by a common factor)"
                 )
             out.append(total)
+        return np.array(out, dtype=np.int64)
+
+    def tree_costs(self, positions: Iterable[npt.ArrayLike]) -> npt.NDArray[np.int64]:
+        """Each tree's cost from its tokens' positions, as int64 (exact): ``costs`` for the planner.
+
+        In a tree (``Collator.for_trees``: shared prefixes laid out once, depth-first) a
+        token at position ``p`` along its path attends to exactly ``p + 1`` keys, its
+        ancestors and the earlier tokens of its node, so a tree of ``T`` tokens holds
+        ``K = sum(p + 1) = sum(p) + T`` (query, key) pairs. A causal chain of ``L`` tokens
+        holds ``L * (L + 1) / 2`` of them, which :meth:`cost` prices as ``quadratic * L**2``:
+        the quadratic term counts ``2 * K - T`` (that is ``L**2`` for a chain), so a tree costs::
+
+            linear * T + quadratic * (2 * sum(positions) + T)
+
+        and a plain document (positions ``0 .. L - 1``) costs exactly ``cost(L)``. A tree
+        costs at least its longest path and at most its ``T`` tokens as one document, and
+        costs add up: a row of several trees (padding too: position 0, one key each) costs
+        the sum of its parts.
+
+        Parameters:
+            positions: one 1-D array-like of ints per tree (its ``position_ids``, each token's
+                position along its path; CPU tensors too). Every position from 0 to the
+                largest must occur (a token at ``p`` has ancestors at ``0 .. p - 1``); an
+                empty tree costs 0.
+
+        Returns:
+            ``[trees]`` int64 costs.
+
+        Raises:
+            TypeError: if ``positions`` is not a sequence of arrays, or a tree holds non-integers.
+            ValueError: naming the tree, for one that is not 1-D, a negative position, a missing
+                position (not a tree's: split a row by ``document_ids`` first, and pass positions,
+                not lengths), or a cost beyond :data:`COST_LIMIT` (then use coarser coefficients).
+
+        Example:
+            >>> model = CostModel(linear=1, quadratic=1)
+            >>> prompt_and_two = [0, 1, 2, 3, 2, 3]  # a 2-token prompt, two completions of 2 tokens
+            >>> model.tree_costs([prompt_and_two, [0, 1, 2, 3]]).tolist()  # 6 + (2*11 + 6); 4 + 4**2
+            [34, 20]
+            >>> model.cost(6), model.cost(4)  # the same 6 tokens as one document; its longest path
+            (42, 20)
+        """
+        owner = "CostModel.tree_costs"
+        if isinstance(positions, (str, bytes, Mapping)) or not isinstance(positions, Iterable):
+            raise TypeError(
+                f"{owner}: positions must be a sequence with one 1-D array of positions per tree, got "
+                f"{shown(positions)}"
+            )
+        out: list[int] = []
+        for index, tree in enumerate(positions):
+            array = np.asarray(tree)
+            if array.ndim == 1 and array.size == 0:
+                out.append(0)
+                continue
+            if array.dtype.kind not in "iu":
+                raise TypeError(f"{owner}: positions[{index}] must hold ints, got dtype {array.dtype}")
+            if array.ndim != 1:
+                raise ValueError(
+                    f"{owner}: positions[{index}] must be 1-D (one tree's positions), got shape "
+                    f"{list(array.shape)}; for a single tree pass [positions]"
+                )
+            tokens = int(array.size)
+            lowest, highest = int(array.min()), int(array.max())
+            if lowest < 0:
+                raise ValueError(f"{owner}: positions[{index}] holds {lowest}; positions must be >= 0")
+            # A tree of T tokens is at most T deep: checked first, so bincount allocates at most T counts.
+            if (
+                highest >= tokens
+                or not np.bincount(array.astype(np.int64), minlength=tokens)[: highest + 1].all()
+            ):
+                seen = np.unique(array)
+                missing = int(np.flatnonzero(seen != np.arange(seen.size))[0])  # the first position absent
+                raise ValueError(
+                    f"{owner}: positions[{index}] has a token at position {highest} but none at {missing}, "
+                    "so it is not one tree's positions (each token's ancestors are at 0 .. p - 1); pass each "
+                    "tree's position_ids (split a row by document_ids), not lengths or offsets"
+                )
+            # sum(p) < T**2: int64 is exact below 2**31 tokens, Python ints beyond.
+            total = int(array.sum(dtype=np.int64)) if tokens < 2**31 else sum(array.tolist())
+            cost = self.linear * tokens + self.quadratic * (2 * total + tokens)
+            if cost > COST_LIMIT:
+                raise ValueError(
+                    f"{owner}: tree {index} ({tokens} tokens) costs more than 2**62 units; use coarser "
+                    "coefficients (divide linear and quadratic by a common factor)"
+                )
+            out.append(cost)
         return np.array(out, dtype=np.int64)
 
     def attention_share(self, length: int) -> float:

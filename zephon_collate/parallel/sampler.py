@@ -67,6 +67,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
         extra_costs: cost units (ints >= 0) per item added to its modelled cost, e.g. the
             vision tower's, ``options.cost.vision_costs(grids)``; token budgets are unchanged
             (see :func:`~zephon_collate.parallel.balance.plan_balance`).
+        costs: each item's modelled cost (ints >= 0) in place of ``options.cost``'s, e.g. a
+            tree's, ``options.cost.tree_costs(positions)``; ``extra_costs`` still adds.
 
     The last window of an epoch places everything left, in as few slots as it
     needs (the same on every rank); a tail slot with fewer units (documents, or
@@ -82,7 +84,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
     position past what was trained.
 
     Raises:
-        TypeError, ValueError: for bad lengths, groups, extra costs, options, rank or world size.
+        TypeError, ValueError: for bad lengths, groups, costs, extra costs, options, rank or world size.
 
     Example:
         >>> from zephon_collate.parallel.cost import CostModel
@@ -104,6 +106,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         shuffle: bool = True,
         seed: int = 0,
         extra_costs: Sequence[int] | npt.ArrayLike | None = None,
+        costs: Sequence[int] | npt.ArrayLike | None = None,
     ) -> None:
         owner = "BalancedBatchSampler"
         self.lengths = as_counts(lengths, "lengths", 1, owner)
@@ -117,6 +120,11 @@ class BalancedBatchSampler(Sampler[list[int]]):
             raise ValueError(
                 f"{owner}: extra_costs has {self.extra_costs.size} entries for {self.lengths.size} lengths "
                 "(one per item)"
+            )
+        self.costs = None if costs is None else as_counts(costs, "costs", 0, owner)
+        if self.costs is not None and self.costs.size != self.lengths.size:
+            raise ValueError(
+                f"{owner}: costs has {self.costs.size} entries for {self.lengths.size} lengths (one per item)"
             )
         if not isinstance(options, BalanceOptions):
             raise TypeError(f"{owner}: options must be BalanceOptions, got {type(options).__name__}")
@@ -208,7 +216,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         Raises:
             TypeError: if ``state`` is not a mapping.
             ValueError: if it is not a sampler state of this version, or was saved with other
-                lengths, groups, options, world size, seed or shuffle.
+                lengths, groups, costs, extra costs, options, world size, seed or shuffle.
         """
         owner = "BalancedBatchSampler.load_state_dict"
         if not isinstance(state, Mapping):
@@ -223,8 +231,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
             if state[key] != expected[key]:
                 raise ValueError(
                     f"{owner}: the state was saved with another {key} ({shown(state[key])}, here "
-                    f"{shown(expected[key])}); resume with the same dataset lengths and groups, options, "
-                    "world size, seed and shuffle"
+                    f"{shown(expected[key])}); resume with the same dataset lengths, groups, costs and "
+                    "extra costs, options, world size, seed and shuffle"
                 )
         checked = dict(state)
         for key, limit in (("epoch", None), ("cursor", self.lengths.size), ("slots_done", None)):
@@ -244,6 +252,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
             digest.update(self.groups.tobytes())
         if self.extra_costs is not None:  # other extra costs, other plans
             digest.update(b"extra_costs" + self.extra_costs.tobytes())
+        if self.costs is not None:  # other costs, other plans
+            digest.update(b"costs" + self.costs.tobytes())
         return {
             "version": STATE_VERSION,
             "data": digest.hexdigest()[:16],
@@ -264,7 +274,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         lengths = self.lengths[order]
         groups = None if self.groups is None else self.groups[order]
         ends = np.cumsum(lengths)
-        schedule = BalanceSchedule(self.options, self.num_replicas, self.extra_costs)
+        schedule = BalanceSchedule(self.options, self.num_replicas, self.extra_costs, self.costs)
         schedule.load_state_dict(start["waiting"])
         cursor = int(start["cursor"])
         while cursor < order.size or schedule.waiting:

@@ -50,6 +50,9 @@ class BalanceSchedule:
         extra_costs: each key's extra cost (``extra_costs[key]``, e.g. its vision tower's,
             :meth:`~zephon_collate.parallel.cost.CostModel.vision_costs`), added to its document's cost
             in every plan; keys are then indices into it.
+        costs: each key's modelled cost (``costs[key]``, e.g. its tree's,
+            :meth:`~zephon_collate.parallel.cost.CostModel.tree_costs`), in place of the cost model's
+            in every plan; keys are then indices into it.
 
     Raises:
         TypeError, ValueError: for bad options or ranks.
@@ -68,7 +71,11 @@ class BalanceSchedule:
     """
 
     def __init__(
-        self, options: BalanceOptions, ranks: int, extra_costs: npt.NDArray[np.int64] | None = None
+        self,
+        options: BalanceOptions,
+        ranks: int,
+        extra_costs: npt.NDArray[np.int64] | None = None,
+        costs: npt.NDArray[np.int64] | None = None,
     ) -> None:
         if not isinstance(options, BalanceOptions):
             raise TypeError(f"BalanceSchedule: options must be BalanceOptions, got {type(options).__name__}")
@@ -80,6 +87,7 @@ class BalanceSchedule:
         self.options = options
         self.ranks = check_int("BalanceSchedule", "ranks", ranks, 1)
         self.extra_costs = extra_costs
+        self.costs = costs
         self._keys: list[int] = []
         self._lengths: list[int] = []
         self._groups: list[int] = []
@@ -133,6 +141,7 @@ class BalanceSchedule:
             waited=np.array(waited, np.int64),
             final=final,
             extra_costs=None if self.extra_costs is None else self.extra_costs[np.array(all_keys, np.int64)],
+            costs=None if self.costs is None else self.costs[np.array(all_keys, np.int64)],
         )
         plan = plan.without_sparse_slots(hold=not final)  # no rank gets an empty micro-batch
         held = plan.held
