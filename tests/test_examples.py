@@ -218,3 +218,34 @@ def test_vision_language_example_is_exact_packed_and_learns_from_the_images():
     assert float(re.search(r"max difference ([\d.e+-]+)", out).group(1)) <= 1e-5
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert last < np.log(4) * 0.5 < first  # below naming a pattern blind: it reads the images
+
+
+def test_agentic_grpo_example_trains_trees_as_their_flat_paths():
+    out = run_example("agentic_grpo.py", "--iterations", "6")
+    tree, flat = map(int, re.search(r"tokens: ([\d,]+) as trees, ([\d,]+) as flat paths", out).group(1, 2))
+    assert flat >= 1.9 * tree  # the prompt and the first turn once for four paths, the second for two
+    a, b, gap = re.search(
+        r"trees (-?[\d.]+), flat paths (-?[\d.]+) \(gradient max difference ([\d.e+-]+)\)", out
+    ).groups()
+    assert abs(float(a) - float(b)) < 1e-6 and float(gap) < 1e-6 and float(a) != 0
+    first, last = map(
+        float, re.search(r"clipped loss \(seq-mean-token-mean\) (-?[\d.]+) -> (-?[\d.]+)", out).groups()
+    )
+    assert last < first
+    before, after = map(float, re.search(r"reward ([\d.]+) -> ([\d.]+)", out).groups())
+    assert after > before
+
+
+def test_sft_history_example_computes_each_history_once():
+    out = run_example("sft_history.py", "--steps", "20")
+    tree, flat = (
+        int(x.replace(",", ""))
+        for x in re.search(r"tokens: ([\d,]+) as trees, ([\d,]+) as flat", out).groups()
+    )
+    assert flat >= 2 * tree
+    a, b, gap = re.search(
+        r"trees ([\d.]+), flat examples ([\d.]+) \(gradient max difference ([\d.e+-]+)\)", out
+    ).groups()
+    assert abs(float(a) - float(b)) < 1e-6 and float(gap) < 1e-6
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first - 1.0

@@ -3,8 +3,8 @@
   python -m demo demo [--steps N] [--seq-len N] [--batch-size N] [--corpus PATH]
                                 [--device DEV] [--compile] [--out DIR]
       train a small language model on the standard library's source, through the whole package
-  python -m demo show (--demo-batch | FILE.jsonl | FILE.pt) [--png PATH] [--no-color] ...
-      render a collated batch token by token, with warnings
+  python -m demo show (--demo-batch | --tree-batch | FILE.jsonl | FILE.pt) [--png PATH] [--no-color] ...
+      render a collated batch token by token (a tree batch node by node), with warnings
 
 See docs/demo.md.
 """
@@ -25,6 +25,17 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}")
     return value
+
+
+def _token(text: str) -> tuple[int, int]:
+    """``PLACE`` (row 0) or ``ROW:PLACE``."""
+    try:
+        parts = [int(part) for part in text.split(":")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (1, 2) or min(parts) < 0:
+        raise argparse.ArgumentTypeError(f"must be PLACE or ROW:PLACE (ints >= 0), got {text}")
+    return (0, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,13 +76,20 @@ def _parser() -> argparse.ArgumentParser:
         '({"text": ...} or {"prompt": ..., "response": ...}, byte-tokenized as in the demo) or tokens '
         '({"input_ids": [...], optional "loss_mask", "positions"}); they are packed into rows of --seq-len '
         "+ 1 tokens (or kept one per row with --no-pack) and collated. FILE.pt: a batch saved with "
-        "torch.save(batch_dict), shown as it is.",
+        "torch.save(batch_dict), shown as it is. A tree batch (Collator.for_trees, or shared_prompt=True) is "
+        "drawn as its trees, node by node, with what each token attends to.",
     )
     source = show.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "file", nargs="?", help="a .jsonl file of records or a .pt file holding a collated batch"
     )
     source.add_argument("--demo-batch", action="store_true", help="a batch of the demo's pipeline")
+    source.add_argument(
+        "--tree-batch",
+        action="store_true",
+        help="a small tree batch: five byte-tokenized answers to two prompts, shared prefixes laid out once "
+        "(Collator.for_trees)",
+    )
     show.add_argument("--corpus", help="with --demo-batch: the demo's --corpus")
     show.add_argument("--seq-len", type=_positive, default=128, help="packed row length (default 128)")
     show.add_argument("--batch-size", type=_positive, default=4, help="rows in the batch (default 4)")
@@ -82,6 +100,18 @@ def _parser() -> argparse.ArgumentParser:
         help="--demo-batch: only rows packing this many documents",
     )
     show.add_argument("--no-pack", action="store_true", help="FILE.jsonl: one record per row, right-padded")
+    show.add_argument(
+        "--trees",
+        action="store_true",
+        help="FILE.jsonl: every record is a trajectory (prompt/response text, or input_ids, completion_mask "
+        "and an optional group), collated by Collator.for_trees",
+    )
+    show.add_argument(
+        "--token",
+        type=_token,
+        metavar="[ROW:]PLACE",
+        help="a tree batch: show this token in full, with its paths and every token it attends to",
+    )
     show.add_argument(
         "--overflow",
         choices=("auto", "split", "truncate"),
@@ -158,6 +188,37 @@ def _jsonl_batch(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     return collator(records[: args.batch_size]), texts
 
 
+def _trajectories(tokenizer: Any) -> list[dict[str, Any]]:
+    """``--tree-batch``'s examples: answers to two prompts, some sharing their first tokens."""
+    answers = {"Q:2+2? ": ["A:4", "A:four", "A:4, sure"], "Q:hi ": ["A:hello", "A:hey"]}
+    examples = []
+    for group, (prompt, responses) in enumerate(answers.items()):
+        for response in responses:
+            head, tail = tokenizer.encode(prompt, bos=True), tokenizer.encode(response, eos=True)
+            mask = [0] * head.size + [1] * tail.size
+            examples.append({"input_ids": [*head, *tail], "completion_mask": mask, "group": group})
+    return examples
+
+
+def _jsonl_trees(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
+    """``FILE.jsonl --trees``: the records as trajectories, collated by ``Collator.for_trees``."""
+    from demo.corpus import read_jsonl, to_records
+    from zephon_collate import Collator
+
+    lines = [line for line in Path(args.file).read_text(encoding="utf-8").splitlines() if line.strip()]
+    items = [json.loads(line) for line in lines]
+    if not items:
+        raise ValueError(f"{args.file} holds no records")
+    texts = all(isinstance(item, dict) and ("text" in item or "prompt" in item) for item in items)
+    if texts:
+        records = to_records(read_jsonl(Path(args.file)))
+        items = [
+            {"input_ids": r.payload["input_ids"].tolist(), "completion_mask": r.payload["loss_mask"].tolist()}
+            for r in records
+        ]
+    return Collator.for_trees()(items), texts
+
+
 def _pad_records(records: list[Any], pad_id: int) -> list[Any]:
     """Records right-padded to the longest, with their ``_padding_length`` tag (for ``--no-pack``)."""
     import numpy as np
@@ -192,6 +253,8 @@ def _pad_records(records: list[Any], pad_id: int) -> list[Any]:
 def _run_show(args: argparse.Namespace) -> int:
     from demo.tokenizer import ByteTokenizer
     from zephon_collate.inspection.render import render_batch, render_batch_png
+    from zephon_collate.inspection.tree_render import render_tree
+    from zephon_collate.inspection.trees import is_tree_batch
 
     if args.demo_batch:
         from demo.pipeline import demo_batch
@@ -199,10 +262,16 @@ def _run_show(args: argparse.Namespace) -> int:
         sizes = {"seq_len": args.seq_len, "batch_size": args.batch_size, "min_documents": args.min_documents}
         batch = demo_batch(args.corpus, **sizes, seed=args.seed)
         text = True
+    elif args.tree_batch:
+        from zephon_collate import Collator
+
+        batch, text = Collator.for_trees()(_trajectories(ByteTokenizer())), True
     elif args.file.endswith(".pt"):
         import torch
 
         batch, text = torch.load(args.file, weights_only=True), False
+    elif args.trees:
+        batch, text = _jsonl_trees(args)
     else:
         batch, text = _jsonl_batch(args)
     byte = args.tokenizer == "byte" or (args.tokenizer is None and text)
@@ -210,9 +279,21 @@ def _run_show(args: argparse.Namespace) -> int:
     color = not args.no_color and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     width = args.width or shutil.get_terminal_size((100, 24)).columns
     limits = {"max_rows": args.rows, "max_tokens": args.max_tokens}
-    print(render_batch(batch, tokenizer, color=color, width=width, **limits))
+    if is_tree_batch(batch):
+        tree = {"max_rows": args.rows, "max_node_tokens": args.max_tokens, "token": args.token}
+        print(render_tree(batch, tokenizer, color=color, width=width, **tree))
+    elif args.token is not None:
+        raise ValueError("--token needs a tree batch (Collator.for_trees, or a shared-prompt batch)")
+    else:
+        print(render_batch(batch, tokenizer, color=color, width=width, **limits))
     if args.png:
-        title = f"demo batch, seq_len {args.seq_len}" if args.demo_batch else Path(args.file).name
+        title = (
+            f"demo batch, seq_len {args.seq_len}"
+            if args.demo_batch
+            else "tree batch, 5 answers to 2 prompts"
+            if args.tree_batch
+            else Path(args.file).name
+        )
         limits = {"max_rows": args.rows or 4, "max_tokens": args.max_tokens or 128}
         path = render_batch_png(batch, args.png, tokenizer, title=f"zephon_collate show: {title}", **limits)
         print(f"wrote {path}")

@@ -27,6 +27,7 @@ from typing import Any
 
 from zephon_collate.core.keys import LABELS
 from zephon_collate.inspection.rows import RowView, batch_rows, batch_warnings, percent
+from zephon_collate.inspection.trees import is_tree_batch
 
 __all__ = ["render_batch", "render_batch_png", "token_text"]
 
@@ -201,6 +202,10 @@ def render_batch(
         collapse_padding: show at most this many tokens of a row's trailing padding, then
             ``... N more padding tokens`` (``None``: show them all).
 
+    A tree batch (``Collator.for_trees``, or a shared-prompt batch:
+    :func:`~zephon_collate.inspection.trees.is_tree_batch`) is drawn as its tree by
+    :func:`~zephon_collate.inspection.tree_render.render_tree`, ``max_tokens`` capping each node.
+
     Example:
         >>> batch = {"input_ids": [[1, 7, 2]], "labels": [[7, 2, -100]], "positions": [[0, 1, 2]]}
         >>> print(render_batch(batch, width=40))  # doctest: +NORMALIZE_WHITESPACE
@@ -215,6 +220,13 @@ def render_batch(
         legend: | starts a segment; mask + supervised, . ignored, _ padding, ! supervised padding
         warnings: none
     """
+    if is_tree_batch(batch):
+        from zephon_collate.inspection.tree_render import render_tree  # it draws with this module's helpers
+
+        return render_tree(
+            batch, tokenizer, color=color, width=width, max_rows=max_rows, max_node_tokens=max_tokens,
+            ignore_index=ignore_index,
+        )  # fmt: skip
     rows = batch_rows(batch, ignore_index=ignore_index, pad_token_id=pad_token_id)
     total = sum(len(row.input_ids) for row in rows)
     padding = sum(row.num_padding for row in rows)
@@ -281,7 +293,9 @@ def render_batch_png(
     padding; a small position number above) and its label below (green when
     supervised, light grey with ``-`` when ignored, red for supervised
     padding). A purple bar marks each segment start. Row headers and the
-    warnings of :func:`batch_warnings` are written in.
+    warnings of :func:`batch_warnings` are written in. A tree batch is drawn as its tree (and its
+    attention) by :func:`~zephon_collate.inspection.tree_render.render_tree_png`, with ``max_rows``,
+    ``title`` and ``dpi``.
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
@@ -302,6 +316,12 @@ def render_batch_png(
         from matplotlib.patches import Patch, Rectangle
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise ImportError("render_batch_png needs matplotlib: pip install matplotlib") from error
+    if is_tree_batch(batch):
+        from zephon_collate.inspection.tree_render import render_tree_png
+
+        return render_tree_png(
+            batch, path, tokenizer, max_rows=max_rows, title=title, dpi=dpi, ignore_index=ignore_index
+        )
     rows = batch_rows(batch, ignore_index=ignore_index, pad_token_id=pad_token_id)
     warnings = batch_warnings(rows)
     shown_rows = rows[:max_rows]

@@ -293,7 +293,10 @@ def batch_warnings(
     than ``padding_fraction`` padding; positions whose zeros disagree with
     ``cu_seqlens``; positions that skip inside a segment; supervised padding;
     supervised labels that cross a segment boundary; a ``loss_mask`` that
-    disagrees with the labels.
+    disagrees with the labels. A tree batch
+    (:func:`~zephon_collate.inspection.trees.is_tree_batch`) gets
+    :func:`~zephon_collate.inspection.trees.tree_warnings` instead: its positions
+    and labels follow paths, not the row.
 
     Example:
         >>> batch = {"input_ids": [[5, 0, 0, 0]], "labels": [[-100, -100, -100, -100]],
@@ -303,6 +306,11 @@ def batch_warnings(
         batch: no supervised token in any row: the loss is empty (NaN or 0); check the loss mask
         row 0: 3 of 4 tokens (75%) are padding: pack more documents per row, or shorten seq_len
     """
+    if isinstance(batch, Mapping):
+        from zephon_collate.inspection.trees import is_tree_batch, tree_warnings  # it reads rows with ours
+
+        if is_tree_batch(batch):
+            return tree_warnings(batch, ignore_index=ignore_index, padding_fraction=padding_fraction)
     rows = (
         list(batch)
         if isinstance(batch, Sequence) and not isinstance(batch, Mapping)

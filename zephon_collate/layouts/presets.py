@@ -284,6 +284,10 @@ class TrajectoryOptions(TreeOptions):
         group_key: the example field naming each trajectory's group.
         copy_openers: give each branch a copy of its parent's last token, so that each place predicts one
             token (a model's own shifted loss, a fused head reading one label row).
+        max_row_tokens: lay the trees best fit (by their tokens) into rows of this many tokens, ``[R,
+            max_row_tokens]``, instead of one row.
+        oversized: a tree wider than ``max_row_tokens``: ``"refuse"`` it, naming an example, or ``"split"``
+            it at node boundaries, each part behind a copy of the path above it.
         supervision: the field that marks the trained tokens, required in every example, or ``None``: every
             such field given is applied, and one is required.
         float_fields: value fields (names or :class:`~zephon_collate.FloatField` specs): per token, or one
@@ -295,11 +299,15 @@ class TrajectoryOptions(TreeOptions):
 
     OWNER: ClassVar[str] = "Collator.for_trees"
     ITEM: ClassVar[str] = "trajectory"
-    OWN: ClassVar[tuple[str, ...]] = ("tokenizer", "share", "group_key", "copy_openers")
+    OWN: ClassVar[tuple[str, ...]] = (
+        "tokenizer", "share", "group_key", "copy_openers", "max_row_tokens", "oversized",
+    )  # fmt: skip
     padding_free: bool = True
     share: Literal["group", "batch", "none"] = "group"
     group_key: str = "group"
     copy_openers: bool = False
+    max_row_tokens: int | None = None
+    oversized: Literal["refuse", "split"] = "refuse"
     supervision: str | None = None
     float_fields: Sequence[str | TensorField] = ()
 
@@ -313,6 +321,17 @@ class TrajectoryOptions(TreeOptions):
         object.__setattr__(
             self, "copy_openers", check_bool("copy_openers", self.copy_openers, owner=self.OWNER)
         )
+        if self.max_row_tokens is not None:
+            check_int(self.OWNER, "max_row_tokens", self.max_row_tokens, 1, INT32_MAX)
+            if not self.padding_free:
+                raise ValueError(
+                    f"{self.OWNER}: max_row_tokens packs the trees into rows of that width; a padded batch "
+                    "(padding_free=False) gives each tree a row of its own: drop one of them"
+                )
+        if self.oversized not in ("refuse", "split"):
+            raise ValueError(
+                f"{self.OWNER}: oversized must be 'refuse' or 'split', got {shown(self.oversized)}"
+            )
         if self.supervision is not None and self.supervision not in _ROLLOUT_SUPERVISION:
             raise ValueError(
                 f"{self.OWNER}: supervision must name the field that marks the trained tokens, one of "
@@ -320,6 +339,14 @@ class TrajectoryOptions(TreeOptions):
             )
         super().__post_init__()
         object.__setattr__(self, "float_fields", self.transformers().floats)
+        broadcast = next((field.name for field in self.floats if field.broadcast), None)
+        if broadcast is not None and self.share != "none":
+            raise ValueError(
+                f"{self.OWNER}: float field {shown(broadcast)} is broadcast to its sequence's tokens, but a "
+                "tree's tokens (trained ones too) belong to several sequences, which one value per token "
+                f"cannot hold: declare FloatField({broadcast!r}, 'sequence') and spread it over every path's "
+                "tokens with along_paths(batch[name], batch)"
+            )
 
     @property
     def sharing(self) -> Sharing:
@@ -340,6 +367,14 @@ class TrajectoryOptions(TreeOptions):
     @property
     def copied_openers(self) -> bool:
         return self.copy_openers
+
+    @property
+    def row_tokens(self) -> int | None:
+        return self.max_row_tokens
+
+    @property
+    def split_oversized(self) -> bool:
+        return self.oversized == "split"
 
     @property
     def floats(self) -> tuple[TensorField, ...]:

@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from zephon_collate.core.checks import Keywords, check_bool
+from zephon_collate.core.fit import best_fit_rows
 from zephon_collate.core.keys import (
     ATTENTION_MASK,
     BRANCH_IDS,
@@ -51,7 +52,15 @@ from zephon_collate.core.keys import (
     TOKEN_TYPE_IDS,
 )
 from zephon_collate.layouts.base import Layout, Settings, Stacked
-from zephon_collate.layouts.forest import Laid, as_paths, copy_openers, lay_out, merge_prefixes, share_prompts
+from zephon_collate.layouts.forest import (
+    Laid,
+    as_paths,
+    copy_openers,
+    lay_out,
+    merge_prefixes,
+    share_prompts,
+    split_trees,
+)
 from zephon_collate.layouts.stack import dense
 from zephon_collate.layouts.transformers import TransformersOptions, in_float
 from zephon_collate.read.columns import Batch, Names, Ragged, Spread, filled
@@ -169,6 +178,16 @@ class TreeOptions(Keywords):
         return False
 
     @property
+    def row_tokens(self) -> int | None:
+        """Lay the trees best fit into rows of this many tokens (``None``: the layout's rows)."""
+        return None
+
+    @property
+    def split_oversized(self) -> bool:
+        """Split a tree wider than ``row_tokens`` at node boundaries (else it is refused)."""
+        return False
+
+    @property
     def copied_openers(self) -> bool:
         """Copy each branching node's last token into its branches (one prediction per place)."""
         return False
@@ -243,7 +262,9 @@ class Trees(Layout):
         if not rows.padding_free and not shared:  # shared: a 2-D mask would let branches see each other
             steps += [PaddingMask(), AttentionMask()]
         if options.LABELLED:
-            padded = not rows.padding_free or rows.pad_to_multiple_of is not None
+            padded = (
+                not rows.padding_free or rows.pad_to_multiple_of is not None or options.row_tokens is not None
+            )
             counts = PADDING_LENGTH if padded else None
             steps += [
                 UnshiftedLabels(),
@@ -279,7 +300,7 @@ class Trees(Layout):
         Raises:
             TypeError, ValueError: for a bad example, naming it, the field and the fix.
         """
-        forest = self.shared(self.options.read(batch))
+        forest = self.fitted(self.shared(self.options.read(batch)), batch.names)
         return [self.stacked(forest, lay_out(forest), batch.names)]
 
     def shared(self, forest: Forest) -> Forest:
@@ -297,22 +318,66 @@ class Trees(Layout):
             forest = as_paths(forest)
         return copy_openers(forest) if options.copied_openers else forest
 
+    def fitted(self, forest: Forest, names: Names) -> Forest:
+        """``forest`` with every tree within ``max_row_tokens``: split at node boundaries (``oversized=
+        "split"``), or refused.
+
+        Raises:
+            ValueError: naming an example of a tree wider than a row (or, split, of a node whose path
+                alone is), and the fix.
+        """
+        width = self.options.row_tokens
+        if width is None:
+            return forest
+        failed: int | None = None
+        if self.options.split_oversized:
+            forest, failed = split_trees(forest, width)
+            if failed is None:
+                return forest
+        laid = lay_out(forest)
+        sizes = np.diff(laid.documents)
+        if failed is None and bool((sizes <= width).all()):
+            return forest
+        if failed is None:  # the first sequence of the first tree too wide
+            starts = laid.path_offsets[:-1]
+            nonempty = np.diff(laid.path_offsets) > 0
+            tree = np.full(forest.sequences, -1, dtype=np.int64)
+            tree[nonempty] = np.searchsorted(laid.documents, laid.path_index[starts[nonempty]], "right") - 1
+            entry = int(np.flatnonzero(tree == int(np.flatnonzero(sizes > width)[0]))[0])
+        else:  # the first sequence through the node
+            entry = next(
+                s for s in range(forest.sequences) if failed in _ancestors(forest, int(forest.ends[s]))
+            )
+        source = int(forest.source[entry]) if forest.source is not None else entry
+        if failed is not None:
+            reach = int(forest.tokens.lengths[_ancestors(forest, failed)].sum())
+            what = f"a path of its tree reaches {reach} tokens by a node's end (trees split between nodes)"
+        else:
+            what = f"its tree holds {int(sizes.max())} tokens"
+        fix = (
+            "raise max_row_tokens" if failed is not None else "pass oversized='split' or raise max_row_tokens"
+        )
+        raise ValueError(f"{names(source)}: {what}, more than max_row_tokens={width}; {fix}")
+
     def stacked(self, forest: Forest, laid: Laid, names: Names) -> Stacked:
-        """The laid-out forest as the chain's input: documents in rows, every per-token field (the map's
+        """The laid-out forest as the chain's input: its documents in rows, every per-token field (the map's
         places counted in its row), the per-sequence values and roles."""
-        options, rows = self.options, self.rows
+        options = self.options
         documents = laid.documents
         lengths = np.diff(documents)
         doc = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
-        shift = np.zeros_like(doc) if rows.padding_free else documents[:-1][doc]  # laid index -> row place
-        per_token: dict[str, Ragged] = {
-            INPUT_IDS: Ragged(np.asarray(forest.tokens.values)[laid.order].astype(np.int64), documents),
-            LOSS_MASK: Ragged(np.asarray(forest.trained.values)[laid.order].astype(bool), documents),
+        rows, starts, width = self._placed(lengths)
+        place = starts[doc] + np.arange(doc.size, dtype=np.int64) - documents[:-1][doc]  # in its row
+        order = np.lexsort((place, rows[doc]))  # the tokens row by row
+        row_offsets = np.zeros(int(rows.max(initial=-1)) + 2, dtype=np.int64)
+        np.cumsum(np.bincount(rows[doc], minlength=row_offsets.size - 1), out=row_offsets[1:])
+        by_row = {
+            INPUT_IDS: np.asarray(forest.tokens.values)[laid.order].astype(np.int64),
+            LOSS_MASK: np.asarray(forest.trained.values)[laid.order].astype(bool),
         }
-        if rows.padding_free or rows.positions_out:
-            per_token[self.positions_key] = Ragged(laid.position, documents)
+        if self.rows.padding_free or self.rows.positions_out:
+            by_row[self.positions_key] = laid.position
         specs = {spec.name: spec for spec in options.floats}
-        place = np.arange(laid.position.size, dtype=np.int64) - shift  # each token's place in its row
         for name, field in forest.values.items():
             values = np.asarray(field.values)[laid.order]
             fill = specs[name].fill if name in specs else 0
@@ -322,32 +387,29 @@ class Trees(Layout):
                 values[where] = filled(
                     (int(where.sum()), *values.shape[1:]), fill, values.dtype, at=place[where]
                 )
-            per_token[name] = Ragged(values, documents)
+            by_row[name] = values
         per_sequence = dict(forest.per_sequence)
         for spec in options.floats:
             if spec.broadcast:  # one value per sequence on its tokens: where its sequences agree
-                per_token[spec.name] = Ragged(
-                    _broadcast(per_sequence.pop(spec.name), laid, spec.fill), documents
-                )
+                by_row[spec.name] = _broadcast(per_sequence.pop(spec.name), laid, spec.fill)
         structure = {
             DOCUMENT_IDS: doc.astype(np.int32),
             BRANCH_IDS: laid.branch.astype(np.int32),
-            LOGITS_INDEX: np.where(laid.predictor >= 0, laid.predictor - shift, -1),
+            LOGITS_INDEX: np.where(laid.predictor >= 0, place[np.maximum(laid.predictor, 0)], -1),
             SEQUENCE_INDEX: laid.sequence,
-            SUBTREE_END: laid.subtree_end - shift,
+            SUBTREE_END: place[np.maximum(laid.subtree_end - 1, 0)] + 1 if doc.size else laid.subtree_end,
         }
         kept = [*options.MAP, *((SUBTREE_END,) if options.tree_outputs else ())]
         for name in kept:  # each + 1: padding, filled with 0, reads -1 once stacked
-            per_token[name] = Ragged((structure[name] + 1).astype(structure[name].dtype), documents)
-        stacked = self._rows(per_token, specs, names)
+            by_row[name] = (structure[name] + 1).astype(structure[name].dtype)
+        per_token = {name: Ragged(values[order], row_offsets) for name, values in by_row.items()}
+        stacked = self._rows(per_token, specs, width)
         data = stacked.data
         for name in kept:
             data[name] = data[name] - 1
         if options.tree_outputs:
             width = data[INPUT_IDS].shape[1]
-            where = laid.path_index
-            row = doc[where] if not rows.padding_free else np.zeros_like(where)
-            data[PATH_INDEX] = row * width + where - shift[where]
+            data[PATH_INDEX] = rows[doc[laid.path_index]] * width + place[laid.path_index]
             data[PATH_OFFSETS] = laid.path_offsets
             padding = data[SUBTREE_END] < 0  # padding sees itself only
             data[SUBTREE_END] = np.where(padding, np.arange(width, dtype=np.int64) + 1, data[SUBTREE_END])
@@ -357,34 +419,58 @@ class Trees(Layout):
             data[ROLES + ",".join(forest.roles)] = forest.role_of
         return stacked
 
-    def _rows(self, per_token: dict[str, Ragged], specs: Mapping[str, TensorField], names: Names) -> Stacked:
-        """Documents as rows: each its own (padded), or end to end in one (padding-free)."""
+    def _placed(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, int | None]:
+        """Each document's row and its start there, and the rows' width (``None``: the longest's): a row
+        each (padded), end to end in one (padding-free), or best fit into rows of ``max_row_tokens``."""
+        count = lengths.size
+        fixed = self.options.row_tokens
+        if fixed is not None:
+            rows = np.zeros(count, dtype=np.int64)
+            starts = np.zeros(count, dtype=np.int64)
+            for row, members in enumerate(best_fit_rows(lengths.tolist(), fixed)):
+                rows[members] = row
+                starts[members] = np.concatenate([[0], np.cumsum(lengths[members])[:-1]])
+            return rows, starts, fixed
+        if self.rows.padding_free:
+            return np.zeros(count, dtype=np.int64), np.concatenate([[0], np.cumsum(lengths)[:-1]]), None
+        return np.arange(count, dtype=np.int64), np.zeros(count, dtype=np.int64), None
+
+    def _rows(
+        self, per_token: dict[str, Ragged], specs: Mapping[str, TensorField], width: int | None
+    ) -> Stacked:
+        """The rows stacked ``[rows, width]``: ``width`` given, the longest row's (padded), or the one row's
+        (padding-free), rounded up to ``pad_to_multiple_of``."""
         rows = self.rows
         fills: dict[str, int | float | Spread] = {INPUT_IDS: rows.pad_token_id or 0}
         fills.update((name, spec.fill) for name, spec in specs.items())
         tokens = per_token[INPUT_IDS]
-        if rows.padding_free:
-            total = int(tokens.values.shape[0])
-            if not total:
-                raise ValueError(
-                    f"{self.OWNER}: every {self.ITEM} of the batch is empty; padding_free needs a token "
-                    "(give non-empty ones, or pad them: padding_free=False)"
-                )
+        if rows.padding_free and not int(tokens.values.shape[0]):
+            raise ValueError(
+                f"{self.OWNER}: every {self.ITEM} of the batch is empty; padding_free needs a token "
+                "(give non-empty ones, or pad them: padding_free=False)"
+            )
+        if width is None and rows.padding_free:
             multiple = rows.pad_to_multiple_of
+            total = int(tokens.values.shape[0])
             width = total if multiple is None else -(-total // multiple) * multiple
-            one = np.array([0, total], dtype=np.int64)
-            per_token = {name: Ragged(field.values, one) for name, field in per_token.items()}
-            padding = np.array([width - total], dtype=np.int64)
-        else:
+        elif width is None:
             assert rows.row_padding is not None
             width = rows.row_padding.width(tokens.lengths)
-            padding = np.subtract(width, tokens.lengths, dtype=np.int64)
         data: dict[str, Any] = {}
         for name, field in per_token.items():
             values = dense(field, width, fills.get(name, 0))
             data[name] = in_float(values, specs[name]) if name in specs else values
-        data[PADDING_LENGTH] = padding
+        data[PADDING_LENGTH] = np.subtract(width, tokens.lengths, dtype=np.int64)
         return Stacked(data)
+
+
+def _ancestors(forest: Forest, node: int) -> list[int]:
+    """``node`` and the nodes above it (none for -1)."""
+    found = []
+    while node >= 0:
+        found.append(node)
+        node = int(forest.parent[node])
+    return found
 
 
 def _per_sequence(forest: Forest, names: Sequence[str]) -> Forest:

@@ -260,9 +260,10 @@ def _sequence_map(
         if offsets.numel() < 1:
             raise ValueError(f"batch['path_offsets'] must hold [num_sequences + 1] offsets; {_FIX}")
         count = path_count = offsets.numel() - 1
-        path_sequence = torch.repeat_interleave(
-            torch.arange(count, device=ids.device), offsets[1:] - offsets[:-1], output_size=paths.numel()
-        )
+        sizes = offsets[1:] - offsets[:-1]
+        read["path_first"], read["path_last"] = offsets[0], offsets[-1]
+        if count:
+            read["path_size"] = sizes.min()
         if paths.numel():
             read["path_low"], read["path_high"] = paths.aminmax()
     if LOGITS_INDEX in batch and SEQUENCE_INDEX in batch:
@@ -319,6 +320,17 @@ def _sequence_map(
         )
     if values.get("path_low", 0) < 0 or values.get("path_high", -1) >= rows * length:
         raise ValueError(f"batch['path_index'] points outside input_ids of shape {(rows, length)}; {_FIX}")
+    if paths is not None:  # sequence s's path: path_index[path_offsets[s]:path_offsets[s + 1]]
+        first, last, falling = values["path_first"], values["path_last"], values.get("path_size", 0) < 0
+        if first != 0 or last != paths.numel() or falling:
+            raise ValueError(
+                f"batch['path_offsets'] must rise from 0 to the {paths.numel()} places of "
+                f"batch['path_index'], got offsets from {first} to {last}"
+                f"{', falling' if falling else ''}; {_FIX}"
+            )
+        path_sequence = torch.repeat_interleave(
+            torch.arange(path_count, device=ids.device), sizes, output_size=paths.numel()
+        )
     if paths is not None and count != path_count:
         raise ValueError(
             f"batch['path_offsets'] holds {path_count} sequences, batch['num_sequences'] {count}; {_FIX}"

@@ -1,0 +1,237 @@
+"""Collator.for_trees: trajectories (flat, as turns, in groups) and explicit trees laid out as prefix trees,
+hand-worked; rows of a fixed width (split or refused); the copied openers; every refusal named."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from zephon_collate import Collator, FloatField
+from zephon_collate.functional.trees import TreeBlocks, dense_tree_mask, use_tree_attention
+from zephon_collate.losses import unpack
+
+
+def trajectory(ids: list[int], prompt: int, **fields: object) -> dict:
+    """A trajectory: its first ``prompt`` tokens untrained, the rest trained."""
+    return {"input_ids": ids, "completion_mask": [0] * prompt + [1] * (len(ids) - prompt), **fields}
+
+
+GROUPS = [
+    trajectory([1, 2, 3, 4], 2, group="a"),
+    trajectory([1, 2, 3, 5, 6], 2, group="a"),
+    trajectory([1, 2, 3, 4], 2, group="b"),  # the same tokens, another group
+    trajectory([1, 2, 7], 2, group="a"),
+]
+
+
+def as_lists(batch: dict) -> dict:
+    return {key: value.tolist() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+
+
+def test_trajectories_share_within_their_group():
+    out = as_lists(Collator.for_trees()(GROUPS))
+    # group a: 1 2 ─┬─ 3 ─┬─ 4        group b: 1 2 3 4 (alone)
+    #               │     └─ 5 6
+    #               └─ 7
+    assert out["input_ids"] == [[1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4]]
+    assert out["position_ids"] == [[0, 1, 2, 3, 3, 4, 2, 0, 1, 2, 3]]
+    assert out["logits_index"] == [[-1, 0, 1, 2, 2, 4, 1, -1, 7, 8, 9]]
+    assert out["subtree_end"] == [[7, 7, 6, 4, 6, 6, 7, 11, 11, 11, 11]]
+    assert out["document_ids"] == [[0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1]]
+    assert out["labels"] == [[-100, -100, 3, 4, 5, 6, 7, -100, -100, 3, 4]]
+    assert out["sequence_index"] == [[-1, -1, -1, 0, 1, 1, 3, 2, 2, 2, 2]]
+    assert out["path_offsets"] == [0, 4, 9, 13, 16]
+    assert out["path_index"] == [0, 1, 2, 3, 0, 1, 2, 4, 5, 7, 8, 9, 10, 0, 1, 6]
+    assert out["num_sequences"] == 4
+    shared = as_lists(Collator.for_trees(share="batch")(GROUPS))
+    assert shared["input_ids"] == [[1, 2, 3, 4, 5, 6, 7]]  # the two [1, 2, 3, 4] end at one node
+    assert shared["path_index"][:4] == shared["path_index"][9:13] == [0, 1, 2, 3]
+    flat = as_lists(Collator.for_trees(share="none", return_flash_attn_kwargs=True)(GROUPS))
+    assert flat["input_ids"] == [[1, 2, 3, 4, 1, 2, 3, 5, 6, 1, 2, 3, 4, 1, 2, 7]]
+    assert flat["cu_seq_lens_q"] == [0, 4, 9, 13, 16]  # the paths whole, for a varlen kernel
+
+
+def test_a_batch_without_groups_is_one_group_and_a_partial_one_is_refused():
+    plain = [{k: v for k, v in t.items() if k != "group"} for t in GROUPS]
+    assert Collator.for_trees()(plain)["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7]]
+    with pytest.raises(ValueError, match=r"example 1: lacks 'group', which example 0 carries"):
+        Collator.for_trees()([GROUPS[0], plain[1]])
+
+
+def test_supervision_and_values_must_agree_to_share():
+    """Tokens are shared only where their ids, supervision and per-token values all agree."""
+    other = trajectory([1, 2, 3, 9], 3)  # token 3 untrained here, trained in the first
+    assert Collator.for_trees()([trajectory([1, 2, 3, 4], 2), other])["input_ids"].tolist() == [
+        [1, 2, 3, 4, 3, 9]
+    ]
+    old = [FloatField("old")]
+    a = trajectory([1, 2, 3], 1, old=[0.0, -1.0, -2.0])
+    b = trajectory([1, 2, 4], 1, old=[0.0, -1.5, -2.0])  # the value of token 2 differs
+    assert Collator.for_trees(float_fields=old)([a, b])["input_ids"].tolist() == [[1, 2, 3, 2, 4]]
+
+
+def test_trajectories_given_as_turns():
+    turns = {
+        "input_ids": [[1, 2], [3, 4], [5]],  # system, assistant, tool
+        "completion_mask": [0, 1, 0],  # one value per turn
+        "old": [[0.0, 0.0], [-1.0, -2.0], [0.0]],  # per token, turn by turn
+    }
+    flat = trajectory([1, 2, 3, 4, 6], 2, old=[0.0, 0.0, -1.0, -2.0, -3.0])
+    out = as_lists(Collator.for_trees(float_fields=["old"])([turns, flat]))
+    assert out["input_ids"] == [[1, 2, 3, 4, 5, 6]]
+    assert out["labels"] == [[-100, -100, 3, 4, -100, 6]]
+    assert out["old"] == [[0.0, 0.0, -1.0, -2.0, 0.0, -3.0]]
+    bad = {**turns, "completion_mask": [[0, 0], [1], [0]]}
+    with pytest.raises(ValueError, match=r"example 0: 'completion_mask' holds turns of \[2, 1, 1\] values"):
+        Collator.for_trees()([bad])
+
+
+def test_explicit_trees_node_by_node():
+    nodes = [
+        {"node_id": 10, "parent_id": -1, "input_ids": [1, 2], "completion_mask": [0, 0]},
+        {"node_id": 12, "parent_id": 11, "input_ids": [5], "completion_mask": [1], "adv": 1.0},
+        {"node_id": 11, "parent_id": 10, "input_ids": [3, 4], "completion_mask": [1, 1], "adv": 0.0},
+        {"node_id": 13, "parent_id": 11, "input_ids": [6, 7], "completion_mask": [1, 1], "adv": -1.0},
+        {"node_id": 14, "parent_id": None, "input_ids": [8], "completion_mask": [1], "adv": 2.0},
+    ]
+    out = as_lists(Collator.for_trees(float_fields=[FloatField("adv", "sequence")])(nodes))
+    # leaves (sequences) in the order given: 12, 13, 14
+    assert out["input_ids"] == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert out["position_ids"] == [[0, 1, 2, 3, 4, 4, 5, 0]]
+    assert out["adv"] == [1.0, -1.0, 2.0]
+    assert out["path_offsets"] == [0, 5, 11, 12]
+    assert out["path_index"] == [0, 1, 2, 3, 4, 0, 1, 2, 3, 5, 6, 7]
+    base = {"input_ids": [1], "completion_mask": [1]}
+    cases = [
+        (
+            [{**base, "node_id": 1, "parent_id": -1}, {**base, "node_id": 1, "parent_id": -1}],
+            "example 1: node_id 1",
+        ),
+        ([{**base, "node_id": 1, "parent_id": 7}], r"example 0: parent_id 7 is no node of the batch"),
+        (
+            [{**base, "node_id": 1, "parent_id": 2}, {**base, "node_id": 2, "parent_id": 1}],
+            r"go round in a cycle",
+        ),
+        ([{**base, "node_id": 1, "parent_id": -1, "input_ids": [], "completion_mask": []}], "without tokens"),
+        ([{**base, "node_id": 1.5, "parent_id": -1}], r"example 0: 'node_id' is 1\.5; a node id is an int"),
+    ]
+    for given, message in cases:
+        with pytest.raises((ValueError, TypeError), match=message):
+            Collator.for_trees()(given)
+    with pytest.raises(ValueError, match=r"'old' is label-aligned; in a tree a node's last token"):
+        Collator.for_trees(float_fields=[FloatField("old", "label")])(
+            [{**base, "node_id": 1, "parent_id": -1}]
+        )
+
+
+def test_copied_openers_predict_one_token_per_place():
+    out = as_lists(Collator.for_trees(copy_openers=True)(GROUPS[:2] + GROUPS[3:]))
+    # 1 2 ─┬─ 3 ─┬─ 4      the branching nodes' last tokens (2, then 3) copied into each branch
+    #      │     └─ 5 6
+    #      └─ 7
+    assert out["input_ids"] == [[1, 2, 3, 4, 3, 5, 6, 2, 7]]
+    assert out["position_ids"] == [[0, 1, 2, 3, 2, 3, 4, 1, 2]]
+    predicted: dict[int, set[int]] = {}
+    for place, source in enumerate(out["logits_index"][0]):
+        predicted.setdefault(source, set()).add(out["input_ids"][0][place])
+    assert all(len(tokens) == 1 for source, tokens in predicted.items() if source >= 0)
+    paths = [row.tolist() for row in unpack(torch.tensor(out["input_ids"]), {**out, **_tensors(out)})]
+    assert paths == [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 7]]
+
+
+def _tensors(out: dict) -> dict:
+    return {key: torch.tensor(value) for key, value in out.items() if isinstance(value, list)}
+
+
+def test_rows_of_a_fixed_width_split_or_refuse_a_wide_tree():
+    rows = [
+        trajectory([7, 8, 1, 2], 2),
+        trajectory([7, 8, 3, 4], 2),
+        trajectory([7, 8, 5], 2),
+        trajectory([9, 9], 1),
+    ]
+    out = as_lists(Collator.for_trees(max_row_tokens=6, oversized="split")(rows))
+    assert out["input_ids"] == [[7, 8, 1, 2, 3, 4], [7, 8, 5, 9, 9, 0]]  # the prefix repeated in each part
+    assert out["position_ids"] == [[0, 1, 2, 3, 2, 3], [0, 1, 2, 0, 1, 0]]
+    assert out["subtree_end"] == [[6, 6, 4, 4, 6, 6], [3, 3, 3, 5, 5, 6]]
+    assert out["labels"] == [[-100, -100, 1, 2, 3, 4], [-100, -100, 5, -100, 9, -100]]
+    assert out["path_index"] == [0, 1, 2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10]
+    with pytest.raises(
+        ValueError, match=r"example 0: its tree holds 7 tokens, more than max_row_tokens=6; pass"
+    ):
+        Collator.for_trees(max_row_tokens=6)(rows)
+    with pytest.raises(ValueError, match=r"reaches 4 tokens by a node's end .* max_row_tokens=3; raise"):
+        Collator.for_trees(max_row_tokens=3, oversized="split")(rows)
+    with pytest.raises(
+        ValueError, match=r"max_row_tokens packs the trees into rows .* \(padding_free=False\)"
+    ):
+        Collator.for_trees(max_row_tokens=6, padding_free=False, pad_token_id=0)
+
+
+def test_option_refusals_name_the_fix():
+    with pytest.raises(
+        ValueError, match=r"share='group' puts several responses after one prompt.*share='none'"
+    ):
+        Collator.for_trees(return_flash_attn_kwargs=True)
+    with pytest.raises(ValueError, match=r"share must be 'group', 'batch' or 'none', got 'tree'"):
+        Collator.for_trees(share="tree")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"oversized must be 'refuse' or 'split'"):
+        Collator.for_trees(oversized="cut")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"nothing says which tokens are the completion"):
+        Collator.for_trees()([{"input_ids": [1, 2]}])
+
+
+def test_a_per_sequence_value_is_spread_along_the_paths_not_broadcast_to_shared_tokens():
+    """A tree's trained tokens may belong to several paths, each with its own advantage: one value per token
+    cannot hold them, so a broadcast field is refused, and a per-sequence one reaches every path's tokens
+    through along_paths."""
+    rows = [
+        trajectory([1, 2, 3], 1, adv=1.0),
+        trajectory([1, 2, 4], 1, adv=-1.0),
+        trajectory([1, 5], 1, adv=2.0),
+    ]
+    with pytest.raises(
+        ValueError, match=r"'adv' is broadcast .* FloatField\('adv', 'sequence'\) .* along_paths"
+    ):
+        Collator.for_trees(float_fields=[FloatField("adv", "sequence", broadcast=True)])
+    out = Collator.for_trees(float_fields=[FloatField("adv", "sequence")])(rows)
+    assert out["input_ids"].tolist() == [[1, 2, 3, 4, 5]] and out["adv"].tolist() == [1.0, -1.0, 2.0]
+    from zephon_collate.losses import along_paths
+
+    assert along_paths(out["adv"], out).tolist() == [1.0] * 3 + [-1.0] * 3 + [2.0] * 2
+    flat = Collator.for_trees(share="none", float_fields=[FloatField("adv", "sequence", broadcast=True)])(
+        rows
+    )
+    assert flat["adv"].tolist() == [
+        [1.0, 1.0, 1.0, -1.0, -1.0, -1.0, 2.0, 2.0]
+    ]  # one path per token: allowed
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_a_tree_batch_scores_every_path_as_it_scores_alone(dtype, tolerance):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, 32, 9).tolist()
+    rows = [trajectory(prompt + rng.integers(3, 32, int(rng.integers(1, 7))).tolist(), 9) for _ in range(5)]
+    rows.append(trajectory(rows[0]["input_ids"] + [4, 5], 9))  # continues another path
+    batch = Collator.for_trees(pad_to_multiple_of=8, pad_token_id=0)(rows)
+    with torch.no_grad():
+        alone = [model(torch.tensor([row["input_ids"]])).logits[0] for row in rows]
+        sdpa = model(batch["input_ids"], position_ids=batch["position_ids"],
+                     attention_mask=dense_tree_mask(batch["subtree_end"])).logits  # fmt: skip
+        use_tree_attention(model)
+        tree = model(
+            batch["input_ids"], position_ids=batch["position_ids"], tree=TreeBlocks.from_batch(batch)
+        ).logits
+        model.set_attn_implementation("sdpa")
+    for logits in (sdpa, tree):
+        for path, want in zip(unpack(logits, batch), alone, strict=True):
+            assert (path - want).abs().max() < tolerance
