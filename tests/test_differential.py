@@ -240,6 +240,38 @@ def rollouts(seed: int, rows: int, length: int) -> list:
     return out
 
 
+def trajectories(seed: int, rows: int, length: int) -> list:
+    """Agentic trajectories that branch at several depths: each continues an earlier one (or a new
+    prompt) from a random place, trained and untrained spans alternating; two groups."""
+    rng = np.random.default_rng(seed)
+    out: list[dict] = []
+    for index in range(rows):
+        if index and rng.random() < 0.8:
+            base = out[int(rng.integers(0, index))]
+            cut = int(rng.integers(1, len(base["input_ids"]) + 1))
+            ids, trained = base["input_ids"][:cut], base["completion_mask"][:cut]
+            old = base["old"][:cut]
+        else:
+            ids = rng.integers(3, 40, int(rng.integers(1, length))).tolist()
+            trained, old = [0] * len(ids), [0.0] * len(ids)
+        for _ in range(int(rng.integers(1, 3))):
+            span = int(rng.integers(1, length))
+            flag = int(rng.integers(0, 2))
+            ids = ids + rng.integers(3, 40, span).tolist()
+            trained = trained + [flag] * span
+            old = old + rng.normal(size=span).astype(np.float32).tolist()
+        out.append(
+            {
+                "input_ids": ids,
+                "completion_mask": trained,
+                "old": old,
+                "adv": float(rng.normal()),
+                "group": index % 2,
+            }
+        )
+    return out
+
+
 SHAPES = [(3, 16), (2, 9), (4, 23), (1, 12)]
 """(rows, length) of each batch a case runs: several shapes, so compiled graphs see dynamic sizes."""
 
@@ -249,6 +281,7 @@ TOP = [  # a teacher's top-2 per prediction, some entries absent (-inf): tensor-
 ]
 FLOATS = ["old", FloatField("adv", "sequence"), *TOP]
 ROLLOUT_FLOATS = ["old", FloatField("adv", "sequence", broadcast=True), *TOP]
+TREE_FLOATS = ["old", FloatField("adv", "sequence")]
 NATIVE_FULL = {
     "return_labels": True,
     "return_loss_mask": True,
@@ -407,6 +440,28 @@ CASES: list[tuple[str, Callable[..., Any], Callable[[int, int, int], Any]]] = [
         "rollouts-padded",
         lambda **m: Collator.for_rollouts(pad_token_id=PAD, float_fields=FLOATS, **m),
         rollouts,
+    ),
+    (
+        "trees-group",
+        lambda **m: Collator.for_trees(float_fields=TREE_FLOATS, pad_token_id=PAD, pad_to_multiple_of=4, **m),
+        trajectories,
+    ),
+    (
+        "trees-batch-copied-rows",
+        lambda **m: Collator.for_trees(
+            share="batch",
+            copy_openers=True,
+            max_row_tokens=160,
+            oversized="split",
+            float_fields=TREE_FLOATS,
+            **m,
+        ),
+        trajectories,
+    ),
+    (
+        "trees-padded",
+        lambda **m: Collator.for_trees(padding_free=False, pad_token_id=PAD, float_fields=TREE_FLOATS, **m),
+        trajectories,
     ),
 ]
 

@@ -265,7 +265,8 @@ def test_shared_prompt_refusals():
     ):
         check_packing(SegmentSums(), "PackedDPOTrainer", shared_prompt=True)
     view = _view({"input_ids": [[5, 6]], "attention_mask": [[1, 1]], "completion_mask": [[0, 1]]})
-    with pytest.raises(ValueError, match=r"reads the batch as pairs.*but it has 1 rows"):
-        PackedPreference(view, shared_prompt=True)([])
+    # Shared prefixes are found in the whole batch (a prefix tree), so the rows need not come in pairs.
+    one = PackedPreference(view, shared_prompt=True)([])["packed"]
+    assert one["input_ids"].tolist() == [[5, 6]] and one["shift_labels"].tolist() == [[6, -100]]
     with pytest.raises(TypeError, match=r"shared_prompt must be a bool, got 'yes'"):
         PackedPreference(view, shared_prompt="yes")  # type: ignore[arg-type]

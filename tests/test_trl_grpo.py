@@ -200,7 +200,6 @@ def test_shared_prompt_under_flash_attention_is_refused(model_path):
 def test_shuffled_groups_still_share_and_score_as_stock(model_path):
     """TRL shuffles a generation batch's rows before the training pass: a group's completions are found
     wherever they sit, laid out after one copy of their prompt, and scored as stock scores them."""
-    from zephon_collate.trainers.grpo import _by_prompt
     from zephon_collate.trainers.view import pack_view
 
     batch = rows(grouped=True)
@@ -209,8 +208,7 @@ def test_shuffled_groups_still_share_and_score_as_stock(model_path):
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)[shuffle]
     trained = mask.clone()
     trained[:, :-6] = 0
-    order = _by_prompt(ids, mask, 6)
-    shared = pack_view(ids, mask, trained, "one", "test", shared_prompt=True, order=order)
+    shared = pack_view(ids, mask, trained, "one", "test", shared_prompt=True)  # prefixes found anywhere
     assert shared["input_ids"].shape == (1, 23)  # as the grouped rows: each prompt once
     stock, packed = (
         trainer(GRPOTrainer, model_path),

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from zephon_collate.core.fit import best_fit_rows
 from zephon_collate.read.columns import Ragged, gather_spans
 from zephon_collate.read.forest import Forest
 
-__all__ = ["Laid", "as_paths", "copy_openers", "lay_out", "merge_prefixes", "share_prompts"]
+__all__ = ["Laid", "as_paths", "copy_openers", "lay_out", "merge_prefixes", "share_prompts", "split_trees"]
 
 
 @dataclass
@@ -397,3 +398,86 @@ def lay_out(forest: Forest) -> Laid:
         path_index=np.concatenate(path_parts) if path_parts else np.zeros(0, dtype=np.int64),
         path_offsets=path_offsets,
     )
+
+
+def split_trees(forest: Forest, width: int) -> tuple[Forest, int | None]:
+    """Each tree wider than ``width`` tokens split at node boundaries, so that every tree fits a row: a
+    node's branches are grouped (best fit by their tokens) into trees of their own, each behind a copy of
+    the path above them; a branch wider than its room is split the same way, one level down. Every
+    sequence lies in exactly one tree, whole.
+
+    Returns:
+        The forest, and ``None``; or, where a path's prefix alone is wider than ``width`` (a node that
+        cannot be split), the unchanged forest and that node.
+
+    Example:
+        >>> rows = [[7, 8, 1, 2], [7, 8, 3, 4], [7, 8, 5]]
+        >>> offsets = np.array([0, 4, 8, 11])
+        >>> tree = merge_prefixes(Forest.chains(Ragged(np.array(sum(rows, [])), offsets),
+        ...                                     Ragged(np.ones(11, bool), offsets)))
+        >>> fitted, _ = split_trees(tree, 6)
+        >>> lay_out(fitted).documents.tolist(), as_paths(fitted).tokens.values.tolist() == sum(rows, [])
+        ([0, 6, 9], True)
+    """
+    count = forest.nodes
+    lengths = forest.tokens.lengths.astype(np.int64)
+    offsets = forest.tokens.offsets
+    children: list[list[int]] = [[] for _ in range(count)]
+    roots: list[int] = []
+    for node in range(count):
+        (roots if forest.parent[node] < 0 else children[int(forest.parent[node])]).append(node)
+    size = lengths.copy()
+    for node in reversed(range(count)):  # parents come first: children are summed into them
+        if forest.parent[node] >= 0:
+            size[forest.parent[node]] += size[node]
+    ending: list[list[int]] = [[] for _ in range(count)]
+    for sequence, end in enumerate(forest.ends.tolist()):
+        if end >= 0:
+            ending[end].append(sequence)
+    builder = _Builder(forest)
+    ends = np.full(forest.sequences, -1, dtype=np.int64)
+
+    def copy(node: int, parent: int) -> None:  # a whole subtree, under ``parent``
+        made = builder.add(int(offsets[node]), int(offsets[node + 1]), parent)
+        for sequence in ending[node]:
+            ends[sequence] = made
+        for child in children[node]:
+            copy(child, made)
+
+    def fit(node: int, prefix: list[int]) -> int | None:  # the subtree of ``node`` behind ``prefix``
+        above = int(lengths[prefix].sum()) if prefix else 0
+        if above + size[node] <= width:
+            parent = -1
+            for step in prefix:
+                parent = builder.add(int(offsets[step]), int(offsets[step + 1]), parent)
+            copy(node, parent)
+            return None
+        room = width - above - int(lengths[node])
+        if room < 0:
+            return node
+        whole = [child for child in children[node] if size[child] <= room]
+        bins = best_fit_rows([int(size[child]) for child in whole], room) if whole else []
+        if not bins and ending[node]:
+            bins = [[]]  # the sequences ending here need a tree of their own
+        for index, members in enumerate(bins):
+            parent = -1
+            for step in prefix:
+                parent = builder.add(int(offsets[step]), int(offsets[step + 1]), parent)
+            made = builder.add(int(offsets[node]), int(offsets[node + 1]), parent)
+            if index == 0:
+                for sequence in ending[node]:
+                    ends[sequence] = made
+            for member in members:
+                copy(whole[member], made)
+        for child in children[node]:
+            if size[child] > room:
+                failed = fit(child, [*prefix, node])
+                if failed is not None:
+                    return failed
+        return None
+
+    for root in roots:
+        failed = fit(root, [])
+        if failed is not None:
+            return forest, failed
+    return builder.build(ends), None

@@ -21,6 +21,7 @@ then every rejected one.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -67,6 +68,7 @@ from zephon_collate.read.columns import (
     places,
     row_any,
     row_of,
+    to_row,
 )
 from zephon_collate.read.examples import ExampleSpec, read_examples, supervision
 from zephon_collate.read.fields import FloatField, read_floats, to_label_positions, value_rows
@@ -786,7 +788,8 @@ def read_trees(batch: Batch, spec: ExampleSpec) -> Forest:
                 f"{names(lacking)}: lacks {shown(name)}; a tree is given node by node, each with its "
                 f"{NODE_ID} and its {PARENT_ID} (-1 for a root)"
             )
-    chains = read_rollouts(batch, spec)
+    per_node = dataclasses.replace(spec, floats=tuple(field for field in spec.floats if field.per_token))
+    chains = read_rollouts(batch, per_node)
     ids = [_node_id(value, row, NODE_ID, names) for row, value in enumerate(batch.objects(NODE_ID))]
     row_of_id: dict[int, int] = {}
     for row, node in enumerate(ids):
@@ -834,13 +837,28 @@ def read_trees(batch: Batch, spec: ExampleSpec) -> Forest:
         return Ragged(np.asarray(field.values)[picked], offsets)
 
     parent_rank = np.array([rank[parents[row]] if parents[row] >= 0 else -1 for row in order], dtype=np.int64)
+    per_sequence = {}
+    for field in spec.floats:  # one value per sequence: given on the leaves
+        if field.per_token:
+            continue
+        values = batch.objects(field.name) if field.name in batch else [None] * batch.rows
+        rows = []
+        for leaf in leaves:
+            if values[leaf] is None:
+                raise ValueError(
+                    f"{names(leaf)}: a leaf (a sequence's end) lacks {shown(field.name)}, one value per "
+                    "sequence; give it on every leaf"
+                )
+            rows.append(to_row(values[leaf], names(leaf), field.name, "values"))
+        read = read_floats(rows, np.ones(len(rows), np.int64), field, lambda i: names(leaves[i]))
+        per_sequence[field.name] = np.stack(cast(list[np.ndarray], read)) if rows else np.zeros(0)
     return Forest(
         take(chains.tokens),
         take(chains.trained),
         parent_rank,
         rank[sequence_of] if leaves else np.zeros(0, dtype=np.int64),
         {name: take(field) for name, field in chains.values.items()},
-        {name: values[sequence_of] for name, values in chains.per_sequence.items()},
+        per_sequence,
         sequence_of,
     )
 

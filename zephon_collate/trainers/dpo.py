@@ -132,13 +132,6 @@ class PackedPreference:
                 f"({shown(attention_mask[row].tolist())}); the view must pad on the right, as TRL's "
                 "DataCollatorForPreference does"
             )
-        if self.shared_prompt and input_ids.shape[0] % 2:
-            raise ValueError(
-                f"PackedPreference: shared_prompt=True reads the batch as pairs (the chosen rows, then the "
-                f"rejected ones), but it has {input_ids.shape[0]} rows; give TRL's DataCollatorForPreference"
-            )
-        half = input_ids.shape[0] // 2  # each pair's chosen and rejected rows together, to share the prompt
-        order = [row for pair in range(half) for row in (pair, half + pair)] if self.shared_prompt else None
         return pack_view(
             input_ids,
             attention_mask,
@@ -146,7 +139,6 @@ class PackedPreference:
             self.rows,
             "PackedPreference",
             shared_prompt=self.shared_prompt,
-            order=order,
         )
 
 

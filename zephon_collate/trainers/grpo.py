@@ -100,7 +100,6 @@ class PackedGRPOTrainer(GRPOTrainer):
                     self.packed_rows,
                     "PackedGRPOTrainer",
                     shared_prompt=self.shared_prompt,
-                    order=_by_prompt(ids, mask, logits_to_keep) if self.shared_prompt else None,
                 ).items()
             }
             extra = {"output_router_logits": True} if compute_aux_loss else {}
@@ -123,11 +122,3 @@ class PackedGRPOTrainer(GRPOTrainer):
             torch.cat(entropies, dim=0) if compute_entropy else None,
             torch.stack(aux_losses).mean() if compute_aux_loss else None,
         )
-
-
-def _by_prompt(ids: torch.Tensor, mask: torch.Tensor, keep: int) -> list[int]:
-    """The rows in an order that puts equal prompts (the columns before the last ``keep``) together: TRL
-    shuffles a generation batch's rows before the training pass, so a group's completions are not
-    neighbours there."""
-    prompts = (ids[:, :-keep] * mask[:, :-keep]).tolist()
-    return sorted(range(len(prompts)), key=prompts.__getitem__)

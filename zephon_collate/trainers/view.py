@@ -30,18 +30,19 @@ from torch import nn
 from trl.trainer.utils import FusedCausalLMOutput
 
 from zephon_collate.collate.collator import Collator
+from zephon_collate.core.fit import best_fit_rows
 from zephon_collate.core.keys import (
     ATTENTION_MASK,
-    BRANCH_IDS,
     DOCUMENT_IDS,
     INPUT_IDS,
     LOGITS_INDEX,
+    PATH_INDEX,
+    PATH_OFFSETS,
     POSITION_IDS,
-    SEQUENCE_INDEX,
+    SUBTREE_END,
 )
 from zephon_collate.core.text import shown
-from zephon_collate.functional.attention import dense_branch_mask
-from zephon_collate.packing._plan import best_fit_rows
+from zephon_collate.functional.trees import dense_tree_mask
 
 __all__ = [
     "PACKED",
@@ -65,8 +66,8 @@ ROWS = ("one", "fit")
 
 _PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 _PASSED = frozenset({"use_cache", "output_router_logits"})  # model keywords TRL adds that packing keeps
-_PACK = Collator.for_rollouts(padding_free=True)
-_SHARE = Collator.for_rollouts(padding_free=True, shared_prompt=True)
+_PACK = Collator.for_trees(share="none")
+_SHARE = Collator.for_trees(share="batch", copy_openers=True)
 
 
 def pack_view(
@@ -77,31 +78,28 @@ def pack_view(
     owner: str,
     *,
     shared_prompt: bool = False,
-    order: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The sequences of a padded batch, packed.
+    """The sequences of a padded batch, packed: each laid out whole, or (``shared_prompt``) every prefix
+    they share laid out once, as ``Collator.for_trees`` lays trajectories out.
 
     Parameters:
         input_ids, attention_mask: ``[R, T]``; each row's tokens (``attention_mask`` 1) one contiguous span.
         trained: ``[R, T]``, nonzero at the tokens whose prediction is scored.
-        rows: ``"one"``: every sequence in one row ``[1, N]`` (varlen attention kernels such as
-            FlashAttention, whose cost grows with each sequence); ``"fit"``: the sequences best-fit into
+        rows: ``"one"``: every document (a sequence, or a tree) in one row ``[1, N]`` (varlen attention
+            kernels such as FlashAttention, whose cost grows with each sequence); ``"fit"``: best-fit into
             rows as wide as the longest (attention that masks a dense row, SDPA or eager, whose cost grows
             with the row's width squared). A row's padding is a sequence of its own, never scored.
         owner: who errors name.
-        shared_prompt: consecutive sequences (in ``order``) with the same prompt (the tokens before the
-            first trained one) share it: it is laid out once, each response after it in a branch of its
-            own, opened by a copy of the prompt's last token (which predicts the response's first token
-            there: one prediction per place). The rows then come with the 4-D ``attention_mask`` that
-            keeps a branch from its siblings.
-        order: the rows in the order they are laid out (default: as given), e.g. each DPO pair's chosen
-            and rejected rows together, so that they share their prompt.
+        shared_prompt: share every common prefix of the rows (a DPO pair's prompt, a GRPO group's), each
+            branch opened by a copy of its parent's last token (which predicts the branch's first token
+            there: one prediction per place). The rows then come with the 4-D ``attention_mask`` of the
+            tree (each token sees its ancestors and the earlier tokens of its node).
 
     Returns:
         ``input_ids``, ``position_ids`` and ``shift_labels`` (each place's next token where it is scored,
         else -100) ``[rows, width]`` (and, shared, ``attention_mask`` ``[rows, 1, width, width]``);
         ``source``, the flat packed place of each scored prediction, and ``target``, its flat place in the
-        ``[R, T - 1]`` view.
+        ``[R, T - 1]`` view (a place shared by several rows is the source of each of their targets).
 
     Raises:
         ValueError: for a row whose tokens are not one span (holes in ``attention_mask``), naming it.
@@ -114,8 +112,6 @@ def pack_view(
         ([[5, 6, 7, 5, 9]], [[6, 7, -100, 9, -100]])
         >>> packed["source"].tolist(), packed["target"].tolist()
         ([0, 1, 3], [1, 2, 3])
-        >>> pack_view(ids, mask, mask, "fit", "example")["position_ids"].tolist()
-        [[0, 1, 2], [0, 1, 0]]
         >>> pairs = torch.tensor([[4, 5, 6, 7], [4, 5, 8, 0]])  # prompt [4, 5]: responses [6, 7] and [8]
         >>> trained = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 0]])
         >>> shared = pack_view(pairs, pairs != 0, trained, "one", "example", shared_prompt=True)
@@ -136,43 +132,35 @@ def pack_view(
             f"{owner}: row {index}'s attention_mask has holes ({shown(attention_mask[index].tolist())}); "
             "each row's tokens must be one span, with padding on the left or the right only"
         )
-    lengths, starts_at = counts.tolist(), first.tolist()
-    order = range(len(lengths)) if order is None else order
     scored = trained != 0
-    examples = []
-    for i in order:
-        span_of = slice(starts_at[i], starts_at[i] + lengths[i])
-        supervised = scored[i, span_of].clone()
-        if shared_prompt:  # the token before the response opens its branch: the prompt shared is one shorter
-            supervised[:-1] |= supervised[1:].clone()
-        examples.append({INPUT_IDS: input_ids[i, span_of], "completion_mask": supervised})
-    flat = (_SHARE if shared_prompt else _PACK)(examples)
-    # Each flat place in the [bins, width] grid: documents (a sequence, or a prompt and its branches) best
-    # fit into rows, each document's tokens together.
-    positions = flat[POSITION_IDS][0]
-    tokens = flat[INPUT_IDS][0]
-    grid = grid_rows(flat[DOCUMENT_IDS][0], tokens, positions, rows)
+    lengths, starts_at = counts.tolist(), first.tolist()
+    examples = [
+        {
+            INPUT_IDS: input_ids[i, start : start + length],
+            "completion_mask": scored[i, start : start + length],
+        }
+        for i, (start, length) in enumerate(zip(starts_at, lengths, strict=True))
+    ]
+    tree = (_SHARE if shared_prompt else _PACK)(examples)
+    tokens, positions = tree[INPUT_IDS][0], tree[POSITION_IDS][0]
+    grid = grid_rows(tree[DOCUMENT_IDS][0], tokens, positions, rows)
     place = grid.pop("place")
     bins, width = grid[INPUT_IDS].shape
     size = bins * width
-    # The predicted tokens: their view row, and their place in it (positions count from the row's start).
-    sequence = flat[SEQUENCE_INDEX][0]
-    view_row = torch.tensor(list(order), dtype=torch.long)[sequence.clamp(min=0)]
-    column_of = first[view_row] + positions
-    hit = (sequence >= 0) & (positions > 0)
-    hit &= scored[view_row, column_of.clamp(max=scored.shape[1] - 1)]
-    hit = hit.nonzero()[:, 0]
-    source = place[flat[LOGITS_INDEX][0, hit]]
-    shift_labels = tokens.new_full((size,), -100).index_copy(0, source, tokens[hit])
+    # Every row's path: its k-th token is the view row's column first + k, predicted from logits_index.
+    path, offsets = tree[PATH_INDEX], tree[PATH_OFFSETS]
+    view_row = torch.repeat_interleave(torch.arange(len(lengths)), offsets[1:] - offsets[:-1])
+    k = torch.arange(path.numel()) - offsets[:-1][view_row]
+    column_of = first[view_row] + k
+    hit = (k > 0) & scored[view_row, column_of.clamp(max=scored.shape[1] - 1)]
+    source = place[tree[LOGITS_INDEX][0, path[hit]]]
+    shift_labels = tokens.new_full((size,), -100).index_copy(0, source, tokens[path[hit]])
     out = {**grid, "shift_labels": shift_labels.view(bins, width)}
-    if shared_prompt:  # the attention: a branch sees its prompt and itself, never its sibling
-        ids = {
-            key: torch.full((size,), -1, dtype=flat[key].dtype).index_copy(0, place, flat[key][0])
-            for key in (DOCUMENT_IDS, BRANCH_IDS)
-        }
-        out[ATTENTION_MASK] = dense_branch_mask(
-            ids[DOCUMENT_IDS].view(bins, width), ids[BRANCH_IDS].view(bins, width)
-        )
+    if shared_prompt:  # the attention: a token sees its ancestors and its node's earlier tokens
+        # A subtree stays contiguous in its grid row: its end is its last token's place there, plus one.
+        ends = place[(tree[SUBTREE_END][0] - 1).clamp(min=0)] % width + 1
+        laid = torch.arange(size) % width + 1  # padding sees itself only
+        out[ATTENTION_MASK] = dense_tree_mask(laid.index_copy(0, place, ends).view(bins, width))
     out["source"] = source
     out["target"] = view_row[hit] * (input_ids.shape[1] - 1) + column_of[hit] - 1
     return out
