@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 Trajectory = tuple[list[int], list[bool]]
-VOCAB = 30_000
+VOCAB = 4_096
 
 
 def _span(rng: np.random.Generator, low: int, high: int) -> list[int]:

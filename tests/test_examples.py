@@ -77,6 +77,7 @@ DOC_PAGES = [
     "distributed.md",
     "tensor_fields.md",
     "vision_language.md",
+    "trees.md",
 ]
 
 

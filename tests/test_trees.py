@@ -164,7 +164,7 @@ def test_rows_of_a_fixed_width_split_or_refuse_a_wide_tree():
     with pytest.raises(ValueError, match=r"reaches 4 tokens by a node's end .* max_row_tokens=3; raise"):
         Collator.for_trees(max_row_tokens=3, oversized="split")(rows)
     with pytest.raises(
-        ValueError, match=r"max_row_tokens packs the trees into rows .* \(padding_free=False\)"
+        ValueError, match=r"max_row_tokens packs the documents into rows .* \(padding_free=False\)"
     ):
         Collator.for_trees(max_row_tokens=6, padding_free=False, pad_token_id=0)
 

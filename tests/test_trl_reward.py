@@ -294,7 +294,8 @@ def test_the_transformer_sees_only_real_tokens_and_other_calls_run_stock():
     assert (
         int(batch["attention_mask"].sum()) == real <= batch["input_ids"].numel() < padded["input_ids"].numel()
     )
-    one = run.data_collator.collate(examples)  # FlashAttention's layout: one row of every real token
+    # FlashAttention's layout: one row of every real token (the collator the trainer builds for it)
+    one = packed_rewards(DataCollatorForPreference(pad_token_id=PAD), run.model.config.pad_token_id)(examples)
     assert one["input_ids"].shape == (1, real)
     assert torch.equal(one["attention_mask"], torch.ones_like(one["input_ids"]))
     scored = batch["input_ids"].flatten()[batch["last_token_index"]]

@@ -285,7 +285,7 @@ class TrajectoryOptions(TreeOptions):
         copy_openers: give each branch a copy of its parent's last token, so that each place predicts one
             token (a model's own shifted loss, a fused head reading one label row).
         max_row_tokens: lay the trees best fit (by their tokens) into rows of this many tokens, ``[R,
-            max_row_tokens]``, instead of one row.
+            max_row_tokens]`` (``"longest"``: as many as the longest tree has), instead of one row.
         oversized: a tree wider than ``max_row_tokens``: ``"refuse"`` it, naming an example, or ``"split"``
             it at node boundaries, each part behind a copy of the path above it.
         supervision: the field that marks the trained tokens, required in every example, or ``None``: every
@@ -299,15 +299,11 @@ class TrajectoryOptions(TreeOptions):
 
     OWNER: ClassVar[str] = "Collator.for_trees"
     ITEM: ClassVar[str] = "trajectory"
-    OWN: ClassVar[tuple[str, ...]] = (
-        "tokenizer", "share", "group_key", "copy_openers", "max_row_tokens", "oversized",
-    )  # fmt: skip
+    OWN: ClassVar[tuple[str, ...]] = ("tokenizer", "share", "group_key", "copy_openers")
     padding_free: bool = True
     share: Literal["group", "batch", "none"] = "group"
     group_key: str = "group"
     copy_openers: bool = False
-    max_row_tokens: int | None = None
-    oversized: Literal["refuse", "split"] = "refuse"
     supervision: str | None = None
     float_fields: Sequence[str | TensorField] = ()
 
@@ -321,17 +317,6 @@ class TrajectoryOptions(TreeOptions):
         object.__setattr__(
             self, "copy_openers", check_bool("copy_openers", self.copy_openers, owner=self.OWNER)
         )
-        if self.max_row_tokens is not None:
-            check_int(self.OWNER, "max_row_tokens", self.max_row_tokens, 1, INT32_MAX)
-            if not self.padding_free:
-                raise ValueError(
-                    f"{self.OWNER}: max_row_tokens packs the trees into rows of that width; a padded batch "
-                    "(padding_free=False) gives each tree a row of its own: drop one of them"
-                )
-        if self.oversized not in ("refuse", "split"):
-            raise ValueError(
-                f"{self.OWNER}: oversized must be 'refuse' or 'split', got {shown(self.oversized)}"
-            )
         if self.supervision is not None and self.supervision not in _ROLLOUT_SUPERVISION:
             raise ValueError(
                 f"{self.OWNER}: supervision must name the field that marks the trained tokens, one of "
@@ -367,14 +352,6 @@ class TrajectoryOptions(TreeOptions):
     @property
     def copied_openers(self) -> bool:
         return self.copy_openers
-
-    @property
-    def row_tokens(self) -> int | None:
-        return self.max_row_tokens
-
-    @property
-    def split_oversized(self) -> bool:
-        return self.oversized == "split"
 
     @property
     def floats(self) -> tuple[TensorField, ...]:

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from zephon_collate.core.checks import Keywords, check_bool
+from zephon_collate.core.checks import Keywords, check_bool, check_int
 from zephon_collate.core.fit import best_fit_rows
 from zephon_collate.core.keys import (
     ATTENTION_MASK,
@@ -33,6 +33,7 @@ from zephon_collate.core.keys import (
     DOCUMENT_IDS,
     IGNORE_INDEX,
     INPUT_IDS,
+    INT32_MAX,
     LABELS,
     LOGITS_INDEX,
     LOSS_MASK,
@@ -51,6 +52,7 @@ from zephon_collate.core.keys import (
     SUBTREE_END,
     TOKEN_TYPE_IDS,
 )
+from zephon_collate.core.text import shown
 from zephon_collate.layouts.base import Layout, Settings, Stacked
 from zephon_collate.layouts.forest import (
     Laid,
@@ -101,6 +103,11 @@ class TreeOptions(Keywords):
         return_position_ids: emit ``position_ids`` (default: padding-free or shared, where needed).
         return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free, unshared).
         return_seq_idx: emit ``seq_idx`` (padding-free, unshared).
+        max_row_tokens: lay the documents (trees) best fit into rows of this many tokens, ``"longest"``:
+            as many as the longest document has (a dense mask's cost is a row's width squared); ``None``:
+            one row (padding-free) or a row each (padded).
+        oversized: a document wider than ``max_row_tokens``: ``"refuse"`` it, naming an example, or
+            ``"split"`` it at node boundaries, each part behind a copy of the path above it.
 
     Raises:
         TypeError, ValueError: for a value of the wrong type, or options that do not fit each other.
@@ -132,6 +139,8 @@ class TreeOptions(Keywords):
     return_position_ids: bool | None = None
     return_flash_attn_kwargs: bool = False
     return_seq_idx: bool = False
+    max_row_tokens: int | Literal["longest"] | None = None
+    oversized: Literal["refuse", "split"] = "refuse"
 
     def __post_init__(self) -> None:
         if self.pad_token_id is None and self.tokenizer is not None:
@@ -139,6 +148,18 @@ class TreeOptions(Keywords):
         object.__setattr__(self, "tokenizer", None)  # read once: the options hold plain values only
         for name in ("padding_free", "return_flash_attn_kwargs", "return_seq_idx"):
             object.__setattr__(self, name, check_bool(name, getattr(self, name), owner=self.OWNER))
+        if self.max_row_tokens is not None:
+            if self.max_row_tokens != "longest":
+                check_int(self.OWNER, "max_row_tokens", self.max_row_tokens, 1, INT32_MAX)
+            if not self.padding_free:
+                raise ValueError(
+                    f"{self.OWNER}: max_row_tokens packs the documents into rows of that width; a padded "
+                    "batch (padding_free=False) gives each a row of its own: drop one of them"
+                )
+        if self.oversized not in ("refuse", "split"):
+            raise ValueError(
+                f"{self.OWNER}: oversized must be 'refuse' or 'split', got {shown(self.oversized)}"
+            )
         self.transformers()  # checks the rest, naming the preset
 
     # -- what a preset sets -------------------------------------------------------------------------
@@ -178,16 +199,6 @@ class TreeOptions(Keywords):
         return False
 
     @property
-    def row_tokens(self) -> int | None:
-        """Lay the trees best fit into rows of this many tokens (``None``: the layout's rows)."""
-        return None
-
-    @property
-    def split_oversized(self) -> bool:
-        """Split a tree wider than ``row_tokens`` at node boundaries (else it is refused)."""
-        return False
-
-    @property
     def copied_openers(self) -> bool:
         """Copy each branching node's last token into its branches (one prediction per place)."""
         return False
@@ -197,7 +208,8 @@ class TreeOptions(Keywords):
     def transformers(self) -> TransformersOptions:
         """The options as the ``transformers`` layout's (checked, errors naming the preset)."""
         owner = self.OWNER
-        layout = {name: getattr(self, name) for name in self.names() if name not in self.OWN}
+        own = (*self.OWN, "max_row_tokens", "oversized")
+        layout = {name: getattr(self, name) for name in self.names() if name not in own}
         if self.sharing != "none":
             if self.return_flash_attn_kwargs or self.return_seq_idx:
                 fix = (
@@ -263,7 +275,9 @@ class Trees(Layout):
             steps += [PaddingMask(), AttentionMask()]
         if options.LABELLED:
             padded = (
-                not rows.padding_free or rows.pad_to_multiple_of is not None or options.row_tokens is not None
+                not rows.padding_free
+                or rows.pad_to_multiple_of is not None
+                or options.max_row_tokens is not None
             )
             counts = PADDING_LENGTH if padded else None
             steps += [
@@ -326,11 +340,11 @@ class Trees(Layout):
             ValueError: naming an example of a tree wider than a row (or, split, of a node whose path
                 alone is), and the fix.
         """
-        width = self.options.row_tokens
-        if width is None:
+        width = self.options.max_row_tokens
+        if not isinstance(width, int):
             return forest
         failed: int | None = None
-        if self.options.split_oversized:
+        if self.options.oversized == "split":
             forest, failed = split_trees(forest, width)
             if failed is None:
                 return forest
@@ -423,7 +437,11 @@ class Trees(Layout):
         """Each document's row and its start there, and the rows' width (``None``: the longest's): a row
         each (padded), end to end in one (padding-free), or best fit into rows of ``max_row_tokens``."""
         count = lengths.size
-        fixed = self.options.row_tokens
+        fixed = self.options.max_row_tokens
+        if fixed == "longest":
+            longest = int(lengths.max(initial=0))
+            multiple = self.rows.pad_to_multiple_of
+            fixed = longest if multiple is None else -(-longest // multiple) * multiple
         if fixed is not None:
             rows = np.zeros(count, dtype=np.int64)
             starts = np.zeros(count, dtype=np.int64)

@@ -42,7 +42,6 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-import torch
 from torch import nn
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from trl.trainer.reward_trainer import DataCollatorForPreference, RewardTrainer
@@ -52,7 +51,7 @@ from zephon_collate.core.keys import ATTENTION_MASK, INPUT_IDS, LAST_TOKEN_INDEX
 from zephon_collate.core.text import shown
 from zephon_collate.layouts.presets import RewardOptions
 from zephon_collate.layouts.trees import Trees
-from zephon_collate.trainers.view import check_packing, grid_rows, packed_rows, present
+from zephon_collate.trainers.view import check_packing, packed_rows, present
 from zephon_collate.transforms import AttentionMask, PaddingMask
 
 __all__ = ["PackedRewardTrainer", "packed_rewards", "wrap_score_forward"]
@@ -62,7 +61,9 @@ _READ = frozenset({INPUT_IDS, ATTENTION_MASK, POSITION_IDS, MARGIN, "use_cache"}
 """What the packed forward reads or may ignore: TRL's ``model(**batch, use_cache=False)``."""
 
 
-def packed_rewards(view: Callable[..., Mapping[str, Any]], skip_id: int | None) -> Collator:
+def packed_rewards(
+    view: Callable[..., Mapping[str, Any]], skip_id: int | None, rows: Literal["one", "fit"] = "one"
+) -> Collator:
     """The padding-free :meth:`Collator.for_rewards <zephon_collate.Collator.for_rewards>` standing in for
     ``view``, with the same padding, and an ``attention_mask`` (ones on the row's tokens) for TRL's token
     count.
@@ -71,6 +72,8 @@ def packed_rewards(view: Callable[..., Mapping[str, Any]], skip_id: int | None) 
         view: TRL's reward ``DataCollatorForPreference`` or a ``Collator.for_rewards`` collator.
         skip_id: the model's ``pad_token_id``: each sequence is scored at its last token that is not it,
             as the model's own pooling reads it.
+        rows: ``"one"``: the sequences in one row (varlen attention); ``"fit"``: best fit into rows as wide
+            as the longest (attention that masks a dense row, whose cost is its width squared).
 
     Raises:
         TypeError: for another collate function (its batch cannot be packed: name it).
@@ -91,6 +94,7 @@ def packed_rewards(view: Callable[..., Mapping[str, Any]], skip_id: int | None) 
             return_flash_attn_kwargs=False,
             return_seq_idx=False,
             last_token_skip_id=skip_id,
+            max_row_tokens="longest" if rows == "fit" else None,
         )
         settings = dataclasses.replace(view.settings, transforms=[*masks, *view.settings.transforms])
         return Collator.of(Trees(options, settings))
@@ -100,6 +104,7 @@ def packed_rewards(view: Callable[..., Mapping[str, Any]], skip_id: int | None) 
             pad_token_id=view.pad_token_id,
             pad_to_multiple_of=view.pad_to_multiple_of,
             last_token_skip_id=skip_id,
+            max_row_tokens="longest" if rows == "fit" else None,
             transforms=masks,
         )
     raise TypeError(
@@ -107,32 +112,6 @@ def packed_rewards(view: Callable[..., Mapping[str, Any]], skip_id: int | None) 
         f"(the default) or Collator.for_rewards(...), got {type(view).__name__}; drop data_collator, or "
         "train with RewardTrainer"
     )
-
-
-class _Rows:
-    """A padding-free reward collator whose row is laid out in the rows the attention wants
-    (:func:`~zephon_collate.trainers.view.packed_rows`): under SDPA or eager attention, which mask a dense
-    row and cost its width squared, the sequences best-fit into rows as wide as the longest, with
-    ``last_token_index`` and the ``attention_mask`` (TRL's token count) carried into them."""
-
-    def __init__(self, collate: Collator, rows: Literal["one", "fit"]) -> None:
-        self.collate, self.rows = collate, rows
-
-    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        batch = self.collate(examples)
-        if self.rows == "one":
-            return batch
-        positions = batch[POSITION_IDS][0]
-        grid = grid_rows(torch.cumsum(positions == 0, 0) - 1, batch[INPUT_IDS][0], positions, "fit")
-        place = grid.pop("place")
-        mask = batch[ATTENTION_MASK][0]
-        laid = mask.new_zeros(grid[INPUT_IDS].numel()).index_copy(0, place, mask)
-        return {
-            **batch,
-            **grid,
-            ATTENTION_MASK: laid.view_as(grid[INPUT_IDS]),
-            LAST_TOKEN_INDEX: place[batch[LAST_TOKEN_INDEX]],
-        }
 
 
 def wrap_score_forward(model: nn.Module) -> None:
@@ -206,5 +185,5 @@ class PackedRewardTrainer(RewardTrainer):
             )
         check_packing(decoder, _OWNER)
         skip_id = getattr(base.config.get_text_config(), "pad_token_id", None)
-        self.data_collator = _Rows(packed_rewards(self.data_collator, skip_id), packed_rows(base))
+        self.data_collator = packed_rewards(self.data_collator, skip_id, packed_rows(base))
         wrap_score_forward(base)

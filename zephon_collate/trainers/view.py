@@ -30,10 +30,8 @@ from torch import nn
 from trl.trainer.utils import FusedCausalLMOutput
 
 from zephon_collate.collate.collator import Collator
-from zephon_collate.core.fit import best_fit_rows
 from zephon_collate.core.keys import (
     ATTENTION_MASK,
-    DOCUMENT_IDS,
     INPUT_IDS,
     LOGITS_INDEX,
     PATH_INDEX,
@@ -49,7 +47,6 @@ __all__ = [
     "ROWS",
     "branch_attention",
     "check_packing",
-    "grid_rows",
     "layer_limits",
     "pack_view",
     "packed_base",
@@ -66,8 +63,21 @@ ROWS = ("one", "fit")
 
 _PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 _PASSED = frozenset({"use_cache", "output_router_logits"})  # model keywords TRL adds that packing keeps
-_PACK = Collator.for_trees(share="none")
-_SHARE = Collator.for_trees(share="batch", copy_openers=True)
+_COLLATORS: dict[tuple[bool, str], Collator] = {}
+
+
+def _collator(shared_prompt: bool, rows: Literal["one", "fit"]) -> Collator:
+    """The tree collator of a packed view: every path whole, or every shared prefix once (each branch
+    opened by a copy of its parent's last token); in one row, or best fit into rows as wide as the
+    longest document."""
+    key = (shared_prompt, rows)
+    if key not in _COLLATORS:
+        _COLLATORS[key] = Collator.for_trees(
+            share="batch" if shared_prompt else "none",
+            copy_openers=shared_prompt,
+            max_row_tokens="longest" if rows == "fit" else None,
+        )
+    return _COLLATORS[key]
 
 
 def pack_view(
@@ -141,67 +151,28 @@ def pack_view(
         }
         for i, (start, length) in enumerate(zip(starts_at, lengths, strict=True))
     ]
-    tree = (_SHARE if shared_prompt else _PACK)(examples)
-    tokens, positions = tree[INPUT_IDS][0], tree[POSITION_IDS][0]
-    grid = grid_rows(tree[DOCUMENT_IDS][0], tokens, positions, rows)
-    place = grid.pop("place")
-    bins, width = grid[INPUT_IDS].shape
-    size = bins * width
+    tree = _collator(shared_prompt, rows)(examples)
+    tokens = tree[INPUT_IDS]
+    bins, width = tokens.shape
     # Every row's path: its k-th token is the view row's column first + k, predicted from logits_index.
     path, offsets = tree[PATH_INDEX], tree[PATH_OFFSETS]
     view_row = torch.repeat_interleave(torch.arange(len(lengths)), offsets[1:] - offsets[:-1])
     k = torch.arange(path.numel()) - offsets[:-1][view_row]
     column_of = first[view_row] + k
     hit = (k > 0) & scored[view_row, column_of.clamp(max=scored.shape[1] - 1)]
-    source = place[tree[LOGITS_INDEX][0, path[hit]]]
-    shift_labels = tokens.new_full((size,), -100).index_copy(0, source, tokens[path[hit]])
-    out = {**grid, "shift_labels": shift_labels.view(bins, width)}
+    places = path[hit]
+    source = places // width * width + tree[LOGITS_INDEX].reshape(-1)[places]
+    shift_labels = tokens.new_full((bins * width,), -100).index_copy(0, source, tokens.reshape(-1)[places])
+    out = {
+        INPUT_IDS: tokens,
+        POSITION_IDS: tree[POSITION_IDS],
+        "shift_labels": shift_labels.view(bins, width),
+    }
     if shared_prompt:  # the attention: a token sees its ancestors and its node's earlier tokens
-        # A subtree stays contiguous in its grid row: its end is its last token's place there, plus one.
-        ends = place[(tree[SUBTREE_END][0] - 1).clamp(min=0)] % width + 1
-        laid = torch.arange(size) % width + 1  # padding sees itself only
-        out[ATTENTION_MASK] = dense_tree_mask(laid.index_copy(0, place, ends).view(bins, width))
+        out[ATTENTION_MASK] = dense_tree_mask(tree[SUBTREE_END])
     out["source"] = source
     out["target"] = view_row[hit] * (input_ids.shape[1] - 1) + column_of[hit] - 1
     return out
-
-
-def grid_rows(
-    document: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, rows: Literal["one", "fit"]
-) -> dict[str, torch.Tensor]:
-    """A packed row's documents (``document``: each token's, ``[N]``, numbered from 0 in order) laid out
-    in rows: ``"one"``, as they are; ``"fit"``, best-fit into rows as wide as the longest document.
-
-    Returns:
-        ``input_ids`` and ``position_ids`` ``[rows, width]`` (each row's padding counts from 0, a
-        sequence of its own, never read), and ``place``: each token's flat place in them.
-
-    Example:
-        >>> tokens, positions = torch.tensor([5, 6, 7, 8, 9]), torch.tensor([0, 1, 2, 0, 1])
-        >>> grid = grid_rows(torch.tensor([0, 0, 0, 1, 1]), tokens, positions, "fit")
-        >>> grid["input_ids"].tolist(), grid["position_ids"].tolist(), grid["place"].tolist()
-        ([[5, 6, 7], [8, 9, 0]], [[0, 1, 2], [0, 1, 0]], [0, 1, 2, 3, 4])
-    """
-    document = document.long()
-    total = document.numel()
-    sizes = torch.bincount(document)
-    width = int(sizes.max()) if rows == "fit" else total
-    bins = best_fit_rows(sizes.tolist(), width) if rows == "fit" else [list(range(len(sizes)))]
-    row_of_doc, start_of_doc = torch.zeros_like(sizes), torch.zeros_like(sizes)
-    used = torch.zeros(len(bins), dtype=torch.long)
-    for row, members in enumerate(bins):
-        for member in members:
-            row_of_doc[member], start_of_doc[member] = row, used[row]
-            used[row] += sizes[member]
-    into = torch.arange(total) - (torch.cumsum(sizes, 0) - sizes)[document]  # each token's place in its doc
-    place = row_of_doc[document] * width + start_of_doc[document] + into
-    after = torch.arange(width) - used[:, None]  # each row's padding counts from 0: a sequence of its own
-    size = len(bins) * width
-    return {
-        INPUT_IDS: tokens.new_zeros(size).index_copy(0, place, tokens).view(len(bins), width),
-        POSITION_IDS: after.clamp(min=0).reshape(-1).index_copy(0, place, positions).view(len(bins), width),
-        "place": place,
-    }
 
 
 def _laid_out(values: torch.Tensor | None, packed: Mapping[str, torch.Tensor], shape: Sequence[int]) -> Any:
