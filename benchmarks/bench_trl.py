@@ -41,7 +41,6 @@ from trl import DPOTrainer, GRPOConfig, GRPOTrainer
 from trl_dpo import llama, pairs, tokenizer, trainer
 
 from zephon_collate.trainers import PackedDPOTrainer, PackedGRPOTrainer, PackedPreference, PackedRewardTrainer
-from zephon_collate.trainers.grpo import _by_prompt
 from zephon_collate.trainers.view import pack_view
 
 
@@ -126,11 +125,8 @@ def grpo(args: argparse.Namespace) -> None:
         packed += int(mask.sum())
         trained = mask.clone()
         trained[:, :-keep] = 0
-        order = _by_prompt(ids, mask, keep)
-        shared += pack_view(ids, mask, trained, "fit", "bench", shared_prompt=True, order=order)[
-            "input_ids"
-        ].numel()
-        one_row = pack_view(ids, mask, trained, "one", "bench", shared_prompt=True, order=order)
+        shared += pack_view(ids, mask, trained, "fit", "bench", shared_prompt=True)["input_ids"].numel()
+        one_row = pack_view(ids, mask, trained, "one", "bench", shared_prompt=True)
         shared_real += one_row["input_ids"].numel()
     ids, mask, keep = rollouts(args.prompts)
     times = checked_and_timed(runs, lambda name, run: grpo_step(run, ids, mask, keep), args.rounds)

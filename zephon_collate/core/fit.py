@@ -1,9 +1,9 @@
 """Where pieces go: the one rule of each packing strategy, over a list of piece lengths.
 
-The streaming packer (:class:`~zephon_collate.packing.rows.Engine`) and the
-columnar packer (:func:`~zephon_collate.packing.columns.pack_columns`) both
-place pieces with these functions, so they pack the same documents into the
-same rows. Lengths are ints from 1 to ``seq_len`` (a longer document is cut
+The streaming packer (:class:`~zephon_collate.packing.rows.Engine`), the
+columnar packer (:func:`~zephon_collate.packing.columns.pack_columns`) and the
+tree layout place pieces with these functions, so they pack the same documents
+into the same rows. Lengths are ints from 1 to ``seq_len`` (a longer document is cut
 into pieces first). Neither function touches a token: greedy steps row by
 row (one binary search over the running total each), best-fit-decreasing
 piece by piece (a sequential rule, one binary search over the open rows each).

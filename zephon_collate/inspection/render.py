@@ -26,45 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from zephon_collate.core.keys import LABELS
-from zephon_collate.inspection.rows import RowView, batch_rows, batch_warnings, percent
+from zephon_collate.inspection.rows import RowView, batch_rows, batch_warnings
 from zephon_collate.inspection.trees import is_tree_batch
+from zephon_collate.inspection.values import is_special, paint, percent, token_text
 
 __all__ = ["render_batch", "render_batch_png", "token_text"]
 
 _LEGEND = "legend: | starts a segment; mask + supervised, . ignored, _ padding, ! supervised padding"
-_MAX_TOKEN_CHARS = 16
-_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r", " ": "␣"}
-_ANSI = {
-    "bold": "\x1b[1m",
-    "dim": "\x1b[2m",
-    "green": "\x1b[32m",
-    "magenta": "\x1b[1;35m",
-    "red": "\x1b[1;31m",
-    "yellow": "\x1b[33m",
-}
-_RESET = "\x1b[0m"
-
-
-def token_text(tokenizer: Any, token: int) -> str:
-    """A token as printable text: ``tokenizer.decode([token])`` or ``tokenizer(token)``, else the id.
-
-    Spaces show as ``␣``, newlines, tabs and returns as ``\\n``, ``\\t``, ``\\r``,
-    other control characters as ``\\xNN``; long tokens are cut with ``~``.
-    """
-    if tokenizer is None:
-        return str(token)
-    text = tokenizer.decode([token]) if hasattr(tokenizer, "decode") else str(tokenizer(token))
-    shown = "".join(
-        _ESCAPES.get(char, f"\\x{ord(char):02x}" if ord(char) < 32 or ord(char) == 127 else char)
-        for char in text
-    )
-    if not shown:
-        return "''"
-    return shown if len(shown) <= _MAX_TOKEN_CHARS else shown[: _MAX_TOKEN_CHARS - 1] + "~"
-
-
-def _paint(text: str, style: str | None, color: bool) -> str:
-    return f"{_ANSI[style]}{text}{_RESET}" if color and style else text
 
 
 @dataclass(frozen=True)
@@ -135,7 +103,7 @@ def _render_row(
         shown = start + collapse
     cells = _cells(row, tokenizer, shown)
     names = [name for name in ("pos", "in", "label", "mask") if any(name in cell.texts for cell in cells)]
-    lines = [_paint(_header(row), "bold", color)]
+    lines = [paint(_header(row), "bold", color)]
     band: list[_Cell] = []
     used = 8
     bands = []
@@ -154,8 +122,8 @@ def _render_row(
             parts = [f"  {name:<6}"]
             for cell in band:
                 text, style = cell.texts.get(name, ("", None))
-                parts.append(_paint("|", "magenta", color) if cell.start else " ")
-                parts.append(_paint(text, style, color) + " " * (cell.width - len(text)))
+                parts.append(paint("|", "magenta", color) if cell.start else " ")
+                parts.append(paint(text, style, color) + " " * (cell.width - len(text)))
             lines.append("".join(parts).rstrip())
     if shown < total:
         lines.append(f"  ... {total - shown} more padding tokens")
@@ -238,7 +206,7 @@ def render_batch(
         what = LABELS if rows[0].labels is not None else "tokens"
         summary.append(f"{supervised} of {total} {what} supervised ({percent(supervised, total)})")
     summary.append(f"{padding} of {total} tokens padding ({percent(padding, total)})")
-    lines = [_paint("batch: " + "; ".join(summary), "bold", color), ""]
+    lines = [paint("batch: " + "; ".join(summary), "bold", color), ""]
     for row in rows[:max_rows]:
         lines += _render_row(row, tokenizer, color, width, max_tokens, collapse_padding)
         lines.append("")
@@ -247,8 +215,8 @@ def render_batch(
     lines.append(_LEGEND)
     warnings = batch_warnings(rows)
     if warnings:
-        lines.append(_paint(f"warnings ({len(warnings)}):", "yellow", color))
-        lines += [_paint(f"  - {warning}", "yellow", color) for warning in warnings]
+        lines.append(paint(f"warnings ({len(warnings)}):", "yellow", color))
+        lines += [paint(f"  - {warning}", "yellow", color) for warning in warnings]
     else:
         lines.append("warnings: none")
     return "\n".join(lines)
@@ -263,10 +231,6 @@ _PNG_COLORS = {
     "bad": "#ff6b6b",
     "start": "#8e24aa",
 }
-
-
-def _is_special(text: str) -> bool:
-    return len(text) > 2 and text.startswith("<") and text.endswith(">")
 
 
 def _font_size(text: str) -> float:
@@ -357,7 +321,7 @@ def render_batch_png(
             top = y + (t // tokens_per_line) * line_height + 0.6
             padded = row.padding[t]
             text = token_text(tokenizer, row.input_ids[t])
-            special = _is_special(text)
+            special = is_special(text)
             text = text[1:-1] if special else text  # "<bos>" -> "bos": legible in a cell
             face = _PNG_COLORS["padding" if padded else "special" if special else "input"]
             axes.add_patch(Rectangle((x, top), 1, 1, facecolor=face, edgecolor="#cfd8dc", lw=0.3))
@@ -372,7 +336,7 @@ def render_batch_png(
                 )
                 if row.labels is not None:
                     label = token_text(tokenizer, row.labels[t]) if supervised else "-"
-                    label = label[1:-1] if _is_special(label) else label
+                    label = label[1:-1] if is_special(label) else label
                     axes.text(x + 0.5, top + 1.5, label, fontsize=_font_size(label), color="#37474f", **mono)
             if t in starts:
                 axes.plot(

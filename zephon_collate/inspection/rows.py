@@ -37,8 +37,9 @@ from zephon_collate.core.keys import (
 )
 from zephon_collate.core.text import shown
 from zephon_collate.functional.segments import segment_starts
+from zephon_collate.inspection.values import as_rows, percent
 
-__all__ = ["RowView", "batch_rows", "batch_warnings", "is_transformers_batch", "percent"]
+__all__ = ["RowView", "batch_rows", "batch_warnings", "is_transformers_batch"]
 
 _PADDING_WARN_FRACTION = 0.5
 
@@ -79,24 +80,6 @@ class RowView:
         return sum(self.supervised) if self.supervised is not None else 0
 
 
-def _as_lists(value: Any) -> Any:
-    if hasattr(value, "detach"):
-        value = value.detach().cpu()
-    return value.tolist() if hasattr(value, "tolist") else value
-
-
-def _as_rows(value: Any, name: str) -> list[list[Any]]:
-    """A field as a list of per-row lists; a flat (1-D) field is one row."""
-    data = _as_lists(value)
-    if not isinstance(data, list):
-        raise TypeError(
-            f"inspect_batch: field {shown(name)} must be a tensor, array or list, got {type(value).__name__}"
-        )
-    if data and not isinstance(data[0], list):
-        return [data]
-    return data
-
-
 def _starts(positions: list[int]) -> list[int]:
     """Where segments start: the package's one rule (:func:`~zephon_collate.functional.segment_starts`)."""
     if not positions:
@@ -135,10 +118,10 @@ def _page_view(batch: Mapping[str, Any], ignore_index: int) -> dict[str, Any]:
         view[CU_SEQLENS] = batch[CU_SEQ_LENS_Q]
     if batch.get(ATTENTION_MASK) is not None:
         view[PADDING_MASK] = [
-            [not value for value in row] for row in _as_rows(batch[ATTENTION_MASK], ATTENTION_MASK)
+            [not value for value in row] for row in as_rows(batch[ATTENTION_MASK], ATTENTION_MASK)
         ]
     if batch.get(LABELS) is not None:
-        view[LABELS] = [[*row[1:], ignore_index] if row else [] for row in _as_rows(batch[LABELS], LABELS)]
+        view[LABELS] = [[*row[1:], ignore_index] if row else [] for row in as_rows(batch[LABELS], LABELS)]
     return view
 
 
@@ -168,18 +151,18 @@ def batch_rows(
         raise KeyError(f"inspect_batch: the batch has no 'input_ids' (its keys: {sorted(batch)})")
     if is_transformers_batch(batch):
         batch = _page_view(batch, ignore_index)
-    tokens = _as_rows(batch[INPUT_IDS], INPUT_IDS)
+    tokens = as_rows(batch[INPUT_IDS], INPUT_IDS)
     fields: dict[str, list[list[Any]]] = {}
     for name in (LABELS, LOSS_MASK, POSITIONS, PADDING_MASK):
         if name in batch and batch[name] is not None:
-            fields[name] = _as_rows(batch[name], name)
+            fields[name] = as_rows(batch[name], name)
             lengths = [len(row) for row in fields[name]]
             if lengths != [len(row) for row in tokens]:
                 raise ValueError(
                     f"inspect_batch: field {shown(name)} has rows of lengths {lengths}, but input_ids has "
                     f"{[len(row) for row in tokens]}"
                 )
-    cu_rows = _as_rows(batch[CU_SEQLENS], CU_SEQLENS) if batch.get(CU_SEQLENS) is not None else None
+    cu_rows = as_rows(batch[CU_SEQLENS], CU_SEQLENS) if batch.get(CU_SEQLENS) is not None else None
     ids = list(batch.get("ids") or [])
     rows = []
     for index, row in enumerate(tokens):
@@ -217,10 +200,6 @@ def batch_rows(
             )
         )
     return rows
-
-
-def percent(part: int, whole: int) -> str:
-    return f"{100 * part / whole:.0f}%" if whole else "0%"
 
 
 def _row_warnings(row: RowView, padding_fraction: float) -> list[str]:

@@ -30,9 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from zephon_collate.inspection.render import _is_special, _paint, token_text
-from zephon_collate.inspection.rows import percent
-from zephon_collate.inspection.trees import TreeNode, TreeRow, TreeView, batch_tree, plural, tree_warnings
+from zephon_collate.inspection.trees import TreeNode, TreeRow, TreeView, batch_tree, tree_warnings
+from zephon_collate.inspection.values import is_special, paint, percent, plural, token_text
 
 __all__ = ["render_tree", "render_tree_png", "spans"]
 
@@ -89,10 +88,10 @@ def _node_tokens(
         full = most is not None and len(plain) == most
         if plain and (full or used + 1 + len(text) > room - (0 if rest == 1 else len(mark) + 1)):
             plain.append(mark)
-            painted.append(_paint(mark, "dim", color))
+            painted.append(paint(mark, "dim", color))
             break
         plain.append(text)
-        painted.append(_paint(text, "green" if trained else None, color))
+        painted.append(paint(text, "green" if trained else None, color))
         used += len(text) + (1 if used else 0)
     return " ".join(plain), " ".join(painted)
 
@@ -153,13 +152,13 @@ def _row_lines(
         plain, painted = _node_tokens(view, node, tokenizer, room, max_node_tokens, color)
         lefts.append((indent + plain, _indent(indent, color) + painted))
     left_width = max((len(plain) for plain, _ in lefts), default=0)
-    lines = [_paint(_row_header(view, row), "bold", color)]
+    lines = [paint(_row_header(view, row), "bold", color)]
     for index, (node, meta, (plain, painted)) in enumerate(zip(nodes, metas, lefts, strict=True)):
         if index == 0 or nodes[index - 1].document != node.document:
             lines.append(_tree_header(view, [n for n in nodes if n.document == node.document]))
         cells = [painted + " " * (left_width - len(plain))]
         cells += [
-            _paint(text, "dim" if i > 1 else None, color) + " " * (columns[i] - len(text))
+            paint(text, "dim" if i > 1 else None, color) + " " * (columns[i] - len(text))
             for i, text in enumerate(meta)
         ]
         lines.append("  ".join(cells).rstrip())
@@ -168,7 +167,7 @@ def _row_lines(
 
 def _indent(indent: str, color: bool) -> str:
     name = indent.strip()
-    return indent[: len(indent) - len(name) - 1] + _paint(name, "magenta", color) + " "
+    return indent[: len(indent) - len(name) - 1] + paint(name, "magenta", color) + " "
 
 
 def _path_lines(view: TreeView, tokenizer: Any, max_paths: int | None) -> list[str]:
@@ -303,7 +302,7 @@ def render_tree(
         warnings: none
     """
     view = batch if isinstance(batch, TreeView) else batch_tree(batch, ignore_index=ignore_index)
-    lines = [_paint(text, "bold", color) for text in _summary(view)] + [""]
+    lines = [paint(text, "bold", color) for text in _summary(view)] + [""]
     for row in view.rows[:max_rows]:
         lines += [*_row_lines(view, row, tokenizer, color, width, max_node_tokens), ""]
     if max_rows is not None and len(view.rows) > max_rows:
@@ -314,8 +313,8 @@ def render_tree(
     lines.append(_LEGEND)
     warnings = tree_warnings(view)
     if warnings:
-        lines.append(_paint(f"warnings ({len(warnings)}):", "yellow", color))
-        lines += [_paint(f"  - {warning}", "yellow", color) for warning in warnings]
+        lines.append(paint(f"warnings ({len(warnings)}):", "yellow", color))
+        lines += [paint(f"  - {warning}", "yellow", color) for warning in warnings]
     else:
         lines.append("warnings: none")
     return "\n".join(lines)
@@ -492,7 +491,7 @@ def _draw_node(
         face = _shared_color(len(row.sequences[place]))
         axes.add_patch(Rectangle((x, y), 1, 1, facecolor=face, edgecolor="#90a4ae", lw=0.3))
         text = token_text(tokenizer, row.input_ids[place])
-        text = text[1:-1] if _is_special(text) else text  # "<bos>" -> "bos": legible in a box
+        text = text[1:-1] if is_special(text) else text  # "<bos>" -> "bos": legible in a box
         axes.text(x + 0.5, y + 0.5, text, fontsize=_cell_font(text), **mono)
         trained = row.trained is not None and row.trained[place]
         if trained:

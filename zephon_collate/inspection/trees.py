@@ -45,7 +45,7 @@ from zephon_collate.core.keys import (
     SUBTREE_END,
 )
 from zephon_collate.core.text import shown
-from zephon_collate.inspection.rows import _as_lists, _as_rows, percent
+from zephon_collate.inspection.values import as_lists, as_rows, percent, plural
 
 __all__ = ["TreeNode", "TreeRow", "TreeToken", "TreeView", "batch_tree", "is_tree_batch", "tree_warnings"]
 
@@ -192,12 +192,7 @@ def is_tree_batch(batch: Mapping[str, Any]) -> bool:
         return True
     if batch.get(LOGITS_INDEX) is None or batch.get(BRANCH_IDS) is None:
         return False
-    return any(value == 0 for row in _as_rows(batch[BRANCH_IDS], BRANCH_IDS) for value in row)
-
-
-def plural(count: int, word: str) -> str:
-    """``count`` and ``word``, with an ``s`` unless ``count`` is 1."""
-    return f"{count} {word}{'' if count == 1 else 's'}"
+    return any(value == 0 for row in as_rows(batch[BRANCH_IDS], BRANCH_IDS) for value in row)
 
 
 def _fields(batch: Mapping[str, Any], tokens: list[list[Any]]) -> dict[str, list[list[int]]]:
@@ -206,7 +201,7 @@ def _fields(batch: Mapping[str, Any], tokens: list[list[Any]]) -> dict[str, list
     for name in _PER_TOKEN:
         if batch.get(name) is None:
             continue
-        rows = _as_rows(batch[name], name)
+        rows = as_rows(batch[name], name)
         if [len(row) for row in rows] != [len(row) for row in tokens]:
             raise ValueError(
                 f"inspect_batch: field {shown(name)} has rows of lengths {[len(row) for row in rows]}, but "
@@ -217,7 +212,7 @@ def _fields(batch: Mapping[str, Any], tokens: list[list[Any]]) -> dict[str, list
 
 
 def _flat(value: Any) -> list[int]:
-    data = _as_lists(value)
+    data = as_lists(value)
     return [int(v) for v in (data if isinstance(data, list) else [data])]
 
 
@@ -358,7 +353,7 @@ def batch_tree(batch: Mapping[str, Any], *, ignore_index: int = -100) -> TreeVie
         raise KeyError(f"inspect_batch: the batch has no 'input_ids' (its keys: {sorted(batch)})")
     if batch.get(LOGITS_INDEX) is None and batch.get(PATH_INDEX) is None:
         raise KeyError("inspect_batch: a tree batch needs 'logits_index' or 'path_index' to read its tree")
-    tokens = _as_rows(batch[INPUT_IDS], INPUT_IDS)
+    tokens = as_rows(batch[INPUT_IDS], INPUT_IDS)
     fields = _fields(batch, tokens)
     count = None if batch.get(NUM_SEQUENCES) is None else int(_flat(batch[NUM_SEQUENCES])[0])
     notes: list[str] = []

@@ -52,6 +52,7 @@ from zephon_collate.core.text import shown
 from zephon_collate.layouts.plan import Plan, Plans
 from zephon_collate.read.arrow import columns_of
 from zephon_collate.read.columns import Batch
+from zephon_collate.read.fields import TensorField
 from zephon_collate.read.rows import as_record, examples_of, records_of
 from zephon_collate.transforms import Transform
 
@@ -186,7 +187,7 @@ class Layout:
         self.settings = settings if settings is not None else Settings()
         self._plans = Plans()
         self._names: dict[tuple[str, ...], list[tuple[str, str]]] = {}  # output names by key set
-        for spec in getattr(options, "float_fields", ()):
+        for spec in self.floats:
             if spec.dtype == torch.bfloat16 and self.kind != "torch":  # NumPy has no bfloat16
                 raise ValueError(
                     f"{self.OWNER}: float field {shown(spec.name)} has dtype torch.bfloat16, which "
@@ -195,6 +196,36 @@ class Layout:
                 )
 
     # -- what a layout writes --------------------------------------------------------------------
+
+    @property
+    def floats(self) -> tuple[TensorField, ...]:
+        """The float fields read (each output's dtype is checked against :attr:`kind`)."""
+        return ()
+
+    @property
+    def extra_fields(self) -> tuple[str, ...]:
+        """Fields stacked as given: their outputs go at :attr:`ORDER`'s ``None``."""
+        return ()
+
+    @property
+    def renames(self) -> Mapping[str, str]:
+        """Output renames (``rename_fields``)."""
+        return {}
+
+    @property
+    def excluded(self) -> tuple[str, ...]:
+        """Outputs left out, by final name (``exclude_fields``)."""
+        return ()
+
+    @property
+    def flattened(self) -> bool:
+        """Outputs flattened ``[B * S, ...]`` (``flatten``): how a ragged list batch's rows join."""
+        return False
+
+    @property
+    def tokens_field(self) -> str:
+        """The records' token field (``"auto"``: found at the door)."""
+        return INPUT_IDS
 
     def lay_out(self, batch: Batch) -> list[Stacked]:  # pragma: no cover
         """The chain's input for a (non-empty) batch: one :class:`Stacked`, or one per row (ragged list
@@ -236,7 +267,7 @@ class Layout:
         if isinstance(samples, (str, bytes)) or not isinstance(samples, Sequence):
             raise TypeError(f"{self.OWNER}: expected a list of samples, got {type(samples).__name__}")
         records = [as_record(sample, index, self.OWNER) for index, sample in enumerate(samples)]
-        return records_of(records, getattr(self.options, "tokens_field", INPUT_IDS), self.OWNER)
+        return records_of(records, self.tokens_field, self.OWNER)
 
     def stack(self, samples: object) -> list[Stacked]:
         """Read and lay out ``samples``: the chain's input (``[]`` for an empty batch)."""
@@ -292,15 +323,14 @@ class Layout:
 
     def output_names(self, keys: Sequence[str], *, empty: bool = False) -> list[tuple[str, str]]:
         """``(key, name)`` of each output, from the chain's final ``keys``: in :attr:`ORDER` (the extra
-        fields at its ``None``), then the chain's other keys; renamed, then excluded (the options'
-        ``rename_fields`` / ``exclude_fields``, where a layout has them).
+        fields at its ``None``), then the chain's other keys; :attr:`renames` applied, :attr:`excluded`
+        left out.
 
         Raises:
             ValueError: if a rename names a key that is not emitted (nonempty batches), or two outputs
                 end with one name.
         """
-        options = self.options
-        extras = tuple(getattr(options, "extra_fields", ()))
+        extras = self.extra_fields
         slot = self.ORDER.index(None) if None in self.ORDER else len(self.ORDER)
         ranks = {key: rank for rank, key in enumerate(self.ORDER) if key is not None}
         found = [key for key in dict.fromkeys((IDS, TEXTS, *keys)) if key not in self.INTERNAL]
@@ -316,7 +346,7 @@ class Layout:
             return len(self.ORDER) + 1, index
 
         emitted = [key for _, key in sorted(enumerate(found), key=rank)]
-        renames = dict(getattr(options, "rename_fields", None) or ())
+        renames = self.renames
         if not empty:
             for source in renames:
                 if source not in emitted:
@@ -333,7 +363,7 @@ class Layout:
                     f"{shown(name)}; final names must be unique"
                 )
             named[name] = key
-        excluded = set(getattr(options, "exclude_fields", ()))
+        excluded = set(self.excluded)
         return [(key, name) for name, key in named.items() if name not in excluded]
 
     @property
@@ -370,7 +400,7 @@ class Layout:
     def _joined(self, key: str, values: list[Any]) -> Any:
         """One output of a ragged list batch, from each row's (run as a batch of one)."""
         rows = [value.tolist() for value in values]
-        flat = bool(getattr(self.options, "flatten", False))
+        flat = self.flattened
         if key == NUM_VALID_TOKENS:  # each row's total
             return sum(rows)
         if key == CU_SEQLENS and flat:

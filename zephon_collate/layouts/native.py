@@ -29,7 +29,6 @@ import torch
 
 from zephon_collate.core.checks import check_bool, warn_user
 from zephon_collate.core.keys import (
-    ATTENTION_MASK,
     CU_SEQLENS,
     IDS,
     INPUT_IDS,
@@ -44,14 +43,12 @@ from zephon_collate.core.keys import (
     POSITIONS,
     RESPONSE_MASK,
     TEXTS,
-    TOKEN_FIELD_CANDIDATES,
 )
-from zephon_collate.core.text import shown, shown_fields
+from zephon_collate.core.text import shown
 from zephon_collate.functional import host
 from zephon_collate.layouts.base import Layout, Stacked, per_row_outputs
 from zephon_collate.layouts.stack import RowPadding, dense, stack_rows
 from zephon_collate.layouts.training import TrainingOptions
-from zephon_collate.read.arrow import Columns
 from zephon_collate.read.columns import (
     Batch,
     Names,
@@ -76,7 +73,9 @@ from zephon_collate.read.rules import (
     near_miss,
     positions_field,
     refuse_media,
+    unread_message,
     unread_supervision,
+    unstarted,
 )
 from zephon_collate.transforms import Chain, Transform
 
@@ -84,15 +83,6 @@ __all__ = ["CollatorOptions", "Native", "check_boundary_count"]
 
 _WRITTEN = (INPUT_IDS, LABELS, POSITIONS, POSITION_IDS, LOSS_MASK, PADDING_LENGTH, PADDING_MASK)
 """Names a float field may not take: fields the collate path reads or writes itself."""
-_CHAIN_OPTIONS = (
-    "return_labels",
-    "return_num_valid_tokens",
-    "return_loss_mask",
-    "return_cu_seqlens",
-    "return_padding_mask",
-    "eos_mask_loss",
-    "position_mode",
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,24 +169,47 @@ class Native(Layout):
     options: TrainingOptions
 
     @functools.cached_property
+    def collator(self) -> CollatorOptions | None:
+        """The Collator's own options (``None`` for ``to_training``'s)."""
+        return self.options if isinstance(self.options, CollatorOptions) else None
+
+    @property
     def strict(self) -> bool:
         """The Collator's (``CollatorOptions``): refuse what ``to_training`` would warn of."""
-        return isinstance(self.options, CollatorOptions)
+        return self.collator is not None
 
     @functools.cached_property
     def padding(self) -> RowPadding | None:
-        options = self.options
-        if not isinstance(options, CollatorOptions):
-            return None
-        return RowPadding.create(options.pad_token_id, options.pad_to_multiple_of)
+        found = self.collator
+        return None if found is None else RowPadding.create(found.pad_token_id, found.pad_to_multiple_of)
 
     @functools.cached_property
     def floats(self) -> tuple[TensorField, ...]:
-        return tuple(cast(Sequence[TensorField], getattr(self.options, "float_fields", ())))
+        return () if self.collator is None else tuple(cast(Sequence[TensorField], self.collator.float_fields))
 
     @property
     def boundary_safe(self) -> bool:
-        return bool(getattr(self.options, "boundary_safe_labels", False))
+        return self.collator is not None and self.collator.boundary_safe_labels
+
+    @property
+    def extra_fields(self) -> tuple[str, ...]:
+        return tuple(self.options.extra_fields)
+
+    @property
+    def renames(self) -> dict[str, str]:
+        return dict(self.options.rename_fields or ())
+
+    @property
+    def excluded(self) -> tuple[str, ...]:
+        return tuple(self.options.exclude_fields)
+
+    @property
+    def flattened(self) -> bool:
+        return self.options.flatten
+
+    @property
+    def tokens_field(self) -> str:
+        return self.options.tokens_field
 
     @property
     def kind(self) -> Literal["torch", "numpy", "list"]:
@@ -206,8 +219,8 @@ class Native(Layout):
         """``chain=`` replaces what the chain options would build: those must keep their defaults."""
         if self.settings.chain is None:
             return
-        defaults = TrainingOptions()
-        given = [name for name in _CHAIN_OPTIONS if getattr(self.options, name) != getattr(defaults, name)]
+        defaults = _chain_options(TrainingOptions())
+        given = [name for name, value in _chain_options(self.options).items() if value != defaults[name]]
         if given:
             raise ValueError(
                 f"Collator: chain= replaces the chain that {', '.join(given)} would build; leave "
@@ -263,7 +276,7 @@ class Native(Layout):
         options = self.options
         names = batch.names
         refuse_media(batch, "the Collator")
-        tokens_field = _tokens_field(batch, options.tokens_field)
+        tokens_field = batch.tokens if batch.tokens is not None else batch.tokens_field(options.tokens_field)
         tokens = batch.get(tokens_field, "ids")
         assert tokens is not None
         lengths = tokens.lengths
@@ -343,7 +356,7 @@ class Native(Layout):
                 )
             )
         for name in SUPERVISING_FIELDS:
-            if isinstance(batch, Columns) and name in batch and name not in read and not batch.is_list(name):
+            if name in batch and name not in read and not batch.is_list(name):
                 raise TypeError(
                     f"field {shown(name)} is not a list column (one row of values per example) beside the "
                     "batch's columns, so what it supervises cannot be checked; give it as a list column or a "
@@ -354,7 +367,7 @@ class Native(Layout):
             loss_mask = batch.get(LOSS_MASK, "values")
         found = unread_supervision(batch, tokens, read, loss_mask)
         if found is not None:
-            self._refuse(_unused_message(batch.names(found[0]), found[1]))
+            self._refuse(unread_message(batch.names(found[0]), found[1], "collator"))
 
     def _refuse(self, problem: str) -> None:
         if self.strict:
@@ -523,13 +536,12 @@ class Native(Layout):
             )
         if not input_width:
             return
-        first = as_numpy(positions[:, 0])
-        bad = (first != 0) & ((lengths > 1) if labels else (lengths > 0))  # rows with an input token
-        if bad.any():
-            index = int(np.flatnonzero(bad)[0])
+        firsts = Ragged(as_numpy(positions[:, 0]), np.arange(rows + 1, dtype=np.int64))
+        found = unstarted(firsts, (lengths > 1) if labels else (lengths > 0))  # rows with an input token
+        if found is not None:
             raise ValueError(
-                f"{names(index)}: positions must start at zero in every row to derive cu_seqlens, but this "
-                f"row starts at {int(first[index])}"
+                f"{names(found[0])}: positions must start at zero in every row to derive cu_seqlens, but "
+                f"this row starts at {found[1]}"
             )
 
 
@@ -557,34 +569,12 @@ def check_boundary_count(positions: np.ndarray, flatten: bool, limit: int, names
         )
 
 
-def _tokens_field(batch: Batch, requested: str) -> str:
-    """The token field of a batch: the records' (resolved where they were read), or a column's."""
-    found = getattr(batch, "tokens", None)
-    if found is not None:
-        return str(found)
-    fields = dict.fromkeys(getattr(batch, "order", sorted(batch.fields)))
-    if requested != "auto":
-        if requested not in batch:
-            raise ValueError(
-                f"{batch.names(0)}: payload has no tokens field {shown(requested)} (its fields: "
-                f"{shown_fields(fields)}); pass the right tokens_field"
-            )
-        return requested
-    candidate = next((name for name in TOKEN_FIELD_CANDIDATES if name in batch), None)
-    if candidate is None:
-        raise ValueError(
-            f"tokens_field='auto' found none of {', '.join(TOKEN_FIELD_CANDIDATES)} in every payload; "
-            f"{batch.names(0)} has fields {shown_fields(fields)}; pass tokens_field='<name>'"
-        )
-    return candidate
-
-
 def _read_field(
     batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Ragged, must_align: bool
 ) -> tuple[Ragged | None, Sequence[Row] | np.ndarray]:
     """Field ``name`` one entry per token (a :class:`Ragged`), or else one per record (its rows; an
     unaligned field that must align is a ``ValueError`` naming the row)."""
-    if not isinstance(batch, Columns) or batch.is_list(name):  # read once (cached), aligned as it is
+    if batch.is_list(name):  # read once (cached), aligned as it is
         try:
             field = batch.get(name, kind)
         except ValueError:  # rows that do not join (one value each, say): read row by row below
@@ -600,35 +590,17 @@ def _read_field(
     return concat(rows, name, batch.names), ()
 
 
-def _unused_message(where: str, name: str) -> str:
-    """What is wrong with a field that would change what is trained but is not read, and the fix."""
-    if name == LABELS:
-        return (
-            f"{where}: payload has 'labels' that differ from its tokens (e.g. -100 on a prompt), "
-            "which are not read here: labels are made from the tokens. For Hugging Face "
-            "examples use Collator.for_transformers(...); else give the supervision as a "
-            "loss_mask (loss_mask = labels != -100) and drop 'labels'"
-        )
-    if name == ATTENTION_MASK:
-        return (
-            f"{where}: payload has an 'attention_mask' with zeros, which is not applied here: "
-            "those tokens would be trained on as real ones. For Hugging Face examples use "
-            "Collator.for_transformers(...); else give padding as meta.padding_length (pack_flat "
-            "writes it) or pad with Collator(pad_token_id=...) and drop the mask"
-        )
-    if name == RESPONSE_MASK:
-        return (
-            f"{where}: payload has 'response_mask' (verl's mask of the row's last tokens, the response), "
-            "which is not read here: the prompt would be trained on. Collate verl rows with "
-            "Collator.for_rollouts(...), which reads it; else give the supervision as a loss_mask "
-            "(loss_mask = [0] * (len(input_ids) - len(response_mask)) + response_mask)"
-        )
-    return (
-        f"{where}: payload has {shown(name)} with zeros, which are not read here: the "
-        "prompt would be trained on. For Hugging Face examples use "
-        "Collator.for_transformers(...); else give them as the loss_mask "
-        f"(loss_mask = {name})"
-    )
+def _chain_options(options: TrainingOptions) -> dict[str, object]:
+    """The options that build the chain (``chain=`` replaces it), by name."""
+    return {
+        "return_labels": options.return_labels,
+        "return_num_valid_tokens": options.return_num_valid_tokens,
+        "return_loss_mask": options.return_loss_mask,
+        "return_cu_seqlens": options.return_cu_seqlens,
+        "return_padding_mask": options.return_padding_mask,
+        "eos_mask_loss": options.eos_mask_loss,
+        "position_mode": options.position_mode,
+    }
 
 
 def _check_position_count(count: int, dtype: torch.dtype, how: str) -> None:

@@ -99,7 +99,7 @@ from zephon_collate.layouts.vision import (
     read_media,
     with_dummy_image,
 )
-from zephon_collate.read.columns import Batch, Names, Ragged, Spread, places, row_any, row_of
+from zephon_collate.read.columns import Batch, Names, Ragged, Spread, places, restarted, row_any, row_of
 from zephon_collate.read.examples import READ as _READ
 from zephon_collate.read.examples import ExampleSpec, read_examples, supervision
 from zephon_collate.read.fields import (
@@ -108,10 +108,7 @@ from zephon_collate.read.fields import (
     spread_starts,
     to_label_positions,
 )
-from zephon_collate.read.rules import (
-    check_ids,
-    kept_by_mask,
-)
+from zephon_collate.read.rules import check_ids, kept_by_mask, unstarted
 from zephon_collate.transforms import (
     AttentionMask,
     BoundaryMask,
@@ -458,6 +455,10 @@ class Transformers(Layout):
         return self.options.kind
 
     @property
+    def floats(self) -> tuple[TensorField, ...]:
+        return self.options.floats
+
+    @property
     def positions_key(self) -> str:
         """Where the stacked positions live: ``position_ids`` when they are an output, else internal."""
         return POSITION_IDS if self.options.positions_out else POSITIONS
@@ -651,7 +652,7 @@ class Transformers(Layout):
         if options.keep_eos:
             self._put_back_eos(per_token, cut)
         if POSITIONS in cut and options.truncation_mode == "keep_end":
-            cut[POSITIONS] = _restarted(cut[POSITIONS], lengths > limit)
+            cut[POSITIONS] = restarted(cut[POSITIONS], lengths > limit)
         before, after = per_token[LOSS_MASK], cut[LOSS_MASK]
         lost = np.flatnonzero(
             row_any(before.host != 0, before.offsets) & ~row_any(after.host != 0, after.offsets)
@@ -762,25 +763,6 @@ class Transformers(Layout):
         return Stacked(data)
 
 
-def _restarted(positions: Ragged, cut: np.ndarray) -> Ragged:
-    """Positions of examples whose start was cut (``cut``: ``[B]`` booleans): the first kept document,
-    now without its first tokens, counts from 0 again, so that it stays a document of its own.
-
-    Example:
-        >>> positions = Ragged(np.array([1, 2, 0, 1, 4, 5]), np.array([0, 4, 6]))
-        >>> _restarted(positions, np.array([True, True])).host.tolist()
-        [0, 1, 0, 1, 0, 1]
-    """
-    values = positions.host.copy()
-    for row in np.flatnonzero(cut).tolist():
-        start, end = int(positions.offsets[row]), int(positions.offsets[row + 1])
-        zeros = np.flatnonzero(values[start:end] == 0)
-        stop = start + int(zeros[0]) if zeros.size else end
-        if stop > start:
-            values[start:stop] -= values[start]
-    return Ragged(values, positions.offsets)
-
-
 def _positions(fields: dict[str, Ragged], segments: Ragged | None, names: Names) -> Ragged | None:
     """Segment-restarting positions from ``seq_lengths`` (each example's document lengths, end to end)
     or ``position_ids``, or ``None`` (one document per example)."""
@@ -808,13 +790,11 @@ def _positions(fields: dict[str, Ragged], segments: Ragged | None, names: Names)
         return None
     given = fields[POSITION_IDS]
     check_ids(given, POSITION_IDS, names)
-    nonempty = np.flatnonzero(given.lengths > 0)
-    first = given.host[given.offsets[nonempty]]
-    if (first != 0).any():
-        index = int(nonempty[np.flatnonzero(first != 0)[0]])
+    found = unstarted(given)
+    if found is not None:
         raise ValueError(
-            f"{names(index)}: 'position_ids' must start at 0 and restart at 0 at each packed "
-            f"document (they start at {int(first[first != 0][0])}); give positions counted from 0"
+            f"{names(found[0])}: 'position_ids' must start at 0 and restart at 0 at each packed "
+            f"document (they start at {found[1]}); give positions counted from 0"
         )
     return given.cast(torch.int64)
 

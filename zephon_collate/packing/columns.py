@@ -3,7 +3,7 @@
 The documents (a ``pyarrow.Table``, a dict of ``(values, offsets)`` pairs,
 ...) are read and checked at once, cut into pieces of at most ``seq_len``
 tokens, placed into rows by the packer's own rule
-(:mod:`zephon_collate.packing._plan`: greedy, or best-fit-decreasing over
+(:mod:`zephon_collate.core.fit`: greedy, or best-fit-decreasing over
 rounds of ``buffer_size`` pieces) from their lengths alone, and every field is
 then laid out with one gather over the whole batch. The rows are those
 :func:`~zephon_collate.pack_flat` packs from the same documents, as
@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from zephon_collate.core.checks import keywords
+from zephon_collate.core.fit import best_fit_rows, greedy_breaks
 from zephon_collate.core.keys import INPUT_IDS, INT32_MAX, INT64_MAX, POSITIONS
 from zephon_collate.core.records import PADDING_LENGTH_TAG
-from zephon_collate.packing._plan import best_fit_rows, greedy_breaks
 from zephon_collate.packing.reader import REQUIRED, PackOptions, Reader
 from zephon_collate.packing.rows import refuse_cut_columns
 from zephon_collate.read.arrow import ColumnarBatch, ColumnBatch, columns_of

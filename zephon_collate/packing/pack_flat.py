@@ -26,7 +26,8 @@ from zephon_collate.core.text import shown
 from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.packing.reader import REQUIRED, PackOptions, Reader, candidates
 from zephon_collate.read.arrow import ColumnarBatch, columns_of
-from zephon_collate.read.rows import Rows, as_record, describe_record, tokens_field_of
+from zephon_collate.read.columns import tokens_field_of
+from zephon_collate.read.rows import as_record, describe_record, records_of
 
 __all__ = ["pack_flat"]
 
@@ -42,13 +43,8 @@ def _shared_fields(
     data = [(i, r) for i, r in data if tokens_name in cast(Mapping[str, Any], r.payload)]
     if not data:
         return ()
-    payloads = [r.payload for _, r in data]
-    batch = Rows(
-        payloads,
-        lambda i: describe_record(*data[i]),
-        tokens=tokens_name,
-        ids=[r.meta.sample_id for _, r in data],
-    )
+    places = [i for i, _ in data]
+    batch = records_of([r for _, r in data], tokens_name, "pack_flat", places=places, resolve=False)
     tokens = Reader(tokens_name, None, strict=True).tokens(batch)
     with_tokens = tokens.lengths > 0
     carried = batch.carried(LOSS_MASK)[with_tokens] if LOSS_MASK in batch else np.zeros(0, bool)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from zephon_collate.core.checks import keywords
 from zephon_collate.core.keys import INPUT_IDS
@@ -142,14 +142,16 @@ class FlatPacker:
         """Yield packed rows from ``records``, as soon as each is closed; the end of ``records`` flushes.
 
         Rows already closed (from a restored state) come first. Each record
-        is validated when it is read.
+        is validated when it is read; a list of records is read as one batch
+        (:meth:`~zephon_collate.packing.reader.Reader.read_all`).
         """
         if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Iterable):
             raise TypeError(
                 f"FlatPacker.pack: records must be an iterable of SampleRecord, got {type(records).__name__}"
             )
         yield from self._drain()
-        for sample in records:
+        documents = self._read_all(records)
+        for place, sample in enumerate(records):
             if not isinstance(sample, SampleRecord):
                 columns = columns_of(sample)
                 if columns is not None:
@@ -159,7 +161,11 @@ class FlatPacker:
             if record.meta.is_flush_sentinel:
                 self._close_group()
                 self._engine.flush()
-            elif not record.meta.tombstone and (document := self._reader.read(record, self._consumed)):
+            elif not record.meta.tombstone and (
+                document := self._reader.read(record, self._consumed)
+                if documents is None
+                else documents[place]
+            ):
                 if self.options.group_key is None:
                     self._engine.push(split_document(record, self._consumed, document, self.options))
                 else:
@@ -174,6 +180,25 @@ class FlatPacker:
         self._close_group()
         self._engine.flush()
         yield from self._drain()
+
+    def _read_all(self, records: Iterable[object]) -> dict[int, Document | None] | None:
+        """The documents of a list of records, by place, read as one batch (:meth:`Reader.read_all`), or
+        ``None``: a stream, columns, or records not read as one batch are read as they come."""
+        if type(records) not in (list, tuple):
+            return None
+        given = cast(Sequence[object], records)
+        if not all(isinstance(sample, SampleRecord) for sample in given):
+            return None
+        read = [
+            (place, record)
+            for place, record in enumerate(cast(Sequence[SampleRecord], given))
+            if not record.meta.is_flush_sentinel and not record.meta.tombstone
+        ]
+        if len(read) < 2:
+            return None
+        places = [self._consumed + place for place, _ in read]
+        found = self._reader.read_all([record for _, record in read], places)
+        return None if found is None else {place: doc for (place, _), doc in zip(read, found, strict=True)}
 
     def _close_group(self) -> None:
         """Hand the group being read to the engine, as one unit."""

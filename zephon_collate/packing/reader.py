@@ -1,32 +1,19 @@
-"""Packer input: check the packing options and read each document's tokens and per-token fields.
+"""Packer input: the packing options (:class:`PackOptions`) and the documents (:class:`Reader`).
 
-:class:`PackOptions` checks the options of :func:`zephon_collate.packing.pack_flat`
-and :class:`zephon_collate.packing.packer.FlatPacker`. :class:`Reader` reads one
-record at a time (a :class:`Document`): its token row as int64 ids >= 0, the
-per-token fields packed beside it (``loss_mask`` holding only 0 and 1), each a
-1-D NumPy view of the payload, its float fields (:mod:`zephon_collate.read.fields`),
-its own segment structure (payload ``positions``, else Hugging Face's
-``position_ids`` as the Collator reads them, restarting at 0 where a segment
-starts; neither is packed as data unless listed) and its group key, with a
-``TypeError``/``ValueError`` that names the record, the field and the fix.
-Nothing here writes into a payload.
-
-Supervision is read as ``loss_mask`` only. The fields that spell it otherwise
-(:data:`SUPERVISING_FIELDS`: ``labels`` with -100 on a prompt, ``assistant_masks``,
-``assistant_mask``, ``completion_mask``, a padding ``attention_mask``) follow the
-native Collator's rule, written once here for records and columns
-(:func:`unread_supervision`): one that would change what is trained is refused
-unless ``fields`` lists it (then it is a data field, whose prompt
-``overflow="auto"`` still keeps whole: :func:`prompt_entries`); a harmless copy
-is accepted and never packed. A near miss of any of them (``loss_maks``,
-``Completion_Mask``: :func:`~zephon_collate.read.rules.misspelled`) is refused
-unless ``fields`` lists it.
+:class:`Reader` reads the records of a call as one batch through the door
+(:mod:`zephon_collate.read`; a stream's record alone, a columnar batch whole)
+and takes each :class:`Document` from it: its token ids, its packed per-token
+fields, float fields, segments and group key, refusing a bad record with the
+record, the field and the fix. Supervision spelled otherwise than
+``loss_mask`` follows the Collator's rule
+(:func:`~zephon_collate.read.rules.unread_supervision`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import MISSING, dataclass
 from typing import Any, Literal, NamedTuple, cast
 
@@ -35,7 +22,6 @@ import torch
 
 from zephon_collate.core.checks import Keywords, check_int, check_option_names
 from zephon_collate.core.keys import (
-    ATTENTION_MASK,
     IGNORE_INDEX,
     INPUT_IDS,
     INT32_MAX,
@@ -43,9 +29,7 @@ from zephon_collate.core.keys import (
     LOSS_MASK,
     POSITION_IDS,
     POSITIONS,
-    RESPONSE_MASK,
     SUPERVISION_MASKS,
-    TOKEN_FIELD_CANDIDATES,
 )
 from zephon_collate.core.records import SampleRecord
 from zephon_collate.core.text import shown, shown_fields
@@ -53,8 +37,15 @@ from zephon_collate.read import rules
 from zephon_collate.read.arrow import Columns, read_by_rows
 from zephon_collate.read.columns import Batch, Names, Ragged, Spread, as_numpy, places, row_any, to_row
 from zephon_collate.read.fields import TensorField, check_float_fields, read_floats, value_rows
-from zephon_collate.read.rows import Rows, describe_record, example_names, is_array_payload
-from zephon_collate.read.rules import SUPERVISING_FIELDS, check_flat, check_ids, check_zero_one, misaligned
+from zephon_collate.read.rows import example_names, is_array_payload, records_of
+from zephon_collate.read.rules import (
+    SUPERVISING_FIELDS,
+    check_flat,
+    check_ids,
+    check_zero_one,
+    misaligned,
+    unstarted,
+)
 
 __all__ = [
     "OVERFLOWS",
@@ -71,7 +62,6 @@ __all__ = [
     "candidates",
     "check_loss_mask",
     "prompt_entries",
-    "unread_supervision",
 ]
 
 STRATEGIES = ("greedy", "best_fit")
@@ -235,13 +225,13 @@ def as_array(value: object, where: str, name: str, *, ids: bool, flat: bool = Tr
     if not ids:
         return row
     row = row.astype(np.int64, copy=False)
-    check_ids(Ragged(row, np.array([0, row.size], dtype=np.int64)), name, lambda _: where)
+    check_ids(Ragged.of_row(row), name, lambda _: where)
     return row
 
 
 def check_loss_mask(values: np.ndarray, where: str) -> None:
     """``ValueError`` unless a packed ``loss_mask`` holds only 0 and 1 (NaN included)."""
-    field = Ragged(values, np.array([0, values.shape[0]], dtype=np.int64))
+    field = Ragged.of_row(values)
     check_zero_one(field, LOSS_MASK, lambda _: where, "1 for supervised tokens, 0 for the rest")
 
 
@@ -256,41 +246,6 @@ def prompt_entries(name: str, values: np.ndarray) -> np.ndarray:
     """
     flags: np.ndarray = values == IGNORE_INDEX if name == LABELS else values == 0
     return flags
-
-
-def unread_supervision(where: str, name: str) -> ValueError:
-    """The refusal of a supervising field that would change what is trained but is not packed, naming
-    the document, the field and the fix (:func:`~zephon_collate.read.rules.unread_supervision`)."""
-    unread = (
-        "the packer reads supervision as 'loss_mask' only: packed as data, a cut (overflow='auto') "
-        "would not keep the prompt with its answer, and the Collator refuses it"
-    )
-    hf = (
-        "or pack Hugging Face examples with trl.pack_dataset and collate them with "
-        "Collator.for_transformers(...)"
-    )
-    if name == LABELS:
-        return ValueError(
-            f"{where}: payload has 'labels' that differ from its tokens (e.g. -100 on a prompt), but "
-            f"{unread}. Give the supervision as a loss_mask (loss_mask = [int(l != -100) for l in "
-            f"labels]) and drop 'labels', {hf}"
-        )
-    if name == ATTENTION_MASK:
-        return ValueError(
-            f"{where}: payload has an 'attention_mask' with zeros (padding inside the document), which the "
-            "packer would pack as real tokens, and the Collator refuses it. Give the documents without "
-            f"their padding (drop the padded tokens and the mask: each row is padded when packed), {hf}"
-        )
-    if name == RESPONSE_MASK:
-        return ValueError(
-            f"{where}: payload has 'response_mask' (verl's mask of the row's last tokens), but {unread}. "
-            "Give it as the loss_mask (loss_mask = [0] * (len(input_ids) - len(response_mask)) + "
-            "response_mask) and drop 'response_mask'"
-        )
-    return ValueError(
-        f"{where}: payload has {shown(name)} with zeros, but {unread}. Give it as the loss_mask "
-        f"(loss_mask = {name}) and drop {shown(name)}, {hf}"
-    )
 
 
 class Document(NamedTuple):
@@ -331,18 +286,17 @@ def _check_one_segment(positions: Ragged, tokens: Ragged, names: Names, name: st
 
 
 class Reader:
-    """Reads documents through the door (:mod:`zephon_collate.read`): one record at a time (a batch of
-    one), or a columnar batch, by one rule.
+    """Reads documents through the door (:mod:`zephon_collate.read`): the records of a call as one batch,
+    or a columnar batch, by one rule.
 
-    ``tokens_name``/``fields`` set to ``None`` are fixed by the first document
-    with tokens (its per-token fields: ``loss_mask``, then every field of
-    numbers with one entry per token; ``strict``: later records must then agree
-    on ``loss_mask``). ``floats`` are read by their specs, ``positions`` (with
-    ``segments``, the packer's ``emit_positions``) as the document's segment
-    structure (else ``position_ids``, Hugging Face's spelling, as the Collator
-    reads them; both, differing: ``ValueError``), and ``group_key`` as its
-    group. Supervision spelled otherwise than ``loss_mask`` is refused where it
-    would change what is trained.
+    Parameters:
+        tokens_name: the token field; ``None``: fixed by the first document with tokens.
+        fields: the packed per-token fields; ``None``: fixed by the first document with tokens
+            (:func:`candidates`).
+        strict: with found fields, refuse a later record with a ``loss_mask`` the first lacked.
+        floats: the float fields, read by their specs.
+        segments: read ``positions`` (else ``position_ids``) as each document's segments.
+        group_key: the field read as each document's group.
     """
 
     def __init__(
@@ -373,34 +327,69 @@ class Reader:
         return (*self.packed, *([self.group_key] if self.group_key is not None else []))
 
     def read(self, record: SampleRecord, index: int) -> Document | None:
-        """The :class:`Document` of a record, or ``None`` for a document without tokens."""
-        payload, where = record.payload, describe_record(index, record)
-        if not isinstance(payload, Mapping) and not is_array_payload(payload):
-            raise TypeError(
-                f"{where}: payload must be a dict of fields or a token array (list, tuple, NumPy array "
-                f"or torch tensor), got {type(payload).__name__}"
-            )
-        batch = Rows(
-            [payload], lambda _: where, tokens=self.tokens_name or INPUT_IDS, ids=[record.meta.sample_id]
+        """The :class:`Document` of one record (a stream's: a batch of one), named by its place ``index``;
+        ``None`` for one without tokens."""
+        batch = records_of(
+            [record], self.tokens_name or INPUT_IDS, "FlatPacker", places=[index], resolve=False
         )
-        if not isinstance(payload, Mapping):
+        documents = self._documents(batch)
+        assert documents is not None  # a record alone has one dtype per field
+        return documents[0]
+
+    def read_all(
+        self, records: Sequence[SampleRecord], places: Sequence[int]
+    ) -> list[Document | None] | None:
+        """The documents of the records of a call, read as one batch through the door (record ``i`` named
+        by its place ``places[i]``; ``None`` where it holds no tokens), or ``None`` where they are not:
+        the reader is not fixed yet (``tokens_name`` and ``fields``), a record is refused (read one at a
+        time, the first refused is named where it is reached), or their rows differ in dtype.
+
+        Example:
+            >>> from zephon_collate.core.records import SampleMeta
+            >>> docs = [SampleRecord(SampleMeta((0, 0, i), 0, 0, i), {"input_ids": [i, i]}) for i in range(2)]
+            >>> [doc.tokens.tolist() for doc in Reader("input_ids", (), strict=False).read_all(docs, [0, 1])]
+            [[0, 0], [1, 1]]
+        """
+        if self.tokens_name is None or self.fields is None:
+            return None
+        try:
+            batch = records_of(records, self.tokens_name, "FlatPacker", places=places, resolve=False)
+            return self._documents(batch)
+        except Exception:  # read one at a time, each raises what it raises
+            return None
+
+    def _documents(self, batch: Batch) -> list[Document | None] | None:
+        """Each row's :class:`Document` (``None`` without tokens), taken from the batch as read; ``None``
+        where a field's rows differ in dtype, which a row read alone keeps."""
+        arrays = [is_array_payload(payload) for payload in batch.payloads]
+        if any(arrays):  # the token field an array payload's row is, and its fields: none
             self.tokens_name = self.tokens_name or INPUT_IDS
             self.fields = () if self.fields is None else self.fields
-            tokens = self.tokens(batch)
-            if tokens.values.size and (self.packed or self.group_key is not None):
-                read = list(self.packed) or [str(self.group_key)]
-                raise ValueError(
-                    f"{where}: an array payload holds only its token row, but fields {read} are "
-                    "read beside the tokens; give it a dict payload with them, or pass fields=()"
-                )
-            return Document(tokens.host, {}, None, None) if tokens.values.size else None
         tokens, fields = self.read_batch(batch)
-        if not tokens.values.size:
+        uniform = batch.one_dtype(self.tokens_name or INPUT_IDS, "ids") and all(
+            batch.one_dtype(name, "values") for name in fields
+        )
+        if not uniform:
             return None
-        values = {name: field.host for name, field in fields.items()}
-        positions = self._segments(batch, tokens) if self.segments else None
-        group = self._group(batch) if self.group_key is not None else None
-        return Document(tokens.host, values, positions, group)
+        offsets = tokens.offsets.tolist()
+        read = [not array and offsets[row + 1] > offsets[row] for row, array in enumerate(arrays)]
+        source = rules.positions_field(batch) if self.segments and any(read) else None
+        positions = None if source is None else batch.get(source, "ids", partial=True)
+        segmented = None if source is None else batch.carried(source)
+        key = self.group_key
+        groups = None if key is None else (batch.objects(key), batch.carried(key))
+        documents: list[Document | None] = []
+        for row, (start, end) in enumerate(itertools.pairwise(offsets)):
+            if not read[row]:  # no tokens, or an array payload: its token row only
+                documents.append(Document(tokens.host[start:end], {}, None, None) if end > start else None)
+                continue
+            values = {name: field.host[start:end] for name, field in fields.items()}
+            segments = None
+            if positions is not None and segmented is not None and segmented[row]:
+                segments = self._segments(batch.names(row), positions, str(source), row, end - start)
+            group = None if groups is None else self._group(batch, row, groups[0][row], groups[1][row])
+            documents.append(Document(tokens.host[start:end], values, segments, group))
+        return documents
 
     def read_columns(self, columns: Columns, first: int) -> tuple[Ragged, dict[str, Ragged]]:
         """:meth:`read` of every document of a columnar batch at once: ``(tokens, {field: values})``, the
@@ -408,19 +397,16 @@ class Reader:
         document (documents without tokens hold none). Row ``b`` is named ``example {first + b}``.
         """
         columns.names = lambda row: example_names(first + row)  # the rows are named by their place
-        return self.read_batch(columns)
+        return self.read_batch(columns, columnar=True)
 
     def tokens(self, batch: Batch) -> Ragged:
         """The documents' token rows: 1-D ids >= 0, on the host."""
+        return self._tokens(batch)[1]
+
+    def _tokens(self, batch: Batch) -> tuple[str, Ragged]:
+        """The token field (:meth:`Batch.tokens_field`) and :meth:`tokens`."""
         names = batch.names
-        name = self.tokens_name or next((c for c in TOKEN_FIELD_CANDIDATES if c in batch), None)
-        if name is None or name not in batch:
-            wanted = repr(name) if name else f"any of {', '.join(TOKEN_FIELD_CANDIDATES)}"
-            fields = dict.fromkeys(getattr(batch, "order", None) or sorted(batch.fields))
-            raise ValueError(
-                f"{names(0)}: payload has no tokens field {wanted} (its fields: {shown_fields(fields)}); "
-                "pass the right tokens_field"
-            )
+        name = batch.tokens_field(self.tokens_name or "auto", packer=True)
         read = batch.get(name, "ids")
         assert read is not None
         tokens = Ragged(read.host, read.offsets)  # the packer works on the host
@@ -430,16 +416,27 @@ class Reader:
             raise ValueError(
                 f"{names(0)}: the tokens field {shown(name)} is also listed in fields; drop it from fields"
             )
-        self._name = name
-        return tokens
+        return name, tokens
 
-    def read_batch(self, batch: Batch) -> tuple[Ragged, dict[str, Ragged]]:
+    def read_batch(self, batch: Batch, *, columnar: bool = False) -> tuple[Ragged, dict[str, Ragged]]:
         """The tokens and the packed fields of every document of ``batch`` (records or columns alike)."""
         names = batch.names
-        rules.refuse_media(batch, "the packer")
-        tokens = self.tokens(batch)
-        name = self._name
-        source = rules.positions_field(batch) if self.segments and not isinstance(batch, Rows) else None
+        arrays = [is_array_payload(payload) for payload in batch.payloads]
+        only_arrays = bool(arrays) and all(arrays)  # an array payload holds only its token row
+        if not only_arrays:
+            rules.refuse_media(batch, "the packer")
+        name, tokens = self._tokens(batch)
+        if any(arrays) and (self.packed or self.group_key is not None):
+            bad = np.flatnonzero(np.array(arrays) & (tokens.lengths > 0))
+            if bad.size:
+                listed = list(self.packed) or [str(self.group_key)]
+                raise ValueError(
+                    f"{names(int(bad[0]))}: an array payload holds only its token row, but fields {listed} "
+                    "are read beside the tokens; give it a dict payload with them, or pass fields=()"
+                )
+        if only_arrays:
+            return tokens, {}
+        source = rules.positions_field(batch) if self.segments and columnar else None
         if source is not None:  # a record's are read by _segments
             _check_one_segment(cast(Ragged, batch.get(source, "ids")), tokens, names, source)
         has_tokens = tokens.lengths > 0
@@ -471,7 +468,7 @@ class Reader:
         for spec in self.floats:  # by their specs, one path for records and columns
             lacking = batch.lacking(spec.name)
             if lacking is not None:
-                fields = dict.fromkeys(getattr(batch, "order", None) or sorted(batch.fields))
+                fields = dict.fromkeys(batch.order)
                 raise ValueError(
                     f"{names(lacking)}: payload lacks float field {shown(spec.name)} (its fields: "
                     f"{shown_fields(fields)}); give every record this field, or drop it from float_fields"
@@ -535,30 +532,20 @@ class Reader:
         )
         found = rules.unread_supervision(batch, tokens, self._listed, loss_mask)
         if found is not None:
-            raise unread_supervision(names(found[0]), found[1])
+            raise ValueError(rules.unread_message(names(found[0]), found[1], "packer"))
 
-    def _segments(self, batch: Batch, tokens: Ragged) -> np.ndarray | None:
-        """A record's ``positions`` (or ``position_ids``): its segments (a segment starts wherever they
-        are 0)."""
-        name = rules.positions_field(batch)
-        if name is None:
-            return None
-        where = batch.names(0)
-        positions = batch.get(name, "ids")
-        assert positions is not None
-        values = positions.host.reshape(-1) if positions.values.ndim else positions.host
-        length = int(tokens.lengths[0])
+    def _segments(self, where: str, positions: Ragged, name: str, row: int, length: int) -> np.ndarray | None:
+        """Row ``row``'s ``positions`` (or ``position_ids``: ``name``) as its segments (one starts wherever
+        they are 0); ``None`` for one segment."""
         if positions.values.ndim != 1:
             raise ValueError(
                 f"{where}: field {shown(name)} must be 1-D (one entry per token), got shape "
                 f"{tuple(positions.values.shape)}"
             )
-        if values.size != length or values[0] != 0:
-            problem = (
-                f"has {values.size} entries for {length} tokens"
-                if values.size != length
-                else f"starts at {int(values[0])}"
-            )
+        values = positions.host[positions.offsets[row] : positions.offsets[row + 1]]
+        start = unstarted(Ragged.of_row(values)) if values.size == length else None
+        if values.size != length or start is not None:
+            problem = f"starts at {start[1]}" if start else f"has {values.size} entries for {length} tokens"
             raise ValueError(
                 f"{where}: field {shown(name)} {problem}; the packer keeps a document's segments (a "
                 "segment starts wherever positions are 0), so they must start at 0 and give one per token. "
@@ -568,17 +555,17 @@ class Reader:
             return None  # one segment: what the packer writes anyway
         return np.asarray(values, dtype=np.int64)
 
-    def _group(self, batch: Batch) -> Any:
-        """The group key's value: an int or a str (a 0-d integer array or tensor reads as an int)."""
+    def _group(self, batch: Batch, row: int, value: Any, carried: bool) -> Any:
+        """Row ``row``'s group key ``value``: an int or a str (a 0-d integer array or tensor reads as an
+        int)."""
         key = cast(str, self.group_key)
-        where = batch.names(0)
-        if key not in batch:
-            payload = cast(Rows, batch).payloads[0]
+        where = batch.names(row)
+        if not carried:
+            payload = batch.payloads[row]
             raise ValueError(
                 f"{where}: payload lacks the group key {shown(key)} (its fields: {shown_fields(payload)}); "
                 "give every record its group id (e.g. the index of its prompt)"
             )
-        value = batch.objects(key)[0]
         if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
             value = int(value)
         elif isinstance(value, torch.Tensor) and value.ndim == 0 and not value.dtype.is_floating_point:
@@ -596,11 +583,22 @@ class Reader:
 def candidates(
     batch: Batch, tokens_name: str, tokens: Ragged, skipped: Sequence[str] = ()
 ) -> tuple[str, ...]:
-    """The per-token fields of the documents of ``batch``: ``loss_mask`` (one entry per token in every
-    document with tokens, else ``ValueError``), then each field of numbers with one entry per token in
-    every such document, in the input's order. The tokens, input ``positions`` and ``position_ids`` (the
-    segments), the ``skipped`` names (float fields, the group key) and the supervising fields (refused or
-    harmless) are never candidates."""
+    """The per-token fields of the documents of ``batch``: ``loss_mask`` (which must then hold one entry
+    per token in every document with tokens), then, in the input's order, each field of numbers with one
+    entry per token in every such document; never the tokens, positions, supervising fields or ``skipped``.
+
+    Parameters:
+        batch: the documents.
+        tokens_name: their token field.
+        tokens: their token rows (:meth:`Reader.tokens`).
+        skipped: fields read otherwise (float fields, the group key).
+
+    Example:
+        >>> from zephon_collate.read.rows import examples_of
+        >>> batch = examples_of([{"input_ids": [1, 2], "w": [3, 4], "loss_mask": [1, 1], "t": "x"}], "pack")
+        >>> candidates(batch, "input_ids", batch.get("input_ids", "ids"))
+        ('loss_mask', 'w')
+    """
     names = batch.names
     found = []
     if LOSS_MASK in batch:
@@ -615,11 +613,10 @@ def candidates(
             )
         found.append(LOSS_MASK)
     excluded = {tokens_name, POSITIONS, POSITION_IDS, LOSS_MASK, *SUPERVISING_FIELDS, *skipped}
-    order = getattr(batch, "order", None) or sorted(batch.fields)
-    for name in order:
+    for name in batch.order:
         if not isinstance(name, str) or name in excluded or not batch.carried(name)[tokens.lengths > 0].all():
             continue
-        if isinstance(batch, Columns) and not batch.is_list(name):
+        if not batch.is_list(name):
             continue
         try:
             field = batch.get(name, "values")

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from zephon_collate.core.fit import best_fit_rows, greedy_breaks
 from zephon_collate.core.keys import LABELS, LOSS_MASK, POSITIONS
 from zephon_collate.core.records import (
     CONTRIBUTORS_TAG,
@@ -30,7 +31,6 @@ from zephon_collate.core.records import (
     SampleRecord,
 )
 from zephon_collate.core.text import shown
-from zephon_collate.packing._plan import best_fit_rows, greedy_breaks
 from zephon_collate.packing.reader import (
     PROMPT_FIELDS,
     Document,
@@ -40,7 +40,7 @@ from zephon_collate.packing.reader import (
     prompt_entries,
 )
 from zephon_collate.read.arrow import Columns
-from zephon_collate.read.columns import Names, Ragged, Spread, filled, row_any
+from zephon_collate.read.columns import Names, Ragged, Spread, filled, restarted, row_any
 from zephon_collate.read.rows import describe_record
 from zephon_collate.read.rules import check_zero_one
 
@@ -122,10 +122,8 @@ def _cut(piece: Piece, cut: slice, part: int, closes: bool) -> Piece:
     positions = None
     side = piece.side
     if piece.positions is not None:
-        positions = piece.positions[cut].copy()
-        zeros = np.flatnonzero(positions == 0)
-        head = int(zeros[0]) if zeros.size else positions.size
-        positions[:head] -= positions[0]  # the continuation of a segment starts a segment of its own
+        # the continuation of a segment starts a segment of its own
+        positions = restarted(Ragged.of_row(piece.positions[cut]), np.ones(1, dtype=bool)).host
         side += int(np.count_nonzero(piece.positions[: (cut.start or 0) + 1] == 0)) - 1
         if int(np.count_nonzero(positions == 0)) == 1:
             positions = None
@@ -364,7 +362,7 @@ class Engine:
 
     def _greedy(self, rows: list[list[Piece]]) -> None:
         """Each of ``rows`` (pieces kept in one row) into the open row, or a new one where it does not
-        fit (:func:`~zephon_collate.packing._plan.greedy_breaks`, the one greedy rule)."""
+        fit (:func:`~zephon_collate.core.fit.greedy_breaks`, the one greedy rule)."""
         sizes = [_size(row) for row in rows]
         start = 0
         for end in greedy_breaks(sizes, self.seq_len, self.used):
@@ -387,7 +385,7 @@ class Engine:
         self.pending, self.used = [], 0
 
     def _best_fit_decreasing(self, pieces: list[Piece]) -> list[list[Piece]]:
-        """The buffer's units by :func:`~zephon_collate.packing._plan.best_fit_rows` (the one best-fit
+        """The buffer's units by :func:`~zephon_collate.core.fit.best_fit_rows` (the one best-fit
         rule): each unit's last row placed by its size, units taken by their whole size; a unit laid
         over several rows opens its last one, right after its full rows."""
         found = units(pieces)

@@ -19,6 +19,8 @@ from zephon_collate.core.records import SampleMeta
 from zephon_collate.core.text import shown
 from zephon_collate.packing.reader import as_array, check_loss_mask
 from zephon_collate.packing.rows import CONTINUES, OPENS_ROW, OPENS_UNIT, Base, Piece
+from zephon_collate.read.columns import Ragged
+from zephon_collate.read.rules import unstarted
 
 __all__ = [
     "check_count",
@@ -107,7 +109,7 @@ def piece_from_state(state: object, where: str, seq_len: int, fields: Sequence[s
             positions = as_array(positions, f"{_OWNER}: {where}", "positions", ids=True)
         except (TypeError, ValueError) as error:
             raise corrupt(f"{where}['positions']", f"is not a row of positions ({error})") from None
-        if positions.size != tokens.size or positions[0] != 0:
+        if positions.size != tokens.size or unstarted(Ragged.of_row(positions)) is not None:
             raise corrupt(f"{where}['positions']", f"must hold {tokens.size} positions starting at 0")
     side = check_count(state.get("side", 0), f"{where}['side']")
     opens = check_count(state.get("opens", OPENS_UNIT), f"{where}['opens']")

@@ -270,12 +270,12 @@ class Columns(Batch):
         self._tables = list(tables)
         if self._tables:
             self._sources: dict[str, Any] = {}
-            self.order = tuple(self._tables[0].schema.names)
+            self._order = tuple(self._tables[0].schema.names)
             count = sum(table.num_rows for table in self._tables)
-            super().__init__(count, example_names, frozenset(self.order), _ids(count), owner=owner)
+            super().__init__(count, example_names, frozenset(self._order), _ids(count), owner=owner)
             return
         self._sources = dict(sources or {})
-        self.order = tuple(self._sources)
+        self._order = tuple(self._sources)
         rows: int | None = None
         first = ""
         for name, source in self._sources.items():
@@ -291,7 +291,12 @@ class Columns(Batch):
                     f"the columns of the batch differ in length: {shown(first)} holds {rows} rows, "
                     f"{shown(name)} {count}; give every field one entry per example"
                 )
-        super().__init__(rows or 0, example_names, frozenset(self.order), _ids(rows or 0), owner=owner)
+        super().__init__(rows or 0, example_names, frozenset(self._order), _ids(rows or 0), owner=owner)
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The columns in the input's order."""
+        return self._order
 
     # -- the Batch interface: a column is carried by every row (a null entry is refused when read) --
 

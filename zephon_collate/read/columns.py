@@ -18,16 +18,16 @@ from __future__ import annotations
 import array
 import itertools
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, cast
 
 import numpy as np
 import torch
 
-from zephon_collate.core.keys import INT64_MAX
+from zephon_collate.core.keys import INT64_MAX, TOKEN_FIELD_CANDIDATES
 from zephon_collate.core.records import SampleMeta
-from zephon_collate.core.text import shown
+from zephon_collate.core.text import shown, shown_fields
 
 __all__ = [
     "MISSING",
@@ -44,14 +44,17 @@ __all__ = [
     "concat",
     "filled",
     "gather_spans",
+    "host_dtype",
     "host_view",
     "joined_ints",
     "numpy_dtype",
     "places",
+    "restarted",
     "row_any",
     "row_of",
     "sequence_of",
     "to_row",
+    "tokens_field_of",
 ]
 
 Row: TypeAlias = "np.ndarray | torch.Tensor"
@@ -101,6 +104,11 @@ class Ragged:
     def row(self, index: int) -> Values:
         """Row ``index``'s values (a view)."""
         return self.values[int(self.offsets[index]) : int(self.offsets[index + 1])]
+
+    @staticmethod
+    def of_row(values: Values) -> Ragged:
+        """``values`` (``[T, ...]``) as a one-row :class:`Ragged`."""
+        return Ragged(values, np.array([0, values.shape[0]], dtype=np.int64))
 
     def take(self, index: int) -> Ragged:
         """Row ``index`` alone, as a one-row :class:`Ragged` (a view)."""
@@ -157,6 +165,30 @@ class Batch:
             owner,
         )
         self._cache: dict[tuple[str, str, bool], Ragged | None] = {}
+
+    tokens: str | None = None
+    """The field an array payload's row is: the token field resolved at the door (records), else ``None``."""
+    payloads: Sequence[Any] = ()
+    """Each row's payload (row-wise input; ``()`` for columns)."""
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The fields in the input's order (sorted, for input without one)."""
+        return tuple(sorted(self.fields))
+
+    def is_list(self, name: str) -> bool:
+        """Does ``name`` hold a row of values per row (row-wise input: always; columns: a list column)?"""
+        return True
+
+    def one_dtype(self, name: str, kind: Kind) -> bool:
+        """Did every row of field ``name`` (read by :meth:`get`) hold one host dtype, so that each row of
+        the joined field is that row as read alone (a column has one dtype)?"""
+        return True
+
+    def tokens_field(self, requested: str, *, packer: bool = False) -> str:
+        """The token field: ``requested``, or for ``"auto"`` the first candidate every row has
+        (:func:`tokens_field_of` over each row's fields)."""
+        return tokens_field_of(self._named_rows(), requested, self.names, packer=packer)
 
     def __contains__(self, name: object) -> bool:
         return name in self.fields
@@ -234,6 +266,61 @@ class Batch:
     def _lacks(self, index: int, name: str) -> str:
         """What to say of row ``index`` lacking ``name``."""
         return f"payload lacks field {shown(name)}"
+
+    def _named_rows(self) -> Sequence[Any]:
+        """The rows' fields, for :meth:`tokens_field`: one for input whose every row has the same."""
+        return [dict.fromkeys(self.order)]
+
+
+def tokens_field_of(payloads: Sequence[Any], requested: str, names: Names, *, packer: bool = False) -> str:
+    """The payload field holding token ids: ``requested``, or for ``"auto"`` the first of ``input_ids,
+    tokens, token_ids, ids`` every dict payload has (array payloads are their token row).
+
+    Parameters:
+        payloads: the rows' payloads (mappings of fields, or token arrays).
+        requested: a field name, or ``"auto"``.
+        names: how errors name row ``i``.
+        packer: word the refusal as the packer does.
+
+    Raises:
+        ValueError: if an explicit field is missing from a payload, or no candidate is in every payload.
+
+    Example:
+        >>> tokens_field_of([{"tokens": [1]}, [2, 3]], "auto", str)
+        'tokens'
+    """
+    if requested != "auto":
+        for index, payload in enumerate(payloads):
+            if (type(payload) is dict or isinstance(payload, Mapping)) and requested not in payload:
+                quoted = repr(requested) if packer else shown(requested)
+                raise ValueError(
+                    f"{names(index)}: payload has no tokens field {quoted} (its fields: "
+                    f"{shown_fields(payload)}); pass the right tokens_field"
+                )
+        return requested
+    dicts = [(i, p) for i, p in enumerate(payloads) if type(p) is dict or isinstance(p, Mapping)]
+    for candidate in TOKEN_FIELD_CANDIDATES:
+        if all(candidate in payload for _, payload in dicts):
+            return candidate
+    first = {i: next((c for c in TOKEN_FIELD_CANDIDATES if c in p), None) for i, p in dicts}
+    bare = next((i for i, field in first.items() if field is None), None)
+    if bare is not None and packer:
+        raise ValueError(
+            f"{names(bare)}: payload has no tokens field any of {', '.join(TOKEN_FIELD_CANDIDATES)} (its "
+            f"fields: {shown_fields(payloads[bare])}); pass the right tokens_field"
+        )
+    if bare is not None:
+        raise ValueError(
+            f"tokens_field='auto' found none of {', '.join(TOKEN_FIELD_CANDIDATES)} in every payload; "
+            f"{names(bare)} has fields {shown_fields(payloads[bare])}; pass tokens_field='<name>'"
+        )
+    first_index, field = next(iter(first.items()))
+    index = next(i for i, p in dicts if field not in p)
+    raise ValueError(
+        f"tokens_field='auto' found no token field that every payload has: {names(first_index)} "
+        f"has {shown(field)}, {names(index)} has fields {shown_fields(payloads[index])}; "
+        "give every payload the same token field, or pass tokens_field='<name>'"
+    )
 
 
 def concat(rows: Sequence[Row], name: str, names: Names) -> Ragged:
@@ -366,6 +453,25 @@ def places(offsets: np.ndarray) -> np.ndarray:
         return count
     count -= offsets[:-1].repeat(offsets[1:] - offsets[:-1])  # in place: one [N] temporary fewer
     return count
+
+
+def restarted(positions: Ragged, rows: np.ndarray) -> Ragged:
+    """Positions of rows cut at their start (``rows``: ``[B]`` booleans): the segment the cut enters, now
+    without its first tokens, counts from 0 again, so that it stays a segment of its own.
+
+    Example:
+        >>> positions = Ragged(np.array([1, 2, 0, 1, 4, 5]), np.array([0, 4, 6]))
+        >>> restarted(positions, np.array([True, True])).host.tolist()
+        [0, 1, 0, 1, 0, 1]
+    """
+    values = positions.host.copy()
+    for row in np.flatnonzero(rows).tolist():
+        start, end = int(positions.offsets[row]), int(positions.offsets[row + 1])
+        zeros = np.flatnonzero(values[start:end] == 0)
+        stop = start + int(zeros[0]) if zeros.size else end
+        if stop > start:
+            values[start:stop] -= values[start]
+    return Ragged(values, positions.offsets)
 
 
 def gather_spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -566,6 +672,13 @@ def to_row(value: Any, where: str, name: str, kind: Kind) -> Row:
             "tokenizer(..., return_tensors='pt') returns; pass the row itself (value[0] or value.squeeze(0))"
         )
     return row
+
+
+def host_dtype(row: Row) -> np.dtype:
+    """The dtype :func:`as_numpy` gives ``row`` (bfloat16: float32), without reading it."""
+    if isinstance(row, np.ndarray):
+        return row.dtype
+    return numpy_dtype(torch.float32 if row.dtype == torch.bfloat16 else row.dtype)
 
 
 def as_numpy(row: Row) -> np.ndarray:

@@ -50,6 +50,7 @@ from zephon_collate.read.rules import (
     near_miss,
     positions_field,
     refuse_media,
+    unread_message,
     unread_supervision,
 )
 
@@ -121,12 +122,7 @@ def read_examples(batch: Batch, spec: ExampleSpec) -> Examples:
         others = [name for name in SUPERVISING_FIELDS if name != RESPONSE_MASK]
         found = unread_supervision(batch, tokens, others, None)
         if found is not None:
-            raise ValueError(
-                f"{names(found[0])}: carries 'response_mask' (verl's mask of the row's last tokens, the "
-                "response), which this collator does not read: read as all trained, the prompt would be "
-                "trained; collate rollouts with Collator.for_rollouts(...), which reads it, or give a "
-                "completion_mask (0 on the prompt)"
-            )
+            raise ValueError(unread_message(names(found[0]), RESPONSE_MASK, "examples"))
     fields: dict[str, Ragged] = {INPUT_IDS: tokens}
     if spec.vision:  # text-only examples: all text
         fields[MM_TOKEN_TYPE_IDS] = (
@@ -171,7 +167,7 @@ def read_examples(batch: Batch, spec: ExampleSpec) -> Examples:
 def _check_examples(batch: Batch, spec: ExampleSpec) -> None:
     """The refusals that look at which fields the examples carry, before any is read."""
     names = batch.names
-    for index, payload in enumerate(getattr(batch, "payloads", ())):
+    for index, payload in enumerate(batch.payloads):
         if type(payload) is dict:
             continue
         if isinstance(payload, SampleRecord):
@@ -261,8 +257,8 @@ def _check_examples(batch: Batch, spec: ExampleSpec) -> None:
 
 
 def _fields_of(batch: Batch, index: int) -> str:
-    payloads = getattr(batch, "payloads", None)
-    if payloads is not None and hasattr(payloads[index], "keys"):
+    payloads = batch.payloads
+    if payloads and hasattr(payloads[index], "keys"):
         return f"its fields: {shown_fields(payloads[index])}"
     return f"its fields: {shown_fields(dict.fromkeys(sorted(batch.fields)))}"
 

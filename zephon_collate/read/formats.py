@@ -83,6 +83,7 @@ from zephon_collate.read.rules import (
     near_miss,
     refuse_media,
     response_aligned,
+    unread_message,
 )
 
 __all__ = [
@@ -229,7 +230,7 @@ def _check_pairs(batch: Batch, fields: str) -> None:
     ones); ``ValueError`` for a near miss of a side's padding mask or of a supervising field, and for a
     field that would leave a sequence's tokens untrained (``labels``, a ``loss_mask``,
     ``completion_mask``, an ``attention_mask``): a side's tokens are trained whole, so it would be lost."""
-    for index, payload in enumerate(getattr(batch, "payloads", ())):
+    for index, payload in enumerate(batch.payloads):
         if isinstance(payload, SampleRecord) or not hasattr(payload, "keys"):
             raise TypeError(
                 f"{batch.names(index)}: must be a dict of a pair's token ids ({fields}), got "
@@ -247,12 +248,7 @@ def _check_pairs(batch: Batch, fields: str) -> None:
         untrained = row_any(values.host != 1, values.offsets) if name != LABELS else np.ones(batch.rows, bool)
         rows = np.flatnonzero(untrained & batch.carried(name))
         if rows.size:
-            raise ValueError(
-                f"{batch.names(int(rows[0]))}: carries {shown(name)}, which this collator does not read: "
-                "each side's tokens are trained whole, so what it leaves out would be trained; give each "
-                "side (or completion) as the tokens to train, its padding in the side's own "
-                "*_attention_mask, and drop the field"
-            )
+            raise ValueError(unread_message(batch.names(int(rows[0])), name, "pairs"))
 
 
 def _labelled(batch: Batch) -> tuple[Ragged, Ragged, Ragged]:
@@ -724,8 +720,8 @@ def read_trajectories(batch: Batch, spec: ExampleSpec, group_key: str) -> Forest
 def _turns_joined(batch: Batch, owner: str) -> Batch:
     """``batch`` with every trajectory given as turns (``input_ids`` a list of token lists) joined: each
     per-token field's turns end to end, a value per turn repeated over its tokens."""
-    payloads = getattr(batch, "payloads", None)
-    if payloads is None:
+    payloads = batch.payloads
+    if not payloads:
         return batch
     joined: list[Any] = []
     changed = False

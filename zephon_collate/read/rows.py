@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zephon_collate.core.keys import INPUT_IDS, TOKEN_FIELD_CANDIDATES
+from zephon_collate.core.keys import INPUT_IDS
 from zephon_collate.core.records import FLUSH_TAG, TOMBSTONE_TAG, SampleMeta, SampleRecord
 from zephon_collate.core.text import shown, shown_fields
 from zephon_collate.read.columns import (
@@ -30,8 +30,10 @@ from zephon_collate.read.columns import (
     Ragged,
     Row,
     concat,
+    host_dtype,
     joined_ints,
     to_row,
+    tokens_field_of,
 )
 
 __all__ = [
@@ -44,7 +46,6 @@ __all__ = [
     "is_array_payload",
     "payload_get",
     "records_of",
-    "tokens_field_of",
 ]
 
 
@@ -163,6 +164,7 @@ class Rows(Batch):
         self.payloads, self.tokens, self.absent_if_none = payloads, tokens, absent_if_none
         self._others = len(dicts) < len(payloads)  # mappings that answer ``in`` through their own methods
         self._found: dict[str, list[Any]] = {}  # each field's values, looked up once
+        self._mixed: dict[tuple[str, Kind], bool] = {}  # fields whose rows differ in dtype
 
     def __contains__(self, name: object) -> bool:
         if name in self.fields:
@@ -198,6 +200,12 @@ class Rows(Batch):
     def lacking(self, name: str) -> int | None:
         return next((index for index, value in enumerate(self._values(name)) if value is MISSING), None)
 
+    def _named_rows(self) -> Sequence[Any]:
+        return self.payloads
+
+    def one_dtype(self, name: str, kind: Kind) -> bool:
+        return not self._mixed.get((name, kind), False)
+
     def _lacks(self, index: int, name: str) -> str:
         payload = self.payloads[index]
         holds = (
@@ -226,7 +234,9 @@ class Rows(Batch):
         present = [value for value in values if value is not MISSING]
         joined = joined_ints(present)
         if joined is None:
-            joined = concat(self._rows(present, name, kind), name, self._names_of(values))
+            rows = self._rows(present, name, kind)
+            self._mixed[name, kind] = len({host_dtype(row) for row in rows}) > 1
+            joined = concat(rows, name, self._names_of(values))
         if len(present) == len(values):
             return joined
         carried = np.array([value is not MISSING for value in values], dtype=bool)
@@ -250,69 +260,56 @@ class Rows(Batch):
         return [None if value is MISSING else value for value in self._values(name)]
 
 
-def _check_records(records: Sequence[SampleRecord], owner: str) -> None:
+def _check_records(records: Sequence[SampleRecord], names: Names) -> None:
     """Refuse the first sentinel record (``ValueError``) or non-dict, non-array payload (``TypeError``)."""
     for index, record in enumerate(records):
         tags = record.meta.tags
         if tags and (tags.get(TOMBSTONE_TAG) or tags.get(FLUSH_TAG)):
             tag = "tombstone" if record.meta.tombstone else "flush sentinel"
             raise ValueError(
-                f"{describe_record(index, record)}: is a {tag}, a control record that carries no training "
+                f"{names(index)}: is a {tag}, a control record that carries no training "
                 "data; drop sentinels before collating (pack_flat and FlatPacker consume them), e.g. "
                 "[r for r in records if not r.meta.is_sentinel]"
             )
         payload = record.payload
         if type(payload) is not dict and not isinstance(payload, Mapping) and not is_array_payload(payload):
             raise TypeError(
-                f"{describe_record(index, record)}: payload must be a dict of fields or a token array "
+                f"{names(index)}: payload must be a dict of fields or a token array "
                 f"(list, tuple, NumPy array or torch tensor), got {type(payload).__name__}"
             )
 
 
-def tokens_field_of(payloads: Sequence[Any], tokens_field: str, names: Names) -> str:
-    """The payload field holding token ids: ``tokens_field``, or the first candidate all dict payloads have.
+def records_of(
+    records: Sequence[SampleRecord],
+    tokens_field: str,
+    owner: str,
+    *,
+    places: Sequence[int] | None = None,
+    resolve: bool = True,
+) -> Rows:
+    """The :class:`Rows` of records (sentinels and payloads of other types refused).
 
-    Raises:
-        ValueError: if an explicit field is missing from a payload, or no candidate is in every payload.
+    Parameters:
+        records: the records.
+        tokens_field: their token field, or ``"auto"``: the first of ``input_ids, tokens, token_ids,
+            ids`` every dict payload has (:func:`~zephon_collate.read.columns.tokens_field_of`).
+        owner: the entry point errors name.
+        places: each record's place, which errors name (default: its index).
+        resolve: resolve ``tokens_field``; ``False`` takes it as given (the field an array payload is).
+
+    Example:
+        >>> from zephon_collate.core.records import SampleMeta
+        >>> rows = records_of([SampleRecord(SampleMeta((0, 0, 7), 0, 0, 7), [5, 6])], "auto", "x", places=[7])
+        >>> rows.tokens, rows.names(0)
+        ('input_ids', 'record 7 (sample_id (0, 0, 7))')
     """
-    dicts = [(i, p) for i, p in enumerate(payloads) if type(p) is dict or isinstance(p, Mapping)]
-    if tokens_field != "auto":
-        for index, payload in dicts:
-            if tokens_field not in payload:
-                raise ValueError(
-                    f"{names(index)}: payload has no tokens field {shown(tokens_field)} "
-                    f"(its fields: {shown_fields(payload)}); pass the right tokens_field"
-                )
-        return tokens_field
-    for candidate in TOKEN_FIELD_CANDIDATES:
-        if all(candidate in payload for _, payload in dicts):
-            return candidate
-    first = {i: next((c for c in TOKEN_FIELD_CANDIDATES if c in p), None) for i, p in dicts}
-    bare = next((i for i, field in first.items() if field is None), None)
-    if bare is not None:
-        raise ValueError(
-            f"tokens_field='auto' found none of {', '.join(TOKEN_FIELD_CANDIDATES)} in every payload; "
-            f"{names(bare)} has fields {shown_fields(payloads[bare])}; pass tokens_field='<name>'"
-        )
-    first_index, field = next(iter(first.items()))
-    index = next(i for i, p in dicts if field not in p)
-    raise ValueError(
-        f"tokens_field='auto' found no token field that every payload has: {names(first_index)} "
-        f"has {shown(field)}, {names(index)} has fields {shown_fields(payloads[index])}; "
-        "give every payload the same token field, or pass tokens_field='<name>'"
-    )
-
-
-def records_of(records: Sequence[SampleRecord], tokens_field: str, owner: str) -> Rows:
-    """The :class:`Rows` of records (sentinels and payloads of other types refused), their token field
-    resolved (``"auto"``: the first of ``input_ids, tokens, token_ids, ids`` every dict payload has)."""
-    _check_records(records, owner)
-    payloads = [record.payload for record in records]
 
     def names(index: int) -> str:
-        return describe_record(index, records[index])
+        return describe_record(index if places is None else places[index], records[index])
 
-    tokens = tokens_field_of(payloads, tokens_field, names)
+    _check_records(records, names)
+    payloads = [record.payload for record in records]
+    tokens = tokens_field_of(payloads, tokens_field, names) if resolve else tokens_field
     metas = tuple(record.meta for record in records)
     return Rows(payloads, names, tokens=tokens, ids=[m.sample_id for m in metas], metas=metas, owner=owner)
 

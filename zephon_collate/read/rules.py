@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -71,6 +72,7 @@ __all__ = [
     "FIELDS_OF_THEIR_OWN",
     "SUPERVISING_FIELDS",
     "SUPERVISION_NAMES",
+    "EntryPoint",
     "aligned",
     "check_fits",
     "check_flat",
@@ -85,7 +87,9 @@ __all__ = [
     "refuse_media",
     "response_aligned",
     "row_shape",
+    "unread_message",
     "unread_supervision",
+    "unstarted",
 ]
 
 SUPERVISING_FIELDS = (ATTENTION_MASK, LABELS, ASSISTANT_MASKS, ASSISTANT_MASK, COMPLETION_MASK, RESPONSE_MASK)
@@ -147,6 +151,23 @@ def aligned(field: Ragged, tokens: Ragged) -> np.ndarray:
     return np.asarray(field.lengths == tokens.lengths)
 
 
+def unstarted(positions: Ragged, counted: np.ndarray | None = None) -> tuple[int, int] | None:
+    """``(row, first position)`` of the first row with a position (and ``counted``, ``[B]`` booleans)
+    whose positions do not start at 0, or ``None``: positions count from 0 in every row.
+
+    Example:
+        >>> unstarted(Ragged(np.array([0, 1, 3, 4]), np.array([0, 2, 2, 4])))
+        (2, 3)
+    """
+    rows = positions.lengths > 0
+    if counted is not None:
+        rows &= counted
+    found = np.flatnonzero(rows)
+    first = positions.host[positions.offsets[found]]
+    bad = np.flatnonzero(first != 0)
+    return (int(found[bad[0]]), int(first[bad[0]])) if bad.size else None
+
+
 def declared_padding(batch: Batch, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each row's declared trailing padding (``meta.padding_length``, or a ``_padding_length`` column) and
     whether it declares one: ``([B] int64, [B] bool)``, 0 and False where unset.
@@ -204,6 +225,97 @@ def unread_supervision(
         return None
     row, _, name = min(found)
     return row, name
+
+
+EntryPoint = Literal["collator", "packer", "examples", "pairs"]
+"""Who does not read a supervising field, for :func:`unread_message`: the Collator (``to_training``
+warns), the packer, the Hugging Face layouts (``response_mask``), the pair readers."""
+
+_HF = (
+    "or pack Hugging Face examples with trl.pack_dataset and collate them with Collator.for_transformers(...)"
+)
+_PACKED = (
+    "the packer reads supervision as 'loss_mask' only: packed as data, a cut (overflow='auto') would not "
+    "keep the prompt with its answer, and the Collator refuses it"
+)
+
+
+def unread_message(where: str, name: str, reader: EntryPoint) -> str:
+    """The refusal of supervising field ``name`` (:data:`SUPERVISING_FIELDS`), which ``reader`` does not
+    read though it would change what is trained (:func:`unread_supervision`): what it holds, and the fix.
+
+    Parameters:
+        where: the row, as errors name it.
+        name: the field.
+        reader: who does not read it (:data:`EntryPoint`).
+
+    Example:
+        >>> print(unread_message("record 0", "completion_mask", "packer"))  # doctest: +ELLIPSIS
+        record 0: payload has 'completion_mask' with zeros, but the packer reads supervision as ...
+    """
+    if reader == "pairs":
+        return (
+            f"{where}: carries {shown(name)}, which this collator does not read: each side's tokens are "
+            "trained whole, so what it leaves out would be trained; give each side (or completion) as the "
+            "tokens to train, its padding in the side's own *_attention_mask, and drop the field"
+        )
+    if reader == "examples":  # response_mask: the other fields are read there
+        return (
+            f"{where}: carries {shown(name)} (verl's mask of the row's last tokens, the response), which "
+            "this collator does not read: read as all trained, the prompt would be trained; collate "
+            "rollouts with Collator.for_rollouts(...), which reads it, or give a completion_mask (0 on the "
+            "prompt)"
+        )
+    packer = reader == "packer"
+    if name == LABELS and packer:
+        return (
+            f"{where}: payload has 'labels' that differ from its tokens (e.g. -100 on a prompt), but "
+            f"{_PACKED}. Give the supervision as a loss_mask (loss_mask = [int(l != -100) for l in "
+            f"labels]) and drop 'labels', {_HF}"
+        )
+    if name == LABELS:
+        return (
+            f"{where}: payload has 'labels' that differ from its tokens (e.g. -100 on a prompt), which are "
+            "not read here: labels are made from the tokens. For Hugging Face examples use "
+            "Collator.for_transformers(...); else give the supervision as a loss_mask (loss_mask = labels "
+            "!= -100) and drop 'labels'"
+        )
+    if name == ATTENTION_MASK and packer:
+        return (
+            f"{where}: payload has an 'attention_mask' with zeros (padding inside the document), which the "
+            "packer would pack as real tokens, and the Collator refuses it. Give the documents without "
+            f"their padding (drop the padded tokens and the mask: each row is padded when packed), {_HF}"
+        )
+    if name == ATTENTION_MASK:
+        return (
+            f"{where}: payload has an 'attention_mask' with zeros, which is not applied here: those tokens "
+            "would be trained on as real ones. For Hugging Face examples use Collator.for_transformers(...); "
+            "else give padding as meta.padding_length (pack_flat writes it) or pad with "
+            "Collator(pad_token_id=...) and drop the mask"
+        )
+    if name == RESPONSE_MASK and packer:
+        return (
+            f"{where}: payload has 'response_mask' (verl's mask of the row's last tokens), but {_PACKED}. "
+            "Give it as the loss_mask (loss_mask = [0] * (len(input_ids) - len(response_mask)) + "
+            "response_mask) and drop 'response_mask'"
+        )
+    if name == RESPONSE_MASK:
+        return (
+            f"{where}: payload has 'response_mask' (verl's mask of the row's last tokens, the response), "
+            "which is not read here: the prompt would be trained on. Collate verl rows with "
+            "Collator.for_rollouts(...), which reads it; else give the supervision as a loss_mask "
+            "(loss_mask = [0] * (len(input_ids) - len(response_mask)) + response_mask)"
+        )
+    if packer:
+        return (
+            f"{where}: payload has {shown(name)} with zeros, but {_PACKED}. Give it as the loss_mask "
+            f"(loss_mask = {name}) and drop {shown(name)}, {_HF}"
+        )
+    return (
+        f"{where}: payload has {shown(name)} with zeros, which are not read here: the prompt would be "
+        "trained on. For Hugging Face examples use Collator.for_transformers(...); else give them as the "
+        f"loss_mask (loss_mask = {name})"
+    )
 
 
 def _changes_training(name: str, field: Ragged, tokens: Ragged, loss_mask: Ragged | None) -> np.ndarray:

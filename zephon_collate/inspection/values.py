@@ -1,0 +1,75 @@
+"""What the inspector's views share: a field's values as lists and rows, tokens as printable text,
+the terminal's colours."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zephon_collate.core.text import shown
+
+__all__ = ["as_lists", "as_rows", "is_special", "paint", "percent", "plural", "token_text"]
+
+_MAX_TOKEN_CHARS = 16
+_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r", " ": "␣"}
+_ANSI = {
+    "bold": "\x1b[1m",
+    "dim": "\x1b[2m",
+    "green": "\x1b[32m",
+    "magenta": "\x1b[1;35m",
+    "red": "\x1b[1;31m",
+    "yellow": "\x1b[33m",
+}
+_RESET = "\x1b[0m"
+
+
+def token_text(tokenizer: Any, token: int) -> str:
+    """A token as printable text: ``tokenizer.decode([token])`` or ``tokenizer(token)``, else the id.
+
+    Spaces show as ``␣``, newlines, tabs and returns as ``\\n``, ``\\t``, ``\\r``,
+    other control characters as ``\\xNN``; long tokens are cut with ``~``.
+    """
+    if tokenizer is None:
+        return str(token)
+    text = tokenizer.decode([token]) if hasattr(tokenizer, "decode") else str(tokenizer(token))
+    shown = "".join(
+        _ESCAPES.get(char, f"\\x{ord(char):02x}" if ord(char) < 32 or ord(char) == 127 else char)
+        for char in text
+    )
+    if not shown:
+        return "''"
+    return shown if len(shown) <= _MAX_TOKEN_CHARS else shown[: _MAX_TOKEN_CHARS - 1] + "~"
+
+
+def paint(text: str, style: str | None, color: bool) -> str:
+    return f"{_ANSI[style]}{text}{_RESET}" if color and style else text
+
+
+def as_lists(value: Any) -> Any:
+    if hasattr(value, "detach"):
+        value = value.detach().cpu()
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def as_rows(value: Any, name: str) -> list[list[Any]]:
+    """A field as a list of per-row lists; a flat (1-D) field is one row."""
+    data = as_lists(value)
+    if not isinstance(data, list):
+        raise TypeError(
+            f"inspect_batch: field {shown(name)} must be a tensor, array or list, got {type(value).__name__}"
+        )
+    if data and not isinstance(data[0], list):
+        return [data]
+    return data
+
+
+def percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.0f}%" if whole else "0%"
+
+
+def is_special(text: str) -> bool:
+    return len(text) > 2 and text.startswith("<") and text.endswith(">")
+
+
+def plural(count: int, word: str) -> str:
+    """``count`` and ``word``, with an ``s`` unless ``count`` is 1."""
+    return f"{count} {word}{'' if count == 1 else 's'}"
