@@ -78,6 +78,7 @@ DOC_PAGES = [
     "tensor_fields.md",
     "vision_language.md",
     "trees.md",
+    "engines.md",
 ]
 
 
@@ -250,3 +251,20 @@ def test_sft_history_example_computes_each_history_once():
     assert abs(float(a) - float(b)) < 1e-6 and float(gap) < 1e-6
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert last < first - 1.0
+
+
+def test_grain_loop_resumes_its_training_exactly_with_two_workers():
+    pytest.importorskip("grain")
+    out = run_example("grain_loop.py", "--steps", "6", "--workers", "2")
+    assert "step 5: loss" in out
+    assert "resumed at step 3: losses equal to the uninterrupted run: True" in out
+
+
+def test_ray_balanced_example_trains_two_ranks_and_resumes_the_plan():
+    pytest.importorskip("ray")
+    from test_distributed import torchrun
+
+    result = torchrun(ROOT / "examples" / "ray_balanced.py", "--steps", "4", timeout=400)
+    assert "step 3: loss" in result.stdout
+    for rank in range(2):
+        assert f"rank {rank}: resumed plan matches (4 micro-batches): True" in result.stdout

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import inspect
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,7 @@ LEVELS = [
     {"layouts"},
     {"collate", "types"},
     {"packing", "parallel", "losses"},
-    {"inspection", "trainers"},
+    {"inspection", "trainers", "engines"},
     {"__init__"},
 ]
 
@@ -55,6 +57,13 @@ def _imports() -> list[tuple[str, str]]:
 def test_no_area_imports_from_an_area_above_it():
     upward = [(source, target) for source, target in _imports() if _level(target) > _level(source)]
     assert upward == [], upward
+
+
+def test_importing_the_package_loads_no_data_engine():
+    """The engines are optional extras: ``import zephon_collate`` must work without them."""
+    code = "import sys, zephon_collate; print(sorted({'grain', 'ray', 'pyarrow'} & set(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]", loaded.stdout
 
 
 def test_no_import_circle_between_files():

@@ -1,26 +1,5 @@
-"""Collator: a layout as a DataLoader ``collate_fn``, transforms of yours included, the device work in the
-main process.
-
-``Collator(...)`` is the reference page's layout (records in, ``to_training``'s
-outputs out, with the collator's safety on top); ``Collator.for_transformers``,
-``for_preference``, ``for_rewards`` and ``for_rollouts`` are the same class over another layout
-(:mod:`zephon_collate.layouts`). Each keyword argument is a field of the
-layout's options dataclass or of :class:`~zephon_collate.layouts.base.Settings`:
-the signatures are derived from them, and type checkers see them.
-
-The split fast pipelines use:
-
-- **Workers** call :meth:`Collator.stack`: read, check and stack the samples
-  into a CPU TensorDict (:class:`~zephon_collate.collate.transfer.StackedBatch`).
-  No CUDA call happens there.
-- ``DataLoader(pin_memory=True)`` pins the stacked tensors in the main
-  process's pinning thread.
-- **The main process** calls :meth:`Collator.finish`: copy to the device with
-  ``non_blocking=True`` and run the chain there, compiled with
-  ``torch.compile`` when asked, transforms of yours at its end.
-
-``Collator(...)(samples)`` does both in one call.
-"""
+"""``Collator``: a layout as a DataLoader ``collate_fn``, split into the workers' :meth:`Collator.stack`
+and the main process's :meth:`Collator.finish` (``docs/training_loop.md``)."""
 
 from __future__ import annotations
 
@@ -85,21 +64,12 @@ def _split(options: type[Keywords], args: tuple[Any, ...], kwargs: dict[str, Any
 class Collator:
     """A ``collate_fn`` that lays out what a DataLoader hands it, as :meth:`SampleBatch.to_training` does.
 
-    The keyword arguments are ``to_training``'s (with its names, order and
-    defaults), then the collator's own (:class:`~zephon_collate.layouts.native.CollatorOptions`:
-    ``pad_token_id``, ``pad_to_multiple_of``, ``boundary_safe_labels``,
-    ``float_fields``), then the settings of every collator
-    (:class:`~zephon_collate.layouts.base.Settings`: ``device``, ``compile``,
-    ``num_boundaries``, ``python_scalars``, ``transforms``, ``chain``).
-
-    It takes records, plain payloads (dicts or token arrays), or a columnar
-    batch (an Arrow table, ``(values, offsets)`` pairs). Called in a DataLoader
-    worker, the dict it returns pickles its CPU tensors as one compact buffer.
+    Parameters:
+        **options: ``to_training``'s keywords, then the collator's own (``CollatorOptions``: ``pad_token_id``,
+            ...), then the settings (:class:`~zephon_collate.layouts.base.Settings`: ``device``, ...).
 
     Raises:
-        TypeError, ValueError: for bad options, as ``to_training`` raises them; ``ValueError`` for a
-            ``device`` this process cannot use, ``device`` or ``compile`` with non-torch output, or
-            ``chain`` with options that build the chain.
+        TypeError, ValueError: for bad options, or ``device`` / ``compile`` with non-torch output.
 
     Example:
         >>> collate = Collator(return_labels=True, return_num_valid_tokens=True)
@@ -137,17 +107,10 @@ class Collator:
     def for_transformers(cls, *args: Any, **options: Any) -> Collator:
         """The ``collate_fn`` for Hugging Face ``transformers`` causal LMs and ``Trainer(data_collator=...)``.
 
-        The swap is literal: ``DataCollatorForSeq2Seq(tokenizer, ...)`` becomes
-        ``Collator.for_transformers(tokenizer, ...)``, ``DataCollatorWithFlattening(...)``
-        becomes ``Collator.for_transformers(padding_free=True, ...)``, with the same option
-        names; see :class:`~zephon_collate.layouts.transformers.TransformersOptions` and the layout
-        (:mod:`zephon_collate.layouts.transformers`).
+        Parameters:
+            *args, **options: ``TransformersOptions``' fields (``tokenizer`` first), then the settings.
 
         Example:
-            >>> collate = Collator.for_transformers(pad_token_id=0)
-            >>> batch = collate([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9]}])
-            >>> batch["input_ids"].tolist(), batch["attention_mask"].tolist(), batch["labels"].tolist()
-            ([[5, 6, 7], [8, 9, 0]], [[1, 1, 1], [1, 1, 0]], [[-100, 6, 7], [8, 9, -100]])
             >>> flatten = Collator.for_transformers(padding_free=True, return_flash_attn_kwargs=True)
             >>> flat = flatten([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
             >>> flat["labels"].tolist(), flat["position_ids"].tolist(), flat["cu_seq_lens_q"].tolist()
@@ -159,22 +122,16 @@ class Collator:
     @classmethod
     @keywords(_Preference, "Collator.for_preference")
     def for_preference(cls, *args: Any, **options: Any) -> Collator:
-        """Preference pairs (or TRL's unpaired KTO examples) to one exact batch of their sequences
-        (:mod:`zephon_collate.layouts.presets`).
+        """Preference pairs (or TRL's unpaired KTO examples) to one exact batch of their sequences.
+
+        Parameters:
+            *args, **options: the fields of ``layouts.presets.PreferenceOptions``, then the settings.
 
         Example:
-            >>> pairs = [
-            ...     {"prompt_input_ids": [1, 2, 3], "chosen_input_ids": [4, 5], "rejected_input_ids": [6]},
-            ...     {"prompt_input_ids": [7, 8], "chosen_input_ids": [9], "rejected_input_ids": [10, 11, 12]},
-            ... ]
+            >>> pairs = [{"prompt_input_ids": [1, 2], "chosen_input_ids": [3], "rejected_input_ids": [4, 5]}]
             >>> batch = Collator.for_preference(pad_token_id=0)(pairs)
-            >>> batch["input_ids"].tolist()
-            [[1, 2, 3, 4, 5], [7, 8, 9, 0, 0], [1, 2, 3, 6, 0], [7, 8, 10, 11, 12]]
-            >>> batch["chosen_index"].tolist(), batch["rejected_index"].tolist()
-            ([0, 1], [2, 3])
-            >>> shared = Collator.for_preference(padding_free=True, shared_prompt=True)(pairs)
-            >>> shared["input_ids"].tolist(), shared["position_ids"].tolist()
-            ([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]], [[0, 1, 2, 3, 4, 3, 0, 1, 2, 2, 3, 4]])
+            >>> batch["input_ids"].tolist(), batch["chosen_index"].tolist(), batch["rejected_index"].tolist()
+            ([[1, 2, 3, 0], [1, 2, 4, 5]], [0], [1])
         """
         layout_options, settings = _split(PreferenceOptions, args, options)
         return cls.of(Trees(layout_options, settings))
@@ -182,24 +139,15 @@ class Collator:
     @classmethod
     @keywords(_Rewards, "Collator.for_rewards")
     def for_rewards(cls, *args: Any, **options: Any) -> Collator:
-        """Reward-model pairs to TRL's reward batch, plus where each sequence's score is read
-        (:mod:`zephon_collate.layouts.presets`).
+        """Reward-model pairs to TRL's reward batch, plus where each sequence's score is read.
+
+        Parameters:
+            *args, **options: the fields of ``layouts.presets.RewardOptions``, then the settings.
 
         Example:
-            >>> pairs = [
-            ...     {"chosen_ids": [1, 2, 3], "rejected_ids": [4, 5], "margin": 0.5},
-            ...     {"chosen_ids": [6, 7], "rejected_ids": [8], "margin": 0.0},
-            ... ]
-            >>> batch = Collator.for_rewards(pad_token_id=0)(pairs)
-            >>> batch["input_ids"].tolist(), batch["attention_mask"].tolist()
-            ([[1, 2, 3], [6, 7, 0], [4, 5, 0], [8, 0, 0]], [[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 0, 0]])
-            >>> batch["margin"].tolist(), batch["last_token_index"].tolist()
-            ([0.5, 0.0], [2, 4, 7, 9])
-            >>> flat = Collator.for_rewards(padding_free=True)(pairs)
-            >>> flat["input_ids"].tolist(), flat["position_ids"].tolist()
-            ([[1, 2, 3, 6, 7, 4, 5, 8]], [[0, 1, 2, 0, 1, 0, 1, 0]])
-            >>> flat["last_token_index"].tolist()
-            [2, 4, 6, 7]
+            >>> flat = Collator.for_rewards(padding_free=True)([{"chosen_ids": [1, 2], "rejected_ids": [3]}])
+            >>> flat["input_ids"].tolist(), flat["position_ids"].tolist(), flat["last_token_index"].tolist()
+            ([[1, 2, 3]], [[0, 1, 0]], [1, 2])
         """
         layout_options, settings = _split(RewardOptions, args, options)
         return cls.of(Trees(layout_options, settings))
@@ -207,23 +155,20 @@ class Collator:
     @classmethod
     @keywords(_Rollouts, "Collator.for_rollouts")
     def for_rollouts(cls, *args: Any, **options: Any) -> Collator:
-        """RL rollouts (a prompt and a completion, float fields) to one exact training batch
-        (:mod:`zephon_collate.layouts.presets`).
+        """RL rollouts (a prompt and a completion, float fields) to one exact training batch.
+
+        Parameters:
+            *args, **options: the fields of ``layouts.presets.RolloutOptions``, then the settings.
 
         Example:
             >>> from zephon_collate import FloatField
-            >>> rollouts = [
-            ...     {"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1], "adv": 1.0},
-            ...     {"input_ids": [1, 2, 5], "completion_mask": [0, 0, 1], "adv": -1.0},
-            ... ]
             >>> collate = Collator.for_rollouts(
             ...     padding_free=True, shared_prompt=True, float_fields=[FloatField("adv", "sequence")]
             ... )
-            >>> batch = collate(rollouts)
-            >>> batch["input_ids"].tolist(), batch["position_ids"].tolist(), batch["labels"].tolist()
-            ([[1, 2, 3, 4, 5]], [[0, 1, 2, 3, 2]], [[-100, -100, 3, 4, 5]])
-            >>> batch["adv"].tolist(), batch["logits_index"].tolist()
-            ([1.0, -1.0], [[-1, 0, 1, 2, 1]])
+            >>> batch = collate([{"input_ids": [1, 2, 3], "completion_mask": [0, 0, 1], "adv": 1.0},
+            ...                  {"input_ids": [1, 2, 4], "completion_mask": [0, 0, 1], "adv": -1.0}])
+            >>> batch["input_ids"].tolist(), batch["position_ids"].tolist(), batch["adv"].tolist()
+            ([[1, 2, 3, 4]], [[0, 1, 2, 2]], [1.0, -1.0])
         """
         layout_options, settings = _split(RolloutOptions, args, options)
         return cls.of(Trees(layout_options, settings))
@@ -231,21 +176,17 @@ class Collator:
     @classmethod
     @keywords(_Trajectories, "Collator.for_trees")
     def for_trees(cls, *args: Any, **options: Any) -> Collator:
-        """Trajectories (flat, or as lists of turns) or explicit trees to one batch that computes every
-        shared prefix once: the trees depth-first, each path's positions continuing, ``subtree_end`` for
-        the attention and every path's tokens (``path_index``), so that the loss helpers give each path
-        the numbers it has run alone (:mod:`zephon_collate.layouts.trees`, ``docs/trees.md``).
+        """Trajectories (flat or as turns) or explicit trees to one batch that computes every shared prefix
+        once (``docs/trees.md``).
+
+        Parameters:
+            *args, **options: the fields of ``layouts.presets.TrajectoryOptions``, then the settings.
 
         Example:
-            >>> trajectories = [
-            ...     {"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1]},
-            ...     {"input_ids": [1, 2, 3, 5, 6], "completion_mask": [0, 0, 1, 1, 1]},
-            ... ]
-            >>> batch = Collator.for_trees()(trajectories)
-            >>> batch["input_ids"].tolist(), batch["position_ids"].tolist()
-            ([[1, 2, 3, 4, 5, 6]], [[0, 1, 2, 3, 3, 4]])
-            >>> batch["logits_index"].tolist(), batch["subtree_end"].tolist()
-            ([[-1, 0, 1, 2, 2, 4]], [[6, 6, 6, 4, 6, 6]])
+            >>> batch = Collator.for_trees()([{"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1]},
+            ...                               {"input_ids": [1, 2, 4], "completion_mask": [0, 1, 1]}])
+            >>> batch["input_ids"].tolist(), batch["position_ids"].tolist(), batch["subtree_end"].tolist()
+            ([[1, 2, 3, 4]], [[0, 1, 2, 2]], [[4, 4, 3, 4]])
         """
         layout_options, settings = _split(TrajectoryOptions, args, options)
         return cls.of(Trees(layout_options, settings))
@@ -279,23 +220,12 @@ class Collator:
     # -- collating ----------------------------------------------------------------------------------
 
     def __call__(self, samples: Any) -> dict[str, Any]:
-        """Collate in one step: read, lay out, run the chain, assemble (:meth:`stack` then :meth:`finish`
-        when a device or compiling is asked)."""
+        """Collate in one step (:meth:`stack` then :meth:`finish` when a device or compiling is asked)."""
         out = self.layout.collate(samples)
         return WireOutputs(out) if get_worker_info() is not None else out
 
     def stack(self, samples: Any) -> StackedBatch:
-        """Worker side: read, check and stack the samples into a CPU TensorDict.
-
-        Every data error is raised here, naming the record and the field (with
-        ``num_boundaries``, also a row with more segments than that allows).
-        Rows must have equal lengths, whatever ``dtype`` is, unless the collator
-        pads them (``pad_token_id``): ragged rows with ``dtype=None`` and no
-        padding work through ``Collator(...)(samples)`` only.
-
-        Returns:
-            a :class:`~zephon_collate.collate.transfer.StackedBatch` (``td``: the stacked CPU
-            TensorDict, ``None`` for an empty batch; the per-record outputs; each row's ``SampleMeta``).
+        """Worker side: read, check and stack the samples into a CPU ``StackedBatch`` (no CUDA call).
 
         Raises:
             TypeError, ValueError: for every data error, naming the record, the field and the fix.
@@ -327,12 +257,8 @@ class Collator:
     def finish(self, stacked: StackedBatch) -> dict[str, Any]:
         """Main-process side: move to ``device`` (``non_blocking``), run the chain, build the outputs.
 
-        Returns:
-            the outputs of ``collator(samples)`` for the samples ``stacked`` was made from.
-
         Raises:
-            TypeError: for anything but the :class:`~zephon_collate.collate.transfer.StackedBatch` that
-                :meth:`stack` returns.
+            TypeError: for anything but the ``StackedBatch`` that :meth:`stack` returns.
         """
         if not isinstance(stacked, StackedBatch):
             raise TypeError(

@@ -1,22 +1,4 @@
-"""ColumnarDataset: a Hugging Face ``datasets.Dataset`` that hands a DataLoader whole batches of columns.
-
-``datasets``' own ``__getitems__`` maps each index through the indices mapping
-(what ``shuffle``, ``select`` and ``train_test_split`` leave) one by one,
-slices each row out of its chunk, then splits the batch into one Python dict
-per example, which a collator reads back one by one. This wrapper keeps the
-batch as it is stored: ``__getitems__(indices)`` maps the indices with one
-NumPy lookup and gathers every column with one vectorised gather, and hands
-the rows over as one columnar batch, which every ``Collator`` reads column by
-column (no loop over the examples).
-
-The dataset's format is honoured where it says what the rows hold: its
-``set_format(columns=...)`` columns are the ones handed over (unless
-``columns=`` names others), and a ``set_transform``/``with_transform`` function,
-which would run on each batch of rows ``datasets`` hands over but never on the
-stored columns, is refused with the fix. A format's type (``"numpy"``,
-``"torch"``, ``"arrow"``...) changes only the containers, which the batch
-replaces.
-"""
+"""``ColumnarDataset``: a ``datasets.Dataset`` handing a DataLoader whole batches of columns."""
 
 from __future__ import annotations
 
@@ -34,46 +16,23 @@ __all__ = ["ColumnarDataset"]
 
 
 class ColumnarDataset(torch.utils.data.Dataset[Any]):
-    """A map-style dataset of columnar batches over a ``datasets.Dataset`` (or a ``pyarrow.Table``).
+    """A map-style dataset of columnar batches over a ``datasets.Dataset`` (``docs/columns.md``).
 
-    ``__getitems__(indices)`` returns the rows at ``indices`` as ``[batch]``: a
-    list holding one :class:`~zephon_collate.read.arrow.ColumnBatch`, a read-only
-    mapping of each column to its ``(values, offsets)`` pair (numbers) or Arrow
-    array (anything else, text say), which the collators read as one batch.
-    Neither the list nor the mapping is a ``dict``: ``transformers.Trainer``, for
-    a dataset that is not a ``datasets.Dataset``, wraps the collator in a
-    ``RemoveColumnsCollator``, which drops the keys of example dicts that the
-    model's ``forward`` does not name (``loss_mask``, ``assistant_masks``,
-    ``seq_lengths``...) and passes anything else as it is: every column
-    reaches the collator. ``__getitem__(index)`` returns one row the same way.
-
-    Each process reads the columns once, when it fetches its first batch: as
-    views of the dataset's Arrow buffers when a column is stored in one chunk
-    (a memory-mapped dataset stays on disk), else joined into one contiguous
-    copy (Arrow's own ``take`` over a chunked column joins the chunks on every
-    call).
+    Each process reads the columns once: views of single-chunk Arrow columns, one copy of a chunked one.
 
     Parameters:
-        dataset: a ``datasets.Dataset`` (its indices mapping, if any, is honoured)
-            or a ``pyarrow.Table``; read, never changed.
-        columns: the columns to hand over (default: those the dataset's format shows,
-            ``set_format(columns=...)``'s, else all), e.g. to leave text columns behind.
+        dataset: a ``datasets.Dataset`` (its indices mapping honoured) or a ``pyarrow.Table``; never changed.
+        columns: the columns to hand over (default: ``set_format(columns=...)``'s, else all).
 
     Raises:
         TypeError: for anything else than a ``datasets.Dataset`` or a ``pyarrow.Table``.
-        ValueError: for a column the dataset does not have, or a dataset with a transform
-            (``set_transform``/``with_transform``: apply it with ``dataset.map`` first); a
-            transform set later is refused when the rows are read.
+        ValueError: for an unknown column, or a dataset with a ``set_transform`` (``dataset.map`` it first).
 
     Example:
         >>> import pyarrow as pa
         >>> from zephon_collate import Collator
-        >>> table = pa.table({"input_ids": [[5, 6, 7], [8, 9], [4]], "text": ["a", "b", "c"]})
-        >>> dataset = ColumnarDataset(table, columns=["input_ids"])
-        >>> batch = dataset.__getitems__([2, 0])
-        >>> values, offsets = batch[0]["input_ids"]
-        >>> values.tolist(), offsets.tolist()
-        ([4, 5, 6, 7], [0, 1, 4])
+        >>> dataset = ColumnarDataset(pa.table({"input_ids": [[5, 6, 7], [8, 9], [4]]}))
+        >>> batch = dataset.__getitems__([2, 0])  # [one ColumnBatch]: each column (values, offsets)
         >>> Collator.for_transformers(padding_free=True)(batch)["input_ids"].tolist()
         [[4, 5, 6, 7]]
     """
@@ -125,9 +84,7 @@ class ColumnarDataset(torch.utils.data.Dataset[Any]):
         return self._rows
 
     def _columns(self) -> dict[str, Any]:
-        """Each column as ``(values, offsets)`` NumPy arrays (numbers, read by the one columnar reader)
-        or one Arrow array (text, nested lists, nulls: gathered by Arrow, refused or read by the
-        collator), read once."""
+        """Each column as ``(values, offsets)`` NumPy arrays or one Arrow array (text, nulls), read once."""
         if self._read is None:
             table = _table_of(self.dataset)
             columns = Columns(tables=[table])
@@ -146,13 +103,7 @@ class ColumnarDataset(torch.utils.data.Dataset[Any]):
         return self._read
 
     def __getitems__(self, indices: Sequence[int]) -> list[ColumnBatch]:
-        """The rows at ``indices``, in that order, as ``[batch]``: one lookup, one gather per column.
-
-        Raises:
-            TypeError: for an index that is not an int (``datasets`` refuses a float key too).
-            IndexError: for an index outside the dataset.
-            ValueError: if the dataset was given a transform since (``set_transform``).
-        """
+        """The rows at ``indices``, in that order, as ``[batch]``: one lookup, one gather per column."""
         _check_no_transform(self.dataset)
         given = np.asarray(indices).reshape(-1)
         if given.size and given.dtype.kind not in "iu":  # a float would be cut to a row silently
@@ -218,8 +169,7 @@ def _format_columns(dataset: Any) -> list[str] | None:
 
 
 def _check_no_transform(dataset: Any) -> None:
-    """``ValueError`` for a dataset with a ``set_transform``/``with_transform`` function, which the
-    stored columns this wrapper hands over would skip, naming it and the fix."""
+    """``ValueError`` for a dataset with a ``set_transform``/``with_transform`` function, naming the fix."""
     found = _format_of(dataset)
     kwargs = found.get("format_kwargs")
     transform = kwargs.get("transform") if isinstance(kwargs, Mapping) else None

@@ -1,8 +1,4 @@
-"""SampleBatch and to_training: the reference page's batch, and its conversion to training tensors.
-
-:class:`SampleBatch` sits above the records (:mod:`zephon_collate.core.records`) and
-the collate path it calls; :mod:`zephon_collate.types` re-exports it with them.
-"""
+"""``SampleBatch`` and ``to_training``: the reference page's batch and its conversion to training tensors."""
 
 from __future__ import annotations
 
@@ -45,10 +41,8 @@ class SampleBatch:
         >>> from zephon_collate import SampleMeta, SampleRecord
         >>> metas = [SampleMeta((0, 0, i), lane_id=i % 2, chunk_id=4) for i in range(3)]
         >>> batch = SampleBatch([SampleRecord(m, {"input_ids": [1, 2]}) for m in metas])
-        >>> batch.lane_ids, batch.chunk_ids
-        ((0, 1, 0), (4, 4, 4))
-        >>> batch.ids[2]
-        (0, 0, 2)
+        >>> batch.lane_ids, batch.chunk_ids, batch.ids[2]
+        ((0, 1, 0), (4, 4, 4), (0, 0, 2))
     """
 
     records: tuple[SampleRecord, ...]
@@ -98,35 +92,16 @@ class SampleBatch:
 
     @keywords(TrainingOptions, "to_training")
     def to_training(self, **options: Any) -> dict[str, Any]:
-        """Convert batch to training-ready format with optional LM label generation.
+        """Convert the batch to training tensors; every option is specified in ``docs/to_training.md``.
 
-        The full reference, parameter by parameter, is ``docs/to_training.md``
-        (the reference page); the parameters are :class:`~zephon_collate.TrainingOptions`'
-        fields, with the page's names, order and defaults. In short: the payloads
-        are stacked once, a chain of transforms (``PaddingMask -> TokenShift ->
-        EosMask -> LossMask -> CuSeqlens -> Positions``, each only when asked
-        for) runs on them, then fields are renamed, excluded and flattened, and
-        converted to torch tensors (``dtype="auto"`` or a torch dtype), NumPy
-        arrays (a NumPy dtype) or Python lists (``None``).
-
-        A ``"loss_mask"`` payload field is recognized automatically, like
-        ``"positions"``. With ``return_labels=True`` it is consumed: labels whose
-        mask entry (``mask[:, 1:]``) is 0 are set to ``ignore_index``.
+        Parameters:
+            **options: :class:`~zephon_collate.TrainingOptions`' fields (the page's names and defaults).
 
         Returns:
-            A dict with ``"ids"``, ``"texts"``, ``"input_ids"`` and, as asked for,
-            ``"labels"``, ``"positions"``, extra fields, ``"num_valid_tokens"``,
-            ``"loss_mask"``, ``"cu_seqlens"``, ``"max_seqlen"``, ``"padding_mask"``.
+            A dict with ``"ids"``, ``"texts"``, ``"input_ids"`` and, as asked for, ``"labels"``, ...
 
         Raises:
-            TypeError: if payloads are neither dicts nor arrays, or
-                ``exclude_fields`` is a string instead of a sequence of field names.
-            ValueError: for the argument and data errors listed in ``docs/to_training.md``.
-
-        Warns:
-            UserWarning: if ``eos_token_id`` is supplied with ``eos_mask_loss=False``; if labels are
-                made and a payload carries a supervising field that is not read (an
-                ``attention_mask`` with zeros, ``labels`` that differ from the tokens, ...).
+            TypeError, ValueError: for the argument and data errors listed in ``docs/to_training.md``.
 
         Example:
             >>> from zephon_collate import SampleMeta, SampleRecord
@@ -141,9 +116,11 @@ class SampleBatch:
 
 @keywords(TrainingOptions, "to_training")
 def to_training(batch: SampleBatch | Sequence[SampleRecord], **options: Any) -> dict[str, Any]:
-    """Convert a batch to training-ready format; the reference is :meth:`SampleBatch.to_training`.
+    """Convert a batch to training tensors; the reference is :meth:`SampleBatch.to_training`.
 
-    ``batch`` is a :class:`SampleBatch` or a sequence of :class:`SampleRecord`.
+    Parameters:
+        batch: a :class:`SampleBatch` or a sequence of :class:`SampleRecord`.
+        **options: :class:`~zephon_collate.TrainingOptions`' fields.
 
     Example:
         >>> from zephon_collate import SampleMeta, SampleRecord
@@ -164,11 +141,7 @@ def stack_batch(
 ) -> TensorDict:
     """Stack a batch's payloads into a ``TensorDict`` with ``batch_size=[B]``: the chain's input.
 
-    The token field is stored as ``"input_ids"`` (``[B, S]``, or ``[B, S, ...]``
-    for non-scalar tokens); ``"positions"`` and ``"loss_mask"`` are included when
-    every payload has them, each listed extra field always; all in ``dtype``.
-    ``"padding_length"`` (``[B]`` int64) holds each record's ``meta.padding_length``,
-    0 where unset. Reading and checks are ``to_training``'s.
+    ``"positions"`` and ``"loss_mask"`` are stacked where every payload has them; ``"padding_length"`` always.
 
     Parameters:
         batch: a :class:`~zephon_collate.SampleBatch` or a sequence of records.
@@ -176,17 +149,6 @@ def stack_batch(
         extra_fields: further per-record fields to stack.
         dtype: integer dtype for every stacked field.
         pin_memory: pin the stacked CPU tensors (for ``non_blocking`` copies to CUDA).
-
-    An empty batch gives ``batch_size=[0]``, ``"input_ids"`` and each listed
-    extra field of shape ``[0, 0]``.
-
-    Raises:
-        TypeError: for an argument of the wrong type, a batch that is not records, a
-            payload that is neither a dict nor an array, or values of a wrong type.
-        ValueError: for a ``dtype`` that is not a signed integer dtype, ``pin_memory``
-            without an accelerator, a sentinel record, a missing or partial field,
-            unequal row lengths, a bad ``meta.padding_length``, or values ``dtype``
-            cannot hold.
 
     Example:
         >>> from zephon_collate import SampleBatch, SampleMeta, SampleRecord

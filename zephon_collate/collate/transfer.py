@@ -1,31 +1,5 @@
-"""StackedBatch, what a DataLoader worker sends, and how it crosses to the main process.
-
-A tensor leaving a worker travels through shared memory, and each one costs a
-shared-memory segment, its page faults on both sides and a file descriptor
-that the main process fetches from the (busy) worker in a round trip; one
-buffer per batch costs markedly less than one tensor per field
-(``benchmarks/bench_transfer.py`` measures both on the same batch).
-So a :class:`StackedBatch` pickles its CPU tensors as **one byte buffer**,
-each integer field in the narrowest integer dtype that holds all its values
-exactly (``uint8``, ``int16`` or ``int32``), a float field of only 0.0 and 1.0
-(a loss mask) as ``uint8``, other float and bool fields as they are.
-
-A :class:`StackedBatch` **stays narrow** on arrival: its ``td`` holds the
-fields as they travelled and ``dtypes`` the dtype each narrowed field had, so
-the pinned copy and the host-to-device copy move the narrow bytes (an int64
-token id that fits int16 moves 2 bytes, not 8) and ``Collator.finish`` widens
-on the device (:meth:`StackedBatch.widened`). The round trip is exact: same
-keys, shapes and values, and the same dtypes once widened. A :class:`~zephon_collate.Collator` called in a
-worker (``collate_fn=collator``, not the split) sends its output dict the same
-way (:class:`WireOutputs`).
-
-A buffer of up to :data:`PIPE_LIMIT` bytes goes inline, as ``bytes`` in the
-pickle stream through the worker's pipe, with no round trip; a larger one as a
-tensor, through shared memory, whose fixed cost a large buffer repays. The
-limit sits where the two cost the same: inline wins at 8 x 8,193 tokens (329 kB
-stacked), shared memory at 8 x 32,769 (1.3 MB); ``python
-benchmarks/bench_transfer.py`` measures both (``docs/benchmarks.md`` gives the figures).
-"""
+"""``StackedBatch``, what a DataLoader worker sends: its CPU tensors as one narrow byte buffer, inline up
+to :data:`PIPE_LIMIT` bytes, else through shared memory (``docs/training_loop.md``)."""
 
 from __future__ import annotations
 
@@ -86,12 +60,7 @@ def _zeros_and_ones(array: np.ndarray) -> bool:
 
 
 def _wire_dtype(array: np.ndarray) -> np.dtype:
-    """The dtype an array travels in: the narrowest that holds its values exactly.
-
-    For an integer array the narrowest of uint8, int16 and int32 that holds every
-    value, for a float array of only 0.0 and 1.0 (a loss mask) uint8, else the
-    array's own dtype.
-    """
+    """The narrowest dtype that holds an array's values exactly (``uint8`` for floats of 0.0 and 1.0)."""
     if array.dtype.kind == "f" and array.size and _zeros_and_ones(array):
         return np.dtype(np.uint8)
     if array.dtype.kind not in "iu" or array.dtype.itemsize == 1 or array.size == 0:
@@ -121,10 +90,11 @@ def packable(td: TensorDictBase) -> bool:
 def pack(
     tensors: Mapping[str, torch.Tensor] | TensorDictBase, dtypes: Mapping[str, torch.dtype] | None = None
 ) -> tuple[torch.Tensor, tuple[Field, ...]]:
-    """One ``uint8`` buffer holding every tensor of ``tensors`` (see the module doc), and its layout.
+    """One ``uint8`` buffer holding every tensor of ``tensors`` in its narrowest exact dtype, and its layout.
 
-    ``dtypes`` gives the dtype a field is to have on arrival where the tensor
-    holds it narrower (a :class:`StackedBatch` that has travelled once).
+    Parameters:
+        tensors: the CPU tensors to pack.
+        dtypes: the dtype a field is to have on arrival, where the tensor holds it narrower.
 
     Example:
         >>> buffer, fields = pack({"ids": torch.tensor([[1, 300]]), "mask": torch.tensor([[0, 1]])})
@@ -169,12 +139,8 @@ def unpack(buffer: torch.Tensor, fields: tuple[Field, ...], batch_size: torch.Si
 
 
 class WireOutputs(dict[str, Any]):
-    """A collated output dict leaving a DataLoader worker: it pickles its CPU tensors as one buffer.
-
-    What arrives in the main process is a plain ``dict`` with the same keys in
-    the same order, equal tensors of the same dtypes, and the other values
-    (lists, ints) as they were.
-    """
+    """A collated output dict leaving a DataLoader worker: its CPU tensors pickle as one buffer, and it
+    arrives as a plain ``dict`` with the same keys, values and dtypes."""
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         tensors = {key: value for key, value in self.items() if _packable(value)}
@@ -192,22 +158,13 @@ def _unpack_outputs(
 
 @dataclass(frozen=True)
 class StackedBatch:
-    """A worker's output: the stacked CPU TensorDict and the per-record lists.
-
-    ``td`` is ``None`` for an empty batch; ``per_record`` holds the ``"ids"``
-    and ``"texts"`` outputs and ``metas`` each record's metadata (the payloads
-    stay in the worker: only the stacked tensors cross to the main process).
-    ``pin_memory`` and ``to`` return new batches, so a DataLoader with
-    ``pin_memory=True`` pins it. Pickled (as a worker sends it), the CPU
-    tensors travel as one compact buffer (:func:`pack`) and arrive narrow:
-    ``dtypes`` maps each field that ``td`` holds narrower than stacked to its
-    stacked dtype, and :meth:`widened` gives the batch exactly as it was.
+    """A worker's output: the stacked CPU TensorDict (``None`` for an empty batch) and the per-record lists.
 
     Example:
         >>> import pickle
         >>> td = TensorDict(input_ids=torch.tensor([[5, 300]]), batch_size=[1], device="cpu")
         >>> arrived = pickle.loads(pickle.dumps(StackedBatch(td, {"ids": [(0, 0, 0)], "texts": [None]})))
-        >>> arrived.td["input_ids"].dtype, arrived.dtypes, arrived.widened().td["input_ids"].dtype
+        >>> arrived.td["input_ids"].dtype, arrived.dtypes, arrived.widened().td["input_ids"].dtype  # narrow
         (torch.int16, {'input_ids': torch.int64}, torch.int64)
     """
 

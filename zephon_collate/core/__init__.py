@@ -1,2 +1,1 @@
-"""The data model, field names, argument checks and how errors quote values: what every other area "
-"builds on."""
+"""The data model, field names, argument checks and how errors quote values."""

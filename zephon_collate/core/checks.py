@@ -1,8 +1,4 @@
-"""Argument checks shared by to_training, the transforms, the collator and the packer.
-
-Each check raises a ``ValueError``/``TypeError`` that names the argument, the
-value received and what is expected, or returns the normalised value.
-"""
+"""Argument checks shared by every entry point: each names the argument, the value and what is expected."""
 
 from __future__ import annotations
 
@@ -61,12 +57,7 @@ def _is_int(value: object) -> TypeGuard[int]:
 
 
 class Keywords:
-    """Base of the options dataclasses: one typed field (type, default, doc) per option.
-
-    Each entry point's signature is derived from its options dataclass by
-    :func:`keywords`: the option is written once, and ``inspect`` and type
-    checkers see it.
-    """
+    """Base of the options dataclasses: one typed field per option (a signature, by :func:`keywords`)."""
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -88,12 +79,8 @@ def keywords(
 ) -> Callable[[Callable[..., R]], Callable[Concatenate[Any, P], R]]:
     """Give ``function(first, **options)`` the signature of the dataclass ``options``.
 
-    The decorated function takes its first argument (``self``, ``cls``, a batch)
-    and the options dataclass's fields, as ``inspect`` and type checkers see
-    them: ``mypy --strict`` reports a misspelled or mistyped option in user
-    code. At run time a misspelled keyword gets the closest name
-    (``owner: unknown option 'pad_to_multiple'; did you mean 'pad_to_multiple_of'?``),
-    and a missing required one named in ``required`` says what it is.
+    Type checkers and ``inspect`` see the options; a misspelled keyword raises ``TypeError`` naming the
+    closest option, and a missing option named in ``required`` (name to what it is) says what it is.
 
     Example:
         >>> @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,8 +89,6 @@ def keywords(
         >>> @keywords(Options, "f")
         ... def f(batch: list[int], **options: Any) -> Options:
         ...     return Options(**options)
-        >>> [(p.name, p.kind.name) for p in inspect.signature(f).parameters.values()]
-        [('batch', 'POSITIONAL_OR_KEYWORD'), ('return_labels', 'KEYWORD_ONLY')]
         >>> f([], return_label=True)
         Traceback (most recent call last):
         ...
@@ -203,8 +188,7 @@ def check_eos_token_id(value: object, *, owner: str = "to_training") -> int:
 
 
 def fits_dtype(value: int, dtype: torch.dtype) -> bool:
-    """True if ``dtype`` holds the int ``value`` exactly: always for float, complex and bool dtypes
-    (which are not integer storage), else within ``torch.iinfo(dtype)``.
+    """True if ``dtype`` holds the int ``value`` exactly (always for float, complex and bool dtypes).
 
     Example:
         >>> fits_dtype(300, torch.int8), fits_dtype(-100, torch.int16), fits_dtype(-1, torch.uint8)
@@ -217,15 +201,13 @@ def fits_dtype(value: int, dtype: torch.dtype) -> bool:
 
 
 def check_fits_dtype(owner: str, name: str, value: int, dtype: torch.dtype) -> None:
-    """``ValueError`` naming ``name`` unless ``dtype`` holds ``value`` (:func:`fits_dtype`): written into
-    that dtype, it would wrap around."""
+    """``ValueError`` naming ``name`` unless ``dtype`` holds ``value`` (:func:`fits_dtype`)."""
     if not fits_dtype(value, dtype):
         raise ValueError(f"{owner}: {name} {value} does not fit dtype {dtype}; pick a wider dtype")
 
 
 def check_ignore_index(value: object, *, owner: str = "to_training", fits: torch.dtype | None = None) -> int:
-    """Return ``value`` as an int: ``TypeError`` if it is not an integer (bools excluded), ``ValueError``
-    if it is outside int64, or outside the integer dtype ``fits`` when given."""
+    """``value`` as an int within int64 (and ``fits``, when given); else ``TypeError`` / ``ValueError``."""
     if not _is_int(value):
         raise TypeError(f"{owner}: ignore_index must be an int, got {shown(value)}")
     if not INT64_MIN <= value <= INT64_MAX:
@@ -308,10 +290,7 @@ def check_rename_fields(value: object) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class OutputKind:
-    """The container kind to_training returns, and the torch dtype it computes in.
-
-    ``kind`` is ``"torch"``, ``"numpy"`` or ``"list"``; ``numpy_dtype`` is set for NumPy output.
-    """
+    """The container kind to_training returns (``"torch"``, ``"numpy"``, ``"list"``) and its torch dtype."""
 
     kind: Literal["torch", "numpy", "list"]
     torch_dtype: torch.dtype
@@ -319,13 +298,11 @@ class OutputKind:
 
 
 def resolve_dtype(dtype: Any) -> OutputKind:
-    """Interpret ``dtype``: ``"auto"`` (torch.long), a torch dtype, a NumPy dtype, or ``None`` (lists).
-
-    Only signed integer dtypes (8 to 64 bits) hold token ids and ``ignore_index``.
+    """``dtype`` as an :class:`OutputKind`: ``"auto"`` (torch.long), ``None`` (lists), a torch or NumPy dtype.
 
     Raises:
         TypeError: if ``dtype`` is none of these.
-        ValueError: if it is not a signed integer dtype.
+        ValueError: if it is not a signed integer dtype (8 to 64 bits, native byte order).
     """
     if isinstance(dtype, str) and dtype == "auto":
         return OutputKind("torch", torch.long)
@@ -356,8 +333,7 @@ def resolve_dtype(dtype: Any) -> OutputKind:
 
 
 def check_int(owner: str, name: str, value: object, minimum: int, maximum: int = INT64_MAX) -> int:
-    """Return ``value`` as an int from ``minimum`` to ``maximum``: ``TypeError`` for a non-int (bools
-    included), ``ValueError`` outside the range."""
+    """``value`` as an int from ``minimum`` to ``maximum`` (``TypeError`` for a non-int or a bool)."""
     if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
         raise TypeError(
             f"{owner}: {name} must be an int >= {minimum}, got {shown(value)} ({type(value).__name__})"
@@ -370,8 +346,7 @@ def check_int(owner: str, name: str, value: object, minimum: int, maximum: int =
 
 
 def check_num_boundaries(owner: str, value: object) -> int | None:
-    """``None``, or ``value`` as an int >= 1: the static boundary count of ``cu_seqlens`` (``TypeError``
-    for a non-int, ``ValueError`` below 1)."""
+    """``None``, or ``value`` as an int >= 1 (``cu_seqlens``'s static boundary count)."""
     if value is None:
         return None
     message = f"{owner}: num_boundaries must be an int >= 1 or None, got {shown(value)}"

@@ -1,8 +1,4 @@
-"""Field names and limits: the one home for the names the package reads and writes.
-
-The output names are the reference page's; the transforms default their keys
-to them, the collate path emits them, and the packer writes the payload fields.
-"""
+"""Field names and limits: the one home for the names the package reads and writes (the reference page's)."""
 
 from __future__ import annotations
 

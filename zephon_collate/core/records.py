@@ -1,11 +1,4 @@
-"""The records: the bottom layer of the data model (cursors, metadata, records, payload aliases).
-
-:mod:`zephon_collate.types` re-exports these names with :class:`SampleBatch`,
-spelled as the reference page spells them. Metadata objects
-are immutable values: ``with_*`` and ``child`` return new objects and never
-change the receiver (its ``tags`` dict included). All of them pickle, so
-DataLoader workers can send them between processes.
-"""
+"""The records: the bottom of the data model (cursors, metadata, records), re-exported by ``types``."""
 
 from __future__ import annotations
 
@@ -119,10 +112,7 @@ def _check_counts(owner: str, name: str, value: object) -> dict[int, int]:
 @total_ordering
 @dataclass(frozen=True, eq=True)
 class SampleCursor:
-    """Stable ordering key that survives fan-out across the pipeline.
-
-    Cursors are hashable and totally ordered by :meth:`as_key`, that is by
-    ``(chunk_id, chunk_offset, lineage, sample_id)``.
+    """Stable ordering key that survives fan-out, ordered by :meth:`as_key`.
 
     Parameters:
         chunk_id: the chunk the base sample was read from.
@@ -130,18 +120,10 @@ class SampleCursor:
         sample_id: ``(dataset_id, shard_id, local_sample_id)``, three ints.
         lineage: child indices taken since the base sample, outermost first.
 
-    Raises:
-        TypeError: if a field has the wrong type (e.g. ``sample_id`` not three ints).
-        ValueError: if ``chunk_offset`` is negative.
-
     Example:
         >>> base = SampleCursor(3, 7, (0, 1, 42))
-        >>> base.child(0) < base.child(1)
-        True
-        >>> base.child(1).as_key()
-        (3, 7, (1,), (0, 1, 42))
-        >>> SampleCursor.from_key([3, 7, [1], [0, 1, 42]]) == base.child(1)
-        True
+        >>> base.child(0) < base.child(1), base.child(1).as_key()
+        (True, (3, 7, (1,), (0, 1, 42)))
     """
 
     chunk_id: int
@@ -160,11 +142,7 @@ class SampleCursor:
 
     @staticmethod
     def from_key(key: Sequence[Any]) -> SampleCursor:
-        """Build a cursor from :meth:`as_key`'s tuple, or the same shape with lists (as read from JSON).
-
-        Raises:
-            TypeError: if ``key`` is not a 4-item sequence of the right shape.
-        """
+        """A cursor from :meth:`as_key`'s tuple, or the same shape with lists (as read from JSON)."""
         if isinstance(key, (str, bytes)) or not isinstance(key, Sequence) or len(key) != 4:
             raise TypeError(
                 "SampleCursor.from_key expects (chunk_id, chunk_offset, lineage, sample_id), got "
@@ -195,11 +173,7 @@ class SampleCursor:
 
 @dataclass(frozen=True)
 class ContributorRef:
-    """Reference to a contributing child derived from a base sample.
-
-    ``cursor`` pinpoints the base offset and lineage; ``is_last_child=True``
-    denotes the sole contributor (or tombstone) that closes that base offset
-    for eviction purposes.
+    """A contributing child of a base sample; ``is_last_child`` closes that base offset for eviction.
 
     Example:
         >>> ref = ContributorRef(SampleCursor(0, 5, (0, 0, 5)))
@@ -219,32 +193,21 @@ class ContributorRef:
 
 @dataclass(frozen=True, eq=True)
 class SampleMeta:
-    """Lightweight metadata that uniquely identifies a sample in a shard.
+    """Metadata that identifies a sample in a shard; immutable (``with_*`` and ``child`` return new ones).
 
-    ``lineage`` tracks the deterministic position of this record after any
-    fan-out; operators that split inputs call :meth:`child` in emission order.
-    Contributor, tombstone, flush and padding flags live in ``tags`` under
-    ``"_contributors"``, ``"_tombstone"``, ``"_flush"`` and ``"_padding_length"``
-    (absent when unset). ``component_sample_counts`` maps component id to the
-    number of original samples; ``component_token_counts`` maps component id to
-    tokens, or is ``None`` until packing after tokenization.
-
-    The dicts are copied on construction, so later changes to the caller's
-    dicts do not reach the meta, and no method changes them.
-
-    Raises:
-        TypeError: if ``sample_id`` is not three ints, an id or offset is not an
-            int, or ``lineage`` is not a sequence of ints.
-        ValueError: if ``chunk_offset`` is negative or a count is negative.
+    Parameters:
+        sample_id: ``(dataset_id, shard_id, local_sample_id)``, three ints.
+        lane_id, chunk_id: where the sample comes from.
+        chunk_offset: its offset in the chunk (``>= 0``).
+        component_sample_counts: component id to the number of original samples.
+        component_token_counts: component id to tokens, or ``None`` until packing.
+        lineage: child indices taken after fan-out (operators call :meth:`child` in emission order).
+        tags: the flags (``"_contributors"``, ``"_tombstone"``, ``"_flush"``, ``"_padding_length"``); copied.
 
     Example:
         >>> meta = SampleMeta((0, 0, 9), lane_id=1, chunk_id=2, chunk_offset=9)
-        >>> meta.child(0).child(3).lineage
-        (0, 3)
-        >>> meta.with_tombstone().is_sentinel, meta.is_sentinel
-        (True, False)
-        >>> meta.contribution_refs()[0].cursor == meta.cursor
-        True
+        >>> meta.child(0).child(3).lineage, meta.with_tombstone().is_sentinel, meta.is_sentinel
+        ((0, 3), True, False)
     """
 
     sample_id: tuple[int, int, int]
@@ -314,12 +277,7 @@ class SampleMeta:
         return self.cursor.as_key()
 
     def contribution_refs(self) -> tuple[ContributorRef, ...]:
-        """Return contributor references used for eviction/progress.
-
-        Operators that don't set contributors (1:1 outputs) are treated as
-        emitting a single contributor with ``is_last_child=True`` using their
-        own cursor.
-        """
+        """Contributor references for eviction/progress (none set: its own cursor, ``is_last_child=True``)."""
         return self.contributors or (ContributorRef(self.cursor, True),)
 
     def contribution_cursors(self) -> tuple[SampleCursor, ...]:
@@ -381,8 +339,7 @@ class SampleRecord:
     """Sample payload bundled with its metadata for transport through stages.
 
     Example:
-        >>> record = SampleRecord(SampleMeta((0, 0, 1), 0, 0), {"input_ids": [1, 2, 3]})
-        >>> record.meta.sample_id
+        >>> SampleRecord(SampleMeta((0, 0, 1), 0, 0), {"input_ids": [1, 2, 3]}).meta.sample_id
         (0, 0, 1)
     """
 

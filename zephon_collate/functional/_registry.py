@@ -1,12 +1,4 @@
-"""The kernel registry: every public kernel, by name, and the input check they share.
-
-Each kernel is one torch function, the specification of what it computes: it
-runs on every device and under ``torch.compile``, takes tensors and returns new
-ones, writes into none of its inputs and loops over no token in Python.
-:data:`KERNELS` lists them, so that one test harness runs every kernel over the
-integer dtypes and edge lengths, on the CPU and on CUDA
-(``tests/test_kernels.py``).
-"""
+"""The kernel registry (:data:`KERNELS`, every public kernel by name) and the input checks kernels share."""
 
 from __future__ import annotations
 
@@ -26,16 +18,13 @@ KERNELS: dict[str, Callable[..., Any]] = {}
 
 
 def kernel(function: F) -> F:
-    """Register ``function`` in :data:`KERNELS` under its name (the function is returned unchanged)."""
+    """Register ``function`` in :data:`KERNELS` under its name (returned unchanged)."""
     KERNELS[function.__name__] = function
     return function
 
 
 def check_tensor(kernel: str, name: str, value: object, min_dim: int = 0, max_dim: int = 64) -> torch.Tensor:
-    """``value`` if a tensor (else ``TypeError``) of ``min_dim`` to ``max_dim`` dims (else ``ValueError``).
-
-    It reads shapes only, never values: no device sync, no graph break.
-    """
+    """``value`` if a tensor of ``min_dim`` to ``max_dim`` dims; else ``TypeError`` / ``ValueError``."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{kernel}: {name} must be a torch.Tensor, got {type(value).__name__}")
     if not min_dim <= value.dim() <= max_dim:

@@ -1,43 +1,4 @@
-"""Attention metadata for packed rows, all derived from one source: the segment-restarting positions.
-
-A packed row holds several documents side by side. Training on it is only
-correct when attention stays inside each document, so every kernel needs to
-know where the documents are. This module derives that from one place, the
-``positions`` written by :func:`~zephon_collate.pack_flat` (a segment starts
-wherever ``positions == 0``; the trailing padding is a segment of its own,
-restarting at 0), and never from token values:
-
-- segment ids (:func:`segment_ids_from_positions`, per row, and
-  :func:`flatten_segment_ids`, numbered across the batch: Mamba's ``seq_idx``);
-- a FlexAttention ``mask_mod`` (:func:`document_mask_mod`) and its
-  ``BlockMask`` (:func:`document_block_mask`);
-- a dense boolean ``[B, 1, S, S]`` mask for SDPA (:func:`dense_document_mask`);
-- for shared prompts (a prompt computed once, several responses after it), the
-  same three from document ids and *branch* ids (:func:`branch_mask_mod`,
-  :func:`branch_block_mask`, :func:`dense_branch_mask`): branch 0 is a
-  document's shared prompt, branch ``k >= 1`` its ``k``-th response, which
-  attends to the prompt and to itself, never to a sibling;
-- ``cu_seqlens`` for varlen kernels come from
-  :func:`zephon_collate.functional.cu_seqlens_rows` /
-  :func:`~zephon_collate.functional.cu_seqlens_flat` (the :class:`CuSeqlens`
-  transform); :func:`cu_seqlens_from_segment_ids` and :func:`check_consistent`
-  tie them to the segment ids.
-
-The end-to-end check of a model (:func:`~zephon_collate.inspection.leakage.check_no_leakage`)
-lives in :mod:`zephon_collate.inspection.leakage`.
-
-**Padding.** Segment ids may mark trailing padding with ``-1``
-(``padding_mask`` here, ``mark_padding`` in :class:`SegmentIds`). Masks built
-from marked ids let a padding token attend to itself only: no real token
-attends to padding, padding attends to no real token, and no softmax row is
-empty (an all-masked row would give NaN in SDPA). Unmarked, the padding is a
-segment like the others: nothing attends across it either way.
-
-The pure functions take tensors and return new ones, never write into their
-inputs, and hold no Python branch on tensor values (they run on any device and
-under ``torch.compile``), except :func:`check_consistent`, which reads results
-back to build its report.
-"""
+"""Attention metadata for packed rows, from their segment-restarting positions (docs/packed_attention.md)."""
 
 from __future__ import annotations
 
@@ -88,12 +49,8 @@ def _as_rows(segment_ids: torch.Tensor) -> torch.Tensor:
 def document_mask_mod(segment_ids: torch.Tensor) -> Callable[..., torch.Tensor]:
     """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``: causal inside a segment, nothing across.
 
-    ``segment_ids`` is ``[B, S]`` (per row; batch index ``b``) or ``[N]``
-    (batch-global ids from :func:`flatten_segment_ids` or
-    ``SegmentIds(flatten=True)``, for a ``[1, N]`` layout). Query ``q``
-    attends key ``k`` when both lie in the same real segment and ``k <= q``.
-    A marked padding token (id -1) attends to itself only, so no softmax row
-    is empty and nothing attends into padding.
+    Parameters:
+        segment_ids: ``[B, S]`` per-row or ``[N]`` batch-global ids; -1 (padding) attends to itself only.
 
     Example:
         >>> mod = document_mask_mod(torch.tensor([[0, 0, 1, -1]]))
@@ -117,21 +74,12 @@ def document_block_mask(
     block_size: int | tuple[int, int] = 128,
     compile: bool = False,
 ) -> BlockMask:
-    """The FlexAttention ``BlockMask`` of :func:`document_mask_mod`, on the device of ``segment_ids``.
-
-    ``[B, S]`` ids give a mask of shape ``(B, 1, S, S)`` (broadcast over
-    heads); ``[N]`` batch-global ids give ``(1, 1, N, N)``, for queries
-    flattened to ``[1, H, N, D]``. Pass it as ``flex_attention(q, k, v,
-    block_mask=...)``.
+    """The FlexAttention ``BlockMask`` of :func:`document_mask_mod`: ``(B, 1, S, S)``, or ``(1, 1, N, N)``.
 
     Parameters:
         segment_ids: ``[B, S]`` per-row or ``[N]`` batch-global segment ids.
-        block_size: FlexAttention's ``BLOCK_SIZE`` (the default 128 is what its
-            compiled kernels expect; smaller values only help small CPU tests).
-        compile: build the mask through ``torch.compile`` (``create_block_mask``'s
-            ``_compile``). Off, the ``[B, S, S]`` mask is evaluated densely once,
-            which is fine for small and moderate ``S``; on, it is not
-            materialised (worth it at long sequence lengths, costs a compile).
+        block_size: FlexAttention's ``BLOCK_SIZE`` (keep 128 with its compiled kernels).
+        compile: build the mask through ``torch.compile`` instead of evaluating it densely once.
 
     Example:
         >>> block_mask = document_block_mask(torch.tensor([[0, 0, 1, 1]]), block_size=2)
@@ -158,11 +106,6 @@ def document_block_mask(
 def dense_document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     """Boolean ``[B, 1, S, S]`` mask (True: may attend) of :func:`document_mask_mod`, for SDPA.
 
-    Pass it as ``scaled_dot_product_attention(q, k, v, attn_mask=...)`` (with
-    ``is_causal=False``: the mask is already causal). ``[N]`` batch-global ids
-    give ``[1, 1, N, N]``. It takes ``B * S * S`` bytes: a fallback for small
-    sizes; use FlexAttention or a varlen kernel beyond that.
-
     Example:
         >>> dense_document_mask(torch.tensor([[0, 0, 1, -1]]))[0, 0].int().tolist()
         [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
@@ -179,12 +122,9 @@ def dense_document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
 def branch_mask_mod(document_ids: torch.Tensor, branch_ids: torch.Tensor) -> Callable[..., torch.Tensor]:
     """A FlexAttention ``mask_mod`` for shared prompts: causal in a document, a branch never sees a sibling.
 
-    ``document_ids`` and ``branch_ids`` are ``[B, S]`` (or ``[N]`` for a ``[1, N]``
-    layout), as ``Collator.for_preference`` / ``for_rollouts`` write them. Query
-    ``q`` attends key ``k`` when both lie in the same real document, ``k <= q``,
-    and ``k`` is on the shared prompt (branch 0) or on ``q``'s own branch.
-    Padding (document -1) attends to itself only. With one branch per
-    document (every branch id 1) this is :func:`document_mask_mod`.
+    Parameters:
+        document_ids: ``[B, S]`` (or ``[N]``) document ids, -1 on padding.
+        branch_ids: the same shape: 0 on the shared prompt, ``k`` on the ``k``-th response.
 
     Example:
         >>> docs, branches = torch.tensor([[0, 0, 0, 0, 0]]), torch.tensor([[0, 0, 1, 1, 2]])
@@ -211,10 +151,7 @@ def branch_block_mask(
     block_size: int | tuple[int, int] = 128,
     compile: bool = False,
 ) -> BlockMask:
-    """The FlexAttention ``BlockMask`` of :func:`branch_mask_mod`, on the device of the ids.
-
-    ``[B, S]`` ids give a mask of shape ``(B, 1, S, S)``, ``[N]`` ids ``(1, 1, N, N)``;
-    ``block_size`` and ``compile`` as for :func:`document_block_mask`.
+    """The FlexAttention ``BlockMask`` of :func:`branch_mask_mod`; the rest as :func:`document_block_mask`.
 
     Example:
         >>> mask = branch_block_mask(torch.tensor([[0, 0, 0, 0]]), torch.tensor([[0, 1, 2, 2]]), block_size=2)
@@ -241,9 +178,6 @@ def branch_block_mask(
 def dense_branch_mask(document_ids: torch.Tensor, branch_ids: torch.Tensor) -> torch.Tensor:
     """Boolean ``[B, 1, S, S]`` mask (True: may attend) of :func:`branch_mask_mod`, for SDPA.
 
-    A ``transformers`` model with ``attn_implementation="sdpa"`` takes it as its
-    ``attention_mask`` (a 4-D mask is used as given). ``[N]`` ids give ``[1, 1, N, N]``.
-
     Example:
         >>> dense_branch_mask(torch.tensor([[0, 0, 0, 0]]), torch.tensor([[0, 1, 2, 2]]))[0, 0].int().tolist()
         [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]
@@ -260,7 +194,7 @@ def dense_branch_mask(document_ids: torch.Tensor, branch_ids: torch.Tensor) -> t
 
 
 def _starts_as_positions(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Positions-like ``[B, S]`` tensor, zero exactly where a segment starts, for the cu_seqlens kernels."""
+    """Positions-like ``[B, S]``: zero exactly where a segment starts."""
     change = segment_ids[:, 1:] != segment_ids[:, :-1]
     first = torch.ones_like(segment_ids[:, :1], dtype=torch.bool)
     return torch.cat([first, change], dim=1).logical_not().to(torch.int32)
@@ -270,16 +204,9 @@ def _starts_as_positions(segment_ids: torch.Tensor) -> torch.Tensor:
 def cu_seqlens_from_segment_ids(
     segment_ids: torch.Tensor, num_boundaries: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cu_seqlens, max_seqlen)`` of the segments that ``segment_ids`` describe.
-
-    A segment starts at the first token and wherever the id changes; the
-    boundaries then come from :func:`~zephon_collate.functional.cu_seqlens_rows`
-    (``[B, S]`` ids: ``[B, K]`` and ``[B]``) or
-    :func:`~zephon_collate.functional.cu_seqlens_flat` (``[N]`` batch-global
-    ids: ``[N']`` and ``[]``), in the layouts :class:`CuSeqlens` writes, with the
-    same ``num_boundaries`` (static shape) option. A run of marked padding
-    (-1) is one segment, as :func:`~zephon_collate.pack_flat` writes it
-    (flattened, the padding of a row and an all-padding row after it merge).
+    """``(cu_seqlens, max_seqlen)`` of the segments of ``segment_ids``, as :class:`CuSeqlens` writes them.
+    ``[B, S]`` ids give ``[B, K]`` and ``[B]``, ``[N]`` ids ``[N']`` and ``[]``; a run of -1 is one segment.
+    ``num_boundaries`` fixes the boundary count, as for :class:`CuSeqlens`.
 
     Example:
         >>> cu, top = cu_seqlens_from_segment_ids(torch.tensor([[0, 0, 0, 1, -1], [0, 0, 0, 0, 0]]))
@@ -292,20 +219,16 @@ def cu_seqlens_from_segment_ids(
 
 
 def _trim_filler(boundaries: list[int], end: int) -> list[int]:
-    """Boundaries without the filler that pads them: one ``end`` kept at the end."""
+    """Boundaries without their filler: one ``end`` kept at the end."""
     while len(boundaries) > 1 and boundaries[-1] == end and boundaries[-2] == end:
         boundaries = boundaries[:-1]
     return boundaries
 
 
 def check_consistent(segment_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
-    """Raise ``ValueError`` unless ``segment_ids`` and ``cu_seqlens`` describe the same segments.
-
-    ``[B, S]`` ids pair with per-row ``[B, K]`` boundaries, ``[N]`` batch-global
-    ids with flattened ``[K]`` ones. Boundaries padded with the row (or total)
-    length, as ``num_boundaries`` pads them, compare equal to unpadded ones.
-    The message names the row and both boundary lists. A debug check: it reads
-    both tensors back to the host.
+    """Raise ``ValueError`` unless ``segment_ids`` and ``cu_seqlens`` describe the same segments. ``[B, S]``
+    ids pair with ``[B, K]`` boundaries, ``[N]`` ids with ``[K]``; filler boundaries (``num_boundaries``) are
+    ignored. A debug check: it reads both back to the host.
 
     Example:
         >>> ids = torch.tensor([[0, 0, 1], [0, 0, 0]])

@@ -1,12 +1,4 @@
-"""The load-balanced context-parallel token layout: which tokens of the THD stream each CP rank holds.
-
-Every document of the padded THD stream (``cu_seqlens_padded[d] ..
-cu_seqlens_padded[d + 1]``, a multiple of ``2 * cp_size`` long) is cut into
-``2 * cp_size`` equal chunks and rank ``r`` holds chunks ``r`` and
-``2 * cp_size - 1 - r``, as TransformerEngine's ``thd_get_partitioned_indices``.
-:class:`~zephon_collate.transforms.ContextParallelShard` makes the shards with this
-arithmetic and :func:`~zephon_collate.parallel.context_parallel.gather_context_parallel` inverts it.
-"""
+"""The load-balanced context-parallel token layout (TransformerEngine's ``thd_get_partitioned_indices``)."""
 
 from __future__ import annotations
 
@@ -34,10 +26,8 @@ def check_cp(owner: str, cp_size: object, cp_rank: object) -> tuple[int, int]:
 def partition(
     cu_padded: torch.Tensor, cp_size: int, cp_rank: int, total: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(index into the padded stream, document of each local token)`` for ``cp_rank``.
-
-    ``total`` is ``cu_padded[-1]`` when the caller has read it already.
-    """
+    """``(index into the padded stream, document of each local token)`` for ``cp_rank``. ``total`` is
+    ``cu_padded[-1]`` when the caller has read it already."""
     padded = cu_padded.diff()
     local = padded // cp_size
     chunk = padded // (2 * cp_size)
@@ -56,24 +46,12 @@ def partition(
 
 @kernel
 def cp_partition_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Indices into the padded THD token stream that CP rank ``cp_rank`` holds, in its local order.
-
-    For every document (``cu_seqlens_padded[d] .. cu_seqlens_padded[d + 1]``, a
-    multiple of ``2 * cp_size`` long) cut into ``2 * cp_size`` chunks: chunk
-    ``cp_rank`` then chunk ``2 * cp_size - 1 - cp_rank``. The same as
-    TransformerEngine's ``thd_get_partitioned_indices``. The size depends on
-    the data: one value is read back from the device.
-
-    Raises:
-        TypeError, ValueError: if ``cp_size``/``cp_rank`` are not ints with
-            ``0 <= cp_rank < cp_size``, or the boundaries are not a 1-D, nondecreasing
-            sequence from 0 whose steps are multiples of ``2 * cp_size``.
+    """Indices into the padded THD token stream that CP rank ``cp_rank`` holds, in its local order. The output
+    size depends on the data: one value is read back from the device.
 
     Example:
         >>> cp_partition_index(torch.tensor([0, 8, 12]), cp_size=2, cp_rank=0).tolist()
         [0, 1, 6, 7, 8, 11]
-        >>> cp_partition_index(torch.tensor([0, 8, 12]), cp_size=2, cp_rank=1).tolist()
-        [2, 3, 4, 5, 9, 10]
     """
     cp_size, cp_rank = check_cp("cp_partition_index", cp_size, cp_rank)
     cu = torch.as_tensor(cu_seqlens_padded).to(torch.int64)

@@ -1,9 +1,4 @@
-"""The NumPy twins of the segment and padding kernels, for the transforms' host variants.
-
-Each returns what its torch kernel (:mod:`.segments`, :mod:`.labels`) returns
-for the same arrays: same values, dtypes and shapes (``tests/test_host_steps.py``
-runs every step both ways). They take host arrays and write into none.
-"""
+"""The NumPy twins of the segment and padding kernels, for the transforms' host variants."""
 
 from __future__ import annotations
 
@@ -27,7 +22,7 @@ def trailing(counts: np.ndarray, length: int) -> np.ndarray:
 
 
 def segment_starts(positions: np.ndarray) -> np.ndarray:
-    """The segment rule on ``[B, S]`` positions: True at each row's first token and where positions are 0."""
+    """Segment starts in ``[B, S]`` positions: each row's first token, and where they are 0."""
     starts: np.ndarray = positions == 0
     if starts.shape[-1]:
         starts[..., 0] = True
@@ -35,8 +30,7 @@ def segment_starts(positions: np.ndarray) -> np.ndarray:
 
 
 def ragged_starts(offsets: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
-    """The segment rule on rows laid end to end (``[N]`` values, row ``b`` from ``offsets[b]``): True at
-    each row's first token and where ``positions`` are 0.
+    """Segment starts of rows laid end to end (row ``b`` from ``offsets[b]``): first tokens, and positions 0.
 
     Example:
         >>> ragged_starts(np.array([0, 3, 5]), np.array([0, 1, 0, 0, 1])).tolist()

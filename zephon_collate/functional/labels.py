@@ -1,13 +1,4 @@
-"""Label kernels: the next-token shift, trailing padding, label masking, EOS masking, the loss mask.
-
-Each takes tensors and returns new ones; none writes into its inputs, loops
-over tokens in Python or synchronises with the device, and each gives one
-answer for every integer dtype on every device (counts are widened to int64
-before any arithmetic, so a ``uint8`` pad count never wraps around).
-
-Shapes: ``B`` rows of ``S`` tokens; per-token fields are ``[B, S]`` or
-``[B, S, ...]`` for non-scalar tokens.
-"""
+"""Label kernels: the next-token shift, trailing padding, label and EOS masking, the loss mask."""
 
 from __future__ import annotations
 
@@ -31,9 +22,7 @@ __all__ = [
 
 @kernel
 def shift_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split ``[B, S, ...]`` tokens into next-token ``(inputs, labels)``.
-
-    Returns views: ``inputs = tokens[:, :-1]`` and ``labels = tokens[:, 1:]``.
+    """Split ``[B, S, ...]`` tokens into the views ``(tokens[:, :-1], tokens[:, 1:])``: inputs and labels.
 
     Example:
         >>> inputs, labels = shift_tokens(torch.tensor([[5, 6, 7]]))
@@ -48,13 +37,9 @@ def shift_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def trailing_mask(padding_length: torch.Tensor, length: int) -> torch.Tensor:
     """Boolean ``[B, length]`` mask, True on the last ``padding_length[b]`` entries of row ``b``.
 
-    A count of ``length`` or more marks the whole row, a count of 0 or less none.
-
     Example:
         >>> trailing_mask(torch.tensor([0, 2]), 4).tolist()
         [[False, False, False, False], [False, False, True, True]]
-        >>> trailing_mask(torch.tensor([255], dtype=torch.uint8), 300).sum().item()
-        255
     """
     check_tensor("trailing_mask", "padding_length", padding_length, 1, 1)
     index = torch.arange(length, device=padding_length.device)
@@ -65,16 +50,12 @@ def trailing_mask(padding_length: torch.Tensor, length: int) -> torch.Tensor:
 def padding_from_length(padding_length: torch.Tensor, length: int, shifted: bool = False) -> torch.Tensor:
     """Boolean ``[B, length]`` padding mask from per-row trailing pad counts ``[B]``.
 
-    ``padding_length[b]`` counts the last tokens of row ``b`` as they were
-    packed. With ``shifted=True`` the rows have since been cut to the model's
-    inputs (``[:, :-1]``, :class:`~zephon_collate.TokenShift`), which removed one
-    padding token from each padded row: the mask then covers
-    ``padding_length - 1`` tokens, as :class:`~zephon_collate.PaddingMask`
-    placed before the shift does.
+    Parameters:
+        padding_length: each row's pad count, as the row was packed.
+        length: the row length.
+        shifted: the rows have since been cut to the inputs (``[:, :-1]``): one padding token less.
 
     Example:
-        >>> padding_from_length(torch.tensor([2, 0]), 4).tolist()
-        [[False, False, True, True], [False, False, False, False]]
         >>> padding_from_length(torch.tensor([2, 0]), 3, shifted=True).tolist()
         [[False, False, True], [False, False, False]]
     """
@@ -115,11 +96,7 @@ def mask_labels(labels: torch.Tensor, mask: torch.Tensor, ignore_index: int) -> 
 
 @kernel
 def as_float(mask: torch.Tensor) -> torch.Tensor:
-    """A boolean mask as float32 1.0/0.0.
-
-    In eager mode on the CPU it casts through uint8 (the same bytes): that cast
-    is vectorised there and several times faster than bool -> float32. Compiled
-    code casts directly (inductor turns the uint8 view into slow bool stores).
+    """A boolean mask as float32 1.0/0.0 (eager on the CPU, through uint8: several times faster).
 
     Example:
         >>> as_float(torch.tensor([True, False])).tolist()
@@ -134,16 +111,11 @@ def as_float(mask: torch.Tensor) -> torch.Tensor:
 
 @kernel
 def eos_label_mask(inputs: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """True where the input token is EOS: the prediction made *from* EOS.
-
-    An ``eos_token_id`` that the inputs' integer dtype cannot hold matches
-    nothing (torch would otherwise wrap it around: 261 as int8 is 5).
+    """True where the input token is EOS (the prediction made *from* EOS); an id beyond the dtype: none.
 
     Example:
         >>> eos_label_mask(torch.tensor([[1, 10, 2, 1, 11]]), 2).tolist()
         [[False, False, True, False, False]]
-        >>> eos_label_mask(torch.tensor([[5, 6]], dtype=torch.int8), 261).tolist()
-        [[False, False]]
     """
     check_tensor("eos_label_mask", "inputs", inputs)
     if not fits_dtype(eos_token_id, inputs.dtype):  # no token of this dtype can be it
@@ -158,16 +130,13 @@ def apply_loss_mask(
     padding_length: torch.Tensor | None,
     ignore_index: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mask unsupervised and padding labels; return ``(labels, loss_mask, counts)``.
+    """Mask unsupervised and padding labels: ``(labels, loss_mask float32, per-row counts [B] int64)``.
 
-    ``labels`` ``[B, S, ...]`` become ``ignore_index`` where the label-aligned
-    ``supervision`` mask (``[B, S, ...]``, any dtype) is 0 and on each row's last
-    ``padding_length[b]`` positions (either may be ``None``). ``loss_mask`` is
-    ``labels != ignore_index`` as float32 and ``counts`` (``[B]`` int64) its
-    per-row number of ones.
-
-    Raises:
-        ValueError: if the integer dtype of ``labels`` cannot hold ``ignore_index``.
+    Parameters:
+        labels: ``[B, S, ...]`` labels (their dtype must hold ``ignore_index``, else ``ValueError``).
+        supervision: the label-aligned mask (any dtype; 0: not trained), or ``None``.
+        padding_length: ``[B]`` trailing pad counts, or ``None``.
+        ignore_index: the label of what is not trained.
 
     Example:
         >>> labels, loss_mask, counts = apply_loss_mask(
@@ -197,8 +166,8 @@ def sequence_positions(like: torch.Tensor) -> torch.Tensor:
     """Positions ``[0, 1, ..., S-1]`` in every row of ``like`` (``[B, S, ...]``), in its dtype and device.
 
     Raises:
-        TypeError: if ``like`` holds bools or complex numbers.
-        ValueError: if its integer dtype cannot hold ``S - 1`` (the numbering would wrap around).
+        TypeError: for bool or complex ``like``.
+        ValueError: if its integer dtype cannot hold ``S - 1``.
 
     Example:
         >>> sequence_positions(torch.zeros(2, 3, dtype=torch.int32)).tolist()

@@ -1,16 +1,4 @@
-"""Segments of packed rows: the one segment-start rule, and what derives from it.
-
-**The rule.** A segment starts at the first token of a row and wherever the
-segment-restarting ``positions`` (as :func:`~zephon_collate.pack_flat` writes
-them) are zero. Every part of the package that needs document boundaries
-(``cu_seqlens``, segment ids, the context-parallel layout, the collator's
-boundary count) calls :func:`segment_starts`; a row whose positions do not start
-at zero thus still starts a segment at its first token (``to_training``
-rejects such rows for ``cu_seqlens``, as the reference page asks).
-
-The boundary kernels read their output size back from the device unless given
-a fixed ``num_boundaries``.
-"""
+"""Segments of packed rows: the segment-start rule (:func:`segment_starts`) and what derives from it."""
 
 from __future__ import annotations
 
@@ -65,18 +53,11 @@ def _check_boundary_input(kernel_name: str, positions: torch.Tensor, num_boundar
 def cu_seqlens_rows(
     positions: torch.Tensor, num_boundaries: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row segment boundaries from segment-restarting ``[B, S]`` positions.
+    """``(cu_seqlens [B, K], max_seqlen [B])`` int32 from ``[B, S]`` positions: each row's starts, then ``S``.
 
-    A row's boundaries are its segment starts (:func:`segment_starts`), then its
-    length ``S``; rows are padded with ``S`` to ``K`` columns. ``K`` is the
-    largest boundary count in the batch, which depends on the data: finding it
-    reads one number back from the device. Pass ``num_boundaries`` to fix ``K``
-    instead (no sync, static shape); a row needing more boundaries than that
-    fails a device-side assertion.
-
-    Returns:
-        ``(cu_seqlens [B, K] int32, max_seqlen [B] int32)``, the maximum being
-        each row's longest segment.
+    Parameters:
+        positions: ``[B, S]`` segment-restarting positions.
+        num_boundaries: a fixed ``K`` (no sync; more fails a device-side assertion), or ``None``: read back.
 
     Example:
         >>> cu, top = cu_seqlens_rows(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]))
@@ -93,7 +74,7 @@ def cu_seqlens_rows(
 
 
 def _row_boundaries_from_starts(is_start: torch.Tensor) -> torch.Tensor:
-    """Start indices per row, then the row length, padded to the batch's largest count (reads it back)."""
+    """Start indices per row, then the row length, padded to the batch's largest count."""
     rows, length = is_start.shape
     counts = is_start.sum(dim=1)
     width = int(counts.amax()) + 1 if rows and length else 1
@@ -105,7 +86,7 @@ def _row_boundaries_from_starts(is_start: torch.Tensor) -> torch.Tensor:
 
 
 def _row_boundaries_static(is_start: torch.Tensor, num_boundaries: int) -> torch.Tensor:
-    """Like :func:`_row_boundaries_from_starts` with a fixed width: no read-back, a device-side check."""
+    """:func:`_row_boundaries_from_starts` with a fixed width: no read-back, a device-side check."""
     rows, length = is_start.shape
     rank = is_start.cumsum(dim=1) - 1
     if length:
@@ -124,14 +105,8 @@ def _row_boundaries_static(is_start: torch.Tensor, num_boundaries: int) -> torch
 def cu_seqlens_flat(
     positions: torch.Tensor, num_boundaries: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One cumulative boundary sequence across all ``B * S`` tokens of ``[B, S]`` positions.
-
-    Row ``b``'s boundaries are offset by ``b * S``; the sequence ends at ``B * S``.
-    Its length depends on the data (one read back from the device), unless
-    ``num_boundaries`` fixes it: it is then padded with ``B * S``.
-
-    Returns:
-        ``(cu_seqlens [N] int32, max_seqlen [] int32)``.
+    """``(cu_seqlens [N], max_seqlen [])`` int32: one boundary sequence across all ``B * S`` tokens.
+    ``num_boundaries`` fixes its length (padded with ``B * S``), as for :func:`cu_seqlens_rows`.
 
     Example:
         >>> cu, top = cu_seqlens_flat(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]))
@@ -163,28 +138,16 @@ def cu_seqlens_flat(
 def segment_ids_from_positions(
     positions: torch.Tensor, padding_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Per-token segment index from segment-restarting positions.
+    """Per-token segment index (int32), from segment-restarting positions.
 
-    The id is the running count of segment starts (:func:`segment_starts`)
-    minus one, so each ``[B, S]`` row numbers its segments ``0, 1, ...``.
-    Flattened ``[N]`` positions (a ``to_training(flatten=True)`` output, every
-    row starting at 0) give batch-global ids, as :func:`flatten_segment_ids`
-    numbers them. Where the boolean ``padding_mask`` (same shape) is True the id
-    is :data:`PADDING_SEGMENT` (-1), so no kernel treats padding as a document;
-    padding then takes no number, so the documents keep ids ``0 .. D-1``.
-
-    Returns:
-        int32 ids of the shape of ``positions``, on its device.
+    Parameters:
+        positions: ``[B, S]`` (each row numbered from 0) or flattened ``[N]`` (numbered across the batch).
+        padding_mask: boolean, the same shape: True gives :data:`PADDING_SEGMENT` (-1), and takes no number.
 
     Example:
-        >>> positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
-        >>> segment_ids_from_positions(positions).tolist()
-        [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 1, 1]]
-        >>> padding = torch.tensor([[False] * 5 + [True], [False] * 6])
+        >>> positions, padding = torch.tensor([[0, 1, 2, 0, 1, 0]]), torch.tensor([[False] * 5 + [True]])
         >>> segment_ids_from_positions(positions, padding).tolist()
-        [[0, 0, 0, 1, 1, -1], [0, 0, 0, 0, 1, 1]]
-        >>> segment_ids_from_positions(positions.reshape(-1), padding.reshape(-1)).tolist()
-        [0, 0, 0, 1, 1, -1, 2, 2, 2, 2, 3, 3]
+        [[0, 0, 0, 1, 1, -1]]
     """
     if padding_mask is not None and padding_mask.shape != positions.shape:
         raise ValueError(
@@ -200,18 +163,10 @@ def segment_ids_from_positions(
 
 @kernel
 def flatten_segment_ids(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Number per-row ``[B, S]`` segment ids across the batch: ``[B * S]``, the ``seq_idx`` layout.
-
-    Row ``b``'s ids are offset by the number of segments in the rows before
-    it, so every document of the batch has its own id, increasing along the
-    flattened sequence; marked padding stays -1. Use these (not per-row ids
-    reshaped, which would give the first document of a row the id of the one
-    before it) for a flattened ``[1, B * S]`` attention layout. The ids are int32,
-    whatever the input's integer dtype.
+    """Number per-row ``[B, S]`` segment ids across the batch: ``[B * S]`` int32, the ``seq_idx`` layout.
 
     Example:
-        >>> ids = torch.tensor([[0, 0, 1, -1], [0, 1, 1, 2]], dtype=torch.int32)
-        >>> flatten_segment_ids(ids).tolist()
+        >>> flatten_segment_ids(torch.tensor([[0, 0, 1, -1], [0, 1, 1, 2]])).tolist()
         [0, 0, 1, -1, 2, 3, 3, 4]
     """
     check_tensor("flatten_segment_ids", "segment_ids", segment_ids, 2, 2)
@@ -228,22 +183,15 @@ def flatten_segment_ids(segment_ids: torch.Tensor) -> torch.Tensor:
 def last_token_index(
     sequence_index: torch.Tensor, input_ids: torch.Tensor | None = None, skip_id: int | None = None
 ) -> torch.Tensor:
-    """``[S]`` int64: the place of each sequence's last token in the flattened ``sequence_index``.
+    """``[S]`` int64: the place of each sequence's last token in the flattened ``sequence_index``. The size is
+    read back from the device; a number no token carries gets -1.
 
-    ``sequence_index`` (``[B, L]`` or ``[N]``) numbers each token's sequence,
-    -1 on padding; ``S`` is the largest number plus one (read back from the
-    device: the output's size depends on the data). With ``input_ids`` (the same
-    shape) and ``skip_id``, the place is that of the sequence's last token whose
-    id is not ``skip_id`` (its first token where every one is): the token a
-    ``transformers`` sequence-classification model pools (the rightmost one that
-    is not its ``pad_token_id``). A number no token carries gets -1.
+    Parameters:
+        sequence_index: ``[B, L]`` or ``[N]``: each token's sequence, -1 on padding.
+        input_ids: the same shape, read with ``skip_id``.
+        skip_id: the place is that of the last token whose id is not this one (the first if all are).
 
     Example:
-        >>> index = torch.tensor([[0, 0, 0, -1], [1, 1, -1, -1]])
-        >>> last_token_index(index).tolist()
-        [2, 5]
-        >>> last_token_index(torch.tensor([0, 0, 0, 1, 1, -1])).tolist()
-        [2, 4]
         >>> ids = torch.tensor([5, 6, 9, 7, 9, 0])
         >>> last_token_index(torch.tensor([0, 0, 0, 1, 1, -1]), ids, skip_id=9).tolist()
         [1, 3]

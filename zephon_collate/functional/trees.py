@@ -1,15 +1,4 @@
-"""Attention that follows a tree batch: a token sees its ancestors and the earlier tokens of its node.
-
-A tree batch lays each tree out depth-first (``Collator.for_trees``; a shared prompt is a
-tree of one level), so a token's node and its subtree are contiguous: token ``k`` is seen
-by the tokens ``q`` of its row with ``k <= q < subtree_end[k]``. From that one array
-come a FlexAttention ``mask_mod`` and ``BlockMask`` and a dense mask for SDPA and
-eager attention. Their cost is the row's width squared; :func:`tree_attention` costs
-the tree's true attention instead, the keys each token sees: it runs each *chain* (a
-run of tokens each predicted by the one before, read from ``logits_index``) on its
-ancestors' keys and its own, causally, with SDPA. :func:`use_tree_attention` makes a
-``transformers`` model run it (``model(..., tree=TreeBlocks.from_batch(batch))``).
-"""
+"""Attention that follows a tree batch: token ``k`` is seen by ``q`` with ``k <= q < subtree_end[k]``."""
 
 from __future__ import annotations
 
@@ -93,11 +82,10 @@ def dense_tree_mask(subtree_end: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class TreeBlocks:
-    """A tree batch's attention chain by chain: for each chain (a run of tokens each predicted by the one
-    before), its row, its places and the places of every key it sees, its ancestors' then its own.
+    """A tree batch's attention chain by chain (a chain: a run of tokens each predicted by the one before).
 
     Parameters:
-        chains: ``(row, start, end, keys)`` each; ``keys`` ends with ``start .. end - 1``.
+        chains: ``(row, start, end, keys)`` each; ``keys``: its ancestors' places, then ``start .. end - 1``.
         loose: ``[K, 2]`` ``(row, place)`` of the tokens in no chain (padding): each sees itself only.
     """
 
@@ -106,17 +94,12 @@ class TreeBlocks:
 
     @classmethod
     def from_batch(cls, batch: Mapping[str, Any]) -> TreeBlocks:
-        """The chains of a batch with ``logits_index`` (a tree, a shared prompt, packed sequences):
-        padding (``document_ids`` -1) is loose.
+        """The chains of a batch with ``logits_index`` (padding, ``document_ids`` -1, is loose).
 
         Example:
-            >>> batch = {"logits_index": torch.tensor([[-1, 0, 1, 1, 3, -1]]),
-            ...          "document_ids": torch.tensor([[0, 0, 0, 0, 0, -1]])}
-            >>> blocks = TreeBlocks.from_batch(batch)
+            >>> blocks = TreeBlocks.from_batch({"logits_index": torch.tensor([[-1, 0, 1, 1, 3]])})
             >>> [(row, start, end, keys.tolist()) for row, start, end, keys in blocks.chains]
             [(0, 0, 3, [0, 1, 2]), (0, 3, 5, [0, 1, 3, 4])]
-            >>> blocks.loose.tolist()
-            [[0, 5]]
         """
         index = torch.as_tensor(batch[LOGITS_INDEX]).cpu()
         real = (
@@ -157,8 +140,7 @@ def tree_attention(
     *,
     scaling: float | None = None,
 ) -> torch.Tensor:
-    """Attention ``[B, H, S, D]`` that follows the tree: each chain's queries on the keys it sees, causally
-    (SDPA with the causal mask at the lower right); a loose token (padding) takes its own value.
+    """Attention ``[B, H, S, D]`` that follows the tree: each chain's queries on the keys it sees, causally.
 
     Parameters:
         query: ``[B, H, S, D]``; key, value: ``[B, H_kv, S, D]`` (grouped-query heads repeated).
@@ -206,9 +188,9 @@ def _transformers_attention(
 
 
 def use_tree_attention(model: torch.nn.Module) -> None:
-    """Make a ``transformers`` model attend by :func:`tree_attention`: registered as ``"zephon_tree"`` in
-    its ``AttentionInterface``; call it with ``tree=TreeBlocks.from_batch(batch)`` and the batch's
-    ``position_ids``. ``model.set_attn_implementation("sdpa")`` switches back."""
+    """Make a ``transformers`` model attend by :func:`tree_attention` (registered as ``"zephon_tree"``). Call
+    it with ``tree=TreeBlocks.from_batch(batch)`` and the batch's ``position_ids``;
+    ``model.set_attn_implementation("sdpa")`` switches back."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(TREE_ATTENTION, _transformers_attention)

@@ -1,15 +1,4 @@
-"""The end-to-end leakage check: packed outputs must equal each document's outputs alone.
-
-:func:`check_no_leakage` runs a packed batch once and then each of its
-documents alone, and compares each document's slice of the packed output with
-its output alone; a difference means attention (or anything else in the model)
-crosses document boundaries. The segment ids it hands the model come from
-:func:`~zephon_collate.functional.attention.segment_ids_from_positions`, so the model can
-build its kernel's metadata with the functions of :mod:`zephon_collate.functional.attention`.
-The result is a :class:`LeakageReport` (one :class:`DocumentCheck` per
-document); a leak raises :class:`LeakageError`. The check reads results back
-to the host: it is a test and debug tool, not for the training loop.
-"""
+"""The end-to-end leakage check: packed outputs must equal each document's outputs alone."""
 
 from __future__ import annotations
 
@@ -111,45 +100,16 @@ def check_no_leakage(
 ) -> LeakageReport:
     """Check that a model's outputs on a packed batch do not depend on the other documents in a row.
 
-    Runs the packed batch once, then each document alone (a ``[1, L]`` batch of
-    its tokens and positions, all in segment 0), and compares the document's
-    slice of the packed output with its output alone:
-    ``|packed - alone| <= atol + rtol * |alone|`` everywhere (NaN fails).
-    Padding (``padding_mask``) is marked -1 in the segment ids and not
-    compared. A causal leak cannot change the first document of a row; it
-    shows in the documents after it, so pass rows with several documents.
-
-    ``model_fn(input_ids, positions, segment_ids) -> outputs`` takes ``[b, s]``
-    token ids, segment-restarting positions and int32 segment ids
-    (:func:`~zephon_collate.functional.attention.segment_ids_from_positions`; build the
-    kernel's metadata from them with
-    :func:`~zephon_collate.functional.attention.dense_document_mask`,
-    :func:`~zephon_collate.functional.attention.document_block_mask` or
-    :func:`~zephon_collate.functional.attention.cu_seqlens_from_segment_ids`) and returns
-    a tensor whose first two dims are ``[b, s]`` (e.g. logits ``[b, s, V]``).
-    Put the model in eval mode (no dropout); the check runs under
-    ``torch.no_grad()`` and reads results back to the host (a test or debug
-    tool, not for the training loop).
-
     Parameters:
-        model_fn: the model, as above.
+        model_fn: ``(input_ids, positions, segment_ids) -> outputs``, all ``[b, s]``, outputs ``[b, s, ...]``.
         input_ids: ``[B, S]`` packed token ids.
         positions: ``[B, S]`` positions restarting at 0 on every segment.
-        padding_mask: ``[B, S]`` bool, True on padding tokens (``padding_mask`` of
-            ``to_training``), or ``None``: padding segments are then checked like documents.
-        atol, rtol: the tolerance of the comparison.
-        raise_on_leak: raise :class:`LeakageError` when a document differs (else
-            return the report, whose ``ok`` is False).
-
-    Returns:
-        The :class:`LeakageReport`: per document, its row, index in the row,
-        token span and largest absolute difference.
+        padding_mask: ``[B, S]`` bool, True on padding (not compared), or ``None``.
+        atol, rtol: the tolerance: ``|packed - alone| <= atol + rtol * |alone|`` (NaN fails).
+        raise_on_leak: raise :class:`LeakageError` when a document differs (else return the report).
 
     Raises:
-        LeakageError: (an ``AssertionError``) naming each leaking document's row,
-            index, span and difference, when ``raise_on_leak``.
-        ValueError: if shapes disagree or ``model_fn`` returns the wrong shape.
-        TypeError: if ``model_fn`` does not return a tensor.
+        LeakageError: (an ``AssertionError``) naming each leaking document, when ``raise_on_leak``.
 
     Example:
         >>> def bag_of_words(input_ids, positions, segment_ids):  # mixes the whole row: leaks

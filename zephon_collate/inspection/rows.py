@@ -1,20 +1,4 @@
-"""Read a collated batch row by row and put what looks wrong in it into words.
-
-A batch is what :meth:`SampleBatch.to_training` or :class:`Collator` returns
-(``flatten=False`` rows, or a flattened batch as one row), or what
-``Collator.for_transformers`` (or a Hugging Face / TRL collator) returns, in
-either layout. :func:`batch_rows` reads ``input_ids`` and, where present,
-``labels``, ``loss_mask``, ``positions``, ``cu_seqlens``, ``padding_mask`` and
-``ids`` (a Hugging Face batch: ``position_ids``, ``cu_seq_lens_q``,
-``attention_mask`` and its unshifted ``labels``), and gives each row as a
-:class:`RowView`: for every token its input, its label, whether that label is
-supervised, whether it is padding, its position, and where each segment
-begins. :func:`batch_warnings` puts the usual mistakes of chat-template masks
-and packing into words: a loss mask that is all zero, rows that are mostly
-padding, positions that disagree with ``cu_seqlens``, supervised padding, and
-labels trained across a document boundary. :mod:`zephon_collate.inspection.render` draws
-the rows as text or a PNG.
-"""
+"""Read a collated batch row by row (:func:`batch_rows`) and put what looks wrong into words."""
 
 from __future__ import annotations
 
@@ -48,10 +32,8 @@ _PADDING_WARN_FRACTION = 0.5
 class RowView:
     """One row of a batch, as plain Python lists (``None`` where the batch lacks the field).
 
-    ``supervised[t]`` says whether column ``t`` is trained on: its label is not
-    ``ignore_index`` (or, in a batch without labels, its ``loss_mask`` is not
-    0). ``starts`` are the segment starts that are drawn: from ``cu_seqlens``
-    when present, else where ``positions`` are 0.
+    ``supervised[t]``: the label is not ``ignore_index`` (without labels: ``loss_mask`` is not 0);
+    ``starts``: the segment starts, from ``cu_seqlens``, else where ``positions`` are 0.
     """
 
     index: int
@@ -96,21 +78,15 @@ def _trailing_pad(tokens: list[int], pad_token_id: int) -> list[bool]:
 
 
 def is_transformers_batch(batch: Mapping[str, Any]) -> bool:
-    """True for a batch in Hugging Face's names: it has ``attention_mask``, ``position_ids`` or
-    ``cu_seq_lens_q``, and none of the reference page's ``positions``, ``cu_seqlens``, ``padding_mask``."""
+    """True for a batch in Hugging Face's names (``attention_mask``, ``position_ids`` or
+    ``cu_seq_lens_q``, and none of ``positions``, ``cu_seqlens``, ``padding_mask``)."""
     return any(key in batch for key in (ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q)) and not any(
         key in batch for key in (POSITIONS, CU_SEQLENS, PADDING_MASK)
     )
 
 
 def _page_view(batch: Mapping[str, Any], ignore_index: int) -> dict[str, Any]:
-    """A Hugging Face batch in the page's names and label convention.
-
-    ``labels`` there are unshifted (the model shifts them: the logits at token
-    ``t`` predict ``labels[t + 1]``); the page's, drawn under each token, are
-    what that token's logits predict. So each row's labels move one to the
-    left and its last gets ``ignore_index``. ``attention_mask`` 0 is padding.
-    """
+    """A Hugging Face batch in the page's names, each row's unshifted labels moved one to the left."""
     view = {key: value for key, value in batch.items() if key not in (LABELS, ATTENTION_MASK)}
     if POSITION_IDS in batch:
         view[POSITIONS] = batch[POSITION_IDS]
@@ -128,13 +104,11 @@ def _page_view(batch: Mapping[str, Any], ignore_index: int) -> dict[str, Any]:
 def batch_rows(
     batch: Mapping[str, Any], *, ignore_index: int = -100, pad_token_id: int | None = None
 ) -> list[RowView]:
-    """The rows of a collated ``batch`` as :class:`RowView` (plain lists).
+    """The rows of a collated ``batch`` as :class:`RowView` (a Hugging Face batch in its own names).
 
-    Padding comes from ``padding_mask``; without one, with ``pad_token_id``
-    given, from the trailing run of that id; otherwise no token is padding.
-    A Hugging Face batch (:func:`is_transformers_batch`) is read in its own
-    names: ``position_ids``, ``cu_seq_lens_q``, ``attention_mask`` (0: padding)
-    and unshifted ``labels``, drawn as what each token's logits predict.
+    Raises:
+        KeyError: if ``batch`` has no ``input_ids``.
+        ValueError: if a per-token field's rows do not match ``input_ids``.
 
     Example:
         >>> hf = {"input_ids": [[5, 6, 7, 8, 9]], "labels": [[-100, 6, 7, -100, 9]],
@@ -142,10 +116,6 @@ def batch_rows(
         >>> row = batch_rows(hf)[0]
         >>> row.labels, row.starts
         ([6, 7, -100, 9, -100], [0, 3])
-
-    Raises:
-        KeyError: if ``batch`` has no ``input_ids``.
-        ValueError: if a per-token field's rows do not match ``input_ids``.
     """
     if INPUT_IDS not in batch:
         raise KeyError(f"inspect_batch: the batch has no 'input_ids' (its keys: {sorted(batch)})")
@@ -266,16 +236,7 @@ def batch_warnings(
     pad_token_id: int | None = None,
     padding_fraction: float = _PADDING_WARN_FRACTION,
 ) -> list[str]:
-    """What looks wrong in a collated batch, in words (an empty list when nothing does).
-
-    Flags: no supervised token in the batch (or in a row); a row with more
-    than ``padding_fraction`` padding; positions whose zeros disagree with
-    ``cu_seqlens``; positions that skip inside a segment; supervised padding;
-    supervised labels that cross a segment boundary; a ``loss_mask`` that
-    disagrees with the labels. A tree batch
-    (:func:`~zephon_collate.inspection.trees.is_tree_batch`) gets
-    :func:`~zephon_collate.inspection.trees.tree_warnings` instead: its positions
-    and labels follow paths, not the row.
+    """What looks wrong in a collated batch (or its rows), in words; a tree batch gets ``tree_warnings``.
 
     Example:
         >>> batch = {"input_ids": [[5, 0, 0, 0]], "labels": [[-100, -100, -100, -100]],

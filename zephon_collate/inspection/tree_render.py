@@ -1,25 +1,4 @@
-"""See a tree batch: its nodes indented by depth, in the terminal (:func:`render_tree`) or as a PNG.
-
-The tree is read by :func:`~zephon_collate.inspection.trees.batch_tree` and the
-warnings that end the picture are those of
-:func:`~zephon_collate.inspection.trees.tree_warnings`.
-:func:`~zephon_collate.inspection.render.render_batch` and
-:func:`~zephon_collate.inspection.render.render_batch_png` come here for a tree
-batch. The text layout, for three trajectories that share a prompt ``1 2``
-(two of them also their first completion token ``3``)::
-
-    row 0: 7 tokens, 1 tree, 5 nodes, 5 trained (71%), 0 padding
-      tree 0: paths 0-2, 12 path tokens laid out in 7 (1.71x)
-        n0 1 2        x3  paths 0-2  places 0-1  pos 0-1  sees n0
-          n1 3+       x2  paths 0 1  places 2    pos 2    sees n0 n1
-            n2 4+     x1  path 0     places 3    pos 3    sees n0-n2
-            n3 5+ 6+  x1  path 1     places 4-5  pos 3-4  sees n0 n1 n3
-          n4 7+       x1  path 2     places 6    pos 2    sees n0 n4
-
-Each line is a node: its tokens (``+``: trained, in the loss of every path
-through the node), how many paths share it, which, its places in the row, its
-positions and the nodes its tokens attend to.
-"""
+"""See a tree batch node by node, as text (:func:`render_tree`) or a PNG (``docs/demo.md``)."""
 
 from __future__ import annotations
 
@@ -74,8 +53,7 @@ def _range(first: int | None, last: int | None) -> str:
 def _node_tokens(
     view: TreeView, node: TreeNode, tokenizer: Any, room: int, most: int | None, color: bool
 ) -> tuple[str, str]:
-    """The node's tokens as ``(plain, painted)`` text, trained ones marked ``+``: at most ``most`` of
-    them, in at most ``room`` characters (else cut, with ``... +N`` for the rest)."""
+    """The node's tokens as ``(plain, painted)`` text, trained ones marked ``+``, cut to fit."""
     line = view.rows[node.row]
     plain: list[str] = []
     painted: list[str] = []
@@ -270,9 +248,7 @@ def render_tree(
         tokenizer: shows tokens as text (as :func:`~zephon_collate.inspection.render.render_batch`).
         color: ANSI colours (trained tokens green, node names magenta).
         width: cut each node's tokens to fit lines of this many characters.
-        max_rows: show only the first rows (the paths and warnings still cover the whole batch).
-        max_node_tokens: show at most this many tokens of a node.
-        max_paths: list at most this many paths (``None``: all).
+        max_rows, max_node_tokens, max_paths: show at most this many rows, tokens of a node, paths.
         token: ``(row, place)`` of a token to show in full: its node, paths, and every token it sees.
         ignore_index: the label of tokens that are not trained.
 
@@ -280,26 +256,11 @@ def render_tree(
         >>> from zephon_collate import Collator
         >>> batch = Collator.for_trees()([{"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1]},
         ...                               {"input_ids": [1, 2, 4], "completion_mask": [0, 1, 1]}])
-        >>> print(render_tree(batch, token=(0, 3)))  # doctest: +NORMALIZE_WHITESPACE
-        tree batch: 1 row x 4 tokens; 1 tree, 3 nodes, 2 paths; 3 of 4 tokens trained (75%); 0 padding
-        paths from path_index, attention from subtree_end
-        <BLANKLINE>
-        row 0: 4 tokens, 1 tree, 3 nodes, 3 trained (75%), 0 padding
+        >>> print("\\n".join(render_tree(batch).splitlines()[4:8]))  # doctest: +NORMALIZE_WHITESPACE
           tree 0: paths 0 1, 6 path tokens laid out in 4 (1.50x)
             n0 1 2+  x2  paths 0 1  places 0-1  pos 0-1  sees n0
               n1 3+  x1  path 0     places 2    pos 2    sees n0 n1
               n2 4+  x1  path 1     places 3    pos 2    sees n0 n2
-        <BLANKLINE>
-        paths:
-          0: n0 n1, 3 tokens, trains 2 3
-          1: n0 n2, 3 tokens, trains 2 4
-        <BLANKLINE>
-        token 3 of row 0 (4): node n2, depth 1, position 2, path 1, trained (in the loss of path 1)
-          sees places 0 1 3: n0 (1 2), n2 (4)
-        <BLANKLINE>
-        legend: nK a node, indented by depth; + a trained token (in the loss of every path through its node);
-                xN: N paths share the node; sees: the nodes its tokens attend to
-        warnings: none
     """
     view = batch if isinstance(batch, TreeView) else batch_tree(batch, ignore_index=ignore_index)
     lines = [paint(text, "bold", color) for text in _summary(view)] + [""]
@@ -383,19 +344,7 @@ def render_tree_png(
     title: str | None = None,
     dpi: int = 100,
 ) -> Path:
-    """Draw a tree batch as a PNG image (needs matplotlib) and return its path.
-
-    Left, the trees: each node a line of token boxes, a child starting where its parent's tokens
-    end (a grey elbow joins them), boxes bluer the more paths share them, trained tokens with a
-    green bar and the ids of their paths under it. Right, each row's attention (rows of up to
-    ``max_matrix_tokens`` tokens): query down, key across, a dark cell where the query sees the key,
-    lines between nodes (red between trees). The warnings of :func:`tree_warnings` are written in.
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
-
-    Raises:
-        ImportError: if matplotlib is not installed.
+    """Draw a tree batch and each row's attention as a PNG image (needs matplotlib); return its path.
 
     Example:
         >>> import tempfile

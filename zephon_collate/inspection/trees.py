@@ -1,26 +1,4 @@
-"""Read a tree batch: its nodes, the paths through each token, and what each token attends to.
-
-A tree batch (``Collator.for_trees``) lays each tree out depth-first in a row: a
-token's ``logits_index`` is the token before it on its path, ``subtree_end`` says
-who sees it and ``path_index`` / ``path_offsets`` list every sequence's tokens. A
-shared-prompt batch (``shared_prompt=True``) is a tree of one level without the
-last two. :func:`batch_tree` reads either as a :class:`TreeView`:
-
-- the **paths**, from ``path_index`` / ``path_offsets``, or else traced back
-  through ``logits_index`` from the last token ``sequence_index`` gives each sequence;
-- the **nodes**: runs of tokens of one tree that the same paths go through, each
-  predicted by the one before (a node ends where its tree branches);
-- per **token** (:class:`TreeToken`): its node, its depth (in nodes), the paths
-  through it and, where the batch has ``labels``, whether it is trained;
-- what each token **attends to**: from ``subtree_end`` (token ``k`` is seen by
-  ``q`` with ``k <= q < subtree_end[k]``), else from ``document_ids`` and
-  ``branch_ids`` (the shared prompt's branch mask), else from its ancestors along
-  ``logits_index``.
-
-:func:`tree_warnings` puts what looks wrong in words (a trained token on no path,
-attention across documents or off a token's paths, positions that do not count
-0..n-1 along a path). :mod:`zephon_collate.inspection.tree_render` draws the tree.
-"""
+"""Read a tree batch: its nodes, the paths through each token, what each token sees (``docs/demo.md``)."""
 
 from __future__ import annotations
 
@@ -64,8 +42,7 @@ _PADDING_WARN_FRACTION = 0.5
 
 @dataclass(frozen=True)
 class TreeNode:
-    """A node: tokens ``start:end`` of a row that the same paths go through, each predicted by the one
-    before; ``parent`` is the node of its first token's predictor (-1 for a root), ``depth`` its count."""
+    """A node: tokens ``start:end`` of a row that the same paths go through (``parent`` -1 for a root)."""
 
     index: int
     row: int
@@ -84,8 +61,7 @@ class TreeNode:
 
 @dataclass(frozen=True)
 class TreeToken:
-    """One token of a tree batch: its node (-1 on padding), the node's depth, the paths through it and
-    whether it is trained (``None`` in a batch without labels)."""
+    """One token of a tree batch: its node (-1 on padding), depth, paths and whether it is trained."""
 
     row: int
     place: int
@@ -104,9 +80,7 @@ class TreeToken:
 
 @dataclass(frozen=True)
 class TreeRow:
-    """One row of a tree batch as plain lists: ``documents`` -1 on padding, ``predictor`` the place whose
-    logits predict each token (-1: none), ``node`` each token's node (-1 on padding), ``sequences`` the
-    paths through each token, ``padding`` where ``documents`` is -1."""
+    """One row of a tree batch as plain lists (-1 on padding; ``sequences``: the paths through each token)."""
 
     index: int
     input_ids: list[int]
@@ -126,10 +100,8 @@ class TreeRow:
 class TreeView:
     """A tree batch read: its rows, nodes (numbered through the batch in row order) and paths.
 
-    ``paths[s]`` is sequence ``s``'s ``(row, place)`` tokens in order; ``paths_from`` says where they
-    were read (``"path_index"`` or ``"sequence_index"``), ``attention_from`` what the attention is
-    read from (``"subtree_end"``, ``"branch_ids"`` or ``"logits_index"``); ``notes`` are the problems
-    met while reading (they open :func:`tree_warnings`).
+    ``paths[s]``: sequence ``s``'s ``(row, place)`` tokens in order; ``paths_from`` / ``attention_from``: the
+    fields they were read from; ``notes``: the problems met while reading.
     """
 
     rows: list[TreeRow]
@@ -181,8 +153,7 @@ class TreeView:
 
 
 def is_tree_batch(batch: Mapping[str, Any]) -> bool:
-    """True for a batch to draw as a tree: it has ``subtree_end`` or ``path_offsets`` (``for_trees``), or
-    ``logits_index`` and ``branch_ids`` with a shared prompt (a branch id 0, ``shared_prompt=True``).
+    """True for a batch to draw as a tree (``subtree_end``, ``path_offsets``, or a shared prompt's branches).
 
     Example:
         >>> is_tree_batch({"input_ids": [[5, 6]], "logits_index": [[-1, 0]], "branch_ids": [[1, 1]]})
@@ -296,11 +267,7 @@ def _row_nodes(
     sequences: list[tuple[int, ...]],
     nodes: list[TreeNode],
 ) -> list[int]:
-    """Cut one row into nodes (appended to ``nodes``); each token's node, -1 on padding.
-
-    A token starts a node where its document changes, where it is not predicted by the token before
-    it, where that token predicts several, or where the paths through it change (a path ends).
-    """
+    """Cut one row into nodes (appended to ``nodes``); each token's node, -1 on padding."""
     children = np.bincount([p for p in predictor if 0 <= p < len(predictor)], minlength=len(predictor))
     node = [-1] * len(predictor)
     spans: list[list[int]] = []  # [node, start, end] of this row's nodes, ends growing
@@ -332,22 +299,17 @@ def _row_nodes(
 def batch_tree(batch: Mapping[str, Any], *, ignore_index: int = -100) -> TreeView:
     """Read a tree batch (``Collator.for_trees``, or a shared-prompt batch) as a :class:`TreeView`.
 
-    A token is trained where its (unshifted) label is not ``ignore_index``; its logits are those of
-    ``logits_index``. Padding is where ``document_ids`` is -1.
+    Raises:
+        KeyError: if ``batch`` has no ``input_ids``, or neither ``logits_index`` nor ``path_index``.
+        ValueError: if a per-token field's rows do not match ``input_ids``.
 
     Example:
         >>> from zephon_collate import Collator
         >>> view = batch_tree(Collator.for_trees()([
         ...     {"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1]},
         ...     {"input_ids": [1, 2, 4], "completion_mask": [0, 1, 1]}]))
-        >>> [(n.start, n.end, n.depth, n.sequences) for n in view.nodes]
-        [(0, 2, 0, (0, 1)), (2, 3, 1, (0,)), (3, 4, 1, (1,))]
-        >>> view.token(0, 1).trained_for, view.sees(0, 3)
-        ((0, 1), [0, 1, 3])
-
-    Raises:
-        KeyError: if ``batch`` has no ``input_ids``, or neither ``logits_index`` nor ``path_index``.
-        ValueError: if a per-token field's rows do not match ``input_ids``.
+        >>> [(n.start, n.end, n.depth, n.sequences) for n in view.nodes], view.sees(0, 3)
+        ([(0, 2, 0, (0, 1)), (2, 3, 1, (0,)), (3, 4, 1, (1,))], [0, 1, 3])
     """
     if INPUT_IDS not in batch:
         raise KeyError(f"inspect_batch: the batch has no 'input_ids' (its keys: {sorted(batch)})")
@@ -431,12 +393,6 @@ def tree_warnings(
     padding_fraction: float = _PADDING_WARN_FRACTION,
 ) -> list[str]:
     """What looks wrong in a tree batch, in words (an empty list when nothing does).
-
-    Flags, besides what reading met (a path outside the batch, a sequence that cannot be traced): no
-    trained token, rows mostly padding, trained padding, trained tokens on no path; paths whose
-    positions do not count 0..n-1, that do not follow ``logits_index`` or that leave their tree; a
-    ``sequence_index`` that names another sequence than the paths; and per ``subtree_end``, tokens
-    that attend across documents, off their paths, or miss an ancestor.
 
     Example:
         >>> batch = {"input_ids": [[1, 2, 3]], "labels": [[-100, 2, 3]], "position_ids": [[0, 1, 1]],

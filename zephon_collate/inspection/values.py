@@ -1,5 +1,4 @@
-"""What the inspector's views share: a field's values as lists and rows, tokens as printable text,
-the terminal's colours."""
+"""What the inspector's views share: values as lists and rows, tokens as printable text, colours."""
 
 from __future__ import annotations
 
@@ -23,11 +22,7 @@ _RESET = "\x1b[0m"
 
 
 def token_text(tokenizer: Any, token: int) -> str:
-    """A token as printable text: ``tokenizer.decode([token])`` or ``tokenizer(token)``, else the id.
-
-    Spaces show as ``␣``, newlines, tabs and returns as ``\\n``, ``\\t``, ``\\r``,
-    other control characters as ``\\xNN``; long tokens are cut with ``~``.
-    """
+    """A token as printable text: ``tokenizer.decode([token])`` or ``tokenizer(token)``, else the id."""
     if tokenizer is None:
         return str(token)
     text = tokenizer.decode([token]) if hasattr(tokenizer, "decode") else str(tokenizer(token))

@@ -1,30 +1,4 @@
-"""Layout: the collate flow, owned by one base class; a layout writes how it lays out and its chain.
-
-The flow, the same for every layout::
-
-    samples       records, payload dicts, HF examples, pairs, rollouts, Arrow tables, (values, offsets)
-      |  read      the door (zephon_collate.read): one Batch of Ragged fields, checked there
-      v
-    lay_out       [a layout's own] supervision, padding, documents: the chain's input, Stacked
-      |            (data: [B, S, ...] arrays or tensors; per-row outputs: ids, texts)
-      v
-    chain         [a layout's own] the built-in transforms, then yours (Settings.transforms)
-      |  Plan      on the host (NumPy), eager (torch), or compiled (torch.compile)
-      v
-    assemble      once for every layout: the chain's keys named (ORDER, renames, exclusions),
-                  converted to the container asked for (torch, NumPy, lists; Python scalars)
-
-Every value an output holds is made by a step of the chain, so a transform of
-yours sees what the batch will hold. ``Collator`` runs it in one call
-(:meth:`Layout.collate`), or split: :meth:`Layout.stack` in DataLoader workers,
-:meth:`Layout.finish` in the main process, on the device, compiled when asked.
-
-A new layout is one file: a subclass that sets ``OWNER`` (how errors name the
-entry point), ``READS`` (records or examples), ``ORDER`` (its outputs' order) and
-writes :meth:`Layout.lay_out` and :meth:`Layout.chain` (and :meth:`Layout.empty`
-if it accepts an empty batch), with an options dataclass; its preset is a
-classmethod of ``Collator``.
-"""
+"""Layout: the collate flow (read, lay out, chain, plan, assemble), owned by one base class."""
 
 from __future__ import annotations
 
@@ -79,22 +53,11 @@ class Settings(Keywords):
 
     Parameters:
         device: where ``finish`` runs the chain (``None``: where the data is).
-        compile: run the chain through ``torch.compile`` (dynamic shapes, full graphs), so varying
-            batch sizes and lengths do not recompile.
-        num_boundaries: give ``cu_seqlens`` a static shape: each row's boundaries (or the flattened
-            sequence) padded to exactly this many with the row (or total) length. The whole chain is
-            then one graph (CUDA graph friendly); more segments than that are refused when stacked.
-        python_scalars: return counts and flattened maxima (``num_valid_tokens``, ``max_seqlen``,
-            ``max_length_q``, ``num_sequences``) as Python ints, as the reference page does; ``False``
-            keeps them as 0-d tensors on the device (no device sync).
-        transforms: transforms of yours (:class:`~zephon_collate.Transform`), run after the built-in
-            chain wherever it runs: in one call, after the device copy, compiled. Each key one of them
-            writes is an output.
-        chain: transforms of yours that replace the built-in chain (the options that build it must keep
-            their defaults); they run on the stacked batch the layout writes.
-
-    Raises:
-        TypeError, ValueError: for a value of the wrong type or out of range.
+        compile: run the chain through ``torch.compile`` (dynamic shapes, full graphs).
+        num_boundaries: give ``cu_seqlens`` this many boundaries (a static shape), padded with the row length.
+        python_scalars: return counts and flattened maxima as Python ints (``False``: 0-d tensors, no sync).
+        transforms: transforms of yours, run after the built-in chain wherever it runs; each key is an output.
+        chain: transforms of yours that replace the built-in chain (its options must keep their defaults).
     """
 
     device: str | torch.device | None = None
@@ -124,9 +87,10 @@ class Settings(Keywords):
 class Stacked:
     """A batch laid out: the chain's input, and what the outputs need besides.
 
-    ``data`` maps each key to a ``[B, ...]`` array (host data) or tensor (data
-    on a device); ``per_row`` holds the per-row outputs (``ids``, ``texts``);
-    ``metas`` each record's metadata.
+    Parameters:
+        data: each key's ``[B, ...]`` array (host data) or tensor (data on a device).
+        per_row: the per-row outputs (``ids``, ``texts``).
+        metas: each record's metadata.
     """
 
     data: dict[str, Any]
@@ -135,16 +99,14 @@ class Stacked:
 
 
 def per_row_outputs(batch: Batch) -> dict[str, list[Any]]:
-    """``{"ids": ..., "texts": ...}``: each row's sample id and ``"text"`` (copied unless a str, so that
-    changing an output never changes the input)."""
+    """``{"ids": ..., "texts": ...}``: each row's sample id and ``"text"`` (copied unless a str)."""
     texts = batch.objects(TEXT) if TEXT in batch else [None] * batch.rows
     texts = [t if t is None or isinstance(t, (str, bytes)) else copy.deepcopy(t) for t in texts]
     return {IDS: list(batch.ids), TEXTS: texts}
 
 
 def convert(value: Any, kind: _Kind) -> Any:
-    """A chain output (an array or a tensor) in the container ``kind`` asks for; outputs never share
-    memory with the batch's inputs (a view of the stacked batch is copied)."""
+    """A chain output in the container ``kind`` asks for, never sharing memory with the batch's inputs."""
     if isinstance(value, np.ndarray):
         if kind == "list":
             return value.tolist()
@@ -158,7 +120,7 @@ def convert(value: Any, kind: _Kind) -> Any:
 
 
 class Layout:
-    """The collate flow (see the module doc); a subclass lays a batch out and names its chain.
+    """The collate flow; a subclass lays a batch out and names its chain.
 
     Parameters:
         options: the layout's options dataclass (checked).
@@ -219,7 +181,7 @@ class Layout:
 
     @property
     def flattened(self) -> bool:
-        """Outputs flattened ``[B * S, ...]`` (``flatten``): how a ragged list batch's rows join."""
+        """Outputs flattened ``[B * S, ...]`` (``flatten``)."""
         return False
 
     @property
@@ -228,8 +190,8 @@ class Layout:
         return INPUT_IDS
 
     def lay_out(self, batch: Batch) -> list[Stacked]:  # pragma: no cover
-        """The chain's input for a (non-empty) batch: one :class:`Stacked`, or one per row (ragged list
-        output). Every data error is raised here (or at the door), naming the row, the field and the fix."""
+        """The chain's input for a non-empty batch: one :class:`Stacked`, or one per row (ragged list output).
+        Every data error is raised here (or at the door), naming the row, the field and the fix."""
         raise NotImplementedError
 
     def chain(self, keys: Sequence[str]) -> list[Transform]:  # pragma: no cover
@@ -237,7 +199,7 @@ class Layout:
         raise NotImplementedError
 
     def empty(self) -> dict[str, Any]:
-        """The outputs of an empty batch: refused, as the collators a preset stands in for refuse it."""
+        """The outputs of an empty batch (refused by default)."""
         raise ValueError(f"{self.OWNER}: the batch holds no {self.ITEM}s")
 
     # -- the flow ----------------------------------------------------------------------------------
@@ -275,8 +237,7 @@ class Layout:
         return self.lay_out(batch) if batch.rows else []
 
     def plan(self, keys: tuple[str, ...]) -> Plan:
-        """The plan on a stacked batch holding ``keys``: the built-in chain (or yours), then your
-        transforms; built once per key set."""
+        """The plan on a stacked batch holding ``keys`` (the chain, then your transforms); built once."""
         found = self._plans.get(keys)
         if found is None:
             settings = self.settings
@@ -322,14 +283,8 @@ class Layout:
     # -- the one assembly --------------------------------------------------------------------------
 
     def output_names(self, keys: Sequence[str], *, empty: bool = False) -> list[tuple[str, str]]:
-        """``(key, name)`` of each output, from the chain's final ``keys``: in :attr:`ORDER` (the extra
-        fields at its ``None``), then the chain's other keys; :attr:`renames` applied, :attr:`excluded`
-        left out.
-
-        Raises:
-            ValueError: if a rename names a key that is not emitted (nonempty batches), or two outputs
-                end with one name.
-        """
+        """``(key, name)`` of each output of the chain's final ``keys``: ordered, renamed, exclusions dropped;
+        ``ValueError`` for a rename of a key not emitted (nonempty batches) or two outputs with one name."""
         extras = self.extra_fields
         slot = self.ORDER.index(None) if None in self.ORDER else len(self.ORDER)
         ranks = {key: rank for rank, key in enumerate(self.ORDER) if key is not None}
@@ -374,11 +329,8 @@ class Layout:
     def assemble(
         self, stacked: Sequence[Stacked], results: Sequence[Mapping[str, Any]], keys: Sequence[str]
     ) -> dict[str, Any]:
-        """The output dict: each output named, in its container; Python scalars for the counts.
-
-        Several ``results`` are rows of a ragged list batch, each run alone: their lists are joined
-        (boundaries offset by the rows before, a flattened maximum the largest).
-        """
+        """The output dict: each output named, in its container; Python scalars for the counts. Several
+        ``results`` are the rows of a ragged list batch, each run alone: their outputs are joined."""
         kind = self.kind
         scalar = int if self.settings.python_scalars else torch.as_tensor
         out: dict[str, Any] = {}

@@ -1,22 +1,5 @@
-"""A forest's prefixes shared, and the forest laid out: each tree a document, its nodes depth-first.
-
-Laid out, a token sits after its node's earlier tokens and after its ancestors;
-its position continues along its path, the token before it on the path predicts
-it, and it may be seen by the tokens of its own subtree only::
-
-    prompt p p ─┬─ a a       laid out:      p p a a b b b
-                └─ b b b     positions:     0 1 2 3 2 3 4
-                             predictor:     - 0 1 2 1 4 5    (b's first token: the prompt's last)
-                             subtree end:   7 7 4 4 7 7 7    (token k is seen by q with k <= q < end)
-                             paths:         0: [0 1 2 3]   1: [0 1 4 5 6]
-
-Prefixes are shared three ways: :func:`share_prompts` (consecutive sequences
-with one prompt: a root and a branch each, the one-level ``shared_prompt``),
-:func:`merge_prefixes` (every common prefix, a trie per group) and
-:func:`copy_openers` (a branching node's last token copied into each branch, so
-that each place predicts one token). :func:`as_paths` undoes the sharing.
-Tokens are shared only where their ids, supervision and values are all equal.
-"""
+"""A forest's prefixes shared, and the forest laid out: each tree a document, its nodes depth-first (drawn in
+docs/trees.md). Tokens are shared only where their ids, supervision and values are all equal."""
 
 from __future__ import annotations
 
@@ -36,14 +19,15 @@ __all__ = ["Laid", "as_paths", "copy_openers", "lay_out", "merge_prefixes", "sha
 class Laid:
     """A forest laid out, token by token (``N`` tokens, documents end to end, nodes depth-first).
 
-    ``order``: each laid token's index in the forest's values (``forest.tokens.values[order]``);
-    ``documents``: ``[D + 1]`` token offsets of the documents (trees); ``node``, ``position``,
-    ``predictor`` (the laid index of the token before it on its path, -1 for a root's first),
-    ``subtree_end`` (the laid index where its node's subtree ends), ``branch`` (0 on a root that
-    branches, else the root's child it descends from, from 1), ``sequence`` (the one sequence through
-    it, -1 for none, several, or a node that branches: a prefix); ``path_index`` ``[P]`` and
-    ``path_offsets`` ``[S + 1]``: sequence ``s``'s tokens, in order, are
-    ``path_index[path_offsets[s]:path_offsets[s + 1]]``.
+    Parameters:
+        order: each laid token's index in the forest's values.
+        documents: ``[D + 1]`` token offsets of the documents (trees).
+        node, position: each token's node and position.
+        predictor: the laid index of the token before it on its path (-1 for a root's first).
+        subtree_end: the laid index where its node's subtree ends.
+        branch: 0 on a root that branches, else the root's child it descends from (from 1).
+        sequence: the one sequence through it (-1: none, several, or a branching node).
+        path_index, path_offsets: ``[P]``, ``[S + 1]``: sequence ``s``'s tokens, from ``path_offsets[s]``.
     """
 
     order: np.ndarray
@@ -73,7 +57,7 @@ def _keys(forest: Forest, skipped: Collection[str]) -> np.ndarray:
 
 
 def _remap(index: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """``new[index]`` where ``index >= 0``, -1 elsewhere (-1: no node)."""
+    """``new[index]`` where ``index >= 0``, -1 elsewhere."""
     out = np.full(index.shape, -1, dtype=np.int64)
     valid = index >= 0
     out[valid] = new[index[valid]]
@@ -81,7 +65,7 @@ def _remap(index: np.ndarray, new: np.ndarray) -> np.ndarray:
 
 
 class _Builder:
-    """Nodes as spans of a forest's values (start, end), with their parents; the forest they make."""
+    """Nodes as spans of a forest's values, with their parents; the forest they make."""
 
     def __init__(self, forest: Forest) -> None:
         self.forest = forest
@@ -99,8 +83,7 @@ class _Builder:
         return node
 
     def build(self, ends: np.ndarray) -> Forest:
-        """The forest of the nodes added, in depth-first order (parents first); ``ends`` in the numbering
-        of the nodes as added."""
+        """The forest of the nodes added, depth-first; ``ends`` in the numbering of the nodes as added."""
         order: list[int] = []
         stack = list(reversed(self.roots))
         while stack:
@@ -135,10 +118,7 @@ class _Builder:
 
 
 def share_prompts(forest: Forest, skipped: Collection[str] = ()) -> Forest:
-    """Consecutive one-node sequences with one prompt (their tokens before the first trained one, equal
-    in ids and values) laid out as the prompt once, then a branch per sequence: the one-level
-    ``shared_prompt``. A sequence shares only with a prompt and a response of its own; a group of one
-    still becomes a prompt and one branch.
+    """Consecutive sequences with one prompt laid out as the prompt once, then a branch per sequence.
 
     Parameters:
         forest: sequences given whole (:meth:`Forest.chains`).
@@ -194,19 +174,16 @@ def share_prompts(forest: Forest, skipped: Collection[str] = ()) -> Forest:
 
 
 def merge_prefixes(forest: Forest, groups: np.ndarray | None = None, skipped: Collection[str] = ()) -> Forest:
-    """Every common prefix shared: the sequences of each group (``groups``: ``[S]``; ``None``: one group)
-    as a trie, by longest common prefix of tokens, supervision and values; a sequence may end inside
-    another's path. ``skipped`` value fields (one value per sequence) are not compared.
+    """Every common prefix shared: the sequences of each group as a trie.
 
     Parameters:
         forest: sequences given whole (:meth:`Forest.chains`).
-        groups: the group of each sequence; sequences of different groups never share.
+        groups: ``[S]``, the group of each sequence (groups never share), or ``None``: one group.
+        skipped: value fields not compared (one value per sequence).
 
     Example:
-        >>> rows = [[7, 1, 2], [7, 1, 3, 4], [7, 5]]
-        >>> chains = Forest.chains(Ragged(np.array(sum(rows, [])), np.array([0, 3, 7, 9])),
-        ...                        Ragged(np.ones(9, bool), np.array([0, 3, 7, 9])))
-        >>> tree = merge_prefixes(chains)
+        >>> values, offsets = np.array([7, 1, 2, 7, 1, 3, 4, 7, 5]), np.array([0, 3, 7, 9])
+        >>> tree = merge_prefixes(Forest.chains(Ragged(values, offsets), Ragged(np.ones(9, bool), offsets)))
         >>> tree.tokens.values.tolist(), tree.tokens.offsets.tolist(), tree.parent.tolist()
         ([7, 1, 2, 3, 4, 5], [0, 1, 2, 3, 5, 6], [-1, 0, 1, 1, 0])
     """
@@ -256,12 +233,11 @@ def merge_prefixes(forest: Forest, groups: np.ndarray | None = None, skipped: Co
 
 
 def as_paths(forest: Forest) -> Forest:
-    """Every sequence its own one-node tree of its path's tokens: the sharing undone (flat paths).
+    """Every sequence its own one-node tree of its path's tokens: the sharing undone.
 
     Example:
-        >>> rows = [[7, 1, 2], [7, 1, 3]]
-        >>> tree = merge_prefixes(Forest.chains(Ragged(np.array(sum(rows, [])), np.array([0, 3, 6])),
-        ...                                     Ragged(np.ones(6, bool), np.array([0, 3, 6]))))
+        >>> values, offsets = np.array([7, 1, 2, 7, 1, 3]), np.array([0, 3, 6])
+        >>> tree = merge_prefixes(Forest.chains(Ragged(values, offsets), Ragged(np.ones(6, bool), offsets)))
         >>> as_paths(tree).tokens.values.tolist()
         [7, 1, 2, 7, 1, 3]
     """
@@ -286,14 +262,11 @@ def as_paths(forest: Forest) -> Forest:
 
 
 def copy_openers(forest: Forest) -> Forest:
-    """Each node with several branches gives its last token to every branch, as the branch's first: each
-    place then predicts one token (the next on its path), so one label row describes the batch. A
-    sequence that ends on such a node ends on a branch holding the copy alone.
+    """Each node with several branches gives its last token to every branch: each place predicts one token.
 
     Example:
-        >>> rows = [[7, 1, 2], [7, 1, 3]]
-        >>> tree = merge_prefixes(Forest.chains(Ragged(np.array(sum(rows, [])), np.array([0, 3, 6])),
-        ...                                     Ragged(np.ones(6, bool), np.array([0, 3, 6]))))
+        >>> values, offsets = np.array([7, 1, 2, 7, 1, 3]), np.array([0, 3, 6])
+        >>> tree = merge_prefixes(Forest.chains(Ragged(values, offsets), Ragged(np.ones(6, bool), offsets)))
         >>> copied = copy_openers(tree)
         >>> copied.tokens.values.tolist(), copied.tokens.offsets.tolist(), copied.parent.tolist()
         ([7, 1, 2, 1, 3], [0, 1, 2, 3, 4, 5], [-1, 0, 1, 0, 3])
@@ -321,7 +294,7 @@ def copy_openers(forest: Forest) -> Forest:
 
 
 def lay_out(forest: Forest) -> Laid:
-    """The forest laid out: each tree a document, its nodes depth-first (see the module doc)."""
+    """The forest laid out: each tree a document, its nodes depth-first (``docs/trees.md`` draws it)."""
     count = forest.nodes
     lengths = forest.tokens.lengths
     parent = forest.parent
@@ -401,22 +374,17 @@ def lay_out(forest: Forest) -> Laid:
 
 
 def split_trees(forest: Forest, width: int) -> tuple[Forest, int | None]:
-    """Each tree wider than ``width`` tokens split at node boundaries, so that every tree fits a row: a
-    node's branches are grouped (best fit by their tokens) into trees of their own, each behind a copy of
-    the path above them; a branch wider than its room is split the same way, one level down. Every
-    sequence lies in exactly one tree, whole.
+    """Trees wider than ``width`` tokens split at node boundaries, each part behind a copy of the path above.
 
     Returns:
-        The forest, and ``None``; or, where a path's prefix alone is wider than ``width`` (a node that
-        cannot be split), the unchanged forest and that node.
+        The forest and ``None``; or, where a path's prefix alone is wider than ``width``, the unchanged
+        forest and that node.
 
     Example:
-        >>> rows = [[7, 8, 1, 2], [7, 8, 3, 4], [7, 8, 5]]
-        >>> offsets = np.array([0, 4, 8, 11])
-        >>> tree = merge_prefixes(Forest.chains(Ragged(np.array(sum(rows, [])), offsets),
-        ...                                     Ragged(np.ones(11, bool), offsets)))
+        >>> values, offsets = np.array([7, 8, 1, 2, 7, 8, 3, 4, 7, 8, 5]), np.array([0, 4, 8, 11])
+        >>> tree = merge_prefixes(Forest.chains(Ragged(values, offsets), Ragged(np.ones(11, bool), offsets)))
         >>> fitted, _ = split_trees(tree, 6)
-        >>> lay_out(fitted).documents.tolist(), as_paths(fitted).tokens.values.tolist() == sum(rows, [])
+        >>> lay_out(fitted).documents.tolist(), as_paths(fitted).tokens.values.tolist() == values.tolist()
         ([0, 6, 9], True)
     """
     count = forest.nodes

@@ -1,12 +1,4 @@
-"""The reference page's layout: records in, ``to_training``'s outputs out.
-
-:class:`Native` lays a batch of records (or payload dicts, token rows,
-columns) out as the page says: the token field, ``positions``, ``loss_mask``
-and extra fields stacked ``[B, S]`` (per record, ``[B, ...]``), each record's
-trailing padding in ``padding_length``. ``to_training`` runs it with the page's
-defaults; the :class:`~zephon_collate.Collator` with its own options on top
-(:class:`CollatorOptions`: ragged rows padded, boundary-safe labels, float
-fields), each refusing what the page would let through silently.
+"""The reference page's layout: records in, ``to_training``'s (and the ``Collator``'s) outputs out.
 
 Two rows of 3 and 5 tokens padded to 8 (``pad_to_multiple_of=4``)::
 
@@ -90,25 +82,10 @@ class CollatorOptions(TrainingOptions):
     """The :class:`~zephon_collate.Collator`'s layout options: ``to_training``'s, and these.
 
     Parameters:
-        pad_token_id: pad ragged rows (unpacked SFT examples) on the right to the longest with this id;
-            the padding counts as each record's trailing padding, so labels, ``padding_mask``,
-            ``cu_seqlens`` and ``num_valid_tokens`` treat it as the page's (``None``: rows must be of
-            equal length, or ``dtype=None`` gives ragged lists). A row that already ends in this id
-            without declaring its padding is refused: the labels would train it.
+        pad_token_id: pad ragged rows on the right to the longest with this id (counted as their padding).
         pad_to_multiple_of: round the padded length up to a multiple of this (at most 2**20).
-        boundary_safe_labels: with labels and payload positions, ignore every label whose target
-            starts a new segment (:class:`~zephon_collate.BoundaryMask`): no label crosses a document
-            boundary, EOS or not. On by default here; ``to_training`` keeps the page's labels.
-        float_fields: float payload fields (log-probs, advantages, rewards): names, or
-            :class:`~zephon_collate.FloatField` specs. Each keeps its own float dtype (float32 by
-            default, whatever ``dtype`` is), is 0.0 on padding, and is shifted with the labels as its
-            alignment says (token-aligned: cut ``[:, 1:]`` with ``return_labels``, so
-            ``out[name][:, j]`` belongs to ``labels[:, j]``). Read example by example: a columnar batch
-            with ``float_fields`` is refused.
-
-    Raises:
-        TypeError, ValueError: as :class:`~zephon_collate.layouts.training.TrainingOptions`, and for
-            these options.
+        boundary_safe_labels: ignore every label whose target starts a new segment (on by default).
+        float_fields: float payload fields (names or ``FloatField`` specs), in their dtype, 0.0 on padding.
     """
 
     pad_token_id: int | None = None
@@ -139,13 +116,7 @@ class CollatorOptions(TrainingOptions):
 
 
 class Native(Layout):
-    """The page's layout over records: see the module doc.
-
-    With :class:`~zephon_collate.layouts.training.TrainingOptions` it is
-    ``to_training`` (the page's defaults: a field that would change what is
-    trained but is not read is warned of); with :class:`CollatorOptions` it is
-    the ``Collator`` (refused).
-    """
+    """The page's layout over records: ``to_training`` (warns) or the ``Collator`` (refuses)."""
 
     OWNER: str = "Collator"
     READS: ClassVar[Literal["records", "examples"]] = "records"
@@ -175,7 +146,7 @@ class Native(Layout):
 
     @property
     def strict(self) -> bool:
-        """The Collator's (``CollatorOptions``): refuse what ``to_training`` would warn of."""
+        """Refuse what ``to_training`` would warn of (the Collator)."""
         return self.collator is not None
 
     @functools.cached_property
@@ -242,9 +213,7 @@ class Native(Layout):
         )
 
     def empty(self) -> dict[str, Any]:
-        """The page's outputs of an empty batch: each field the chain emits, empty (``num_valid_tokens``
-        0, a flattened ``cu_seqlens`` / ``max_seqlen`` ``[0]`` / 0); positions only where generated
-        (``position_mode="sequence"``) or listed in ``extra_fields``."""
+        """The page's outputs of an empty batch: each field the chain emits, empty."""
         options = self.options
         keys = [INPUT_IDS, PADDING_LENGTH, *options.extra_fields, *(spec.name for spec in self.floats)]
         if options.return_cu_seqlens and POSITIONS not in keys:
@@ -267,12 +236,7 @@ class Native(Layout):
     # -- the layout ---------------------------------------------------------------------------------
 
     def lay_out(self, batch: Batch) -> list[Stacked]:
-        """Read, check and stack ``batch`` (non-empty): one :class:`Stacked`, or, for ragged list output
-        (``dtype=None`` without padding), one per row, every error still naming the row by its place.
-
-        Raises:
-            TypeError, ValueError: for every data error, naming the record, the field and the fix.
-        """
+        """Read, check and stack ``batch``: one :class:`Stacked`, or one per row (ragged list output)."""
         options = self.options
         names = batch.names
         refuse_media(batch, "the Collator")
@@ -311,16 +275,13 @@ class Native(Layout):
         return self._stacked(batch, per_token, per_record, counts)
 
     def _source(self, batch: Batch, name: str) -> str:
-        """The field ``name`` is read from: the Collator reads Hugging Face's ``position_ids`` as the
-        positions (:func:`~zephon_collate.read.rules.positions_field`; dropped, labels would cross the
-        documents they mark)."""
+        """The field ``name`` is read from (the Collator reads ``position_ids`` as the positions)."""
         if name != POSITIONS or not self.strict:
             return name
         return positions_field(batch) or POSITIONS
 
     def _wanted(self) -> list[tuple[str, bool, bool]]:
-        """``(field, required, aligned)`` of each field read besides the tokens: ``aligned`` fields must
-        hold one entry per token, the others may hold one per record."""
+        """``(field, required, aligned)`` of each field read besides the tokens."""
         options = self.options
         labels = options.return_labels
         reads_positions = options.reads_positions or (self.boundary_safe and labels)
@@ -333,8 +294,7 @@ class Native(Layout):
         return wanted
 
     def _check_supervision(self, batch: Batch, tokens: Ragged, read: set[str]) -> None:
-        """A field that would change what is trained but is not read: refused by the Collator, warned of
-        by ``to_training`` (labels only: without labels nothing is supervised, so nothing is said)."""
+        """A supervision field not read: refused by the Collator, warned of by ``to_training``."""
         if not (self.strict or self.options.return_labels):
             return
         options = self.options
@@ -398,8 +358,7 @@ class Native(Layout):
             )
 
     def _check_no_padding_given(self, tokens: Ragged, undeclared: np.ndarray, names: Names) -> None:
-        """Refuse a row that ends in ``pad_token_id`` without declaring padding (``meta.padding_length``):
-        padding already in the row, which the labels (and the padding mask) would take for real tokens."""
+        """Refuse a row that ends in ``pad_token_id`` without declaring its padding."""
         assert self.padding is not None
         pad = self.padding.pad_token_id
         values, offsets = tokens.host, tokens.offsets
@@ -474,8 +433,7 @@ class Native(Layout):
         width: int,
         names: Names,
     ) -> dict[str, Any]:
-        """The chain's input: each field cast to its dtype, then laid out ``[B, width, ...]``; then the
-        checks that read the stacked positions (``cu_seqlens``, a static boundary count)."""
+        """The chain's input: each field cast and laid out ``[B, width, ...]``, then the position checks."""
         options = self.options
         dtype = options.output.torch_dtype
         pad_id = 0 if self.padding is None else self.padding.pad_token_id
@@ -520,7 +478,7 @@ class Native(Layout):
         return data
 
     def _check_boundary_positions(self, positions: Any, lengths: np.ndarray, names: Names) -> None:
-        """``cu_seqlens`` needs ``[B, S]`` positions, starting at 0 in every row with an input token."""
+        """``cu_seqlens`` needs ``[B, S]`` positions, starting at 0 in every row with a token."""
         if positions.ndim != 2:
             raise ValueError(
                 "to_training: return_cu_seqlens needs one position per token ([B, S]), got positions of "
@@ -546,11 +504,7 @@ class Native(Layout):
 
 
 def check_boundary_count(positions: np.ndarray, flatten: bool, limit: int, names: Names) -> None:
-    """``ValueError`` naming the first row whose segments do not fit a static ``num_boundaries``.
-
-    Runs where the batch is stacked (a worker's CPU data), so the device-side
-    assertion of :class:`~zephon_collate.CuSeqlens` never fires.
-    """
+    """``ValueError`` naming the first row whose segments do not fit a static ``num_boundaries``."""
     if not positions.size:
         return
     needed = host.segment_starts(positions).sum(axis=1) + 1  # each row's starts, then its end
@@ -572,8 +526,7 @@ def check_boundary_count(positions: np.ndarray, flatten: bool, limit: int, names
 def _read_field(
     batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Ragged, must_align: bool
 ) -> tuple[Ragged | None, Sequence[Row] | np.ndarray]:
-    """Field ``name`` one entry per token (a :class:`Ragged`), or else one per record (its rows; an
-    unaligned field that must align is a ``ValueError`` naming the row)."""
+    """Field ``name``, one entry per token (a :class:`Ragged`), or else one per record."""
     if batch.is_list(name):  # read once (cached), aligned as it is
         try:
             field = batch.get(name, kind)
@@ -604,7 +557,7 @@ def _chain_options(options: TrainingOptions) -> dict[str, object]:
 
 
 def _check_position_count(count: int, dtype: torch.dtype, how: str) -> None:
-    """``ValueError`` unless positions ``0 .. count - 1`` fit ``dtype`` (they would wrap around)."""
+    """``ValueError`` unless positions ``0 .. count - 1`` fit ``dtype``."""
     if count - 1 > torch.iinfo(dtype).max:
         raise ValueError(
             f"to_training: positions {how} {count} tokens do not fit dtype {dtype} (at most "
@@ -613,8 +566,7 @@ def _check_position_count(count: int, dtype: torch.dtype, how: str) -> None:
 
 
 def _shifted_spread(stacked: Any, counts: np.ndarray, fill: Spread) -> Any:
-    """A token-aligned field's padding (each row's last ``counts`` places), numbered for the column it will
-    hold once ``TokenShift`` cuts it like the labels (``[:, 1:]``: place ``p`` becomes column ``p - 1``)."""
+    """A token-aligned field's padding, numbered for the column it holds once cut like the labels."""
     rows, width = stacked.shape[:2]
     place = np.arange(width, dtype=np.int64)
     padding = place[None] >= (width - counts)[:, None]

@@ -1,12 +1,4 @@
-"""The plan: the chain one layout runs on a stacked batch with one key set, built once and cached.
-
-A :class:`Plan` holds the chain (the layout's built-in transforms, then the
-user's own, or the user's chain in their place), the output keys it ends
-with, and, when asked, the chain compiled with ``torch.compile``. It runs the
-transforms' cores over one mapping, with no TensorDict per step and no
-per-step check (the reader has checked the data): on plain CPU data in eager
-mode on the host (each step's NumPy variant where it has one), else in torch.
-"""
+"""The plan: the chain one layout runs on one key set (host, eager or compiled), built once and cached."""
 
 from __future__ import annotations
 
@@ -47,8 +39,7 @@ _state = threading.local()
 
 @contextlib.contextmanager
 def use_host_pass(enabled: bool) -> Iterator[None]:
-    """Within the block, in this thread, run each step's host variant on CPU data (``True``, the default)
-    or the torch transforms everywhere (``False``: what a GPU and ``torch.compile`` run).
+    """Within the block, in this thread, run the host variants on CPU data (``True``) or torch everywhere.
 
     Example:
         >>> from zephon_collate import Collator
@@ -65,8 +56,7 @@ def use_host_pass(enabled: bool) -> Iterator[None]:
 
 
 def host_applies(data: Mapping[str, object]) -> bool:
-    """True when a plan may run on the host: NumPy arrays or plain CPU tensors without autograd, in dtypes
-    NumPy holds, eager, and the host pass not switched off."""
+    """True when a plan may run on the host: NumPy arrays or plain CPU tensors, eager, host pass on."""
     if not getattr(_state, "enabled", True) or torch.compiler.is_compiling():
         return False
     for value in data.values():
@@ -80,24 +70,20 @@ def host_applies(data: Mapping[str, object]) -> bool:
 
 
 def _stage_input(stage: Chain, data: Mapping[str, Any]) -> dict[str, Any]:
-    """What a compiled stage is fed: the keys it needs, and the optional keys it reads that are present."""
+    """What a compiled stage is fed: the keys it needs, and the optional keys present."""
     given = {key: data[key] for key in stage.in_keys}
     given.update((key, data[key]) for key in stage.optional_keys if key in data)
     return given
 
 
 def _dynamic(transform: Any) -> bool:
-    """True for a step whose output size depends on the data (it cannot sit inside a compiled graph)."""
+    """True for a step whose output size depends on the data."""
     return bool(getattr(transform, "data_dependent_shape", False))
 
 
 def _runner(chain: Chain) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """``chain.run`` as a function with a code object of its own.
-
-    Dynamo caches compiled graphs per code object, with a limit on how many it
-    keeps (``torch._dynamo.config.recompile_limit``, 8); plans that compiled one
-    shared function would share that limit, and the ninth plan would fail.
-    """
+    """``chain.run`` as a function with a code object of its own. Dynamo caches compiled graphs per code
+    object, with a limit on how many it keeps; plans sharing one function would share that limit."""
 
     def run_chain(data: dict[str, Any]) -> dict[str, Any]:
         return chain.run(data)
@@ -107,22 +93,18 @@ def _runner(chain: Chain) -> Callable[[dict[str, Any]], dict[str, Any]]:
 
 
 class Plans(dict[tuple[str, ...], "Plan"]):
-    """A layout's plans by key set, built once per process: pickled empty (compiled code and locks
-    do not travel; a DataLoader worker builds its own)."""
+    """A layout's plans by key set: pickled empty (a DataLoader worker builds its own)."""
 
     def __reduce__(self) -> tuple[type[Plans], tuple[()]]:
         return Plans, ()
 
 
 class Plan:
-    """A chain on one key set: run eagerly (on the host where it applies) or compiled.
+    """A chain on one key set (its wiring checked): run eagerly (on the host where it applies) or compiled.
 
     Parameters:
         steps: the transforms, in order (a layout's built-in ones, then yours).
         keys: the keys of the stacked batch the plan runs on.
-
-    Raises:
-        ValueError: if a transform reads a key that neither the batch nor an earlier step provides.
 
     Example:
         >>> from zephon_collate.transforms import LossMask, TokenShift
@@ -140,11 +122,7 @@ class Plan:
         self._lock = threading.Lock()
 
     def run(self, data: Mapping[str, Any]) -> dict[str, Any]:
-        """The chain over ``data`` (a mapping of stacked arrays or tensors), eager.
-
-        On host data (:func:`host_applies`) each step runs its NumPy variant where it has one, and its
-        outputs are arrays; elsewhere the torch transforms run, on tensors.
-        """
+        """The chain over ``data`` (stacked arrays or tensors), eager: on the host where it applies."""
         if host_applies(data):
             arrays = {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in data.items()}
             return self.chain.run(arrays, host=True)
@@ -154,12 +132,7 @@ class Plan:
 
     def compiled(self, device_type: str) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
         """The chain through ``torch.compile`` (dynamic shapes, full graphs) for ``device_type``; cached.
-
-        Steps whose output size depends on the data (``CuSeqlens`` without
-        ``num_boundaries``, or a transform of yours with ``data_dependent_shape =
-        True``) run eager between the compiled runs of steps around them; on the
-        CPU the graphs are compiled to scalar loops (:data:`CPU_INDUCTOR_OPTIONS`).
-        """
+        Steps with data-dependent output sizes run eagerly between the compiled graphs."""
         function = self._compiled.get(device_type)
         if function is None:
             with self._lock:

@@ -1,14 +1,4 @@
-"""The post-training presets: each a :class:`~zephon_collate.layouts.trees.TreeOptions` with its read
-adapter and its outputs, on the one ``Trees`` layout.
-
-- :class:`PreferenceOptions`: ``Collator.for_preference``, DPO pairs and KTO examples;
-- :class:`RewardOptions`: ``Collator.for_rewards``, a reward model's pairs, scored at their last token;
-- :class:`RolloutOptions`: ``Collator.for_rollouts``, RL rollouts with their value fields;
-- :class:`TrajectoryOptions`: ``Collator.for_trees``, trajectories and explicit trees, every shared
-  prefix once.
-
-The layouts they produce, drawn: ``docs/post_training.md``.
-"""
+"""The post-training presets' options, each a ``TreeOptions`` with its read adapter and its outputs."""
 
 from __future__ import annotations
 
@@ -74,23 +64,15 @@ class PreferenceOptions(TreeOptions):
     """The options of :meth:`Collator.for_preference <zephon_collate.Collator.for_preference>`.
 
     Parameters:
-        tokenizer: a ``transformers`` tokenizer, or ``None``; it gives ``pad_token_id`` where not passed.
+        tokenizer, pad_token_id, pad_to_multiple_of, return_flash_attn_kwargs, return_seq_idx: as
+            :class:`TreeOptions`.
         padding_free: one row ``[1, N]`` with ``position_ids`` instead of padded rows.
         shared_prompt: lay each pair out as its prompt once, then both responses.
-        pad_token_id: the id padding gets; required for the padded layout.
-        pad_to_multiple_of: round the padded length (padding-free: the row's) up to a multiple of this.
         return_position_ids: emit ``position_ids`` (default: padding-free or shared prompt).
-        return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free, unshared).
-        return_seq_idx: emit ``seq_idx`` (padding-free, unshared).
-        max_prompt_length: cut each prompt to its last this many tokens (TRL 0.x's).
+        max_prompt_length: cut each prompt to its last this many tokens.
         max_completion_length: cut each response to its first this many tokens.
-        max_length: cut each sequence (prompt + response) to this many tokens, as TRL 1.16's
-            ``DataCollatorForPreference`` does (a pair whose prompt fills it under ``"keep_start"`` is
-            refused: TRL drops such pairs).
+        max_length: cut each sequence (prompt + response) to this many tokens, as TRL's collator does.
         truncation_mode: ``"keep_start"`` (TRL's default) or ``"keep_end"``.
-
-    Raises:
-        TypeError, ValueError: for a value of the wrong type, or options that contradict each other.
     """
 
     OWNER: ClassVar[str] = "Collator.for_preference"
@@ -155,21 +137,12 @@ class RewardOptions(TreeOptions):
     """The options of :meth:`Collator.for_rewards <zephon_collate.Collator.for_rewards>`.
 
     Parameters:
-        tokenizer: a ``transformers`` tokenizer, or ``None``; it gives ``pad_token_id`` where not passed.
+        tokenizer, pad_token_id, pad_to_multiple_of, return_flash_attn_kwargs, return_seq_idx: as
+            :class:`TreeOptions`.
         padding_free: one row ``[1, N]`` with ``position_ids`` instead of padded rows.
-        pad_token_id: the id padding gets; required for the padded layout.
-        pad_to_multiple_of: round the padded length (padding-free: the row's) up to a multiple of this.
         return_position_ids: emit ``position_ids`` (default: padding-free only).
-        return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free).
-        return_seq_idx: emit ``seq_idx`` (padding-free).
-        max_length: refuse a pair with a sequence longer than this, as ``RewardTrainer`` drops such
-            pairs when it prepares the dataset (a cut sequence would be scored at another token).
-        last_token_skip_id: ``last_token_index`` reads each sequence's last token whose id is not this one
-            (its first where every one is): pass the model's ``config.pad_token_id`` to read the token a
-            ``transformers`` sequence-classification model pools. ``None``: the last token.
-
-    Raises:
-        TypeError, ValueError: for a value of the wrong type, or options that contradict each other.
+        max_length: refuse a pair with a sequence longer than this (``RewardTrainer`` drops such pairs).
+        last_token_skip_id: score each sequence's last token whose id is not this (``config.pad_token_id``).
     """
 
     OWNER: ClassVar[str] = "Collator.for_rewards"
@@ -217,21 +190,13 @@ class RolloutOptions(TreeOptions):
     """The options of :meth:`Collator.for_rollouts <zephon_collate.Collator.for_rollouts>`.
 
     Parameters:
-        tokenizer: a ``transformers`` tokenizer, or ``None``; it gives ``pad_token_id`` where not passed.
+        tokenizer, pad_token_id, pad_to_multiple_of, return_flash_attn_kwargs, return_seq_idx: as
+            :class:`TreeOptions`.
         padding_free: one row ``[1, N]`` with ``position_ids`` instead of padded rows.
         shared_prompt: lay consecutive rollouts of one prompt out as the prompt once, then each completion.
-        pad_token_id: the id padding gets; required for the padded layout.
-        pad_to_multiple_of: round the padded length (padding-free: the row's) up to a multiple of this.
         return_position_ids: emit ``position_ids`` (default: padding-free or shared prompt).
-        return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free, unshared).
-        return_seq_idx: emit ``seq_idx`` (padding-free, unshared).
-        supervision: the field that marks the completion, required in every example (``"completion_mask"``,
-            ``"loss_mask"``, ``"assistant_masks"``, ``"labels"``, ``"response_mask"``), or ``None``: every
-            such field given is applied, and one is required.
+        supervision: the field marking the completion, required in every example (``None``: any such field).
         float_fields: float example fields (names or :class:`~zephon_collate.FloatField` specs).
-
-    Raises:
-        TypeError, ValueError: for a value of the wrong type, or options that contradict each other.
     """
 
     OWNER: ClassVar[str] = "Collator.for_rollouts"
@@ -271,30 +236,16 @@ class TrajectoryOptions(TreeOptions):
     """The options of :meth:`Collator.for_trees <zephon_collate.Collator.for_trees>`.
 
     Parameters:
-        tokenizer: a ``transformers`` tokenizer, or ``None``; it gives ``pad_token_id`` where not passed.
+        tokenizer, pad_token_id, pad_to_multiple_of: as :class:`TreeOptions`.
         padding_free: the trees end to end in one row ``[1, N]`` (the default), or a padded row each.
-        pad_token_id: the id padding gets; required for the padded layout.
-        pad_to_multiple_of: round the padded length (padding-free: the row's) up to a multiple of this.
         return_position_ids: emit ``position_ids`` (default: yes).
-        return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (``share="none"``).
-        return_seq_idx: emit ``seq_idx`` (``share="none"``).
-        share: share every common prefix of the trajectories of each group (``"group"``, the default;
-            a batch without ``group_key`` is one group), of the whole batch (``"batch"``), or none
-            (``"none"``: every path laid out whole, for varlen kernels). Explicit trees keep their nodes.
+        return_flash_attn_kwargs, return_seq_idx: emit the varlen keys (``share="none"`` only).
+        share: share prefixes within each group (``"group"``), across the batch (``"batch"``), or not.
         group_key: the example field naming each trajectory's group.
-        copy_openers: give each branch a copy of its parent's last token, so that each place predicts one
-            token (a model's own shifted loss, a fused head reading one label row).
-        max_row_tokens: lay the trees best fit (by their tokens) into rows of this many tokens, ``[R,
-            max_row_tokens]`` (``"longest"``: as many as the longest tree has), instead of one row.
-        oversized: a tree wider than ``max_row_tokens``: ``"refuse"`` it, naming an example, or ``"split"``
-            it at node boundaries, each part behind a copy of the path above it.
-        supervision: the field that marks the trained tokens, required in every example, or ``None``: every
-            such field given is applied, and one is required.
-        float_fields: value fields (names or :class:`~zephon_collate.FloatField` specs): per token, or one
-            per sequence (on a tree's leaves).
-
-    Raises:
-        TypeError, ValueError: for a value of the wrong type, or options that contradict each other.
+        copy_openers: give each branch a copy of its parent's last token (each place predicts one token).
+        max_row_tokens, oversized: as :class:`TreeOptions`.
+        supervision: the field that marks the trained tokens, or ``None``: every such field given applies.
+        float_fields: value fields (names or ``FloatField`` specs), per token or per sequence.
     """
 
     OWNER: ClassVar[str] = "Collator.for_trees"

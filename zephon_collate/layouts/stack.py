@@ -1,20 +1,4 @@
-"""Fields to stacked tensors: rows of one length as ``[B, S, ...]``, ragged rows padded on the right.
-
-Every layout reads its fields at the door (:mod:`zephon_collate.read`)
-and stacks them here. A per-token field arrives as a :class:`~zephon_collate.read.columns.Ragged`
-(values end to end, and offsets); :func:`dense` lays it out as ``[B, width, ...]``
-with one vectorised scatter (a view, when every row already has the width).
-:class:`RowPadding` decides the width: the longest row, rounded up to
-``pad_to_multiple_of``, or a fixed length.
-
-Padded layout, two rows of 3 and 5 tokens padded to 8 (``pad_to_multiple_of=4``)::
-
-    input_ids  | a a a P P P P P |      P: pad_token_id
-               | b b b b b P P P |
-    positions  | 0 1 2 0 1 2 3 4 |      the padding is a segment of its own, restarting at 0
-               | 0 1 2 3 4 0 1 2 |
-    padding_length  [5, 3]              counted as each record's trailing padding
-"""
+"""Fields to stacked tensors: rows of one length as ``[B, S, ...]``, ragged rows padded on the right."""
 
 from __future__ import annotations
 
@@ -38,9 +22,8 @@ class RowPadding:
 
     Parameters:
         pad_token_id: the token id of padding (an int >= 0).
-        multiple: round the padded length up to a multiple of this (1 to :data:`MAX_PAD_MULTIPLE`), or
-            ``None``.
-        length: pad every row to exactly this many tokens (static shapes), or ``None`` for the longest.
+        multiple: round the length up to a multiple of this (at most :data:`MAX_PAD_MULTIPLE`), or ``None``.
+        length: pad every row to exactly this many tokens, or ``None`` for the longest.
 
     Example:
         >>> RowPadding(0, 8).width(np.array([3, 13])), RowPadding(0, None).width(np.array([3, 13]))
@@ -55,11 +38,7 @@ class RowPadding:
     def create(
         cls, pad_token_id: object, multiple: object, owner: str = "Collator", length: object = None
     ) -> RowPadding | None:
-        """The padding ``owner``'s ``pad_token_id`` / ``pad_to_multiple_of`` ask for, checked.
-
-        Raises:
-            TypeError, ValueError: for a non-int or out-of-range value, or a multiple without an id.
-        """
+        """The padding ``owner``'s ``pad_token_id`` / ``pad_to_multiple_of`` ask for, checked."""
         if pad_token_id is None:
             if multiple is not None:
                 raise ValueError(f"{owner}: pad_to_multiple_of needs pad_token_id, the id to pad with")
@@ -86,27 +65,16 @@ class RowPadding:
 def dense(
     field: Ragged, width: int, fill: int | float | Spread, *, restart: bool = False, left: bool = False
 ) -> Values:
-    """``[B, width, ...]``: each row's values, then ``fill`` (or 0, 1, ... with ``restart``) to ``width``
-    (a :class:`~zephon_collate.read.columns.Spread` numbers the places by their position in the row
-    handed out: ``left``, once :class:`~zephon_collate.transforms.LeftPadding` has moved each row's
-    padding to its front, the padding's place ``p`` after a row of ``n`` values is ``p - n``).
-
-    Rows must not be longer than ``width``. Every row of exactly ``width``
-    gives a view of the values, no copy (a copy of read-only values: a view of
-    columnar input is never handed out). Host values give a NumPy array, a
-    tensor a tensor on its device.
+    """``[B, width, ...]``: each row's values, then ``fill`` (or 0, 1, ... with ``restart``) up to ``width``.
+    A :class:`~zephon_collate.read.columns.Spread` fill numbers the padding by its place in the row (``left``:
+    as placed once :class:`~zephon_collate.transforms.LeftPadding` has moved it to the front). Rows already
+    ``width`` long give a view, no copy (except of read-only columnar values).
 
     Example:
         >>> from zephon_collate.read.columns import concat
         >>> field = concat([np.array([5, 6, 7]), np.array([8])], "input_ids", str)
         >>> dense(field, 4, 0).tolist(), dense(field, 4, 0, restart=True).tolist()
         ([[5, 6, 7, 0], [8, 0, 0, 0]], [[5, 6, 7, 0], [8, 0, 1, 2]])
-        >>> from zephon_collate.read.columns import Spread
-        >>> routes = concat([np.full((3, 1), 9), np.full((1, 1), 9)], "routes", str)
-        >>> dense(routes, 4, Spread(4))[..., 0].tolist()
-        [[9, 9, 9, 3], [9, 1, 2, 3]]
-        >>> dense(routes, 4, Spread(4), left=True)[..., 0].tolist()  # moved: [[0, 9, 9, 9], [0, 1, 2, 9]]
-        [[9, 9, 9, 0], [9, 0, 1, 2]]
     """
     values, lengths = field.values, field.lengths
     rows = len(lengths)
@@ -148,15 +116,12 @@ def dense(
 
 
 def row_places(lengths: np.ndarray, width: int | None, *, left: bool = False) -> np.ndarray:
-    """``[N]``: the place of each of the rows' values in the row handed out: padded to ``width`` (on the
-    left with ``left``: after the row's padding), or one padding-free row (``width=None``: end to end).
+    """``[N]``: each value's place in its row: padded to ``width`` (on the left with ``left``), or end to end.
 
     Example:
         >>> lengths = np.array([3, 1])
         >>> row_places(lengths, 4).tolist(), row_places(lengths, 4, left=True).tolist()
         ([0, 1, 2, 0], [1, 2, 3, 3])
-        >>> row_places(lengths, None).tolist()
-        [0, 1, 2, 3]
     """
     if width is None:
         return np.arange(int(lengths.sum()), dtype=np.int64)
@@ -169,13 +134,7 @@ def row_places(lengths: np.ndarray, width: int | None, *, left: bool = False) ->
 
 
 def stack_rows(rows: Sequence[Row] | np.ndarray, name: str, names: Names) -> torch.Tensor:
-    """A per-record field's rows stacked as ``[B, ...]`` (one value or vector per record, never padded).
-
-    ``rows`` may be stacked already (a ``[B, ...]`` array, as a column reads): it is copied.
-
-    Raises:
-        ValueError: if the rows differ in shape.
-    """
+    """A per-record field's rows stacked as ``[B, ...]`` (copied, never padded; rows of one shape)."""
     if isinstance(rows, np.ndarray):
         return torch.from_numpy(np.array(rows))
     first = tuple(rows[0].shape)

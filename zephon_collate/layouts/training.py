@@ -1,12 +1,4 @@
-"""TrainingOptions: ``to_training``'s arguments, checked once, and the transform chain they build.
-
-:func:`~zephon_collate.to_training`, :meth:`SampleBatch.to_training
-<zephon_collate.SampleBatch.to_training>` and the :class:`~zephon_collate.Collator`
-take these keyword arguments: their signatures are derived from this class's
-fields (:func:`~zephon_collate.core.checks.keywords`). :meth:`TrainingOptions.chain`
-is the one place that turns the options into transforms; the names a call
-emits and the names an extra field may not take are derived from that chain.
-"""
+"""TrainingOptions: ``to_training``'s arguments, checked once, and the transform chain they build."""
 
 from __future__ import annotations
 
@@ -77,16 +69,9 @@ _FLAGS = (
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingOptions(Keywords):
-    """The keyword arguments of :meth:`SampleBatch.to_training`, validated and normalised.
-
-    Constructing one raises every error that the arguments alone decide (and
-    the ``eos_token_id`` warning) before any payload is read. Instances are
-    hashable values: the collate path caches its plan per option set. The
-    parameters are the reference page's (see ``docs/to_training.md``).
-
-    Raises:
-        TypeError: for an argument of the wrong type, e.g. ``exclude_fields`` given as a str.
-        ValueError: for the argument errors of the reference page.
+    """The keyword arguments of :meth:`SampleBatch.to_training`, validated and normalised (hashable). The
+    parameters are the reference page's (``docs/to_training.md``); every error the arguments alone decide is
+    raised here, before any payload is read.
 
     Warns:
         UserWarning: if ``eos_token_id`` is given with ``eos_mask_loss=False``.
@@ -175,9 +160,6 @@ class TrainingOptions(Keywords):
     def generated_keys(self) -> tuple[str, ...]:
         """Output fields this call generates, which an extra field may not overwrite.
 
-        ``ids``, ``texts`` and ``input_ids``, and every key a step of :meth:`chain`
-        writes without reading it (``labels``, ``cu_seqlens``, ...).
-
         Example:
             >>> TrainingOptions(return_labels=True, return_cu_seqlens=True).generated_keys()
             ('ids', 'texts', 'input_ids', 'labels', 'cu_seqlens', 'max_seqlen')
@@ -194,18 +176,16 @@ class TrainingOptions(Keywords):
         like_labels: Sequence[str] = (),
         unshifted: Sequence[str] = (),
     ) -> list[Transform]:
-        """The transforms these options run on a stacked batch holding ``keys``, in order.
+        """The transforms these options run on a stacked batch holding ``keys``, in order. ``PaddingMask ->
+        BoundaryMask -> TokenShift -> EosMask -> LossMask -> Total -> CuSeqlens -> Positions -> Flatten``,
+        each only when asked for.
 
-        ``PaddingMask -> BoundaryMask -> TokenShift -> EosMask -> LossMask -> Total ->
-        CuSeqlens -> Positions -> Flatten``, each only when asked for. ``boundary_safe`` (the
-        Collator's ``boundary_safe_labels``) adds ``BoundaryMask`` when there are
-        labels and positions; ``num_boundaries`` gives ``CuSeqlens`` a static
-        shape. ``Positions("sequence")`` comes after ``CuSeqlens`` because it
-        overwrites the payload positions that ``CuSeqlens`` reads. ``TokenShift``
-        cuts every per-token field like the inputs (``[:, :-1]``), except the
-        ``loss_mask`` and the keys of ``like_labels`` (token-aligned float fields),
-        which it cuts like the labels (``[:, 1:]``), and the keys of ``unshifted``
-        (one value per record), which it leaves alone.
+        Parameters:
+            keys: the keys of the stacked batch.
+            boundary_safe: add ``BoundaryMask`` when there are labels and positions.
+            num_boundaries: give ``CuSeqlens`` a static shape.
+            like_labels: token-aligned fields ``TokenShift`` cuts like the labels (``[:, 1:]``).
+            unshifted: per-record fields ``TokenShift`` leaves alone.
 
         Example:
             >>> options = TrainingOptions(return_labels=True, return_padding_mask=True)
@@ -274,11 +254,7 @@ def _cached(items: tuple[tuple[str, type, Any], ...]) -> TrainingOptions:
 
 
 def options_for(options: Mapping[str, Any]) -> TrainingOptions:
-    """``TrainingOptions(**options)``, cached when every value is hashable.
-
-    A cached option set warns again on each call that gives ``eos_token_id``
-    without ``eos_mask_loss``, as a fresh one would.
-    """
+    """``TrainingOptions(**options)``, cached when every value is hashable (it still warns each call)."""
     misses = _cached.cache_info().misses
     try:
         # The types belong to the key: 1 == True and 2.0 == 2, but only True and 2 are valid.

@@ -1,38 +1,14 @@
-"""The ``transformers`` layout: Hugging Face examples in, the batch a causal LM takes out.
+"""The ``transformers`` layout: Hugging Face examples in, the batch a causal LM takes out (unshifted labels).
 
-A ``transformers`` causal LM shifts its labels inside ``forward``, so it takes
-*unshifted* labels: a copy of ``input_ids`` with -100 wherever no loss is taken.
-Two layouts:
+Padded (``DataCollatorForSeq2Seq``'s layout) or padding-free (``DataCollatorWithFlattening``'s)::
 
-- **padded** (``padding_free=False``): ``input_ids``, ``attention_mask`` and
-  ``labels``, ``[B, L]`` int64, ``L`` the longest example rounded up to
-  ``pad_to_multiple_of`` (or ``max_length`` with ``padding="max_length"``):
-  what ``DataCollatorForSeq2Seq(tokenizer)`` returns. Padding goes on the
-  tokenizer's ``padding_side``.
-- **padding-free** (``padding_free=True``): the examples one after the other in
-  a single row ``[1, N]``: ``input_ids``, ``labels`` and ``position_ids``, plus
-  ``cu_seq_lens_q/k`` ``[D + 1]`` int32 and ``max_length_q/k`` (ints) with
-  ``return_flash_attn_kwargs``, ``seq_idx`` ``[1, N]`` int32 with
-  ``return_seq_idx``: what ``DataCollatorWithFlattening`` returns with the same
-  switches (and TRL's ``DataCollatorForLanguageModeling(padding_free=True)``)::
+    examples     [a a a] [b b]
+    input_ids    [a a a b b]
+    position_ids [0 1 2 0 1]
+    labels       [- a a - b]             (each document's first label -100)
+    cu_seq_lens  [0 3 5]
 
-      examples   [a a a] [b b]           (one packed TRL row: seq_lengths [3, 2])
-      input_ids  [a a a b b]
-      position_ids [0 1 2 0 1]
-      labels     [- a a - b]             (each document's first label -100)
-      cu_seq_lens [0 3 5]
-
-An example is a dict with ``input_ids`` and, optionally, fields that say what
-is supervised; every one given is applied (a token is supervised where all agree):
-``labels`` (-100 or the token there), ``attention_mask`` (0 on padding before or
-after the tokens, dropped), ``loss_mask``, ``assistant_masks`` / ``assistant_mask``,
-``completion_mask`` (1 where trained); ``seq_lengths`` (TRL's packed rows) or
-restarting ``position_ids`` (several documents in one example, padding-free);
-``token_type_ids`` (padded with 0); the ``float_fields`` named; with ``mrope=``, a
-vision-language example's ``mm_token_type_ids`` and media (:mod:`.vision`: the
-media in document order, padding-free ``position_ids`` ``[4, 1, N]``). A per-example
-``label``, ``decoder_input_ids`` or labels of another length (sequence
-classification, encoder-decoder targets) are refused: this layout is for causal LMs.
+What an example may carry, and the options: ``docs/hugging_face.md``.
 """
 
 from __future__ import annotations
@@ -173,51 +149,29 @@ class TransformersOptions(Keywords):
     """The options of :meth:`Collator.for_transformers <zephon_collate.Collator.for_transformers>`.
 
     Parameters:
-        tokenizer: a ``transformers`` tokenizer, or ``None``; it gives ``pad_token_id``,
-            ``padding_side`` (padded layout) and ``eos_token_id`` where those are not passed.
-        model: accepted for the literal swap of ``DataCollatorForSeq2Seq(tokenizer, model=model)``
-            and not kept: a causal LM changes nothing; an encoder-decoder model is refused.
-        padding_free: put the batch in one row with ``position_ids`` (``DataCollatorWithFlattening``'s
-            layout) instead of padding it (``DataCollatorForSeq2Seq``'s).
+        tokenizer: a ``transformers`` tokenizer, or ``None``: the default pad id, padding side and EOS id.
+        model: accepted for ``DataCollatorForSeq2Seq(tokenizer, model=model)``; an encoder-decoder is refused.
+        padding_free: the batch in one row with ``position_ids`` instead of padded rows.
         pad_token_id: the id padding gets; required for the padded layout.
-        padding: ``True``/``"longest"`` (pad to the longest example), ``"max_length"`` (to
-            ``max_length``: static shapes) or ``False``/``"do_not_pad"`` (examples of one length).
-        max_length: the length of ``padding="max_length"`` rows (rounded up to ``pad_to_multiple_of``),
-            and the cut of ``truncation_mode``; without ``truncation_mode`` a longer example is refused.
-        truncation_mode: cut examples longer than ``max_length`` keeping their first (``"keep_start"``)
-            or last (``"keep_end"``) tokens, as TRL does; an example whose supervised tokens the cut
-            removes entirely is refused.
-        keep_eos: with ``"keep_start"``, an example that ended with ``eos_token_id`` and was cut ends
-            with it again, supervised as the original EOS was.
+        padding: ``True``/``"longest"``, ``"max_length"`` (static shapes) or ``False``/``"do_not_pad"``.
+        max_length: the rows of ``padding="max_length"``, the cut of ``truncation_mode``; else a limit.
+        truncation_mode: cut longer examples keeping their start (``"keep_start"``) or end (``"keep_end"``).
+        keep_eos: with ``"keep_start"``, a cut example that ended with ``eos_token_id`` ends with it again.
         eos_token_id: the EOS id for ``keep_eos`` (default: the tokenizer's).
         pad_to_multiple_of: round the padded length (padding-free: the row's) up to a multiple of this.
         padding_side: ``"right"`` or ``"left"`` (default: the tokenizer's, else right; padded layout).
         label_pad_token_id: the label of padding; unsupervised real tokens always get -100.
         return_tensors: ``"pt"`` (torch tensors) or ``"np"`` (NumPy arrays).
-        boundary_safe_labels: padding-free, make each example's first label ``separator_id`` (-100),
-            so no label predicts the next example's first token.
+        boundary_safe_labels: padding-free, make each example's first label ``separator_id``.
         return_position_ids: emit ``position_ids`` (default: padding-free only).
         return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free).
         return_seq_idx: emit ``seq_idx`` (padding-free).
-        return_sequence_map: emit the sequence map the loss helpers read (padding-free):
-            ``logits_index`` and ``sequence_index`` ``[1, N]`` (-1 on padding) and ``num_sequences``.
+        return_sequence_map: emit ``logits_index``, ``sequence_index`` and ``num_sequences`` (padding-free).
         separator_id: the label of each example's first token padding-free (default -100).
         position_ids_start: the position of each example's first token (default 0).
-        supervision: the field that says what is trained (``"labels"``, ``"loss_mask"``,
-            ``"assistant_masks"``, ...), or ``None``; an example without it is refused, naming
-            ``remove_unused_columns=False``.
-        float_fields: float example fields (names or :class:`~zephon_collate.FloatField` specs): per
-            token ``[B, L]`` (padding-free ``[1, N]``) beside the labels, 0.0 on padding; one value per
-            sequence ``[B]``.
-        mrope: a Qwen-VL model's position rule (:class:`~zephon_collate.layouts.vision.MRope`,
-            ``MRope.from_config(model.config)``): read ``mm_token_type_ids`` and the media
-            (``pixel_values``, ``image_grid_thw``, the video fields), concatenated in document order;
-            padding-free, ``position_ids`` ``[4, 1, N]`` (the text row, then the 3 mRoPE planes).
-            Without it, examples carrying media are refused.
-
-    Raises:
-        TypeError, ValueError: for a value of the wrong type or out of range, or options that
-            contradict each other (naming the fix).
+        supervision: the field that says what is trained (an example without it is refused), or ``None``.
+        float_fields: float example fields (names or :class:`~zephon_collate.FloatField` specs).
+        mrope: a Qwen-VL model's position rule (:class:`~zephon_collate.layouts.vision.MRope`), for media.
     """
 
     OWNER: ClassVar[str] = _OWNER
@@ -320,7 +274,7 @@ class TransformersOptions(Keywords):
     SUPERVISION_MEANS: ClassVar[str] = "supervision must name a field that says what is trained,"
 
     def _check_model(self) -> None:
-        """Refuse an encoder-decoder ``model`` (``DataCollatorForSeq2Seq(tokenizer, model=model)``'s)."""
+        """Refuse an encoder-decoder ``model``."""
         config = getattr(self.model, "config", None)
         if getattr(config, "is_encoder_decoder", False) is True or hasattr(
             self.model, "prepare_decoder_input_ids_from_labels"
@@ -405,7 +359,7 @@ class TransformersOptions(Keywords):
 
     @property
     def positions_out(self) -> bool:
-        """Whether ``position_ids`` is an output (padding-free: by default, as DataCollatorWithFlattening)."""
+        """Whether ``position_ids`` is an output (padding-free: by default)."""
         return self.padding_free if self.return_position_ids is None else self.return_position_ids
 
     @functools.cached_property
@@ -460,18 +414,16 @@ class Transformers(Layout):
 
     @property
     def positions_key(self) -> str:
-        """Where the stacked positions live: ``position_ids`` when they are an output, else internal."""
+        """Where the stacked positions live: ``position_ids`` when an output, else internal."""
         return POSITION_IDS if self.options.positions_out else POSITIONS
 
     # -- the chain ---------------------------------------------------------------------------------
 
     def chain(self, keys: Sequence[str]) -> list[Transform]:
-        """The built-in transforms for a stacked batch holding ``keys``.
-
-        Padded: ``PaddingMask -> AttentionMask -> UnshiftedLabels -> LossMask`` (then ``LeftPadding``
-        for left padding). Padding-free: ``BoundaryMask -> UnshiftedLabels -> LossMask ->
-        SeparatorLabels -> CuSeqlens -> CopyKeys -> SegmentIds -> PositionOffset``, each as asked for.
-        """
+        """The built-in transforms for a stacked batch holding ``keys``. Padded: ``PaddingMask ->
+        AttentionMask -> UnshiftedLabels -> LossMask`` (then ``LeftPadding``). Padding-free: ``BoundaryMask ->
+        UnshiftedLabels -> LossMask -> SeparatorLabels -> CuSeqlens -> CopyKeys -> SegmentIds ->
+        PositionOffset``, each as asked for."""
         options = self.options
         positions = self.positions_key
         steps: list[Transform] = []
@@ -518,17 +470,13 @@ class Transformers(Layout):
         return tuple(spec.name for spec in self.options.floats if spec.per_token)
 
     def _fills(self, pad_token_id: int) -> dict[str, int | float | Spread]:
-        """What padding holds, field by field (0 where not named): the pad id, each value field's fill."""
+        """What padding holds, field by field (0 where not named)."""
         return {INPUT_IDS: pad_token_id, **{spec.name: spec.fill for spec in self.options.floats}}
 
     # -- reading -------------------------------------------------------------------------------------
 
     def lay_out(self, batch: Batch) -> list[Stacked]:
-        """Read, check and lay the examples out (see the module doc).
-
-        Raises:
-            TypeError, ValueError: for a bad example, naming it, the field and the fix.
-        """
+        """Read, check and lay the examples out (every error naming the example, the field and the fix)."""
         read = read_examples(batch, self.examples)
         fields, segments, per_sequence = read.fields, read.segments, read.per_sequence
         mrope = self.options.mrope
@@ -572,8 +520,7 @@ class Transformers(Layout):
         names: Names,
         media: Media | None = None,
     ) -> Stacked:
-        """The read fields to the chain's input: supervision, padding dropped, truncation, rows (and a
-        vision-language batch's media, in document order, with its mRoPE planes)."""
+        """The read fields to the chain's input: supervision, padding dropped, truncation, rows, media."""
         options = self.options
         per_token: dict[str, Ragged] = {INPUT_IDS: fields[INPUT_IDS], LOSS_MASK: supervision(fields, names)}
         for name in (TOKEN_TYPE_IDS, MM_TOKEN_TYPE_IDS):
@@ -632,7 +579,7 @@ class Transformers(Layout):
         return stacked
 
     def _truncated(self, per_token: dict[str, Ragged], names: Names) -> dict[str, Ragged]:
-        """Each example cut to ``max_length`` tokens (keep its start or its end); see the options."""
+        """Each example cut to ``max_length`` tokens (keep its start or its end)."""
         options = self.options
         limit = options.max_length
         assert limit is not None
@@ -666,8 +613,7 @@ class Transformers(Layout):
         return cut
 
     def _check_no_image_cut(self, types: Ragged, keep: np.ndarray, names: Names) -> None:
-        """Refuse a ``max_length`` cut that removes vision placeholders (part of an image, or all of it):
-        the model would read an image whose tokens are gone."""
+        """Refuse a ``max_length`` cut that removes vision placeholder tokens."""
         lost = ~keep & (types.host != 0)
         if not lost.any():
             return
@@ -684,9 +630,7 @@ class Transformers(Layout):
         )
 
     def _put_back_eos(self, per_token: dict[str, Ragged], cut: dict[str, Ragged]) -> None:
-        """A cut example that ended in EOS ends in EOS again, with the EOS's own values in every
-        per-token field (its supervision, its floats; a label-aligned float also keeps the prediction
-        of the EOS, one token before). Positions keep counting."""
+        """A cut example that ended in EOS ends in EOS again, with the EOS's own values."""
         tokens, limit, eos = per_token[INPUT_IDS], self.options.max_length, self.options.eos_token_id
         ends = tokens.offsets[1:] - 1
         rows = np.flatnonzero((tokens.lengths > limit) & (tokens.host[np.maximum(ends, 0)] == eos))
@@ -704,8 +648,7 @@ class Transformers(Layout):
             cut[name] = Ragged(values, field.offsets)
 
     def _check_max_length(self, lengths: np.ndarray, limit: int, names: Names) -> None:
-        """Refuse an example longer than ``limit``: ``max_length`` without ``truncation_mode`` is a limit,
-        never ignored (with ``padding='max_length'``, the padded row length)."""
+        """Refuse an example longer than ``limit`` (``max_length`` is never ignored)."""
         longer = np.flatnonzero(lengths > limit)
         if longer.size:
             index = int(longer[0])
@@ -741,8 +684,7 @@ class Transformers(Layout):
         return Stacked(data)
 
     def flat(self, per_token: dict[str, Ragged]) -> Stacked:
-        """One row ``[1, N]`` (padded to ``pad_to_multiple_of``; each pad token a segment of its own, its
-        position 0, as TRL writes them)."""
+        """One row ``[1, N]``, padded to ``pad_to_multiple_of`` (each pad token a segment of its own)."""
         total = int(per_token[INPUT_IDS].values.shape[0])
         if not total:
             raise ValueError(
@@ -764,8 +706,7 @@ class Transformers(Layout):
 
 
 def _positions(fields: dict[str, Ragged], segments: Ragged | None, names: Names) -> Ragged | None:
-    """Segment-restarting positions from ``seq_lengths`` (each example's document lengths, end to end)
-    or ``position_ids``, or ``None`` (one document per example)."""
+    """Segment-restarting positions from ``seq_lengths`` or ``position_ids``, or ``None``."""
     tokens = fields[INPUT_IDS]
     if segments is not None:
         sizes = np.asarray(segments.values).astype(np.int64, copy=False)
@@ -800,14 +741,14 @@ def _positions(fields: dict[str, Ragged], segments: Ragged | None, names: Names)
 
 
 def _starts(per_token: dict[str, Ragged]) -> np.ndarray:
-    """``[N]`` booleans: each example's first token and each packed document's (the segment rule)."""
+    """``[N]`` booleans: each example's first token and each packed document's."""
     offsets = per_token[INPUT_IDS].offsets
     positions = per_token.get(POSITIONS, per_token.get(POSITION_IDS))
     return host.ragged_starts(offsets, None if positions is None else positions.host)
 
 
 def _check_one_document(positions: Ragged, names: Names) -> None:
-    """Padded rows must hold one document each: packed rows would attend across their documents."""
+    """Padded rows must hold one document each (packed rows would attend across them)."""
     inner = np.flatnonzero(host.ragged_starts(positions.offsets, positions.host))
     inner = inner[~np.isin(inner, positions.offsets)]  # a start that is not its example's first token
     if inner.size:
@@ -820,10 +761,8 @@ def _check_one_document(positions: Ragged, names: Names) -> None:
 
 
 def _sequence_map(per_token: dict[str, Ragged]) -> dict[str, Ragged]:
-    """The sequence map of a padding-free row (``return_sequence_map``), each value + 1 so that the
-    row's padding, filled with 0, reads -1: ``logits_index`` (the place of the token that predicts each
-    one; none at a sequence's first token) and ``sequence_index`` (each token's sequence). An empty
-    example is a sequence without tokens: it keeps its number, as in a padded batch."""
+    """A padding-free row's sequence map (``return_sequence_map``): ``logits_index``, ``sequence_index``. Each
+    value is stored + 1, so the row's padding, filled with 0, reads -1."""
     starts = _starts(per_token)
     offsets = per_token[INPUT_IDS].offsets
     lengths = np.diff(offsets)

@@ -1,17 +1,4 @@
-"""The post-training layout: a forest of sequences to a ``transformers`` batch, every path exact.
-
-Every post-training preset reads its examples into a :class:`~zephon_collate.read.forest.Forest`
-(its read adapter, :mod:`zephon_collate.read.formats`), and this one layout lays it out:
-unshared, every sequence is a document of its own; with ``shared_prompt``, consecutive
-sequences with one prompt share it (one level); a tree batch shares every common
-prefix. Each document (tree) is a row of a padded batch ``[D, L]``, or they lie end
-to end in one padding-free row ``[1, N]``. The batch carries the ``transformers``
-keys (labels unshifted, -100 where no loss is taken) and the map that makes every
-loss exact (:mod:`zephon_collate.losses`): ``document_ids``, ``branch_ids``,
-``logits_index``, ``sequence_index`` and ``num_sequences``; a tree batch also its
-``subtree_end`` (the attention) and its paths (``path_index``, ``path_offsets``).
-The narrative, with drawings: ``docs/post_training.md`` and ``docs/trees.md``.
-"""
+"""The post-training layout: a forest of sequences to a ``transformers`` batch (docs/post_training.md)."""
 
 from __future__ import annotations
 
@@ -103,14 +90,8 @@ class TreeOptions(Keywords):
         return_position_ids: emit ``position_ids`` (default: padding-free or shared, where needed).
         return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free, unshared).
         return_seq_idx: emit ``seq_idx`` (padding-free, unshared).
-        max_row_tokens: lay the documents (trees) best fit into rows of this many tokens, ``"longest"``:
-            as many as the longest document has (a dense mask's cost is a row's width squared); ``None``:
-            one row (padding-free) or a row each (padded).
-        oversized: a document wider than ``max_row_tokens``: ``"refuse"`` it, naming an example, or
-            ``"split"`` it at node boundaries, each part behind a copy of the path above it.
-
-    Raises:
-        TypeError, ValueError: for a value of the wrong type, or options that do not fit each other.
+        max_row_tokens: best fit the documents into rows this wide (``"longest"``: the longest), or ``None``.
+        oversized: a document wider than ``max_row_tokens``: ``"refuse"`` it or ``"split"`` it at its nodes.
     """
 
     OWNER: ClassVar[str] = "Collator.for_transformers"
@@ -180,7 +161,7 @@ class TreeOptions(Keywords):
 
     @property
     def within_groups(self) -> bool:
-        """Share prefixes within each group of sequences only (``Forest.groups``), not across the batch."""
+        """Share prefixes within each group of sequences only, not across the batch."""
         return True
 
     @property
@@ -309,11 +290,7 @@ class Trees(Layout):
     # -- the layout --------------------------------------------------------------------------------
 
     def lay_out(self, batch: Batch) -> list[Stacked]:
-        """Read the examples into a forest (the preset's adapter), share its prefixes, lay it out.
-
-        Raises:
-            TypeError, ValueError: for a bad example, naming it, the field and the fix.
-        """
+        """Read the examples into a forest (the preset's adapter), share its prefixes, lay it out."""
         forest = self.fitted(self.shared(self.options.read(batch)), batch.names)
         return [self.stacked(forest, lay_out(forest), batch.names)]
 
@@ -333,13 +310,7 @@ class Trees(Layout):
         return copy_openers(forest) if options.copied_openers else forest
 
     def fitted(self, forest: Forest, names: Names) -> Forest:
-        """``forest`` with every tree within ``max_row_tokens``: split at node boundaries (``oversized=
-        "split"``), or refused.
-
-        Raises:
-            ValueError: naming an example of a tree wider than a row (or, split, of a node whose path
-                alone is), and the fix.
-        """
+        """``forest`` with every tree within ``max_row_tokens``: split at its nodes, or refused by name."""
         width = self.options.max_row_tokens
         if not isinstance(width, int):
             return forest
@@ -374,8 +345,7 @@ class Trees(Layout):
         raise ValueError(f"{names(source)}: {what}, more than max_row_tokens={width}; {fix}")
 
     def stacked(self, forest: Forest, laid: Laid, names: Names) -> Stacked:
-        """The laid-out forest as the chain's input: its documents in rows, every per-token field (the map's
-        places counted in its row), the per-sequence values and roles."""
+        """The laid-out forest as the chain's input: its documents in rows, per-token and per-sequence."""
         options = self.options
         documents = laid.documents
         lengths = np.diff(documents)
@@ -434,8 +404,7 @@ class Trees(Layout):
         return stacked
 
     def _placed(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, int | None]:
-        """Each document's row and its start there, and the rows' width (``None``: the longest's): a row
-        each (padded), end to end in one (padding-free), or best fit into rows of ``max_row_tokens``."""
+        """Each document's row and its start there, and the rows' width (``None``: the longest's)."""
         count = lengths.size
         fixed = self.options.max_row_tokens
         if fixed == "longest":
@@ -456,8 +425,7 @@ class Trees(Layout):
     def _rows(
         self, per_token: dict[str, Ragged], specs: Mapping[str, TensorField], width: int | None
     ) -> Stacked:
-        """The rows stacked ``[rows, width]``: ``width`` given, the longest row's (padded), or the one row's
-        (padding-free), rounded up to ``pad_to_multiple_of``."""
+        """The rows stacked ``[rows, width]``, rounded up to ``pad_to_multiple_of``."""
         rows = self.rows
         fills: dict[str, int | float | Spread] = {INPUT_IDS: rows.pad_token_id or 0}
         fills.update((name, spec.fill) for name, spec in specs.items())
@@ -492,8 +460,7 @@ def _ancestors(forest: Forest, node: int) -> list[int]:
 
 
 def _per_sequence(forest: Forest, names: Sequence[str]) -> Forest:
-    """``forest`` (sequences given whole) with the value fields ``names`` moved to ``per_sequence``: each
-    sequence's value, read on its first token (0 for a sequence without tokens)."""
+    """``forest`` with the value fields ``names`` moved to ``per_sequence`` (read on each first token)."""
     values = dict(forest.values)
     per_sequence = dict(forest.per_sequence)
     first = forest.tokens.offsets[np.maximum(forest.ends, 0)]
@@ -508,7 +475,7 @@ def _per_sequence(forest: Forest, names: Sequence[str]) -> Forest:
 
 
 def _broadcast(values: np.ndarray, laid: Laid, fill: int | float | Spread) -> np.ndarray:
-    """``[N]``: each token's sequences' value (one per sequence), where they agree; else ``fill``."""
+    """``[N]``: each token's sequences' value, where they agree; else ``fill``."""
     count = laid.position.size
     entry_sequence = np.repeat(np.arange(laid.path_offsets.size - 1), np.diff(laid.path_offsets))
     low = np.full(count, np.inf)

@@ -1,32 +1,4 @@
-"""Vision-language examples: their media read as fields of their document, and mRoPE positions.
-
-A Qwen-VL example (as its processor writes it) holds its tokens, with a run of
-placeholder tokens per image (or video frame group), ``mm_token_type_ids``
-(0 text, 1 image, 2 video, per token), and its media: ``pixel_values``
-``[patches, dim]`` with ``image_grid_thw`` ``[images, 3]``, and
-``pixel_values_videos`` with ``video_grid_thw`` (and Qwen2.5-VL's
-``second_per_grid_ts``). Packed padding-free, the media of the documents are
-concatenated in document order, and the positions are the model's 3-D mRoPE,
-computed per document and laid end to end::
-
-    tokens        t t [i i i i] t t | t [i i i i i i] t       two documents, one image each
-    text row      0 1  2 3 4 5  6 7 | 0  1 2 3 4 5 6  7       restarts per document: the boundaries
-    mRoPE t       0 1  2 2 2 2  4 5 | 0  1 1 1 1 1 1  4       each document's own rule, from 0
-    mRoPE h       0 1  2 2 3 3  4 5 | 0  1 1 1 2 2 2  4
-    mRoPE w       0 1  2 3 2 3  4 5 | 0  1 2 3 1 2 3  4
-    position_ids  [4, 1, N]: the text row, then t, h, w (transformers reads the text row for the packed
-                  attention mask, and rotates with t, h, w)
-
-The rule is the one Qwen2-VL, Qwen2.5-VL and Qwen3-VL's ``get_rope_index``
-follow: runs of one ``mm_token_type_ids`` value; a text run counts on from
-where the document stands on all three planes; a vision run of grid
-``(t, h, w)`` (``h``, ``w`` merged by ``spatial_merge_size``) puts its patch
-``(ti, hi, wi)`` at ``start + (floor(ti * interval), hi, wi)`` and moves the
-document on by ``max(h, w)``. ``interval`` is 1 for images and Qwen2-VL's
-videos, ``tokens_per_second * second_per_grid_ts`` for Qwen2.5-VL's videos;
-Qwen3-VL splits each video into its frames, each a run of its own. Every
-check is against the model's own ``get_rope_index`` (``tests/test_vision.py``).
-"""
+"""Vision-language media, read as fields of their document, and mRoPE positions (docs/vision_language.md)."""
 
 from __future__ import annotations
 
@@ -82,27 +54,15 @@ _FAMILIES: dict[str, VideoTime] = {
 
 @dataclass(frozen=True)
 class MRope:
-    """The mRoPE rule of a Qwen-VL model (see the module doc), or a hook for another model's.
+    """The mRoPE rule of a Qwen-VL model, or a hook for another model's.
 
     Parameters:
         spatial_merge_size: patches merged per side into one token (``vision_config.spatial_merge_size``).
         video_time: ``"index"`` (Qwen2-VL), ``"seconds"`` (Qwen2.5-VL) or ``"frames"`` (Qwen3-VL).
         tokens_per_second: Qwen2.5-VL's ``vision_config.tokens_per_second`` (``"seconds"`` only).
-        rule: another model's rule, run on each document (see :data:`Rule`); the built-in rule when
-            ``None``.
-        dummy_image: ``(image_token_id, pixel_width)``: a padding-free batch without any image or video
-            gets one more document, a single-token image of zeros (grid ``(1, merge, merge)``), never
-            trained and attending to nothing else, so that the vision tower runs on every rank (FSDP
-            gathers its weights in step on every rank; a rank skipping it hangs the others).
-            ``MRope.from_config(config, dummy_image=True)`` reads both from the config.
-        vision_cu_seqlens: also emit ``image_cu_seqlens`` / ``video_cu_seqlens`` ``[frames + 1]``
-            int32, the vision tower's varlen attention boundaries from the grids (each frame of
-            ``h * w`` patches a segment, as the Qwen vision towers attend), for a tower run with
-            flash-attn's varlen kernels outside transformers.
-
-    Raises:
-        TypeError, ValueError: for a merge size that is not an int >= 1, an unknown ``video_time``,
-            a ``tokens_per_second`` that is not a positive number, or a ``rule`` that is not callable.
+        rule: another model's rule, run on each document (:data:`Rule`); ``None``: the built-in one.
+        dummy_image: ``(image_token_id, pixel_width)``: a one-token image for batches without media (FSDP).
+        vision_cu_seqlens: also emit ``image_cu_seqlens`` / ``video_cu_seqlens`` (each frame a segment).
 
     Example:
         >>> MRope(spatial_merge_size=2, video_time="seconds", tokens_per_second=2.0).video_time
@@ -141,12 +101,8 @@ class MRope:
 
     @classmethod
     def from_config(cls, config: Any, *, dummy_image: bool = False) -> MRope:
-        """The rule of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL config (``model.config``); with
-        ``dummy_image``, the dummy image of text-only batches (see the parameters).
-
-        Raises:
-            ValueError: for another ``model_type`` (give ``MRope(rule=...)``).
-        """
+        """The rule of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL ``model.config`` (and its ``dummy_image``); for
+        another ``model_type``, ``ValueError`` (give ``MRope(rule=...)``)."""
         kind = getattr(config, "model_type", None)
         if kind not in _FAMILIES:
             raise ValueError(
@@ -164,8 +120,7 @@ class MRope:
 
 @dataclass(frozen=True)
 class Media:
-    """A batch's media, per example: pixels ``[patches, dim]``, grids ``[n, 3]`` and seconds ``[videos]``
-    (an example without one: an empty array), by modality (1 image, 2 video)."""
+    """A batch's media per example, by modality (1 image, 2 video): pixels, grids and seconds."""
 
     pixels: Mapping[int, list[np.ndarray]]
     grids: Mapping[int, list[np.ndarray]]
@@ -177,10 +132,8 @@ class Media:
         return not any(grid.shape[0] for modality in (1, 2) for grid in self.grids[modality])
 
     def joined(self, cu_seqlens: bool = False) -> dict[str, np.ndarray]:
-        """The media fields, each example's end to end in document order (only those some example has),
-        with each example's count (``image_counts``: its rows of ``image_grid_thw``); with ``cu_seqlens``,
-        each modality's vision attention boundaries (``image_cu_seqlens``: one segment of ``h * w``
-        patches per frame)."""
+        """The media fields, each example's end to end in document order, with each example's count. With
+        ``cu_seqlens``, each modality's vision attention boundaries too (one segment per frame)."""
         out: dict[str, np.ndarray] = {}
         for modality in (1, 2):
             if any(grid.shape[0] for grid in self.grids[modality]):
@@ -200,11 +153,7 @@ class Media:
 def with_dummy_image(
     fields: dict[str, Ragged], fills: Mapping[str, int | float | Spread], media: Media, mrope: MRope
 ) -> tuple[dict[str, Ragged], Media]:
-    """``fields`` and ``media`` with one more document: a single-token image of zeros (see
-    :class:`MRope`'s ``dummy_image``). Its token is the image token, of type 1; every other field
-    holds ``fills[name]`` there (0 where not named; a :class:`~zephon_collate.read.columns.Spread`
-    numbered by the token's place at the end of the padding-free row: after every token of the
-    examples but those their ``attention_mask`` drops).
+    """``fields`` and ``media`` with one more document: a single-token image of zeros (``MRope.dummy_image``).
 
     Example:
         >>> from zephon_collate.read.columns import concat
@@ -236,12 +185,7 @@ def with_dummy_image(
 
 
 def read_media(batch: Batch, names: Names, mrope: MRope) -> Media:
-    """Each example's media, checked: grids ``[n, 3]`` of positive ints whose ``h`` and ``w`` the merge
-    size divides, pixels of one row per patch (``t * h * w`` per grid) and one width across the batch.
-
-    Raises:
-        TypeError, ValueError: naming the example, the field and the fix.
-    """
+    """Each example's media, checked (grids, pixels per patch, one width across the batch)."""
     rows = batch.rows
     pixels: dict[int, list[np.ndarray]] = {}
     grids: dict[int, list[np.ndarray]] = {}
@@ -295,8 +239,7 @@ def mrope_positions(tokens: Ragged, types: Ragged, media: Media, mrope: MRope, n
     """``[N, 3]`` int64: each token's (t, h, w) position, every document from 0 (see the module doc).
 
     Raises:
-        ValueError: for a type that is not 0, 1 or 2, a document whose vision runs and grids disagree in
-            number or in size (a placeholder run cut, an image missing its tokens), naming the example.
+        ValueError: for a type not 0, 1 or 2, or vision runs and grids that disagree, naming the example.
 
     Example:
         >>> from zephon_collate.read.columns import concat
@@ -369,8 +312,7 @@ def mrope_positions(tokens: Ragged, types: Ragged, media: Media, mrope: MRope, n
 def _run_grids(
     run_kind: np.ndarray, run_doc: np.ndarray, media: Media, mrope: MRope, names: Names
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Each run's grid ``[runs, 3]`` (text runs: ones) and time interval ``[runs]`` (float32): the
-    document's grids of that modality in order, one per run, their count checked."""
+    """Each run's grid ``[runs, 3]`` (text runs: ones) and time interval ``[runs]``, counts checked."""
     grid = np.ones((run_kind.size, 3), dtype=np.int64)
     interval = np.ones(run_kind.size, dtype=np.float32)
     documents = len(media.seconds)

@@ -1,12 +1,7 @@
 """Losses that stay exact under packing, gradient accumulation and data-parallel ranks.
 
-:mod:`~zephon_collate.losses.sequences` reads a batch's sequences (token and
-sequence log-probs, ``unpack``, the loss aggregation of verl's modes and TRL's loss types);
-:mod:`~zephon_collate.losses.preference` is the DPO family on the sequences'
-log-probs; :mod:`~zephon_collate.losses.policy` the clipped policy losses,
-GSPO's sequence ratios and the KL estimators on token-aligned log-probs;
-:mod:`~zephon_collate.losses.distill` distillation from a teacher's top-k (TRL GKD's
-generalised JSD on its support).
+Sequence log-probs and loss aggregation (``sequences``), the DPO family (``preference``), policy
+losses and KL estimators (``policy``), top-k distillation (``distill``).
 """
 
 from zephon_collate.losses.distill import distillation_loss

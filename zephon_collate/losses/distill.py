@@ -1,19 +1,7 @@
 """Knowledge distillation from a teacher's top-k log-probs: TRL GKD's generalised JSD on their support.
 
-A distillation batch carries, for every position, the teacher's ``K`` most likely token ids
-``teacher_ids`` ``[..., L, K]`` and their log-probs ``teacher_logprobs`` ``[..., L, K]``; a position
-with fewer than ``K`` (ragged top-k) or no teacher at all fills the rest with id 0 and log-prob
-``-inf``. :func:`distillation_loss` restricts the student's distribution to the same ids, renormalises
-both over the entries present and takes TRL GKD's ``generalized_jsd_loss`` between them::
-
-    loss = distillation_loss(logits, batch["teacher_ids"], batch["teacher_logprobs"], batch["labels"])
-
-The fields and ``labels`` must be aligned with the logits by the caller: ``teacher_*[..., t, :]`` and
-``labels[..., t]`` belong to the prediction at ``logits[..., t, :]``. For a batch whose fields are
-aligned with ``input_ids`` (unshifted), pass ``logits[..., :-1, :]`` with ``teacher_ids[..., 1:, :]``,
-``teacher_logprobs[..., 1:, :]`` and ``labels[..., 1:]``. With ``K = V`` (every id present) the loss is
-TRL 1.16's ``GKDTrainer.generalized_jsd_loss`` on the full distributions; ``tests/test_distill_loss.py``
-checks it against that function side by side.
+``teacher_ids`` and ``teacher_logprobs`` ``[..., L, K]`` (absent entries: id 0, log-prob ``-inf``) and
+``labels`` must be aligned with the logits: ``teacher_*[..., t, :]`` goes with ``logits[..., t, :]``.
 """
 
 from __future__ import annotations
@@ -51,41 +39,23 @@ def distillation_loss(
 ) -> torch.Tensor:
     """TRL GKD's generalised Jensen-Shannon divergence between teacher and student on the teacher's top-k.
 
-    At each position, ``q = softmax(gather(student_logits / T, ids))`` and
-    ``p = softmax(teacher_logprobs / T)``, both over the entries present (log-prob ``> -inf``; absent ones
-    have probability 0 in both and contribute exactly 0, value and gradient). The per-token loss is
-    ``KL(p || q)`` for ``beta = 0`` (forward KL), ``KL(q || p)`` for ``beta = 1`` (reverse KL), else
-    ``beta KL(p || m) + (1 - beta) KL(q || m)`` with ``log m = logsumexp(log q + log(1 - beta),
-    log p + log(beta))``: TRL's ``generalized_jsd_loss`` (its beta convention and temperature), which
-    it equals when every position holds all ``V`` ids. Computed in ``student_logits``' dtype, at least
-    float32; the gradient flows to ``student_logits`` (and ``teacher_logprobs`` if it requires one).
-    Duplicate ids within a position are refused; ``-inf`` entries may hold any id in ``[0, V)``. Under
-    ``torch.compile`` the value checks are skipped: duplicates are then the caller's to avoid, and a
-    trained position without entries adds 0 (and counts in ``"batchmean"``'s denominator).
+    Both distributions are restricted to the ids present (log-prob ``> -inf``) and renormalised there;
+    absent entries add exactly 0 to the value and the gradient. Under ``torch.compile`` the value checks
+    (duplicate ids, a trained position without entries) are skipped.
 
     Parameters:
-        student_logits: ``[..., L, V]`` floating logits, aligned with the other arguments (module docs).
-        teacher_ids: ``[..., L, K]`` integer token ids in ``[0, V)``.
-        teacher_logprobs: ``[..., L, K]`` floating log-probs of ``teacher_ids``, ``-inf`` where absent;
-            need not be normalised (each position is renormalised over its entries).
-        labels: ``[..., L]`` integer labels, ``ignore_index`` where not trained, or a bool mask (True:
-            trained).
-        beta: in ``[0, 1]``, TRL's ``GKDConfig.beta``.
+        student_logits: ``[..., L, V]`` floating logits, aligned with the other arguments.
+        teacher_ids: ``[..., L, K]`` integer token ids in ``[0, V)``, distinct within a position.
+        teacher_logprobs: ``[..., L, K]`` log-probs of ``teacher_ids``, ``-inf`` where absent.
+        labels: ``[..., L]`` integer labels (``ignore_index`` where not trained), or a bool mask.
+        beta: in ``[0, 1]``, TRL's ``GKDConfig.beta`` (0: forward KL, 1: reverse KL).
         temperature: ``> 0``, divides both logits as in TRL.
         ignore_index: the label of positions not trained.
-        reduction: ``"batchmean"``: the sum over trained tokens divided by their number (TRL with
-            labels; 0 when none); ``"sum"``; ``"mean"``: the sum divided by ``n_trained * V``, TRL's
-            mean over its ``[n_trained, V]`` elements; ``"none"``: the per-token loss ``[..., L]``, 0 where
-            not trained.
+        reduction: ``"batchmean"`` (over trained tokens), ``"sum"``, ``"mean"`` (over
+            ``n_trained * V``, TRL's) or ``"none"`` (``[..., L]``, 0 where not trained).
 
     Returns:
         A scalar, or ``[..., L]`` for ``reduction="none"``.
-
-    Raises:
-        TypeError: a tensor of the wrong dtype.
-        ValueError: mismatched shapes, ``beta``, ``temperature`` or ``reduction`` out of range, and,
-            outside ``torch.compile`` (one device sync), ids outside ``[0, V)``, duplicate ids, a NaN or
-            ``+inf`` log-prob, or a trained position without any entry present.
 
     Example:
         >>> logits = torch.tensor([[1.0, 1.0, 5.0]])  # V = 3, L = 1; id 2 is not in the teacher's top-2

@@ -1,24 +1,7 @@
-"""Policy-gradient losses and KL estimators on token-aligned log-probs, in any layout.
+"""Policy-gradient losses and KL estimators on token-aligned ``[R, L]`` log-probs, in any layout.
 
-Every tensor is ``[R, L]`` and token-aligned, as
-:func:`~zephon_collate.losses.token_logprobs` returns the policy's log-probs and
-a rollout batch carries a behaviour policy's (a ``FloatField``, ``align="token"``):
-value ``t`` belongs to token ``t``. The per-token losses go to
-:func:`~zephon_collate.losses.aggregate_loss`, which masks them and divides
-them as verl's ``loss_agg_mode`` or TRL's ``loss_type`` says (its docstring has the
-table; here TRL's ``"grpo"`` over ``n`` micro-batches a step)::
-
-    ratio = importance_ratio(logps, batch["old_logprobs"], batch, level="sequence")  # GSPO
-    per_token = clipped_policy_loss(ratio, batch["advantage"], clip=0.2, clip_high=0.28)
-    per_token = per_token + beta * kl_penalty(logps, batch["ref_logprobs"], "k3", ratio=ratio)
-    loss = aggregate_loss(per_token, batch, mode="seq-mean-token-mean", empty="count", accumulation_steps=n)
-
-The definitions are TRL 1.16's GRPO (``importance_sampling_level``,
-``epsilon``/``epsilon_high``, ``delta``, the k3 estimator and
-``use_bias_correction_kl``) and verl 0.10's (``clip_ratio_c`` dual clipping,
-``kl_penalty``'s estimators); ``tests/test_policy_losses.py`` checks them against
-``GRPOTrainer``'s loss on the same rollouts, in one micro-batch and in two with an all-masked
-completion.
+TRL 1.16's GRPO and verl 0.10's definitions; the per-token losses go to
+:func:`~zephon_collate.losses.aggregate_loss`.
 """
 
 from __future__ import annotations
@@ -34,8 +17,7 @@ from zephon_collate.losses.sequences import sequence_means
 __all__ = ["KL_ESTIMATORS", "clipped_policy_loss", "importance_ratio", "kl_penalty"]
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k2+", "k3+")
-"""verl's ``kl_penalty`` estimators (``kl``/``k1``, ``mse``/``k2``, ``low_var_kl``/``k3``, ``abs``; ``+``:
-the value of the estimator with the gradient of ``k2``). verl's other names are read as these."""
+"""verl's ``kl_penalty`` estimators (``+``: the estimator's value with ``k2``'s gradient)."""
 _ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "kl+": "k1+", "mse+": "k2+", "low_var_kl+": "k3+"}
 
 
@@ -46,9 +28,9 @@ def importance_ratio(
     *,
     level: Literal["token", "sequence"] = "token",
 ) -> torch.Tensor:
-    """``pi / pi_old`` per token ``[R, L]``: ``exp(logps - old_logps)`` (``"token"``), or each sequence's
-    ``exp(mean of its supervised tokens' log ratios)`` on all of its tokens (``"sequence"``: GSPO, TRL's
-    ``importance_sampling_level="sequence"``). Sequences come from the batch's map, never its rows.
+    """``pi / pi_old`` per token ``[R, L]``: per token (``"token"``), or GSPO's per sequence (``"sequence"``).
+
+    ``"sequence"`` puts ``exp(mean of the sequence's supervised log ratios)`` on all of its tokens.
 
     Example:
         >>> from zephon_collate import Collator
@@ -83,10 +65,14 @@ def clipped_policy_loss(
 ) -> torch.Tensor:
     """PPO's clipped surrogate per token: ``-min(r A, clamp(r, 1 - clip, 1 + clip_high) A)``.
 
-    ``clip_high`` defaults to ``clip`` (TRL's ``epsilon_high``); ``max_ratio`` caps the unclipped ratio
-    (TRL's ``delta``, two-sided clipping); ``dual_clip`` bounds the loss of a negative advantage by
-    ``-dual_clip * A`` (verl's ``clip_ratio_c``, 3.0 there). ``advantages``: ``[R, L]`` or anything that
-    broadcasts to it (one per token, as a ``FloatField(..., broadcast=True)`` writes them).
+    Parameters:
+        ratio: ``[R, L]`` importance ratios (:func:`importance_ratio`).
+        advantages: ``[R, L]``, or anything that broadcasts to it.
+        clip: the lower clip range (TRL's ``epsilon``).
+        clip_high: the upper clip range (TRL's ``epsilon_high``; default ``clip``).
+        max_ratio: a cap on the unclipped ratio (TRL's ``delta``).
+        dual_clip: ``> 1``, bounds a negative advantage's loss by ``-dual_clip * A`` (verl's
+            ``clip_ratio_c``).
 
     Example:
         >>> ratio = torch.tensor([[1.5, 0.5, 5.0]])
@@ -119,12 +105,12 @@ def kl_penalty(
 ) -> torch.Tensor:
     """A per-token estimate of ``KL(pi || pi_ref)`` from the sampled tokens' log-probs.
 
-    ``k1``: ``logps - ref``; ``abs``: ``|logps - ref|``; ``k2``: ``(logps - ref)² / 2``; ``k3``:
-    ``exp(ref - logps) - (ref - logps) - 1`` (TRL's GRPO, verl's ``low_var_kl``); a ``+`` estimator has
-    its value and ``k2``'s gradient (verl's straight-through form). ``ratio``: the importance ratio
-    (:func:`importance_ratio`) that corrects for sampling from the old policy, TRL's
-    ``use_bias_correction_kl`` (default on there). ``clamp``: verl's bounds on ``k3`` (its log ratio to
-    ±20, the estimate to ±10); TRL has none.
+    Parameters:
+        logps, ref_logps: ``[R, L]`` log-probs of the policy and the reference.
+        estimator: ``k1`` (``logps - ref``), ``abs``, ``k2`` (``(logps - ref)² / 2``), ``k3`` (TRL's,
+            verl's ``low_var_kl``), a ``+`` form (:data:`KL_ESTIMATORS`) or verl's names.
+        ratio: the importance ratio to weight by (TRL's ``use_bias_correction_kl``).
+        clamp: verl's bounds on ``k3`` (log ratio to ±20, the estimate to ±10).
 
     Example:
         >>> logps, ref = torch.tensor([-1.0]), torch.tensor([-2.0])

@@ -1,38 +1,6 @@
-"""The DPO family of preference losses, on per-sequence log-probs from any layout.
+"""The DPO family of preference losses (TRL 1.16's ``loss_type`` s), on per-sequence log-probs.
 
-Each loss reads four ``[P]`` tensors, the summed log-probs of the chosen and
-rejected responses under the policy and the reference
-(:func:`~zephon_collate.losses.sequence_logprobs` of the policy's and the
-reference's logits, indexed by the batch's ``chosen_index`` and
-``rejected_index``), and gives one loss per pair. The definitions are TRL
-1.16's (``DPOTrainer``, ``loss_type``): the names, the defaults and the
-values, which ``tests/test_preference_losses.py`` checks against
-``DPOTrainer.compute_loss`` on the same pairs. With ``r_c``, ``r_r`` the log
-ratios (policy minus reference) of the chosen and rejected responses, ``s_c``,
-``s_r`` their scores (``r`` itself, or ``f'(exp r)`` of the f-divergence),
-``d = s_c - s_r`` and ``b = beta``:
-
-==============  =============================================================
-``sigmoid``     ``-log σ(b d)`` (DPO)
-``hinge``       ``max(0, 1 - b d)``
-``ipo``         ``(s_c / n_c - s_r / n_r - 1 / (2 b))²``, ``n``: response tokens
-``exo_pair``    ``KL(σ(±b d) || (1 - ε, ε))``, ``ε = label_smoothing > 0``
-``nca_pair``    ``-log σ(b r_c) - ½ log σ(-b r_c) - ½ log σ(-b r_r)``
-``robust``      ``((1 - ε)(-log σ(b d)) - ε(-log σ(-b d))) / (1 - 2ε)``
-``bco_pair``    ``-log σ(b r_c) - log σ(-b r_r)``
-``sppo_hard``   ``(r_c - 1 / (2b))² + (r_r + 1 / (2b))²``
-``aot``         ``sigmoid`` on the sorted policy margins minus the sorted
-                reference margins (over the pairs given together)
-``aot_unpaired`` the same on the sorted ``r_c`` minus the sorted ``r_r``
-``apo_zero``    ``1 - σ(b r_c) + σ(b r_r)``
-``apo_down``    ``σ(b r_c) + 1 - σ(b (r_c - r_r))``
-``discopop``    ``-log σ(b d) (1 - m) + exp(-b d) m``, ``m = σ(b d / tau)``
-``sft``         the chosen responses' mean token NLL (every pair the same)
-``sigmoid_norm`` ``-log σ(b (s_c / n_c - s_r / n_r))``
-==============  =============================================================
-
-``aot`` and ``aot_unpaired`` smooth with ``label_smoothing`` as ``robust`` does
-without the division. A list of types with ``weights`` sums their means.
+The formula of each loss type is tabled in docs/post_training.md.
 """
 
 from __future__ import annotations
@@ -89,7 +57,7 @@ def _one(
     smoothing: float,
     tau: float,
 ) -> torch.Tensor:
-    """One loss type's ``[P]`` losses (see the module doc)."""
+    """One loss type's ``[P]`` losses."""
     r_c, r_r = chosen - ref_chosen, rejected - ref_rejected
     s_c, s_r = scores
     margin = beta * (s_c - s_r)
@@ -147,7 +115,7 @@ def preference_loss(
     chosen_counts: torch.Tensor | None = None,
     rejected_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The preference loss of ``P`` pairs (see the module doc for each ``loss_type``): a 0-d tensor.
+    """The preference loss of ``P`` pairs: a 0-d tensor.
 
     Parameters:
         chosen_logps, rejected_logps: ``[P]``, the policy's summed log-probs of each response.
@@ -156,15 +124,8 @@ def preference_loss(
         weights: one per loss type of a list (default 1.0 each).
         beta, label_smoothing, f_divergence_type, f_alpha_divergence_coef, discopop_tau: TRL's
             ``DPOConfig`` options of the same names and defaults.
-        chosen_counts, rejected_counts: ``[P]``, each response's supervised token count
-            (``sequence_logprobs(...).counts``): needed by ``ipo``, ``sigmoid_norm`` and ``sft``. TRL
-            counts a response's tokens (its ``completion_mask``); the two differ by one where a response
-            starts its sequence (an empty prompt, a prompt cut away by ``keep_end``), whose first token
-            nothing predicts.
-
-    Raises:
-        ValueError: for an unknown loss type or divergence, ``weights`` not one per type, a missing
-            count, ``exo_pair`` without ``0 < label_smoothing < 1``, tensors not of one ``[P]`` shape.
+        chosen_counts, rejected_counts: ``[P]`` supervised token counts (``sequence_logprobs(...).counts``),
+            needed by ``ipo``, ``sigmoid_norm`` and ``sft``.
 
     Example:
         >>> chosen, rejected = torch.tensor([-4.0, -6.0]), torch.tensor([-5.0, -5.0])

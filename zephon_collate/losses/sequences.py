@@ -1,59 +1,8 @@
 """Losses that stay exact under packing, gradient accumulation and data-parallel ranks.
 
-A packed batch holds many sequences in a few rows (or one); a shared prompt
-holds one prompt for several of them. Computed naively, a per-sequence loss
-(DPO's sequence log-probs, a GRPO sequence mean) changes with the packing, and
-a mean over micro-batches or ranks weights each token by its micro-batch. The
-helpers here read the batch's sequences and give every layout, packed or not,
-shared prompt or not, the same numbers:
-
-- :func:`token_logprobs`: ``log p(token t | its context)`` for every token;
-- :func:`sequence_logprobs`: per-sequence sums over supervised tokens, and counts;
-- :func:`unpack`: a per-token tensor back to one row per sequence;
-- :func:`aggregate_loss`: a per-token loss to the scalar to call ``backward`` on,
-  in verl's five ``loss_agg_mode`` s, with :func:`global_loss_count` for the
-  denominator of a step that spans micro-batches and ranks; ``empty=`` and
-  ``accumulation_steps=`` give each TRL ``loss_type`` (its docstring has the table).
-
-The sequences are read from what the collator wrote, never guessed:
-
-- the batch's sequence map, where it has one: ``logits_index``,
-  ``sequence_index``, ``num_sequences`` (and ``document_ids`` / ``branch_ids``
-  for a shared prompt), what ``Collator.for_preference`` and
-  ``Collator.for_rollouts`` write (and ``Collator.for_transformers(...,
-  return_sequence_map=True)``);
-- a padded ``for_transformers`` batch: one sequence per row, on its
-  ``attention_mask``;
-- a padding-free ``for_transformers`` batch (``position_ids``, no
-  ``attention_mask``): a sequence starts at each row's first token and at every
-  token whose position equals the row's first position (each sequence's first
-  position is ``position_ids_start``, 0 by default). The padding of
-  ``pad_to_multiple_of`` (one-token segments at the row's end, labelled
-  ``label_pad_token_id``, whatever its value) reads exactly like one-token
-  examples there, so :func:`sequence_logprobs` and :func:`unpack`, which return
-  the sequences, refuse a row that ends with one-token sequences unless its last
-  token is labelled with its own id (a supervised token, as the collator labels
-  them: no padding follows it; a ``label_pad_token_id`` equal to
-  ``pad_token_id`` labels padding so too, and is not told apart): collate with
-  ``Collator.for_transformers(..., return_sequence_map=True)``. So do
-  :func:`aggregate_loss` and :func:`global_loss_count` when they count every
-  sequence (``empty="count"`` in a ``"seq-mean-*"`` mode). The other helpers
-  give the same numbers either way (the first token of a sequence is never
-  supervised) and read such a row.
-
-A token is *supervised* when its label is not -100 and some position predicts
-it (``logits_index >= 0``). Every function takes logits ``[R, L, V]`` aligned
-with ``input_ids`` ``[R, L]`` (what a ``transformers`` causal LM returns), runs
-on any device and keeps the gradient; those that need the number of sequences
-read ``num_sequences`` (a Python int: no device sync) when the batch has it.
-What a call checks in the batch's values (token ids inside the vocabulary, a
-map's indices inside its row and ``num_sequences``) is read at once, with a
-padding-free row's count of sequences: free on the CPU, one device sync on an
-accelerator (:func:`unpack` then reads its sizes). :func:`aggregate_loss` and
-:func:`global_loss_count` leave out the checks of a sequence map on an
-accelerator rather than sync for them (the presets write it consistent). A
-batch that cannot be read is a ``ValueError`` or ``TypeError`` naming the
-field and the fix.
+Token and sequence log-probs, :func:`unpack` and :func:`aggregate_loss` (verl's ``loss_agg_mode`` s,
+TRL's ``loss_type`` s) read the sequences from what the collator wrote: the batch's sequence map, a
+padded batch's rows or a padding-free batch's positions (docs/post_training.md says how).
 """
 
 from __future__ import annotations
@@ -109,13 +58,10 @@ MODES: tuple[Mode, ...] = (
     "seq-mean-token-sum-norm",
     "token-sum",
 )
-"""verl's ``loss_agg_mode`` values (``verl.trainer.ppo.core_algos.agg_loss``, verl 0.10), for
-:func:`aggregate_loss`."""
+"""verl's ``loss_agg_mode`` values, for :func:`aggregate_loss`."""
 Empty: TypeAlias = Literal["skip", "count"]
 EMPTY: tuple[Empty, ...] = ("skip", "count")
-""":func:`aggregate_loss`'s and :func:`global_loss_count`'s ``empty``: whether a sequence without a
-supervised token counts in a ``"seq-mean-*"`` mode's denominator (``"count"``: TRL, verl's trainer) or
-not (``"skip"``: verl's ``agg_loss`` alone)."""
+"""Whether a sequence without a supervised token counts in a ``"seq-mean-*"`` denominator."""
 _Batch: TypeAlias = Mapping[str, Any]
 _FIX = "pass the batch the collator returned"
 
@@ -128,10 +74,7 @@ class SequenceLogprobs(NamedTuple):
 
 
 class _Map(NamedTuple):
-    """A batch's sequences. Their *entries*: every token of every sequence, where a helper gathers per-token
-    values. A tree batch's entries are its paths (``paths`` ``[P]``: flat places, sequence by sequence, a
-    shared token once per path through it); any other batch's are its tokens (each in one sequence at most,
-    ``sequence_index``), flattened."""
+    """A batch's sequences and their *entries*: a tree batch's paths (``paths``), any other batch's tokens."""
 
     input_ids: torch.Tensor  # [R, L] int64
     logits_index: torch.Tensor  # [R, L] int64
@@ -146,8 +89,7 @@ class _Map(NamedTuple):
         return self.sequence_index.reshape(-1) if self.path_sequence is None else self.path_sequence
 
     def entries(self, values: torch.Tensor, name: str) -> torch.Tensor:
-        """``values`` per entry ``[E, ...]``: token-aligned ``[R, L, ...]`` gathered, entry-aligned
-        ``[E, ...]`` (:func:`along_paths`) as given."""
+        """``values`` per entry ``[E, ...]``, from token-aligned or entry-aligned values."""
         rows, length = self.logits_index.shape
         count = rows * length if self.paths is None else self.paths.numel()
         if values.dim() >= 2 and tuple(values.shape[:2]) == (rows, length):
@@ -212,20 +154,12 @@ def _count(value: object) -> int:
 def _sequence_map(
     batch: _Batch, *, split: bool = False, ends: bool = False, logits_shape: tuple[int, ...] | None = None
 ) -> _Map:
-    """The batch's sequences, read from what the collator wrote (the module doc says how), checked.
+    """The batch's sequences, read from what the collator wrote, checked in one device sync at most.
 
     Parameters:
-        split: the caller returns the sequences themselves (:func:`sequence_logprobs`, :func:`unpack`):
-            refuse a padding-free row that ends with one-token sequences, the last not labelled with
-            its own id (padding or examples: no one can tell).
-        ends: that refusal alone, for a caller that counts the sequences (``empty="count"``); it reads
-            nothing more than the row's count of sequences, read anyway.
-        logits_shape: the logits' shape (:func:`token_logprobs`): check it fits, and that every token id
-            is inside its vocabulary.
-
-    Every value read (the checks, a padding-free row's count of sequences) is read at once: one
-    device sync at most, none on the CPU. The checks of a map that would need a sync of their own
-    (on an accelerator, neither ``split`` nor ``logits_shape``, ``num_sequences`` given) are left out.
+        split: refuse a padding-free row ending in one-token sequences (the caller returns sequences).
+        ends: that refusal alone (a caller counting every sequence).
+        logits_shape: check the logits fit and every token id is inside their vocabulary.
     """
     if not isinstance(batch, Mapping) or INPUT_IDS not in batch:
         raise TypeError(
@@ -357,8 +291,7 @@ def _sequence_map(
 
 
 def _supervised(batch: _Batch, view: _Map) -> torch.Tensor:
-    """``[E]`` bool: the entries whose token is supervised: its label is not -100 and a position predicts
-    it, and it belongs to a sequence."""
+    """``[E]`` bool: entries whose label is not -100, that a position predicts, in a sequence."""
     labels = _labels(batch, view.logits_index)
     trained = view.entries((labels != IGNORE_INDEX) & (view.logits_index >= 0), "labels")
     return trained & (view.entry_sequence >= 0)
@@ -371,7 +304,7 @@ def _check_tensor(value: object, name: str, shape: str) -> torch.Tensor:
 
 
 def _check_logits(value: object, owner: str) -> torch.Tensor:
-    """The logits, a real tensor: complex ones would lose their imaginary part in the log-softmax."""
+    """The logits, a real tensor (complex ones would lose their imaginary part)."""
     logits = _check_tensor(value, f"{owner}: logits", "[R, L, V]")
     if logits.is_complex():
         raise TypeError(
@@ -382,8 +315,7 @@ def _check_logits(value: object, owner: str) -> torch.Tensor:
 
 
 def _check_global_count(value: object) -> torch.Tensor | int:
-    """``aggregate_loss``'s ``global_count``: an int >= 0 (a NumPy integer too) or a 0-d integer tensor,
-    whose sign is read on the CPU only (on an accelerator that would be a device sync)."""
+    """``global_count``: an int >= 0 or a 0-d integer tensor (its sign read on the CPU only)."""
     if not isinstance(value, torch.Tensor):
         return check_int("aggregate_loss", "global_count", value, 0)
     fix = "pass global_loss_count(...) over the step's micro-batches, or None for this batch's own count"
@@ -398,8 +330,7 @@ def _check_global_count(value: object) -> torch.Tensor | int:
 
 
 def _padding_value(value: object, dtype: torch.dtype) -> float | int:
-    """``unpack``'s ``padding_value``, checked: a real number that ``dtype`` holds (an integer dtype: a
-    whole number in its range; bool: 0 or 1; a float dtype: one within its range, or inf or NaN)."""
+    """``unpack``'s ``padding_value``, checked: a real number that ``dtype`` holds."""
     if not isinstance(value, numbers.Real):
         raise TypeError(
             f"unpack: padding_value must be a real number, got {shown(value)}; pass the value that fills "
@@ -431,16 +362,8 @@ def _padding_value(value: object, dtype: torch.dtype) -> float | int:
 def token_logprobs(logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
     """Per-token log-probs, token-aligned: ``out[r, t] = log p(input_ids[r, t] | its context)``.
 
-    Token ``t`` is scored with the logits of the position that predicts it
-    (``logits_index``: the token before it in its sequence, or the shared
-    prompt's last token for a response's first), in float32 (or the logits'
-    dtype, if wider); 0 where no position predicts it (a sequence's first token,
-    padding). The result is aligned with ``labels`` and with every token-aligned
-    float field (a behaviour policy's ``old_logprobs``), so
-    ``out - batch["old_logprobs"]`` is a per-token log-ratio in any layout.
-    Every token id must be inside the logits' vocabulary: the check reads the
-    ids' range (free when ``input_ids`` is on the CPU, one device sync on an
-    accelerator). ``labels`` are not read.
+    Each token is scored with the logits of the position that predicts it (``logits_index``), in float32
+    or wider; 0 where nothing predicts it. ``labels`` are not read.
 
     Parameters:
         logits: ``[R, L, V]``, the model's output for ``batch["input_ids"]``, over the whole vocabulary.
@@ -448,11 +371,6 @@ def token_logprobs(logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
 
     Returns:
         ``[R, L]`` float, differentiable with respect to ``logits``.
-
-    Raises:
-        TypeError: if ``logits`` are not a real tensor, or a field of the batch is not one of integers.
-        ValueError: if ``logits`` do not match ``input_ids``, a token id is outside ``0 .. V - 1``, or the
-            batch's sequences cannot be read (the message names the field).
 
     Example:
         >>> from zephon_collate import Collator
@@ -463,10 +381,6 @@ def token_logprobs(logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
         >>> logits = torch.zeros(1, 5, 4)  # uniform over 4 tokens: every log-prob is log(1/4)
         >>> token_logprobs(logits, batch).double().round(decimals=4).tolist()
         [[0.0, -1.3863, -1.3863, 0.0, -1.3863]]
-        >>> token_logprobs(torch.zeros(1, 5, 3), batch)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: logits have shape (1, 5, 3), but the largest token id in input_ids is 3: ...
     """
     logits = _check_logits(logits, "token_logprobs")
     return _token_logprobs(logits, _sequence_map(batch, logits_shape=tuple(logits.shape)))
@@ -486,7 +400,7 @@ def _token_logprobs(logits: torch.Tensor, view: _Map) -> torch.Tensor:
 
 
 def _per_sequence(values: torch.Tensor, supervised: torch.Tensor, view: _Map) -> torch.Tensor:
-    """``[S]``: entry values ``[E]`` summed over each sequence's supervised entries (no device sync)."""
+    """``[S]``: entry values summed over each sequence's supervised entries (no device sync)."""
     supervised = supervised.to(values.device)
     sequence = view.entry_sequence.to(values.device)
     slot = torch.where(supervised, sequence, view.num_sequences)
@@ -498,15 +412,13 @@ def _per_sequence(values: torch.Tensor, supervised: torch.Tensor, view: _Map) ->
 def _entry_view(
     values: torch.Tensor, batch: _Batch, name: str, *, ends: bool = False
 ) -> tuple[_Map, torch.Tensor, torch.Tensor]:
-    """The batch's sequence map, ``values`` per entry and the supervised entries (``ends``: refuse a
-    padding-free row whose end cannot be told from padding, as ``_sequence_map``)."""
+    """The batch's sequence map, ``values`` per entry and the supervised entries."""
     view = _sequence_map(batch, ends=ends)
     return view, view.entries(values, name), _supervised(batch, view)
 
 
 def sequence_means(values: torch.Tensor, batch: _Batch) -> torch.Tensor:
-    """``[R, L]``: at every token of a sequence, the mean of ``values`` over that sequence's supervised
-    tokens (0 on padding); sequences come from the batch's map, never its rows.
+    """``[R, L]``: at every token, the mean of ``values`` over its sequence's supervised tokens.
 
     Example:
         >>> from zephon_collate import Collator
@@ -535,13 +447,9 @@ def sequence_means(values: torch.Tensor, batch: _Batch) -> torch.Tensor:
 
 
 def along_paths(values: torch.Tensor, batch: _Batch) -> torch.Tensor:
-    """``values`` per *entry*, every token of every sequence: what the loss helpers take on a tree batch,
-    where a token belongs to several sequences (each path its own advantage, say).
+    """``values`` per *entry* (every token of every sequence): what the loss helpers take on a tree batch.
 
-    A tree batch's entries are its paths, sequence by sequence (``path_index``); any other batch's its
-    tokens, flattened. ``values`` is per token (``[R, L, ...]``, gathered) or per sequence (``[S, ...]``,
-    repeated over the sequence's entries; 0 on entries of no sequence). Every helper takes the result in
-    place of a per-token tensor, and gives each sequence the numbers it has run alone.
+    ``values`` is per token (``[R, L, ...]``, gathered) or per sequence (``[S, ...]``, repeated).
 
     Example:
         >>> from zephon_collate import Collator
@@ -553,8 +461,6 @@ def along_paths(values: torch.Tensor, batch: _Batch) -> torch.Tensor:
         [[1, 2, 3, 4, 5]]
         >>> along_paths(batch["input_ids"], batch).tolist()
         [1, 2, 3, 4, 1, 2, 3, 5]
-        >>> along_paths(torch.tensor([1.0, -1.0]), batch).tolist()  # one value per sequence
-        [1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0]
     """
     values = _check_tensor(values, "along_paths: values", "[R, L, ...] or [S, ...]")
     view = _sequence_map(batch)
@@ -573,19 +479,10 @@ def along_paths(values: torch.Tensor, batch: _Batch) -> torch.Tensor:
 def sequence_logprobs(logits: torch.Tensor, batch: _Batch) -> SequenceLogprobs:
     """Per-sequence log-probs: the sum over each sequence's supervised tokens, and their count.
 
-    The sequence log-prob of DPO (``chosen = out.sums[batch["chosen_index"]]``),
-    the same in every layout: packed or padded, shared prompt or not. The
-    sequences are read as the module doc says: a padding-free
-    ``for_transformers`` batch without a sequence map whose row ends with
-    one-token sequences without a label (``pad_to_multiple_of`` padding, or
-    one-token examples) is refused.
+    DPO's sequence log-prob (``out.sums[batch["chosen_index"]]``), the same in every layout.
 
     Returns:
         ``SequenceLogprobs(sums [S] float, counts [S] int64)``, ``S`` the batch's sequences.
-
-    Raises:
-        TypeError, ValueError: as :func:`token_logprobs`; a batch without ``labels``; a padding-free row
-            whose end cannot be told from padding (collate with ``return_sequence_map=True``).
 
     Example:
         >>> from zephon_collate import Collator
@@ -594,8 +491,6 @@ def sequence_logprobs(logits: torch.Tensor, batch: _Batch) -> SequenceLogprobs:
         >>> out = sequence_logprobs(torch.zeros(1, 5, 4), batch)  # uniform: log(1/4) per supervised token
         >>> out.sums.double().round(decimals=4).tolist(), out.counts.tolist()
         ([-1.3863, -2.7726], [1, 2])
-        >>> float(out.sums[batch["chosen_index"]][0]) == float(out.sums[0])
-        True
     """
     logits = _check_logits(logits, "sequence_logprobs")
     view = _sequence_map(batch, split=True, logits_shape=tuple(logits.shape))
@@ -608,31 +503,16 @@ def sequence_logprobs(logits: torch.Tensor, batch: _Batch) -> SequenceLogprobs:
 def unpack(
     tensor: torch.Tensor, batch: _Batch, *, padded: bool = False, padding_value: float = 0
 ) -> list[torch.Tensor] | torch.Tensor:
-    """A per-token tensor ``[R, L, ...]`` back to its sequences: each one's tokens, in order.
-
-    A sequence's tokens are its shared prompt's (when it has one) and its own,
-    so ``unpack(batch["input_ids"], batch)[i]`` is sequence ``i``'s
-    ``prompt + response`` in every layout. A sequence without tokens (an empty
-    example) gives an empty tensor. The sequences are read as the module doc
-    says: a padding-free ``for_transformers`` batch without a sequence map whose
-    row ends with one-token sequences without a label (``pad_to_multiple_of``
-    padding, or one-token examples) is refused. A device sync reads the sizes.
+    """A per-token tensor ``[R, L, ...]`` back to its sequences: each one's tokens (shared prompt included).
 
     Parameters:
-        tensor: ``[R, L, ...]``, aligned with ``batch["input_ids"]`` (a float field, token log-probs,
-            a per-token loss).
+        tensor: ``[R, L, ...]``, aligned with ``batch["input_ids"]``.
         batch: a batch of ``Collator.for_preference`` / ``for_rollouts`` (or ``for_transformers``).
-        padded: return ``[S, max_len, ...]``, each row padded with ``padding_value``, instead of a list.
+        padded: return ``[S, max_len, ...]`` padded with ``padding_value`` instead of a list.
         padding_value: the padding of ``padded``, a number the tensor's dtype holds.
 
     Returns:
         A list of ``S`` tensors ``[len_i, ...]``, or one ``[S, max_len, ...]`` tensor.
-
-    Raises:
-        TypeError, ValueError: for a ``tensor`` that does not fit the batch, a ``padding_value`` that its
-            dtype does not hold, a batch whose sequences cannot be read (the message names the field), or
-            a padding-free row whose end cannot be told from padding (collate with
-            ``return_sequence_map=True``).
 
     Example:
         >>> from zephon_collate import Collator
@@ -642,8 +522,6 @@ def unpack(
         [[1, 2, 3, 4, 5]]
         >>> [row.tolist() for row in unpack(batch["input_ids"], batch)]
         [[1, 2, 3], [1, 2, 4, 5]]
-        >>> unpack(batch["input_ids"], batch, padded=True).tolist()
-        [[1, 2, 3, 0], [1, 2, 4, 5]]
     """
     tensor = _check_tensor(tensor, "unpack: tensor", "[R, L, ...]")
     fill = _padding_value(padding_value, tensor.dtype) if padded else 0
@@ -703,7 +581,7 @@ def unpack(
 def _split(
     values: torch.Tensor, total: torch.Tensor, count: int, padded: bool, fill: float | int
 ) -> list[torch.Tensor] | torch.Tensor:
-    """``values`` (each sequence's, end to end; ``total`` ``[S]`` their sizes) as a list, or padded."""
+    """``values`` (each sequence's, end to end; ``total`` their sizes) as a list, or padded."""
     sizes = total.tolist()  # the one read of the sizes
     if not padded:
         return list(torch.split(values, sizes))
@@ -717,13 +595,12 @@ def _split(
 
 
 def _counts_sequences(mode: Mode, empty: Empty) -> bool:
-    """Whether the count of ``mode`` is every sequence: a row's padding must then be told from sequences."""
+    """Whether ``mode``'s count is every sequence (padding must then be told from sequences)."""
     return empty == "count" and mode.startswith("seq-mean")
 
 
 def _local_count(supervised: torch.Tensor, view: _Map, mode: Mode, empty: Empty) -> torch.Tensor:
-    """This batch's units of ``mode``: supervised tokens (``"token-mean"``), or sequences (the
-    ``"seq-mean-*"`` modes): those with a supervised token (``empty="skip"``) or all (``"count"``)."""
+    """This batch's units of ``mode``: supervised tokens, or (``"seq-mean-*"``) sequences."""
     if mode == "token-mean":
         return supervised.sum()
     if empty == "count":
@@ -762,19 +639,15 @@ def global_loss_count(
 ) -> torch.Tensor:
     """The denominator of ``mode`` over one optimizer step: every micro-batch of every rank.
 
-    Supervised tokens (``"token-mean"``: TRL's ``num_items_in_batch``, verl's ``batch_num_tokens``), or
-    sequences (``"seq-mean-*"``): those with at least one supervised token (``empty="skip"``), or every
-    sequence (``empty="count"``: verl's trainer's ``global_batch_size``, every row of the mini-batch), summed
-    over this rank's micro-batches (``batches``), then all-reduced over ``group``
-    (:func:`~zephon_collate.parallel.distributed.global_num_valid_tokens`): a collective every rank of
-    ``group`` calls once per step. Pass it to :func:`aggregate_loss` as ``global_count``. Counting every
-    sequence refuses a padding-free ``for_transformers`` row whose end cannot be told from padding, as
-    :func:`sequence_logprobs` does (collate with ``return_sequence_map=True``).
+    A collective: every rank of ``group`` calls it once per step. Pass the result to
+    :func:`aggregate_loss` as ``global_count``.
 
-    Raises:
-        ValueError: for an unknown mode or ``empty``, or ``"token-sum"`` (which divides by nothing); a batch
-            without ``labels`` or whose sequences cannot be read (the message names the field).
-        TypeError: if ``batches`` is neither a batch dict nor an iterable of them.
+    Parameters:
+        batches: this rank's micro-batches of the step (or one batch).
+        mode: one of :data:`MODES` except ``"token-sum"``.
+        empty: ``"skip"`` or ``"count"`` the sequences without a supervised token.
+        group: the data-parallel group (``None``: the default group).
+        device: where the count lives (default: as ``global_num_valid_tokens``).
 
     Example:
         >>> from zephon_collate import Collator
@@ -784,8 +657,6 @@ def global_loss_count(
         ...                   {"input_ids": [4, 6], "completion_mask": [0, 0]}])]  # all masked
         >>> int(global_loss_count(micro)), int(global_loss_count(micro, mode="seq-mean-token-mean"))
         (3, 2)
-        >>> int(global_loss_count(micro, mode="seq-mean-token-mean", empty="count"))
-        3
     """
     checked = _check_mode(mode)
     how = _check_empty("global_loss_count", empty)
@@ -818,74 +689,23 @@ def aggregate_loss(
 ) -> torch.Tensor:
     """The loss to call ``backward`` on: ``per_token_loss`` over supervised tokens, aggregated by ``mode``.
 
-    With ``l`` the per-token loss, ``m`` the supervised tokens, ``i`` the
-    sequences, ``n_i = sum_t m_i,t`` and ``S`` the count of sequences (``empty``
-    says which), verl 0.10's ``agg_loss`` modes (``verl/trainer/ppo/core_algos.py``):
-
-    - ``"token-mean"``: ``sum_i,t l*m / sum_i,t m``;
-    - ``"seq-mean-token-sum"``: ``sum_i (sum_t l*m) / S``;
-    - ``"seq-mean-token-mean"``: ``sum_i (sum_t l*m / n_i) / S`` (a sequence with ``n_i = 0`` adds 0);
-    - ``"seq-mean-token-sum-norm"``: ``sum_i (sum_t l*m) / S / normalizer`` (Dr. GRPO). ``normalizer`` is
-      verl's ``loss_scale_factor``: a constant response length, e.g. the largest a rollout may have
-      (TRL's ``max_completion_length``). verl of January 2026 (0.8.0.dev) divided by the constant
-      alone, a loss as many times larger as the step has sequences;
-    - ``"token-sum"``: ``sum_i,t l*m``, divided by nothing (verl 0.10).
-
-    Two choices, each one argument:
-
-    - ``empty``: ``S`` counts the sequences with a supervised token (``"skip"``, the default: ``agg_loss``
-      called without ``global_batch_size``), or every sequence (``"count"``: TRL, where
-      ``mask_truncated_completions`` leaves all-masked completions that still count, and verl's trainer,
-      whose ``global_batch_size`` is every row of the mini-batch). The token modes have no sequences to
-      count. With ``global_count`` given the count is that number: take it with
-      ``global_loss_count(..., empty=...)``.
-    - ``accumulation_steps``: ``None`` (the default), the step-global denominator (verl): this
-      micro-batch's part of the numerator over ``global_count`` (from :func:`global_loss_count` over the
-      step's micro-batches and ranks; ``None``: this batch's own count, all-reduced over ``group`` when
-      torch.distributed runs), times ``world_size``
-      (:func:`~zephon_collate.parallel.distributed.normalize_loss`), which cancels the gradient averaging
-      of DDP and FSDP: the sum of ``backward`` over the micro-batches is the gradient of the whole step's
-      loss. An int, TRL's per-micro-batch denominator: this micro-batch's own value (its own count on this
-      rank, nothing all-reduced) over ``accumulation_steps`` (TRL's
-      ``current_gradient_accumulation_steps``); DDP's averaging then makes the step's loss the mean over
-      micro-batches and ranks of their own values.
-
-    TRL 1.16's ``GRPOTrainer`` (``GA`` its accumulation steps; each exact with 1e-12 in float64 against
-    ``_compute_loss`` itself, all-masked completions, micro-batches and ranks included):
-
-    - ``grpo``, ``sapo``: ``mode="seq-mean-token-mean", empty="count", accumulation_steps=GA``;
-    - ``bnpo``: ``mode="token-mean", accumulation_steps=GA``;
-    - ``dr_grpo``: ``mode="seq-mean-token-sum-norm", empty="count", normalizer=max_completion_length,
-      accumulation_steps=GA``;
-    - ``luspo``: ``mode="seq-mean-token-sum", empty="count", accumulation_steps=GA``;
-    - ``dapo``, ``cispo``, ``vespo``: ``mode="token-mean", global_count=num_items_in_batch`` (TRL's: the
-      generation batch's ``global_loss_count``), the loss times ``steps_per_generation / GA`` where those
-      differ (TRL's default makes them equal).
+    verl 0.10's ``agg_loss`` formulas; the arguments for each TRL ``loss_type`` and verl setting are
+    tabled in docs/post_training.md ("Loss aggregation: TRL and verl").
 
     Parameters:
-        per_token_loss: ``[R, L]``, aligned with ``input_ids`` (e.g. from :func:`token_logprobs`).
+        per_token_loss: ``[R, L]``, aligned with ``input_ids`` (or per entry, :func:`along_paths`).
         batch: the micro-batch (``Collator.for_preference`` / ``for_rollouts`` / ``for_transformers``).
         mode: one of :data:`MODES`.
-        empty: ``"skip"`` or ``"count"`` the sequences without a supervised token (``"seq-mean-*"``).
-            ``"count"`` refuses a padding-free ``for_transformers`` row whose end cannot be told from
-            padding, as :func:`sequence_logprobs` does (collate with ``return_sequence_map=True``).
-        global_count: the step's denominator (tokens or sequences), or ``None``.
-        accumulation_steps: ``None``, or the micro-batches of a step on each rank, for TRL's
-            per-micro-batch denominator (then neither ``global_count`` nor ``world_size``).
-        normalizer: the response length of ``"seq-mean-token-sum-norm"`` (required there, unused elsewhere).
+        empty: ``"skip"`` (default) or ``"count"`` the sequences without a supervised token.
+        global_count: the step's denominator (:func:`global_loss_count`); ``None``: this batch's, all-reduced.
+        accumulation_steps: the micro-batches of a step on each rank, for TRL's per-micro-batch denominator
+            (then neither ``global_count`` nor ``world_size``).
+        normalizer: the constant response length of ``"seq-mean-token-sum-norm"`` (required there).
         group: the data-parallel group (``None``: the default group).
         world_size: the ranks gradients are averaged over (default: ``group``'s size, 1 alone).
 
     Returns:
         A 0-d tensor.
-
-    Raises:
-        TypeError: if ``per_token_loss`` is not a tensor, ``global_count`` is not an int or a 0-d integer
-            tensor, ``accumulation_steps`` not an int, or a field of the batch is not one of integers.
-        ValueError: for an unknown mode or ``empty``, a shape that does not fit the batch, a missing,
-            non-positive or non-finite ``normalizer``, a negative ``global_count``, ``accumulation_steps``
-            below 1 or given with ``global_count`` or ``world_size``, a batch without ``labels`` or whose
-            sequences cannot be read (the message names the field).
 
     Example:
         >>> from zephon_collate import Collator

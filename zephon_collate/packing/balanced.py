@@ -1,23 +1,5 @@
 """PackedStream's balanced mode: each rank reads the whole stream, plans every window as its peers do,
-and packs its own micro-batches.
-
-A plan needs every document's length, so in this mode no rank reads a shard:
-each rank (and each DataLoader worker) reads the whole source, cuts documents
-into pieces as the packer does (``overflow``), fills windows of one step each
-and plans them with the ``balance`` options' schedule
-(:class:`~zephon_collate.parallel.schedule.BalanceSchedule`). Worker ``w`` of
-``W`` builds and yields steps ``w, w + W, ...``; a DataLoader hands workers'
-items out in that same round-robin order, so steps arrive in order. One item is
-one step: this rank's micro-batches, each a list of packed rows (``rows`` rows
-of ``seq_len``, or one padding-free row holding the micro-batch's documents).
-The epoch's last step holds as many micro-batches as its documents need; a tail
-too small to give every rank a micro-batch is dropped
-(:mod:`zephon_collate.parallel.schedule`), never yielded as an empty step.
-
-The state (after each step) holds where the source resumes, the last record's
-cursor key, the steps planned so far and the documents waiting for the next
-window, their pieces included: a resumed stream plans the windows the saved one
-would have planned next.
+and packs its own micro-batches (docs/distributed.md, "Streams").
 """
 
 from __future__ import annotations
@@ -188,12 +170,7 @@ class BalancedSteps:
 
 
 def check_balance_state(state: Any, options: PackOptions, ranks: int | None) -> dict[str, Any]:
-    """A saved ``balance`` entry, checked as strictly as a record; pieces read back under ``"pieces"``.
-
-    Raises:
-        ValueError: for a missing key, a bad counter, field list or piece, or (with ``ranks``) a
-            state saved for another number of ranks.
-    """
+    """A saved ``balance`` entry, checked as strictly as a record; pieces read back under ``"pieces"``."""
     if not isinstance(state, Mapping) or any(key not in state for key in _STATE_KEYS):
         raise corrupt("state['balance']", f"must be a dict with the keys {list(_STATE_KEYS)}", _OWNER)
     checked = {key: state[key] for key in _STATE_KEYS}

@@ -1,13 +1,7 @@
 """pack_columns: documents given as columns packed into arrays of rows, vectorised.
 
-The documents (a ``pyarrow.Table``, a dict of ``(values, offsets)`` pairs,
-...) are read and checked at once, cut into pieces of at most ``seq_len``
-tokens, placed into rows by the packer's own rule
-(:mod:`zephon_collate.core.fit`: greedy, or best-fit-decreasing over
-rounds of ``buffer_size`` pieces) from their lengths alone, and every field is
-then laid out with one gather over the whole batch. The rows are those
-:func:`~zephon_collate.pack_flat` packs from the same documents, as
-``[rows, seq_len]`` arrays instead of records.
+The rows are those :func:`~zephon_collate.pack_flat` packs from the same documents, placed from the
+lengths alone, every field then moved by one gather.
 """
 
 from __future__ import annotations
@@ -36,24 +30,17 @@ __all__ = ["PackedColumns", "pack_columns"]
 class PackedColumns:
     """Packed rows as arrays, and where each piece of each row came from.
 
-    ``fields`` maps the tokens field (int64), each packed field (in its own
-    dtype) and, with ``emit_positions``, ``"positions"`` (int64, restarting at
-    0 on every segment, the trailing padding included) to a ``[R, seq_len]``
-    array, ``[R, seq_len, ...]`` for a value field (a ``TensorField`` of
-    ``shape=(K,)``, ``(layers, k)``...); ``padding_length`` is each row's
-    ``[R]`` trailing padding. The pieces of row ``r`` are
-    ``pieces[offsets[r]:offsets[r + 1]]`` in the order the row holds them:
-    ``documents`` gives each piece's document (its row in the input batch),
-    ``parts`` its place among its document's pieces (from 0), ``closes``
-    whether it is its document's last.
+    A map-style dataset of rows: ``packed[i]`` and ``__getitems__(indices)`` return one columnar batch
+    that :class:`~zephon_collate.Collator` reads as it reads ``pack_flat``'s records.
 
-    A map-style dataset of rows: ``len()`` is the number of rows, and
-    ``__getitems__(indices)`` returns those rows as ``[batch]``, one columnar
-    batch (a ``ColumnBatch`` of ``(values, offsets)`` pairs, a value field's
-    values ``[rows * seq_len, ...]`` with its value shape kept, and each row's
-    trailing padding under ``"_padding_length"``) that
-    :class:`~zephon_collate.Collator` reads as it reads ``pack_flat``'s records
-    (as ``ColumnarDataset``'s, it passes ``Trainer``'s column filter untouched).
+    Attributes:
+        fields: each packed field (and ``"positions"``) as ``[R, seq_len]`` (``[R, seq_len, ...]`` for a
+            value field).
+        padding_length: ``[R]`` each row's trailing padding.
+        offsets: row ``r``'s pieces are ``[offsets[r]:offsets[r + 1]]`` of the arrays below.
+        documents: each piece's document (its row in the input batch).
+        parts: each piece's place among its document's pieces (from 0).
+        closes: whether each piece is its document's last.
 
     Example:
         >>> import numpy as np
@@ -62,9 +49,6 @@ class PackedColumns:
         >>> documents = {"input_ids": (np.array([5, 6, 7]), offsets), "top": (np.eye(3)[:, :2], offsets)}
         >>> specs = [TensorField("top", align="label", fill=-1.0, shape=(2,))]
         >>> packed = pack_columns(documents, 4, pad_token_id=0, float_fields=specs)
-        >>> values, offsets = packed.__getitems__([0])[0]["top"]
-        >>> values.shape, offsets.tolist()
-        ((4, 2), [0, 4])
         >>> Collator(return_labels=True, float_fields=specs)(packed.__getitems__([0]))["top"].tolist()
         [[[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]]
     """
@@ -80,8 +64,7 @@ class PackedColumns:
         return len(self.padding_length)
 
     def __getitems__(self, indices: Sequence[int]) -> list[ColumnBatch]:
-        """Rows ``indices`` as ``[batch]`` (copies): each field's values ``[len(indices) * seq_len, ...]``,
-        a value field's trailing dims (a top-k's ``K``, routes' ``layers, k``) kept."""
+        """Rows ``indices`` as ``[batch]`` (copies), each field's values ``[len(indices) * seq_len, ...]``."""
         rows = np.asarray(indices, dtype=np.int64).reshape(-1)
         width = next(iter(self.fields.values())).shape[1] if self.fields else 0
         offsets = np.arange(len(rows) + 1, dtype=np.int64) * width
@@ -98,9 +81,7 @@ class PackedColumns:
 
 
 def _pieces(lengths: np.ndarray, seq_len: int, truncate: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(documents, parts, sizes)`` of every piece, documents in order: a document without tokens
-    has none, one of up to ``seq_len`` tokens one, a longer one ``seq_len`` slices and a shorter
-    last (or, ``truncate``, its head only)."""
+    """``(documents, parts, sizes)`` of every piece, documents in order."""
     counts = np.where(lengths > 0, 1 if truncate else -(-lengths // seq_len), 0)
     documents = np.repeat(np.arange(len(lengths), dtype=np.int64), counts)
     firsts = np.zeros(len(counts) + 1, dtype=np.int64)
@@ -129,32 +110,17 @@ def _rows(sizes: np.ndarray, seq_len: int, best_fit: bool, buffer_size: int) -> 
 
 @keywords(PackOptions, "pack_columns", REQUIRED)
 def pack_columns(documents: ColumnarBatch, *args: Any, **given: Any) -> PackedColumns:
-    """Pack documents given as columns into ``[rows, seq_len]`` arrays: :func:`~zephon_collate.pack_flat`'s
-    rows, computed over the whole batch at once.
-
-    The options, the layout and the checks are :func:`~zephon_collate.pack_flat`'s
-    (``buffer_size``: pieces per best-fit round, ``None`` for all); document ``i``
-    of the batch is named ``example i`` in errors. Placement looks at lengths
-    only; the tokens and every field are then moved by one gather.
+    """Pack documents given as columns into ``[rows, seq_len]`` arrays: ``pack_flat``'s rows, vectorised.
 
     Parameters:
         documents: a columnar batch (a ``pyarrow.Table`` or ``RecordBatch``, a list of them, a dict of
             Arrow columns or ``(values, offsets)`` pairs), one document per row.
-        seq_len, pad_token_id, emit_positions, tokens_field, strategy, overflow, buffer_size, fields:
-            as for :func:`~zephon_collate.pack_flat`.
-        float_fields: as for :func:`~zephon_collate.pack_flat` (a column of fixed-size or equal-length
-            lists per token for a tensor field), packed ``[rows, seq_len, ...]`` with each field's fill.
-        group_key: accepted so that one set of options serves both entry points, and refused unless
-            ``None``: columns carry no group per record (pack records with :func:`~zephon_collate.pack_flat`).
+        seq_len, pad_token_id, emit_positions, tokens_field, strategy, overflow, buffer_size, fields,
+            float_fields: as for :func:`~zephon_collate.pack_flat`.
+        group_key: refused unless ``None`` (columns carry no group per record).
 
     Returns:
         A :class:`PackedColumns`.
-
-    Raises:
-        TypeError: for an option of the wrong type, ``documents`` that are not columns, or a field
-            that is not numbers.
-        ValueError: as :func:`~zephon_collate.pack_flat` raises them, naming the document; for
-            ``group_key``.
 
     Example:
         >>> import numpy as np
@@ -162,8 +128,6 @@ def pack_columns(documents: ColumnarBatch, *args: Any, **given: Any) -> PackedCo
         >>> packed = pack_columns({"input_ids": ids}, 5, pad_token_id=0)
         >>> packed.fields["input_ids"].tolist(), packed.padding_length.tolist()
         ([[5, 6, 7, 8, 9], [1, 2, 3, 4, 0]], [0, 1])
-        >>> packed.fields["positions"].tolist(), packed.documents.tolist()
-        ([[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]], [0, 1, 2])
     """
     options = PackOptions.create("pack_columns", *args, **given)
     options.check_columnar("pack_columns")

@@ -1,12 +1,7 @@
 """Packer input: the packing options (:class:`PackOptions`) and the documents (:class:`Reader`).
 
-:class:`Reader` reads the records of a call as one batch through the door
-(:mod:`zephon_collate.read`; a stream's record alone, a columnar batch whole)
-and takes each :class:`Document` from it: its token ids, its packed per-token
-fields, float fields, segments and group key, refusing a bad record with the
-record, the field and the fix. Supervision spelled otherwise than
-``loss_mask`` follows the Collator's rule
-(:func:`~zephon_collate.read.rules.unread_supervision`).
+Documents are read through the door (:mod:`zephon_collate.read`) and refused with the record, the
+field and the fix.
 """
 
 from __future__ import annotations
@@ -93,8 +88,7 @@ class PackOptions(Keywords):
 
     @classmethod
     def create(cls, owner: str, *args: Any, **given: Any) -> PackOptions:
-        """Check every option, raising ``TypeError``/``ValueError`` that names it and says what to pass
-        (``args``: ``seq_len``, given by position)."""
+        """Check every option, raising ``TypeError``/``ValueError`` that names it (``args``: ``seq_len``)."""
         given = {**dict(zip(("seq_len",), args, strict=False)), **given}
         check_option_names(owner, given, PACK_OPTION_NAMES)
         if "pad_token_id" not in given:
@@ -104,7 +98,7 @@ class PackOptions(Keywords):
         checked = dict(options)
         checked["seq_len"] = check_int(owner, "seq_len", options["seq_len"], 1, INT32_MAX)  # int32 offsets
         checked["pad_token_id"] = check_int(owner, "pad_token_id", options["pad_token_id"], 0)
-        if options["buffer_size"] is not None or owner not in ("pack_flat", "pack_columns"):  # None: all
+        if options["buffer_size"] is not None or owner not in ("pack_flat", "pack_columns", "PackBatches"):
             checked["buffer_size"] = check_int(owner, "buffer_size", options["buffer_size"], 1)
         if not isinstance(options["emit_positions"], bool):
             raise TypeError(f"{owner}: emit_positions must be a bool, got {shown(options['emit_positions'])}")
@@ -167,8 +161,7 @@ class PackOptions(Keywords):
         return cls(**checked)
 
     def check_columnar(self, owner: str) -> None:
-        """Refuse the options a columnar batch cannot serve: groups are read record by record (a group
-        key per record, which the columns do not carry)."""
+        """Refuse ``group_key`` for a columnar batch (groups are read record by record)."""
         if self.group_key is not None:
             raise read_by_rows(owner, "group_key groups")
 
@@ -193,6 +186,7 @@ class PackOptions(Keywords):
 PACK_OPTION_NAMES = PackOptions.names()
 """The packing keywords, in the order ``pack_flat``, ``FlatPacker`` and ``PackedStream`` spell them."""
 REQUIRED = {"pad_token_id": "the token id of the padding, an int >= 0"}
+"""The packing keyword without a default, and what it is (for the error naming it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,16 +196,8 @@ class StreamOptions(PackOptions):
     buffer_size: int | None = STREAM_BUFFER_SIZE
 
 
-"""The packing keyword without a default, and what it is (for the error naming it)."""
-
-
 def as_array(value: object, where: str, name: str, *, ids: bool, flat: bool = True) -> np.ndarray:
-    """A 1-D NumPy array of a payload value (``flat=False``: ``[T, ...]``, a tensor field's), read by the
-    one payload reader.
-
-    :func:`~zephon_collate.read.columns.to_row` checks the value; token ids come back
-    as int64 and ``>= 0``; an int64 ndarray is not copied.
-    """
+    """A payload value as a NumPy array, 1-D unless ``flat=False``; token ids as int64 ``>= 0``."""
     if not isinstance(value, (torch.Tensor, np.ndarray, list, tuple)):
         raise TypeError(
             f"{where}: field {shown(name)} must be a list, tuple, NumPy array or torch tensor of numbers, "
@@ -236,9 +222,7 @@ def check_loss_mask(values: np.ndarray, where: str) -> None:
 
 
 def prompt_entries(name: str, values: np.ndarray) -> np.ndarray:
-    """Entry-wise booleans: does a packed supervising field (one of :data:`PROMPT_FIELDS`, listed in
-    ``fields``) mark a prompt token here, as a ``loss_mask``'s 0 does? ``labels``: -100; a mask: 0.
-    ``overflow="auto"`` never cuts a document holding one.
+    """Entry-wise: does a supervising field (:data:`PROMPT_FIELDS`) mark a prompt token (-100, or a mask's 0)?
 
     Example:
         >>> prompt_entries("labels", np.array([-100, 5, 6])).tolist()
@@ -264,9 +248,7 @@ def _aligned_rows(field: Ragged, tokens: Ragged) -> np.ndarray:
 
 
 def _check_one_segment(positions: Ragged, tokens: Ragged, names: Names, name: str) -> None:
-    """A ``positions`` (or ``position_ids``: ``name``) column beside columnar documents: each must count
-    0, 1, ... over its tokens (one segment), for columns carry no per-document segments into the packer
-    (records do)."""
+    """Each columnar document's ``positions`` (or ``position_ids``) must count 0, 1, ... (one segment)."""
     aligned = _aligned_rows(positions, tokens)
     if positions.values.ndim != 1 or not aligned.all():
         bad = ~aligned | (positions.values.ndim != 1)
@@ -286,13 +268,11 @@ def _check_one_segment(positions: Ragged, tokens: Ragged, names: Names, name: st
 
 
 class Reader:
-    """Reads documents through the door (:mod:`zephon_collate.read`): the records of a call as one batch,
-    or a columnar batch, by one rule.
+    """Reads documents through the door (:mod:`zephon_collate.read`): records as one batch, or columns.
 
     Parameters:
         tokens_name: the token field; ``None``: fixed by the first document with tokens.
-        fields: the packed per-token fields; ``None``: fixed by the first document with tokens
-            (:func:`candidates`).
+        fields: the packed per-token fields; ``None``: fixed by the first document with tokens.
         strict: with found fields, refuse a later record with a ``loss_mask`` the first lacked.
         floats: the float fields, read by their specs.
         segments: read ``positions`` (else ``position_ids``) as each document's segments.
@@ -327,8 +307,7 @@ class Reader:
         return (*self.packed, *([self.group_key] if self.group_key is not None else []))
 
     def read(self, record: SampleRecord, index: int) -> Document | None:
-        """The :class:`Document` of one record (a stream's: a batch of one), named by its place ``index``;
-        ``None`` for one without tokens."""
+        """The :class:`Document` of one record named by its place ``index`` (``None`` without tokens)."""
         batch = records_of(
             [record], self.tokens_name or INPUT_IDS, "FlatPacker", places=[index], resolve=False
         )
@@ -339,10 +318,7 @@ class Reader:
     def read_all(
         self, records: Sequence[SampleRecord], places: Sequence[int]
     ) -> list[Document | None] | None:
-        """The documents of the records of a call, read as one batch through the door (record ``i`` named
-        by its place ``places[i]``; ``None`` where it holds no tokens), or ``None`` where they are not:
-        the reader is not fixed yet (``tokens_name`` and ``fields``), a record is refused (read one at a
-        time, the first refused is named where it is reached), or their rows differ in dtype.
+        """The documents of a call's records read as one batch, or ``None`` (then read them one by one).
 
         Example:
             >>> from zephon_collate.core.records import SampleMeta
@@ -359,8 +335,7 @@ class Reader:
             return None
 
     def _documents(self, batch: Batch) -> list[Document | None] | None:
-        """Each row's :class:`Document` (``None`` without tokens), taken from the batch as read; ``None``
-        where a field's rows differ in dtype, which a row read alone keeps."""
+        """Each row's :class:`Document`; ``None`` where a field's rows differ in dtype."""
         arrays = [is_array_payload(payload) for payload in batch.payloads]
         if any(arrays):  # the token field an array payload's row is, and its fields: none
             self.tokens_name = self.tokens_name or INPUT_IDS
@@ -392,10 +367,7 @@ class Reader:
         return documents
 
     def read_columns(self, columns: Columns, first: int) -> tuple[Ragged, dict[str, Ragged]]:
-        """:meth:`read` of every document of a columnar batch at once: ``(tokens, {field: values})``, the
-        tokens ids >= 0 (in their stored dtype) and each field holding one entry per token of its
-        document (documents without tokens hold none). Row ``b`` is named ``example {first + b}``.
-        """
+        """Every document of a columnar batch: ``(tokens, {field: values})``, rows named from ``first``."""
         columns.names = lambda row: example_names(first + row)  # the rows are named by their place
         return self.read_batch(columns, columnar=True)
 
@@ -480,8 +452,7 @@ class Reader:
         return tokens, values
 
     def _check_present(self, batch: Batch) -> None:
-        """A document after the first: it has every packed field, and no ``loss_mask`` the earlier ones
-        lacked (found fields, ``strict``), which would go unpacked."""
+        """A later document has every packed field, and no ``loss_mask`` the earlier ones lacked."""
         assert self.fields is not None
         where = batch.names(0)
         if self.strict and LOSS_MASK in batch and LOSS_MASK not in self.fields:
@@ -497,9 +468,7 @@ class Reader:
                 )
 
     def _check_names(self, batch: Batch, tokens_name: str) -> None:
-        """A near miss of a supervision field (:func:`~zephon_collate.read.rules.misspelled`: ``loss_maks``)
-        not listed: refused, naming the document, before the fields are found (read under no name, or
-        packed as data, what it leaves untrained would be trained)."""
+        """Refuse a near miss of a supervision field (``loss_maks``) that is not listed."""
         read = (*self._listed, tokens_name, POSITIONS, POSITION_IDS)
         near = rules.misspelled(batch.fields, rules.SUPERVISION_NAMES, read)
         if near is not None:
@@ -510,8 +479,7 @@ class Reader:
             )
 
     def _check_supervision(self, batch: Batch, tokens: Ragged) -> None:
-        """Supervision spelled otherwise than ``loss_mask`` and not listed: refused where it would change
-        what is trained (the Collator's rule, :func:`~zephon_collate.read.rules.unread_supervision`)."""
+        """Refuse supervision spelled otherwise than ``loss_mask`` where it would change what is trained."""
         names = batch.names
         for name in SUPERVISING_FIELDS:
             if name in batch and name not in self._listed:
@@ -535,8 +503,7 @@ class Reader:
             raise ValueError(rules.unread_message(names(found[0]), found[1], "packer"))
 
     def _segments(self, where: str, positions: Ragged, name: str, row: int, length: int) -> np.ndarray | None:
-        """Row ``row``'s ``positions`` (or ``position_ids``: ``name``) as its segments (one starts wherever
-        they are 0); ``None`` for one segment."""
+        """Row ``row``'s ``positions`` as its segments; ``None`` for one segment."""
         if positions.values.ndim != 1:
             raise ValueError(
                 f"{where}: field {shown(name)} must be 1-D (one entry per token), got shape "
@@ -556,8 +523,7 @@ class Reader:
         return np.asarray(values, dtype=np.int64)
 
     def _group(self, batch: Batch, row: int, value: Any, carried: bool) -> Any:
-        """Row ``row``'s group key ``value``: an int or a str (a 0-d integer array or tensor reads as an
-        int)."""
+        """Row ``row``'s group key: an int or a str."""
         key = cast(str, self.group_key)
         where = batch.names(row)
         if not carried:
@@ -583,9 +549,7 @@ class Reader:
 def candidates(
     batch: Batch, tokens_name: str, tokens: Ragged, skipped: Sequence[str] = ()
 ) -> tuple[str, ...]:
-    """The per-token fields of the documents of ``batch``: ``loss_mask`` (which must then hold one entry
-    per token in every document with tokens), then, in the input's order, each field of numbers with one
-    entry per token in every such document; never the tokens, positions, supervising fields or ``skipped``.
+    """The per-token fields: ``loss_mask``, then each field of numbers with one entry per token.
 
     Parameters:
         batch: the documents.

@@ -1,14 +1,6 @@
 """Packed rows from documents: cut each document into pieces, place the pieces in rows, build each row.
 
-:func:`split_document` cuts a document into pieces of at most ``seq_len``
-tokens (``overflow="split"``) or keeps its head (``"truncate"``); by default
-(``"auto"``) a document with a prompt (a 0 in its ``loss_mask``, or a prompt in a
-supervising field packed as data: ``labels`` -100, a mask's 0) is never cut.
-:class:`Engine` places pieces into rows, greedily in arrival order or by
-best-fit-decreasing over a bounded buffer, and :func:`build_row` lays a row's
-pieces end to end with a padding segment and writes its new metadata. Pieces
-hold plain data only, so :class:`zephon_collate.packing.packer.FlatPacker` can
-save and restore them.
+Pieces hold plain data only, so ``FlatPacker`` can save and restore them.
 """
 
 from __future__ import annotations
@@ -82,11 +74,8 @@ piece), a new row of its unit (a group laid over several rows), or it continues 
 class Piece(NamedTuple):
     """A document, or one piece of a split one: at most ``seq_len`` tokens and their fields.
 
-    ``positions`` are the piece's own segment-restarting positions (``None``: one
-    segment), ``side`` the place of its first segment among its group's segments
-    (a lone record's segments count from 0), ``opens`` how it starts
-    (:data:`OPENS_UNIT`, :data:`OPENS_ROW`, :data:`CONTINUES`): the engine never
-    separates the pieces of one unit.
+    ``positions``: its own segments (``None``: one); ``side``: its first segment's place in its group;
+    ``opens``: how it starts (the engine never separates the pieces of one unit).
     """
 
     tokens: np.ndarray
@@ -134,11 +123,7 @@ def _cut(piece: Piece, cut: slice, part: int, closes: bool) -> Piece:
 def _split(piece: Piece, where: str, options: PackOptions) -> list[Piece]:
     """The pieces of one whole document: itself, or ``seq_len`` slices (split) or its head (truncate).
 
-    Raises:
-        ValueError: with ``overflow="auto"``, for a document longer than ``seq_len`` whose
-            ``loss_mask`` has a 0 (or a packed supervising field a prompt: :func:`prompt_entries`)
-            or whose positions hold several segments: cut, its response would be trained without
-            its prompt, or one side of it without the other.
+    ``overflow="auto"`` refuses to cut a document with a prompt or several segments.
     """
     size = options.seq_len
     tokens = piece.tokens
@@ -167,14 +152,7 @@ def _split(piece: Piece, where: str, options: PackOptions) -> list[Piece]:
 
 
 def split_document(record: SampleRecord, index: int, document: Document, options: PackOptions) -> list[Piece]:
-    """The pieces of one document: itself, or ``seq_len`` slices (split) or its head (truncate).
-
-    Each piece is a placement unit of its own (documents are placed piece by piece).
-
-    Raises:
-        ValueError: with ``overflow="auto"``, for a document longer than ``seq_len`` whose
-            ``loss_mask`` has a 0 (a prompt) or that holds several segments.
-    """
+    """The pieces of one document, each a placement unit of its own (:func:`_split`'s rules)."""
     where = describe_record(index, record)
     payload = record.payload
     if (
@@ -192,9 +170,7 @@ def split_document(record: SampleRecord, index: int, document: Document, options
 
 
 def refuse_cut_prompt(where: str, length: int, size: int, name: str = LOSS_MASK) -> ValueError:
-    """The refusal of ``overflow="auto"`` to cut a document with a prompt: 0s in its ``loss_mask``, or
-    a prompt in ``name``, a supervising field packed as data
-    (:func:`~zephon_collate.packing.reader.prompt_entries`)."""
+    """The ``ValueError`` of ``overflow="auto"`` for a document with a prompt (in ``name``)."""
     marks = (
         "0s in its loss_mask"
         if name == LOSS_MASK
@@ -209,9 +185,7 @@ def refuse_cut_prompt(where: str, length: int, size: int, name: str = LOSS_MASK)
 
 
 def refuse_cut_columns(columns: Columns, tokens: Ragged, options: PackOptions, names: Names) -> None:
-    """:func:`split_document`'s ``overflow="auto"`` refusal over a columnar batch, every document at once:
-    the first one longer than ``seq_len`` whose ``loss_mask`` column (packed or not) has a 0, or a
-    supervising column listed in ``fields`` a prompt, is named (the ``loss_mask`` first, as for records)."""
+    """:func:`split_document`'s ``overflow="auto"`` refusal over a columnar batch, every document at once."""
     listed = [name for name in PROMPT_FIELDS if name in (options.fields or ()) and name in columns]
     if options.overflow != "auto" or not (LOSS_MASK in columns or listed):
         return
@@ -256,16 +230,8 @@ def _water_filled(sizes: list[int], room: int) -> list[int]:
 def group_pieces(members: list[Piece], where: str, key: object, options: PackOptions) -> list[Piece]:
     """The pieces of a group (records with one group key, in order): one unit the engine never separates.
 
-    A group that fits in a row is one row's worth; a longer one follows ``overflow``:
-    ``"auto"`` raises, ``"truncate"`` cuts each member to its head (the longest first,
-    to equal length) until the group fits, ``"split"`` lays the members over
-    consecutive rows, each whole while it fits in a row. A group of one record longer
-    than a row is cut as a document is (:func:`split_document`'s rules), its pieces
-    in consecutive rows.
-
-    Raises:
-        ValueError: with ``overflow="auto"``, for a group longer than ``seq_len``; with
-            ``"truncate"``, for a group of more records than ``seq_len`` tokens.
+    A group longer than ``seq_len`` follows ``overflow``: ``"auto"`` raises, ``"truncate"`` cuts
+    each member to its head (longest first, to equal length), ``"split"`` lays it over consecutive rows.
     """
     side = 0
     placed = []
@@ -332,9 +298,9 @@ def _size(row: Sequence[Piece]) -> int:
 
 
 class Engine:
-    """Places pieces into rows: ``pending`` is the open row (greedy) or the unplaced buffer (best fit);
-    ``ready`` holds closed rows (lists of pieces) in emission order. A unit (a group) is never separated:
-    it goes into one row, or, laid over several, into rows emitted one after another."""
+    """Places pieces into rows: ``pending`` is the open row (greedy) or the buffer (best fit), ``ready``
+    the closed rows in emission order; a unit is never separated.
+    """
 
     def __init__(self, seq_len: int, best_fit: bool, buffer_size: int) -> None:
         self.seq_len, self.best_fit, self.buffer_size = seq_len, best_fit, buffer_size
@@ -361,8 +327,7 @@ class Engine:
         self._greedy(run)
 
     def _greedy(self, rows: list[list[Piece]]) -> None:
-        """Each of ``rows`` (pieces kept in one row) into the open row, or a new one where it does not
-        fit (:func:`~zephon_collate.core.fit.greedy_breaks`, the one greedy rule)."""
+        """Each of ``rows`` into the open row, or a new one where it does not fit."""
         sizes = [_size(row) for row in rows]
         start = 0
         for end in greedy_breaks(sizes, self.seq_len, self.used):
@@ -385,9 +350,7 @@ class Engine:
         self.pending, self.used = [], 0
 
     def _best_fit_decreasing(self, pieces: list[Piece]) -> list[list[Piece]]:
-        """The buffer's units by :func:`~zephon_collate.core.fit.best_fit_rows` (the one best-fit
-        rule): each unit's last row placed by its size, units taken by their whole size; a unit laid
-        over several rows opens its last one, right after its full rows."""
+        """The buffer's units placed by :func:`~zephon_collate.core.fit.best_fit_rows`."""
         found = units(pieces)
         placed = best_fit_rows(
             [_size(unit[-1]) for unit in found],
@@ -419,10 +382,7 @@ def _token_split(counts: Mapping[int, int], size: int) -> dict[int, int]:
 class Segment(NamedTuple):
     """One segment of a packed row: the record it came from, its side, where it lies in the row.
 
-    ``side`` is its place among its group's segments (:func:`pack_flat`'s
-    ``group_key``; a lone record is a group of one): in a preference pair
-    packed as two records, or as one record whose positions restart, the
-    chosen sequence is side 0 and the rejected one side 1.
+    ``side``: its place among its group's segments (in a preference pair, chosen 0, rejected 1).
     """
 
     sample_id: tuple[int, int, int]
@@ -447,7 +407,7 @@ def row_segments(row: SampleRecord) -> tuple[Segment, ...]:
 def build_row(
     pieces: list[Piece], options: PackOptions, tokens_name: str, fields: Sequence[str]
 ) -> SampleRecord:
-    """One packed row: pieces end to end, then the padding segment; new meta (see :func:`pack_flat`)."""
+    """One packed row: pieces end to end, then the padding segment, and its new metadata."""
     size = options.seq_len
     lengths = [piece.tokens.size for piece in pieces]
     used = sum(lengths)

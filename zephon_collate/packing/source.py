@@ -1,10 +1,7 @@
 """A stream's records and saved state: reading a source shard from a position, and state as plain data.
 
-Shared by :class:`~zephon_collate.packing.stream.PackedStream`'s packed and balanced modes.
-``source`` is a sequence of records (random access: a resume seeks) or a callable
-``source(shard, num_shards, epoch)`` returning that shard's records in a fixed
-order (a resume reads and skips what was consumed); either way the record before
-the resume point must carry the saved cursor key, or the source changed.
+``source`` is a sequence of records (a resume seeks) or ``source(shard, num_shards, epoch)`` (a
+resume reads and skips); the record before the resume point must carry the saved cursor key.
 """
 
 from __future__ import annotations
@@ -54,11 +51,10 @@ def cursor_key(value: Any) -> Any:
 def shard_records(
     source: Source, shard: int, num_shards: int, epoch: int, start: int, expected: Any
 ) -> Iterator[SampleRecord]:
-    """Shard ``shard``'s records from position ``start`` on, after checking (eagerly) the one before it.
+    """Shard ``shard``'s records from position ``start`` on, after checking the one before it.
 
     Raises:
-        ValueError: if the shard holds fewer than ``start`` records, or record ``start - 1``
-            does not carry the cursor key ``expected``: the source changed since the state was saved.
+        ValueError: if the source changed since the state was saved.
     """
     if callable(source):
         records = iter(source(shard, num_shards, epoch))

@@ -1,10 +1,6 @@
 """The packer's saved state: pieces as plain data, and their strict check on the way back.
 
-A state dict is input like any record: :func:`piece_from_state` reads every
-piece with the packer's own payload reader, so a corrupt state (float or
-negative token ids, a field of the wrong length, a piece longer than a row, a
-metadata value of the wrong type) raises a ``ValueError`` that names the state
-key, never a raw NumPy error and never a wrong row.
+A corrupt state raises a ``ValueError`` naming the state key, never a raw NumPy error or a wrong row.
 """
 
 from __future__ import annotations

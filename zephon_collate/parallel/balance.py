@@ -1,16 +1,7 @@
 """Balanced data-parallel steps: which documents each rank gets in each lockstep micro-batch slot.
 
-:class:`~zephon_collate.EvenBatches` gives every rank the same number of steps;
-equal steps are not equal work. :func:`plan_balance` takes a window of documents
-(their lengths, optionally group keys that must stay together) and returns a
-:class:`BalancePlan`: for each micro-batch slot of the step and each rank, the
-documents it gets. Every document appears once (or is held for the next window);
-each micro-batch respects its token budget (``max_tokens`` padding-free, or
-``rows`` rows of ``seq_len``); every rank gets the same number of micro-batches;
-and within each slot, which all ranks run in lockstep, the modelled cost
-(:class:`~zephon_collate.parallel.cost.CostModel`) is balanced across ranks. The
-plan is a pure function of its input: every rank computes the same one, with no
-communication. How: :mod:`zephon_collate.parallel.placement`.
+:func:`plan_balance` plans one window of documents into a :class:`BalancePlan`, the same on every
+rank (docs/distributed.md, "The planner"); how: :mod:`zephon_collate.parallel.placement`.
 """
 
 from __future__ import annotations
@@ -40,20 +31,11 @@ class BalanceOptions:
 
     Parameters:
         cost: the :class:`~zephon_collate.parallel.cost.CostModel` balanced across ranks.
-        micro_batches: lockstep micro-batch slots per step (gradient accumulation); ``None``:
-            as few as the window needs (:func:`plan_balance` only; the sampler and stream need it).
+        micro_batches: lockstep micro-batch slots per step; ``None``: as few as the window needs.
         max_tokens: padding-free budget, the most tokens one micro-batch holds.
-        rows, seq_len: fixed-row budget instead: a micro-batch's documents pack into ``rows``
-            rows of ``seq_len`` tokens (its cost counts the padding too).
-        hold_back: windows a document may wait so that outliers (documents costing more than
-            a rank's mean share of a slot) come in whole tiers of ``ranks``, as WLB-LLM
-            delays them (unless holding them would leave a micro-batch empty); documents
-            that do not fit a step always wait for the next one.
+        rows, seq_len: fixed-row budget instead: ``rows`` rows of ``seq_len`` tokens per micro-batch.
+        hold_back: windows an outlier may wait so that outliers come ``ranks`` at a time (WLB-LLM).
         swap_rounds: pairwise swaps per slot after the longest-first seed.
-
-    Raises:
-        TypeError, ValueError: naming the option, for a wrong type, a value out of range, or
-            neither or both of ``max_tokens`` and ``rows``/``seq_len``.
 
     Example:
         >>> options = BalanceOptions(cost=CostModel(linear=1, quadratic=0), max_tokens=8)
@@ -113,16 +95,13 @@ class BalancePlan:
 
     Attributes:
         cells: ``cells[slot][rank]``, the documents (indices into the window) of that micro-batch.
-        rows: fixed-row mode: ``rows[slot][rank]`` lists the micro-batch's rows (each a tuple of
-            documents; a plain next-fit over ``cells[slot][rank]`` in order, as
-            ``pack_flat(strategy="greedy")`` does, rebuilds exactly these rows); else ``None``.
-        held: documents left for the next window, in window order.
-        dropped: documents left out for good (see :meth:`without_sparse_slots`), in window order.
-        costs: ``[slots, ranks]`` int64 modelled cost of each micro-batch (padding included).
+        rows: fixed rows: ``rows[slot][rank]``, the micro-batch's rows (next-fit over its cell), else None.
+        held: documents left for the next window.
+        dropped: documents left out for good (:meth:`without_sparse_slots`).
+        costs: ``[slots, ranks]`` modelled cost of each micro-batch (padding included).
         tokens: ``[slots, ranks]`` document tokens; ``computed``: tokens including padding.
         largest: ``[slots]`` the costliest unit (document or group) of each slot.
-        extra_slots: slots beyond ``micro_batches``, added because documents that may not wait
-            longer did not fit (0 normally).
+        extra_slots: slots beyond ``micro_batches`` for documents that may not wait longer.
         seq_len: the row length in fixed-row mode, else ``None``.
 
     Example:
@@ -184,17 +163,9 @@ class BalancePlan:
         )
 
     def without_sparse_slots(self, *, hold: bool = False) -> BalancePlan:
-        """The plan without the slots in which some rank got no document; theirs go to ``dropped``
-        (``hold``: to ``held``, to wait for the next window).
+        """The plan without the slots in which some rank got no document; theirs go to ``dropped``.
 
-        Only a slot holding fewer units (documents, or groups) than ranks has an empty
-        micro-batch (the longest-first seed gives an empty cell the next unit, and fixed
-        rows are split until every micro-batch has one), so this drops at most the tail
-        of an epoch's last window: a rank with nothing to run would leave the others
-        waiting in the slot's collectives. Before the last window (``hold``) they wait
-        for the next one instead, where new documents fill the step: such a slot is
-        then one of the :attr:`extra_slots` for documents that may not wait, too few
-        to fill it.
+        ``hold``: to ``held`` instead, to wait for the next window.
 
         Example:
             >>> options = BalanceOptions(cost=CostModel(linear=1, quadratic=0), max_tokens=4)
@@ -245,11 +216,7 @@ class BalancePlan:
         return _spread(self.tokens)
 
     def memory_spread(self) -> Floats:
-        """``[slots]``: the most computed tokens (padding included) on a rank over the mean.
-
-        Activation memory grows with computed tokens under a varlen or block-sparse
-        attention kernel, so this is the memory spread; fixed rows make it 1.
-        """
+        """``[slots]``: the most computed tokens (padding included) on a rank over the mean."""
         return _spread(self.computed)
 
     def digest(self) -> str:
@@ -291,8 +258,7 @@ def _spread(values: Ints) -> Floats:
 
 
 def as_counts(values: object, name: str, minimum: int, owner: str = "plan_balance") -> Ints:
-    """``values`` as a 1-D int64 array of entries from ``minimum`` to 2**63 - 1: ``TypeError`` unless
-    ints, ``ValueError`` naming the first entry out of range as given (before any cast wraps it)."""
+    """``values`` as a 1-D int64 array of ints from ``minimum`` to 2**63 - 1, checked as given."""
     array = np.asarray(values)
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
         raise TypeError(
@@ -323,40 +289,18 @@ def plan_balance(
 ) -> BalancePlan:
     """Plan one step: the window's documents over ``micro_batches`` slots x ``ranks`` ranks, balanced.
 
-    Documents with the same ``groups`` key form one unit: they share a micro-batch
-    (and, in fixed-row mode, a row). Every unit is placed once, or held for the next
-    window when it does not fit the step (or, with ``hold_back``, when it is an outlier
-    that may wait); a unit that has ``waited`` ``max(hold_back, 1)`` windows is never
-    held: extra slots are added if it does not fit (:attr:`BalancePlan.extra_slots`).
-    With ``final`` (the last window of an epoch) or ``micro_batches=None`` nothing is
-    held and the step has as few slots as the documents need. A micro-batch is left
-    empty only in a slot holding fewer units than ranks (in fixed-row mode, rows are
-    split until every micro-batch has one; outliers are not held when holding them
-    would leave a micro-batch empty).
-
     Parameters:
         lengths: ``[n]`` token counts of the window's documents (ints >= 1).
         options: the :class:`BalanceOptions`.
         ranks: the number of data-parallel ranks.
-        groups: ``[n]`` integer keys; equal keys stay in one micro-batch.
+        groups: ``[n]`` integer keys; equal keys stay in one micro-batch (and row).
         waited: ``[n]`` windows each document has waited already (default 0).
         final: place everything (the epoch's last window).
-        extra_costs: ``[n]`` cost units (ints >= 0) added to each document's modelled cost, work
-            that its tokens do not show: a vision-language document's vision tower,
-            ``options.cost.vision_costs(grids)``. Token budgets are unchanged (it is work, not
-            tokens); :attr:`BalancePlan.costs` and :attr:`BalancePlan.largest` include it.
-        costs: ``[n]`` each document's modelled cost (ints >= 0) in place of
-            ``options.cost.costs(lengths)``, for documents that are not flat: trees,
-            ``options.cost.tree_costs(positions)``. ``extra_costs`` still adds; a fixed row's
-            padding is still priced by ``options.cost``; token budgets are unchanged.
+        extra_costs: ``[n]`` cost units added to each document's cost (``options.cost.vision_costs``).
+        costs: ``[n]`` each document's cost in place of the model's (``options.cost.tree_costs``).
 
     Returns:
         A :class:`BalancePlan`; the same input gives the same plan everywhere.
-
-    Raises:
-        TypeError, ValueError: naming the argument and the document for bad lengths, groups,
-            waits, costs or extra costs, a unit longer than the budget (``max_tokens``, or
-            ``seq_len`` in fixed-row mode), or a total cost beyond int64.
 
     Example:
         >>> cost = CostModel(linear=1, quadratic=1)
@@ -366,28 +310,6 @@ def plan_balance(
         ((((0,), (5, 6)), ((1, 4), (2, 3))),)
         >>> plan.costs.tolist(), plan.held, plan.padding_fraction()  # cost: L + L**2 per segment
         ([[110, 90]], (), 0.15625)
-
-        Two documents of 8 tokens, one with a large image: the image's extra cost sends both
-        small documents to the other rank.
-
-        >>> options = BalanceOptions(cost=cost, max_tokens=16, micro_batches=1)
-        >>> plan_balance([8, 8, 4, 4], options, ranks=2).cells  # 72 + 20 on each rank
-        (((0, 2), (1, 3)),)
-        >>> plan = plan_balance([8, 8, 4, 4], options, ranks=2, extra_costs=[0, 40, 0, 0])
-        >>> plan.cells, plan.costs.tolist()  # 72 + 40 against 72 + 20 + 20
-        ((((1,), (0, 2, 3)),), [[112, 112]])
-
-        Document 1 is a tree, a 2-token prompt and three 2-token completions: its 8 tokens cost
-        48 units (:meth:`~zephon_collate.parallel.cost.CostModel.tree_costs`), not 72, and both
-        short documents join it.
-
-        >>> positions = [list(range(8)), [0, 1, 2, 3, 2, 3, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3]]
-        >>> trees = cost.tree_costs(positions)
-        >>> trees.tolist()
-        [72, 48, 20, 20]
-        >>> plan = plan_balance([8, 8, 4, 4], options, ranks=2, costs=trees)
-        >>> plan.cells, plan.costs.tolist()  # 72 against 48 + 20 + 20
-        ((((0,), (1, 2, 3)),), [[72, 88]])
     """
     ranks = check_int("plan_balance", "ranks", ranks, 1)
     if not isinstance(options, BalanceOptions):
@@ -500,14 +422,7 @@ def _raise_too_long(
 def _outliers_to_hold(
     unit_cost: Ints, must: npt.NDArray[np.bool_], ranks: int, slots: int
 ) -> npt.NDArray[np.bool_]:
-    """Outliers (units costing more than a micro-batch's mean share) beyond the last whole tier of ``ranks``.
-
-    A slot balances when its outliers come ``ranks`` at a time, one per rank; the
-    cheapest outliers beyond a multiple of ``ranks`` that may still wait are held for
-    the next window, where they meet new outliers (WLB-LLM's outlier delay).
-    :func:`plan_balance` places them after all when holding them leaves a
-    micro-batch empty (a rank with nothing is worse than any imbalance).
-    """
+    """Outliers (costing more than a micro-batch's mean share) beyond the last whole tier of ``ranks``."""
     held = np.zeros(unit_cost.size, np.bool_)
     share = int(unit_cost.sum()) // (ranks * slots)  # cost > share  <=>  cost * cells > total (integers)
     outliers = np.flatnonzero(unit_cost > share)
@@ -528,8 +443,7 @@ def _place(
     ranks: int,
     step_slots: int | None,
 ) -> tuple[Ints, int, int, list[list[list[int]]] | None]:
-    """The cell of each unit (``UNPLACED`` if it waits), the slots, the extra slots and, in fixed-row
-    mode, each cell's rows."""
+    """The cell of each unit (``UNPLACED`` if it waits), the slots, the extra slots and the rows."""
     if options.rows is not None and options.seq_len is not None:
         return _place_fixed(
             unit_size, unit_cost, must, held, options, ranks, step_slots, options.rows, options.seq_len
@@ -588,15 +502,8 @@ def _place_fixed(
 ) -> tuple[Ints, int, int, list[list[list[int]]]]:
     """Fixed rows: the cell of each unit, the slots, the extra slots and each cell's rows (unit lists).
 
-    The units are packed into rows best-fit-decreasing; with ``micro_batches`` the
-    step keeps the fullest rows (the least full ones wait: that keeps padding low),
-    and a unit that may not wait, left in a dropped row, takes the place of the unit
-    that may wait and leaves its kept row fullest (that one waits instead); when one
-    finds no such unit, the step gets extra slots and the rows are kept again. While
-    the rows are fewer than the step's micro-batches (a small window: the epoch's
-    last, or one that held its outliers), a unit moves out to a row of its own
-    (:func:`_split_rows`), so that no rank is left without a row. Then whole rows
-    are placed.
+    Rows are packed best-fit-decreasing; the fullest are kept, units that may not wait swapped in,
+    small windows split (:func:`_split_rows`), then whole rows placed.
     """
     candidates = np.flatnonzero(~held)
     rows = [[int(candidates[i]) for i in row] for row in pack_rows(unit_size[candidates], seq_len)]
@@ -640,12 +547,7 @@ def _split_rows(
 ) -> list[list[int]]:
     """At least ``cells`` rows where the units allow: while fewer, one unit moves to a row of its own.
 
-    Best-fit packs a small window into fewer rows than the step has micro-batches
-    (two short documents on two ranks: one row), and a micro-batch without a row
-    leaves its rank with nothing, its slot dropped at the end of an epoch. Each
-    split takes the costliest row holding two or more units (ties: the earlier row)
-    and moves out the unit that makes the larger of the two rows' costs least (ties:
-    the earlier unit). With ``cells`` rows or more, every micro-batch gets a row.
+    So that no rank of a small window is left without a row.
     """
     rows = [list(row) for row in rows]
 
@@ -665,11 +567,7 @@ def _split_rows(
 def _keep_fullest(
     rows: list[list[int]], capacity: int, unit_size: Ints, must: npt.NDArray[np.bool_], seq_len: int
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """The ``capacity`` fullest rows, with every unit that may not wait swapped in; and leftover rows.
-
-    Returns the kept rows and the rows of units that may not wait but found no
-    unit to displace (normally none).
-    """
+    """The ``capacity`` fullest rows, units that may not wait swapped in; and the rows of those stuck."""
     sizes = unit_size.tolist()
     fill = np.array([sum(sizes[u] for u in row) for row in rows], np.int64)
     order = np.lexsort((np.arange(len(rows)), -fill)).tolist()
@@ -768,11 +666,9 @@ def _build(
 def _next_fit_order(
     rows: list[list[int]], members: list[list[int]], sizes: list[int], unit_sizes: list[int]
 ) -> list[int]:
-    """A cell's documents in the order a plain next-fit packs back into (at most) these rows.
+    """A cell's documents in the order a plain next-fit packs back into these rows.
 
-    Fullest rows first, the longest unit first in each row and the longest document
-    first in each unit: a row then starts with a document too long for the space
-    the row before it left, so next-fit closes rows where the plan does.
+    Fullest rows first, longest unit and longest document first: next-fit closes rows where the plan does.
     """
 
     order: list[int] = []

@@ -1,9 +1,4 @@
-"""Reassembling context-parallel shards: the inverse of
-:class:`~zephon_collate.transforms.ContextParallelShard`.
-
-:func:`gather_context_parallel` puts the shards of every CP rank back in
-stream order, with the layout of :mod:`zephon_collate.functional.context_parallel`.
-"""
+"""Reassembling context-parallel shards: the inverse of ``ContextParallelShard``."""
 
 from __future__ import annotations
 
@@ -29,17 +24,10 @@ def gather_context_parallel(
     metadata_keys: Sequence[str] = _METADATA_KEYS,
     drop_padding: bool = True,
 ) -> TensorDict:
-    """Reassemble the THD token stream from the shards of every CP rank (rank order): the inverse of
-    :class:`~zephon_collate.transforms.context_parallel.ContextParallelShard`.
+    """Reassemble the THD token stream from the shards of every CP rank (in rank order).
 
-    Per-token entries (first dim = the shard length, not in ``metadata_keys``)
-    are put back in stream order; with ``drop_padding`` the added tokens are
-    removed (and ``added_key`` with them), giving the batch's flattened fields.
-    Use it on gathered model outputs too (logits, per-token losses) alongside
-    the shards' ``added_key``.
-
-    Raises:
-        ValueError: if ``shards`` is empty or the shards disagree on their boundaries.
+    Per-token entries go back in stream order; with ``drop_padding`` the added tokens (``added_key``)
+    are removed. Works on gathered model outputs too (logits, per-token losses).
 
     Example:
         >>> from zephon_collate.transforms.context_parallel import ContextParallelShard

@@ -1,26 +1,7 @@
 """The cost of a document: ``linear * length + quadratic * length**2``, in exact integers.
 
-Packed training with a varlen or block-sparse attention kernel does work in
-proportion to its tokens (every GEMM: projections, MLP, logits) plus work in
-proportion to the sum of its documents' squared lengths (attention stays inside
-each document). Two ranks with the same token count can therefore do very
-different work. :class:`CostModel` holds the two coefficients as integers, so
-every cost, sum and comparison a plan makes is exact and the same on every
-rank: built from a model's dimensions (:meth:`CostModel.from_model`), from
-measured coefficients (:meth:`CostModel.from_coefficients`) or fitted to
-measured step times (:meth:`CostModel.fit`).
-
-Vision-language documents also run the vision tower (ViT) over their images:
-``vision_linear`` per patch plus ``vision_quadratic`` per squared patch of each
-attention segment (a frame). :meth:`CostModel.vision_costs` turns each
-document's grids into that cost, which the planner adds to the document's own
-(``extra_costs``).
-
-A tree of sequences that share prefixes (``Collator.for_trees``) is not a flat
-document: a token at position ``p`` along its path attends to ``p + 1`` keys, not
-to every earlier token of the row. :meth:`CostModel.tree_costs` prices each tree
-from its tokens' positions, in the same units, and the planner takes those as the
-documents' costs (``costs``).
+:class:`CostModel` prices documents, their vision towers and trees for the balance planner
+(docs/distributed.md, "The cost model").
 """
 
 from __future__ import annotations
@@ -50,28 +31,14 @@ class CostModel:
     Parameters:
         linear: cost units per token (the GEMMs), an int >= 0.
         quadratic: cost units per squared token of a document (attention), an int >= 0.
-        unit: what one cost unit stands for (FLOPs from :meth:`from_model`, seconds from
-            :meth:`fit`); for reports only, never used in planning.
-        vision_linear: cost units per vision patch (the vision tower's GEMMs), an int >= 0.
-        vision_quadratic: cost units per squared patch of each attention segment of the
-            vision tower (one frame of ``h * w`` patches), an int >= 0. Both vision terms
-            count only through :meth:`vision_costs`, passed to the planner as ``extra_costs``.
-
-    Raises:
-        TypeError, ValueError: if a coefficient is not an int >= 0, ``linear`` and ``quadratic``
-            are both 0, or ``unit`` is not a positive number.
+        unit: what one cost unit stands for (FLOPs, seconds); for reports only.
+        vision_linear: cost units per vision patch, an int >= 0 (:meth:`vision_costs`).
+        vision_quadratic: cost units per squared patch of a frame, an int >= 0 (:meth:`vision_costs`).
 
     Example:
         >>> model = CostModel(linear=3, quadratic=1)
         >>> model.costs([1, 10, 100]).tolist()
         [4, 130, 10300]
-        >>> model.cost(10), model.attention_share(10)
-        (130, 0.7692307692307693)
-        >>> vision = CostModel(linear=3, quadratic=1, vision_linear=2, vision_quadratic=1)
-        >>> vision.vision_costs([[[1, 2, 2]], []]).tolist()  # 4 patches in one frame: 2*4 + 4**2; text only
-        [24, 0]
-        >>> model.tree_costs([[0, 1, 2, 3], [0, 1, 2, 2]]).tolist()  # a chain of 4 is cost(4); a fork is less
-        [28, 26]
     """
 
     linear: int
@@ -106,13 +73,7 @@ class CostModel:
         return self.linear * length + self.quadratic * length * length
 
     def costs(self, lengths: npt.ArrayLike) -> npt.NDArray[np.int64]:
-        """The costs of documents of ``lengths`` tokens, as int64 (exact).
-
-        Raises:
-            ValueError: if a length is negative or not an integer, or a cost would not fit in
-                :data:`COST_LIMIT` (then use coarser coefficients, e.g. ``linear // k`` and
-                ``quadratic // k``).
-        """
+        """The costs of documents of ``lengths`` tokens, as int64 (at most :data:`COST_LIMIT`)."""
         values = np.asarray(lengths)
         if values.dtype.kind not in "iu" and values.size:
             raise ValueError(f"CostModel.costs: lengths must be integers, got dtype {values.dtype}")
@@ -129,23 +90,12 @@ class CostModel:
         return self.linear * exact + self.quadratic * exact * exact
 
     def vision_costs(self, grids: Iterable[npt.ArrayLike]) -> npt.NDArray[np.int64]:
-        """The vision tower's cost of each document, as int64 (exact): ``extra_costs`` for the planner.
+        """The vision tower's cost of each document, as int64: ``extra_costs`` for the planner.
 
-        A grid ``(t, h, w)`` (a row of ``image_grid_thw`` or ``video_grid_thw``) is ``t``
-        frames of ``h * w`` patches, and the tower attends within each frame, so a document
-        costs ``sum over its grids of vision_linear * t*h*w + vision_quadratic * t * (h*w)**2``.
+        A grid ``(t, h, w)`` costs ``vision_linear * t*h*w + vision_quadratic * t * (h*w)**2``.
 
         Parameters:
-            grids: one ``[n_i, 3]`` array-like of ``(t, h, w)`` ints >= 1 per document, images
-                and videos together (a document without media: an empty one, ``[]``).
-
-        Returns:
-            ``[documents]`` int64 costs (0 for a document without media).
-
-        Raises:
-            TypeError: if ``grids`` is not a sequence of arrays, or a grid holds non-integers.
-            ValueError: naming the document, for a grid not of shape ``[n, 3]``, an entry below 1,
-                or a cost beyond :data:`COST_LIMIT` (then use coarser coefficients).
+            grids: one ``[n_i, 3]`` array-like of ``(t, h, w)`` rows per document (``[]`` without media).
 
         Example:
             >>> model = CostModel(linear=1, quadratic=0, vision_linear=10, vision_quadratic=1)
@@ -187,44 +137,20 @@ class CostModel:
         return np.array(out, dtype=np.int64)
 
     def tree_costs(self, positions: Iterable[npt.ArrayLike]) -> npt.NDArray[np.int64]:
-        """Each tree's cost from its tokens' positions, as int64 (exact): ``costs`` for the planner.
+        """Each tree's cost from its tokens' positions, as int64: ``costs`` for the planner.
 
-        In a tree (``Collator.for_trees``: shared prefixes laid out once, depth-first) a
-        token at position ``p`` along its path attends to exactly ``p + 1`` keys, its
-        ancestors and the earlier tokens of its node, so a tree of ``T`` tokens holds
-        ``K = sum(p + 1) = sum(p) + T`` (query, key) pairs. A causal chain of ``L`` tokens
-        holds ``L * (L + 1) / 2`` of them, which :meth:`cost` prices as ``quadratic * L**2``:
-        the quadratic term counts ``2 * K - T`` (that is ``L**2`` for a chain), so a tree costs::
-
-            linear * T + quadratic * (2 * sum(positions) + T)
-
-        and a plain document (positions ``0 .. L - 1``) costs exactly ``cost(L)``. A tree
-        costs at least its longest path and at most its ``T`` tokens as one document, and
-        costs add up: a row of several trees (padding too: position 0, one key each) costs
-        the sum of its parts.
+        A tree of ``T`` tokens costs ``linear * T + quadratic * (2 * sum(positions) + T)``, a plain
+        document exactly :meth:`cost`.
 
         Parameters:
-            positions: one 1-D array-like of ints per tree (its ``position_ids``, each token's
-                position along its path; CPU tensors too). Every position from 0 to the
-                largest must occur (a token at ``p`` has ancestors at ``0 .. p - 1``); an
-                empty tree costs 0.
-
-        Returns:
-            ``[trees]`` int64 costs.
-
-        Raises:
-            TypeError: if ``positions`` is not a sequence of arrays, or a tree holds non-integers.
-            ValueError: naming the tree, for one that is not 1-D, a negative position, a missing
-                position (not a tree's: split a row by ``document_ids`` first, and pass positions,
-                not lengths), or a cost beyond :data:`COST_LIMIT` (then use coarser coefficients).
+            positions: one 1-D array-like of ints per tree (its ``position_ids``; every position from 0
+                to the largest must occur).
 
         Example:
             >>> model = CostModel(linear=1, quadratic=1)
             >>> prompt_and_two = [0, 1, 2, 3, 2, 3]  # a 2-token prompt, two completions of 2 tokens
             >>> model.tree_costs([prompt_and_two, [0, 1, 2, 3]]).tolist()  # 6 + (2*11 + 6); 4 + 4**2
             [34, 20]
-            >>> model.cost(6), model.cost(4)  # the same 6 tokens as one document; its longest path
-            (42, 20)
         """
         owner = "CostModel.tree_costs"
         if isinstance(positions, (str, bytes, Mapping)) or not isinstance(positions, Iterable):
@@ -296,94 +222,26 @@ class CostModel:
     ) -> CostModel:
         """The forward + backward FLOPs of a decoder-only transformer (and its vision tower), per document.
 
-        Per token and layer, the GEMMs follow Megatron-LM's
-        ``num_floating_point_operations`` (``megatron/training/training.py``): each GEMM
-        runs three times (forward, weight and data gradients) at 2 FLOPs per
-        multiply-add, over the Q/K/V projections
-        ``hidden * (heads + 2 * kv_heads) * head_dim``, the output projection
-        ``heads * head_dim * hidden`` and the MLP ``hidden * ffn * (3 if gated else 2)``;
-        the logits add ``6 * hidden * vocab_size`` per token once. Attention follows
-        FlashAttention's benchmark counts: the forward pass is
-        ``4 * length**2 * heads * head_dim`` FLOPs (``QK^T`` and ``PV``), halved when
-        causal, and the backward pass 2.5 times the forward (it recomputes ``QK^T``):
-        ``7 * heads * head_dim * length**2`` per causal layer. Megatron counts the
-        backward at 2x (6 instead of 7); the difference moves the cost by at most
-        a sixth of its quadratic part.
-
-        A vision-language ``config`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: one with a
-        ``vision_config``) also fills :attr:`vision_linear` and :attr:`vision_quadratic`
-        with the same accounting for the vision tower, of width ``d`` (``embed_dim`` in
-        Qwen2-VL, else ``hidden_size``), ``depth`` layers, MLP width ``f``
-        (``intermediate_size``, or ``embed_dim * mlp_ratio``; gated in Qwen2.5-VL only),
-        merge size ``m``, output width ``o`` (the patch merger's) and bidirectional
-        attention within each frame. Per patch, the multiply-adds are the patch embedding
-        ``in_channels * temporal_patch_size * patch_size**2 * d``, per layer
-        ``4 * d**2 + d * f * (3 if gated else 2)`` (Q/K/V and output projections, MLP), and
-        per patch merger ``d**2 * m**2 + d * o`` (its two matrices over ``m**2`` patches;
-        Qwen3-VL has ``1 + len(deepstack_visual_indexes)`` mergers)::
-
-            vision_linear    = 6 * (embed + depth * layer + mergers * merger) + W * 14 * d * window
-            vision_quadratic = full * 14 * d
-
-        per FLOP, where ``full`` counts the layers attending over whole frames (all, or
-        Qwen2.5-VL's ``fullatt_block_indexes``) and ``W`` the others (Qwen2.5-VL's
-        windowed layers), each patch attending to at most ``window`` patches
-        (``(window_size // (m * patch_size) * m)**2``, 64 for Qwen2.5-VL; an upper bound,
-        since edge windows are smaller). ``14 = 4 + 2.5 * 4`` is the text attention count
-        without the causal half. ``train_vision=False`` (a frozen tower, no backward
-        through it) counts the forward alone: 2 instead of 6, and 4 instead of 14.
-
-        The exact integer coefficients (text and vision, all FLOPs) are divided by their
-        greatest common divisor, which becomes :attr:`unit` (FLOPs per cost unit): costs
-        stay small (a 131,072-token document of a Llama-3-8B-shaped model is about
-        ``2.4e11`` units) and exact, and a text-only model gets the same coefficients as
-        before the vision terms existed. ``num_layers`` scales both text terms alike, so
-        it matters only beside the logits term.
+        Megatron-LM's GEMM counts and FlashAttention's attention counts, divided by their greatest common
+        divisor (:attr:`unit`); docs/distributed.md has the formulas.
 
         Parameters:
-            config: a Hugging Face model config (``model.config``), positional: the text
-                dimensions are read from its text config (``hidden_size``, ``num_hidden_layers``,
-                ``num_attention_heads``, ``intermediate_size``, ``num_key_value_heads``,
-                ``head_dim``, ``vocab_size``; an argument given here wins over the config's), and a
-                ``vision_config`` adds the vision terms. ``None``: give the dimensions.
-            hidden_size, num_layers, num_heads, ffn_hidden_size: the model's dimensions (required
-                without ``config``).
-            num_kv_heads: key/value heads (grouped-query attention; default ``num_heads``).
+            config: a Hugging Face model config, positional (its text dimensions; a ``vision_config`` adds
+                the vision terms; an argument given here wins), or ``None``.
+            hidden_size, num_layers, num_heads, ffn_hidden_size: the dimensions (required without ``config``;
+                for a mixture of experts, ``ffn_hidden_size`` is the active experts' width).
+            num_kv_heads: key/value heads (default ``num_heads``).
             head_dim: per-head width (default ``hidden_size // num_heads``).
-            gated: a gated MLP (SwiGLU: three matrices) or a plain one (two), text layers.
-            causal: causal attention (half the score matrix) or full, text layers.
-            vocab_size: add the output layer's GEMM (0: leave it out; default 0, or the config's).
+            gated: a gated MLP (three matrices) or a plain one (two).
+            causal: causal attention or full.
+            vocab_size: add the output layer's GEMM (default 0, or the config's).
             train_vision: the vision tower is trained (forward + backward) or frozen (forward).
-
-        Raises:
-            TypeError, ValueError: for a dimension that is not a positive int (named, with the
-                config attribute it came from), ``num_kv_heads`` that does not divide ``num_heads``,
-                a missing dimension, a mixture-of-experts config (give ``ffn_hidden_size``: the
-                active experts' width), or a ``vision_config`` of another family.
 
         Example:
             >>> llama = CostModel.from_model(hidden_size=4096, num_layers=32, num_heads=32,
             ...     num_kv_heads=8, ffn_hidden_size=14336, vocab_size=128256)
             >>> llama.linear, llama.quadratic, llama.unit
             (343536, 7, 131072)
-            >>> round(llama.attention_share(131072), 2), round(llama.attention_share(4096), 2)
-            (0.73, 0.08)
-
-            A Qwen2.5-VL-7B-shaped config (``Qwen2_5_VLConfig`` reads the same); a 1,024 x 1,024
-            image is a grid of (1, 74, 74) patches, 1,369 tokens after the 2 x 2 merge:
-
-            >>> from types import SimpleNamespace as Config
-            >>> qwen = CostModel.from_model(Config(model_type="qwen2_5_vl",
-            ...     text_config=Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-            ...         num_key_value_heads=4, intermediate_size=18944, vocab_size=152064),
-            ...     vision_config=Config(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
-            ...         out_hidden_size=3584, in_channels=3, patch_size=14, temporal_patch_size=2,
-            ...         spatial_merge_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31])))
-            >>> qwen.linear, qwen.quadratic, qwen.vision_linear, qwen.vision_quadratic, qwen.unit
-            (2959104, 49, 271190, 5, 14336)
-            >>> image = int(qwen.vision_costs([[[1, 74, 74]]])[0])
-            >>> round(image / qwen.cost(1369), 2)  # the tower adds 39% to the LLM's work on its tokens
-            0.39
         """
         owner = "CostModel.from_model"
         text = _text_config(config)
@@ -430,12 +288,7 @@ class CostModel:
     def from_coefficients(cls, linear: float, quadratic: float, *, max_denominator: int = 4096) -> CostModel:
         """Integer coefficients in the ratio of measured ones (e.g. seconds per token and per squared token).
 
-        Only the ratio ``linear / quadratic`` matters to a plan; it is kept as the
-        closest fraction with a denominator up to ``max_denominator``, and
-        :attr:`unit` records what one cost unit is worth in the measured quantity.
-
-        Raises:
-            ValueError: if a coefficient is negative or not finite, or both are 0.
+        The ratio is kept as the closest fraction with a denominator up to ``max_denominator``.
 
         Example:
             >>> CostModel.from_coefficients(2.5e-7, 1e-10)  # seconds per token, per squared token
@@ -461,15 +314,10 @@ class CostModel:
     def fit(cls, tokens: Sequence[int], squared_tokens: Sequence[int], seconds: Sequence[float]) -> CostModel:
         """Least-squares coefficients from measured step times: ``seconds ~ c + a * tokens + b * squared``.
 
-        ``tokens[k]`` and ``squared_tokens[k]`` are micro-batch ``k``'s token count and
-        sum of squared document lengths, ``seconds[k]`` its measured time. The constant
-        ``c`` (fixed per-step overhead, the same on every rank) is fitted and dropped;
-        a negative ``a`` or ``b`` is clipped to 0 and the other refitted.
-
-        Raises:
-            TypeError: for a measurement that is not a number.
-            ValueError: for fewer than 3 measurements, sequences of different lengths, or a measurement
-                that is not finite (NaN, inf).
+        Parameters:
+            tokens: each measured micro-batch's token count.
+            squared_tokens: each one's sum of squared document lengths.
+            seconds: each one's measured time (at least 3, all finite).
 
         Example:
             >>> sizes = [[100], [50, 50], [200], [10] * 20]
@@ -514,8 +362,7 @@ _EXPERT_KEYS = (
 """Config attributes of a mixture of experts, whose ``intermediate_size`` is not the work per token."""
 
 _VISION_FAMILIES = {"qwen2_vl": False, "qwen2_5_vl": True, "qwen3_vl": False, "qwen3_vl_moe": False}
-"""The vision-language ``model_type`` values whose vision tower :meth:`CostModel.from_model` counts, and
-whether that tower's MLP is gated (Qwen2.5-VL's is SwiGLU; the others' are two plain matrices)."""
+"""The vision-language ``model_type`` s :meth:`CostModel.from_model` counts: is the tower's MLP gated."""
 
 
 def _text_config(config: Any) -> Any:
@@ -537,8 +384,7 @@ def _dimension(
     default: int | None = None,
     minimum: int = 1,
 ) -> int:
-    """An argument of :meth:`CostModel.from_model`: as given, else the config's ``attribute``, else
-    ``default``; ``TypeError`` when none of them is there."""
+    """A :meth:`CostModel.from_model` argument: as given, else the config's, else ``default``."""
     if given is not None:
         return check_int(owner, name, given, minimum)
     value = getattr(text, attribute, None) if text is not None else None
@@ -600,8 +446,7 @@ def _vision_flops(config: Any, vision: Any, train: bool) -> tuple[int, int]:
 
 
 def _measured(values: Sequence[float], name: str) -> npt.NDArray[np.float64]:
-    """One of :meth:`CostModel.fit`'s sequences as float64: ``TypeError`` unless numbers, ``ValueError``
-    naming the first measurement that is not finite (a failed one, which would skew the fit)."""
+    """One of :meth:`CostModel.fit`'s sequences as float64, every measurement a finite number."""
     array = np.asarray(values)
     if array.ndim != 1 or array.dtype.kind not in "iuf":
         raise TypeError(

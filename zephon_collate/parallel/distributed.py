@@ -1,37 +1,8 @@
 """Exact token normalization for data-parallel training with gradient accumulation.
 
-The loss of an optimizer step is the mean over every supervised token the step
-sees, on every rank and in every micro-batch::
-
-    loss = sum(per-token losses over all ranks and micro-batches) / N
-
-with ``N`` the global number of supervised (valid) tokens. Averaging the
-per-micro-batch or per-rank means instead weights a token by ``1 / (tokens in
-its micro-batch)``, which is wrong as soon as micro-batches hold different
-numbers of valid tokens (they do: loss masks, padding, EOS masking).
-
-The recipe (see ``docs/distributed.md``), per optimizer step:
-
-1. Fetch this rank's micro-batches, then ``N = global_num_valid_tokens(micro_batches)``:
-   the sum of their ``num_valid_tokens``, all-reduced over the data-parallel group.
-2. For each micro-batch: ``loss_sum = cross_entropy(logits, labels, reduction="sum")``,
-   then ``normalize_loss(loss_sum, N).backward()``, which is
-   ``loss_sum * world_size / N``. DDP (and FSDP) *average* gradients over the
-   ``world_size`` ranks, so the factor ``world_size`` cancels that mean and the
-   summed gradient is exactly ``sum(grad of per-token losses) / N``.
-   Under ``ddp.no_sync()`` for all but the last micro-batch the gradients
-   accumulate locally and are averaged once: the same result, less traffic.
-
-Every function here is a no-op across ranks (world size 1, nothing reduced)
-when ``torch.distributed`` is not initialised, so the same loop runs in one process.
-
-**The group.** ``group=None`` is the default process group, right only when
-every rank is a data-parallel replica. Under tensor or pipeline parallelism
-pass the data-parallel group (e.g. ``device_mesh["dp"].get_group()``) to both
-functions: TP peers hold the same tokens and pipeline stages before the last
-compute no loss, so the default group would count tokens several times and
-scale the loss by the wrong ``world_size``. ``docs/distributed.md`` has a table
-per layout.
+Per step: ``N = global_num_valid_tokens(micro_batches)``, then ``normalize_loss(loss_sum, N).backward()``
+for each micro-batch (docs/distributed.md). Without ``torch.distributed`` nothing is reduced; under
+TP or PP pass the data-parallel group to both.
 """
 
 from __future__ import annotations
@@ -63,9 +34,6 @@ def is_distributed() -> bool:
 
 def data_parallel_size(group: Any = None) -> int:
     """The number of ranks in ``group`` (the default group for ``None``); 1 without torch.distributed.
-
-    This is the number DDP (or FSDP) divides summed gradients by when it
-    averages them over the data-parallel ranks.
 
     Example:
         >>> data_parallel_size()  # not initialised: one process
@@ -107,29 +75,16 @@ def global_num_valid_tokens(
 ) -> torch.Tensor:
     """The valid-token count of one optimizer step: summed over this rank's micro-batches, then over ranks.
 
-    ``counts`` is one count or several (one per gradient-accumulation
-    micro-batch); a count is a Python int, an integer tensor (summed, so the
-    ``[B]`` per-row counts of :class:`~zephon_collate.transforms.LossMask` work
-    too) or a batch dict holding it under ``key`` (what :class:`Collator`
-    returns with ``return_num_valid_tokens=True``; with ``python_scalars=False``
-    the count stays on the device and nothing synchronises here). The local
-    sum is then all-reduced (``SUM``) over ``group`` when torch.distributed is
-    initialised; otherwise it is returned as is. The all-reduce is a
-    collective: every rank of ``group`` must call this, once per step.
+    A collective: every rank of ``group`` calls it once per step.
 
     Parameters:
-        counts: a count, a batch dict, or an iterable of them.
-        group: the data-parallel process group (``None``: the default group, right only when
-            every rank is a data-parallel replica; under TP or PP pass the DP group).
-        device: where the result lives; default: the first tensor count's
-            device, else the CPU (the current CUDA device under an NCCL-only group).
+        counts: a count (an int, an integer tensor, summed, or a batch dict holding it), or several.
+        group: the data-parallel process group (``None``: the default group).
+        device: where the result lives (default: the first tensor count's device, else the CPU).
         key: the count's key in batch dicts.
 
     Returns:
         A 0-d int64 tensor, the same on every rank of ``group``.
-
-    Raises:
-        TypeError: if a count is not an int, an integer tensor or a dict holding one.
 
     Example:
         >>> micro_batches = [{"num_valid_tokens": 3}, {"num_valid_tokens": torch.tensor([2, 4])}]
@@ -167,37 +122,17 @@ def normalize_loss(
 ) -> torch.Tensor:
     """The micro-batch loss to call ``backward`` on: ``loss_sum * world_size / num_valid_tokens``.
 
-    ``loss_sum`` is this micro-batch's sum of per-token losses
-    (``cross_entropy(..., reduction="sum", ignore_index=...)``) and
-    ``num_valid_tokens`` the step's global count
-    (:func:`global_num_valid_tokens`). DDP and FSDP average gradients over the
-    data-parallel ranks, dividing by ``world_size``; multiplying by it here
-    makes the accumulated, averaged gradient exactly that of
-    ``sum(all per-token losses of the step) / num_valid_tokens`` (with or
-    without ``no_sync``). A step without valid tokens gives a zero loss (the
-    count is clamped to 1; ``loss_sum`` is 0 then), never NaN. No device sync.
+    ``world_size`` cancels DDP's and FSDP's gradient averaging; a step without valid tokens gives 0.
 
     Parameters:
         loss_sum: the summed per-token loss of one micro-batch on this rank.
-        num_valid_tokens: the global valid-token count of the step.
-        group: the data-parallel group (``None``: the default group; under TP or PP pass the
-            DP group, whose size is then the default ``world_size``).
-        world_size: the number of ranks the gradient reduction averages over;
-            default ``data_parallel_size(group)`` (1 in one process). Pass 1
-            if your reduction sums instead of averaging (e.g. a custom comm hook).
-
-    Returns:
-        ``loss_sum * world_size / max(num_valid_tokens, 1)``, in ``loss_sum``'s dtype or float32,
-        whichever is wider.
-
-    Raises:
-        ValueError: if ``world_size`` is not an int >= 1.
+        num_valid_tokens: the global valid-token count of the step (:func:`global_num_valid_tokens`).
+        group: the data-parallel group (``None``: the default group).
+        world_size: the ranks the gradient reduction averages over (default: ``group``'s size; 1 if it sums).
 
     Example:
         >>> normalize_loss(torch.tensor(6.0), torch.tensor(4))  # one process: 6 / 4
         tensor(1.5000)
-        >>> normalize_loss(torch.tensor(6.0), 4, world_size=2)  # DDP halves it again
-        tensor(3.)
     """
     if world_size is None:
         world_size = data_parallel_size(group)

@@ -1,16 +1,4 @@
-"""EvenBatches: every rank steps the same number of times per epoch, whatever its shard holds.
-
-Packing makes row counts data-dependent: ranks packing different shards of a
-finite source get different numbers of batches (13 against 14, say). The rank
-with one more batch then waits in its next collective
-(``global_num_valid_tokens``, DDP's gradient all-reduce) for ranks that have
-finished the epoch: a hang until the NCCL watchdog fires. :class:`EvenBatches`
-wraps a loader and, before each step, asks every rank of the group whether it
-still has a batch (one all-reduce of one number, ``MIN``); the epoch ends for
-all at once when the first rank runs out. The batches the other ranks held
-beyond that are dropped and counted (:attr:`EvenBatches.dropped`), never
-silently: log them, or reshuffle so that the next epoch covers them.
-"""
+"""EvenBatches: every rank steps the same number of times per epoch, whatever its shard holds."""
 
 from __future__ import annotations
 
@@ -31,16 +19,13 @@ _END = object()
 class EvenBatches:
     """Iterate ``loader`` so that every rank of ``group`` yields the same number of batches.
 
+    Each step costs one all-reduce of one int; the epoch ends for all ranks when the first runs out, and
+    :attr:`dropped` counts the batches this rank held beyond that.
+
     Parameters:
         loader: any iterable of batches (a ``DataLoader``, a ``StatefulDataLoader``).
         group: the data-parallel process group (``None``: the default group).
-        device: where the one-number all-reduce runs (default: the CPU, or the
-            current CUDA device for an NCCL group).
-
-    Each step costs one all-reduce of one int and a host sync on its result.
-    Without ``torch.distributed`` it yields every batch. After a pass,
-    :attr:`dropped` holds the number of batches this rank had beyond the
-    shortest rank's count (0 on the shortest rank).
+        device: where the all-reduce runs (default: the CPU, or the current CUDA device for NCCL).
 
     Example:
         >>> even = EvenBatches([{"step": 0}, {"step": 1}])
@@ -59,11 +44,7 @@ class EvenBatches:
         self.dropped = 0
 
     def __len__(self) -> int:
-        """The loader's own length (the shortest rank may end the pass sooner).
-
-        Raises:
-            TypeError: for a loader without a length (a generator, an iterable dataset's stream).
-        """
+        """The loader's own length (``TypeError`` for a loader without one)."""
         try:
             if isinstance(self.loader, Sized):
                 return len(self.loader)

@@ -1,26 +1,8 @@
 """Placing items into (slot, rank) cells: a longest-first seed, then bounded pairwise swaps.
 
-Cells are numbered ``slot * ranks + rank``. Only the ranks of one slot run in
-lockstep, so only they need equal cost; slots may differ. Both placements
-
-1. sort the items by cost, descending (ties by index),
-2. cut that order into tiers of ``ranks`` items and deal the tiers to the slots
-   in snake order, so every slot gets items from the whole cost range, with the
-   ``ranks`` most similar items of each tier side by side,
-3. place each slot's items longest-first (each on the cheapest cell of the slot
-   that still has room; an item that may not wait and found no room takes the
-   place of the item that may wait and leaves the least room), and
-4. refine each slot: while a swap of two items (or a move of one) between its
-   costliest cell and another cell lowers the larger of the two costs and keeps
-   both within the budget, make the best such swap (``rounds`` at most, and no
-   more once the slot's max/mean cost is within 0.1%).
-
-:func:`place_items` places documents under a token budget (padding-free
-micro-batches); :func:`place_rows` places packed rows, ``rows_per_cell`` at most
-per cell (fixed-row micro-batches); :func:`pack_rows` packs documents into rows
-best-fit-decreasing, as the packer's ``strategy="best_fit"`` does. Everything is
-integer arithmetic and stable sorts: the same input gives the same cells on
-every machine.
+Cells are numbered ``slot * ranks + rank``; only the ranks of one slot need equal cost. Items go by
+cost, in tiers of ``ranks`` dealt to the slots in snake order, each on the cheapest cell with room;
+then swaps out of each slot's costliest cell (docs/distributed.md, "The planner").
 """
 
 from __future__ import annotations
@@ -154,9 +136,6 @@ def _refine(
     """Bounded pairwise swaps (and moves) out of the slot's costliest cell, in place on ``cells``.
 
     ``sizes`` count against ``budget`` per cell (tokens, or 1 per row with ``count_cap``).
-    Each round pairs the costliest cell with the others, cheapest first, and makes
-    the first pairing's best swap: the one that minimises the larger of the two new
-    costs, if that is below the costliest cell's cost (ties: the earliest candidate).
     """
     first = slot * ranks
     members = np.flatnonzero((cells >= first) & (cells < first + ranks))
@@ -251,8 +230,7 @@ def _take_place(
 ) -> int:
     """Put an item that may not wait where a placed item that may wait leaves the least room.
 
-    Returns the displaced item, now ``UNPLACED`` (it waits), or -1 when no
-    displacement makes room (nothing changes then).
+    Returns the displaced item (now ``UNPLACED``), or -1 when none makes room.
     """
     placed = np.flatnonzero((cells != UNPLACED) & ~must)
     room_after = budget - used[cells[placed]] + sizes[placed] - sizes[item]

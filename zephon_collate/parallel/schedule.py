@@ -1,24 +1,7 @@
 """Consecutive balanced steps: windows of documents planned one after another, waiting documents carried.
 
-A :class:`BalanceSchedule` turns a stream of documents into steps. Each window
-is filled to the step's capacity (``micro_batches * ranks`` micro-batches of
-``micro_batch_tokens``): the documents still waiting from the window before
-come first, then new documents until the capacity is reached.
-:func:`~zephon_collate.parallel.balance.plan_balance` plans the window; what it
-holds back waits for the next window (a document that no longer fits a full
-step, or an outlier under ``hold_back``), and the waiting documents are placed
-first in line, so none waits beyond ``max(hold_back, 1)`` windows, unless the
-extra slot it needs would have fewer units (documents, or groups) than ranks:
-it waits one more window then. The last window of an epoch (``final=True``)
-places everything, in as few slots as it needs; a tail slot left with fewer
-units than ranks is dropped (its documents are counted in
-:attr:`BalanceSchedule.dropped`). No rank ever gets an empty micro-batch: it
-would leave the others waiting in that slot's collectives.
-
-The schedule's state is the waiting documents (keys, lengths, groups, windows
-waited): plain ints in lists, so a saved state survives
-``torch.save``/``torch.load(weights_only=True)``, and a schedule restored from it
-plans exactly the windows the saved one would have planned next.
+The schedule's state is the waiting documents, plain ints, so a restored schedule plans exactly the
+windows the saved one would have planned next (docs/distributed.md, "Windows and steps").
 """
 
 from __future__ import annotations
@@ -44,25 +27,15 @@ class BalanceSchedule:
     """Plans consecutive windows into steps, carrying the documents each plan holds back.
 
     Parameters:
-        options: the :class:`~zephon_collate.parallel.balance.BalanceOptions` (``micro_batches``
-            required: it sets the step's capacity).
+        options: the :class:`~zephon_collate.parallel.balance.BalanceOptions` (``micro_batches`` required).
         ranks: the number of data-parallel ranks.
-        extra_costs: each key's extra cost (``extra_costs[key]``, e.g. its vision tower's,
-            :meth:`~zephon_collate.parallel.cost.CostModel.vision_costs`), added to its document's cost
-            in every plan; keys are then indices into it.
-        costs: each key's modelled cost (``costs[key]``, e.g. its tree's,
-            :meth:`~zephon_collate.parallel.cost.CostModel.tree_costs`), in place of the cost model's
-            in every plan; keys are then indices into it.
-
-    Raises:
-        TypeError, ValueError: for bad options or ranks.
+        extra_costs: each key's extra cost (``extra_costs[key]``), added in every plan.
+        costs: each key's modelled cost (``costs[key]``), in place of the cost model's.
 
     Example:
         >>> from zephon_collate.parallel.cost import CostModel
         >>> options = BalanceOptions(cost=CostModel(linear=1, quadratic=1), max_tokens=10, micro_batches=1)
         >>> schedule = BalanceSchedule(options, ranks=2)
-        >>> schedule.room()  # tokens the next window should bring: one slot of 2 x 10
-        20
         >>> plan = schedule.plan([11, 12, 13, 14], [9, 8, 2, 4])  # 23 tokens: one must wait
         >>> plan.cells, plan.held, schedule.room()
         ((((11,), (12, 13)),), (14,), 16)
@@ -114,14 +87,8 @@ class BalanceSchedule:
     ) -> BalancePlan:
         """Plan the next window: the waiting documents, then ``keys`` (their ``lengths``, ``groups``).
 
-        Returns the plan with ``keys`` in place of window positions; what it holds
-        waits for the next call. With ``final`` everything is placed. A slot with
-        fewer units than ranks is left out (:meth:`BalancePlan.without_sparse_slots`):
-        its documents wait, or with ``final`` are dropped.
-
-        Raises:
-            ValueError: if ``keys``, ``lengths`` and ``groups`` differ in length, or for what
-                :func:`~zephon_collate.parallel.balance.plan_balance` refuses.
+        Returns the plan with ``keys`` for window positions; what it holds waits for the next call. With
+        ``final`` everything is placed, and a tail slot with fewer units than ranks is dropped.
         """
         if len(keys) != len(lengths) or (groups is not None and len(groups) != len(keys)):
             raise ValueError(
@@ -163,12 +130,7 @@ class BalanceSchedule:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict`.
-
-        Raises:
-            TypeError: if ``state`` is not a mapping.
-            ValueError: if it is not a version-1 schedule state, or its lists are not ints of one length.
-        """
+        """Restore a :meth:`state_dict` (``ValueError`` for one that is not a schedule's)."""
         if not isinstance(state, Mapping):
             raise TypeError(
                 f"BalanceSchedule.load_state_dict: state must be a dict, got {type(state).__name__}"

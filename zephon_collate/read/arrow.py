@@ -1,35 +1,4 @@
-"""Columnar input read into a :class:`~zephon_collate.read.columns.Batch`: Arrow columns and
-``(values, offsets)`` pairs.
-
-A list column is one buffer of values and one of offsets: exactly a
-:class:`~zephon_collate.read.columns.Ragged`. :func:`columns_of` recognises a
-columnar batch and :class:`Columns` reads each field it is asked for as a
-``Ragged`` (a list column) or one value per row (a scalar column), with no
-loop over the examples; every layout then checks and stacks those fields as it
-does the fields read from rows. A columnar batch is:
-
-- a ``pyarrow.Table`` or ``RecordBatch`` (``dataset.with_format("arrow")[indices]``,
-  ``.iter(batch_size)``), or a list of them (their rows one after the other);
-- any object with the Arrow C stream interface (``__arrow_c_stream__``: a polars
-  ``DataFrame``, for one), read through ``pyarrow.table``;
-- a ``dict`` whose fields are ``pyarrow.Array`` / ``ChunkedArray`` columns,
-  ``(values, offsets)`` pairs of NumPy arrays or tensors (row ``b`` is
-  ``values[offsets[b]:offsets[b + 1]]``), or 1-D arrays (one value per row);
-- a :class:`ColumnBatch` (such a mapping that is not a ``dict``, as
-  ``ColumnarDataset`` hands over), or a list of them.
-
-Arrow's layouts are read as they are: ``list`` (int32 offsets), ``large_list``
-(int64) and ``fixed_size_list`` columns, sliced arrays (offsets that do not
-start at 0), chunked columns chunk by chunk (one copy joins them, never
-``combine_chunks``). Values are read-only views of the input wherever the
-layout allows: the checks only read them, and the copy that makes a batch
-its own is the one that casts it on the way out (int32 ids are widened
-there, once). A null entry is refused, naming the row.
-
-``pyarrow`` is imported only when an Arrow object arrives; without it such a
-batch raises ``ImportError`` naming the ``zephon_collate[arrow]`` extra, and
-``(values, offsets)`` pairs need nothing beyond NumPy and torch.
-"""
+"""Columnar input (Arrow columns, ``(values, offsets)`` pairs; docs/columns.md) read into :class:`Columns`."""
 
 from __future__ import annotations
 
@@ -58,7 +27,7 @@ __all__ = [
 ]
 
 ColumnarBatch: TypeAlias = Any
-"""A columnar batch (see the module doc): a ``pyarrow.Table`` or ``RecordBatch``, a list of them, an
+"""A columnar batch (docs/columns.md): a ``pyarrow.Table`` or ``RecordBatch``, a list of them, an
 object with ``__arrow_c_stream__``, or a dict of Arrow columns, ``(values, offsets)`` pairs and 1-D arrays."""
 
 ARROW_EXTRA = "pip install 'zephon_collate[arrow]'"
@@ -66,14 +35,9 @@ ARROW_EXTRA = "pip install 'zephon_collate[arrow]'"
 
 
 class ColumnBatch(Mapping[str, Any]):
-    """A columnar batch as a read-only mapping of field name to column (see the module doc).
-
-    It is not a ``dict``: wrappers that edit example dicts (``transformers.Trainer``'s
-    ``RemoveColumnsCollator`` drops the keys the model's ``forward`` does not name)
-    pass it through as it is, every column kept.
+    """A columnar batch as a read-only mapping of field name to column; not a ``dict``: wrappers pass it on.
 
     Example:
-        >>> import numpy as np
         >>> batch = ColumnBatch({"input_ids": (np.array([5, 6, 7]), np.array([0, 2, 3]))})
         >>> list(batch), isinstance(batch, dict), is_columnar([batch])
         (['input_ids'], False, True)
@@ -98,8 +62,7 @@ class ColumnBatch(Mapping[str, Any]):
 
 
 def read_by_rows(owner: str, what: str) -> ValueError:
-    """The refusal of an option that is read example by example (``what``: ``"float_fields"``, ...) for
-    a columnar batch: one wording for every entry point."""
+    """The refusal, for a columnar batch, of an option read example by example (``what``)."""
     return ValueError(
         f"{owner}: {what} are read example by example, not from columns; give the batch as a list of "
         "examples (records or payload dicts), or drop the option"
@@ -143,14 +106,11 @@ def _is_table(value: object) -> bool:
 
 
 def is_columnar(batch: object) -> bool:
-    """True if ``batch`` is a columnar batch (see the module doc); cheap for row-wise input.
+    """True if ``batch`` is a columnar batch; cheap for row-wise input.
 
     Example:
-        >>> import numpy as np
         >>> is_columnar({"input_ids": (np.array([5, 6, 7]), np.array([0, 2, 3]))})
         True
-        >>> is_columnar([{"input_ids": [5, 6]}]), is_columnar({"input_ids": [[5, 6], [7]]})
-        (False, False)
     """
     kind = type(batch)
     if kind is list or kind is tuple:
@@ -164,13 +124,7 @@ def is_columnar(batch: object) -> bool:
 
 
 def columns_of(batch: object, owner: str = "Collator") -> Columns | None:
-    """``batch`` as :class:`Columns`, or ``None`` if it is not a columnar batch.
-
-    Raises:
-        ImportError: for Arrow data without ``pyarrow`` (naming the extra).
-        TypeError: for a list mixing tables with other items, or tables whose columns differ.
-        ValueError: for columns of different lengths.
-    """
+    """``batch`` as :class:`Columns`, or ``None`` (``ImportError`` for Arrow data without ``pyarrow``)."""
     if not is_columnar(batch):
         return None
     if type(batch) in (list, tuple) and type(batch[0]) is ColumnBatch:  # type: ignore[index]
@@ -232,8 +186,7 @@ def _joined_batches(batches: list[Any], owner: str) -> Columns:
 
 
 def _joined_column(parts: list[Any]) -> Any:
-    """One field of several :class:`ColumnBatch`: 1-D arrays (one value per row) end to end, anything
-    else as the list of its chunks."""
+    """One field of several :class:`ColumnBatch`: 1-D arrays joined, anything else as its chunks."""
     if all(isinstance(part, np.ndarray) and part.ndim == 1 for part in parts):
         return np.concatenate(parts)
     if all(isinstance(part, torch.Tensor) and part.ndim == 1 for part in parts):
@@ -242,25 +195,16 @@ def _joined_column(parts: list[Any]) -> Any:
 
 
 class Columns(Batch):
-    """The fields of a columnar batch, each read when asked for (see the module doc).
+    """The fields of a columnar batch, each read when asked for.
 
     Parameters:
-        sources: field name to column: a ``pyarrow`` array or chunked array (or a
-            list of them, one after the other), a ``(values, offsets)`` pair, or a
-            1-D array or tensor (one value per row); any other value (a list of
-            strings, say) is a field that is never read.
-        tables: instead, Arrow tables or record batches of one schema, their rows one after
-            the other (a column is looked up only when a field is read).
-
-    Raises:
-        ValueError: if the columns hold different numbers of rows.
+        sources: field name to column: Arrow arrays, a ``(values, offsets)`` pair, a 1-D array (else unread).
+        tables: instead, Arrow tables or record batches of one schema, their rows one after the other.
 
     Example:
-        >>> import numpy as np
         >>> columns = Columns({"input_ids": (np.array([5, 6, 7, 8]), np.array([0, 3, 4]))})
-        >>> field = columns.get("input_ids", "ids")
-        >>> columns.rows, field.values.tolist(), field.offsets.tolist()
-        (2, [5, 6, 7, 8], [0, 3, 4])
+        >>> columns.rows, columns.get("input_ids", "ids").offsets.tolist()
+        (2, [0, 3, 4])
     """
 
     def __init__(
@@ -359,24 +303,13 @@ class Columns(Batch):
         return bool(_list_type(pa, chunk.type))
 
     def example(self) -> dict[str, Any]:
-        """A stand-in for every example's fields: each name to ``()`` (a list column) or ``0`` (a value).
-
-        The refusals that look only at which fields an example has (or whether one
-        is a single value) run on it once, for every row at a time.
-        """
+        """A stand-in for every example's fields: each name to ``()`` (a list column) or ``0`` (a value)."""
         if self._tables:
             return {name: () if self.is_list(name) else 0 for name in self.order}
         return {name: () if self.is_list(name) or name not in self._chunks else 0 for name in self.order}
 
     def ragged(self, name: str, kind: Kind) -> Ragged:
-        """List column ``name`` as a :class:`Ragged`: read-only views of the input where the layout allows.
-
-        Raises:
-            TypeError: if the field is not a list column of numbers (strings, nested lists, a
-                mix of columns and Python lists), or of the wrong ``kind``.
-            ValueError: for a null row or value, or a pair whose offsets do not fit its values,
-                naming the row.
-        """
+        """List column ``name`` as a :class:`Ragged`, viewing the input where the layout allows."""
         chunks = self._column(name)
         names = self.names
         pieces: list[tuple[Row, np.ndarray]] = []
@@ -409,12 +342,7 @@ class Columns(Batch):
         return Ragged(_host(checked), offsets)
 
     def values(self, name: str, kind: Kind) -> np.ndarray:
-        """Scalar column ``name``: ``[B]`` (one value per row), read-only where it is a view.
-
-        Raises:
-            TypeError: if it is not a column of numbers.
-            ValueError: for a null entry, naming the row.
-        """
+        """Scalar column ``name``: ``[B]`` (one value per row), read-only where it is a view."""
         parts = []
         first = 0
         names = self.names
@@ -437,8 +365,7 @@ class Columns(Batch):
         return as_numpy(to_row(joined, names(0), name, kind))
 
     def per_record(self, name: str, kind: Kind) -> np.ndarray | list[Row]:
-        """Field ``name`` one entry per example: ``[B]`` values, ``[B, L, ...]`` rows of one length, or
-        each row (rows of other lengths, which stacking refuses, naming the first that differs)."""
+        """Field ``name`` one entry per example: ``[B]`` values, ``[B, L, ...]`` rows, or each row."""
         if not self.is_list(name):
             return self.values(name, kind)
         field = self.ragged(name, kind)
@@ -448,8 +375,7 @@ class Columns(Batch):
         return [field.row(index) for index in range(field.rows)]
 
     def pylist(self, name: str) -> list[Any]:
-        """Field ``name`` as one Python object per row (for ``texts``): an Arrow column converted, a list
-        as given."""
+        """Field ``name`` as one Python object per row (for ``texts``)."""
         chunks = self._chunk_list(name)
         if chunks is None:
             return list(self._sources[name])
@@ -495,8 +421,7 @@ def _rows_in(chunk: Any, name: str) -> int:
 
 
 def _offsets_of(given: Any, name: str) -> np.ndarray:
-    """The offsets of a ``(values, offsets)`` pair as int64, checked to be a 1-D integer array of at least
-    one entry (one per example plus one)."""
+    """A pair's offsets as int64, checked to be a 1-D integer array of one entry per row plus one."""
     offsets = as_numpy(given) if isinstance(given, torch.Tensor) else given
     if offsets.ndim != 1 or offsets.dtype.kind not in "iu" or not offsets.size:
         raise TypeError(
@@ -516,8 +441,7 @@ def _read_only(values: np.ndarray) -> np.ndarray:
 
 
 def _host(values: Row) -> np.ndarray | torch.Tensor:
-    """Values as the reader holds them: host data as NumPy (a CPU tensor viewed, read-only), a device
-    tensor copied where it is (the batch never shares memory with its input)."""
+    """Host data as a read-only NumPy view, a device tensor copied where it is."""
     if isinstance(values, np.ndarray):
         return values
     if values.device.type == "cpu":
@@ -526,8 +450,7 @@ def _host(values: Row) -> np.ndarray | torch.Tensor:
 
 
 def _same_value_shape(parts: list[Row], name: str) -> list[Row]:
-    """The chunks' values, an empty chunk's given the others' value shape; chunks of different value
-    shapes (a top-k of another K) are a ``ValueError``."""
+    """The chunks' values, an empty chunk's given the others' value shape (else ``ValueError``)."""
     shapes = {tuple(part.shape[1:]) for part in parts if part.shape[0]}
     if len(shapes) > 1:
         raise ValueError(
@@ -606,8 +529,7 @@ def _number_type(pa: ModuleType, kind: Any) -> bool:
 def _arrow_list(
     pa: ModuleType, array: Any, name: str, first: int, names: Names, *, nested: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One Arrow list chunk as values (a read-only view, bools unpacked) and offsets from 0; with
-    ``nested``, a list of equal-length lists per token is values ``[N, ...]`` (token ids never are)."""
+    """One Arrow list chunk as read-only values and offsets from 0 (``nested``: ``[N, ...]`` values)."""
     kind = array.type
     layout = _list_type(pa, kind)
     if layout is None:
@@ -687,12 +609,7 @@ def _arrow_list(
 def _inner(
     pa: ModuleType, child: Any, start: int, count: int, name: str, first: int, rows: np.ndarray, names: Names
 ) -> tuple[Any, int, int, int]:
-    """One inner list level of a tensor-valued column (``count`` lists from ``start`` of ``child``): its
-    values array, where they start and how many there are, and the lists' one size.
-
-    Raises:
-        ValueError: for a null list, or lists of different sizes (a ragged inner list), naming the row.
-    """
+    """One inner list level of a tensor-valued column: values, start, count and the lists' one size."""
     part = child.slice(start, count)
     if part.null_count:
         flat = _first_null(pa, part)
@@ -721,8 +638,7 @@ def _inner(
 
 
 def _view(array: Any, buffer: int, dtype: np.dtype, start: int, count: int) -> np.ndarray | None:
-    """``count`` items of ``dtype`` from ``start`` in ``array``'s buffer ``buffer`` (read-only, no copy),
-    or ``None`` where the buffer does not hold them (an empty array may have none)."""
+    """``count`` items of ``dtype`` from ``start`` of a buffer, read-only, or ``None`` where it lacks them."""
     data = array.buffers()[buffer]
     if data is None or data.size < (start + count) * dtype.itemsize:
         return None

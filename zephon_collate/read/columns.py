@@ -1,17 +1,4 @@
-"""The columnar type every input is read into: :class:`Ragged` fields in a :class:`Batch`.
-
-A field of a batch is one :class:`Ragged`: every row's values end to end, and
-where each row starts (an Arrow list column, a padding-free row). A
-:class:`Batch` is what comes in at the door, whatever its format: its rows,
-how errors name them (``record 3 (sample_id (0, 0, 7))``, ``example 3``), the
-fields its rows carry, and each field read on demand, once, as a ``Ragged``.
-Records, payload dicts, Hugging Face examples and token rows are read by
-:mod:`.rows`; Arrow tables and ``(values, offsets)`` pairs by :mod:`.arrow`.
-Every check (:mod:`.rules`) and every layout works on this type only.
-
-A value becomes a row here (:func:`to_row`): a list, tuple, NumPy array or
-tensor of numbers, checked, viewed where possible, never written.
-"""
+"""The columnar type every input is read into: :class:`Ragged` fields in a :class:`Batch`; :func:`to_row`."""
 
 from __future__ import annotations
 
@@ -68,12 +55,7 @@ MISSING: Any = object()
 
 
 class Ragged:
-    """One field of a batch: every row's values end to end, and where each row starts.
-
-    ``values`` is ``[N, ...]``: a NumPy array for data on the host (where the
-    checks and the stacking run in NumPy, several times faster than torch
-    there), a torch tensor for data on an accelerator. ``offsets`` is ``[B + 1]``
-    int64 (NumPy, from 0 to ``N``): row ``b`` is ``values[offsets[b]:offsets[b + 1]]``.
+    """One field of a batch: every row's values end to end (``[N, ...]``), and where each row starts.
 
     Example:
         >>> field = concat([np.array([5, 6, 7]), np.array([8])], "input_ids", str)
@@ -123,8 +105,7 @@ class Ragged:
         return Ragged(self.values[mask], kept[self.offsets])
 
     def cast(self, dtype: torch.dtype) -> Ragged:
-        """The values in ``dtype``: no copy when they are in it already, unless they are read-only (a
-        view of columnar input), which a batch never hands out."""
+        """The values in ``dtype``; a copy where the dtype changes or they are read-only (columnar input)."""
         if isinstance(self.values, np.ndarray):
             copy = not self.values.flags.writeable
             return Ragged(self.values.astype(numpy_dtype(dtype), copy=copy), self.offsets, self.lengths)
@@ -134,11 +115,7 @@ class Ragged:
 class Batch:
     """A batch at the door: its rows, how errors name them, and each field read once, on demand.
 
-    The readers (:class:`~zephon_collate.read.rows.Rows`,
-    :class:`~zephon_collate.read.arrow.Columns`) implement :meth:`_read` and
-    :meth:`_carried`; every layout and check uses the methods below only.
-
-    Attributes:
+    Parameters:
         rows: the number of rows (records, examples, pairs).
         names: how errors name row ``i``.
         fields: every field some row carries.
@@ -181,13 +158,11 @@ class Batch:
         return True
 
     def one_dtype(self, name: str, kind: Kind) -> bool:
-        """Did every row of field ``name`` (read by :meth:`get`) hold one host dtype, so that each row of
-        the joined field is that row as read alone (a column has one dtype)?"""
+        """Did every row of field ``name`` (read by :meth:`get`) hold one host dtype?"""
         return True
 
     def tokens_field(self, requested: str, *, packer: bool = False) -> str:
-        """The token field: ``requested``, or for ``"auto"`` the first candidate every row has
-        (:func:`tokens_field_of` over each row's fields)."""
+        """The token field: ``requested``, or for ``"auto"`` the first candidate every row has."""
         return tokens_field_of(self._named_rows(), requested, self.names, packer=packer)
 
     def __contains__(self, name: object) -> bool:
@@ -203,15 +178,7 @@ class Batch:
         return int(lacking[0]) if lacking.size else None
 
     def get(self, name: str, kind: Kind, *, partial: bool = False) -> Ragged | None:
-        """Field ``name`` as a :class:`Ragged` (read once), or ``None`` if no row carries it.
-
-        ``partial``: a row without the field reads as an empty row (see :meth:`carried`); else such a
-        row is a ``ValueError`` naming it.
-
-        Raises:
-            TypeError, ValueError: for values that are not numbers of ``kind``, rows that differ
-                beyond their length, and (without ``partial``) a row lacking the field.
-        """
+        """Field ``name`` as a :class:`Ragged` (read once), or ``None`` (``partial``: lacking rows empty)."""
         key = (name, kind, partial)
         if key not in self._cache:
             if name not in self:
@@ -223,8 +190,7 @@ class Batch:
         return self._cache[key]
 
     def require(self, name: str) -> None:
-        """``ValueError`` naming the first row without ``name`` (as the field is required, or as some rows
-        have it and others lack it)."""
+        """``ValueError`` naming the first row without ``name``."""
         index = self.lacking(name)
         if index is not None:
             some = self._carried(name).any()
@@ -232,14 +198,12 @@ class Batch:
             raise ValueError(f"{self.names(index)}: {self._lacks(index, name)}; {reason}")
 
     def per_row(self, name: str, kind: Kind) -> list[Row]:
-        """Field ``name`` of every row (required), one array or tensor each: for fields that may hold
-        one value, or one vector, per row (a per-record extra field, ``seq_lengths``)."""
+        """Field ``name`` of every row (required), one array or tensor each (a per-record field)."""
         self.require(name)
         return self._per_row(name, kind)
 
     def one_value_row(self, name: str) -> int | None:
-        """The first row giving ``name`` as one value (a per-example label) instead of a row of values,
-        or ``None``."""
+        """The first row giving ``name`` as one value instead of a row of values, or ``None``."""
         for index, value in enumerate(self.objects(name)):
             if isinstance(value, (int, float, np.generic)) or getattr(value, "ndim", None) == 0:
                 return index
@@ -273,17 +237,13 @@ class Batch:
 
 
 def tokens_field_of(payloads: Sequence[Any], requested: str, names: Names, *, packer: bool = False) -> str:
-    """The payload field holding token ids: ``requested``, or for ``"auto"`` the first of ``input_ids,
-    tokens, token_ids, ids`` every dict payload has (array payloads are their token row).
+    """The payload field of token ids: ``requested``, or for ``"auto"`` the first candidate every dict has.
 
     Parameters:
-        payloads: the rows' payloads (mappings of fields, or token arrays).
-        requested: a field name, or ``"auto"``.
+        payloads: the rows' payloads (mappings of fields, or token arrays, which are their token row).
+        requested: a field name, or ``"auto"`` (``input_ids``, ``tokens``, ``token_ids``, ``ids``, in order).
         names: how errors name row ``i``.
         packer: word the refusal as the packer does.
-
-    Raises:
-        ValueError: if an explicit field is missing from a payload, or no candidate is in every payload.
 
     Example:
         >>> tokens_field_of([{"tokens": [1]}, [2, 3]], "auto", str)
@@ -324,16 +284,7 @@ def tokens_field_of(payloads: Sequence[Any], requested: str, names: Names, *, pa
 
 
 def concat(rows: Sequence[Row], name: str, names: Names) -> Ragged:
-    """A field's rows end to end (one copy, never a view of a payload), as a :class:`Ragged`.
-
-    Rows may be NumPy arrays or tensors of any dtypes (the widest wins, as
-    NumPy and torch promote); they must share their trailing dims and device.
-    Rows on the CPU give host values, rows on an accelerator a tensor there.
-
-    Raises:
-        ValueError: if a row is one value (0-d), if rows differ beyond their first dim, or lie on
-            different devices.
-    """
+    """A field's rows end to end (one copy) as a :class:`Ragged`; rows may differ in length and dtype only."""
     if not rows:
         return Ragged(np.empty(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
     try:
@@ -401,14 +352,7 @@ def sequence_of(offsets: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Spread:
-    """A fill of integer ids spread over ``range(count)``: MoE routes of padding, over every expert.
-
-    The place at position ``p`` of its row gets ``(p * k + j) % count`` in entry ``j`` of its last dim
-    (``k`` entries: the experts of one token), the same in every other dim (every layer). Its row is the
-    row the batch holds: left padding is numbered at the front, where it ends up; a padding-free batch
-    by the place in its one row (a label-aligned field's first token of every sequence too); a packed
-    row by the place in it. Padding routed to one expert (a fill of 0) sends every padding token there,
-    and a batch's padding can overload it.
+    """A fill spread over ``range(count)``: place ``p`` of a row gets ``(p * k + j) % count`` in entry ``j``.
 
     Example:
         >>> filled((3, 2), Spread(4), np.dtype(np.int64), at=np.array([1, 2, 3])).tolist()
@@ -421,8 +365,7 @@ class Spread:
 def filled(
     shape: tuple[int, ...], fill: int | float | Spread, dtype: np.dtype, *, at: np.ndarray | None = None
 ) -> np.ndarray:
-    """``shape`` (``[places, ...]``) of ``fill``: a number, or a :class:`Spread` of the places at
-    positions ``at`` of their rows (``0, 1, ...`` by default)."""
+    """``shape`` of ``fill``: a number, or a :class:`Spread` of places at positions ``at`` (``0, 1, ...``)."""
     if not isinstance(fill, Spread):
         return np.full(shape, fill, dtype=dtype)
     ramp = (np.arange(shape[0], dtype=np.int64) if at is None else at.astype(np.int64)).reshape(
@@ -456,8 +399,7 @@ def places(offsets: np.ndarray) -> np.ndarray:
 
 
 def restarted(positions: Ragged, rows: np.ndarray) -> Ragged:
-    """Positions of rows cut at their start (``rows``: ``[B]`` booleans): the segment the cut enters, now
-    without its first tokens, counts from 0 again, so that it stays a segment of its own.
+    """Positions of rows cut at their start (``rows``, ``[B]``): the segment cut into counts from 0 again.
 
     Example:
         >>> positions = Ragged(np.array([1, 2, 0, 1, 4, 5]), np.array([0, 4, 6]))
@@ -629,14 +571,7 @@ PLAIN_DTYPES: dict[str, frozenset[torch.dtype]] = {
 
 
 def to_row(value: Any, where: str, name: str, kind: Kind) -> Row:
-    """Check one payload value and return it as an array or tensor, without copying tensors.
-
-    Raises:
-        TypeError: for a value that is not numbers (a str, objects, a sparse tensor, ...) or of
-            the wrong kind (floats as token ids).
-        ValueError: for values beyond int64, a tensor without data, or token ids given as a
-            scalar or as a batch of one row.
-    """
+    """One payload value checked, as an array or tensor (a tensor not copied); else TypeError/ValueError."""
     if isinstance(value, torch.Tensor):
         row: Row = _tensor_row(value, where, name)
         if value.dtype.is_floating_point and value.dtype not in _FLOAT_DTYPES:
@@ -692,20 +627,14 @@ def as_numpy(row: Row) -> np.ndarray:
 
 
 def host_view(values: Values) -> Values:
-    """What the checks compute on: host values as they are, a CPU tensor as a NumPy view, a device
-    tensor where it is.
-
-    NumPy's comparisons run several times faster than torch's on the CPU; on a device
-    the tensor stays where it is. The checks below use operations both share.
-    """
+    """What the checks compute on: host values, a CPU tensor as a NumPy view, a device tensor where it is."""
     if isinstance(values, np.ndarray) or values.device.type != "cpu":
         return values
     return as_numpy(values)
 
 
 def joined_ints(values: list[Any]) -> Ragged | None:
-    """Lists of Python ints end to end in one int64 buffer, or ``None`` for anything else (read row
-    by row, where the errors are named)."""
+    """Lists of Python ints end to end in one int64 buffer, or ``None`` for anything else."""
     buffer = array.array("q")
     ends = [0]  # the offsets, counted as the buffer grows: one conversion, no running sum in NumPy
     try:

@@ -1,16 +1,4 @@
-"""Hugging Face examples read: ``input_ids`` and the fields that say what is trained, checked once.
-
-An example is a dict with ``input_ids`` and, optionally, fields that say what is
-supervised; every one given is applied by :func:`supervision` (a token is trained
-where all agree): ``labels`` (-100 or the token there), ``attention_mask`` (0 on
-padding before or after the tokens), ``loss_mask``, ``assistant_masks`` /
-``assistant_mask``, ``completion_mask`` (1 where trained); ``seq_lengths`` (TRL's
-packed rows) or restarting ``position_ids``; ``token_type_ids``; the float fields
-named; a vision-language example's ``mm_token_type_ids``. :func:`read_examples`
-reads them for every layout that takes such examples (``for_transformers``, the
-rollouts and trees of the post-training presets), refusing what would train the
-wrong tokens, naming the example, the field and the fix.
-"""
+"""Hugging Face examples read: ``input_ids`` and the fields that say what is trained, checked once."""
 
 from __future__ import annotations
 
@@ -79,9 +67,8 @@ class ExampleSpec:
         floats: the value fields (:class:`~zephon_collate.read.fields.TensorField`).
         supervision: the field every example must carry to say what is trained, or ``None``.
         vision: read ``mm_token_type_ids`` (a vision-language layout); else media are refused.
-        media_fix: the fix a refusal of media names, where this entry point reads them when asked.
-        response_mask: read verl's ``response_mask`` (the caller applies it); else it is refused where
-            it would change what is trained.
+        media_fix: the fix a refusal of media names.
+        response_mask: read verl's ``response_mask`` (the caller applies it); else it may be refused.
         uniform: refuse an example without a supervising field that another example carries.
     """
 
@@ -96,9 +83,7 @@ class ExampleSpec:
 
 @dataclass
 class Examples:
-    """The fields read: ``input_ids`` (int64) and the per-token fields (rows without one filled: labels
-    as the tokens, masks as ones, positions counting), each example's ``seq_lengths`` (``segments``), the
-    float fields (per token in ``fields``, one value per sequence in ``per_sequence``)."""
+    """The fields read: per-token ``fields`` (filled where absent), ``segments``, per-sequence floats."""
 
     fields: dict[str, Ragged]
     segments: Ragged | None = None
@@ -106,11 +91,7 @@ class Examples:
 
 
 def read_examples(batch: Batch, spec: ExampleSpec) -> Examples:
-    """The examples' fields as the layout of ``spec`` reads them (see the module doc).
-
-    Raises:
-        TypeError, ValueError: for a bad example, naming it, the field and the fix.
-    """
+    """The examples' fields as the layout of ``spec`` reads them; a bad example is named, with the fix."""
     names = batch.names
     _check_examples(batch, spec)
     tokens = batch.get(INPUT_IDS, "ids")
@@ -295,8 +276,7 @@ def _misfit(where: str, name: str, shape: tuple[int, ...], length: int) -> Value
 
 
 def _filled(batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Ragged) -> Ragged:
-    """Per-token field ``name``, one value per token in every example; an example without it reads as all
-    trained (labels: its tokens; a mask: ones) and, for ``position_ids``, as one document."""
+    """Per-token field ``name`` in every example; one without it reads as all trained (or one document)."""
     try:
         field = batch.get(name, kind, partial=True)
     except ValueError:  # rows that differ beyond their length: name the first that does not fit
@@ -334,9 +314,7 @@ def _filled(batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Rag
 
 
 def supervision(fields: dict[str, Ragged], names: Names) -> Ragged:
-    """The boolean ``[N]`` supervision: where ``labels`` are not -100, every mask field is 1, and the
-    token is text (``mm_token_type_ids`` 0: a vision placeholder stands for an image, not a token to
-    predict)."""
+    """The boolean ``[N]`` supervision: labels not -100, every mask 1, and a text token (not media)."""
     tokens = fields[INPUT_IDS]
     trained: np.ndarray | None = None
     for name in _MASKS:

@@ -1,45 +1,4 @@
-"""Value fields: per-token (or per-sequence) values beside the tokens, declared once.
-
-Post-training carries float data with the tokens: the log-probs of a reference
-or behaviour policy, advantages, rewards, per-token weights; distillation and
-MoE router replay carry tensors per token: a teacher's top-k ids and log-probs
-``[T, K]``, routes ``[T, layers, k]``. A :class:`TensorField` declares one such
-field: its name, what its values belong to (``align``), the dtype it keeps
-(float32 by default, whatever the dtype of the tokens; any float or integer
-dtype), each token's value shape and the fill of every place nothing was given;
-:class:`FloatField` is its float case. The :class:`~zephon_collate.Collator`
-(``float_fields=[...]``), ``Collator.for_transformers``, the presets
-``for_preference`` / ``for_rollouts`` and the packer (``pack_flat(float_fields=...)``)
-all read a value field through :func:`read_floats` here, and place it with
-the labels:
-
-- ``align="token"``: one value per token, value ``t`` belongs to token ``t``
-  (the log-prob of token ``t``, its advantage). Where a layout shifts the
-  tokens (the Collator's ``return_labels``: labels are ``tokens[:, 1:]``), the
-  field is shifted with them, ``[:, 1:]``, so that ``field[:, j]`` belongs to
-  ``labels[:, j]``; in the unshifted ``transformers`` layout it stays as it is,
-  beside the unshifted labels.
-- ``align="label"``: one value per token, value ``t`` belongs to the prediction
-  made at position ``t`` (of token ``t + 1``). Shifted layout: ``[:, :-1]``, like
-  the inputs; unshifted layout: moved one token right inside each sequence (the
-  fill on a sequence's first token, which no position predicts).
-- ``align="response"``: one value per token of the row's last ``len(values)``
-  tokens, verl's response-aligned fields (``old_log_probs``, ``advantages``
-  ``[batch, response_length]`` beside ``input_ids = cat(prompts, responses)``):
-  value ``k`` belongs to token ``T - len(values) + k`` of a row of ``T`` tokens
-  as given (padding included), the tokens before it get the fill. Read, it is a
-  token-aligned field.
-- ``align="sequence"``: one value per sequence (a reward, a GRPO advantage, TRL's
-  ``ref_chosen_logps``): a ``[num_sequences]`` output; with ``broadcast=True`` it
-  is repeated over the sequence's tokens instead, a token-aligned field.
-
-Either way ``out[field][..., j]`` goes with ``out["labels"][..., j]``: an
-off-by-one cannot happen silently. Float values must be finite (a NaN log-prob
-would turn the loss into NaN several steps later), or ``-inf`` where the fill is
-``-inf`` (an absent top-k entry): a NaN or another infinity is a ``ValueError``
-naming the record, the field and the place; integer values must be whole numbers
-within the dtype.
-"""
+"""Value fields beside the tokens (:class:`TensorField`, :class:`FloatField`), declared once."""
 
 from __future__ import annotations
 
@@ -83,7 +42,7 @@ __all__ = [
 ]
 
 Alignment: TypeAlias = Literal["token", "label", "response", "sequence"]
-"""What a field's values belong to: a token, a prediction, a whole sequence (see the module doc)."""
+"""What a field's values belong to: a token, a prediction, the row's last tokens, a whole sequence."""
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _ALIGNMENTS = ("token", "label", "response", "sequence")
@@ -91,42 +50,21 @@ _ALIGNMENTS = ("token", "label", "response", "sequence")
 
 @dataclass(frozen=True)
 class TensorField:
-    """One value field beside the tokens: its name, alignment, dtype, broadcast and fill (see the module
-    doc).
-
-    A token's value may be a number or a tensor of any trailing shape, the same for every token of a
-    batch: the teacher's top-k ids ``[T, K]`` (int) and log-probs ``[T, K]`` (float), MoE routes
-    ``[T, layers, k]`` (int). The output is ``[B, S, ...]`` (``[1, N, ...]`` padding-free).
+    """One value field beside the tokens: its name, alignment, dtype, value shape and fill.
 
     Parameters:
         name: the payload field (and output key).
-        align: ``"token"`` (value ``t`` belongs to token ``t``, the default), ``"label"``
-            (to the prediction made at ``t``: the right alignment for a teacher's top-k), ``"response"``
-            (to the row's last ``len(values)`` tokens, as verl keeps them) or ``"sequence"`` (one value
-            per sequence).
-        dtype: the dtype it keeps: a float (float16, bfloat16, float32, float64; the default float32) or
-            an integer dtype (uint8, int8, int16, int32, int64).
+        align: what value ``t`` belongs to: token ``t`` (``"token"``, the default), the prediction made at
+            ``t`` (``"label"``), the row's last ``len(values)`` tokens (``"response"``); ``"sequence"``: one
+            value per sequence.
+        dtype: a float dtype (float32 by default) or an integer one (uint8, int8, int16, int32, int64).
         broadcast: with ``align="sequence"``, repeat the value over the sequence's tokens.
-        shape: each token's value shape: ``()`` (a number, the default), ``(K,)`` for a top-k,
-            ``(layers, k)`` for routes; ``None`` for a size that may change from batch to batch (every row
-            of one batch shares it).
-        fill: the value of every place that holds no given value: padding, and the first token of a
-            sequence for ``align="label"`` in an unshifted layout. 0 by default; ``float("-inf")`` for
-            log-probs (probability 0: :func:`~zephon_collate.losses.distillation_loss` gives it no
-            weight), which then may also appear in the values (a token with fewer than ``K`` entries);
-            ``Spread(experts)`` for MoE routes (an integer field of ``shape=(..., k)``): the padding's
-            routes cycle through every expert instead of all going to one.
-
-    Raises:
-        TypeError, ValueError: for a name that is not a non-empty str, an unknown alignment, a dtype
-            that is neither float nor integer, ``broadcast`` without ``align="sequence"``, or a fill that
-            the dtype cannot hold (NaN, an infinity but ``-inf`` for a float, a fraction or an
-            out-of-range number for an integer dtype).
+        shape: each token's value shape: ``()`` (the default), ``(K,)``, ``(layers, k)``; ``None``: by batch.
+        fill: the value of every place given none (padding), one the dtype holds: 0, ``float("-inf")``,
+            ``Spread(experts)``.
 
     Example:
-        >>> TensorField("teacher_ids", align="label", dtype=torch.int64, shape=(4,)).fill
-        0
-        >>> TensorField("teacher_logprobs", align="label", fill=float("-inf")).dtype
+        >>> TensorField("teacher_logprobs", align="label", fill=float("-inf"), shape=(4,)).dtype
         torch.float32
     """
 
@@ -224,16 +162,11 @@ class TensorField:
 
 @dataclass(frozen=True)
 class FloatField(TensorField):
-    """A :class:`TensorField` of a float dtype: log-probs, advantages, rewards, weights.
-
-    Raises:
-        ValueError: for a dtype that is not a float dtype (declare a :class:`TensorField` for ids).
+    """A :class:`TensorField` of a float dtype (another dtype is a ``ValueError``): log-probs, advantages.
 
     Example:
         >>> FloatField("advantages", align="sequence", broadcast=True).per_token
         True
-        >>> FloatField("old_logprobs").dtype
-        torch.float32
     """
 
     def __post_init__(self) -> None:
@@ -257,12 +190,7 @@ FloatFields: TypeAlias = "Sequence[str | TensorField]"
 
 
 def check_float_fields(owner: str, value: object, reserved: Sequence[str] = ()) -> tuple[TensorField, ...]:
-    """The value fields ``value`` names, as specs: a str is ``FloatField(name)``.
-
-    Raises:
-        TypeError: if ``value`` is a str or not a sequence, or an item is neither a str nor a
-            TensorField.
-        ValueError: if a name is given twice or is one of ``reserved`` (a name the caller writes).
+    """The value fields ``value`` names, as specs (a str is ``FloatField(name)``), checked.
 
     Example:
         >>> [f.name for f in check_float_fields("Collator", ["old_logprobs", FloatField("adv", "sequence")])]
@@ -306,13 +234,7 @@ def _first_bad(field: Ragged, bad: np.ndarray, names: Names, name: str) -> tuple
 
 
 def _checked(source: Ragged, spec: TensorField, names: Names) -> Ragged:
-    """``source`` in ``spec.host_dtype``: each value one the dtype holds exactly as given.
-
-    A float field's values are finite (or the fill, ``-inf``); a NaN or an infinity given is named as
-    such, and a finite value beyond the dtype (1e39 for float32, 70000 for float16, 3.5e38 for
-    bfloat16), which the cast would turn into an infinity, as an overflow of that dtype. An integer
-    field's values are whole numbers within its dtype.
-    """
+    """``source`` in ``spec.host_dtype``, each value checked to be one the dtype holds exactly."""
     values, name = np.asarray(source.values), spec.name
     if not spec.dtype.is_floating_point:
         return Ragged(_checked_ints(source, spec, names), source.offsets)
@@ -396,17 +318,12 @@ def _shown_shape(shape: tuple[int | None, ...]) -> str:
 
 
 def value_rows(batch: Batch, spec: TensorField) -> list[Row]:
-    """Each row's values of ``spec`` (:meth:`~zephon_collate.read.columns.Batch.per_row`), for
-    :func:`read_floats`. A field of ``shape=(None,)`` may give each token its own number of entries
-    (a top-p teacher's, or a jagged ``(nnz, K)`` one), as lists or as an Arrow list of lists: each
-    token's entries are padded with the fill to the batch's largest, so that the fill marks what is
-    absent (``-inf`` log-probs: probability 0).
+    """Each row's values of ``spec``; a jagged ``shape=(None,)`` field's tokens padded with the fill.
 
     Example:
         >>> from zephon_collate.read.rows import examples_of
         >>> batch = examples_of([{"input_ids": [1, 2], "lp": [[-0.5], [-0.25, -2.0]]}], "Collator")
-        >>> spec = TensorField("lp", shape=(None,), fill=float("-inf"))
-        >>> value_rows(batch, spec)[0].tolist()
+        >>> value_rows(batch, TensorField("lp", shape=(None,), fill=float("-inf")))[0].tolist()
         [[-0.5, -inf], [-0.25, -2.0]]
     """
     try:
@@ -462,29 +379,12 @@ def _host(entry: object) -> object:
 def read_floats(
     rows: Sequence[Row], lengths: np.ndarray, spec: TensorField, names: Names
 ) -> Ragged | list[np.ndarray]:
-    """A value field's checked rows (from :meth:`~zephon_collate.read.columns.Batch.per_row`) in the
-    spec's layout.
-
-    Per token (``spec.per_token``): a host :class:`~zephon_collate.read.columns.Ragged`
-    ``[N, ...]`` in ``spec.host_dtype``, one value (a number, or a tensor of the row's trailing shape)
-    per token (a broadcast sequence value repeated ``lengths[b]`` times). Per sequence: one 0-d array per
-    payload.
-
-    Raises:
-        ValueError: for a row whose shape does not fit the alignment (one value per token, or one
-            number per sequence), rows of different trailing shapes, or a value the dtype cannot hold;
-            naming the record and the field.
+    """A value field's checked rows in the spec's layout: a host ``Ragged`` per token, a 0-d array per row.
 
     Example:
-        >>> lengths = np.array([2, 1])
-        >>> read_floats([np.array([0.5, -1.0]), np.array([2.0])], lengths, FloatField("lp"), str).values
-        array([ 0.5, -1. ,  2. ], dtype=float32)
         >>> spec = FloatField("adv", align="sequence", broadcast=True)
-        >>> read_floats([np.array(1.5), np.array(-2.0)], lengths, spec, str).values.tolist()
+        >>> read_floats([np.array(1.5), np.array(-2.0)], np.array([2, 1]), spec, str).values.tolist()
         [1.5, 1.5, -2.0]
-        >>> top = TensorField("top_ids", dtype=torch.int64, shape=(2,))
-        >>> read_floats([np.array([[3, 1], [2, 0]]), np.array([[4, 4]])], lengths, top, str).values.shape
-        (3, 2)
     """
     name = spec.name
     arrays = [as_numpy(row) for row in rows]
@@ -538,15 +438,7 @@ def _shaped(arrays: list[np.ndarray], spec: TensorField) -> list[np.ndarray]:
 
 
 def to_label_positions(field: Ragged, starts: np.ndarray, fill: int | float | Spread = 0) -> Ragged:
-    """A label-aligned field for the unshifted layout: each value moved one token right.
-
-    Value ``t`` (of the prediction made at ``t``) goes to token ``t + 1``, the
-    token that prediction is scored against; ``starts`` (``[N]`` booleans) marks
-    each sequence's first token, which no position predicts: it gets ``fill``.
-    A :class:`Spread` fill is numbered by the token's place in its example (its
-    place in a right-padded row); a layout that lays the tokens out elsewhere
-    (left padding, one padding-free row) numbers them again as it stacks them
-    (:func:`spread_starts`).
+    """A label-aligned field, unshifted: each value moved one token right, ``fill`` on the ``starts``.
 
     Example:
         >>> field = Ragged(np.array([1.0, 2.0, 3.0, 4.0, 5.0]), np.array([0, 3, 5]))
@@ -566,8 +458,7 @@ def to_label_positions(field: Ragged, starts: np.ndarray, fill: int | float | Sp
 
 
 def refilled(field: Ragged, where: np.ndarray, fill: Spread, at: np.ndarray) -> Ragged:
-    """``field`` with the places ``where`` (``[N]`` booleans) holding ``fill``, each numbered by its place
-    ``at`` (``[N]``) in the row handed out; a copy.
+    """``field`` with the places ``where`` holding ``fill``, numbered by their place ``at``; a copy.
 
     Example:
         >>> field = Ragged(np.full((4, 2), 9), np.array([0, 2, 4]))
@@ -586,10 +477,7 @@ def spread_starts(
     starts: Callable[[], np.ndarray],
     at: Callable[[], np.ndarray],
 ) -> dict[str, Ragged]:
-    """``fields`` as an unshifted layout stacks them, each label-aligned field of a :class:`Spread` fill
-    with every sequence's first token (``starts()``, ``[N]`` booleans: no position predicts it) numbered
-    by its place in the row handed out (``at()``, ``[N]``): left padding or the padding-free row moves a
-    sequence from the place in its example, where :func:`to_label_positions` numbered it.
+    """``fields`` with each label-aligned :class:`Spread` fill on the ``starts()`` numbered by their ``at()``.
 
     Example:
         >>> spec = TensorField("routes", align="label", dtype=torch.int64, shape=(2,), fill=Spread(5))

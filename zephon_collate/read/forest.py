@@ -1,22 +1,9 @@
 """Forest: post-training data as trees of token spans, what every post-training format is read into.
 
-An example is a tree of *nodes*, each a span of tokens with what of them is
-trained and their per-token values; a *sequence* is a path from a root to a
-node, holding its own per-sequence values (a reward, an advantage, reference
-log-probs). Today's formats are trees: an SFT example or a rollout is one node,
-a DPO pair a prompt with two children, a GRPO group a prompt with G children,
-KTO a prompt with its completion and its KL completion::
+A *node* is a span of tokens; a *sequence* is a path from a root to a node::
 
     DPO pair          prompt ─┬─ chosen        sequence 0: prompt + chosen
                               └─ rejected      sequence 1: prompt + rejected
-
-    agentic group     system, task ─┬─ turn 1 ─┬─ turn 2a ...   every path a sequence
-                                    │          └─ turn 2b ...
-                                    └─ turn 1' ...
-
-The read adapters (:mod:`.formats`) build one :class:`Forest` per batch; the
-``Trees`` layout shares its prefixes and lays it out
-(:mod:`zephon_collate.layouts.forest`).
 """
 
 from __future__ import annotations
@@ -37,18 +24,14 @@ class Forest:
     Parameters:
         tokens: each node's token ids (int64), one row per node.
         trained: each node's supervision (bool), the offsets of ``tokens``.
-        parent: ``[M]`` int64, each node's parent, -1 for a root; a parent comes before its children.
-            The node order is the layout's: roots (documents) and children in this order.
-        ends: ``[S]`` int64, the node each sequence ends at (-1: a sequence without tokens), in the
-            sequences' numbering (TRL's order: every chosen sequence, then every rejected one).
+        parent: ``[M]`` int64, each node's parent (-1 for a root), a parent before its children.
+        ends: ``[S]`` int64, the node each sequence ends at (-1: a sequence without tokens).
         values: per-token value fields, the offsets of ``tokens``.
         per_sequence: ``[S, ...]`` values, one per sequence.
         source: ``[S]`` the example each sequence was read from (errors name it).
         groups: ``[S]`` each sequence's group (its prefixes shared within it), or ``None``: one group.
-        fills: per value field, the places (bool, the offsets of ``tokens``) that hold its fill, numbered
-            where they are laid out when the fill is a ``Spread``.
-        roles: the roles the sequences come in, role-major (pairs: ``("chosen", "rejected")``, every chosen
-            sequence first); ``()``: one role, unnamed.
+        fills: per value field, the places (bool) that hold its fill.
+        roles: the roles the sequences come in, role-major (pairs: ``("chosen", "rejected")``); ``()``: one.
 
     Example:
         >>> pair = Forest.chains(Ragged(np.array([1, 2, 3, 1, 2, 4]), np.array([0, 3, 6])),
@@ -83,8 +66,7 @@ class Forest:
         return np.repeat(np.arange(count, dtype=np.int64), self.sequences // count)
 
     def by_example(self) -> Forest:
-        """Sequences given whole, laid out example by example (each example's sequences together, in role
-        order), so that a pair's sides can share their prompt; the numbering is kept."""
+        """Sequences given whole, laid out example by example (a pair's sides can share their prompt)."""
         source = np.arange(self.sequences) if self.source is None else self.source
         order = np.argsort(source, kind="stable")
         kept = self.ends[order]
@@ -126,14 +108,12 @@ class Forest:
         fills: dict[str, Ragged] | None = None,
         groups: np.ndarray | None = None,
     ) -> Forest:
-        """Sequences given whole (a row each), each a tree of one node (an empty sequence's empty: a
-        document without tokens, as a padded batch gives it a row).
+        """Sequences given whole (a row each), each a tree of one node.
 
         Parameters:
             tokens, trained, values: one row per sequence, in the sequences' numbering.
             per_sequence: ``[S, ...]`` values.
-            order: the sequences in layout order (default: their numbering), e.g. each pair's two
-                sequences together so that they can share their prompt.
+            order: the sequences in layout order (default: their numbering).
             source, roles, fills, groups: as the class's.
         """
         count = tokens.rows

@@ -1,23 +1,4 @@
-"""Read adapters: each post-training format read into one :class:`~zephon_collate.read.forest.Forest`.
-
-One function per format, each checking what it reads and naming the example,
-the field and the fix:
-
-- :func:`read_pairs`: DPO pairs, TRL's (``prompt_input_ids``, ``chosen_input_ids``,
-  ``rejected_input_ids``; TRL 1.x's ``prompt_ids``, ``chosen_ids``,
-  ``rejected_ids``), open-instruct's (whole sequences with ``chosen_labels``) and
-  OpenRLHF's (``chosen_ids``, ``reject_ids``, ``extra`` the prompt's length), with
-  per-side padding masks and reference log-probs; TRL's unpaired KTO examples
-  (``completion_ids``, ``label``, ``KL_completion_ids``) through :func:`read_kto`;
-- :func:`read_reward_pairs`: a reward model's pairs, TRL's and OpenRLHF's;
-- :func:`read_rollouts`: one rollout per example (a prompt then a completion), as
-  ``for_transformers`` reads examples, verl's rows included;
-- :func:`read_trajectories`: trajectories, flat or as lists of turns, with their
-  groups; :func:`read_trees`: explicit trees, one node per example.
-
-The sequences of a pair come chosen first (TRL's order): every chosen sequence,
-then every rejected one.
-"""
+"""Read adapters: each post-training format (docs/post_training.md, docs/trees.md) read into a ``Forest``."""
 
 from __future__ import annotations
 
@@ -130,9 +111,11 @@ _ROLLOUT_SUPERVISION = (*SUPERVISION_MASKS, LABELS, RESPONSE_MASK)
 
 @dataclass(frozen=True)
 class Cut:
-    """How a pair's sides are cut (TRL's ``DataCollatorForPreference``): the prompt to its last
-    ``max_prompt_length`` tokens, each response to its first ``max_completion_length``, each sequence to
-    ``max_length`` keeping its start or its end (``truncation_mode``)."""
+    """How a pair's sides are cut, as TRL's ``DataCollatorForPreference`` cuts them.
+
+    The prompt keeps its last ``max_prompt_length`` tokens, each response its first ``max_completion_length``,
+    each sequence ``max_length`` from its start or end (``truncation_mode``).
+    """
 
     owner: str
     max_prompt_length: int | None = None
@@ -145,12 +128,7 @@ class Cut:
 
 
 def read_pairs(batch: Batch, cut: Cut) -> Forest:
-    """DPO pairs (or TRL's KTO examples, :func:`read_kto`) as a forest: each side's sequence, the prompt
-    then the response (trained), every chosen one first; ``ref_logps`` per sequence when given.
-
-    Raises:
-        TypeError, ValueError: for a bad pair, naming the example, the field and the fix.
-    """
+    """DPO pairs (or KTO examples) as a forest: each side's prompt then response, every chosen one first."""
     names = batch.names
     refuse_media(batch, cut.owner)
     _check_pairs(batch, "prompt_input_ids, chosen_input_ids, rejected_input_ids")
@@ -177,8 +155,7 @@ def read_pairs(batch: Batch, cut: Cut) -> Forest:
 
 
 def read_kto(batch: Batch, cut: Cut, found: str = COMPLETION_IDS) -> Forest:
-    """TRL's KTO examples: a prompt, a completion, ``label`` (desirable or not) and, for the KL term, the
-    prompt with a mismatched completion (``KL_completion_ids``): its sequences after every completion."""
+    """TRL's KTO examples: a prompt, a completion, ``label`` and the KL term's mismatched completion."""
     names = batch.names
     index = int(np.flatnonzero(batch.carried(found))[0])
     paired = [
@@ -226,10 +203,7 @@ def read_kto(batch: Batch, cut: Cut, found: str = COMPLETION_IDS) -> Forest:
 
 
 def _check_pairs(batch: Batch, fields: str) -> None:
-    """``TypeError`` naming the first example that is not a dict of token ids (``fields``: the expected
-    ones); ``ValueError`` for a near miss of a side's padding mask or of a supervising field, and for a
-    field that would leave a sequence's tokens untrained (``labels``, a ``loss_mask``,
-    ``completion_mask``, an ``attention_mask``): a side's tokens are trained whole, so it would be lost."""
+    """Refuse the first example that is not a dict of token ids, or carries a field that would be lost."""
     for index, payload in enumerate(batch.payloads):
         if isinstance(payload, SampleRecord) or not hasattr(payload, "keys"):
             raise TypeError(
@@ -252,8 +226,7 @@ def _check_pairs(batch: Batch, fields: str) -> None:
 
 
 def _labelled(batch: Batch) -> tuple[Ragged, Ragged, Ragged]:
-    """open-instruct's pairs: whole sequences, labels -100 on the prompt and the tokens after it. The
-    prompt is each sequence's leading -100 run, one for both sides."""
+    """open-instruct's pairs: whole sequences, labels -100 on the prompt (each side's leading -100 run)."""
     names = batch.names
     split: list[tuple[Ragged, Ragged]] = []
     for side, name, labels_name in (
@@ -351,8 +324,7 @@ def _openrlhf(batch: Batch, prompt_given: bool) -> tuple[Ragged, Ragged, Ragged]
 def _cut_sides(
     prompts: Ragged, responses: dict[str, Ragged], cut: Cut, names: Names
 ) -> list[tuple[Ragged, Ragged]]:
-    """Each side's response (by name) with its prompt, cut as ``cut`` asks: ``[(prompt, response), ...]``
-    (each side its own prompt: ``keep_end`` may keep a different part of it for each)."""
+    """Each side's ``(prompt, response)``, cut as ``cut`` asks (each side its own prompt)."""
     keep_end = cut.truncation_mode == "keep_end"
     if cut.max_prompt_length is not None:  # a prompt keeps its end, next to its response
         prompts = _kept(prompts, np.minimum(prompts.lengths, cut.max_prompt_length), True)
@@ -432,8 +404,7 @@ def _side(batch: Batch, side: str, new: str, old: str, mask_name: str) -> Ragged
 
 
 def _reference(batch: Batch, expected: tuple[str, ...], owner: str) -> dict[str, np.ndarray]:
-    """The reference log-probs of each side (``expected``: their names, all or none given), as
-    ``ref_logps``: float32, one per sequence, side by side (when the examples have them)."""
+    """The sides' reference log-probs (all of ``expected`` or none) as float32 ``ref_logps``."""
     found: dict[str, np.ndarray] = {}
     ones = np.ones(batch.rows, dtype=np.int64)
     for name in expected:
@@ -455,8 +426,7 @@ def _reference(batch: Batch, expected: tuple[str, ...], owner: str) -> dict[str,
 def _sequences(
     sides: list[tuple[Ragged, Ragged]], roles: tuple[str, ...], values: dict[str, np.ndarray]
 ) -> Forest:
-    """The sequences ``prompt + response`` of every side (``sides``: each its prompts and responses, one
-    per example), side by side (role-major), with the per-sequence ``values``."""
+    """The sequences ``prompt + response`` of every side, role-major, with the per-sequence ``values``."""
     tokens, trained = [], []
     for prompts, responses in sides:
         for example in range(prompts.rows):
@@ -487,12 +457,7 @@ def _kept(field: Ragged, counts: np.ndarray, from_end: bool) -> Ragged:
 
 
 def _prompt_lengths(supervised: Ragged) -> np.ndarray:
-    """``[S]``: each sequence's tokens before its first supervised one (all of them where none is).
-
-    Example:
-        >>> _prompt_lengths(Ragged(np.array([0, 0, 1, 1, 0, 0]), np.array([0, 4, 6]))).tolist()
-        [2, 2]
-    """
+    """``[S]``: each sequence's tokens before its first supervised one (all where none is)."""
     offsets = supervised.offsets
     prompt = np.diff(offsets).astype(np.int64)
     trained = np.flatnonzero(np.asarray(supervised.values))
@@ -506,12 +471,7 @@ def _prompt_lengths(supervised: Ragged) -> np.ndarray:
 
 
 def read_reward_pairs(batch: Batch, owner: str, max_length: int | None) -> Forest:
-    """A reward model's pairs as a forest: each side's whole sequence (an explicit prompt put before both),
-    every chosen one first; ``margin`` per sequence when given.
-
-    Raises:
-        TypeError, ValueError: for a bad pair, naming the example, the field and the fix.
-    """
+    """A reward model's pairs as a forest: each side's whole sequence, every chosen one first."""
     names = batch.names
     refuse_media(batch, owner)
     _check_pairs(batch, "chosen_ids, rejected_ids")
@@ -602,13 +562,7 @@ def _margins(batch: Batch, name: str) -> np.ndarray:
 
 
 def read_rollouts(batch: Batch, spec: ExampleSpec) -> Forest:
-    """One rollout per example as a forest of one-node trees: its tokens, what is trained (every
-    supervising field applied, verl's ``response_mask`` over the row's last tokens), padding dropped, its
-    value fields (label-aligned ones moved to the token they score), one value per sequence apart.
-
-    Raises:
-        TypeError, ValueError: for a bad rollout, naming it, the field and the fix.
-    """
+    """One rollout per example as a forest of one-node trees: its tokens, what is trained, its values."""
     read = read_examples(batch, spec)
     fields, names = read.fields, batch.names
     tokens = fields[INPUT_IDS]
@@ -683,14 +637,7 @@ NODE_ID, PARENT_ID = "node_id", "parent_id"
 
 
 def read_trajectories(batch: Batch, spec: ExampleSpec, group_key: str) -> Forest:
-    """Trajectories as sequences given whole, with their groups: one per example, its ``input_ids`` flat
-    or a list of turns (each per-token field then a list of the turns' values, or one value per turn),
-    what is trained as a rollout says it (:func:`read_rollouts`), ``group_key`` the group it shares its
-    prefixes within (absent: the batch is one group).
-
-    Raises:
-        TypeError, ValueError: for a bad trajectory, naming it, the field and the fix.
-    """
+    """Trajectories (``input_ids`` flat or a list of turns) as whole sequences, grouped by ``group_key``."""
     batch = _turns_joined(batch, spec.owner)
     forest = read_rollouts(batch, spec)
     if group_key not in batch:
@@ -718,8 +665,7 @@ def read_trajectories(batch: Batch, spec: ExampleSpec, group_key: str) -> Forest
 
 
 def _turns_joined(batch: Batch, owner: str) -> Batch:
-    """``batch`` with every trajectory given as turns (``input_ids`` a list of token lists) joined: each
-    per-token field's turns end to end, a value per turn repeated over its tokens."""
+    """``batch`` with every trajectory given as turns joined, field by field."""
     payloads = batch.payloads
     if not payloads:
         return batch
@@ -760,15 +706,7 @@ def _sized(value: object) -> bool:
 
 
 def read_trees(batch: Batch, spec: ExampleSpec) -> Forest:
-    """Explicit trees, one node per example (``node_id``, ``parent_id``: -1 or ``None`` for a root), as tree
-    searches give them: each node its tokens, what is trained and its per-token values; each leaf (a node
-    without children) a sequence, numbered in the order given, its per-sequence values its own.
-
-    Raises:
-        TypeError, ValueError: naming the example, for a node id given twice, a parent that is not in the
-            batch, a cycle, a node without tokens, or a label- or response-aligned value field (a node's
-            last token predicts one token per child).
-    """
+    """Explicit trees, one node per example (``node_id``, ``parent_id``), each leaf a sequence."""
     names = batch.names
     for field in spec.floats:
         if field.align in ("label", "response"):

@@ -1,14 +1,4 @@
-"""Row-wise input read into a :class:`~zephon_collate.read.columns.Batch`: records, payload dicts,
-Hugging Face examples (a list, or a batched dict of lists) and raw token rows.
-
-A field is read through the mapping interface (``payload[name]``, ``name in
-payload``: a ``Mapping`` that is not a plain ``dict`` answers through its own
-methods), one checked row per payload (:func:`~zephon_collate.read.columns.to_row`),
-then laid end to end: lists of Python ints, the common case of tokenized
-datasets, in one pass into one fresh int64 buffer. An array payload (a list,
-tuple, NumPy array or tensor) is its token row and carries no other field.
-Nothing here writes into a payload.
-"""
+"""Row-wise input (records, payload dicts, Hugging Face examples, token rows) read into a ``Batch``."""
 
 from __future__ import annotations
 
@@ -80,18 +70,11 @@ def payload_get(payload: Mapping[Any, Any], name: str, default: Any = None) -> A
 
 
 def as_record(sample: object, index: int, owner: str) -> SampleRecord:
-    """``sample`` as a record: a record as given, a plain payload (a dict or a token array) wrapped.
-
-    A plain payload gets ``SampleMeta(sample_id=(0, 0, i), lane_id=0, chunk_id=0,
-    chunk_offset=i)``, ``i`` being its place in the batch or stream, and no tags (so
-    no padding): what Hugging Face datasets and ``transformers.Trainer`` hand over.
+    """``sample`` as a record: a record as given, a plain payload wrapped with sample id ``(0, 0, index)``.
 
     Example:
         >>> as_record({"input_ids": [5, 6]}, 3, "Collator").meta.sample_id
         (0, 0, 3)
-
-    Raises:
-        TypeError: for an item that is neither a record, a dict nor a token array.
     """
     if isinstance(sample, SampleRecord):
         return sample
@@ -104,13 +87,7 @@ def as_record(sample: object, index: int, owner: str) -> SampleRecord:
 
 
 def as_record_tuple(batch: object, owner: str) -> tuple[SampleRecord, ...]:
-    """The records of a :class:`~zephon_collate.SampleBatch` or of a sequence of :class:`SampleRecord`.
-
-    A batch is recognised by its ``records`` tuple (this layer sits below ``SampleBatch``).
-
-    Raises:
-        TypeError: for anything else (plain payload dicts included: the Collator wraps those).
-    """
+    """The records of a :class:`~zephon_collate.SampleBatch` or of a sequence of :class:`SampleRecord`."""
     records = getattr(batch, "records", None)
     if isinstance(records, tuple) and not isinstance(batch, Sequence):
         batch = records
@@ -129,15 +106,14 @@ def as_record_tuple(batch: object, owner: str) -> tuple[SampleRecord, ...]:
 
 
 class Rows(Batch):
-    """A batch of payloads (dicts or token arrays), read field by field (see the module doc).
+    """A batch of payloads (dicts or token arrays), read field by field.
 
     Parameters:
         payloads: one per row.
         names: how errors name row ``i``.
         tokens: the field an array payload's row is (``None``: array payloads are not read).
         ids, metas, owner: as :class:`~zephon_collate.read.columns.Batch`.
-        absent_if_none: fields for which a ``None`` value means the row lacks the field
-            (Hugging Face's ``labels: None``).
+        absent_if_none: fields for which a ``None`` value means the row lacks the field.
     """
 
     def __init__(
@@ -291,11 +267,10 @@ def records_of(
 
     Parameters:
         records: the records.
-        tokens_field: their token field, or ``"auto"``: the first of ``input_ids, tokens, token_ids,
-            ids`` every dict payload has (:func:`~zephon_collate.read.columns.tokens_field_of`).
+        tokens_field: their token field, or ``"auto"`` (:func:`~zephon_collate.read.columns.tokens_field_of`).
         owner: the entry point errors name.
         places: each record's place, which errors name (default: its index).
-        resolve: resolve ``tokens_field``; ``False`` takes it as given (the field an array payload is).
+        resolve: resolve ``tokens_field``; ``False`` takes it as given.
 
     Example:
         >>> from zephon_collate.core.records import SampleMeta
@@ -317,17 +292,13 @@ def records_of(
 def examples_of(
     features: object, owner: str, *, key: str = INPUT_IDS, keep: Sequence[str] | None = None
 ) -> Rows:
-    """The :class:`Rows` of Hugging Face examples: a list of dicts, a batched dict of lists
-    (``dataset[:8]``), or a list of token rows (read as examples of ``input_ids`` alone).
+    """The :class:`Rows` of Hugging Face examples: a list of dicts, a batched dict of lists, or token rows.
 
-    ``key`` is the field every batched dict has (its rows tell the batch size); ``keep`` the fields a
-    batched dict is read for (``None``: all). ``labels: None`` means no labels, as
-    ``DataCollatorForSeq2Seq`` reads it.
-
-    Raises:
-        TypeError: for anything else, naming what was given.
-        ValueError: for a batched dict without ``key``, one example given as a batch, or a batched
-            field without one entry per example.
+    Parameters:
+        features: the examples.
+        owner: the entry point errors name.
+        key: the field every batched dict has (its rows tell the batch size).
+        keep: the fields a batched dict is read for (``None``: all).
     """
     examples: list[Any]
     if type(features) is list:  # the common case, known without the ABC checks below

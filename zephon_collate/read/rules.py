@@ -1,12 +1,4 @@
-"""The checks of a batch read at the door, each written once, on the columnar type.
-
-Every layout and the packer check what they read here: token ids (``>= 0``),
-0/1 masks, values an integer dtype must hold, one entry per token (alignment,
-flatness), the declared trailing padding, and the supervision a batch carries
-under a name that is not read (``labels`` that differ from the tokens, a mask
-with zeros, a misspelled supervision field). Each check is vectorised over the whole batch
-and names the row, the field, the token and the fix.
-"""
+"""The checks of a batch read at the door, each written once and vectorised, naming the row and the fix."""
 
 from __future__ import annotations
 
@@ -152,8 +144,7 @@ def aligned(field: Ragged, tokens: Ragged) -> np.ndarray:
 
 
 def unstarted(positions: Ragged, counted: np.ndarray | None = None) -> tuple[int, int] | None:
-    """``(row, first position)`` of the first row with a position (and ``counted``, ``[B]`` booleans)
-    whose positions do not start at 0, or ``None``: positions count from 0 in every row.
+    """``(row, first position)`` of the first row (of ``counted``) not starting at 0, or ``None``.
 
     Example:
         >>> unstarted(Ragged(np.array([0, 1, 3, 4]), np.array([0, 2, 2, 4])))
@@ -169,12 +160,7 @@ def unstarted(positions: Ragged, counted: np.ndarray | None = None) -> tuple[int
 
 
 def declared_padding(batch: Batch, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's declared trailing padding (``meta.padding_length``, or a ``_padding_length`` column) and
-    whether it declares one: ``([B] int64, [B] bool)``, 0 and False where unset.
-
-    Raises:
-        ValueError: for a count that is not an int from 0 to the row's length, naming the row.
-    """
+    """Each row's declared trailing padding, and whether it declares one: ``([B] int64, [B] bool)``."""
     if batch.metas:
         tags = [meta.tags or {} for meta in batch.metas]
         declared = np.array([PADDING_LENGTH_TAG in tag for tag in tags], dtype=bool)
@@ -203,14 +189,7 @@ def declared_padding(batch: Batch, lengths: np.ndarray) -> tuple[np.ndarray, np.
 def unread_supervision(
     batch: Batch, tokens: Ragged, read: Iterable[str], loss_mask: Ragged | None
 ) -> tuple[int, str] | None:
-    """``(row, field)``: the first row whose supervising field (:data:`SUPERVISING_FIELDS`, not ``read``)
-    would change what is trained, or ``None``.
-
-    ``labels`` must equal the tokens; a mask must be all ones, or (the three
-    supervision masks) equal the ``loss_mask``; a row of another length or shape
-    differs. Rows without the field pass. Among rows, the first is named; in a
-    row, the first field in :data:`SUPERVISING_FIELDS` order.
-    """
+    """``(row, field)``: the first row whose unread supervising field changes what is trained, or ``None``."""
     found = []
     for rank, name in enumerate(SUPERVISING_FIELDS):
         if name not in batch or name in read:
@@ -241,13 +220,7 @@ _PACKED = (
 
 
 def unread_message(where: str, name: str, reader: EntryPoint) -> str:
-    """The refusal of supervising field ``name`` (:data:`SUPERVISING_FIELDS`), which ``reader`` does not
-    read though it would change what is trained (:func:`unread_supervision`): what it holds, and the fix.
-
-    Parameters:
-        where: the row, as errors name it.
-        name: the field.
-        reader: who does not read it (:data:`EntryPoint`).
+    """The refusal of row ``where``'s supervising field ``name``, unread by ``reader``, with the fix.
 
     Example:
         >>> print(unread_message("record 0", "completion_mask", "packer"))  # doctest: +ELLIPSIS
@@ -333,8 +306,7 @@ def _changes_training(name: str, field: Ragged, tokens: Ragged, loss_mask: Ragge
 
 
 def _rows_differing(field: Ragged, like: Ragged) -> np.ndarray:
-    """``[B]`` booleans: does row ``b`` of ``field`` differ from row ``b`` of ``like`` (in length, shape
-    or a value)?"""
+    """``[B]`` booleans: does row ``b`` of ``field`` differ from row ``b`` of ``like``?"""
     values, other = field.host, like.host
     if values.shape[1:] != other.shape[1:]:
         return np.ones(field.rows, dtype=bool)
@@ -429,11 +401,7 @@ def check_ids(field: Ragged, name: str, names: Names) -> None:
 
 
 def check_zero_one(field: Ragged, name: str, names: Names, meaning: str) -> None:
-    """``ValueError`` naming the first payload whose ``field`` holds a value other than 0 and 1.
-
-    ``meaning`` says what 1 means (e.g. "1 for supervised tokens, 0 for the rest").
-    NaN counts as neither. Booleans always pass.
-    """
+    """``ValueError`` naming the first payload whose ``field`` is not 0/1 (``meaning``: what 1 means)."""
     values = host_view(field.values)
     kind = _kind(values)
     if kind == "b" or not _size(values):
@@ -458,10 +426,7 @@ def check_zero_one(field: Ragged, name: str, names: Names, meaning: str) -> None
 
 
 def check_fits(field: Ragged, dtype: torch.dtype, name: str, names: Names) -> None:
-    """``ValueError`` naming the first payload whose ``field`` values the integer ``dtype`` cannot hold.
-
-    Floats must be integral and finite; integers must lie in ``dtype``'s range.
-    """
+    """``ValueError`` naming the first payload whose ``field`` values the integer ``dtype`` cannot hold."""
     values = host_view(field.values)
     kind = _kind(values)
     if kind == "b" or not _size(values):
@@ -519,8 +484,7 @@ def check_flat(field: Ragged, name: str, names: Names) -> None:
 
 
 def misaligned(where: str, name: str, entries: int | None, length: int) -> ValueError:
-    """The refusal of a per-token field whose row does not hold one entry per token (``entries=None``:
-    one value, not a row)."""
+    """The refusal of a per-token field without one entry per token (``entries=None``: one value)."""
     got = "a scalar" if entries is None else f"{entries} entries"
     return ValueError(
         f"{where}: field {shown(name)} has {got} but the token row has {length}; per-token fields must "
@@ -531,36 +495,14 @@ def misaligned(where: str, name: str, entries: int | None, length: int) -> Value
 def misspelled(
     fields: Iterable[object], known: Sequence[str] = SUPERVISION_NAMES, read: Iterable[str] = ()
 ) -> tuple[str, str] | None:
-    """``(field, meant)``: a field of ``fields`` that is a near miss of a name in ``known`` (the
-    supervision fields an entry point reads or checks: a field under such a name is read under none, so
-    what it leaves untrained would be trained), or ``None``. Of several, the first in sorted order.
+    """``(field, meant)``: the first field (sorted) that is a near miss of a name of ``known``, or ``None``.
 
-    The rule, on each name made canonical (lower-cased, every character but letters and digits dropped:
-    ``Loss_Mask``, ``loss-mask`` and ``lossmask`` are ``loss_mask``), with the optimal string alignment
-    distance (edits of one character: an insertion, a deletion, a substitution, or a transposition of two
-    neighbours, ``loss_maks``):
-
-    - a field named exactly as a name of ``known``, of ``read`` (the fields the call reads: float and
-      extra fields, the tokens, what the layout reads itself) or of :data:`FIELDS_OF_THEIR_OWN` is never
-      a near miss;
-    - else it is a near miss of the nearest name of ``known`` (the first, of equally near ones) within
-      1 edit of a name of up to 6 characters (``labels``: two edits make other words, ``levels``,
-      ``label_ids``) and within 2 of a longer one (``completion_msk``, ``assistant_mask5``);
-    - unless a name of ``read`` or :data:`FIELDS_OF_THEIR_OWN` not in ``known`` is at least as near: it
-      is that field's (``lable`` is one edit from ``label``, two from ``labels``; ``action_msk`` is
-      ``action_mask``'s).
-
-    Names that are not strings are skipped.
+    Names compare lower-cased without separators, within 1 edit (names up to 6 characters) or 2; a field
+    named in ``read`` or :data:`FIELDS_OF_THEIR_OWN`, or at least as near to such a name, is never one.
 
     Example:
-        >>> misspelled(["input_ids", "loss_maks"])
-        ('loss_maks', 'loss_mask')
-        >>> misspelled(["Completion_Msk"])
-        ('Completion_Msk', 'completion_mask')
-        >>> misspelled(["label", "action_mask", "prompt_attention_mask"]) is None
-        True
-        >>> misspelled(["loss_maks"], read=["loss_maks"]) is None  # a float or extra field the call reads
-        True
+        >>> misspelled(["input_ids", "loss_maks"]), misspelled(["label", "action_mask"])
+        (('loss_maks', 'loss_mask'), None)
     """
     names = sorted(name for name in fields if isinstance(name, str))
     if not names:
@@ -574,8 +516,7 @@ def misspelled(
 
 
 def near_miss(where: str, name: str, meant: str, fix: str = "") -> str:
-    """The refusal of field ``name``, a near miss of ``meant`` (:func:`misspelled`), for ``where`` (the
-    record or example), ``fix`` appended.
+    """The refusal of field ``name``, a near miss of ``meant``, for ``where`` (``fix`` appended).
 
     Example:
         >>> print(near_miss("example 1", "lables", "labels"))  # doctest: +NORMALIZE_WHITESPACE
@@ -599,13 +540,12 @@ def _canonical(name: str) -> str:
 
 
 def _limit(canonical: str) -> int:
-    """The edits a near miss of a (canonical) supervision name may be away: 1 up to 6 characters, else 2."""
+    """The edits a near miss of a canonical supervision name may be away: 1 up to 6 characters, else 2."""
     return 1 if len(canonical) <= 6 else 2
 
 
 def _edits(a: str, b: str, limit: int) -> int:
-    """The optimal string alignment distance of ``a`` and ``b`` (a transposition of neighbours is one
-    edit), or ``limit + 1`` where it is more than ``limit``."""
+    """The optimal string alignment distance of ``a`` and ``b``, or ``limit + 1`` beyond ``limit``."""
     if abs(len(a) - len(b)) > limit:
         return limit + 1
     before: list[int] = []
@@ -631,8 +571,7 @@ def _others(read: frozenset[str]) -> frozenset[str]:
 
 @functools.lru_cache(maxsize=4096)
 def _meant(name: str, known: tuple[str, ...], others: frozenset[str]) -> str | None:
-    """The supervision name of ``known`` that field ``name`` is a near miss of (:func:`misspelled`), or
-    ``None``: once per name and entry point (batches carry the same fields)."""
+    """The supervision name of ``known`` that ``name`` is a near miss of, or ``None`` (cached)."""
     if name in known or name in others:
         return None
     given = _canonical(name)
@@ -651,11 +590,7 @@ def _meant(name: str, known: tuple[str, ...], others: frozenset[str]) -> str | N
 
 
 def kept_by_mask(mask: Ragged, name: str, names: Names) -> np.ndarray:
-    """``[N]`` booleans: the tokens a padding mask keeps (its 1s: one run per row, with 0s only on padding
-    before it, left padding, or after it, right padding).
-
-    Raises:
-        ValueError: for a value other than 0 and 1, or 0s between 1s (a hole), naming the row.
+    """``[N]`` booleans: the tokens a padding mask keeps (its 1s, with 0s only before or after them).
 
     Example:
         >>> mask = Ragged(np.array([0, 1, 1, 1, 0]), np.array([0, 3, 5]))
@@ -688,18 +623,7 @@ def response_aligned(
     *,
     flat: bool = True,
 ) -> Ragged:
-    """``field`` placed at the end of the token rows: row ``b``'s values on its last ``len(row)`` tokens,
-    ``fill`` before them.
-
-    verl lays a rollout out as ``input_ids = cat(prompts, responses)`` and keeps
-    its per-token fields (``response_mask``, ``old_log_probs``, ``advantages``)
-    ``[batch, response_length]``: column ``k`` belongs to the row's token
-    ``T - response_length + k``, ``T`` the row's width. ``lengths`` are the
-    token rows' lengths as given, padding included.
-
-    Raises:
-        ValueError: for a row that is not 1-D (with ``flat``; else a value may be a tensor), or longer
-            than its token row, naming the row.
+    """``field`` on the last tokens of the rows (``lengths`` as given, padding included), ``fill`` before.
 
     Example:
         >>> field = Ragged(np.array([0.5, 0.25, 0.75]), np.array([0, 2, 3]))
@@ -726,10 +650,7 @@ def response_aligned(
 
 
 def positions_field(batch: Batch) -> str | None:
-    """The field that gives the rows' positions (where documents start): the page's ``positions``, else
-    Hugging Face's ``position_ids``, else ``None``. Both read the same; a row carrying both, disagreeing,
-    or a batch whose rows use both spellings, is a ``ValueError`` (which one marks the documents is not
-    clear; read under one name, the other rows' documents would merge)."""
+    """The rows' positions field: ``positions``, else ``position_ids``, else ``None`` (both: must agree)."""
     if POSITION_IDS not in batch:
         return POSITIONS if POSITIONS in batch else None
     if POSITIONS not in batch:
@@ -759,9 +680,7 @@ _VISION_LANGUAGE = (
 
 
 def refuse_media(batch: Batch, owner: str, fix: str = _VISION_LANGUAGE) -> None:
-    """``ValueError`` naming the first example carrying vision-language fields (media, or
-    ``mm_token_type_ids``) where ``owner`` does not read them: read as text, its images would be
-    dropped and its positions wrong. ``fix`` says what reads them."""
+    """``ValueError`` naming the first example with vision-language fields, which ``owner`` does not read."""
     carried = next((name for name in (*MEDIA, MM_TOKEN_TYPE_IDS) if name in batch), None)
     if carried is not None:
         index = int(np.flatnonzero(batch.carried(carried))[0])

@@ -1,12 +1,4 @@
-"""Packed padding-free DPO inside TRL's ``DPOTrainer``: change the class, keep everything else.
-
-TRL 1.16 computes every DPO loss type, the reference pass, LD-DPO, WPO and the
-metrics in one method on a padded batch ``[2P, L]`` (the chosen rows, then the
-rejected ones), and it reaches the model through one call:
-``model(**batch, labels=labels, fused_lm_head=True)``, whose per-token outputs
-(log-probs, entropy, mean logits, top-1 hits) are ``[2P, L - 1]``. Its own
-``padding_free`` switch is disabled. :class:`PackedDPOTrainer` keeps TRL's code
-whole and changes what that call runs::
+"""Packed padding-free DPO inside TRL's ``DPOTrainer``: change the class, keep everything else::
 
     TRL's batch (the view)               the same sequences, packed
     chosen 0   p p p c c . .             one row: p p p c c | p c c c | p p p r | p r r .
@@ -14,26 +6,7 @@ whole and changes what that call runs::
     rejected 0 p p p r . . .             the transformer sees 14 tokens, not 28
     rejected 1 p r r . . . .
 
-The collate function (:class:`PackedPreference`) returns TRL's batch as its own
-collator builds it, plus the same sequences packed padding-free by
-:meth:`Collator.for_rollouts <zephon_collate.Collator.for_rollouts>` (its
-sequence map places every prediction) under ``"packed"``
-(:func:`~zephon_collate.trainers.view.pack_view`). The model's forward, wrapped, runs the transformer on the
-packed row (``position_ids`` keep the sequences apart, as transformers reads
-packed rows) with TRL's fused head, then lays each per-token output back out
-as the padded view: TRL's loss and metrics read exactly the values the padded
-pass gives, every loss type and option included, for the policy, the
-reference model and an adapter-disabled PEFT reference alike.
-
-Not packed (TRL's own path runs): vision-language batches, prompt-learning
-PEFT (virtual tokens), and any call without the packed batch.
-``precompute_ref_log_probs`` runs once, in TRL's ``__init__``, on TRL's padded
-batches. A model (or reference model) that lets packed sequences attend to each
-other (OPT, BLOOM, MPT, GPT-OSS, Mamba, ...: their attention does not restart at
-``position_ids`` 0) is refused when the trainer is built, with or without
-``shared_prompt``; so, with ``shared_prompt=True``, is one whose layers a branch
-mask cannot express, one that raises on it, and an MoE trained with its
-load-balancing loss (``router_aux_loss_coef=0.0`` turns it off).
+TRL's loss and metrics read the packed outputs laid back out as the view (``docs/post_training.md``).
 """
 
 from __future__ import annotations
@@ -58,26 +31,16 @@ class PackedPreference:
     """The ``collate_fn`` of :class:`PackedDPOTrainer`: TRL's preference batch, plus its sequences packed.
 
     Parameters:
-        view: the collator that builds TRL's padded batch (``DPOTrainer``'s ``DataCollatorForPreference``):
-            right-padded ``input_ids``, ``attention_mask`` and ``completion_mask`` ``[2P, L]``.
-        rows: ``"one"``: every sequence in one row ``[1, N]``, for varlen attention kernels
-            (FlashAttention), whose cost grows with each sequence's length; ``"fit"``: the sequences
-            best-fit into rows as wide as the longest, for attention that masks a dense row (SDPA,
-            eager), whose cost grows with the row's width squared. Each row's padding is a sequence of
-            its own, never trained.
-        shared_prompt: lay each pair's prompt out once, the chosen and the rejected response after it,
-            each in a branch that sees the prompt and itself (rows with a 4-D ``attention_mask``, for
-            SDPA or eager attention; see :func:`~zephon_collate.trainers.view.pack_view`).
+        view: the collator of TRL's right-padded ``[2P, L]`` batch (``DataCollatorForPreference``).
+        rows: ``"one"``: every sequence in one row (varlen attention: FlashAttention); ``"fit"``: best-fit
+            into rows as wide as the longest (attention that masks a dense row: SDPA, eager).
+        shared_prompt: lay each pair's prompt out once, the responses after it in branches (a 4-D mask).
 
     Returns (a call):
-        the view's batch, and under ``"packed"``: ``input_ids``, ``position_ids`` and ``shift_labels``
-        ``[rows, width]`` (each place's next token where it is trained, else -100), ``source`` (the
-        flat packed place of each trained prediction) and ``target`` (its flat place in the
-        ``[2P, L - 1]`` view).
+        the view's batch, and under ``"packed"`` the :func:`~zephon_collate.trainers.view.pack_view` dict.
 
     Raises:
-        ValueError: if the view's batch lacks a key, or a row's ``attention_mask`` is not ones then
-            zeros (left padding, holes), naming the row.
+        ValueError: if the view's batch lacks a key, or a row is not right-padded, naming the row.
 
     Example:
         >>> import torch
@@ -88,11 +51,6 @@ class PackedPreference:
         >>> packed = PackedPreference(view)([])["packed"]
         >>> packed["input_ids"].tolist(), packed["shift_labels"].tolist()
         ([[5, 6, 7, 5, 9]], [[6, 7, -100, 9, -100]])
-        >>> packed["source"].tolist(), packed["target"].tolist()
-        ([0, 1, 3], [0, 1, 2])
-        >>> fit = PackedPreference(view, rows="fit")([])["packed"]
-        >>> fit["input_ids"].tolist(), fit["position_ids"].tolist()
-        ([[5, 6, 7], [5, 9, 0]], [[0, 1, 2], [0, 1, 0]])
     """
 
     def __init__(
@@ -122,7 +80,7 @@ class PackedPreference:
     def packed(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        """The rows of a right-padded batch, packed (see the class doc)."""
+        """The rows of a right-padded batch, packed."""
         filled = torch.arange(attention_mask.shape[1]) < attention_mask.sum(dim=1)[:, None]
         holes = (attention_mask.bool() != filled).any(dim=1).nonzero()
         if holes.numel():
@@ -143,20 +101,11 @@ class PackedPreference:
 
 
 class PackedDPOTrainer(DPOTrainer):
-    """``trl.DPOTrainer`` whose forward passes run on packed padding-free rows (see the module doc).
+    """``trl.DPOTrainer`` on packed rows, taking its arguments unchanged (``docs/post_training.md``).
 
-    The batch is packed in one row under FlashAttention (varlen), else best-fit into rows as wide as
-    the longest sequence (see :class:`PackedPreference`). Takes ``DPOTrainer``'s arguments, unchanged:
-    every ``loss_type`` (and lists of them with ``loss_weights``), ``f_divergence_type``, ``ld_alpha``,
-    ``use_weighting``, a reference model, ``ref_model=None`` (the adapter-disabled PEFT model),
-    ``precompute_ref_log_probs`` and the metrics keep TRL's meaning and values.
-
-    ``shared_prompt=True`` (its one keyword of its own) lays each pair's prompt out once, both responses
-    after it: the prompt's tokens go through the transformer once instead of twice. The attention comes
-    from a 4-D mask, so it needs SDPA or eager attention (FlashAttention is refused: its varlen kernels
-    cannot keep a response from its sibling); a sliding window or attention chunk goes into that mask by
-    position, as transformers applies it to the padded batch. An MoE's load-balancing loss would count a
-    shared prompt once instead of once per sequence: refused (``router_aux_loss_coef=0.0`` turns it off).
+    Parameters:
+        shared_prompt: lay each pair's prompt out once, both responses after it (SDPA or eager attention;
+            FlashAttention and an MoE's load-balancing loss are refused).
 
     Example:
         >>> from zephon_collate.trainers import PackedDPOTrainer  # doctest: +SKIP

@@ -1,30 +1,5 @@
-"""Packed policy passes inside TRL's ``GRPOTrainer``: change the class, keep everything else.
-
-TRL 1.16's ``GRPOTrainer`` has no padding-free option. Every log-prob pass it
-makes (the policy's, the old policy's, the reference model's and an
-adapter-disabled PEFT reference's) goes through one method,
-``_get_per_token_logps_and_entropies``, on ``[B, P + C]`` rows: the prompt
-padded on the left, the completion on the right. :class:`PackedGRPOTrainer`
-overrides that method alone: it packs the rows' tokens
-(:func:`~zephon_collate.trainers.view.pack_view`), runs the model's fused head on
-the packed rows, and hands back the ``[B, C]`` completion-aligned log-probs and
-entropies TRL expects. Generation, rewards, advantages, every loss type
-(grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo), GSPO's sequence-level
-ratios, the KL term (``use_bias_correction_kl`` included) and the metrics run
-unchanged.
-
-Positions: stock TRL passes none, so a left-padded prompt's tokens sit at
-positions shifted by its padding; packed, every sequence counts from 0. A RoPE
-model scores both the same up to rounding (attention sees only position
-differences); a model with absolute position embeddings (GPT-2) does not, and
-trains better packed.
-
-Not packed (TRL's own pass runs): batches with vision inputs or token types.
-A model (or reference model) that lets packed sequences attend to each other is
-refused when the trainer is built, with or without ``shared_prompt``; so, with
-``shared_prompt=True``, is one whose layers a branch mask cannot express, one
-that raises on it, and an MoE trained with its load-balancing loss.
-"""
+"""Packed policy passes inside TRL's ``GRPOTrainer``: every log-prob pass runs on packed rows, except
+those of batches with vision inputs or token types."""
 
 from __future__ import annotations
 
@@ -40,18 +15,11 @@ __all__ = ["PackedGRPOTrainer"]
 
 
 class PackedGRPOTrainer(GRPOTrainer):
-    """``trl.GRPOTrainer`` whose log-prob passes run on packed rows (see the module doc).
+    """``trl.GRPOTrainer`` on packed rows, taking its arguments unchanged (``docs/post_training.md``).
 
-    The rows are packed in one row under FlashAttention (varlen), else best-fit into rows as wide as
-    the longest sequence. Takes ``GRPOTrainer``'s arguments, unchanged.
-
-    ``shared_prompt=True`` (its one keyword of its own) lays the completions of one prompt (wherever
-    they sit among the rows: TRL shuffles them before the training pass) out after one copy of the
-    prompt, each in a branch behind a 4-D attention mask (SDPA or eager; FlashAttention is refused):
-    the prompt goes through the transformer once per group instead of once per completion. A dense
-    mask costs the document's width squared, so it pays when prompts are long next to the
-    completions. A sliding window or attention chunk goes into the mask by position; an MoE's
-    load-balancing loss is refused there (``router_aux_loss_coef=0.0`` turns it off).
+    Parameters:
+        shared_prompt: lay the completions of one prompt out after one copy of it (SDPA or eager attention;
+            FlashAttention and an MoE's load-balancing loss are refused); pays when prompts are long.
 
     Example:
         >>> from zephon_collate.trainers import PackedGRPOTrainer  # doctest: +SKIP
@@ -77,8 +45,7 @@ class PackedGRPOTrainer(GRPOTrainer):
         compute_aux_loss: bool = False,
         **multimodal: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """TRL's method, the rows packed: ``[B, C]`` log-probs of the completion tokens, their entropies
-        (``compute_entropy``) and the MoE load-balancing loss (``compute_aux_loss``)."""
+        """TRL's method on packed rows: ``[B, C]`` completion log-probs, entropies and the MoE aux loss."""
         if any(value is not None for value in multimodal.values()):
             return super()._get_per_token_logps_and_entropies(  # type: ignore[no-any-return]
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,

@@ -1,38 +1,6 @@
-"""Packed reward-model training inside TRL's ``RewardTrainer``: change the class, keep everything else.
-
-TRL 1.16 trains a reward model on padded pairs ``[2P, L]`` (every chosen
-sequence, then every rejected one) through one call, ``model(**batch)``, whose
-logits ``[2P, 1]`` are each sequence's score; its ``compute_loss`` splits them
-into chosen and rejected, applies the margin and ``center_rewards_coefficient``
-and logs its metrics. :class:`PackedRewardTrainer` keeps that code whole and
-changes what the call runs::
-
-    TRL's batch                          the same sequences, packed
-    chosen 0   p p p c c . .             one row: p p p c c | p c c c | p p p r | p r r
-    chosen 1   p c c c . . .             position_ids restart at 0 at each sequence;
-    rejected 0 p p p r . . .             the transformer sees 14 tokens, not 28
-    rejected 1 p r r . . . .
-
-The collate function is :meth:`Collator.for_rewards <zephon_collate.Collator.for_rewards>`,
-padding-free: the row, its ``position_ids``, TRL's ``margin``, an
-``attention_mask`` of ones on the row's tokens (TRL counts ``num_tokens`` from it;
-the model never reads it) and ``last_token_index``, each sequence's scored token.
-Under SDPA or eager attention, which mask a dense row and cost its width
-squared, the row's sequences are then best-fit into rows as wide as the longest
-(``last_token_index`` and the mask carried into them); under FlashAttention it
-stays one row. The model's forward, wrapped, runs the decoder under the score
-head on the packed rows (``attention_mask=None``: transformers keeps the
-sequences apart from ``position_ids``), applies the head at
-``last_token_index`` and returns logits
-``[2P, num_labels]``: the scores the padded pass gives, so TRL's loss and
-metrics read the same values. The scored token is the one the model's own
-pooling reads: the last one that is not ``config.pad_token_id``.
-
-A model that lets packed sequences attend to each other (OPT, BLOOM, MPT, ...)
-is refused when the trainer is built, as is one without a decoder under a
-``score`` head. A call without ``last_token_index`` (evaluation code of yours,
-inference) runs the model's own forward.
-"""
+"""Packed reward-model training inside TRL's ``RewardTrainer``, the pairs packed as in
+:mod:`~zephon_collate.trainers.dpo`; each sequence is scored at its last token that is not
+``config.pad_token_id``, as the model's own pooling does."""
 
 from __future__ import annotations
 
@@ -64,19 +32,16 @@ _READ = frozenset({INPUT_IDS, ATTENTION_MASK, POSITION_IDS, MARGIN, "use_cache"}
 def packed_rewards(
     view: Callable[..., Mapping[str, Any]], skip_id: int | None, rows: Literal["one", "fit"] = "one"
 ) -> Collator:
-    """The padding-free :meth:`Collator.for_rewards <zephon_collate.Collator.for_rewards>` standing in for
-    ``view``, with the same padding, and an ``attention_mask`` (ones on the row's tokens) for TRL's token
-    count.
+    """The padding-free ``Collator.for_rewards`` standing in for ``view``, with ``attention_mask`` ones.
 
     Parameters:
         view: TRL's reward ``DataCollatorForPreference`` or a ``Collator.for_rewards`` collator.
-        skip_id: the model's ``pad_token_id``: each sequence is scored at its last token that is not it,
-            as the model's own pooling reads it.
+        skip_id: the model's ``pad_token_id``: each sequence is scored at its last token that is not it.
         rows: ``"one"``: the sequences in one row (varlen attention); ``"fit"``: best fit into rows as wide
-            as the longest (attention that masks a dense row, whose cost is its width squared).
+            as the longest (attention that masks a dense row).
 
     Raises:
-        TypeError: for another collate function (its batch cannot be packed: name it).
+        TypeError: for another collate function.
 
     Example:
         >>> from trl.trainer.reward_trainer import DataCollatorForPreference
@@ -115,15 +80,8 @@ def packed_rewards(
 
 
 def wrap_score_forward(model: nn.Module) -> None:
-    """Make ``model``'s forward (a ``transformers`` sequence-classification model: a decoder under a
-    ``score`` head) run packed when the call carries ``last_token_index``: the decoder on the packed row,
-    ``position_ids`` restarting per sequence, the head at ``last_token_index``, logits ``[S, num_labels]``.
-    Every other call runs the model's own forward, unchanged.
-
-    Raises (a packed call):
-        ValueError: for inputs the packed forward does not lay out (``inputs_embeds``, positional
-            arguments, ...), or a packed batch without ``input_ids`` or ``position_ids``.
-    """
+    """Make ``model``'s forward (a decoder under a ``score`` head) run packed when the call carries
+    ``last_token_index``, the head applied there; every other call runs the model's own forward."""
     original = model.forward
     if getattr(original, "_zephon_packed", False):
         return
@@ -155,15 +113,10 @@ def wrap_score_forward(model: nn.Module) -> None:
 
 
 class PackedRewardTrainer(RewardTrainer):
-    """``trl.RewardTrainer`` whose forward passes run on packed rows (see the module doc): one row under
-    FlashAttention, else the sequences best-fit into rows as wide as the longest.
-
-    Takes ``RewardTrainer``'s arguments, unchanged: ``margin`` pairs, ``center_rewards_coefficient``,
-    PEFT adapters and the metrics (``num_tokens`` included) keep TRL's meaning and values.
+    """``trl.RewardTrainer`` on packed rows, taking its arguments unchanged (``docs/post_training.md``).
 
     Raises:
-        ValueError: when built on a model without a decoder under a ``score`` head, or one whose
-            attention does not restart at ``position_ids`` 0.
+        ValueError: for a model without a decoder under a ``score`` head, or one attending across sequences.
         TypeError: for a ``data_collator`` other than TRL's reward collator or ``Collator.for_rewards``.
 
     Example:

@@ -1,21 +1,10 @@
-"""A padded batch's sequences packed, and a fused forward that runs them packed but answers padded.
-
-TRL's trainers reach the model through ``model(..., labels=labels, fused_lm_head=True)`` on a padded
-batch ``[R, T]`` and read per-token outputs ``[R, T - 1]`` (the prediction of token ``t + 1`` at ``t``).
-:func:`pack_view` packs the batch's sequences (each row's tokens one contiguous span, padding on either
-side); :func:`wrap_forward` makes the model's fused forward run the packed rows when the call carries them
-(``packed=...``) and lay each per-token output back out as the padded batch's::
+"""A padded batch's sequences packed (:func:`pack_view`), and a fused forward that runs them packed but
+answers padded (:func:`wrap_forward`)::
 
     the view (left and right padding)       packed ("fit": rows as wide as the longest)
     . . p p c c                             p p c c p c
     . p c c c .                             p c c c . .     (padding: its own sequence)
     p c . . . .
-
-The packed rows' ``position_ids`` restart at 0 at each sequence, which is how transformers keeps packed
-sequences apart (and applies a sliding window per sequence). A shared prompt's rows come with a 4-D branch
-mask, which transformers takes as given: :func:`branch_attention` folds each layer kind's window or chunk
-into it by position. :func:`check_packing` refuses, when the trainer is built, a model that would score
-packed rows otherwise than the padded batch.
 """
 
 from __future__ import annotations
@@ -67,9 +56,7 @@ _COLLATORS: dict[tuple[bool, str], Collator] = {}
 
 
 def _collator(shared_prompt: bool, rows: Literal["one", "fit"]) -> Collator:
-    """The tree collator of a packed view: every path whole, or every shared prefix once (each branch
-    opened by a copy of its parent's last token); in one row, or best fit into rows as wide as the
-    longest document."""
+    """The tree collator of a packed view, one per layout (shared prefixes or not, one row or fit)."""
     key = (shared_prompt, rows)
     if key not in _COLLATORS:
         _COLLATORS[key] = Collator.for_trees(
@@ -95,24 +82,14 @@ def pack_view(
     Parameters:
         input_ids, attention_mask: ``[R, T]``; each row's tokens (``attention_mask`` 1) one contiguous span.
         trained: ``[R, T]``, nonzero at the tokens whose prediction is scored.
-        rows: ``"one"``: every document (a sequence, or a tree) in one row ``[1, N]`` (varlen attention
-            kernels such as FlashAttention, whose cost grows with each sequence); ``"fit"``: best-fit into
-            rows as wide as the longest (attention that masks a dense row, SDPA or eager, whose cost grows
-            with the row's width squared). A row's padding is a sequence of its own, never scored.
+        rows: ``"one"``: every document in one row (varlen attention); ``"fit"``: best-fit into rows as
+            wide as the longest (attention that masks a dense row).
         owner: who errors name.
-        shared_prompt: share every common prefix of the rows (a DPO pair's prompt, a GRPO group's), each
-            branch opened by a copy of its parent's last token (which predicts the branch's first token
-            there: one prediction per place). The rows then come with the 4-D ``attention_mask`` of the
-            tree (each token sees its ancestors and the earlier tokens of its node).
+        shared_prompt: share every common prefix, each branch opened by a copy of its parent's last token.
 
     Returns:
-        ``input_ids``, ``position_ids`` and ``shift_labels`` (each place's next token where it is scored,
-        else -100) ``[rows, width]`` (and, shared, ``attention_mask`` ``[rows, 1, width, width]``);
-        ``source``, the flat packed place of each scored prediction, and ``target``, its flat place in the
-        ``[R, T - 1]`` view (a place shared by several rows is the source of each of their targets).
-
-    Raises:
-        ValueError: for a row whose tokens are not one span (holes in ``attention_mask``), naming it.
+        ``input_ids``, ``position_ids``, ``shift_labels`` ``[rows, width]`` (shared: 4-D ``attention_mask``);
+        ``source``, each scored prediction's flat packed place; ``target``, its flat place in ``[R, T - 1]``.
 
     Example:
         >>> ids = torch.tensor([[0, 5, 6, 7], [5, 9, 0, 0]])
@@ -122,13 +99,6 @@ def pack_view(
         ([[5, 6, 7, 5, 9]], [[6, 7, -100, 9, -100]])
         >>> packed["source"].tolist(), packed["target"].tolist()
         ([0, 1, 3], [1, 2, 3])
-        >>> pairs = torch.tensor([[4, 5, 6, 7], [4, 5, 8, 0]])  # prompt [4, 5]: responses [6, 7] and [8]
-        >>> trained = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 0]])
-        >>> shared = pack_view(pairs, pairs != 0, trained, "one", "example", shared_prompt=True)
-        >>> shared["input_ids"].tolist(), shared["position_ids"].tolist()
-        ([[4, 5, 6, 7, 5, 8]], [[0, 1, 2, 3, 1, 2]])
-        >>> shared["shift_labels"].tolist()  # the copy of 5 predicts the rejected response's 8
-        [[-100, 6, 7, -100, 8, -100]]
     """
     present = attention_mask.bool()
     counts = present.sum(dim=1)
@@ -176,8 +146,7 @@ def pack_view(
 
 
 def _laid_out(values: torch.Tensor | None, packed: Mapping[str, torch.Tensor], shape: Sequence[int]) -> Any:
-    """A packed per-token output ``[rows, width]`` as the padded view ``shape`` (zero where nothing is
-    trained)."""
+    """A packed per-token output ``[rows, width]`` as the padded view ``shape`` (zero where not trained)."""
     if values is None:
         return None
     flat = values.new_zeros(shape[0] * shape[1])
@@ -190,9 +159,8 @@ def present(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def wrap_forward(model: nn.Module) -> None:
-    """Make ``model``'s fused forward (TRL's ``add_fused_lm_head``) run packed when the call carries
-    ``packed=...``; every other call (generation, a batch without it, or one with inputs packing does not
-    lay out: ``inputs_embeds``, vision inputs, token types) runs TRL's own forward, unchanged."""
+    """Make ``model``'s fused forward run packed when the call carries ``packed=...``; every other call
+    (generation, inputs packing does not lay out) runs TRL's own forward."""
     fused = model.forward
     if getattr(fused, "_zephon_packed", False):
         return
@@ -231,15 +199,8 @@ def wrap_forward(model: nn.Module) -> None:
 def packed_rows(
     model: nn.Module, *, shared_prompt: bool = False, aux_loss: bool = False
 ) -> Literal["one", "fit"]:
-    """The packed layout for ``model``: one row under FlashAttention (its varlen kernels split a row's
-    sequences only in a batch of one) or when the model's MoE load-balancing loss is on (``aux_loss``, what
-    the trainer computes, or the config's ``output_router_logits``: it counts every token of a row, padding
-    too), else rows as wide as the longest sequence.
-
-    Raises:
-        ValueError: for ``shared_prompt`` under FlashAttention, whose varlen kernels cannot keep a response
-            from its sibling.
-    """
+    """The packed layout for ``model``: ``"one"`` under FlashAttention or an MoE load-balancing loss, else
+    ``"fit"``; ``ValueError`` for ``shared_prompt`` under FlashAttention."""
     config: Any = model.config
     try:
         from transformers.utils.generic import is_flash_attention_requested
@@ -259,16 +220,8 @@ def packed_rows(
 
 
 def packed_base(trainer: Any, owner: str, shared_prompt: bool) -> tuple[nn.Module, Literal["one", "fit"]]:
-    """A built TRL trainer's model (under PEFT, its base model) and its reference model, each checked to
-    train on packed rows as on the padded batch (:func:`check_packing`), and the packed rows the model's
-    attention wants (:func:`packed_rows`).
-
-    Raises:
-        ValueError: naming the model's class and the fix, for a model :func:`check_packing` refuses, or for
-            a shared prompt under the MoE load-balancing loss that the trainer adds (TRL's
-            ``aux_loss_enabled``): over a shared prompt it would count the prompt's tokens once, where
-            stock counts them once per sequence.
-    """
+    """A built TRL trainer's (base) model and its :func:`packed_rows`, the model and its reference model
+    checked by :func:`check_packing` (``ValueError`` also for a shared prompt under an MoE's aux loss)."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     base: nn.Module = model.get_base_model() if hasattr(model, "get_base_model") else model
     aux_loss = bool(getattr(trainer, "aux_loss_enabled", False))
@@ -292,23 +245,13 @@ def packed_base(trainer: Any, owner: str, shared_prompt: bool) -> tuple[nn.Modul
 def check_packing(model: nn.Module, owner: str, *, shared_prompt: bool = False, role: str = "") -> None:
     """Refuse a model that does not train on packed rows as on the padded batch.
 
-    Packed: a short sequence and one longer than the model's window (or attention chunk) laid end to end,
-    ``position_ids`` restarting, must score as each does alone. transformers keeps them apart (and applies
-    a window per sequence) from the positions for most decoders; some (OPT, BLOOM, MPT, BioGPT, GPT-OSS,
-    convolutional and recurrent layers) attend across the boundary. ``shared_prompt`` adds a prompt longer
-    than the window with two responses after it, in branches behind the 4-D mask
-    :func:`branch_attention` gives the model: each response must score as it does after the prompt alone.
-    A model's exception during either probe is a refusal too.
-
     Parameters:
         model: a causal LM (its logits are compared) or a bare decoder (its last hidden states).
         owner: who errors name; ``role``: what the model is to the owner (``"the reference model "``).
-        shared_prompt: check the shared-prompt layout too (every check of plain packing still applies).
+        shared_prompt: check the shared-prompt layout too.
 
     Raises:
-        ValueError: naming the model's class and the fix, when a sequence's outputs change once packed, the
-            model raises on the packed rows, or (``shared_prompt``) its layers keep a state that no mask
-            can keep from a sibling branch (:func:`layer_limits`).
+        ValueError: naming the model's class and the fix, when a probe's outputs change or the model raises.
     """
     name = f"{role}{type(model).__name__}"
     span = _probe_span(model)
@@ -338,14 +281,10 @@ def check_packing(model: nn.Module, owner: str, *, shared_prompt: bool = False, 
 
 
 def layer_limits(model: nn.Module, owner: str = "layer_limits", role: str = "") -> dict[str, int]:
-    """Each kind of attention layer ``model`` has (its config's ``layer_types``, else one kind for every
-    layer) and how far it sees: 0 (full attention), the ``sliding_window`` of a sliding layer, the
-    ``attention_chunk_size`` of a chunked one (Llama 4).
+    """Each kind of attention layer ``model`` has and how far it sees: 0 (full), a window or a chunk size.
 
     Raises:
-        ValueError: naming the model, for a layer kind that a shared prompt's branch mask cannot express
-            (recurrent, convolutional or compressed layers: their state runs along the row), or a window
-            or chunk the config does not size.
+        ValueError: naming the model, for a layer kind a branch mask cannot express, or an unsized window.
 
     Example:
         >>> from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -376,15 +315,9 @@ def layer_limits(model: nn.Module, owner: str = "layer_limits", role: str = "") 
 def branch_attention(
     model: nn.Module, packed: Mapping[str, torch.Tensor]
 ) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The ``attention_mask`` ``model`` takes for a shared prompt's packed rows: ``packed``'s boolean branch
-    mask (``attention_mask`` ``[rows, 1, W, W]``) with each layer kind's window or chunk
-    (:func:`layer_limits`) folded in by position, as transformers applies it to the padded batch (a branch
-    sees the keys its ``position_ids`` would see in its own sequence).
-
-    transformers takes a 4-D mask as given, for every layer: the limits must be in it. Layers of one kind:
-    one mask; of several (``config.layer_types``, e.g. Gemma 3, Qwen2 with ``max_window_layers``): a dict by
-    kind, which such models read per layer. Boolean for SDPA; else additive (0 where seen, the dtype's
-    minimum elsewhere), as transformers builds eager and flex masks.
+    """The ``attention_mask`` ``model`` takes for a shared prompt's packed rows: ``packed``'s branch mask
+    with each layer kind's window or chunk folded in by position; a dict by kind for several kinds
+    (``config.layer_types``); boolean for SDPA, else additive.
 
     Example:
         >>> from transformers import MistralConfig, MistralForCausalLM
@@ -435,12 +368,7 @@ def _probe_agrees(
     *,
     shared: bool,
 ) -> bool:
-    """Whether ``model`` scores ``sequences`` packed (in one row; ``shared``: their prompt once, the rest in
-    branches) as it scores each alone, at each ``trained`` place.
-
-    Raises:
-        ValueError: naming the model and the fix, for an exception the model raises on either.
-    """
+    """Whether ``model`` scores ``sequences`` packed as each alone; ``ValueError`` if the model raises."""
     width = max(map(len, sequences))
     ids, mask, marks = (torch.zeros(len(sequences), width, dtype=torch.long) for _ in range(3))
     for row, (sequence, scored) in enumerate(zip(sequences, trained, strict=True)):
@@ -498,8 +426,7 @@ def _has_router(model: nn.Module) -> bool:
 
 
 def _probe_span(model: nn.Module) -> int:
-    """How long the probe's prompt must be to see every window and chunk the config declares (a declared
-    one that no layer uses too: the probe then shows it unused), within the model's positions."""
+    """How long the probe's prompt must be to see every window and chunk the config declares."""
     config = _text_config(model)
     sizes = [getattr(config, name, None) for name in _SIZED.values()]
     span = max([size for size in sizes if isinstance(size, int) and size > 0], default=2)

@@ -1,8 +1,4 @@
-"""The shape checks the transforms share: each names the transform, the key and what it expects.
-
-They read shapes and dtypes only, never values, so a transform's ``check`` never
-synchronises with the device.
-"""
+"""The shape checks the transforms share (shapes and dtypes only), each naming the transform and the key."""
 
 from __future__ import annotations
 

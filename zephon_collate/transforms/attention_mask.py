@@ -16,21 +16,16 @@ __all__ = ["AttentionMask"]
 
 
 class AttentionMask(Transform):
-    """Write ``attention_mask`` (int64, 1 on real tokens, 0 on padding) from a boolean padding mask.
-
-    The padding mask (``padding_key``, True on padding, as :class:`PaddingMask`
-    writes it) is consumed: it is dropped from the output.
+    """Write ``attention_mask`` (int64, 1 on real tokens, 0 on padding) from the padding mask (consumed).
 
     Parameters:
-        padding_key: the boolean ``[B, S]`` padding mask (default ``"padding_mask"``).
-        out_key: where to write the attention mask (default ``"attention_mask"``).
+        padding_key, out_key: the keys (defaults ``"padding_mask"``, ``"attention_mask"``).
 
     Example:
         >>> from tensordict import TensorDict
-        >>> td = TensorDict(padding_mask=torch.tensor([[False, False, True]]), batch_size=[1])
-        >>> out = AttentionMask()(td)
+        >>> out = AttentionMask()(TensorDict(padding_mask=torch.tensor([[False, True]]), batch_size=[1]))
         >>> out["attention_mask"].tolist(), "padding_mask" in out
-        ([[1, 1, 0]], False)
+        ([[1, 0]], False)
     """
 
     def __init__(self, padding_key: str = PADDING_MASK, out_key: str = ATTENTION_MASK) -> None:

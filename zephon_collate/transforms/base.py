@@ -19,41 +19,12 @@ __all__ = ["Chain", "Transform", "UndeclaredKeyError", "declared", "declared_key
 
 
 class Transform(TensorDictModuleBase):
-    """Base class: read ``in_keys`` from a TensorDict, return a new one with ``out_keys`` written.
+    """Base class: read ``in_keys`` from a TensorDict, return a new one with ``out_keys`` written. A subclass
+    sets ``in_keys`` / ``out_keys`` (``optional_keys``, ``dropped_keys``) in ``__init__`` and writes
+    :meth:`compute` (and optionally :meth:`check` and :meth:`host`); it sees only the keys it declares
+    (``docs/transforms.md``).
 
-    A subclass sets ``in_keys`` / ``out_keys`` (and ``dropped_keys``, for inputs
-    it consumes) in ``__init__``, validates its configuration there, and
-    implements two methods over a plain mapping of tensors:
-
-    - :meth:`check` raises ``ValueError`` for shapes it cannot work on; it never
-      reads values (that would synchronise with the device);
-    - :meth:`compute` is the pure core: it returns the new entries and writes
-      nothing. It holds no Python branch on tensor values, so it runs on any
-      device and under ``torch.compile``.
-
-    A step whose output size depends on the values (it reads one back from the
-    device) sets ``data_dependent_shape = True``; a compiled plan runs it
-    eagerly between its graphs.
-
-    **A step sees only what it declares.** :meth:`check` and :meth:`compute`
-    get ``in_keys`` and ``optional_keys`` (inputs read when present: ``get``
-    returns ``None`` when absent), nothing else, in every mode: called alone,
-    in a :class:`Chain`, on the CPU host path and compiled. Reading, testing
-    (``in``) or ``get``-ting any other key raises :class:`UndeclaredKeyError` in
-    eager mode, so a forgotten declaration fails in the first test instead of
-    silently differing once compiled (a compiled graph is fed the declared keys
-    only).
-
-    Calling a transform on a TensorDict checks the input (anything but a
-    TensorDict raises ``TypeError``; a missing key ``ValueError`` naming it),
-    runs :meth:`check` and :meth:`compute`, and returns a shallow copy holding
-    the new entries: the input TensorDict and its tensors are never written.
-    A :class:`Chain` runs the cores of its transforms over one mapping and
-    wraps the result once. Being a :class:`tensordict.nn.TensorDictModuleBase`,
-    a transform also fits in a :class:`tensordict.nn.TensorDictSequential`.
-
-    Example (a per-token loss weight of yours; ``Collator(transforms=[...])`` runs it
-    after the built-in chain, in workers, on the device and compiled):
+    Example:
         >>> from tensordict import TensorDict
         >>> class Halve(Transform):
         ...     def __init__(self):
@@ -81,23 +52,14 @@ class Transform(TensorDictModuleBase):
         return super().__call__(*args, **kwargs)
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
-        """Raise ``ValueError`` if the shapes in ``data`` do not fit this transform (default: no check)."""
+        """``ValueError`` if the shapes in ``data`` do not fit; reads no values (default: no check)."""
 
     def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # pragma: no cover
-        """The new entries computed from ``data`` (which holds every key of ``in_keys``)."""
+        """The new entries computed from ``data``: pure, no Python branch on tensor values."""
         raise NotImplementedError
 
     def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:  # pragma: no cover
-        """:meth:`compute` in NumPy, over host arrays: optional.
-
-        On the CPU, NumPy's elementwise work on integers runs several times
-        faster than torch's, and each call costs a fraction of a torch call, so a
-        chain run on the host (:meth:`Chain.run` with ``host=True``: the collate
-        path on plain CPU data, eager) calls this where a step defines it, and
-        :meth:`compute` on tensor views of the same arrays where it does not. It
-        returns the same keys, values, dtypes and shapes as :meth:`compute`
-        (``tests/test_host_steps.py`` checks each step against it).
-        """
+        """:meth:`compute` in NumPy over host arrays (optional): the same keys, values, dtypes and shapes."""
         raise NotImplementedError
 
     def output_batch_size(self, batch_size: torch.Size) -> torch.Size:
@@ -133,7 +95,7 @@ class UndeclaredKeyError(KeyError):
 
 
 class _Declared(Mapping[str, Any]):
-    """The keys of ``data`` that ``step`` declares, and nothing else: see :class:`Transform`."""
+    """The keys of ``data`` that ``step`` declares, and nothing else."""
 
     __slots__ = ("_data", "_keys", "_step")
 
@@ -184,14 +146,7 @@ def declared_keys(step: object) -> frozenset[str]:
 
 
 def declared(step: object, data: Mapping[str, Any]) -> Mapping[str, Any]:
-    """What ``step`` sees of ``data``: its declared keys only (see :class:`Transform`).
-
-    Under ``torch.compile`` a plain dict of the declared keys present (the same
-    content, which dynamo traces without a wrapper class); else a view that
-    raises :class:`UndeclaredKeyError` on any other key. A step that sets
-    ``reads_every_key = True`` (one that reshapes the whole batch, such as
-    :class:`~zephon_collate.transforms.ContextParallelShard`) sees everything.
-    """
+    """What ``step`` sees of ``data``: its declared keys (every key with ``reads_every_key``)."""
     if getattr(step, "reads_every_key", False):
         return data
     keys = declared_keys(step)
@@ -201,10 +156,7 @@ def declared(step: object, data: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def returned(step: object, result: Any) -> Any:
-    """``result``, what ``step`` computed, once checked: a dict of arrays or tensors, each under a key of
-    its ``out_keys`` (anything else would be dropped without a word, or fail later with an error naming
-    neither the step nor the key). Compiled, the checks fold away; a failing one stops the graph, and
-    the plan runs the stage again eagerly, which raises it by name."""
+    """``result``, checked: a dict of arrays or tensors, each under a key of ``step``'s ``out_keys``."""
     if not isinstance(result, Mapping):
         raise TypeError(f"{_name(step)}.compute must return a dict of its new entries, got {shown(result)}")
     out_keys = _keys(step, "out_keys")
@@ -238,36 +190,15 @@ def _keys(step: Any, name: str) -> list[str]:
 
 
 class Chain(Transform):
-    """Run transforms in order, each on the previous one's output.
-
-    Called on a TensorDict, the chain checks each step's input and runs the
-    transforms' cores (:meth:`Transform.compute`) over one mapping, wrapping the
-    result in a TensorDict once; :meth:`run` runs the cores alone, for callers
-    that have checked their data (the collate path).
-
-    The wiring is checked when the chain is built: each transform's
-    ``in_keys`` must be written by an earlier transform or be among the
-    chain's ``input_keys``. Without ``input_keys`` the chain's own ``in_keys``
-    are the keys it needs from outside, and a call fails naming the first one
-    missing from its input.
+    """Run transforms in order, each on the previous one's output (``ValueError`` if the wiring breaks).
 
     Parameters:
-        *transforms: the transforms (any :class:`Transform`, or any
-            ``TensorDictModuleBase`` with ``in_keys``/``out_keys``).
-        input_keys: the keys the input TensorDict will hold, or ``None``.
-
-    Raises:
-        TypeError: if an item is not a transform.
-        ValueError: if ``input_keys`` is given and a transform reads a key that
-            nothing provides; when called, if the input lacks a key it needs.
+        *transforms: the transforms (any ``TensorDictModuleBase`` with ``in_keys`` / ``out_keys``).
+        input_keys: the keys the input will hold (checked against each step's ``in_keys``), or ``None``.
 
     Example:
-        >>> import torch
-        >>> from tensordict import TensorDict
         >>> from zephon_collate.transforms import Chain, LossMask, TokenShift
         >>> chain = Chain(TokenShift(), LossMask(supervision_key=None, padding_length_key=None))
-        >>> chain.in_keys
-        ['input_ids']
         >>> out = chain(TensorDict(input_ids=torch.tensor([[1, 2, 3]]), batch_size=[1]))
         >>> out["labels"].tolist(), out["loss_mask"].tolist()
         ([[2, 3]], [[1.0, 1.0]])
@@ -335,12 +266,7 @@ class Chain(Transform):
         check_present("Chain", self.in_keys, data)
 
     def run(self, data: Mapping[str, Any], *, host: bool = False) -> dict[str, Any]:
-        """Every step's core over a copy of ``data``, unchecked: the whole resulting mapping.
-
-        Each step sees its declared keys only (:func:`declared`), as everywhere.
-        ``host``: ``data`` holds NumPy arrays (or CPU tensors); each step that has a
-        :meth:`Transform.host` variant runs it, every other step gets tensor views.
-        """
+        """Every step's core over a copy of ``data``, unchecked (``host``: the NumPy variants where given)."""
         return self._run(dict(data), checked=False, host=host)[0]
 
     def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -406,12 +332,7 @@ class Chain(Transform):
         return batch_size
 
     def output_keys(self, input_keys: Sequence[str]) -> list[str]:
-        """The keys a mapping holds after the chain, given those it starts with.
-
-        Kept inputs come first, in their order, then each key a step adds, in the
-        order the steps add them; keys a step consumes (``dropped_keys``) are gone.
-        The collate path names its outputs from this, so a transform of yours
-        that writes a key makes it an output.
+        """The keys a mapping holds after the chain, given those it starts with (consumed keys gone).
 
         Example:
             >>> from zephon_collate.transforms import LossMask, TokenShift

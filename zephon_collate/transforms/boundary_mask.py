@@ -18,36 +18,20 @@ __all__ = ["BoundaryMask"]
 
 
 class BoundaryMask(Transform):
-    """Zero the supervision mask on every token that starts a segment, so no label predicts it.
-
-    In a packed row the label of a document's last token is the first token of
-    the next document: training on it teaches the model to predict across a
-    document boundary. This transform reads the segment-restarting positions
-    (never token ids, so it needs no EOS) and writes the token-aligned
-    supervision mask ``mask_key`` with 0 wherever a segment starts (the rule of
-    :func:`~zephon_collate.functional.segment_starts`); a missing mask counts as
-    all ones. Place it *before* :class:`TokenShift`, listing the mask in the
-    shift's ``label_keys``: the label of token ``t`` is then dropped exactly when
-    token ``t + 1`` starts a segment.
+    """Zero the supervision mask on every token that starts a segment, so no label predicts it. Place it
+    before :class:`TokenShift`, with the mask in the shift's ``label_keys``.
 
     Parameters:
         positions_key: the ``[B, S]`` segment-restarting positions (default ``"positions"``).
-        mask_key: the token-aligned supervision mask to write (default ``"loss_mask"``),
-            kept in its dtype when present, int64 when created.
+        mask_key: the token-aligned supervision mask (default ``"loss_mask"``; created, int64, if absent).
 
     Example:
         >>> from tensordict import TensorDict
         >>> from zephon_collate.transforms import Chain, LossMask, TokenShift
-        >>> td = TensorDict(
-        ...     input_ids=torch.tensor([[1, 10, 11, 1, 12]]),
-        ...     positions=torch.tensor([[0, 1, 2, 0, 1]]),
-        ...     batch_size=[1],
-        ... )
-        >>> BoundaryMask()(td)["loss_mask"].tolist()
-        [[0, 1, 1, 0, 1]]
-        >>> shift = TokenShift(label_keys=["loss_mask"])
-        >>> chain = Chain(BoundaryMask(), shift, LossMask(padding_length_key=None))
-        >>> chain(td)["labels"].tolist()  # 11 -> 1 (the next document's first token) is not trained
+        >>> td = TensorDict(input_ids=torch.tensor([[1, 10, 11, 1, 12]]), batch_size=[1],
+        ...                 positions=torch.tensor([[0, 1, 2, 0, 1]]))
+        >>> steps = BoundaryMask(), TokenShift(label_keys=["loss_mask"]), LossMask(padding_length_key=None)
+        >>> Chain(*steps)(td)["labels"].tolist()  # 11 -> 1 (the next document's first token) is not trained
         [[10, 11, -100, 12]]
     """
 

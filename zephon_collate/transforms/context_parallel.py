@@ -1,33 +1,4 @@
-"""Context-parallel sharding of a packed batch: the load-balanced THD layout of Megatron/TransformerEngine.
-
-With context parallelism (CP) the tokens of every sequence are spread over
-``cp_size`` ranks. Under causal attention the last tokens of a sequence attend
-to many more keys than the first, so each document is cut into ``2 * cp_size``
-equal chunks and rank ``r`` takes chunks ``r`` and ``2 * cp_size - 1 - r``: every
-rank gets one cheap and one expensive chunk. Each document is first padded to
-a multiple of ``2 * cp_size`` (padding tokens carry ``ignore_index`` labels).
-
-The batch is laid out as THD: the rows are concatenated into one token stream
-and every document (a segment of the packer, found from ``positions == 0`` or
-from ``cu_seqlens``) is a sequence of it. Each rank receives
-
-* its shard of every per-token field (``[T_padded / cp_size, ...]``),
-  ``positions`` included (padding continues each document's numbering);
-* ``cu_seqlens`` (real document boundaries) and ``cu_seqlens_padded`` (the
-  padded ones), both *global*, int32, as TransformerEngine's THD attention with
-  context parallelism expects (``cu_seqlens_q``/``cu_seqlens_q_padded``);
-  ``cu_seqlens_padded // cp_size`` gives the boundaries of the local shard;
-* ``max_seqlen``: the longest *padded* document (an upper bound for both);
-* ``num_valid_tokens``: the local count of labels unequal to ``ignore_index``
-  (the local counts of the CP ranks add up to the batch's count);
-* ``cp_padding_mask``: True on the tokens this sharding added.
-
-Labels must be made before sharding (a shard's last token is predicted from
-the next token, which another rank may hold): run this after the collator.
-The chunk layout is :func:`zephon_collate.functional.cp_partition_index`
-(:mod:`zephon_collate.functional.context_parallel`), its inverse
-:func:`zephon_collate.gather_context_parallel` (:mod:`zephon_collate.parallel.context_parallel`).
-"""
+"""Context-parallel sharding of a packed batch: the load-balanced THD layout (``docs/distributed.md``)."""
 
 from __future__ import annotations
 
@@ -93,75 +64,29 @@ def _document_lengths(positions: torch.Tensor, boundaries: torch.Tensor | None) 
 
 
 class ContextParallelShard(Transform):
-    """Split every per-token field of a batch into CP rank ``cp_rank``'s load-balanced THD shard.
-
-    The rows (``[B, S, ...]`` fields, or ``[N, ...]`` once flattened) are
-    concatenated into one stream of ``T`` tokens whose documents start where
-    ``positions`` is 0 (and at every row start), or, when the input holds
-    ``cu_seqlens_key`` (``[B, K]`` per row or ``[K]`` flattened, as
-    :class:`~zephon_collate.transforms.CuSeqlens` writes them), at those
-    boundaries: use that with ``position_mode="sequence"``. Each document is
-    padded to a multiple of ``2 * cp_size`` and cut into ``2 * cp_size``
-    chunks; this rank keeps chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank``
-    of every document, in document order (see
-    :func:`~zephon_collate.functional.cp_partition_index`).
-
-    Per-token fields are the entries whose leading dims equal those of
-    ``positions`` (or ``keys``, when given); the output holds them, sharded, as
-    ``[T_local, ...]``, plus the metadata of the module docstring (the
-    boundaries ``cu_seqlens``/``cu_seqlens_padded`` are global, int32). Other
-    entries (per-row counts, ``padding_length``, the old boundaries) describe
-    rows that no longer exist and are not carried over. Added tokens get
-    ``pad_token_id`` in ``tokens_key``, ``ignore_index`` in ``labels_key``,
-    continued numbering in ``positions``, True in ``padding_mask``, and 0
-    elsewhere (``fill_values`` overrides any of these but positions).
-
-    Labels must exist before sharding (:class:`TokenShift` runs on whole rows),
-    so place this last. Its output size depends on the data, so it reads values
-    back from the device (like ``CuSeqlens`` without ``num_boundaries``).
+    """Split every per-token field of a batch into CP rank ``cp_rank``'s load-balanced THD shard. Run it after
+    the labels are made (on the collator's output); its output size is read back from the device.
 
     Parameters:
         cp_size: the context-parallel world size, an int >= 1.
         cp_rank: this rank's index in the CP group, ``0 <= cp_rank < cp_size``.
         pad_token_id: the token of added padding (default 0).
         ignore_index: the label of added padding and of ignored labels (default -100).
-        keys: the per-token fields to shard, or ``None`` for all of them.
+        keys: the per-token fields to shard, or ``None`` for every field shaped like ``positions``.
         tokens_key, labels_key, positions_key: the fields so named (positions are required).
         cu_seqlens_key: boundaries to read when present, and where to write the real ones.
-        padded_key, max_key, count_key, added_key: where to write ``cu_seqlens_padded``,
-            ``max_seqlen``, the local ``num_valid_tokens`` and the added-padding mask.
-        fill_values: ``{key: value}`` for added tokens, overriding the defaults above (a
-            ``Spread(experts)`` spreads MoE routes over the experts, as a ``TensorField``'s fill).
-
-    Raises:
-        TypeError, ValueError: for a bad ``cp_size``/``cp_rank``/key at construction; when
-            called, for positions that are not 1-D or 2-D, a listed key that is missing or
-            not per-token, or boundaries that do not fit the tokens.
+        padded_key, max_key, count_key, added_key: where to write the padded boundaries, maximum, count, mask.
+        fill_values: ``{key: value}`` for added tokens, overriding the defaults (a ``Spread`` for routes).
 
     Example:
-        One row: document A (tokens 11-15, 5 tokens) then B (21-23, 3 tokens),
-        over ``cp_size=2``: A is padded to 8 (chunks of 2), B to 4 (chunks of 1).
-
-        >>> td = TensorDict(
-        ...     input_ids=torch.tensor([[11, 12, 13, 14, 15, 21, 22, 23]]),
-        ...     labels=torch.tensor([[12, 13, 14, 15, -100, 22, 23, -100]]),
-        ...     positions=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]]),
-        ...     batch_size=[1],
-        ... )
+        >>> td = TensorDict(input_ids=torch.tensor([[11, 12, 13, 14, 15, 21, 22, 23]]), batch_size=[1],
+        ...                 labels=torch.tensor([[12, 13, 14, 15, -100, 22, 23, -100]]),
+        ...                 positions=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]]))  # documents of 5 and 3 tokens
         >>> rank0, rank1 = (ContextParallelShard(cp_size=2, cp_rank=r)(td) for r in (0, 1))
-        >>> rank0["input_ids"].tolist(), rank1["input_ids"].tolist()
+        >>> rank0["input_ids"].tolist(), rank1["input_ids"].tolist()  # padded to 8 and 4: chunks of 2 and 1
         ([11, 12, 0, 0, 21, 0], [13, 14, 15, 0, 22, 23])
-        >>> rank0["labels"].tolist(), rank1["labels"].tolist()
-        ([12, 13, -100, -100, 22, -100], [14, 15, -100, -100, 23, -100])
-        >>> rank0["positions"].tolist(), rank1["positions"].tolist()
-        ([0, 1, 6, 7, 0, 3], [2, 3, 4, 5, 1, 2])
         >>> rank0["cu_seqlens"].tolist(), rank0["cu_seqlens_padded"].tolist(), int(rank0["max_seqlen"])
         ([0, 5, 8], [0, 8, 12], 8)
-        >>> int(rank0["num_valid_tokens"]) + int(rank1["num_valid_tokens"])  # 6 labels, split 3 + 3
-        6
-        >>> from zephon_collate.parallel.context_parallel import gather_context_parallel
-        >>> gather_context_parallel([rank0, rank1])["input_ids"].tolist()  # back to the stream
-        [11, 12, 13, 14, 15, 21, 22, 23]
     """
 
     def __init__(
@@ -293,11 +218,7 @@ class ContextParallelShard(Transform):
         return TensorDict(updates, batch_size=[], device=td.device)
 
     def shard(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        """Shard a :class:`Collator` / ``to_training`` output dict (torch output).
-
-        Tensors go through :meth:`forward`; other values (``ids``, ``texts``) are
-        kept as they are, and a Python ``num_valid_tokens``/``max_seqlen`` is
-        replaced by the shard's.
+        """Shard a ``Collator`` / ``to_training`` output dict: tensors sharded, ``ids`` / ``texts`` kept.
 
         Example:
             >>> from zephon_collate import Collator
@@ -315,8 +236,7 @@ class ContextParallelShard(Transform):
 
 
 def _fill(fill: int | float | bool | Spread, like: torch.Tensor) -> torch.Tensor:
-    """What an added token holds in a field like ``like`` (``[N, ...]``): a number, or a
-    :class:`~zephon_collate.read.columns.Spread` of the shard's places (routes over every expert)."""
+    """What an added token holds in a field like ``like``: a number, or a ``Spread`` of the shard's places."""
     if not isinstance(fill, Spread):
         return torch.tensor(fill, device=like.device).to(like.dtype)
     last = like.shape[-1] if like.dim() > 1 else 1

@@ -16,17 +16,13 @@ __all__ = ["CopyKeys"]
 class CopyKeys(Transform):
     """Write each ``source`` again under ``target``, as a copy (never the same storage).
 
-    ``cu_seq_lens_k`` is ``cu_seq_lens_q`` for self-attention, yet a caller may
-    write into one of them: each gets its own memory.
-
     Parameters:
         copies: ``{source: target}``.
 
     Example:
         >>> from tensordict import TensorDict
-        >>> td = TensorDict(cu_seq_lens_q=torch.tensor([0, 3, 5]), batch_size=[])
-        >>> out = CopyKeys({"cu_seq_lens_q": "cu_seq_lens_k"})(td)
-        >>> out["cu_seq_lens_k"].tolist(), out["cu_seq_lens_k"].data_ptr() != out["cu_seq_lens_q"].data_ptr()
+        >>> out = CopyKeys({"q": "k"})(TensorDict(q=torch.tensor([0, 3, 5]), batch_size=[]))
+        >>> out["k"].tolist(), out["k"].data_ptr() != out["q"].data_ptr()
         ([0, 3, 5], True)
     """
 

@@ -18,37 +18,15 @@ __all__ = ["CuSeqlens"]
 
 
 class CuSeqlens(Transform):
-    """Cumulative segment boundaries (``cu_seqlens``) and longest segments (``max_seqlen``).
-
-    A segment starts wherever ``positions`` is zero. Per row (``flatten=False``)
-    the boundaries are the start indices then the row length, padded with the
-    row length to ``K`` columns: ``[B, K]`` int32, maxima ``[B]`` int32.
-    Flattened, they are one sequence over all ``B * S`` tokens ending at
-    ``B * S`` (``[N]`` int32; maximum ``[]`` int32), and the output TensorDict
-    has ``batch_size=[]``.
-
-    **Data-dependent shape.** ``K`` (or ``N``) is the number of segments in the
-    data, so computing it reads a value back from the device and a compiled
-    graph cannot fix the shape. That is why this step sits at the end of a
-    chain. Pass ``num_boundaries`` for a static shape instead: boundaries are
-    padded to exactly that count with the row length (flattened: the total
-    length) as filler, no read-back happens, and a batch with more segments
-    fails a device-side assertion.
-
-    Positions must be those of the payload (segment-restarting), aligned with
-    the tokens; place this before ``Positions("sequence")``.
+    """Cumulative segment boundaries (``cu_seqlens``) and longest segments (``max_seqlen``), int32. Per row
+    ``[B, K]`` (padded with the row length) and ``[B]``, or flattened ``[N]`` and ``[]``. Without
+    ``num_boundaries`` the size is read back from the device. Place it before ``Positions("sequence")``.
 
     Parameters:
-        positions_key: the ``[B, S]`` positions (default ``"positions"``).
+        positions_key: the ``[B, S]`` segment-restarting positions (default ``"positions"``).
         flatten: one sequence across the batch instead of one per row.
-        num_boundaries: fixed boundary count, or ``None`` for the data's.
-        out_key: where to write boundaries (default ``"cu_seqlens"``).
-        max_key: where to write maxima (default ``"max_seqlen"``).
-
-    Raises:
-        TypeError: if ``num_boundaries`` is not an int or ``None``, or ``flatten`` not a bool.
-        ValueError: if ``num_boundaries`` is below 1; when called, if positions are not
-            ``[B, S]`` or hold more tokens than int32 boundaries can count.
+        num_boundaries: a fixed boundary count (filler: the row or total length), or ``None``.
+        out_key, max_key: where to write them (defaults ``"cu_seqlens"``, ``"max_seqlen"``).
 
     Example:
         >>> from tensordict import TensorDict
@@ -56,10 +34,6 @@ class CuSeqlens(Transform):
         >>> out = CuSeqlens()(td)
         >>> out["cu_seqlens"].tolist(), out["max_seqlen"].tolist()
         ([[0, 3, 5], [0, 5, 5]], [3, 5])
-        >>> CuSeqlens(flatten=True)(td)["cu_seqlens"].tolist()
-        [0, 3, 5, 10]
-        >>> CuSeqlens(flatten=True, num_boundaries=6)(td)["cu_seqlens"].tolist()
-        [0, 3, 5, 10, 10, 10]
     """
 
     def __init__(

@@ -17,31 +17,18 @@ __all__ = ["EosMask"]
 
 
 class EosMask(Transform):
-    """Set ``labels`` to ``ignore_index`` wherever the input token equals ``eos_token_id``.
-
-    For packed ``[BOS, A, EOS, BOS, B, EOS]`` this masks the EOS -> BOS
-    prediction, not A -> EOS or B -> EOS. Matching is by token id, not by
-    document boundary: if BOS and EOS share an id, the prediction after BOS
-    (the first content token) is masked too. Run it after :class:`TokenShift`.
+    """Set ``labels`` to ``ignore_index`` wherever the input token equals ``eos_token_id`` (after TokenShift).
 
     Parameters:
-        eos_token_id: the EOS id, a nonnegative int.
+        eos_token_id: the EOS id, a nonnegative int (else ``ValueError``).
         ignore_index: the loss-ignore sentinel (default -100).
-        inputs_key: the input tokens (default ``"input_ids"``).
-        labels_key: the labels (default ``"labels"``).
-
-    Raises:
-        ValueError: if ``eos_token_id`` is not a nonnegative int.
+        inputs_key, labels_key: the keys read (defaults ``"input_ids"``, ``"labels"``).
 
     Example:
-        >>> import torch
         >>> from tensordict import TensorDict
         >>> BOS, A, EOS, B = 1, 10, 2, 11
-        >>> td = TensorDict(
-        ...     input_ids=torch.tensor([[BOS, A, EOS, BOS, B]]),
-        ...     labels=torch.tensor([[A, EOS, BOS, B, EOS]]),
-        ...     batch_size=[1],
-        ... )
+        >>> td = TensorDict(input_ids=torch.tensor([[BOS, A, EOS, BOS, B]]),
+        ...                 labels=torch.tensor([[A, EOS, BOS, B, EOS]]), batch_size=[1])
         >>> EosMask(eos_token_id=EOS)(td)["labels"].tolist()
         [[10, 2, -100, 11, 2]]
     """

@@ -15,20 +15,15 @@ __all__ = ["Flatten"]
 
 
 class Flatten(Transform):
-    """Flatten each of ``keys`` whose first two dims are those of ``like_key`` (per-token fields).
-
-    ``to_training(flatten=True)``: every per-token field ``[B, S, ...]`` becomes
-    ``[B * S, ...]``, rows end to end; a field of another shape (one value per
-    record) is left as it is. The output has ``batch_size=[]``.
+    """Flatten each of ``keys`` whose first two dims are ``like_key``'s: ``[B, S, ...]`` to ``[B * S, ...]``.
 
     Parameters:
-        keys: the fields that may be per token.
+        keys: the fields that may be per token (others are left as they are).
         like_key: the field whose ``[B, S]`` marks a field per token (default ``"input_ids"``).
 
     Example:
         >>> from tensordict import TensorDict
-        >>> tokens, row = torch.tensor([[1, 2], [3, 4]]), torch.tensor([7, 8])
-        >>> td = TensorDict(input_ids=tokens, row=row, batch_size=[2])
+        >>> td = TensorDict(input_ids=torch.tensor([[1, 2], [3, 4]]), row=torch.tensor([7, 8]), batch_size=2)
         >>> out = Flatten(["input_ids", "row"])(td)
         >>> out["input_ids"].tolist(), out["row"].tolist()
         ([1, 2, 3, 4], [7, 8])

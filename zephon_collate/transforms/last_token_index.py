@@ -17,36 +17,18 @@ __all__ = ["LastTokenIndex"]
 
 
 class LastTokenIndex(Transform):
-    """``[S]`` int64: each sequence's last token, as a place in the flattened ``input_ids``.
-
-    Sequence ``s`` is the tokens whose ``sequence_index`` is ``s`` (-1 on
-    padding); its score is ``hidden.flatten(0, 1)[last_token_index]`` in every
-    layout, padded ``[R, L]`` or padding-free ``[1, N]``. With ``skip_id`` (a
-    model's ``pad_token_id``) the place is that of the sequence's last token
-    whose id is not ``skip_id`` (its first token where every one is), the token a
-    ``transformers`` sequence-classification model pools when a sequence ends with
-    its padding id (``pad_token = eos_token``).
-
-    **Data-dependent shape.** ``S`` is read back from the device; a compiled
-    plan runs this step eagerly.
+    """``[S]`` int64: each sequence's last token, as a place in the flattened ``input_ids`` (read back).
 
     Parameters:
-        skip_id: an id not to read as a sequence's last token, or ``None``.
-        sequence_key: the ``[B, L]`` sequence numbers (default ``"sequence_index"``).
+        skip_id: an id not to read as a sequence's last token (a model's ``pad_token_id``), or ``None``.
+        sequence_key: the ``[B, L]`` sequence numbers, -1 on padding (default ``"sequence_index"``).
         out_key: where to write the places (default ``"last_token_index"``).
-
-    Raises:
-        TypeError, ValueError: for a ``skip_id`` that is not an int >= 0 or a key that is not a str;
-            when called, for a ``sequence_index`` that is not ``[B, L]``.
 
     Example:
         >>> from tensordict import TensorDict
         >>> td = TensorDict(sequence_index=torch.tensor([[0, 0, 0], [1, 1, -1]]), batch_size=[2])
         >>> LastTokenIndex()(td)["last_token_index"].tolist()
         [2, 4]
-        >>> td["input_ids"] = torch.tensor([[5, 6, 2], [7, 2, 0]])
-        >>> LastTokenIndex(skip_id=2)(td)["last_token_index"].tolist()
-        [1, 3]
     """
 
     data_dependent_shape = True

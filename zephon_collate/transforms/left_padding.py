@@ -16,13 +16,8 @@ __all__ = ["LeftPadding"]
 
 
 class LeftPadding(Transform):
-    """Rotate each row of the ``keys`` fields right by its pad count: trailing padding becomes leading.
-
-    The package pads on the right, where ``padding_length`` counts each row's
-    last tokens as padding; a tokenizer with ``padding_side="left"`` wants the
-    same rows with the padding first. Run it last: every per-token field listed
-    moves together, so tokens, labels and masks stay aligned. The output keeps
-    ``padding_length`` (which now counts each row's *first* tokens).
+    """Rotate each row of the ``keys`` fields right by its pad count: trailing padding becomes leading. Run it
+    last; ``padding_length`` then counts each row's *first* tokens.
 
     Parameters:
         keys: the ``[B, S, ...]`` per-token fields to move.
@@ -30,15 +25,10 @@ class LeftPadding(Transform):
 
     Example:
         >>> from tensordict import TensorDict
-        >>> td = TensorDict(
-        ...     input_ids=torch.tensor([[5, 6, 0, 0], [7, 8, 9, 0]]),
-        ...     attention_mask=torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]]),
-        ...     padding_length=torch.tensor([2, 1]),
-        ...     batch_size=[2],
-        ... )
-        >>> out = LeftPadding(["input_ids", "attention_mask"])(td)
-        >>> out["input_ids"].tolist(), out["attention_mask"].tolist()
-        ([[0, 0, 5, 6], [0, 7, 8, 9]], [[0, 0, 1, 1], [0, 1, 1, 1]])
+        >>> td = TensorDict(input_ids=torch.tensor([[5, 6, 0, 0], [7, 8, 9, 0]]),
+        ...                 padding_length=torch.tensor([2, 1]), batch_size=[2])
+        >>> LeftPadding(["input_ids"])(td)["input_ids"].tolist()
+        [[0, 0, 5, 6], [0, 7, 8, 9]]
     """
 
     def __init__(self, keys: Sequence[str], padding_length_key: str = PADDING_LENGTH) -> None:

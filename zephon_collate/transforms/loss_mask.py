@@ -21,18 +21,8 @@ def _optional_key(name: str, value: str | None) -> str | None:
 
 
 class LossMask(Transform):
-    """Mask unsupervised and padding labels, then emit the label-aligned loss mask and counts.
-
-    Labels whose label-aligned supervision mask is 0 (``supervision_key``, the
-    payload ``loss_mask`` cut ``[:, 1:]`` by :class:`TokenShift`) and each
-    row's last ``padding_length[b]`` labels become ``ignore_index``. Then, from
-    the labels as they stand (so run it after :class:`EosMask`):
-    ``out_key`` gets ``(labels != ignore_index)`` as float32 and ``count_key``
-    the per-row count of such labels (``[B]``, int64; sum it for the batch).
-    The supervision mask is consumed: it is dropped from the output unless
-    ``out_key`` overwrites it. Set any key to ``None`` to skip that part.
-
-    Note that a real label equal to ``ignore_index`` counts as ignored.
+    """Mask unsupervised and padding labels, then emit the label-aligned loss mask and per-row counts. Run it
+    after :class:`EosMask`; the supervision mask is consumed. A key set to ``None`` skips its part.
 
     Parameters:
         ignore_index: the loss-ignore sentinel (default -100).
@@ -40,17 +30,12 @@ class LossMask(Transform):
         padding_length_key: ``[B]`` trailing pad counts (default ``"padding_length"``).
         labels_key: the labels (default ``"labels"``).
         out_key: where to write the float32 loss mask (default ``"loss_mask"``).
-        count_key: where to write per-row valid-label counts (default ``"num_valid_tokens"``).
+        count_key: where to write per-row valid-label counts, ``[B]`` int64 (default ``"num_valid_tokens"``).
 
     Example:
-        >>> import torch
         >>> from tensordict import TensorDict
-        >>> td = TensorDict(
-        ...     labels=torch.tensor([[11, 12, 13, 0]]),
-        ...     loss_mask=torch.tensor([[0, 1, 1, 1]]),
-        ...     padding_length=torch.tensor([1]),
-        ...     batch_size=[1],
-        ... )
+        >>> td = TensorDict(labels=torch.tensor([[11, 12, 13, 0]]), loss_mask=torch.tensor([[0, 1, 1, 1]]),
+        ...                 padding_length=torch.tensor([1]), batch_size=[1])
         >>> out = LossMask()(td)
         >>> out["labels"].tolist(), out["loss_mask"].tolist(), out["num_valid_tokens"].tolist()
         ([[-100, 12, 13, -100]], [[0.0, 1.0, 1.0, 0.0]], [2])

@@ -15,13 +15,8 @@ __all__ = ["MRopePositions"]
 
 
 class MRopePositions(Transform):
-    """Join the text positions ``[B, S]`` and the mRoPE planes ``[B, S, 3]`` into ``[4, B, S]``.
-
-    transformers' Qwen-VL models take packed input as ``position_ids`` ``[4, B, S]``:
-    row 0 the text positions, restarting at 0 per document (the packed attention
-    mask is read from it), rows 1-3 the temporal, height and width positions. The
-    planes are consumed. Place it last among the steps that read the positions
-    (:class:`BoundaryMask`, :class:`CuSeqlens`, :class:`SegmentIds`).
+    """Join the text positions ``[B, S]`` and the mRoPE planes ``[B, S, 3]`` (consumed) into ``[4, B, S]``.
+    Place it after the steps that read the positions (:class:`BoundaryMask`, :class:`CuSeqlens`, ...).
 
     Parameters:
         positions_key: the text positions, replaced by the joined ``[4, B, S]`` (default ``"position_ids"``).

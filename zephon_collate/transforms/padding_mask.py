@@ -17,13 +17,8 @@ __all__ = ["PaddingMask"]
 
 
 class PaddingMask(Transform):
-    """Boolean ``[B, S]`` mask, True on the last ``padding_length[b]`` tokens of row ``b``.
-
-    Reads the per-row pad counts (``[B]``, e.g. ``meta.padding_length``, 0 for
-    none) and the token field for ``S``. Place it *before* :class:`TokenShift`
-    and list ``"padding_mask"`` in the shift's ``input_keys``: the mask is then
-    computed on the whole row and cut to the input alignment, as the reference
-    page defines it. It never infers padding from token ids.
+    """Boolean ``[B, S]`` mask, True on the last ``padding_length[b]`` tokens of row ``b``. Place it before
+    :class:`TokenShift`, with ``"padding_mask"`` in the shift's ``input_keys``.
 
     Parameters:
         padding_length_key: the ``[B]`` pad counts (default ``"padding_length"``).
@@ -31,15 +26,10 @@ class PaddingMask(Transform):
         out_key: where to write the mask (default ``"padding_mask"``).
 
     Example:
-        >>> import torch
         >>> from tensordict import TensorDict
-        >>> td = TensorDict(
-        ...     input_ids=torch.tensor([[5, 6, 7, 0], [5, 6, 7, 8]]),
-        ...     padding_length=torch.tensor([1, 0]),
-        ...     batch_size=[2],
-        ... )
+        >>> td = TensorDict(input_ids=torch.zeros(1, 4), padding_length=torch.tensor([1]), batch_size=[1])
         >>> PaddingMask()(td)["padding_mask"].tolist()
-        [[False, False, False, True], [False, False, False, False]]
+        [[False, False, False, True]]
     """
 
     def __init__(

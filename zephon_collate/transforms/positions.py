@@ -18,33 +18,17 @@ __all__ = ["Positions"]
 
 
 class Positions(Transform):
-    """Emit model positions: keep the payload's, or number each row ``0 .. S-1``.
-
-    ``mode="preserve"`` forwards ``out_key`` unchanged (payload positions that
-    restart at zero per packed segment; it does not itself prevent attention
-    across documents). ``mode="sequence"`` writes ``[0, 1, ..., S-1]`` in every
-    row, in the dtype and device of ``like_key``, whether or not payload
-    positions exist. Place it after :class:`TokenShift` and after
-    :class:`CuSeqlens`, which needs the payload's segment-restarting positions.
+    """Model positions: keep the payload's (``"preserve"``), or number each row ``0 .. S-1`` (``"sequence"``).
+    Place it after :class:`TokenShift` and :class:`CuSeqlens`.
 
     Parameters:
-        mode: ``"preserve"`` or ``"sequence"``.
+        mode: ``"preserve"`` or ``"sequence"`` (else ``ValueError``).
         like_key: the token field giving shape, dtype and device (default ``"input_ids"``).
         out_key: the positions key (default ``"positions"``).
 
-    Raises:
-        ValueError: if ``mode`` is unknown.
-
     Example:
-        >>> import torch
         >>> from tensordict import TensorDict
-        >>> td = TensorDict(
-        ...     input_ids=torch.tensor([[1, 10, 2, 1, 11, 2]]),
-        ...     positions=torch.tensor([[0, 1, 2, 0, 1, 2]]),
-        ...     batch_size=[1],
-        ... )
-        >>> Positions("preserve")(td)["positions"].tolist()
-        [[0, 1, 2, 0, 1, 2]]
+        >>> td = TensorDict(input_ids=torch.tensor([[1, 10, 2, 1, 11, 2]]), batch_size=[1])
         >>> Positions("sequence")(td)["positions"].tolist()
         [[0, 1, 2, 3, 4, 5]]
     """

@@ -15,12 +15,8 @@ __all__ = ["PositionOffset"]
 
 
 class PositionOffset(Transform):
-    """Add ``offset`` to every position: each document's first token gets ``offset`` instead of 0.
-
-    ``DataCollatorWithFlattening(position_ids_start=...)``: models whose learned
-    position embeddings start at an offset (OPT starts at 2). Place it after the
-    steps that read document starts from the positions (:class:`BoundaryMask`,
-    :class:`CuSeqlens`, :class:`SegmentIds`): they find a start where a position is 0.
+    """Add ``offset`` to every position (``DataCollatorWithFlattening(position_ids_start=...)``). Place it
+    after the steps that find document starts where a position is 0.
 
     Parameters:
         offset: the first position, an int >= 0.

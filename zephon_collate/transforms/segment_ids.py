@@ -23,50 +23,21 @@ __all__ = ["SegmentIds"]
 
 
 class SegmentIds(Transform):
-    """Per-token segment ids: ``cumsum(positions == 0) - 1`` in each row, int32.
-
-    A segment starts wherever ``positions`` is zero (and at the first token of
-    a row); each row numbers its segments ``0, 1, ...`` (``[B, S]``). With
-    ``flatten=True`` the ids are numbered across the batch instead, ``[B * S]``
-    (row ``b``'s ids offset by the segments of the rows before it): the
-    ``seq_idx`` that Mamba-style kernels take (as ``[1, B * S]``), and what
-    :func:`~zephon_collate.functional.attention.document_block_mask` needs for a
-    flattened ``[1, B * S]`` layout; the output TensorDict then has
-    ``batch_size=[]``, as :class:`CuSeqlens` does when flattening.
-
-    **Padding.** With ``mark_padding=True`` the last ``padding_length[b]``
-    tokens of row ``b`` get segment id **-1**, so no kernel treats padding as a
-    document (the masks of :mod:`zephon_collate.functional.attention` let a -1 token
-    attend to itself only, and no token attend to it). Unmarked, the padding
-    written by ``pack_flat`` is a segment of its own, which also keeps it out
-    of every document. ``padding_length`` counts the row as packed: after
-    :class:`TokenShift` has cut the positions to the inputs, pass
-    ``shifted=True`` (the cut removed one padding token). Flattened with marked
-    padding, the real documents are numbered ``0 .. D-1`` across the batch.
-
-    Positions must be those of the payload (segment-restarting); place this
-    before ``Positions("sequence")``. The segments are those of
-    :class:`CuSeqlens` (see :func:`~zephon_collate.functional.attention.check_consistent`).
+    """Per-token segment ids, int32: ``cumsum(positions == 0) - 1`` in each row, or numbered across the batch.
+    Place it before ``Positions("sequence")``; its segments are those of :class:`CuSeqlens`.
 
     Parameters:
-        positions_key: the ``[B, S]`` positions (default ``"positions"``).
-        flatten: number the segments across the batch, ``[B * S]``.
+        positions_key: the ``[B, S]`` segment-restarting positions (default ``"positions"``).
+        flatten: number the segments across the batch, ``[B * S]`` (Mamba's ``seq_idx``).
         mark_padding: give trailing padding the id -1 (reads ``padding_length_key``).
         padding_length_key: the ``[B]`` trailing pad counts (default ``"padding_length"``).
-        shifted: the positions were cut ``[:, :-1]`` after ``padding_length`` was counted.
+        shifted: the positions were cut ``[:, :-1]`` by :class:`TokenShift` (one padding token less).
         out_key: where to write the ids (default ``"segment_ids"``).
 
     Example:
         >>> from tensordict import TensorDict
-        >>> td = TensorDict(
-        ...     positions=torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]]),
-        ...     padding_length=torch.tensor([1, 0]),
-        ...     batch_size=[2],
-        ... )
-        >>> SegmentIds()(td)["segment_ids"].tolist()
-        [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 1, 1]]
-        >>> SegmentIds(mark_padding=True)(td)["segment_ids"].tolist()
-        [[0, 0, 0, 1, 1, -1], [0, 0, 0, 0, 1, 1]]
+        >>> td = TensorDict(positions=torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]]),
+        ...                 padding_length=torch.tensor([1, 0]), batch_size=[2])
         >>> SegmentIds(flatten=True, mark_padding=True)(td)["segment_ids"].tolist()
         [0, 0, 0, 1, 1, -1, 2, 2, 2, 2, 3, 3]
     """

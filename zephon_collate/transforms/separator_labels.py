@@ -18,27 +18,17 @@ __all__ = ["SeparatorLabels"]
 
 
 class SeparatorLabels(Transform):
-    """Set the label of each document's first token to ``separator_id`` (padding keeps its own).
-
-    ``DataCollatorWithFlattening(separator_id=...)``: in a padding-free row the
-    first label of each example is the separator, not ``-100``. A document
-    starts where its positions are 0 (the segment rule), so place this before
-    :class:`PositionOffset`. The last ``padding_length`` tokens of a row
-    (``pad_to_multiple_of``) keep the label they have.
+    """Set the label of each document's first token to ``separator_id``; the row's padding keeps its own.
+    ``DataCollatorWithFlattening(separator_id=...)``. Place it before :class:`PositionOffset`.
 
     Parameters:
         separator_id: the label of each document's first token.
-        positions_key, labels_key, padding_length_key: the keys read (defaults ``"position_ids"``,
-            ``"labels"``, ``"padding_length"``).
+        positions_key, labels_key, padding_length_key: the keys read (``position_ids``, ``labels``, ...).
 
     Example:
         >>> from tensordict import TensorDict
-        >>> td = TensorDict(
-        ...     labels=torch.tensor([[-100, 6, 7, -100, 9, -100]]),
-        ...     position_ids=torch.tensor([[0, 1, 2, 0, 1, 0]]),
-        ...     padding_length=torch.tensor([1]),
-        ...     batch_size=[1],
-        ... )
+        >>> td = TensorDict(labels=torch.tensor([[-100, 6, 7, -100, 9, -100]]), batch_size=[1],
+        ...                 position_ids=torch.tensor([[0, 1, 2, 0, 1, 0]]), padding_length=torch.tensor([1]))
         >>> SeparatorLabels(-7)(td)["labels"].tolist()
         [[-7, 6, 7, -7, 9, -100]]
     """

@@ -16,34 +16,22 @@ __all__ = ["SequenceRoles"]
 
 
 class SequenceRoles(Transform):
-    """From each sequence's role (``[S]`` int64, ``k`` for ``roles[k]``): ``{role}_index``, the numbers of
-    the sequences of each role, in order; each per-sequence value split by role; ``num_sequences``.
-
-    A DPO pair's sequences are ``chosen`` and ``rejected``: ``chosen_index`` and ``rejected_index`` say
-    where each pair's sides are among the batch's sequences (every layout numbers them as TRL does, every
-    chosen one first), and ``ref_logps`` (one per sequence) becomes ``ref_chosen_logps`` and
-    ``ref_rejected_logps`` (one per pair).
-
-    **Data-dependent shape.** The number of sequences of each role is read back; a compiled plan runs
-    this step eagerly.
+    """From each sequence's role: ``{role}_index``, per-sequence values split by role, ``num_sequences``. The
+    counts per role are read back from the device.
 
     Parameters:
-        role_key: the roles (consumed).
+        role_key: the roles, ``k`` for ``roles[k]`` (consumed).
         roles: the role names, by number (``()``: no index is written).
-        values: ``{per-sequence key: {role: output key}}``; each source is consumed unless an output
-            keeps its name.
+        values: ``{per-sequence key: {role: output key}}``; each source is consumed unless an output keeps it.
         count_key: where to write the number of sequences (0-d int64), or ``None``.
         index: write ``{role}_index`` for each role (else only the values split by role).
 
     Example:
         >>> from tensordict import TensorDict
         >>> td = TensorDict(role=torch.tensor([0, 0, 1, 1]), ref=torch.tensor([-1.0, -2.0, -3.0, -4.0]))
-        >>> step = SequenceRoles("role", ("chosen", "rejected"), {"ref": {"chosen": "ref_chosen"}})
-        >>> out = step(td)
+        >>> out = SequenceRoles("role", ("chosen", "rejected"), {"ref": {"chosen": "ref_chosen"}})(td)
         >>> out["chosen_index"].tolist(), out["rejected_index"].tolist(), out["ref_chosen"].tolist()
         ([0, 1], [2, 3], [-1.0, -2.0])
-        >>> int(out["num_sequences"])
-        4
     """
 
     data_dependent_shape = True

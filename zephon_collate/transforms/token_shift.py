@@ -17,30 +17,21 @@ __all__ = ["TokenShift"]
 
 
 class TokenShift(Transform):
-    """Cut ``[B, S]`` tokens into ``[B, S-1]`` inputs and next-token labels.
-
-    ``tokens_key`` becomes ``tokens[:, :-1]`` and ``labels_key`` becomes
-    ``tokens[:, 1:]``. Each of ``input_keys`` (positions, padding mask, extra
-    fields) is cut like the inputs, ``[:, :-1]``; each of ``label_keys`` (a
-    supervision mask) is cut like the labels, ``[:, 1:]``. Outputs are views.
+    """Cut ``[B, S]`` tokens into ``[B, S-1]`` inputs and next-token labels (views).
 
     Parameters:
-        tokens_key: the token field (default ``"input_ids"``).
-        labels_key: where to write labels (default ``"labels"``).
-        input_keys: per-token fields to keep aligned with the inputs.
-        label_keys: per-token fields to align with the labels.
+        tokens_key: the token field, cut ``[:, :-1]`` (default ``"input_ids"``).
+        labels_key: where to write labels, ``tokens[:, 1:]`` (default ``"labels"``).
+        input_keys: per-token fields cut like the inputs (positions, padding mask, extra fields).
+        label_keys: per-token fields cut like the labels (a supervision mask).
 
     Example:
-        >>> import torch
         >>> from tensordict import TensorDict
-        >>> td = TensorDict(
-        ...     input_ids=torch.tensor([[1, 10, 2, 1, 11, 2]]),
-        ...     positions=torch.tensor([[0, 1, 2, 0, 1, 2]]),
-        ...     batch_size=[1],
-        ... )
+        >>> td = TensorDict(input_ids=torch.tensor([[1, 10, 2]]), positions=torch.tensor([[0, 1, 2]]),
+        ...                 batch_size=[1])
         >>> out = TokenShift(input_keys=("positions",))(td)
         >>> out["input_ids"].tolist(), out["labels"].tolist(), out["positions"].tolist()
-        ([[1, 10, 2, 1, 11]], [[10, 2, 1, 11, 2]], [[0, 1, 2, 0, 1]])
+        ([[1, 10]], [[10, 2]], [[0, 1]])
     """
 
     def __init__(

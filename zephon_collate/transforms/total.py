@@ -16,10 +16,7 @@ __all__ = ["Total"]
 
 
 class Total(Transform):
-    """Sum a per-row count ``[B]`` (``LossMask``'s ``num_valid_tokens``) into the batch's total, 0-d int64.
-
-    A step of its own, so that the chain ends with what the batch holds: a transform of yours placed
-    after it sees the total, as the output will carry it.
+    """Sum a per-row count ``[B]`` into the batch's total, 0-d int64 (later steps see what the output holds).
 
     Parameters:
         key: the count, replaced by its total (default ``"num_valid_tokens"``).

@@ -16,30 +16,16 @@ __all__ = ["UnshiftedLabels"]
 
 
 class UnshiftedLabels(Transform):
-    """Write ``labels`` equal to the tokens, unshifted: the model shifts them in its ``forward``.
-
-    A ``transformers`` causal LM computes its loss as ``logits[:, :-1]`` against
-    ``labels[:, 1:]``, so it takes labels aligned with ``input_ids`` (token ``t``'s
-    label is token ``t`` itself) and drops each row's first label. Nothing is
-    cut: a supervision mask and the pad counts are already aligned with these
-    labels, so :class:`LossMask` applies them as they are, and
-    :class:`BoundaryMask` placed before it makes each segment's first label
-    ``ignore_index`` (the first label of a packed example, which would be
-    predicted from the previous example).
+    """Write ``labels`` equal to the tokens, unshifted: a ``transformers`` model shifts them itself.
 
     Parameters:
-        tokens_key: the token field (default ``"input_ids"``).
-        labels_key: where to write the labels (default ``"labels"``).
+        tokens_key, labels_key: the token field and the labels (defaults ``"input_ids"``, ``"labels"``).
 
     Example:
         >>> from tensordict import TensorDict
         >>> from zephon_collate.transforms import Chain, LossMask
-        >>> td = TensorDict(
-        ...     input_ids=torch.tensor([[5, 6, 7, 0]]),
-        ...     loss_mask=torch.tensor([[0, 1, 1, 1]]),
-        ...     padding_length=torch.tensor([1]),
-        ...     batch_size=[1],
-        ... )
+        >>> td = TensorDict(input_ids=torch.tensor([[5, 6, 7, 0]]), loss_mask=torch.tensor([[0, 1, 1, 1]]),
+        ...                 padding_length=torch.tensor([1]), batch_size=[1])
         >>> Chain(UnshiftedLabels(), LossMask(out_key=None, count_key=None))(td)["labels"].tolist()
         [[-100, 6, 7, -100]]
     """

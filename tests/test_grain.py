@@ -1,0 +1,171 @@
+"""Grain, for real: the packer and the balanced plan as Grain stages against the plain DataLoader, resumed
+from Grain's JSON state at every step in a fresh process, with 0 and 2 worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+grain = pytest.importorskip("grain")
+
+from engine_pipelines import (  # noqa: E402  (after the skip)
+    COLLATOR,
+    PACKERS,
+    PADDED,
+    balanced,
+    build,
+    digest,
+    documents,
+    packed,
+    sampler,
+)
+from torch.utils.data import DataLoader  # noqa: E402
+
+from zephon_collate import PackedStream, SampleMeta, SampleRecord  # noqa: E402
+from zephon_collate.engines.grain import BalancedIterDataset, PackIterDataset  # noqa: E402
+from zephon_collate.engines.state import from_json, to_json  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _loader_packed(name: str, workers: int, docs=None) -> list:
+    stream = PackedStream(docs or documents(), **PACKERS[name])
+    return list(DataLoader(stream, batch_size=3, collate_fn=COLLATOR, num_workers=workers))
+
+
+def _loader_balanced(rank: int, epochs: int = 1) -> list:
+    docs, out = documents(), []
+    plan = sampler(rank, docs)
+    for epoch in range(epochs):
+        plan.set_epoch(epoch)
+        out += list(DataLoader(docs, batch_sampler=plan, collate_fn=PADDED))
+    return out
+
+
+def _digests(batches) -> list[str]:
+    return [digest(batch) for batch in batches]
+
+
+def _states_and_batches(dataset) -> tuple[list, list[str]]:
+    """The JSON state before every step (and after the last), and the batches, of one run."""
+    iterator = iter(dataset)
+    states, batches = [json.loads(json.dumps(iterator.get_state()))], []
+    for batch in iterator:
+        batches.append(digest(batch))
+        states.append(json.loads(json.dumps(iterator.get_state())))
+    iterator.close()
+    return states, batches
+
+
+def _restarted(pipeline: str, workers: int, states: list, tmp_path: Path) -> list[list[str]]:
+    """Each state restored in one fresh process; the batches after each."""
+    states_path, out_path = tmp_path / "states.json", tmp_path / "rests.json"
+    states_path.write_text(json.dumps(states))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, str(TESTS / "engine_pipelines.py"), pipeline, str(workers)]
+    subprocess.run([*command, str(states_path), str(out_path)], check=True, env=env, timeout=600)
+    return json.loads(out_path.read_text())
+
+
+@pytest.mark.parametrize("name", sorted(PACKERS))
+def test_packer_stage_equals_the_dataloader_key_for_key(name):
+    assert _digests(packed(name, 0)) == _digests(_loader_packed(name, 0))
+
+
+@pytest.mark.parametrize("name", ["greedy", "groups"])
+def test_packer_stage_in_two_grain_workers_equals_the_dataloader_with_two(name):
+    # Each worker packs its own slice (documents w, w + 2, ...), as a DataLoader worker packs its shard.
+    assert _digests(packed(name, 2)) == _digests(_loader_packed(name, 2))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_balanced_stage_equals_the_dataloader_with_the_balanced_sampler(rank):
+    assert _digests(balanced(rank, 0, num_epochs=2)) == _digests(_loader_balanced(rank, epochs=2))
+
+
+def test_balanced_stage_in_two_grain_workers_keeps_the_plan_order():
+    assert _digests(balanced(1, 2)) == _digests(_loader_balanced(1))
+
+
+@pytest.mark.parametrize("pipeline", ["packed:greedy", "packed:best_fit", "packed:groups", "balanced:0"])
+def test_stop_at_every_step_and_restart_in_a_new_process(pipeline, tmp_path):
+    states, batches = _states_and_batches(build(pipeline, 0))
+    assert len(batches) >= 4
+    rests = _restarted(pipeline, 0, states, tmp_path)
+    assert rests == [batches[step:] for step in range(len(states))]
+
+
+@pytest.mark.parametrize("pipeline", ["packed:best_fit", "balanced:1"])
+def test_two_workers_stop_and_restart_in_a_new_process(pipeline, tmp_path):
+    """Grain's multi-process state holds each worker's stage state; a few steps of a short epoch."""
+    states, batches = _states_and_batches(build(pipeline, 2))
+    picked = [0, 1, len(states) // 2, len(states) - 1]
+    rests = _restarted(pipeline, 2, [states[i] for i in picked], tmp_path)
+    assert rests == [batches[i:] for i in picked]
+
+
+def test_the_packer_state_is_json_and_keeps_open_rows_exactly():
+    docs = documents()
+    iterator = iter(PackIterDataset(grain.MapDataset.source(docs).to_iter_dataset(), **PACKERS["best_fit"]))
+    next(iterator)
+    state = iterator.get_state()
+    packer = from_json(json.loads(json.dumps(state))["packer"])
+    assert packer["pending"] or packer["ready"]  # rows still open or held back: the hard case
+    assert json.loads(json.dumps(to_json(packer))) == json.loads(json.dumps(state["packer"]))
+
+
+def test_every_document_exactly_once_across_ranks():
+    docs = documents()
+    seen = []
+    for rank in range(2):  # torchtitan's sharding: each rank a slice of the documents
+        shard = grain.MapDataset.source(docs)[rank::2].to_iter_dataset()
+        for row in PackIterDataset(shard, **PACKERS["greedy"]):
+            seen += [int(ref.cursor.sample_id[2]) for ref in row.meta.contributors]
+    assert sorted(seen) == list(range(len(docs)))
+    planned, dropped = [], set()
+    for rank in range(2):
+        planned += [doc.meta.sample_id[2] for batch in balanced_docs(rank) for doc in batch]
+        dropped |= {index for plan in sampler(rank).plans() for index in plan.dropped}
+    assert sorted(planned + sorted(dropped)) == list(range(len(docs)))  # the plan's tail is reported
+
+
+def balanced_docs(rank: int) -> list:
+    docs = documents()
+    return list(BalancedIterDataset(grain.MapDataset.source(docs), sampler(rank, docs)))
+
+
+def test_a_bad_document_is_named_in_the_main_process_and_from_a_worker():
+    docs = documents(12)
+    bad = SampleRecord(SampleMeta((0, 0, 5), 0, 0, 5), {"input_ids": [1.5, 2.0], "loss_mask": [0, 1]})
+    docs[5] = bad
+    for workers in (0, 2):
+        with pytest.raises(TypeError, match=r"sample_id \(0, 0, 5\).*input_ids.*integer token ids") as raised:
+            list(packed("greedy", workers, docs=docs))
+        assert "Traceback" not in str(raised.value).splitlines()[0]
+
+
+def test_a_worker_that_dies_stops_the_run_instead_of_skipping():
+    def dies(record):
+        if record.meta.sample_id[2] == 7:
+            os._exit(3)
+        return record
+
+    ds = grain.MapDataset.source(documents(12)).map(dies).to_iter_dataset()
+    ds = PackIterDataset(ds, **PACKERS["greedy"]).batch(2, batch_fn=COLLATOR)
+    with pytest.raises(RuntimeError, match="terminated unexpectedly"):
+        list(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2)))
+
+
+def test_options_are_checked_when_the_stage_is_built_not_in_a_worker():
+    source = grain.MapDataset.source(documents(4))
+    with pytest.raises(ValueError, match="strategy"):
+        PackIterDataset(source, seq_len=8, pad_token_id=0, strategy="first_fit")
+    with pytest.raises(ValueError, match="one length per document"):
+        BalancedIterDataset(source, sampler(0))
+    with pytest.raises(TypeError, match="BalancedBatchSampler"):
+        BalancedIterDataset(source, [[0, 1]])

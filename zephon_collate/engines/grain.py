@@ -1,0 +1,181 @@
+"""Grain stages: packing and the balanced plan as ``grain.IterDataset`` stages, checkpointed by Grain.
+
+Needs the ``grain`` extra. A pipeline, torchtitan-style::
+
+    ds = grain.MapDataset.source(documents)
+    ds = PackIterDataset(ds, seq_len=4096, pad_token_id=0)  # rows of 4,096 tokens
+    ds = ds.batch(8, batch_fn=Collator())  # the collator is Grain's batch_fn
+    ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2)
+
+Each stage's ``get_state()`` is JSON (Grain's checkpointers write it as such)
+and ``set_state()`` resumes exactly, mid-epoch, open rows included. Under
+``mp_prefetch`` every worker runs the stage over its own slice of the
+documents, as a ``DataLoader`` worker runs ``PackedStream`` over its shard.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grain
+
+from zephon_collate.core.records import SampleRecord
+from zephon_collate.engines.state import from_json, to_json
+from zephon_collate.packing.packer import FlatPacker
+from zephon_collate.parallel.sampler import BalancedBatchSampler
+
+__all__ = ["BalancedIterDataset", "PackIterDataset"]
+
+
+class PackIterDataset(grain.IterDataset):  # type: ignore[misc]  # grain ships no type hints
+    """Rows of ``seq_len`` tokens packed from the parent's documents by a :class:`~zephon_collate.FlatPacker`.
+
+    Parameters:
+        parent: a Grain dataset of documents (dict payloads, token arrays or ``SampleRecord``);
+            a ``MapDataset`` is read in order, without read-ahead threads.
+        *args, **options: the :class:`~zephon_collate.FlatPacker` options (``seq_len``,
+            ``pad_token_id``, ``strategy``, ``group_key``, ...), checked here.
+
+    Example:
+        >>> from zephon_collate import Collator
+        >>> docs = grain.MapDataset.source([{"input_ids": [i + 1] * n} for i, n in enumerate([3, 2, 4])])
+        >>> rows = PackIterDataset(docs, seq_len=5, pad_token_id=0)
+        >>> [row.payload["input_ids"].tolist() for row in rows]
+        [[1, 1, 1, 2, 2], [3, 3, 3, 3, 0]]
+        >>> Collator()(list(rows))["positions"].tolist()
+        [[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]]
+    """
+
+    def __init__(self, parent: Any, *args: Any, **options: Any) -> None:
+        if isinstance(parent, grain.MapDataset):  # read in order, without Grain's read-ahead threads
+            parent = parent.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+        super().__init__(parent)
+        FlatPacker(*args, **options)  # checks the options now, not in a worker
+        self._args, self._options = args, options
+
+    def __iter__(self) -> _PackIterator:
+        return _PackIterator(self._parent.__iter__(), FlatPacker(*self._args, **self._options))
+
+    def __str__(self) -> str:
+        return f"PackIterDataset(seq_len={FlatPacker(*self._args, **self._options).options.seq_len})"
+
+
+class _PackIterator(grain.DatasetIterator):  # type: ignore[misc]
+    """The packer over the parent iterator; its state is the parent's and the packer's."""
+
+    def __init__(self, parent: Any, packer: FlatPacker) -> None:
+        super().__init__(parent)
+        self._packer = packer
+        self._rows: Iterator[SampleRecord] | None = None
+
+    def __next__(self) -> SampleRecord:
+        if self._rows is None:  # the packer pulls documents from the parent as rows need them
+            self._rows = self._packer.pack(self._parent)
+        return next(self._rows)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"parent": self._parent.get_state(), "packer": to_json(self._packer.state_dict())}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(state["parent"])
+        self._packer.load_state_dict(from_json(state["packer"]))
+        self._rows = None
+
+
+class BalancedIterDataset(grain.IterDataset):  # type: ignore[misc]
+    """This rank's balanced micro-batches, each a list of the parent's documents, planned by a sampler.
+
+    The plan is the :class:`~zephon_collate.BalancedBatchSampler`'s: recomputed from its
+    ``(seed, epoch)`` and the micro-batch's place, so the state is a few integers and a
+    restarted job with the same configuration gets the same micro-batches. Under
+    ``mp_prefetch``, worker ``w`` of ``W`` builds micro-batches ``w, w + W, ...``, which
+    Grain hands out in order. Collate each with ``.map(collator)``.
+
+    Parameters:
+        parent: the documents, with random access (a ``grain.MapDataset`` or a sequence).
+        sampler: the plan, over ``len(parent)`` lengths, for this rank.
+        num_epochs: epochs to run (``None``: forever), from the sampler's epoch on.
+
+    Example:
+        >>> from zephon_collate import BalanceOptions, CostModel
+        >>> docs = [[i + 1] * n for i, n in enumerate([8, 1, 6, 2, 5, 3, 4, 4, 7, 1])]
+        >>> options = BalanceOptions(cost=CostModel(linear=1, quadratic=1), max_tokens=8, micro_batches=2)
+        >>> sampler = BalancedBatchSampler([len(d) for d in docs], options, num_replicas=2, rank=1,
+        ...                                shuffle=False)
+        >>> [[doc[0] for doc in batch] for batch in BalancedIterDataset(docs, sampler)]
+        [[3, 4], [7, 8], [2, 10]]
+    """
+
+    def __init__(self, parent: Any, sampler: BalancedBatchSampler, num_epochs: int | None = 1) -> None:
+        if not isinstance(sampler, BalancedBatchSampler):
+            raise TypeError(
+                f"BalancedIterDataset: sampler must be a BalancedBatchSampler, got {type(sampler).__name__}"
+            )
+        if len(parent) != sampler.lengths.size:
+            raise ValueError(
+                f"BalancedIterDataset: the parent holds {len(parent)} documents, the sampler plans "
+                f"{sampler.lengths.size} lengths; give the sampler one length per document"
+            )
+        if num_epochs is not None and (not isinstance(num_epochs, int) or num_epochs < 1):
+            raise ValueError(
+                f"BalancedIterDataset: num_epochs must be an int >= 1 or None, got {num_epochs!r}"
+            )
+        super().__init__([parent] if isinstance(parent, grain.MapDataset) else [])
+        self._documents: Sequence[Any] = parent
+        self._sampler, self._num_epochs = sampler, num_epochs
+        self._slice = slice(0, None, 1)
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+        """Keep micro-batches ``sl.start, sl.start + sl.step, ...`` (Grain's worker slice)."""
+        if sequential_slice:
+            raise ValueError(
+                "BalancedIterDataset: a sequential slice needs the epoch's length, which the plan gives only "
+                "as it goes; use Grain's default (interleaved) worker slices"
+            )
+        self._slice = slice(sl.start or 0, None, sl.step or 1)
+
+    def __iter__(self) -> _BalancedIterator:
+        return _BalancedIterator(self._documents, self._sampler, self._num_epochs, self._slice)
+
+    def __str__(self) -> str:
+        return f"BalancedIterDataset(rank={self._sampler.rank}, num_replicas={self._sampler.num_replicas})"
+
+
+class _BalancedIterator(grain.DatasetIterator):  # type: ignore[misc]
+    """The sampler's micro-batches of this worker's slice; its state is the sampler's position."""
+
+    def __init__(
+        self, documents: Sequence[Any], sampler: BalancedBatchSampler, epochs: int | None, part: slice
+    ) -> None:
+        super().__init__()
+        self._documents, self._epochs, self._part = documents, epochs, part
+        self._sampler = copy.copy(sampler)  # the position is this iterator's, not the dataset's
+        self._sampler.load_state_dict(sampler.state_dict())
+        self._drawn = 0  # micro-batches drawn from the plan, every worker's, across epochs
+        self._batches: Iterator[list[int]] | None = None
+
+    def __next__(self) -> list[Any]:
+        sampler, part = self._sampler, self._part
+        while True:
+            if self._batches is None:
+                self._batches = iter(sampler)
+            indices = next(self._batches, None)
+            if indices is None:  # the epoch is over: the next one, if any
+                if self._epochs is not None and sampler.epoch + 1 >= self._epochs:
+                    raise StopIteration
+                sampler.set_epoch(sampler.epoch + 1)
+                self._batches = None
+                continue
+            place, self._drawn = self._drawn, self._drawn + 1
+            if place >= part.start and (place - part.start) % part.step == 0:
+                return [self._documents[index] for index in indices]
+
+    def get_state(self) -> dict[str, Any]:
+        return {"sampler": self._sampler.state_dict(), "drawn": self._drawn}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._sampler.load_state_dict(state["sampler"])
+        self._drawn = int(state["drawn"])
+        self._batches = None

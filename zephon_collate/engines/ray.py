@@ -1,0 +1,216 @@
+"""Ray Data stages: the collator on Arrow batches, packing as ``map_batches``, a rank's balanced plan.
+
+Needs the ``ray`` extra. A pipeline on packed rows, split across ranks::
+
+    rows = documents.map_batches(PackBatches, fn_constructor_kwargs={"seq_len": 4096, "pad_token_id": 0},
+                                 batch_format="pyarrow", batch_size=4096)
+    split = rows.streaming_split(world_size, equal=True)[rank]
+    for batch in split.iter_torch_batches(batch_size=8, collate_fn=ArrowCollateFn(Collator())):
+        ...
+
+Ray Data saves no iterator position; :func:`balanced_micro_batches` builds a
+rank's micro-batches from a ``BalancedBatchSampler``, whose saved state (a few
+integers) restarts the plan where it stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray
+from ray.data.collate_fn import ArrowBatchCollateFn
+
+from zephon_collate.core.records import PADDING_LENGTH_TAG
+from zephon_collate.packing.columns import pack_columns
+from zephon_collate.packing.pack_flat import pack_flat
+from zephon_collate.packing.reader import PackOptions
+from zephon_collate.parallel.sampler import BalancedBatchSampler
+
+__all__ = ["ArrowCollateFn", "PackBatches", "balanced_micro_batches"]
+
+_MICRO_BATCH = "_micro_batch"  # a balanced micro-batch's place in the rank's plan
+
+
+class ArrowCollateFn(ArrowBatchCollateFn):
+    """A collator as ``iter_torch_batches``' ``collate_fn``: each Arrow batch read through the columnar door.
+
+    The list columns' values and offsets are read in place (no per-row Python objects); a
+    batch of :func:`balanced_micro_batches` (one row: a micro-batch, its columns one list per
+    document) is read as its documents.
+
+    Parameters:
+        collator: the :class:`~zephon_collate.Collator` (any preset that reads columns).
+
+    Example:
+        >>> import pyarrow as pa
+        >>> from zephon_collate import Collator
+        >>> table = pa.table({"input_ids": [[5, 6, 7], [8, 9]], "positions": [[0, 1, 2], [0, 1]]})
+        >>> ArrowCollateFn(Collator(pad_token_id=0))(table)["input_ids"].tolist()
+        [[5, 6, 7], [8, 9, 0]]
+    """
+
+    def __init__(self, collator: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self.collator = collator
+
+    def __call__(self, batch: pa.Table) -> Any:
+        if _MICRO_BATCH in batch.column_names:
+            batch = _documents_of(batch)
+        return self.collator(batch)
+
+
+class PackBatches:
+    """A ``map_batches`` stage: each Arrow batch of documents packed into rows of ``seq_len`` tokens.
+
+    Rows are :func:`~zephon_collate.pack_columns`' (``pack_flat``'s, as arrays), one Arrow row
+    each: the tokens, ``positions`` and the packed fields as lists of ``seq_len``, and the
+    trailing padding under ``"_padding_length"``, which the collator reads. A row never holds
+    documents of two batches. With ``group_key``, each input row is one group (a preference
+    pair, a prompt's completions): its list columns hold one list per member, and the members
+    share a row (``pack_flat``'s groups).
+
+    Parameters:
+        *args, **options: the packer options (``seq_len``, ``pad_token_id``, ``strategy``,
+            ``group_key``, ...), as for :func:`~zephon_collate.pack_flat`.
+        id_column: a column naming each row in errors (your dataset's id), not packed.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> rows = PackBatches(seq_len=4, pad_token_id=0)(pa.table({"input_ids": [[1, 2], [3], [4, 5, 6]]}))
+        >>> rows.column("input_ids").to_pylist(), rows.column("positions").to_pylist()
+        ([[1, 2, 3, 0], [4, 5, 6, 0]], [[0, 1, 0, 0], [0, 1, 2, 0]])
+    """
+
+    def __init__(self, *args: Any, id_column: str | None = None, **options: Any) -> None:
+        PackOptions.create("PackBatches", *args, **options)  # checks the options now, not in a worker
+        self.args, self.options = args, dict(options)
+        self.group_key = self.options.pop("group_key", None)
+        self.id_column = id_column
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        try:
+            return self._packed(batch)
+        except (TypeError, ValueError) as error:
+            row = next((i for i in range(len(batch)) if not self._packs(batch.slice(i, 1))), None)
+            if row is None:  # no row fails alone: name the batch
+                raise type(error)(f"PackBatches: a Ray batch of {len(batch)} rows: {error}") from None
+            named = f"row {row} of a Ray batch of {len(batch)}"
+            if self.id_column is not None:
+                named = f"{self.id_column}={batch.column(self.id_column)[row].as_py()!r} ({named})"
+            alone = str(error)
+            try:
+                self._packed(batch.slice(row, 1))
+            except (TypeError, ValueError) as first:
+                alone = str(first).removeprefix("example 0: ")  # the row alone is example 0
+            raise type(error)(f"PackBatches: {named}: {alone}") from None
+
+    def _packs(self, batch: pa.Table) -> bool:
+        try:
+            self._packed(batch)
+        except (TypeError, ValueError):
+            return False
+        return True
+
+    def _packed(self, batch: pa.Table) -> pa.Table:
+        documents = batch if self.id_column is None else batch.drop_columns([self.id_column])
+        if self.group_key is None:
+            packed = pack_columns(documents, *self.args, **self.options)
+            return _rows_table(packed.fields, packed.padding_length)
+        members = _group_members(documents, self.group_key)
+        rows = pack_flat(members, *self.args, group_key=self.group_key, **self.options)
+        payloads = [cast(dict[str, np.ndarray], row.payload) for row in rows]
+        fields = (
+            {name: np.stack([payload[name] for payload in payloads]) for name in payloads[0]} if rows else {}
+        )
+        return _rows_table(fields, np.array([row.meta.padding_length for row in rows], dtype=np.int64))
+
+
+def balanced_micro_batches(documents: pa.Table, sampler: BalancedBatchSampler) -> ray.data.Dataset:
+    """This rank's micro-batches of ``documents``, in order: one Ray row per micro-batch.
+
+    The plan is ``sampler``'s from its current position (a loaded ``state_dict`` resumes
+    there); each row holds the micro-batch's documents, every column a list of their values
+    (gathered by Ray workers). Read them with ``iter_torch_batches(batch_size=1,
+    collate_fn=ArrowCollateFn(collator))``.
+
+    Parameters:
+        documents: the documents, one Arrow row each, in the sampler's order of lengths.
+        sampler: this rank's :class:`~zephon_collate.BalancedBatchSampler`.
+
+    Example (on a running Ray cluster)::
+
+        sampler = BalancedBatchSampler(lengths, options, num_replicas=world_size, rank=rank, seed=0)
+        sampler.load_state_dict(saved)  # optional: resume the plan where it stopped
+        micro_batches = balanced_micro_batches(documents, sampler)
+        for batch in micro_batches.iter_torch_batches(batch_size=1, collate_fn=ArrowCollateFn(Collator())):
+            ...
+    """
+    if len(documents) != sampler.lengths.size:
+        raise ValueError(
+            f"balanced_micro_batches: documents has {len(documents)} rows, the sampler plans "
+            f"{sampler.lengths.size} lengths; give the sampler one length per document"
+        )
+    plan = [{_MICRO_BATCH: place, "indices": indices} for place, indices in enumerate(sampler)]
+    gather = cast(Any, _gather)  # Ray's hints take a one-argument function; fn_args gives the second
+    return ray.data.from_items(plan).map_batches(
+        gather, fn_args=(ray.put(documents),), batch_format="pyarrow"
+    )
+
+
+def _gather(batch: pa.Table, documents: Any) -> pa.Table:
+    """Each micro-batch row's documents, taken from the table: every column one list per document."""
+    if isinstance(documents, ray.ObjectRef):  # the table, put in the object store once
+        documents = ray.get(documents)
+    indices = batch.column("indices").combine_chunks()
+    taken = documents.take(indices.flatten())
+    columns: dict[str, Any] = {_MICRO_BATCH: batch.column(_MICRO_BATCH)}
+    for name in taken.column_names:
+        columns[name] = pa.ListArray.from_arrays(indices.offsets, taken.column(name).combine_chunks())
+    return pa.table(columns)
+
+
+def _documents_of(batch: pa.Table) -> pa.Table:
+    """The documents of micro-batch rows: each list column flattened one level (no copy)."""
+    names = [name for name in batch.column_names if name != _MICRO_BATCH]
+    return pa.table({name: batch.column(name).combine_chunks().flatten() for name in names})
+
+
+def _group_members(batch: pa.Table, group_key: str) -> list[dict[str, Any]]:
+    """One payload per member of each group row, the row's key under ``group_key``."""
+    names = [name for name in batch.column_names if name != group_key]
+    lengths = [pc.list_value_length(batch.column(name)).to_numpy(zero_copy_only=False) for name in names]
+    if any(not np.array_equal(lengths[0], other) for other in lengths[1:]):
+        bad = next(i for i in range(len(batch)) if len({int(length[i]) for length in lengths}) > 1)
+        raise ValueError(
+            f"PackBatches: group row {bad} has columns of different member counts "
+            f"({dict(zip(names, (int(length[bad]) for length in lengths), strict=True))}); with group_key "
+            "each row is one group, every list column one list per member"
+        )
+    keys = batch.column(group_key).to_pylist()
+    columns = {name: batch.column(name).to_pylist() for name in names}
+    return [
+        {group_key: key, **{name: columns[name][row][member] for name in names}}
+        for row, key in enumerate(keys)
+        for member in range(int(lengths[0][row]) if names else 0)
+    ]
+
+
+def _rows_table(fields: Mapping[str, np.ndarray], padding_length: np.ndarray) -> pa.Table:
+    """Packed rows as an Arrow table: each ``[R, S, ...]`` field a list column sharing its values buffer."""
+    columns: dict[str, Any] = {}
+    for name, values in fields.items():
+        rows, width = values.shape[:2]
+        if values.ndim > 2:
+            raise ValueError(
+                f"PackBatches: field {name!r} holds a value per token of shape {values.shape[2:]}; "
+                "Ray's Arrow rows carry one number per token: pack it as separate fields"
+            )
+        flat = pa.array(np.ascontiguousarray(values).reshape(-1))
+        offsets = pa.array(np.arange(rows + 1, dtype=np.int64) * width)
+        columns[name] = pa.LargeListArray.from_arrays(offsets, flat)
+    columns[PADDING_LENGTH_TAG] = pa.array(padding_length.astype(np.int64, copy=False))
+    return pa.table(columns)
