@@ -20,7 +20,6 @@ micro-batches seen after the save.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import os
@@ -29,16 +28,13 @@ import pyarrow as pa
 import ray
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from balanced_train import COST, IGNORE, Documents, TinyLM  # the same tiny model, documents and costs
+from balanced_train import COST, Documents, TinyLM, train_step  # the same model, documents, costs and step
 from torch.nn.parallel import DistributedDataParallel
 
 from zephon_collate import (
     BalancedBatchSampler,
     BalanceOptions,
     Collator,
-    global_num_valid_tokens,
-    normalize_loss,
     pack_columns,
 )
 from zephon_collate.engines.ray import ArrowCollateFn, balanced_micro_batches
@@ -92,15 +88,17 @@ def main() -> None:
             sampler.load_state_dict(state)
         return sampler
 
-    def micro_batches(sampler: BalancedBatchSampler):
+    def micro_batches(sampler: BalancedBatchSampler, count: int | None = None):
         ds = balanced_micro_batches(table, sampler)
+        if count is not None:  # the steps to train: the stream ends, and Ray's threads with it
+            ds = ds.limit(count)
         return ds.iter_torch_batches(batch_size=1, collate_fn=ArrowCollateFn(one_row))
 
     torch.manual_seed(0)
     model = TinyLM()
     ddp = DistributedDataParallel(model) if launched else model
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
-    stream = iter(micro_batches(plan()))
+    stream = iter(micro_batches(plan(), args.steps * args.accumulation))
     # The plan again, advanced by the micro-batches trained: its state is where a restart resumes.
     position = plan()
     trained = iter(position)
@@ -115,21 +113,7 @@ def main() -> None:
             next(trained)
         if saved is not None:
             seen_after += [batch["input_ids"].tolist() for batch in batch_list]
-        num_tokens = global_num_valid_tokens(batch_list)
-        total = torch.zeros(())
-        for i, batch in enumerate(batch_list):
-            last = i == len(batch_list) - 1
-            with contextlib.nullcontext() if last or not launched else ddp.no_sync():
-                logits = ddp(batch["input_ids"], batch["positions"])
-                loss_sum = F.cross_entropy(
-                    logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE, reduction="sum"
-                )
-                normalize_loss(loss_sum, num_tokens).backward()
-            total += loss_sum.detach()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if launched:
-            dist.all_reduce(total)
+        total, num_tokens = train_step(ddp, optimizer, batch_list, launched, torch.device("cpu"))
         if rank == 0:
             print(
                 f"step {step}: loss {float(total / num_tokens):.4f} over {int(num_tokens)} tokens", flush=True
@@ -139,12 +123,15 @@ def main() -> None:
         matches = replay[: len(seen_after)] == seen_after
         print(f"rank {rank}: resumed plan matches ({len(seen_after)} micro-batches): {matches}", flush=True)
     print(f"rank {rank}: tokens per micro-batch after the save {[len(b[0]) for b in seen_after]}", flush=True)
-    stream.close()  # the Ray iterator, before Ray goes
+    stream.close()
+    if rank != 0:
+        ray.shutdown()  # leave the cluster before rank 0 stops it
     if launched:
         del ddp
         dist.barrier()
         dist.destroy_process_group()
-    ray.shutdown()
+    if rank == 0:
+        ray.shutdown()
 
 
 if __name__ == "__main__":
