@@ -120,7 +120,7 @@ def time_table(scale: float, rounds: int) -> None:
         for kind, batch in batches.items():  # equal loss and gradients first
             model.zero_grad()
             loss = step(model, batch)
-            grads[kind] = (float(loss), [p.grad.clone() for p in model.parameters()])
+            grads[kind] = (float(loss.detach()), [p.grad.clone() for p in model.parameters()])
         (flat_loss, flat_grads), (tree_loss, tree_grads) = grads["flat"], grads["trees"]
         gap = max(float((a - b).abs().max()) for a, b in zip(flat_grads, tree_grads, strict=True))
         assert abs(flat_loss - tree_loss) < 1e-5 and gap < 1e-5, (name, flat_loss, tree_loss, gap)

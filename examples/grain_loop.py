@@ -45,8 +45,9 @@ def pipeline(dataset: Documents, workers: int, rank: int = 0, world: int = 1) ->
     ds = grain.MapDataset.source([dataset[i] for i in range(len(dataset))]).shuffle(seed=SEED)
     ds = PackIterDataset(ds[rank::world], seq_len=SEQ_LEN, pad_token_id=0)
     ds = ds.batch(BATCH, batch_fn=Collator(return_labels=True, return_num_valid_tokens=True))
-    if workers:
-        return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    if workers:  # one torch thread per worker process, as a DataLoader worker sets for itself
+        options = grain.MultiprocessingOptions(num_workers=workers)
+        return ds.mp_prefetch(options, worker_init_fn=lambda worker, count: torch.set_num_threads(1))
     return grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2)
 
 
