@@ -390,6 +390,11 @@ def test_packed_shared_prompt_logprobs_equal_each_sequence_alone(family):
             )
     want = alone.flatten(0, 1)[packed["target"]]
     tolerance = 1e-5 if logits.dtype == torch.float32 else 1e-10
+    if family == "llama4-chunked":
+        # Llama 4 rounds q and k to float32 for its rotary embedding (apply_rotary_emb's .float()), even in
+        # a float64 model: a last-bit difference upstream can flip a float32 rounding. 1e-8 still catches
+        # a wrong mask by six orders of magnitude.
+        tolerance = 1e-8
     assert torch.allclose(got, want, atol=tolerance, rtol=0), float((got - want).abs().max())
 
 
