@@ -24,7 +24,6 @@ exactly the micro-batches the run saw after the save.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import io
 import itertools
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed_train import train_step  # the same training step
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
@@ -46,8 +46,6 @@ from zephon_collate import (
     CostModel,
     SampleMeta,
     SampleRecord,
-    global_num_valid_tokens,
-    normalize_loss,
     pack_flat,
 )
 from zephon_collate.functional.attention import dense_document_mask, segment_ids_from_positions
@@ -123,36 +121,6 @@ COST = CostModel.from_model(
     gated=False,
     vocab_size=VOCAB,
 )
-
-
-def train_step(
-    ddp: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    micro_batches: list[dict],
-    launched: bool,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over this rank's micro-batches; returns the all-rank loss sum and token count."""
-    num_tokens = global_num_valid_tokens(micro_batches)  # the step's supervised tokens, all ranks
-    total = torch.zeros((), device=device)
-    for i, batch in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        # no_sync: accumulate locally, average over the ranks once, at the last micro-batch
-        with contextlib.nullcontext() if last or not launched else ddp.no_sync():
-            logits = ddp(batch["input_ids"], batch["positions"])
-            loss_sum = F.cross_entropy(
-                logits.flatten(0, 1).float(),
-                batch["labels"].flatten(),
-                ignore_index=IGNORE,
-                reduction="sum",
-            )
-            normalize_loss(loss_sum, num_tokens).backward()  # loss_sum * world_size / N
-        total += loss_sum.detach()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if launched:
-        dist.all_reduce(total)
-    return total, num_tokens
 
 
 def main() -> None:

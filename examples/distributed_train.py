@@ -83,6 +83,36 @@ def make_loader(args: argparse.Namespace, collate: Collator, state: dict | None 
     return loader, stream.state_dict
 
 
+def train_step(
+    ddp: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[dict],
+    launched: bool,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over this rank's micro-batches; returns the all-rank loss sum and token count."""
+    num_tokens = global_num_valid_tokens(micro_batches)  # the step's supervised tokens, all ranks
+    total = torch.zeros((), device=device)
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        # no_sync: accumulate locally, average over the ranks once, at the last micro-batch
+        with contextlib.nullcontext() if last or not launched else ddp.no_sync():
+            logits = ddp(batch["input_ids"], batch["positions"])
+            loss_sum = F.cross_entropy(
+                logits.flatten(0, 1).float(),
+                batch["labels"].flatten(),
+                ignore_index=IGNORE,
+                reduction="sum",
+            )
+            normalize_loss(loss_sum, num_tokens).backward()  # loss_sum * world_size / N
+        total += loss_sum.detach()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if launched:
+        dist.all_reduce(total)
+    return total, num_tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="zephon_collate: exact-normalization DDP training")
     parser.add_argument("--steps", type=int, default=8)
@@ -127,25 +157,7 @@ def main() -> None:
         micro_batches = [next(batches) for _ in range(args.accumulation)]
         if checkpoint is not None:
             seen_after += [batch["ids"] for batch in micro_batches]
-        num_tokens = global_num_valid_tokens(micro_batches)  # this step's supervised tokens, all ranks
-        total = torch.zeros((), device=device)
-        for i, batch in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            # no_sync: accumulate locally, average over the ranks once, at the last micro-batch
-            with contextlib.nullcontext() if last or not launched else ddp.no_sync():
-                logits = ddp(batch["input_ids"], batch["positions"])
-                loss_sum = F.cross_entropy(
-                    logits.flatten(0, 1).float(),
-                    batch["labels"].flatten(),
-                    ignore_index=IGNORE,
-                    reduction="sum",
-                )
-                normalize_loss(loss_sum, num_tokens).backward()  # loss_sum * world_size / N
-            total += loss_sum.detach()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if launched:
-            dist.all_reduce(total)
+        total, num_tokens = train_step(ddp, optimizer, micro_batches, launched, device)
         if rank == 0:
             print(
                 f"step {step}: loss {float(total / num_tokens):.4f} over {int(num_tokens)} tokens", flush=True

@@ -28,7 +28,8 @@ import pyarrow as pa
 import ray
 import torch
 import torch.distributed as dist
-from balanced_train import COST, Documents, TinyLM, train_step  # the same model, documents, costs and step
+from balanced_train import COST, Documents, TinyLM  # the same model, documents and costs
+from distributed_train import train_step  # the same training step
 from torch.nn.parallel import DistributedDataParallel
 
 from zephon_collate import (
