@@ -52,14 +52,14 @@ class PackIterDataset(grain.IterDataset):  # type: ignore[misc]  # grain ships n
         if isinstance(parent, grain.MapDataset):  # read in order, without Grain's read-ahead threads
             parent = parent.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
         super().__init__(parent)
-        FlatPacker(*args, **options)  # checks the options now, not in a worker
+        self._seq_len = FlatPacker(*args, **options).options.seq_len  # checked now, not in a worker
         self._args, self._options = args, options
 
     def __iter__(self) -> _PackIterator:
         return _PackIterator(self._parent.__iter__(), FlatPacker(*self._args, **self._options))
 
     def __str__(self) -> str:
-        return f"PackIterDataset(seq_len={FlatPacker(*self._args, **self._options).options.seq_len})"
+        return f"PackIterDataset(seq_len={self._seq_len})"
 
 
 class _PackIterator(grain.DatasetIterator):  # type: ignore[misc]

@@ -95,25 +95,24 @@ class PackBatches:
         try:
             return self._packed(batch)
         except (TypeError, ValueError) as error:
-            row = next((i for i in range(len(batch)) if not self._packs(batch.slice(i, 1))), None)
-            if row is None:  # no row fails alone: name the batch
-                raise type(error)(f"PackBatches: a Ray batch of {len(batch)} rows: {error}") from None
-            named = f"row {row} of a Ray batch of {len(batch)}"
-            if self.id_column is not None:
-                named = f"{self.id_column}={batch.column(self.id_column)[row].as_py()!r} ({named})"
-            alone = str(error)
-            try:
-                self._packed(batch.slice(row, 1))
-            except (TypeError, ValueError) as first:
-                alone = str(first).removeprefix("example 0: ")  # the row alone is example 0
-            raise type(error)(f"PackBatches: {named}: {alone}") from None
+            # Find the first row that fails alone, and give its own message (it is example 0 there).
+            for row in range(len(batch)):
+                alone = self._error(batch.slice(row, 1))
+                if alone is not None:
+                    named = f"row {row} of a Ray batch of {len(batch)}"
+                    if self.id_column is not None:
+                        named = f"{self.id_column}={batch.column(self.id_column)[row].as_py()!r} ({named})"
+                    message = str(alone).removeprefix("example 0: ")
+                    raise type(error)(f"PackBatches: {named}: {message}") from None
+            raise type(error)(f"PackBatches: a Ray batch of {len(batch)} rows: {error}") from None
 
-    def _packs(self, batch: pa.Table) -> bool:
+    def _error(self, batch: pa.Table) -> Exception | None:
+        """The packer's ``TypeError``/``ValueError`` on ``batch``, or ``None`` if it packs."""
         try:
             self._packed(batch)
-        except (TypeError, ValueError):
-            return False
-        return True
+        except (TypeError, ValueError) as error:
+            return error
+        return None
 
     def _packed(self, batch: pa.Table) -> pa.Table:
         documents = batch if self.id_column is None else batch.drop_columns([self.id_column])
