@@ -154,3 +154,29 @@ def test_a_scalar_output_of_yours_in_ragged_list_output():
     back as one value per row."""
     out = Collator(dtype=None, transforms=[RowTokenCount()])([record([1, 2, 3]), record([4])])
     assert out["input_ids"] == [[1, 2, 3], [4]] and out["token_count"] == [3, 1]
+
+
+def test_a_ragged_list_batch_joins_each_output_by_the_step_that_wrote_it():
+    """Rows of unequal length as lists run one by one: a 0-d output of yours is one value per row unless
+    your step's ``join`` says otherwise; ``CuSeqlens`` continues its boundaries across the rows."""
+
+    class Count(Transform):
+        def __init__(self):
+            super().__init__()
+            self.in_keys, self.out_keys = ["input_ids"], ["tokens"]
+
+        def compute(self, data):
+            return {"tokens": torch.tensor(data["input_ids"].numel())}
+
+    class Summed(Count):
+        def join(self, key, rows):
+            return sum(rows)
+
+    rows = [{"input_ids": [1, 2, 3], "positions": [0, 1, 0]}, {"input_ids": [4, 5], "positions": [0, 1]}]
+    options = {"dtype": None, "return_labels": True, "return_cu_seqlens": True, "flatten": True}
+    each = Collator(**options, transforms=[Count()])(rows)
+    summed = Collator(**options, transforms=[Summed()])(rows)
+    assert each["tokens"] == [2, 1] and summed["tokens"] == 3
+    assert each["input_ids"] == [1, 2, 4] and each["cu_seqlens"] == [0, 2, 3] and each["max_seqlen"] == 2
+    per_row = Collator(**{**options, "flatten": False})(rows)
+    assert per_row["cu_seqlens"] == [[0, 2], [0, 1]] and per_row["max_seqlen"] == [2, 1]

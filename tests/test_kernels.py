@@ -232,6 +232,80 @@ def _ref_last_tokens(sequence_index, input_ids, skip):
     return out
 
 
+def _predicted_case(dtype: torch.dtype, length: int, rng: random.Random) -> tuple[Any, ...]:
+    """Labels and the place predicting each (-1: none); a place predicting several tokens gets equal labels."""
+    ignore = -100 if dtype.is_signed else top(dtype)
+    labels, index = [], []
+    for _ in range(ROWS):
+        targets: dict[int, int] = {}
+        row_labels, row_index = [], []
+        for _ in range(length):
+            label = ignore if rng.random() < 0.2 else rng.randint(0, min(top(dtype) - 1, 50))
+            place = -1 if rng.random() < 0.2 else rng.randrange(length)
+            if place >= 0 and label != ignore:
+                label = targets.setdefault(place, label)
+            row_labels.append(label)
+            row_index.append(place)
+        labels.append(row_labels)
+        index.append(row_index)
+    shape = (ROWS, length)
+    return (
+        torch.tensor(labels, dtype=dtype).reshape(shape), torch.tensor(index, dtype=torch.int64).reshape(shape),
+        ignore,
+    )  # fmt: skip
+
+
+def _ref_predicted(labels, logits_index, ignore):
+    out = []
+    for row_labels, row_index in zip(labels.tolist(), logits_index.tolist(), strict=True):
+        row = [ignore] * len(row_labels)
+        for label, place in zip(row_labels, row_index, strict=True):
+            if place >= 0 and label != ignore:
+                row[place] = label
+        out.append(row)
+    return out
+
+
+def _map_case(dtype: torch.dtype, length: int, rng: random.Random) -> tuple[Any, ...]:
+    """One padding-free row: examples (some empty) laid end to end, positions restarting at each and
+    sometimes inside one, then trailing padding."""
+    pad = rng.randint(0, length) if length else 0
+    lengths, left = [], length - pad
+    while left or rng.random() < 0.3:
+        size = rng.choice([0, rng.randint(1, max(left, 1))]) if left else 0
+        lengths.append(size)
+        left -= size
+    positions: list[int] = []
+    for size in lengths:
+        start = len(positions)
+        for t in range(size):
+            restart = t == 0 or positions[-1] >= top(dtype) - 1 or rng.random() < 0.05
+            positions.append(0 if restart else positions[-1] + 1)
+        assert len(positions) - start == size
+    positions += [0] * pad
+    return (
+        torch.tensor([positions], dtype=dtype),
+        torch.tensor([pad], dtype=dtype if pad <= top(dtype) else torch.int64),
+        torch.tensor([lengths], dtype=torch.int64),
+    )
+
+
+def _ref_sequence_map(positions, padding_length, example_lengths):
+    places = positions.tolist()[0]
+    index, number, sequence, t = [], [], -1, 0
+    for size in example_lengths.tolist()[0]:
+        if not size:
+            sequence += 1
+        for _ in range(size):
+            first = places[t] == 0
+            sequence += first
+            index.append(-1 if first else t - 1)
+            number.append(sequence)
+            t += 1
+    pad = int(padding_length[0])
+    return [index + [-1] * pad], [number + [-1] * pad], sequence + 1
+
+
 CASES: dict[str, Case] = {
     "shift_tokens": Case(
         lambda dtype, length, rng: (_tokens(dtype, length, rng),),
@@ -319,6 +393,8 @@ CASES: dict[str, Case] = {
         lambda dtype, length, rng: _branch_case(dtype, min(length, 40), rng), _ref_branch, tuple(DTYPES[:4])
     ),
     "last_token_index": Case(_sequences_case, _ref_last_tokens, tuple(DTYPES[:4])),
+    "sequence_map": Case(_map_case, _ref_sequence_map),
+    "predicted_labels": Case(_predicted_case, _ref_predicted),
 }
 
 

@@ -409,3 +409,47 @@ def test_layers_a_branch_mask_cannot_express_are_named():
     assert layer_limits(model("gemma3-mixed-window")) == {"sliding_attention": 4, "full_attention": 0}
     assert layer_limits(model("mistral-window")) == {"sliding_attention": 4}
     assert layer_limits(model("llama4-chunked")) == {"chunked_attention": 4, "full_attention": 0}
+
+
+TREE_FAMILIES = [
+    "llama", "mistral-window", "qwen2-mixed-window", "gemma3-mixed-window", "gemma2-softcap", "gpt-oss-sinks",
+    "llama4-chunked",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", TREE_FAMILIES)
+def test_tree_attention_scores_every_path_as_it_scores_alone(family):
+    """``use_tree_attention`` keeps what each layer's attention does: windows and chunks by position along the
+    path, Gemma 2's soft-capped scores, GPT-OSS's sinks. Trajectories longer than every window and chunk,
+    branching at several depths."""
+    from zephon_collate import Collator
+    from zephon_collate.functional.trees import TreeBlocks, use_tree_attention
+    from zephon_collate.losses import along_paths, token_logprobs
+
+    if family == "gemma2-softcap":  # windows of 4 on layer 0, scores capped at 0.5 (they reach it)
+        config = _config("Gemma2Config", **DECODER, head_dim=8, sliding_window=4, attn_logit_softcapping=0.5,
+                         layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+        config._attn_implementation = "eager"
+        torch.manual_seed(0)
+        net = transformers.Gemma2ForCausalLM(config).double()
+    else:
+        net = model(family)
+    net = net.eval()
+    generator = torch.Generator().manual_seed(5)
+    stem = torch.randint(3, 64, (6,), generator=generator).tolist()
+    paths = [stem + torch.randint(3, 64, (n,), generator=generator).tolist() for n in (3, 7)]
+    paths += [paths[1][:9] + torch.randint(3, 64, (4,), generator=generator).tolist(), [*stem[:2], 5, 6, 7]]
+    batch = Collator.for_trees()(
+        [{"input_ids": p, "completion_mask": [0] * 2 + [1] * (len(p) - 2)} for p in paths]
+    )
+    assert batch["input_ids"].numel() < sum(map(len, paths))  # shared at several depths
+    with torch.no_grad():
+        alone = [net(input_ids=torch.tensor([p]), use_cache=False).logits[0].log_softmax(-1) for p in paths]
+        want = torch.cat([torch.cat([torch.zeros(1, dtype=a.dtype), a[torch.arange(len(p) - 1), p[1:]]])
+                          for p, a in zip(paths, alone, strict=True)])  # fmt: skip
+        use_tree_attention(net)
+        logits = net(batch["input_ids"], position_ids=batch["position_ids"], tree=TreeBlocks.from_batch(batch),
+                     use_cache=False).logits  # fmt: skip
+        got = along_paths(token_logprobs(logits, batch), batch)
+    tolerance = 1e-5 if want.dtype == torch.float32 else 1e-8 if family == "llama4-chunked" else 1e-10
+    assert torch.allclose(got.to(want.dtype), want, atol=tolerance, rtol=0), float((got - want).abs().max())

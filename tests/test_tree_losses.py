@@ -147,11 +147,11 @@ def explicit(nodes: list[tuple[int, int, list[int], list[int]]], seed: int = 0, 
         full, trained = path(node)
         start = len(full) - len(tokens)
         old = [old_logprob(full, trained, t) for t in range(start, len(full))]
-        examples.append({
-            "node_id": node, "parent_id": parent, "input_ids": tokens, "completion_mask": mask, "old": old,
-            "adv": advantage(rng),
-        })  # fmt: skip
-        if node not in parents:
+        examples.append(
+            {"node_id": node, "parent_id": parent, "input_ids": tokens, "completion_mask": mask, "old": old}
+        )
+        if node not in parents:  # a leaf: a sequence, with its advantage (on inner nodes it is refused)
+            examples[-1]["adv"] = advantage(rng)
             paths.append((full, trained))
             advantages.append(examples[-1]["adv"])
     return Case(examples, paths, advantages, options)

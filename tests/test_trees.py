@@ -71,6 +71,26 @@ def test_supervision_and_values_must_agree_to_share():
     assert Collator.for_trees(float_fields=old)([a, b])["input_ids"].tolist() == [[1, 2, 3, 2, 4]]
 
 
+def test_a_spread_fill_never_merges_with_a_given_value():
+    """A response-aligned field's Spread fill is written at layout by its place: a fill of one trajectory and
+    a given value of another that hold the same numbers at read time stay apart."""
+    from zephon_collate.losses import along_paths
+    from zephon_collate.read.columns import Spread
+    from zephon_collate.read.fields import TensorField
+
+    routes = TensorField("routes", align="response", dtype=torch.int64, shape=(2,), fill=Spread(4))
+    trajectories = [
+        {"input_ids": [7, 7, 7], "completion_mask": [0, 1, 1], "routes": [[1, 1]], "group": 0},
+        {"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1], "routes": [[0, 0], [1, 1]], "group": 1},
+        {"input_ids": [1, 2, 3, 5], "completion_mask": [0, 0, 1, 1], "routes": [[2, 3], [0, 0], [3, 3]],
+         "group": 1},
+    ]  # fmt: skip
+    for share in ("none", "group"):
+        batch = Collator.for_trees(float_fields=[routes], share=share)(trajectories)
+        ends = batch["path_offsets"].tolist()
+        assert along_paths(batch["routes"], batch)[ends[2] : ends[3]][1:].tolist() == [[2, 3], [0, 0], [3, 3]]
+
+
 def test_trajectories_given_as_turns():
     turns = {
         "input_ids": [[1, 2], [3, 4], [5]],  # system, assistant, tool
@@ -82,6 +102,13 @@ def test_trajectories_given_as_turns():
     assert out["input_ids"] == [[1, 2, 3, 4, 5, 6]]
     assert out["labels"] == [[-100, -100, 3, 4, -100, 6]]
     assert out["old"] == [[0.0, 0.0, -1.0, -2.0, 0.0, -3.0]]
+    ambiguous = {"input_ids": [[1, 2], [], [3]], "completion_mask": [0, 1, 1]}  # per turn, or per token?
+    with pytest.raises(
+        ValueError, match=r"example 0: 'completion_mask' holds 3 values for turns of \[2, 0, 1\]"
+    ):
+        Collator.for_trees()([ambiguous])
+    by_turn = {"input_ids": [[1, 2], [], [3]], "completion_mask": [[0, 1], [], [1]]}
+    assert Collator.for_trees()([by_turn])["labels"].tolist() == [[-100, 2, 3]]
     bad = {**turns, "completion_mask": [[0, 0], [1], [0]]}
     with pytest.raises(ValueError, match=r"example 0: 'completion_mask' holds turns of \[2, 1, 1\] values"):
         Collator.for_trees()([bad])
@@ -91,7 +118,7 @@ def test_explicit_trees_node_by_node():
     nodes = [
         {"node_id": 10, "parent_id": -1, "input_ids": [1, 2], "completion_mask": [0, 0]},
         {"node_id": 12, "parent_id": 11, "input_ids": [5], "completion_mask": [1], "adv": 1.0},
-        {"node_id": 11, "parent_id": 10, "input_ids": [3, 4], "completion_mask": [1, 1], "adv": 0.0},
+        {"node_id": 11, "parent_id": 10, "input_ids": [3, 4], "completion_mask": [1, 1]},
         {"node_id": 13, "parent_id": 11, "input_ids": [6, 7], "completion_mask": [1, 1], "adv": -1.0},
         {"node_id": 14, "parent_id": None, "input_ids": [8], "completion_mask": [1], "adv": 2.0},
     ]
@@ -119,6 +146,9 @@ def test_explicit_trees_node_by_node():
     for given, message in cases:
         with pytest.raises((ValueError, TypeError), match=message):
             Collator.for_trees()(given)
+    inner = [{**node, "adv": 0.0} if node["node_id"] == 11 else node for node in nodes]  # 11 has children
+    with pytest.raises(ValueError, match=r"example 2: gives 'adv', one value per sequence, on a node with"):
+        Collator.for_trees(float_fields=[FloatField("adv", "sequence")])(inner)
     with pytest.raises(ValueError, match=r"'old' is label-aligned; in a tree a node's last token"):
         Collator.for_trees(float_fields=[FloatField("old", "label")])(
             [{**base, "node_id": 1, "parent_id": -1}]
@@ -140,6 +170,37 @@ def test_copied_openers_predict_one_token_per_place():
     assert paths == [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 7]]
 
 
+def test_copied_openers_give_a_models_own_shifted_loss_every_prediction_once():
+    """``shift_labels``: each place's target. ``transformers``' own loss given it is the mean over every distinct
+    prediction once; ``labels`` stay token-aligned for the path helpers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zephon_collate.losses import token_logprobs
+
+    rows = [trajectory([1, 2, 3, 4], 1), trajectory([1, 2, 3, 5], 1), trajectory([1, 6, 7], 1)]
+    batch = Collator.for_trees(copy_openers=True)(rows)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 3, 5, 1, 6, 7]]  # 1 and 3 copied into their branches
+    assert batch["labels"].tolist() == [[-100, 2, 3, 4, 3, 5, -100, 6, 7]]
+    assert batch["shift_labels"].tolist() == [[2, 3, 4, -100, 5, -100, 6, 7, -100]]  # a branch's end: none
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    model = LlamaForCausalLM(config).double().eval()
+    with torch.no_grad():
+        out = model(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                    shift_labels=batch["shift_labels"], attention_mask=dense_tree_mask(batch["subtree_end"]))  # fmt: skip
+        scores = token_logprobs(out.logits, batch)[0]
+    once = [
+        1,
+        2,
+        3,
+        5,
+        7,
+        8,
+    ]  # each distinct prediction once: 1 -> 2, 2 -> 3 (two paths), 3 -> 4, 3 -> 5, ...
+    assert abs(float(out.loss) - float(-scores[once].mean())) < 1e-6  # transformers' loss runs in float32
+
+
 def _tensors(out: dict) -> dict:
     return {key: torch.tensor(value) for key, value in out.items() if isinstance(value, list)}
 
@@ -157,6 +218,12 @@ def test_rows_of_a_fixed_width_split_or_refuse_a_wide_tree():
     assert out["subtree_end"] == [[6, 6, 4, 4, 6, 6], [3, 3, 3, 5, 5, 6]]
     assert out["labels"] == [[-100, -100, 1, 2, 3, 4], [-100, -100, 5, -100, 9, -100]]
     assert out["path_index"] == [0, 1, 2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10]
+    rounded = Collator.for_trees(max_row_tokens=6, oversized="split", pad_to_multiple_of=4, pad_token_id=0)(
+        rows
+    )
+    assert rounded["input_ids"].tolist() == [
+        [*row, 0, 0] for row in out["input_ids"]
+    ]  # packed by 6, padded to 8
     with pytest.raises(
         ValueError, match=r"example 0: its tree holds 7 tokens, more than max_row_tokens=6; pass"
     ):
@@ -227,11 +294,15 @@ def test_a_tree_batch_scores_every_path_as_it_scores_alone(dtype, tolerance):
         alone = [model(torch.tensor([row["input_ids"]])).logits[0] for row in rows]
         sdpa = model(batch["input_ids"], position_ids=batch["position_ids"],
                      attention_mask=dense_tree_mask(batch["subtree_end"])).logits  # fmt: skip
+        model.set_attn_implementation("eager")  # eager adds its mask to the scores: the additive one
+        eager = model(batch["input_ids"], position_ids=batch["position_ids"],
+                      attention_mask=dense_tree_mask(batch["subtree_end"], dtype=dtype)).logits  # fmt: skip
         use_tree_attention(model)
         tree = model(
             batch["input_ids"], position_ids=batch["position_ids"], tree=TreeBlocks.from_batch(batch)
         ).logits
         model.set_attn_implementation("sdpa")
-    for logits in (sdpa, tree):
+    # transformers' eager attention takes its softmax in float32 (dtype=torch.float32), float64 model or not
+    for logits, bound in ((sdpa, tolerance), (eager, max(tolerance, 1e-6)), (tree, tolerance)):
         for path, want in zip(unpack(logits, batch), alone, strict=True):
-            assert (path - want).abs().max() < tolerance
+            assert (path - want).abs().max() < bound

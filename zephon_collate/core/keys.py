@@ -18,6 +18,7 @@ __all__ = [
     "CU_SEQ_LENS_K",
     "CU_SEQ_LENS_Q",
     "DOCUMENT_IDS",
+    "EXAMPLE_LENGTHS",
     "IDS",
     "IGNORE_INDEX",
     "INPUT_IDS",
@@ -62,6 +63,7 @@ __all__ = [
     "SEQUENCE_INDEX",
     "SEQ_IDX",
     "SEQ_LENGTHS",
+    "SHIFT_LABELS",
     "SUBTREE_END",
     "SUPERVISION_MASKS",
     "TEXT",
@@ -143,6 +145,11 @@ SEQUENCE_INDEX = "sequence_index"
 """``[B, S]`` int64: the sequence a token belongs to, -1 on padding and on a prompt sequences share."""
 NUM_SEQUENCES = "num_sequences"
 """The number of sequences in a batch (an int, like ``max_length_q``)."""
+SHIFT_LABELS = "shift_labels"
+"""``[B, S]``: at each place, the label its logits are scored against (-100: none), as ``transformers``' loss
+takes ``shift_labels``."""
+EXAMPLE_LENGTHS = "example_lengths"
+"""``[1, E]`` int64, internal: each example's token count in a padding-free row (0: an empty example)."""
 SUBTREE_END = "subtree_end"
 """``[B, S]`` int64, a tree batch's attention: token ``k`` is seen by the tokens ``q`` of its row with
 ``k <= q < subtree_end[k]`` (its node's later tokens and its subtree); padding by itself only."""

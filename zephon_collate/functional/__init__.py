@@ -10,6 +10,7 @@ from zephon_collate.functional.labels import (
     eos_label_mask,
     mask_labels,
     padding_from_length,
+    predicted_labels,
     sequence_positions,
     shift_tokens,
     trailing_mask,
@@ -22,6 +23,7 @@ from zephon_collate.functional.segments import (
     last_token_index,
     segment_ids_from_positions,
     segment_starts,
+    sequence_map,
 )
 
 __all__ = [
@@ -39,8 +41,10 @@ __all__ = [
     "last_token_index",
     "mask_labels",
     "padding_from_length",
+    "predicted_labels",
     "segment_ids_from_positions",
     "segment_starts",
+    "sequence_map",
     "sequence_positions",
     "shift_tokens",
     "trailing_mask",

@@ -8,9 +8,11 @@ __all__ = [
     "cu_seqlens_flat",
     "cu_seqlens_rows",
     "last_token_index",
+    "predicted_labels",
     "ragged_starts",
     "segment_ids",
     "segment_starts",
+    "sequence_map",
     "trailing",
 ]
 
@@ -108,3 +110,32 @@ def last_token_index(
     np.maximum.at(last, np.where(kept, flat, count), place)
     found = np.where(first < total, first, -1)
     return np.asarray(np.where(last >= 0, last, found)[:count], dtype=np.int64)
+
+
+def sequence_map(
+    positions: np.ndarray, padding_length: np.ndarray, example_lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A padding-free row's ``logits_index``, ``sequence_index`` and sequence count, as the torch kernel."""
+    flat = positions.reshape(-1)
+    place = np.arange(flat.size, dtype=np.int64)
+    real = place < flat.size - int(padding_length.sum())
+    starts = (flat == 0) & real
+    lengths = example_lengths.reshape(-1).astype(np.int64)
+    empty = lengths == 0
+    example = np.searchsorted(np.cumsum(lengths), place, side="right")
+    empties = np.concatenate([[0], np.cumsum(empty, dtype=np.int64)])[example]
+    number = np.where(real, np.cumsum(starts, dtype=np.int64) - 1 + empties, -1)
+    index = np.where(real & ~starts, place - 1, -1)
+    count = np.array(int(starts.sum()) + int(empty.sum()), dtype=np.int64)
+    return index.reshape(positions.shape), number.reshape(positions.shape), count
+
+
+def predicted_labels(labels: np.ndarray, logits_index: np.ndarray, ignore_index: int = -100) -> np.ndarray:
+    """At each place, the label of the token its logits predict, as the torch kernel finds it."""
+    rows, width = labels.shape
+    index = logits_index.astype(np.int64)
+    keep = (index >= 0) & (labels != ignore_index)
+    target = np.where(keep, np.arange(rows)[:, None] * width + index, rows * width).reshape(-1)
+    out = np.full(rows * width + 1, ignore_index, dtype=labels.dtype)
+    out[target] = labels.reshape(-1)
+    return out[:-1].reshape(rows, width)

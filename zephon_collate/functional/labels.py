@@ -14,6 +14,7 @@ __all__ = [
     "eos_label_mask",
     "mask_labels",
     "padding_from_length",
+    "predicted_labels",
     "sequence_positions",
     "shift_tokens",
     "trailing_mask",
@@ -183,3 +184,31 @@ def sequence_positions(like: torch.Tensor) -> torch.Tensor:
             f"{torch.iinfo(like.dtype).max + 1}); use a wider dtype"
         )
     return torch.arange(length, dtype=like.dtype, device=like.device).expand(rows, length).contiguous()
+
+
+@kernel
+def predicted_labels(
+    labels: torch.Tensor, logits_index: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    """``[B, L]``: at each place, the label of the token its logits predict (the ``p`` with
+    ``logits_index[p]`` the place), ``ignore_index`` where none. A place must predict one token at most.
+
+    Example:
+        >>> labels, index = torch.tensor([[-100, 2, 3, 4, 3, 5]]), torch.tensor([[-1, 0, 1, 2, 1, 4]])
+        >>> predicted_labels(labels, index).tolist()  # place 1 predicts 3 (twice), place 3 nothing
+        [[2, 3, 4, -100, 5, -100]]
+    """
+    check_tensor("predicted_labels", "labels", labels, 2, 2)
+    check_fill("predicted_labels", "ignore_index", ignore_index, labels)
+    if logits_index.shape != labels.shape:
+        raise ValueError(
+            f"predicted_labels: logits_index has shape {tuple(logits_index.shape)}, labels "
+            f"{tuple(labels.shape)}; give one predictor place per label"
+        )
+    rows, width = labels.shape
+    index = logits_index.to(torch.int64)
+    keep = (index >= 0) & (labels != ignore_index)
+    base = torch.arange(rows, device=labels.device)[:, None] * width
+    target = torch.where(keep, base + index, rows * width).reshape(-1)  # the rest to a spare slot
+    out = labels.new_full((rows * width + 1,), ignore_index).scatter(0, target, labels.reshape(-1))
+    return out[:-1].view(rows, width)

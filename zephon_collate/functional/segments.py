@@ -16,6 +16,7 @@ __all__ = [
     "last_token_index",
     "segment_ids_from_positions",
     "segment_starts",
+    "sequence_map",
 ]
 
 PADDING_SEGMENT = -1
@@ -217,3 +218,38 @@ def last_token_index(
     last = last.scatter_reduce(0, torch.where(kept, flat, spare), place, "amax")
     found = torch.where(first < total, first, torch.full_like(first, -1))
     return torch.where(last >= 0, last, found)[:count]
+
+
+@kernel
+def sequence_map(
+    positions: torch.Tensor, padding_length: torch.Tensor, example_lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A padding-free row's sequence map: ``logits_index`` (each token's predictor place, -1 at a sequence's
+    first token), ``sequence_index`` (its sequence), both ``[1, S]`` int64 and -1 on padding, and the number
+    of sequences (0-d int64). The sequences are the examples laid end to end and the documents in them
+    (positions restart at 0); an empty example is a sequence without a token.
+
+    Parameters:
+        positions: ``[1, S]`` segment-restarting positions.
+        padding_length: ``[1]`` the row's trailing padding.
+        example_lengths: ``[1, E]`` each example's token count, in order.
+
+    Example:
+        >>> index, number, count = sequence_map(
+        ...     torch.tensor([[0, 1, 0, 0, 1, 0]]), torch.tensor([1]), torch.tensor([[3, 0, 2]])
+        ... )
+        >>> index.tolist(), number.tolist(), int(count)
+        ([[-1, 0, -1, -1, 3, -1]], [[0, 0, 1, 3, 3, -1]], 4)
+    """
+    check_tensor("sequence_map", "positions", positions, 2, 2)
+    flat = positions.reshape(-1)
+    place = torch.arange(flat.numel(), device=flat.device)
+    real = place < flat.numel() - padding_length.to(torch.int64).sum()
+    starts = (flat == 0) & real
+    lengths = example_lengths.reshape(-1).to(torch.int64)
+    empty = lengths == 0
+    example = torch.searchsorted(lengths.cumsum(0), place, right=True)  # the example holding each token
+    empties = torch.cat([empty.new_zeros(1, dtype=torch.int64), empty.cumsum(0)])[example]  # before it
+    number = torch.where(real, starts.cumsum(0) - 1 + empties, -1)
+    index = torch.where(real & ~starts, place - 1, -1)
+    return index.view(positions.shape), number.view(positions.shape), starts.sum() + empty.sum()

@@ -67,8 +67,10 @@ def tree_block_mask(
     )  # fmt: skip
 
 
-def dense_tree_mask(subtree_end: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, S, S]`` bool, True where query ``q`` may attend key ``k`` (SDPA's ``attn_mask``).
+def dense_tree_mask(subtree_end: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``[B, 1, S, S]``: True where query ``q`` may attend key ``k`` (SDPA's ``attn_mask``); with a float
+    ``dtype``, the additive mask eager attention adds to its scores (0 where seen, the dtype's minimum
+    elsewhere).
 
     Example:
         >>> dense_tree_mask(torch.tensor([[3, 2, 3]]))[0, 0].int().tolist()  # a root, then two branches
@@ -77,7 +79,12 @@ def dense_tree_mask(subtree_end: torch.Tensor) -> torch.Tensor:
     ends = _rows(subtree_end)
     place = torch.arange(ends.shape[1], device=ends.device)
     q, k = place[:, None], place[None, :]
-    return ((k <= q) & (q < ends[:, None, :])).unsqueeze(1)
+    seen = ((k <= q) & (q < ends[:, None, :])).unsqueeze(1)
+    if dtype is None:
+        return seen
+    if not dtype.is_floating_point:
+        raise TypeError(f"dense_tree_mask: dtype must be a float dtype (the model's), got {dtype}")
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
 
 
 @dataclass
@@ -139,6 +146,11 @@ def tree_attention(
     tree: TreeBlocks,
     *,
     scaling: float | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    dropout: float = 0.0,
 ) -> torch.Tensor:
     """Attention ``[B, H, S, D]`` that follows the tree: each chain's queries on the keys it sees, causally.
 
@@ -146,23 +158,72 @@ def tree_attention(
         query: ``[B, H, S, D]``; key, value: ``[B, H_kv, S, D]`` (grouped-query heads repeated).
         tree: the batch's :class:`TreeBlocks`.
         scaling: the softmax scale (default ``1 / sqrt(D)``).
+        window: a sliding window: a key ``window`` or more positions before its query is not seen.
+        chunk: chunked attention: a key outside its query's chunk of ``chunk`` positions is not seen.
+        softcap: scores soft-capped to ``softcap * tanh(score / softcap)`` (Gemma 2).
+        sinks: ``[H]`` a sink logit per head, in the softmax and then dropped (GPT-OSS).
+        dropout: the attention dropout probability (training).
     """
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     out = torch.zeros_like(query)
     for row, start, end, keys in tree.chains:
         keys = keys.to(query.device)
-        bias = causal_lower_right(end - start, keys.numel())
-        part = torch.nn.functional.scaled_dot_product_attention(
-            query[row : row + 1, :, start:end], key[row : row + 1, :, keys], value[row : row + 1, :, keys],
-            attn_mask=bias, scale=scaling,
-        )  # fmt: skip
+        q = query[row : row + 1, :, start:end]
+        k, v = key[row : row + 1, :, keys], value[row : row + 1, :, keys]
+        seen: Any = causal_lower_right(end - start, keys.numel())
+        if window or chunk or softcap or sinks is not None:  # key j of a chain sits at position j of its path
+            at = torch.arange(keys.numel(), device=query.device)
+            asks = at[keys.numel() - (end - start) :, None]
+            seen = at[None, :] <= asks
+            if window:
+                seen = seen & (asks - at[None, :] < window)
+            if chunk:
+                seen = seen & (torch.div(asks, chunk, rounding_mode="floor") == at[None, :] // chunk)
+        if softcap or sinks is not None:  # what SDPA cannot: the scores written out, as eager attention does
+            scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            scores = scores.masked_fill(~seen, torch.finfo(scores.dtype).min)
+            if sinks is None:
+                weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            else:
+                sink = sinks.reshape(1, -1, 1, 1).expand(1, -1, end - start, 1).to(scores.dtype)
+                joined = torch.cat([scores, sink], dim=-1)
+                weights = torch.softmax(joined - joined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+            weights = torch.nn.functional.dropout(weights, p=dropout, training=dropout > 0)
+            part = torch.matmul(weights.to(v.dtype), v)
+        else:
+            part = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=seen, scale=scaling, dropout_p=dropout
+            )
         out[row : row + 1, :, start:end] = part
     if tree.loose.numel():
         rows, places = tree.loose[:, 0].to(query.device), tree.loose[:, 1].to(query.device)
         out[rows, :, places] = value[rows, :, places]
     return out
+
+
+def _layer_limits(module: torch.nn.Module, given: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """The window and chunk of ``module``'s attention, by its layer kind (``config.layer_types``)."""
+    config = getattr(module, "config", None)
+    kinds = getattr(config, "layer_types", None)
+    layer = getattr(module, "layer_idx", None)
+    kind = kinds[layer] if kinds and isinstance(layer, int) and layer < len(kinds) else None
+    window = given.get("sliding_window")
+    if kind == "sliding_attention":
+        return window or getattr(config, "sliding_window", None), None
+    if kind == "chunked_attention":
+        return None, getattr(config, "attention_chunk_size", None)
+    if kind not in (None, "full_attention"):
+        raise ValueError(
+            f"{TREE_ATTENTION} attention: layer {layer} of {type(module).__name__} is {kind} "
+            "(config.layer_types), which tree_attention does not compute (full, sliding-window and chunked "
+            "layers only); load the model with another attn_implementation"
+        )
+    return window, None
 
 
 def _transformers_attention(
@@ -183,7 +244,11 @@ def _transformers_attention(
             "tree=TreeBlocks.from_batch(batch) (and position_ids), or load it with another "
             "attn_implementation"
         )
-    out = tree_attention(query, key, value, tree, scaling=scaling)
+    window, chunk = _layer_limits(module, kwargs)
+    out = tree_attention(
+        query, key, value, tree, scaling=scaling, window=window, chunk=chunk, softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"), dropout=dropout if module.training else 0.0,
+    )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -12,10 +12,8 @@ import torch
 
 from zephon_collate.core.checks import Keywords, check_bool, check_device, check_num_boundaries
 from zephon_collate.core.keys import (
-    CU_SEQLENS,
     IDS,
     INPUT_IDS,
-    MAX_SEQLEN,
     NUM_VALID_TOKENS,
     PADDING_LENGTH,
     TEXT,
@@ -180,11 +178,6 @@ class Layout:
         return ()
 
     @property
-    def flattened(self) -> bool:
-        """Outputs flattened ``[B * S, ...]`` (``flatten``)."""
-        return False
-
-    @property
     def tokens_field(self) -> str:
         """The records' token field (``"auto"``: found at the door)."""
         return INPUT_IDS
@@ -261,7 +254,7 @@ class Layout:
         if not stacked:
             return self.empty()
         plan = self.plan(tuple(stacked[0].data))
-        return self.assemble(stacked, [plan.run(part.data) for part in stacked], plan.output_keys)
+        return self.assemble(stacked, [plan.run(part.data) for part in stacked], plan)
 
     def finish(self, stacked: Sequence[Stacked]) -> dict[str, Any]:
         """Move stacked batches to the device (``non_blocking``), run the chain, assemble."""
@@ -278,7 +271,7 @@ class Layout:
                     for k, v in data.items()
                 }
             results.append(self.run(plan, data, device))
-        return self.assemble(stacked, results, plan.output_keys)
+        return self.assemble(stacked, results, plan)
 
     # -- the one assembly --------------------------------------------------------------------------
 
@@ -327,48 +320,25 @@ class Layout:
         return "torch"
 
     def assemble(
-        self, stacked: Sequence[Stacked], results: Sequence[Mapping[str, Any]], keys: Sequence[str]
+        self, stacked: Sequence[Stacked], results: Sequence[Mapping[str, Any]], plan: Plan
     ) -> dict[str, Any]:
         """The output dict: each output named, in its container; Python scalars for the counts. Several
-        ``results`` are the rows of a ragged list batch, each run alone: their outputs are joined."""
+        ``results`` are the rows of a ragged list batch, each run alone: the plan's steps join them."""
         kind = self.kind
         scalar = int if self.settings.python_scalars else torch.as_tensor
         out: dict[str, Any] = {}
-        names = self._names.get(tuple(keys))
+        keys = tuple(plan.output_keys)
+        names = self._names.get(keys)
         if names is None:
-            names = self._names[tuple(keys)] = self.output_names(keys)
+            names = self._names[keys] = self.output_names(keys)
         one = results[0] if len(results) == 1 else None  # the common case: no list per output to join
         for key, name in names:
             if key in (IDS, TEXTS):
                 out[name] = [value for part in stacked for value in part.per_row.get(key, [])]
             elif one is None:
-                out[name] = self._joined(key, [result[key] for result in results])
+                out[name] = plan.join(key, [convert(result[key], "list") for result in results])
             elif key in self.SCALARS and one[key].ndim == 0:
                 out[name] = scalar(one[key]) if self.settings.python_scalars else convert(one[key], kind)
             else:
                 out[name] = convert(one[key], kind)
         return out
-
-    def _joined(self, key: str, values: list[Any]) -> Any:
-        """One output of a ragged list batch, from each row's (run as a batch of one)."""
-        rows = [value.tolist() for value in values]
-        flat = self.flattened
-        if key == NUM_VALID_TOKENS:  # each row's total
-            return sum(rows)
-        if key == CU_SEQLENS and flat:
-            joined: list[int] = []
-            total = 0
-            for row in rows:
-                joined += [start + total for start in row[:-1]]
-                total += row[-1]
-            return [*joined, total]
-        if key == CU_SEQLENS:
-            width = max(len(row[0]) for row in rows)
-            return [row[0] + [row[0][-1]] * (width - len(row[0])) for row in rows]
-        if key == MAX_SEQLEN:
-            return max(rows) if flat else [row[0] for row in rows]
-        if any(not isinstance(row, list) for row in rows):  # one value per row (a 0-d output of yours)
-            return rows
-        if flat:  # a row's per-token output is [S, ...], a per-record one [1, ...]: both join by items
-            return [item for row in rows for item in row]
-        return [row[0] for row in rows]

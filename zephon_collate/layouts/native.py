@@ -175,10 +175,6 @@ class Native(Layout):
         return tuple(self.options.exclude_fields)
 
     @property
-    def flattened(self) -> bool:
-        return self.options.flatten
-
-    @property
     def tokens_field(self) -> str:
         return self.options.tokens_field
 

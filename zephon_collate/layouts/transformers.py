@@ -31,6 +31,7 @@ from zephon_collate.core.keys import (
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
     DOCUMENT_IDS,
+    EXAMPLE_LENGTHS,
     IGNORE_INDEX,
     INPUT_IDS,
     INT32_MAX,
@@ -97,6 +98,7 @@ from zephon_collate.transforms import (
     PositionOffset,
     SegmentIds,
     SeparatorLabels,
+    SequenceMap,
     Transform,
     UnshiftedLabels,
 )
@@ -395,7 +397,9 @@ class Transformers(Layout):
         MAX_LENGTH_K,
         SEQ_IDX,
     )
-    INTERNAL: frozenset[str] = frozenset({PADDING_LENGTH, POSITIONS, LOSS_MASK, PADDING_MASK})
+    INTERNAL: frozenset[str] = frozenset(
+        {PADDING_LENGTH, POSITIONS, LOSS_MASK, PADDING_MASK, EXAMPLE_LENGTHS}
+    )
     SCALARS: frozenset[str] = frozenset({MAX_LENGTH_Q, MAX_LENGTH_K, NUM_SEQUENCES, NUM_VALID_TOKENS})
     UNIFORM_SUPERVISION: ClassVar[bool] = False
     """Refuse an example without a supervising field that another example carries (rollouts)."""
@@ -423,7 +427,7 @@ class Transformers(Layout):
         """The built-in transforms for a stacked batch holding ``keys``. Padded: ``PaddingMask ->
         AttentionMask -> UnshiftedLabels -> LossMask`` (then ``LeftPadding``). Padding-free: ``BoundaryMask ->
         UnshiftedLabels -> LossMask -> SeparatorLabels -> CuSeqlens -> CopyKeys -> SegmentIds ->
-        PositionOffset``, each as asked for."""
+        SequenceMap -> PositionOffset``, each as asked for."""
         options = self.options
         positions = self.positions_key
         steps: list[Transform] = []
@@ -459,6 +463,8 @@ class Transformers(Layout):
             steps += [cu, CopyKeys({CU_SEQ_LENS_Q: CU_SEQ_LENS_K, MAX_LENGTH_Q: MAX_LENGTH_K})]
         if options.return_seq_idx:
             steps.append(SegmentIds(positions, out_key=SEQ_IDX))
+        if options.return_sequence_map:
+            steps.append(SequenceMap(positions))
         if options.position_ids_start:
             steps.append(PositionOffset(options.position_ids_start, positions))
         if MROPE_POSITIONS in keys:
@@ -554,17 +560,12 @@ class Transformers(Layout):
             if spec.align == "label":  # moved to the token each prediction is scored against
                 starts = _starts(per_token) if starts is None else starts
                 per_token[spec.name] = to_label_positions(per_token[spec.name], starts, spec.fill)
-        if options.return_sequence_map:
-            per_token.update(_sequence_map(per_token))
         if POSITIONS in per_token and self.positions_key != POSITIONS:
             per_token[self.positions_key] = per_token.pop(POSITIONS)
         stacked = self.flat(per_token) if options.padding_free else self.padded(per_token, names)
         data = stacked.data
-        if options.return_sequence_map:
-            for name in (LOGITS_INDEX, SEQUENCE_INDEX):
-                data[name] = data[name] - 1  # stored + 1: the padding reads -1
-            count = _starts(per_token).sum() + (per_token[INPUT_IDS].lengths == 0).sum()
-            data[NUM_SEQUENCES] = np.array(int(count), dtype=np.int64)
+        if options.return_sequence_map:  # the map itself is the chain's (SequenceMap)
+            data[EXAMPLE_LENGTHS] = per_token[INPUT_IDS].lengths.astype(np.int64)[None]
         for spec in options.floats:
             value = np.stack(per_sequence[spec.name]) if not spec.per_token else data[spec.name]
             data[spec.name] = in_float(value, spec)
@@ -758,18 +759,6 @@ def _check_one_document(positions: Ragged, names: Names) -> None:
             "restarting 'position_ids'); padded, they would attend to each other: pass padding_free=True, "
             "which keeps them apart (as TRL's SFTTrainer does for packed data)"
         )
-
-
-def _sequence_map(per_token: dict[str, Ragged]) -> dict[str, Ragged]:
-    """A padding-free row's sequence map (``return_sequence_map``): ``logits_index``, ``sequence_index``. Each
-    value is stored + 1, so the row's padding, filled with 0, reads -1."""
-    starts = _starts(per_token)
-    offsets = per_token[INPUT_IDS].offsets
-    lengths = np.diff(offsets)
-    empty_before = np.cumsum(lengths == 0) - (lengths == 0)  # empty examples before each example
-    predictor = np.where(starts, 0, np.arange(starts.size, dtype=np.int64))  # place - 1, then + 1
-    number = np.cumsum(starts, dtype=np.int64) + np.repeat(empty_before, lengths)
-    return {LOGITS_INDEX: Ragged(predictor, offsets), SEQUENCE_INDEX: Ragged(number, offsets)}
 
 
 def in_float(value: Any, spec: TensorField) -> Any:

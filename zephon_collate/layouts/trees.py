@@ -36,6 +36,7 @@ from zephon_collate.core.keys import (
     POSITIONS,
     SEQ_IDX,
     SEQUENCE_INDEX,
+    SHIFT_LABELS,
     SUBTREE_END,
     TOKEN_TYPE_IDS,
 )
@@ -63,6 +64,7 @@ from zephon_collate.transforms import (
     LastTokenIndex,
     LossMask,
     PaddingMask,
+    PredictedLabels,
     SegmentIds,
     SequenceRoles,
     Transform,
@@ -108,8 +110,8 @@ class TreeOptions(Keywords):
     ROLE_VALUES: ClassVar[Mapping[str, Mapping[str, str]]] = {}
     """Per-sequence values split by role: ``{key: {role: output}}``."""
     ORDER: ClassVar[tuple[str | None, ...]] = (
-        INPUT_IDS, TOKEN_TYPE_IDS, ATTENTION_MASK, LABELS, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K,
-        MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX,
+        INPUT_IDS, TOKEN_TYPE_IDS, ATTENTION_MASK, LABELS, SHIFT_LABELS, POSITION_IDS, CU_SEQ_LENS_Q,
+        CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX,
     )  # fmt: skip
     INTERNAL: ClassVar[frozenset[str]] = frozenset({PADDING_LENGTH, POSITIONS, LOSS_MASK, PADDING_MASK})
 
@@ -265,6 +267,8 @@ class Trees(Layout):
                 UnshiftedLabels(),
                 LossMask(IGNORE_INDEX, padding_length_key=counts, out_key=None, count_key=None),
             ]
+            if options.copied_openers:  # each place predicts one token: its target, for a shifted loss
+                steps.append(PredictedLabels())
         if rows.return_flash_attn_kwargs:
             cu = CuSeqlens(
                 self.positions_key, True, self.settings.num_boundaries, CU_SEQ_LENS_Q, MAX_LENGTH_Q
@@ -407,17 +411,17 @@ class Trees(Layout):
         """Each document's row and its start there, and the rows' width (``None``: the longest's)."""
         count = lengths.size
         fixed = self.options.max_row_tokens
+        multiple = self.rows.pad_to_multiple_of
         if fixed == "longest":
-            longest = int(lengths.max(initial=0))
-            multiple = self.rows.pad_to_multiple_of
-            fixed = longest if multiple is None else -(-longest // multiple) * multiple
+            fixed = int(lengths.max(initial=0))
+            fixed = fixed if multiple is None else -(-fixed // multiple) * multiple
         if fixed is not None:
             rows = np.zeros(count, dtype=np.int64)
             starts = np.zeros(count, dtype=np.int64)
             for row, members in enumerate(best_fit_rows(lengths.tolist(), fixed)):
                 rows[members] = row
                 starts[members] = np.concatenate([[0], np.cumsum(lengths[members])[:-1]])
-            return rows, starts, fixed
+            return rows, starts, fixed if multiple is None else -(-fixed // multiple) * multiple
         if self.rows.padding_free:
             return np.zeros(count, dtype=np.int64), np.concatenate([[0], np.cumsum(lengths)[:-1]]), None
         return np.arange(count, dtype=np.int64), np.zeros(count, dtype=np.int64), None

@@ -691,6 +691,12 @@ def _turns_joined(batch: Batch, owner: str) -> Batch:
                     )
                 out[name] = [item for part in value for item in np.asarray(part).tolist()]
             elif all(isinstance(part, (numbers.Number, np.generic)) for part in value):
+                if sum(sizes) == len(sizes) and sizes != [1] * len(sizes):  # as many tokens as turns
+                    raise ValueError(
+                        f"{batch.names(index)}: {shown(name)} holds {len(sizes)} values for turns of {sizes} "
+                        "tokens, as many as the turns and as the tokens: one per turn or one per token? Give "
+                        "them turn by turn (a list per turn), or drop the empty turns"
+                    )
                 out[name] = [part for part, size in zip(value, sizes, strict=True) for _ in range(size)]
         out[INPUT_IDS] = [int(token) for turn in turns for token in np.asarray(turn).tolist()]
         joined.append(out)
@@ -776,6 +782,12 @@ def read_trees(batch: Batch, spec: ExampleSpec) -> Forest:
         if field.per_token:
             continue
         values = batch.objects(field.name) if field.name in batch else [None] * batch.rows
+        inner = next((row for row in range(len(ids)) if children[row] and values[row] is not None), None)
+        if inner is not None:  # a value nothing would read: refused, never dropped
+            raise ValueError(
+                f"{names(inner)}: gives {shown(field.name)}, one value per sequence, on a node with children; "
+                "a sequence ends at a leaf: give it on the leaves only"
+            )
         rows = []
         for leaf in leaves:
             if values[leaf] is None:

@@ -15,8 +15,10 @@ from zephon_collate.transforms.mrope_positions import MRopePositions
 from zephon_collate.transforms.padding_mask import PaddingMask
 from zephon_collate.transforms.positions import Positions
 from zephon_collate.transforms.positions_offset import PositionOffset
+from zephon_collate.transforms.predicted_labels import PredictedLabels
 from zephon_collate.transforms.segment_ids import SegmentIds
 from zephon_collate.transforms.separator_labels import SeparatorLabels
+from zephon_collate.transforms.sequence_map import SequenceMap
 from zephon_collate.transforms.sequence_roles import SequenceRoles
 from zephon_collate.transforms.token_shift import TokenShift
 from zephon_collate.transforms.total import Total
@@ -38,8 +40,10 @@ __all__ = [
     "PaddingMask",
     "PositionOffset",
     "Positions",
+    "PredictedLabels",
     "SegmentIds",
     "SeparatorLabels",
+    "SequenceMap",
     "SequenceRoles",
     "TokenShift",
     "Total",

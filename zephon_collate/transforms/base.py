@@ -15,7 +15,7 @@ from zephon_collate.core.checks import check_keys
 from zephon_collate.core.text import shown
 from zephon_collate.transforms._shapes import check_present
 
-__all__ = ["Chain", "Transform", "UndeclaredKeyError", "declared", "declared_keys", "returned"]
+__all__ = ["Chain", "Transform", "UndeclaredKeyError", "declared", "declared_keys", "join_rows", "returned"]
 
 
 class Transform(TensorDictModuleBase):
@@ -66,6 +66,11 @@ class Transform(TensorDictModuleBase):
         """The batch size of the output TensorDict (default: the input's)."""
         return batch_size
 
+    def join(self, key: str, rows: list[Any]) -> Any:
+        """One output of a batch run row by row (ragged list output), from each row's output as Python
+        values (default: :func:`join_rows`)."""
+        return join_rows(rows)
+
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         view = declared(self, cast(Mapping[str, torch.Tensor], td))
         self.check(view)
@@ -81,6 +86,18 @@ class Transform(TensorDictModuleBase):
 
     def extra_repr(self) -> str:
         return f"in_keys={list(self.in_keys)}, out_keys={list(self.out_keys)}"
+
+
+def join_rows(rows: list[Any]) -> Any:
+    """Each row's output as one list: per-row and per-token entries joined by items, a 0-d one per row.
+
+    Example:
+        >>> join_rows([[[5, 6]], [[7]]]), join_rows([[5, 6], [7]]), join_rows([3, 1])
+        ([[5, 6], [7]], [5, 6, 7], [3, 1])
+    """
+    if any(not isinstance(row, list) for row in rows):
+        return rows
+    return [item for row in rows for item in row]
 
 
 def _name(module: object) -> str:

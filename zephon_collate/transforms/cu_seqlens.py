@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,3 +79,20 @@ class CuSeqlens(Transform):
 
     def output_batch_size(self, batch_size: torch.Size) -> torch.Size:
         return torch.Size([]) if self.flatten else batch_size
+
+    def join(self, key: str, rows: list[Any]) -> Any:
+        """Rows run alone: flattened, the boundaries continue and the longest is the maximum; per row, each
+        row's boundaries padded with its length to the widest."""
+        if key == self.max_key:
+            return max(rows) if self.flatten else [row[0] for row in rows]
+        if key != self.out_key:
+            return super().join(key, rows)
+        if not self.flatten:
+            width = max(len(row[0]) for row in rows)
+            return [row[0] + [row[0][-1]] * (width - len(row[0])) for row in rows]
+        joined: list[int] = []
+        total = 0
+        for row in rows:
+            joined += [start + total for start in row[:-1]]
+            total += row[-1]
+        return [*joined, total]

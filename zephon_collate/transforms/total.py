@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +39,9 @@ class Total(Transform):
 
     def output_batch_size(self, batch_size: torch.Size) -> torch.Size:
         return torch.Size([])  # a 0-d entry has no batch dimension
+
+    def join(self, key: str, rows: list[Any]) -> Any:
+        return sum(rows) if key == self.key else super().join(key, rows)
 
     def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {self.key: data[self.key].sum(dtype=torch.int64)}
