@@ -10,7 +10,7 @@ import torch
 from helpers import PAD, as_lists, record
 
 from zephon_collate import Chain, Collator, Transform
-from zephon_collate.transforms import BoundaryMask, CuSeqlens, LossMask, TokenShift
+from zephon_collate.transforms import BoundaryMask, CuSeqlens, LossMask, TokenShift, Total
 
 
 class PositionWeights(Transform):
@@ -180,3 +180,9 @@ def test_a_ragged_list_batch_joins_each_output_by_the_step_that_wrote_it():
     assert each["input_ids"] == [1, 2, 4] and each["cu_seqlens"] == [0, 2, 3] and each["max_seqlen"] == 2
     per_row = Collator(**{**options, "flatten": False})(rows)
     assert per_row["cu_seqlens"] == [[0, 2], [0, 1]] and per_row["max_seqlen"] == [2, 1]
+    steps = [TokenShift(input_keys=["positions"]), LossMask(supervision_key=None), Total(), CuSeqlens()]
+    nested = Collator(dtype=None, chain=[Chain(*steps)])(rows)
+    assert nested["num_valid_tokens"] == 3 and nested["cu_seqlens"] == [
+        [0, 2],
+        [0, 1],
+    ]  # a Chain's steps join

@@ -279,7 +279,10 @@ def _map_case(dtype: torch.dtype, length: int, rng: random.Random) -> tuple[Any,
     for size in lengths:
         start = len(positions)
         for t in range(size):
-            restart = t == 0 or positions[-1] >= top(dtype) - 1 or rng.random() < 0.05
+            if t == 0:  # an example starts a sequence, its first position 0 or not
+                positions.append(rng.choice([0, 0, 1]))
+                continue
+            restart = positions[-1] >= top(dtype) - 1 or rng.random() < 0.05
             positions.append(0 if restart else positions[-1] + 1)
         assert len(positions) - start == size
     positions += [0] * pad
@@ -296,8 +299,8 @@ def _ref_sequence_map(positions, padding_length, example_lengths):
     for size in example_lengths.tolist()[0]:
         if not size:
             sequence += 1
-        for _ in range(size):
-            first = places[t] == 0
+        for k in range(size):
+            first = k == 0 or places[t] == 0
             sequence += first
             index.append(-1 if first else t - 1)
             number.append(sequence)

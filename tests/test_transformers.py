@@ -575,3 +575,22 @@ def test_separator_id_marks_documents_not_padding():
                 padding_free=True, pad_token_id=0, pad_to_multiple_of=8, separator_id=-7, return_tensors="np"
             )(examples)
             assert np_out["labels"].tolist() == [[-7, 6, 7, -7, 9, -100, -100, -100]]
+
+
+def test_positions_the_attention_mask_cuts_must_still_start_at_zero_padding_free() -> None:
+    """Leading attention_mask 0s dropped: given positions (or seq_lengths) that counted them would start the
+    kept tokens at 1 and, padding-free, continue the example before it; refused by name. The sequence map
+    and a float field named like its internal key stay apart."""
+    collate = Collator.for_transformers(padding_free=True, return_sequence_map=True)
+    for counted in ({"position_ids": [0, 1, 2, 3]}, {"seq_lengths": [4]}):
+        cut = {"input_ids": [9, 5, 6, 7], "attention_mask": [0, 1, 1, 1], **counted}
+        with pytest.raises(
+            ValueError, match=r"example 1: its attention_mask drops its first tokens, .* start at 1"
+        ):
+            collate([{"input_ids": [8, 9]}, cut])
+    kept = {"input_ids": [9, 5, 6, 7], "attention_mask": [0, 1, 1, 1], "position_ids": [0, 0, 1, 2]}
+    out = collate([{"input_ids": [8, 9]}, kept, {"input_ids": []}])
+    assert out["sequence_index"].tolist() == [[0, 0, 1, 1, 1]] and out["num_sequences"] == 3
+    assert out["logits_index"].tolist() == [[-1, 0, -1, 2, 3]]
+    with pytest.raises(ValueError, match=r"float field 'example_lengths' collides"):
+        Collator.for_transformers(padding_free=True, float_fields=["example_lengths"])

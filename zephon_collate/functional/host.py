@@ -119,10 +119,12 @@ def sequence_map(
     flat = positions.reshape(-1)
     place = np.arange(flat.size, dtype=np.int64)
     real = place < flat.size - int(padding_length.sum())
-    starts = (flat == 0) & real
     lengths = example_lengths.reshape(-1).astype(np.int64)
     empty = lengths == 0
-    example = np.searchsorted(np.cumsum(lengths), place, side="right")
+    ends = np.cumsum(lengths)
+    example = np.searchsorted(ends, place, side="right")
+    firsts = np.concatenate([ends - lengths, [flat.size]])
+    starts = ((flat == 0) | (place == firsts[example])) & real
     empties = np.concatenate([[0], np.cumsum(empty, dtype=np.int64)])[example]
     number = np.where(real, np.cumsum(starts, dtype=np.int64) - 1 + empties, -1)
     index = np.where(real & ~starts, place - 1, -1)

@@ -227,7 +227,7 @@ def sequence_map(
     """A padding-free row's sequence map: ``logits_index`` (each token's predictor place, -1 at a sequence's
     first token), ``sequence_index`` (its sequence), both ``[1, S]`` int64 and -1 on padding, and the number
     of sequences (0-d int64). The sequences are the examples laid end to end and the documents in them
-    (positions restart at 0); an empty example is a sequence without a token.
+    (where positions restart at 0); an empty example is a sequence without a token.
 
     Parameters:
         positions: ``[1, S]`` segment-restarting positions.
@@ -245,10 +245,12 @@ def sequence_map(
     flat = positions.reshape(-1)
     place = torch.arange(flat.numel(), device=flat.device)
     real = place < flat.numel() - padding_length.to(torch.int64).sum()
-    starts = (flat == 0) & real
     lengths = example_lengths.reshape(-1).to(torch.int64)
     empty = lengths == 0
-    example = torch.searchsorted(lengths.cumsum(0), place, right=True)  # the example holding each token
+    ends = lengths.cumsum(0)
+    example = torch.searchsorted(ends, place, right=True)  # the example holding each token
+    firsts = torch.cat([ends - lengths, ends.new_full((1,), flat.numel())])  # padding: no first token
+    starts = ((flat == 0) | (place == firsts[example])) & real
     empties = torch.cat([empty.new_zeros(1, dtype=torch.int64), empty.cumsum(0)])[example]  # before it
     number = torch.where(real, starts.cumsum(0) - 1 + empties, -1)
     index = torch.where(real & ~starts, place - 1, -1)

@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from zephon_collate.transforms import Chain, Transform
-from zephon_collate.transforms.base import join_rows
 
 __all__ = ["CPU_INDUCTOR_OPTIONS", "Plan", "Plans", "host_applies", "use_host_pass"]
 
@@ -142,14 +141,8 @@ class Plan:
         return function
 
     def join(self, key: str, rows: list[Any]) -> Any:
-        """Output ``key`` of a batch run row by row, from each row's as Python values: joined by the last
-        step that writes it (:meth:`Transform.join`), by items where no step does."""
-        for step in reversed(self.chain.steps):
-            if key in getattr(step, "out_keys", ()):
-                if isinstance(step, Transform):
-                    return step.join(key, rows)
-                break
-        return join_rows(rows)
+        """Output ``key`` of a batch run row by row, from each row's as Python values (:meth:`Chain.join`)."""
+        return self.chain.join(key, rows)
 
     @property
     def eager_steps(self) -> list[str]:

@@ -259,6 +259,7 @@ class TransformersOptions(Keywords):
             "label",
             POSITIONS,
             PADDING_LENGTH,
+            EXAMPLE_LENGTHS,
             *_WRITTEN,
             MM_TOKEN_TYPE_IDS,
             *MEDIA,
@@ -541,6 +542,14 @@ class Transformers(Layout):
             keep = kept_by_mask(fields[ATTENTION_MASK], ATTENTION_MASK, names)
             if not keep.all():
                 per_token = {name: field.select(keep) for name, field in per_token.items()}
+                found = unstarted(per_token[POSITIONS]) if positions is not None else None
+                if found is not None and options.padding_free:  # it would continue the example before it
+                    raise ValueError(
+                        f"{names(found[0])}: its attention_mask drops its first tokens, and the positions "
+                        f"of the tokens it keeps start at {found[1]} ('position_ids' or 'seq_lengths' count "
+                        "the dropped ones); give positions counted from 0 over the kept tokens "
+                        "(attention_mask.cumsum(-1) - 1), or drop them"
+                    )
         if options.truncation_mode is not None:
             per_token = self._truncated(per_token, names)
         elif options.max_length is not None and options.padding != "max_length":

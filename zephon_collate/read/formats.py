@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -782,11 +783,11 @@ def read_trees(batch: Batch, spec: ExampleSpec) -> Forest:
         if field.per_token:
             continue
         values = batch.objects(field.name) if field.name in batch else [None] * batch.rows
-        inner = next((row for row in range(len(ids)) if children[row] and values[row] is not None), None)
+        inner = next((row for row in range(len(ids)) if children[row] and _given(values[row])), None)
         if inner is not None:  # a value nothing would read: refused, never dropped
             raise ValueError(
-                f"{names(inner)}: gives {shown(field.name)}, one value per sequence, on a node with children; "
-                "a sequence ends at a leaf: give it on the leaves only"
+                f"{names(inner)}: gives {shown(field.name)}, one value per sequence, on a node with "
+                "children; a sequence ends at a leaf: give it on the leaves only"
             )
         rows = []
         for leaf in leaves:
@@ -807,6 +808,11 @@ def read_trees(batch: Batch, spec: ExampleSpec) -> Forest:
         per_sequence,
         sequence_of,
     )
+
+
+def _given(value: object) -> bool:
+    """A value given (not ``None``, nor the NaN a table writes for a missing one)."""
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
 
 
 def _node_id(value: object, row: int, name: str, names: Names) -> int:

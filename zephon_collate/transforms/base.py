@@ -348,6 +348,14 @@ class Chain(Transform):
                 batch_size = step.output_batch_size(batch_size)
         return batch_size
 
+    def join(self, key: str, rows: list[Any]) -> Any:
+        """Output ``key`` of a batch run row by row: joined by the last step that writes it, by items where
+        none does (:func:`join_rows`)."""
+        for step in reversed(self.steps):
+            if key in _keys(step, "out_keys"):
+                return step.join(key, rows) if isinstance(step, Transform) else join_rows(rows)
+        return join_rows(rows)
+
     def output_keys(self, input_keys: Sequence[str]) -> list[str]:
         """The keys a mapping holds after the chain, given those it starts with (consumed keys gone).
 
