@@ -77,10 +77,18 @@ def test_packer_stage_equals_the_dataloader_key_for_key(name):
     assert _digests(packed(name, 0)) == _digests(_loader_packed(name, 0))
 
 
-@pytest.mark.parametrize("name", ["greedy", "groups"])
-def test_packer_stage_in_two_grain_workers_equals_the_dataloader_with_two(name):
+def test_packer_stage_in_two_grain_workers_equals_the_dataloader_with_two():
     # Each worker packs its own slice (documents w, w + 2, ...), as a DataLoader worker packs its shard.
-    assert _digests(packed(name, 2)) == _digests(_loader_packed(name, 2))
+    assert _digests(packed("greedy", 2)) == _digests(_loader_packed("greedy", 2))
+
+
+def test_groups_are_not_split_across_workers():
+    """A worker's slice takes every other record: consecutive group members would land in different rows,
+    so group_key with several workers is refused, by Grain's stage and by PackedStream alike."""
+    with pytest.raises(Exception, match=r"group_key keeps consecutive records together.*split each group"):
+        list(packed("groups", 2))
+    with pytest.raises(Exception, match=r"group_key keeps consecutive records together.*split each group"):
+        _loader_packed("groups", 2)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -169,3 +177,27 @@ def test_options_are_checked_when_the_stage_is_built_not_in_a_worker():
         BalancedIterDataset(source, sampler(0))
     with pytest.raises(TypeError, match="BalancedBatchSampler"):
         BalancedIterDataset(source, [[0, 1]])
+
+
+def test_num_epochs_counts_from_the_samplers_epoch():
+    """A sampler already at epoch 2 with num_epochs=2 runs epochs 2 and 3, each the plan's own."""
+    docs = documents()
+    plan = sampler(0, docs)
+    want = []
+    for epoch in (2, 3):
+        plan.set_epoch(epoch)
+        want += [list(batch) for batch in plan]
+    plan.set_epoch(2)
+    got = list(BalancedIterDataset(docs, plan, num_epochs=2))
+    assert [[doc.meta.sample_id for doc in batch] for batch in got] == [
+        [docs[i].meta.sample_id for i in batch] for batch in want
+    ]
+
+
+def test_a_parent_of_arrow_batches_is_refused():
+    """Grain resumes a stage from its parent's state, past a whole batch of columns: refused by name."""
+    pa = pytest.importorskip("pyarrow")
+    grain = pytest.importorskip("grain")
+    tables = [pa.table({"input_ids": [[1, 2, 3], [4, 5]]})]
+    with pytest.raises(ValueError, match=r"PackIterDataset: the parent yields a batch of columns"):
+        list(PackIterDataset(grain.MapDataset.source(tables), seq_len=4, pad_token_id=0))

@@ -25,6 +25,7 @@ from zephon_collate.core.records import SampleRecord
 from zephon_collate.engines.state import from_json, to_json
 from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.parallel.sampler import BalancedBatchSampler
+from zephon_collate.read.arrow import is_columnar
 
 __all__ = ["BalancedIterDataset", "PackIterDataset"]
 
@@ -55,6 +56,22 @@ class PackIterDataset(grain.IterDataset):  # type: ignore[misc]  # grain ships n
         self._seq_len = FlatPacker(*args, **options).options.seq_len  # checked now, not in a worker
         self._args, self._options = args, options
 
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+        """Grain's worker slice, handed to the parent; refused with ``group_key`` (it would split groups)."""
+        if self._options.get("group_key") is not None and (sl.step or 1) > 1:
+            raise ValueError(
+                "PackIterDataset: group_key keeps consecutive records together, and Grain's worker slices "
+                "(mp_prefetch) take every n-th record, which would split each group across workers; pack "
+                "grouped documents with 0 workers, or give each group as one element and no group_key"
+            )
+        parent = self._parent
+        if hasattr(parent, "set_slice"):
+            parent.set_slice(sl, sequential_slice)
+        else:  # Grain's own walk up the pipeline, as mp_prefetch does for a stage without set_slice
+            from grain._src.python.dataset.transformations.prefetch import _set_slice_iter_dataset
+
+            _set_slice_iter_dataset(parent, sl, sequential_slice)
+
     def __iter__(self) -> _PackIterator:
         return _PackIterator(self._parent.__iter__(), FlatPacker(*self._args, **self._options))
 
@@ -72,7 +89,7 @@ class _PackIterator(grain.DatasetIterator):  # type: ignore[misc]
 
     def __next__(self) -> SampleRecord:
         if self._rows is None:  # the packer pulls documents from the parent as rows need them
-            self._rows = self._packer.pack(self._parent)
+            self._rows = self._packer.pack(_documents(self._parent))
         return next(self._rows)
 
     def get_state(self) -> dict[str, Any]:
@@ -82,6 +99,20 @@ class _PackIterator(grain.DatasetIterator):  # type: ignore[misc]
         self._parent.set_state(state["parent"])
         self._packer.load_state_dict(from_json(state["packer"]))
         self._rows = None
+
+
+def _documents(parent: Iterator[Any]) -> Iterator[Any]:
+    """The parent's elements, one document each: a batch of columns is refused (its resume point would be
+    the whole batch, not the documents the rows have read)."""
+    for element in parent:
+        if is_columnar(element):
+            raise ValueError(
+                "PackIterDataset: the parent yields a batch of columns (an Arrow table or record batch); "
+                "Grain resumes a stage from its parent's state, which is past the whole batch, and rows "
+                "read from part of it would lose the rest: give one document per element (a dict payload "
+                "or a token array), or pack batches of columns with FlatPacker outside Grain"
+            )
+        yield element
 
 
 class BalancedIterDataset(grain.IterDataset):  # type: ignore[misc]
@@ -150,9 +181,10 @@ class _BalancedIterator(grain.DatasetIterator):  # type: ignore[misc]
         self, documents: Sequence[Any], sampler: BalancedBatchSampler, epochs: int | None, part: slice
     ) -> None:
         super().__init__()
-        self._documents, self._epochs, self._part = documents, epochs, part
+        self._documents, self._part = documents, part
         self._sampler = copy.copy(sampler)  # the position is this iterator's, not the dataset's
         self._sampler.load_state_dict(sampler.state_dict())
+        self._last = None if epochs is None else sampler.epoch + epochs - 1  # counted from the sampler's
         self._drawn = 0  # micro-batches drawn from the plan, every worker's, across epochs
         self._batches: Iterator[list[int]] | None = None
 
@@ -163,7 +195,7 @@ class _BalancedIterator(grain.DatasetIterator):  # type: ignore[misc]
                 self._batches = iter(sampler)
             indices = next(self._batches, None)
             if indices is None:  # the epoch is over: the next one, if any
-                if self._epochs is not None and sampler.epoch + 1 >= self._epochs:
+                if self._last is not None and sampler.epoch >= self._last:
                     raise StopIteration
                 sampler.set_epoch(sampler.epoch + 1)
                 self._batches = None
@@ -173,9 +205,10 @@ class _BalancedIterator(grain.DatasetIterator):  # type: ignore[misc]
                 return [self._documents[index] for index in indices]
 
     def get_state(self) -> dict[str, Any]:
-        return {"sampler": self._sampler.state_dict(), "drawn": self._drawn}
+        return {"sampler": self._sampler.state_dict(), "drawn": self._drawn, "last_epoch": self._last}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._sampler.load_state_dict(state["sampler"])
         self._drawn = int(state["drawn"])
+        self._last = state.get("last_epoch", self._last)
         self._batches = None

@@ -355,6 +355,17 @@ class _Iterator:
             if state["packer"] is not None:
                 packer.load_state_dict(restored(state["packer"]))
                 start, self.last_cursor = packer.records_consumed, cursor_key(state["last_cursor"])
+        if (
+            num_shards > 1
+            and not callable(self.stream.source)
+            and self.stream.packer_options.get("group_key")
+        ):
+            raise ValueError(
+                f"PackedStream: group_key keeps consecutive records together, and shard {shard} of "
+                f"{num_shards} (rank x DataLoader worker) reads records {shard}, {shard + num_shards}, ..., "
+                "which would split each group across shards; give a callable source(shard, num_shards, "
+                "epoch) that shards by group, or one shard (num_workers=0, one rank)"
+            )
         self.packer = packer
         records = shard_records(self.stream.source, shard, num_shards, self.epoch, start, self.last_cursor)
         return packer.pack(self._tracked(records))
