@@ -137,6 +137,7 @@ def test_balanced_micro_batches_equal_the_dataloader_with_the_balanced_sampler(r
     table = _documents(_table())
     plain = DataLoader(table.to_pylist(), batch_sampler=_sampler(table, rank), collate_fn=PADDED)
     micro = balanced_micro_batches(table, _sampler(table, rank))
+    assert micro.context.execution_options.preserve_order  # the plan's order, whatever the global setting
     ours = micro.iter_torch_batches(batch_size=1, collate_fn=ArrowCollateFn(PADDED))
     assert _digests(ours) == _digests(plain)
 

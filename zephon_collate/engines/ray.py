@@ -155,9 +155,11 @@ def balanced_micro_batches(documents: pa.Table, sampler: BalancedBatchSampler) -
         )
     plan = [{_MICRO_BATCH: place, "indices": indices} for place, indices in enumerate(sampler)]
     gather = cast(Any, _gather)  # Ray's hints take a one-argument function; fn_args gives the second
-    return ray.data.from_items(plan).map_batches(
+    micro_batches = ray.data.from_items(plan).map_batches(
         gather, fn_args=(ray.put(documents),), batch_format="pyarrow"
     )
+    micro_batches.context.execution_options.preserve_order = True  # the plan's order: ranks step together
+    return micro_batches
 
 
 def _gather(batch: pa.Table, documents: Any) -> pa.Table:
