@@ -17,11 +17,13 @@ if TYPE_CHECKING:
 __all__ = [
     "TREE_ATTENTION",
     "TreeBlocks",
+    "additive",
     "dense_tree_mask",
     "tree_attention",
     "tree_block_mask",
     "tree_mask_mod",
     "use_tree_attention",
+    "within_limits",
 ]
 
 TREE_ATTENTION = "zephon_tree"
@@ -80,10 +82,35 @@ def dense_tree_mask(subtree_end: torch.Tensor, dtype: torch.dtype | None = None)
     place = torch.arange(ends.shape[1], device=ends.device)
     q, k = place[:, None], place[None, :]
     seen = ((k <= q) & (q < ends[:, None, :])).unsqueeze(1)
-    if dtype is None:
-        return seen
+    return seen if dtype is None else additive(seen, dtype)
+
+
+def within_limits(
+    query: torch.Tensor, key: torch.Tensor, *, window: int | None = None, chunk: int | None = None
+) -> torch.Tensor | None:
+    """Where a query at position ``query`` may see a key at position ``key`` (broadcast) by a layer's
+    limits, as ``transformers`` masks them: a sliding window (``query - key < window``) and chunks (both in
+    one chunk of ``chunk`` positions); ``None`` where neither is given.
+
+    Example:
+        >>> place = torch.arange(4)
+        >>> within_limits(place[:, None], place[None, :], window=2).int().tolist()[3]
+        [0, 0, 1, 1]
+    """
+    limits = None
+    if window:
+        limits = query - key < window
+    if chunk:
+        same = torch.div(query, chunk, rounding_mode="floor") == torch.div(key, chunk, rounding_mode="floor")
+        limits = same if limits is None else limits & same
+    return limits
+
+
+def additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the additive one eager attention adds to its scores: 0 where seen, ``dtype``'s minimum
+    elsewhere."""
     if not dtype.is_floating_point:
-        raise TypeError(f"dense_tree_mask: dtype must be a float dtype (the model's), got {dtype}")
+        raise TypeError(f"an additive attention mask needs a float dtype (the model's), got {dtype}")
     return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
 
 
@@ -178,23 +205,21 @@ def tree_attention(
             at = torch.arange(keys.numel(), device=query.device)
             asks = at[keys.numel() - (end - start) :, None]
             seen = at[None, :] <= asks
-            if window:
-                seen = seen & (asks - at[None, :] < window)
-            if chunk:
-                seen = seen & (torch.div(asks, chunk, rounding_mode="floor") == at[None, :] // chunk)
+            limits = within_limits(asks, at[None, :], window=window, chunk=chunk)
+            seen = seen if limits is None else seen & limits
         if softcap or sinks is not None:  # what SDPA cannot: the scores written out, as eager attention does
             scores = torch.matmul(q, k.transpose(-1, -2)) * scale
             if softcap:
                 scores = torch.tanh(scores / softcap) * softcap
             scores = scores.masked_fill(~seen, torch.finfo(scores.dtype).min)
             if sinks is None:
-                weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+                weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
             else:
                 sink = sinks.reshape(1, -1, 1, 1).expand(1, -1, end - start, 1).to(scores.dtype)
                 joined = torch.cat([scores, sink], dim=-1)
                 weights = torch.softmax(joined - joined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
             weights = torch.nn.functional.dropout(weights, p=dropout, training=dropout > 0)
-            part = torch.matmul(weights.to(v.dtype), v)
+            part = torch.matmul(weights.to(v.dtype), v)  # (the float32 softmax back to the values' dtype)
         else:
             part = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=seen, scale=scaling, dropout_p=dropout

@@ -50,13 +50,13 @@ def _keys(forest: Forest, skipped: Collection[str]) -> np.ndarray:
     columns.append(np.asarray(forest.trained.values, np.uint8)[:, None])
     for name, field in forest.values.items():
         if name not in skipped:
-            values = np.array(field.values).reshape(field.values.shape[0], -1)
+            values = np.ascontiguousarray(field.values).reshape(field.values.shape[0], -1)
             fill = forest.fills.get(name)
             if fill is not None:  # a fill is written at layout by its new place: never equal to a given value
                 held = np.asarray(fill.values, bool).reshape(values.shape[0], -1).sum(axis=1) > 0
-                values[held] = 0
+                values = np.where(held[:, None], np.zeros((), values.dtype), values)  # a copy: the input kept
                 columns.append(held.astype(np.uint8)[:, None])
-            columns.append(np.ascontiguousarray(values).view(np.uint8))
+            columns.append(values.view(np.uint8))
     rows = np.ascontiguousarray(np.concatenate(columns, axis=1))
     return np.unique(rows, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
 

@@ -29,7 +29,7 @@ from zephon_collate.core.keys import (
     SUBTREE_END,
 )
 from zephon_collate.core.text import shown
-from zephon_collate.functional.trees import dense_tree_mask
+from zephon_collate.functional.trees import additive, dense_tree_mask, within_limits
 
 __all__ = [
     "PACKED",
@@ -333,25 +333,17 @@ def branch_attention(
     seen, positions = packed[ATTENTION_MASK], packed[POSITION_IDS]
     query, key = positions[:, None, :, None], positions[:, None, None, :]
     masks = {}
-    for kind, size in layer_limits(model).items():
-        if kind == "sliding_attention":  # transformers: a key within the window's last `size` positions
-            masks[kind] = seen & (query - key < size)
-        elif kind == "chunked_attention":  # transformers: a key in the query's chunk of `size` positions
-            masks[kind] = seen & (
-                torch.div(query, size, rounding_mode="floor") == torch.div(key, size, rounding_mode="floor")
-            )
-        else:
-            masks[kind] = seen
+    for kind, size in layer_limits(model).items():  # a window or a chunk by position, as transformers
+        limits = within_limits(
+            query, key, window=size if kind == "sliding_attention" else None,
+            chunk=size if kind == "chunked_attention" else None,
+        )  # fmt: skip
+        masks[kind] = seen if limits is None else seen & limits
     config = _text_config(model)
     implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     if implementation != "sdpa":  # eager and flex add the mask to the scores
         dtype = _float_dtype(model)
-        masks = {
-            kind: torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
-                ~mask, torch.finfo(dtype).min
-            )
-            for kind, mask in masks.items()
-        }
+        masks = {kind: additive(mask, dtype) for kind, mask in masks.items()}
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
