@@ -1,18 +1,6 @@
 """zephon_collate: a PyTorch-native collator for LLM training data.
 
-Every input is read once at the door (:mod:`~zephon_collate.read`) into one
-columnar type; a layout (:mod:`~zephon_collate.layouts`) lays it out and runs a
-chain of transforms (:mod:`~zephon_collate.transforms`) on it, the same on the
-CPU host path, eagerly and compiled. :class:`Collator` is the ``collate_fn``
-(the reference page's layout, and ``Collator.for_transformers`` /
-``for_preference`` / ``for_rollouts``), :meth:`SampleBatch.to_training` the
-one-call entry point of the reference page.
-
-The tree, bottom to top: ``core`` (the data model, field names, argument
-checks), ``read``, ``functional`` (pure kernels), ``transforms``, ``layouts``,
-``collate`` (the Collator, ``to_training``, the worker transfer), then
-``packing``, ``parallel``, ``losses`` and ``inspection``.
-"""
+:class:`Collator` is the ``collate_fn``, :func:`to_training` one call; the map: ``docs/architecture.md``."""
 
 from zephon_collate.collate.collator import Collator
 from zephon_collate.collate.columnar import ColumnarDataset

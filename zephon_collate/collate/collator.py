@@ -1,5 +1,4 @@
-"""``Collator``: a layout as a DataLoader ``collate_fn``, split into the workers' :meth:`Collator.stack`
-and the main process's :meth:`Collator.finish` (``docs/training_loop.md``)."""
+"""``Collator``: a layout as a DataLoader ``collate_fn``, split in two for workers (``stack``, ``finish``)."""
 
 from __future__ import annotations
 
@@ -64,12 +63,10 @@ def _split(options: type[Keywords], args: tuple[Any, ...], kwargs: dict[str, Any
 class Collator:
     """A ``collate_fn`` that lays out what a DataLoader hands it, as :meth:`SampleBatch.to_training` does.
 
-    Parameters:
-        **options: ``to_training``'s keywords, then the collator's own (``CollatorOptions``: ``pad_token_id``,
-            ...), then the settings (:class:`~zephon_collate.layouts.base.Settings`: ``device``, ...).
+    ``device`` and ``compile`` need torch output (``ValueError`` otherwise).
 
-    Raises:
-        TypeError, ValueError: for bad options, or ``device`` / ``compile`` with non-torch output.
+    Parameters:
+        **options: ``to_training``'s keywords, then ``CollatorOptions``' and ``Settings``' fields.
 
     Example:
         >>> collate = Collator(return_labels=True, return_num_valid_tokens=True)
@@ -105,10 +102,7 @@ class Collator:
     @classmethod
     @keywords(_Transformers, "Collator.for_transformers")
     def for_transformers(cls, *args: Any, **options: Any) -> Collator:
-        """The ``collate_fn`` for Hugging Face ``transformers`` causal LMs and ``Trainer(data_collator=...)``.
-
-        Parameters:
-            *args, **options: ``TransformersOptions``' fields (``tokenizer`` first), then the settings.
+        """The ``transformers`` causal-LM ``collate_fn``; takes ``TransformersOptions``, then the settings.
 
         Example:
             >>> flatten = Collator.for_transformers(padding_free=True, return_flash_attn_kwargs=True)
@@ -122,10 +116,7 @@ class Collator:
     @classmethod
     @keywords(_Preference, "Collator.for_preference")
     def for_preference(cls, *args: Any, **options: Any) -> Collator:
-        """Preference pairs (or TRL's unpaired KTO examples) to one exact batch of their sequences.
-
-        Parameters:
-            *args, **options: the fields of ``layouts.presets.PreferenceOptions``, then the settings.
+        """Preference pairs (or KTO examples) to one batch; takes ``PreferenceOptions``, then the settings.
 
         Example:
             >>> pairs = [{"prompt_input_ids": [1, 2], "chosen_input_ids": [3], "rejected_input_ids": [4, 5]}]
@@ -139,10 +130,7 @@ class Collator:
     @classmethod
     @keywords(_Rewards, "Collator.for_rewards")
     def for_rewards(cls, *args: Any, **options: Any) -> Collator:
-        """Reward-model pairs to TRL's reward batch, plus where each sequence's score is read.
-
-        Parameters:
-            *args, **options: the fields of ``layouts.presets.RewardOptions``, then the settings.
+        """Reward-model pairs to TRL's reward batch; takes ``RewardOptions``, then the settings.
 
         Example:
             >>> flat = Collator.for_rewards(padding_free=True)([{"chosen_ids": [1, 2], "rejected_ids": [3]}])
@@ -155,10 +143,7 @@ class Collator:
     @classmethod
     @keywords(_Rollouts, "Collator.for_rollouts")
     def for_rollouts(cls, *args: Any, **options: Any) -> Collator:
-        """RL rollouts (a prompt and a completion, float fields) to one exact training batch.
-
-        Parameters:
-            *args, **options: the fields of ``layouts.presets.RolloutOptions``, then the settings.
+        """RL rollouts (with float fields) to one batch; takes ``RolloutOptions``, then the settings.
 
         Example:
             >>> from zephon_collate import FloatField
@@ -176,11 +161,7 @@ class Collator:
     @classmethod
     @keywords(_Trajectories, "Collator.for_trees")
     def for_trees(cls, *args: Any, **options: Any) -> Collator:
-        """Trajectories (flat or as turns) or explicit trees to one batch that computes every shared prefix
-        once (``docs/trees.md``).
-
-        Parameters:
-            *args, **options: the fields of ``layouts.presets.TrajectoryOptions``, then the settings.
+        """Trajectories or trees to one prefix-sharing batch; takes ``TrajectoryOptions``, then the settings.
 
         Example:
             >>> batch = Collator.for_trees()([{"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1]},
@@ -190,8 +171,6 @@ class Collator:
         """
         layout_options, settings = _split(TrajectoryOptions, args, options)
         return cls.of(Trees(layout_options, settings))
-
-    # -- the options, as attributes ---------------------------------------------------------------
 
     @property
     def options(self) -> Any:
@@ -217,8 +196,6 @@ class Collator:
         """The plan of this collator on a stacked batch holding ``keys``: its chain and output keys."""
         return self.layout.plan(keys)
 
-    # -- collating ----------------------------------------------------------------------------------
-
     def __call__(self, samples: Any) -> dict[str, Any]:
         """Collate in one step (:meth:`stack` then :meth:`finish` when a device or compiling is asked)."""
         out = self.layout.collate(samples)
@@ -227,8 +204,7 @@ class Collator:
     def stack(self, samples: Any) -> StackedBatch:
         """Worker side: read, check and stack the samples into a CPU ``StackedBatch`` (no CUDA call).
 
-        Raises:
-            TypeError, ValueError: for every data error, naming the record, the field and the fix.
+        Every data error is raised here, naming the record, the field and the fix.
 
         Example:
             >>> collate = Collator(return_labels=True)
@@ -255,11 +231,7 @@ class Collator:
         return StackedBatch(td, part.per_row or {IDS: [], TEXTS: []}, part.metas)
 
     def finish(self, stacked: StackedBatch) -> dict[str, Any]:
-        """Main-process side: move to ``device`` (``non_blocking``), run the chain, build the outputs.
-
-        Raises:
-            TypeError: for anything but the ``StackedBatch`` that :meth:`stack` returns.
-        """
+        """Main-process side: move :meth:`stack`'s batch to ``device`` (``non_blocking``), run the chain."""
         if not isinstance(stacked, StackedBatch):
             raise TypeError(
                 f"Collator.finish: expected the StackedBatch that Collator.stack returns, got "

@@ -18,15 +18,11 @@ __all__ = ["ColumnarDataset"]
 class ColumnarDataset(torch.utils.data.Dataset[Any]):
     """A map-style dataset of columnar batches over a ``datasets.Dataset`` (``docs/columns.md``).
 
-    Each process reads the columns once: views of single-chunk Arrow columns, one copy of a chunked one.
+    A dataset with a ``set_transform`` is refused (``dataset.map`` it first).
 
     Parameters:
         dataset: a ``datasets.Dataset`` (its indices mapping honoured) or a ``pyarrow.Table``; never changed.
         columns: the columns to hand over (default: ``set_format(columns=...)``'s, else all).
-
-    Raises:
-        TypeError: for anything else than a ``datasets.Dataset`` or a ``pyarrow.Table``.
-        ValueError: for an unknown column, or a dataset with a ``set_transform`` (``dataset.map`` it first).
 
     Example:
         >>> import pyarrow as pa

@@ -1,4 +1,4 @@
-"""``SampleBatch`` and ``to_training``: the reference page's batch and its conversion to training tensors."""
+"""``SampleBatch`` and ``to_training``: the reference page's batch and its training tensors."""
 
 from __future__ import annotations
 
@@ -27,10 +27,6 @@ __all__ = ["SampleBatch", "stack_batch", "to_training"]
 def _layout(options: TrainingOptions) -> Native:
     """The page's layout for ``options``, one per option set (it caches its plans)."""
     return Native(options)
-
-
-def _collate(records: tuple[SampleRecord, ...], options: TrainingOptions) -> dict[str, Any]:
-    return _layout(options).collate(records)
 
 
 @dataclass(frozen=True)
@@ -92,16 +88,10 @@ class SampleBatch:
 
     @keywords(TrainingOptions, "to_training")
     def to_training(self, **options: Any) -> dict[str, Any]:
-        """Convert the batch to training tensors; every option is specified in ``docs/to_training.md``.
+        """The batch as training tensors: ``"ids"``, ``"texts"``, ``"input_ids"``, then those asked for.
 
         Parameters:
-            **options: :class:`~zephon_collate.TrainingOptions`' fields (the page's names and defaults).
-
-        Returns:
-            A dict with ``"ids"``, ``"texts"``, ``"input_ids"`` and, as asked for, ``"labels"``, ...
-
-        Raises:
-            TypeError, ValueError: for the argument and data errors listed in ``docs/to_training.md``.
+            **options: :class:`~zephon_collate.TrainingOptions`' fields (``docs/to_training.md``).
 
         Example:
             >>> from zephon_collate import SampleMeta, SampleRecord
@@ -111,7 +101,7 @@ class SampleBatch:
             >>> out["input_ids"].tolist(), out["labels"].tolist()
             ([[1, 10, 2, 1, 11]], [[10, 2, -100, 11, 2]])
         """
-        return _collate(self.records, options_for(options))
+        return _layout(options_for(options)).collate(self.records)
 
 
 @keywords(TrainingOptions, "to_training")
@@ -128,7 +118,8 @@ def to_training(batch: SampleBatch | Sequence[SampleRecord], **options: Any) -> 
         >>> to_training([record], return_labels=True)["labels"].tolist()
         [[6, 7]]
     """
-    return _collate(as_record_tuple(batch, "to_training"), options_for(options))
+    records = as_record_tuple(batch, "to_training")  # the batch is checked before the options
+    return _layout(options_for(options)).collate(records)
 
 
 def stack_batch(

@@ -4,7 +4,7 @@ to :data:`PIPE_LIMIT` bytes, else through shared memory (``docs/training_loop.md
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -196,14 +196,12 @@ class StackedBatch:
         if self.td is None:
             return self
         pinned = self.td.pin_memory() if device is None else cast(Any, self.td).pin_memory(device=device)
-        return StackedBatch(pinned, self.per_record, self.metas, self.dtypes)
+        return replace(self, td=pinned)
 
     def to(self, device: str | torch.device, non_blocking: bool = False) -> StackedBatch:
-        """Move the tensors to ``device``."""
         if self.td is None:
             return self
-        moved = self.td.to(device, non_blocking=non_blocking)
-        return StackedBatch(moved, self.per_record, self.metas, self.dtypes)
+        return replace(self, td=self.td.to(device, non_blocking=non_blocking))
 
 
 def _unpack_batch(

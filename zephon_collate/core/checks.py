@@ -46,7 +46,6 @@ __all__ = [
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_POSITION_MODES = ("preserve", "sequence")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _INTEGER_TORCH_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -126,9 +125,7 @@ def keywords(
 
         @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> R:
-            for name in kwargs:
-                if name not in known:
-                    check_option_names(owner, kwargs, known)
+            check_option_names(owner, kwargs, known)
             missing = [name for name in required or {} if name not in kwargs]
             if missing and len(args) <= len(own) + len(positional):
                 try:
@@ -146,11 +143,9 @@ def keywords(
 
 
 def check_device(owner: str, device: object) -> torch.device | None:
-    """``device`` as a ``torch.device`` this process can use, or ``None``.
+    """``device`` (``None``, a str or a ``torch.device``) as a ``torch.device`` this process can use.
 
-    Raises:
-        TypeError: for anything but ``None``, a str or a ``torch.device``.
-        ValueError: for a name torch does not know, ``"meta"``, or a device this machine lacks.
+    ``ValueError`` for a name torch does not know, ``"meta"``, or a device this machine lacks.
     """
     if device is None:
         return None
@@ -300,9 +295,7 @@ class OutputKind:
 def resolve_dtype(dtype: Any) -> OutputKind:
     """``dtype`` as an :class:`OutputKind`: ``"auto"`` (torch.long), ``None`` (lists), a torch or NumPy dtype.
 
-    Raises:
-        TypeError: if ``dtype`` is none of these.
-        ValueError: if it is not a signed integer dtype (8 to 64 bits, native byte order).
+    ``ValueError`` unless it is a signed integer dtype (8 to 64 bits, native byte order).
     """
     if isinstance(dtype, str) and dtype == "auto":
         return OutputKind("torch", torch.long)
@@ -334,7 +327,7 @@ def resolve_dtype(dtype: Any) -> OutputKind:
 
 def check_int(owner: str, name: str, value: object, minimum: int, maximum: int = INT64_MAX) -> int:
     """``value`` as an int from ``minimum`` to ``maximum`` (``TypeError`` for a non-int or a bool)."""
-    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+    if not _is_int(value):
         raise TypeError(
             f"{owner}: {name} must be an int >= {minimum}, got {shown(value)} ({type(value).__name__})"
         )

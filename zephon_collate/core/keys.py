@@ -1,4 +1,4 @@
-"""Field names and limits: the one home for the names the package reads and writes (the reference page's)."""
+"""Field names and limits: the one home for the names the package reads and writes."""
 
 from __future__ import annotations
 
@@ -75,7 +75,6 @@ __all__ = [
 INPUT_IDS = "input_ids"
 """The stacked token rows (the token field, whatever its payload name)."""
 ATTENTION_MASK = "attention_mask"
-"""Hugging Face's padding mask: 1 for real tokens, 0 for padding."""
 LABELS = "labels"
 POSITIONS = "positions"
 LOSS_MASK = "loss_mask"
@@ -89,23 +88,18 @@ SEGMENT_IDS = "segment_ids"
 IDS = "ids"
 TEXTS = "texts"
 TEXT = "text"
-"""The payload field whose value ``"texts"`` reports."""
 
 # Hugging Face ``transformers`` names (Collator.for_transformers reads and writes them).
 POSITION_IDS = "position_ids"
 ASSISTANT_MASKS = "assistant_masks"
-"""1 on assistant tokens, as ``apply_chat_template(return_assistant_tokens_mask=True)`` names it."""
 ASSISTANT_MASK = "assistant_mask"
-"""The singular spelling some datasets use for :data:`ASSISTANT_MASKS`."""
 COMPLETION_MASK = "completion_mask"
-"""1 on completion tokens, as TRL's prompt-completion datasets name it."""
 RESPONSE_MASK = "response_mask"
 """verl's 1 on response tokens: response-aligned (the row's last ``len(response_mask)`` tokens)."""
 CU_SEQ_LENS_Q, CU_SEQ_LENS_K = "cu_seq_lens_q", "cu_seq_lens_k"
 MAX_LENGTH_Q, MAX_LENGTH_K = "max_length_q", "max_length_k"
 SEQ_IDX = "seq_idx"
 SEQ_LENGTHS = "seq_lengths"
-"""The document lengths of a packed row, as TRL's ``pack_dataset`` writes them."""
 TOKEN_TYPE_IDS = "token_type_ids"
 
 # Post-training: preference pairs (TRL's names, both spellings) and the sequence map of a batch.
@@ -114,29 +108,23 @@ PROMPT_INPUT_IDS, CHOSEN_INPUT_IDS, REJECTED_INPUT_IDS = (
     "chosen_input_ids",
     "rejected_input_ids",
 )
-"""A tokenized preference pair, as TRL's preference datasets name it (TRL <= 0.28 and most recipes)."""
 PROMPT_IDS, CHOSEN_IDS, REJECTED_IDS = "prompt_ids", "chosen_ids", "rejected_ids"
-"""The same pair as TRL 1.x's ``DPOTrainer`` tokenizes it."""
 PROMPT_ATTENTION_MASK = "prompt_attention_mask"
 CHOSEN_ATTENTION_MASK = "chosen_attention_mask"
 REJECTED_ATTENTION_MASK = "rejected_attention_mask"
-"""Per-side padding masks (1 on tokens, 0 on padding), as pre-padded pair datasets carry them."""
 REF_CHOSEN_LOGPS, REF_REJECTED_LOGPS = "ref_chosen_logps", "ref_rejected_logps"
-"""Precomputed reference log-probs of each side, one number per pair (TRL's names)."""
 CHOSEN_INDEX, REJECTED_INDEX = "chosen_index", "rejected_index"
 """``[num_pairs]`` int64: the sequence index of each pair's chosen and rejected side."""
 COMPLETION_IDS, KL_COMPLETION_IDS = "completion_ids", "KL_completion_ids"
 """An unpaired (KTO) example's completion, and its KL term's mismatched completion, as TRL tokenizes them."""
 LABEL = "label"
-"""TRL's KTO flag, one bool per example: True where the completion is desirable (never the per-token
-``labels``)."""
+"""TRL's KTO flag, one bool per example: True where the completion is desirable (not ``labels``)."""
 REF_LOGPS, REF_KL_LOGPS = "ref_logps", "ref_KL_logps"
 """Precomputed reference log-probs of a KTO example's completion and of its KL completion (TRL's names)."""
 COMPLETION_INDEX, KL_INDEX = "completion_index", "KL_index"
 """``[num_examples]`` int64: the sequence index of each KTO example's completion and of its KL completion."""
 DOCUMENT_IDS = "document_ids"
-"""``[B, S]`` int32: the document a token belongs to (a sequence, or a shared prompt and its responses), -1 on
-padding."""
+"""``[B, S]`` int32: a token's document (a sequence, or a prompt and its responses), -1 on padding."""
 BRANCH_IDS = "branch_ids"
 """``[B, S]`` int32: 0 on a document's shared prompt, ``k >= 1`` on its ``k``-th response, -1 on padding."""
 LOGITS_INDEX = "logits_index"
@@ -146,16 +134,13 @@ SEQUENCE_INDEX = "sequence_index"
 NUM_SEQUENCES = "num_sequences"
 """The number of sequences in a batch (an int, like ``max_length_q``)."""
 SHIFT_LABELS = "shift_labels"
-"""``[B, S]``: at each place, the label its logits are scored against (-100: none), as ``transformers``' loss
-takes ``shift_labels``."""
+"""``[B, S]``: the label each place's logits are scored against (-100: none), as ``transformers`` takes it."""
 EXAMPLE_LENGTHS = "example_lengths"
 """``[1, E]`` int64, internal: each example's token count in a padding-free row (0: an empty example)."""
 SUBTREE_END = "subtree_end"
-"""``[B, S]`` int64, a tree batch's attention: token ``k`` is seen by the tokens ``q`` of its row with
-``k <= q < subtree_end[k]`` (its node's later tokens and its subtree); padding by itself only."""
+"""``[B, S]`` int64, tree attention: token ``k`` is seen by the ``q`` with ``k <= q < subtree_end[k]``."""
 PATH_INDEX, PATH_OFFSETS = "path_index", "path_offsets"
-"""A tree batch's paths: ``path_index`` ``[P]`` int64, the flat places (in ``input_ids.reshape(-1)``) of every
-sequence's tokens in order, sequence ``s``'s from ``path_offsets[s]`` to ``path_offsets[s + 1]``."""
+"""A tree batch's paths: every sequence's flat token places, sequence ``s``'s from ``path_offsets[s]``."""
 MARGIN = "margin"
 """A reward pair's margin: one number per pair (TRL's ``RewardTrainer`` name)."""
 LAST_TOKEN_INDEX = "last_token_index"
@@ -178,5 +163,4 @@ MAX_PAD_MULTIPLE = 2**20
 """The largest ``pad_to_multiple_of`` accepted (a row padded to more than a million tokens is a typo)."""
 
 SUPERVISION_MASKS = (LOSS_MASK, ASSISTANT_MASKS, ASSISTANT_MASK, COMPLETION_MASK)
-"""The per-token 0/1 fields that say which tokens are trained: this package's ``loss_mask``, and the
-names ``transformers`` (``assistant_masks`` from ``apply_chat_template``) and TRL give it."""
+"""The per-token 0/1 fields that say which tokens are trained (ours, ``transformers``' and TRL's names)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import total_ordering
 from typing import Any, TypeAlias, TypeGuard, Union
 
@@ -90,10 +90,8 @@ def _check_sample_id(owner: str, value: object) -> tuple[int, int, int]:
 
 
 def _check_lineage(owner: str, value: object) -> tuple[int, ...]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise TypeError(f"{owner}.lineage must be a sequence of ints, got {shown(value)}")
-    path = tuple(value)
-    if not all(_is_int(index) for index in path):
+    path = None if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) else tuple(value)
+    if path is None or not all(_is_int(index) for index in path):
         raise TypeError(f"{owner}.lineage must be a sequence of ints, got {shown(value)}")
     return tuple(int(index) for index in path)
 
@@ -133,12 +131,11 @@ class SampleCursor:
 
     def __post_init__(self) -> None:
         owner = "SampleCursor"
-        object.__setattr__(self, "chunk_id", _check_int(owner, "chunk_id", self.chunk_id))
-        object.__setattr__(
-            self, "chunk_offset", _check_int(owner, "chunk_offset", self.chunk_offset, nonnegative=True)
-        )
-        object.__setattr__(self, "sample_id", _check_sample_id(owner, self.sample_id))
-        object.__setattr__(self, "lineage", _check_lineage(owner, self.lineage))
+        put = object.__setattr__
+        put(self, "chunk_id", _check_int(owner, "chunk_id", self.chunk_id))
+        put(self, "chunk_offset", _check_int(owner, "chunk_offset", self.chunk_offset, nonnegative=True))
+        put(self, "sample_id", _check_sample_id(owner, self.sample_id))
+        put(self, "lineage", _check_lineage(owner, self.lineage))
 
     @staticmethod
     def from_key(key: Sequence[Any]) -> SampleCursor:
@@ -228,44 +225,23 @@ class SampleMeta:
         put(self, "lane_id", _check_int(owner, "lane_id", self.lane_id))
         put(self, "chunk_id", _check_int(owner, "chunk_id", self.chunk_id))
         put(self, "chunk_offset", _check_int(owner, "chunk_offset", self.chunk_offset, nonnegative=True))
-        put(
-            self,
-            "component_sample_counts",
-            _check_counts(owner, "component_sample_counts", self.component_sample_counts),
-        )
-        if self.component_token_counts is not None:
-            put(
-                self,
-                "component_token_counts",
-                _check_counts(owner, "component_token_counts", self.component_token_counts),
-            )
+        samples, tokens = self.component_sample_counts, self.component_token_counts
+        put(self, "component_sample_counts", _check_counts(owner, "component_sample_counts", samples))
+        if tokens is not None:
+            put(self, "component_token_counts", _check_counts(owner, "component_token_counts", tokens))
         put(self, "lineage", _check_lineage(owner, self.lineage))
         if not isinstance(self.tags, Mapping):
             raise TypeError(f"SampleMeta.tags must be a dict, got {shown(self.tags)}")
         put(self, "tags", dict(self.tags))
 
-    def _replace(
-        self, *, lineage: tuple[int, ...] | None = None, tags: dict[str, Any] | None = None
-    ) -> SampleMeta:
-        return SampleMeta(
-            self.sample_id,
-            self.lane_id,
-            self.chunk_id,
-            self.chunk_offset,
-            self.component_sample_counts,
-            self.component_token_counts,
-            self.lineage if lineage is None else lineage,
-            self.tags if tags is None else tags,
-        )
-
     def with_lineage(self, path: Iterable[int]) -> SampleMeta:
         """Return a new SampleMeta whose lineage is ``tuple(path)``."""
-        return self._replace(lineage=_check_lineage("SampleMeta.with_lineage", path))
+        return replace(self, lineage=_check_lineage("SampleMeta.with_lineage", path))
 
     def child(self, index: int) -> SampleMeta:
         """Return metadata for the ``index``-th child emitted from this sample."""
         index = _check_int("SampleMeta.child", "index", index)
-        return self._replace(lineage=(*self.lineage, index))
+        return replace(self, lineage=(*self.lineage, index))
 
     @property
     def cursor(self) -> SampleCursor:
@@ -281,7 +257,6 @@ class SampleMeta:
         return self.contributors or (ContributorRef(self.cursor, True),)
 
     def contribution_cursors(self) -> tuple[SampleCursor, ...]:
-        """Return the cursors for all contributors."""
         return tuple(ref.cursor for ref in self.contribution_refs())
 
     @property
@@ -322,7 +297,7 @@ class SampleMeta:
             tags[CONTRIBUTORS_TAG] = refs
         else:
             tags.pop(CONTRIBUTORS_TAG, None)
-        return self._replace(tags=tags)
+        return replace(self, tags=tags)
 
     def with_tombstone(self, value: bool = True) -> SampleMeta:
         """Return a new SampleMeta with the tombstone marker set (or cleared by ``False``)."""
@@ -331,7 +306,7 @@ class SampleMeta:
             tags[TOMBSTONE_TAG] = True
         else:
             tags.pop(TOMBSTONE_TAG, None)
-        return self._replace(tags=tags)
+        return replace(self, tags=tags)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,7 @@ import reprlib
 
 __all__ = ["shown", "shown_fields"]
 
-_LIMIT = 80
-"""The longest a shown value gets, in characters."""
+_LIMIT = 80  # the longest a shown value gets, in characters
 
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = _LIMIT

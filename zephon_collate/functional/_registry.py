@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from zephon_collate.core.checks import check_fits_dtype
 
-__all__ = ["KERNELS", "check_fill", "check_tensor", "kernel"]
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+__all__ = ["KERNELS", "as_rows", "check_fill", "check_tensor", "flex_block_mask", "kernel"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -37,3 +40,30 @@ def check_tensor(kernel: str, name: str, value: object, min_dim: int = 0, max_di
 def check_fill(kernel: str, name: str, value: int, like: torch.Tensor) -> None:
     """``ValueError`` if integer ``like`` cannot hold ``value`` (writing it would wrap around)."""
     check_fits_dtype(kernel, name, value, like.dtype)
+
+
+def as_rows(
+    ids: torch.Tensor, name: str = "segment ids", forms: str = " (per row) or [N] (flattened)"
+) -> torch.Tensor:
+    """``ids`` as ``[B, S]`` rows (``[N]``: one row); else ``ValueError`` naming ``name``."""
+    if ids.dim() == 1:
+        return ids.unsqueeze(0)
+    if ids.dim() != 2:
+        raise ValueError(f"{name} must be [B, S]{forms}, got shape {tuple(ids.shape)}")
+    return ids
+
+
+def flex_block_mask(
+    mod: Callable[..., torch.Tensor],
+    ids: torch.Tensor,
+    device: torch.device | str,
+    size: int | tuple[int, int],
+    compile: bool,
+) -> BlockMask:
+    """The ``BlockMask`` of ``mod`` over ``[B, S]`` ``ids``."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    rows, length = ids.shape
+    return create_block_mask(
+        mod, rows, None, length, length, device=device, BLOCK_SIZE=size, _compile=compile
+    )

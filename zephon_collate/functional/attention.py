@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zephon_collate.functional._registry import kernel
+from zephon_collate.functional._registry import as_rows, flex_block_mask, kernel
 from zephon_collate.functional.labels import padding_from_length
 from zephon_collate.functional.segments import (
     PADDING_SEGMENT,
@@ -36,14 +36,16 @@ __all__ = [
 ]
 
 
-def _as_rows(segment_ids: torch.Tensor) -> torch.Tensor:
-    if segment_ids.dim() == 1:
-        return segment_ids.unsqueeze(0)
-    if segment_ids.dim() != 2:
-        raise ValueError(
-            f"segment ids must be [B, S] (per row) or [N] (flattened), got shape {tuple(segment_ids.shape)}"
-        )
-    return segment_ids
+def _dense(docs: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, 1, S, S]``: causal within a document, padding (-1) sees itself only; and ``visible``."""
+    index = torch.arange(docs.shape[1], device=docs.device)
+    causal = index.unsqueeze(1) >= index.unsqueeze(0)
+    diagonal = index.unsqueeze(1) == index.unsqueeze(0)
+    query = docs.unsqueeze(2)
+    same = (query == docs.unsqueeze(1)) & (query >= 0) & causal
+    if visible is not None:
+        same = same & visible
+    return (same | diagonal).unsqueeze(1)
 
 
 def document_mask_mod(segment_ids: torch.Tensor) -> Callable[..., torch.Tensor]:
@@ -58,7 +60,7 @@ def document_mask_mod(segment_ids: torch.Tensor) -> Callable[..., torch.Tensor]:
         >>> bool(mod(b, h, q, k)), bool(mod(b, h, torch.tensor(1), torch.tensor(0)))
         (False, True)
     """
-    ids = _as_rows(segment_ids)
+    ids = as_rows(segment_ids)
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         q_segment = ids[b, q_idx]
@@ -86,20 +88,8 @@ def document_block_mask(
         >>> block_mask.shape, block_mask.to_dense().tolist()
         ((1, 1, 4, 4), [[[[1, 0], [0, 1]]]])
     """
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    ids = _as_rows(segment_ids)
-    rows, length = ids.shape
-    return create_block_mask(
-        document_mask_mod(ids),
-        rows,
-        None,
-        length,
-        length,
-        device=ids.device,
-        BLOCK_SIZE=block_size,
-        _compile=compile,
-    )
+    ids = as_rows(segment_ids)
+    return flex_block_mask(document_mask_mod(ids), ids, ids.device, block_size, compile)
 
 
 @kernel
@@ -110,13 +100,7 @@ def dense_document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
         >>> dense_document_mask(torch.tensor([[0, 0, 1, -1]]))[0, 0].int().tolist()
         [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
     """
-    ids = _as_rows(segment_ids)
-    index = torch.arange(ids.shape[1], device=ids.device)
-    causal = index.unsqueeze(1) >= index.unsqueeze(0)
-    diagonal = index.unsqueeze(1) == index.unsqueeze(0)
-    query = ids.unsqueeze(2)
-    same_document = (query == ids.unsqueeze(1)) & (query >= 0) & causal
-    return (same_document | diagonal).unsqueeze(1)
+    return _dense(as_rows(segment_ids))
 
 
 def branch_mask_mod(document_ids: torch.Tensor, branch_ids: torch.Tensor) -> Callable[..., torch.Tensor]:
@@ -133,7 +117,7 @@ def branch_mask_mod(document_ids: torch.Tensor, branch_ids: torch.Tensor) -> Cal
         >>> at(4, 1), at(4, 3), at(3, 2)  # branch 2 sees the prompt, not branch 1
         (True, False, True)
     """
-    docs, branches = _as_rows(document_ids), _as_rows(branch_ids)
+    docs, branches = as_rows(document_ids), as_rows(branch_ids)
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         q_doc, k_branch = docs[b, q_idx], branches[b, kv_idx]
@@ -158,20 +142,8 @@ def branch_block_mask(
         >>> mask.shape
         (1, 1, 4, 4)
     """
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    docs = _as_rows(document_ids)
-    rows, length = docs.shape
-    return create_block_mask(
-        branch_mask_mod(docs, _as_rows(branch_ids)),
-        rows,
-        None,
-        length,
-        length,
-        device=docs.device,
-        BLOCK_SIZE=block_size,
-        _compile=compile,
-    )
+    docs = as_rows(document_ids)
+    return flex_block_mask(branch_mask_mod(docs, as_rows(branch_ids)), docs, docs.device, block_size, compile)
 
 
 @kernel
@@ -182,15 +154,9 @@ def dense_branch_mask(document_ids: torch.Tensor, branch_ids: torch.Tensor) -> t
         >>> dense_branch_mask(torch.tensor([[0, 0, 0, 0]]), torch.tensor([[0, 1, 2, 2]]))[0, 0].int().tolist()
         [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]
     """
-    docs, branches = _as_rows(document_ids), _as_rows(branch_ids)
-    index = torch.arange(docs.shape[1], device=docs.device)
-    causal = index.unsqueeze(1) >= index.unsqueeze(0)
-    diagonal = index.unsqueeze(1) == index.unsqueeze(0)
-    query = docs.unsqueeze(2)
+    branches = as_rows(branch_ids)
     key_branch = branches.unsqueeze(1)
-    visible = (key_branch == 0) | (key_branch == branches.unsqueeze(2))
-    same = (query == docs.unsqueeze(1)) & (query >= 0) & causal & visible
-    return (same | diagonal).unsqueeze(1)
+    return _dense(as_rows(document_ids), (key_branch == 0) | (key_branch == branches.unsqueeze(2)))
 
 
 def _starts_as_positions(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -204,9 +170,8 @@ def _starts_as_positions(segment_ids: torch.Tensor) -> torch.Tensor:
 def cu_seqlens_from_segment_ids(
     segment_ids: torch.Tensor, num_boundaries: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cu_seqlens, max_seqlen)`` of the segments of ``segment_ids``, as :class:`CuSeqlens` writes them.
-    ``[B, S]`` ids give ``[B, K]`` and ``[B]``, ``[N]`` ids ``[N']`` and ``[]``; a run of -1 is one segment.
-    ``num_boundaries`` fixes the boundary count, as for :class:`CuSeqlens`.
+    """``(cu_seqlens, max_seqlen)`` of ``segment_ids`` (``[B, S]`` or ``[N]``), as :class:`CuSeqlens` writes
+    them (``num_boundaries`` as there); a run of -1 is one segment.
 
     Example:
         >>> cu, top = cu_seqlens_from_segment_ids(torch.tensor([[0, 0, 0, 1, -1], [0, 0, 0, 0, 0]]))
@@ -215,7 +180,7 @@ def cu_seqlens_from_segment_ids(
     """
     if segment_ids.dim() == 1:
         return cu_seqlens_flat(_starts_as_positions(segment_ids.unsqueeze(0)), num_boundaries)
-    return cu_seqlens_rows(_starts_as_positions(_as_rows(segment_ids)), num_boundaries)
+    return cu_seqlens_rows(_starts_as_positions(as_rows(segment_ids)), num_boundaries)
 
 
 def _trim_filler(boundaries: list[int], end: int) -> list[int]:
@@ -226,9 +191,7 @@ def _trim_filler(boundaries: list[int], end: int) -> list[int]:
 
 
 def check_consistent(segment_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
-    """Raise ``ValueError`` unless ``segment_ids`` and ``cu_seqlens`` describe the same segments. ``[B, S]``
-    ids pair with ``[B, K]`` boundaries, ``[N]`` ids with ``[K]``; filler boundaries (``num_boundaries``) are
-    ignored. A debug check: it reads both back to the host.
+    """Raise ``ValueError`` unless ``segment_ids`` and ``cu_seqlens`` describe the same segments (debug only).
 
     Example:
         >>> ids = torch.tensor([[0, 0, 1], [0, 0, 0]])
@@ -244,9 +207,9 @@ def check_consistent(segment_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> Non
             f"cu_seqlens, got shapes {tuple(segment_ids.shape)} and {tuple(cu_seqlens.shape)}"
         )
     derived, _ = cu_seqlens_from_segment_ids(segment_ids)
-    rows_ids = _as_rows(segment_ids)
+    rows_ids = as_rows(segment_ids)
     end = rows_ids.shape[1] if segment_ids.dim() == 2 else rows_ids.numel()
-    got_rows, want_rows = _as_rows(cu_seqlens).tolist(), _as_rows(derived).tolist()
+    got_rows, want_rows = as_rows(cu_seqlens).tolist(), as_rows(derived).tolist()
     if len(got_rows) != len(want_rows):
         raise ValueError(
             f"check_consistent: {len(want_rows)} rows of segment ids but {len(got_rows)} rows of cu_seqlens"

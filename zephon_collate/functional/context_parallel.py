@@ -26,8 +26,7 @@ def check_cp(owner: str, cp_size: object, cp_rank: object) -> tuple[int, int]:
 def partition(
     cu_padded: torch.Tensor, cp_size: int, cp_rank: int, total: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(index into the padded stream, document of each local token)`` for ``cp_rank``. ``total`` is
-    ``cu_padded[-1]`` when the caller has read it already."""
+    """``(index into the padded stream, document of each local token)``; ``total``: ``cu_padded[-1]``."""
     padded = cu_padded.diff()
     local = padded // cp_size
     chunk = padded // (2 * cp_size)
@@ -46,8 +45,7 @@ def partition(
 
 @kernel
 def cp_partition_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Indices into the padded THD token stream that CP rank ``cp_rank`` holds, in its local order. The output
-    size depends on the data: one value is read back from the device.
+    """Indices into the padded THD token stream that CP rank ``cp_rank`` holds, in local order (read back).
 
     Example:
         >>> cp_partition_index(torch.tensor([0, 8, 12]), cp_size=2, cp_rank=0).tolist()

@@ -86,14 +86,14 @@ def _row_boundaries_from_starts(is_start: torch.Tensor) -> torch.Tensor:
     return boundaries.index_put((row, rank), column.to(torch.int32))
 
 
-def _row_boundaries_static(is_start: torch.Tensor, num_boundaries: int) -> torch.Tensor:
+def _row_boundaries_static(is_start: torch.Tensor, num_boundaries: int, where: str = "a row") -> torch.Tensor:
     """:func:`_row_boundaries_from_starts` with a fixed width: no read-back, a device-side check."""
     rows, length = is_start.shape
     rank = is_start.cumsum(dim=1) - 1
     if length:
         torch._assert_async(
             (rank[:, -1] + 2 <= num_boundaries).all(),
-            "cu_seqlens: a row has more segments than num_boundaries - 1",
+            f"cu_seqlens: {where} has more segments than num_boundaries - 1",
         )
     # Non-starts (and overflowing starts) land in the spare column num_boundaries, dropped below.
     slot = torch.where(is_start, rank, num_boundaries).clamp(max=num_boundaries)
@@ -116,22 +116,12 @@ def cu_seqlens_flat(
     """
     _check_boundary_input("cu_seqlens_flat", positions, num_boundaries)
     flat_starts = segment_starts(positions).reshape(-1)
-    total = flat_starts.numel()
     if num_boundaries is None:
         starts = flat_starts.nonzero().squeeze(1)
-        end = torch.full((1,), total, dtype=starts.dtype, device=starts.device)
+        end = torch.full((1,), flat_starts.numel(), dtype=starts.dtype, device=starts.device)
         boundaries = torch.cat([starts, end]).to(torch.int32)
-    else:
-        torch._assert_async(
-            flat_starts.sum() + 1 <= num_boundaries,
-            "cu_seqlens: the batch has more segments than num_boundaries - 1",
-        )
-        index = torch.arange(total, device=positions.device)
-        slot = torch.where(flat_starts, flat_starts.cumsum(0) - 1, num_boundaries)
-        slot = slot.clamp(max=num_boundaries)
-        boundaries = torch.full((num_boundaries + 1,), total, dtype=torch.int64, device=positions.device)
-        boundaries = boundaries.scatter(0, slot, index)
-        boundaries = boundaries[:num_boundaries].to(torch.int32)
+    else:  # one row of all tokens (with no token, no check: 0 segments always fit)
+        boundaries = _row_boundaries_static(flat_starts[None], num_boundaries, "the batch")[0]
     return boundaries, _longest(boundaries)
 
 
@@ -184,8 +174,8 @@ def flatten_segment_ids(segment_ids: torch.Tensor) -> torch.Tensor:
 def last_token_index(
     sequence_index: torch.Tensor, input_ids: torch.Tensor | None = None, skip_id: int | None = None
 ) -> torch.Tensor:
-    """``[S]`` int64: the place of each sequence's last token in the flattened ``sequence_index``. The size is
-    read back from the device; a number no token carries gets -1.
+    """``[S]`` int64: each sequence's last token's place in the flattened ``sequence_index`` (size read back).
+    A number no token carries gets -1.
 
     Parameters:
         sequence_index: ``[B, L]`` or ``[N]``: each token's sequence, -1 on padding.
@@ -224,10 +214,8 @@ def last_token_index(
 def sequence_map(
     positions: torch.Tensor, padding_length: torch.Tensor, example_lengths: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A padding-free row's sequence map: ``logits_index`` (each token's predictor place, -1 at a sequence's
-    first token), ``sequence_index`` (its sequence), both ``[1, S]`` int64 and -1 on padding, and the number
-    of sequences (0-d int64). The sequences are the examples laid end to end and the documents in them
-    (where positions restart at 0); an empty example is a sequence without a token.
+    """A padding-free row's ``(logits_index, sequence_index)``, ``[1, S]`` int64 (-1 on padding), and the
+    number of sequences (0-d int64); ``docs/transforms.md`` defines them.
 
     Parameters:
         positions: ``[1, S]`` segment-restarting positions.

@@ -10,6 +10,7 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 
 from zephon_collate.core.keys import DOCUMENT_IDS, LOGITS_INDEX
+from zephon_collate.functional._registry import as_rows, flex_block_mask
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -31,11 +32,7 @@ TREE_ATTENTION = "zephon_tree"
 
 
 def _rows(subtree_end: torch.Tensor) -> torch.Tensor:
-    if subtree_end.dim() == 1:
-        return subtree_end.unsqueeze(0)
-    if subtree_end.dim() != 2:
-        raise ValueError(f"subtree_end must be [B, S] or [N], got shape {tuple(subtree_end.shape)}")
-    return subtree_end
+    return as_rows(subtree_end, "subtree_end", " or [N]")
 
 
 def tree_mask_mod(subtree_end: torch.Tensor) -> Callable[..., torch.Tensor]:
@@ -59,20 +56,13 @@ def tree_block_mask(
     subtree_end: torch.Tensor, *, block_size: int | tuple[int, int] = 128, compile: bool = False
 ) -> BlockMask:
     """The FlexAttention ``BlockMask`` of :func:`tree_mask_mod`, on the device of ``subtree_end``."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     ends = _rows(subtree_end)
-    rows, length = ends.shape
-    return create_block_mask(
-        tree_mask_mod(ends), rows, None, length, length, device=str(ends.device),
-        BLOCK_SIZE=block_size, _compile=compile,
-    )  # fmt: skip
+    return flex_block_mask(tree_mask_mod(ends), ends, str(ends.device), block_size, compile)
 
 
 def dense_tree_mask(subtree_end: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``[B, 1, S, S]``: True where query ``q`` may attend key ``k`` (SDPA's ``attn_mask``); with a float
-    ``dtype``, the additive mask eager attention adds to its scores (0 where seen, the dtype's minimum
-    elsewhere).
+    ``dtype``, the :func:`additive` mask.
 
     Example:
         >>> dense_tree_mask(torch.tensor([[3, 2, 3]]))[0, 0].int().tolist()  # a root, then two branches
@@ -88,9 +78,8 @@ def dense_tree_mask(subtree_end: torch.Tensor, dtype: torch.dtype | None = None)
 def within_limits(
     query: torch.Tensor, key: torch.Tensor, *, window: int | None = None, chunk: int | None = None
 ) -> torch.Tensor | None:
-    """Where a query at position ``query`` may see a key at position ``key`` (broadcast) by a layer's
-    limits, as ``transformers`` masks them: a sliding window (``query - key < window``) and chunks (both in
-    one chunk of ``chunk`` positions); ``None`` where neither is given.
+    """Where position ``query`` may see ``key`` by a sliding ``window`` (``query - key < window``) and
+    ``chunk`` (both in one chunk), as ``transformers`` masks them; ``None`` without either.
 
     Example:
         >>> place = torch.arange(4)
@@ -107,8 +96,7 @@ def within_limits(
 
 
 def additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask as the additive one eager attention adds to its scores: 0 where seen, ``dtype``'s minimum
-    elsewhere."""
+    """A bool mask as eager attention's additive one: 0 where seen, ``dtype``'s minimum elsewhere."""
     if not dtype.is_floating_point:
         raise TypeError(f"an additive attention mask needs a float dtype (the model's), got {dtype}")
     return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
@@ -185,8 +173,7 @@ def tree_attention(
         query: ``[B, H, S, D]``; key, value: ``[B, H_kv, S, D]`` (grouped-query heads repeated).
         tree: the batch's :class:`TreeBlocks`.
         scaling: the softmax scale (default ``1 / sqrt(D)``).
-        window: a sliding window: a key ``window`` or more positions before its query is not seen.
-        chunk: chunked attention: a key outside its query's chunk of ``chunk`` positions is not seen.
+        window, chunk: a sliding window and chunked attention, as in :func:`within_limits`.
         softcap: scores soft-capped to ``softcap * tanh(score / softcap)`` (Gemma 2).
         sinks: ``[H]`` a sink logit per head, in the softmax and then dropped (GPT-OSS).
         dropout: the attention dropout probability (training).
@@ -278,9 +265,8 @@ def _transformers_attention(
 
 
 def use_tree_attention(model: torch.nn.Module) -> None:
-    """Make a ``transformers`` model attend by :func:`tree_attention` (registered as ``"zephon_tree"``). Call
-    it with ``tree=TreeBlocks.from_batch(batch)`` and the batch's ``position_ids``;
-    ``model.set_attn_implementation("sdpa")`` switches back."""
+    """Make a ``transformers`` model attend by :func:`tree_attention`; call it with ``position_ids`` and
+    ``tree=TreeBlocks.from_batch(batch)`` (``docs/trees.md``)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(TREE_ATTENTION, _transformers_attention)

@@ -106,10 +106,8 @@ def check_no_leakage(
         positions: ``[B, S]`` positions restarting at 0 on every segment.
         padding_mask: ``[B, S]`` bool, True on padding (not compared), or ``None``.
         atol, rtol: the tolerance: ``|packed - alone| <= atol + rtol * |alone|`` (NaN fails).
-        raise_on_leak: raise :class:`LeakageError` when a document differs (else return the report).
-
-    Raises:
-        LeakageError: (an ``AssertionError``) naming each leaking document, when ``raise_on_leak``.
+        raise_on_leak: raise :class:`LeakageError` (an ``AssertionError``) naming each leaking document,
+            rather than return the report.
 
     Example:
         >>> def bag_of_words(input_ids, positions, segment_ids):  # mixes the whole row: leaks

@@ -9,8 +9,9 @@ from typing import Any
 
 from zephon_collate.core.keys import LABELS
 from zephon_collate.inspection.rows import RowView, batch_rows, batch_warnings
+from zephon_collate.inspection.tree_render import render_tree, render_tree_png
 from zephon_collate.inspection.trees import is_tree_batch
-from zephon_collate.inspection.values import is_special, paint, percent, token_text
+from zephon_collate.inspection.values import is_special, paint, percent, plural, token_text, warning_lines
 
 __all__ = ["render_batch", "render_batch_png", "token_text"]
 
@@ -38,12 +39,8 @@ def _cells(row: RowView, tokenizer: Any, shown: int) -> list[_Cell]:
         style = "dim" if row.padding[t] else "green" if target else None
         texts["in"] = (token_text(tokenizer, row.input_ids[t]), style)
         if row.labels is not None:
-            label = row.labels[t]
             supervised = bool(row.supervised and row.supervised[t])
-            texts["label"] = (
-                "-" if not supervised else token_text(tokenizer, label),
-                "green" if supervised else "dim",
-            )
+            texts["label"] = (token_text(tokenizer, row.labels[t]), "green") if supervised else ("-", "dim")
         if row.supervised is not None:
             supervised = row.supervised[t]
             if row.padding[t]:
@@ -59,20 +56,11 @@ def _cells(row: RowView, tokenizer: Any, shown: int) -> list[_Cell]:
 def _header(row: RowView) -> str:
     length = len(row.input_ids)
     sample = f" (sample {row.sample_id})" if row.sample_id is not None else ""
-    segments = len(row.starts)
-    parts = [f"{length} tokens", f"{segments} segment{'' if segments == 1 else 's'}"]
+    parts = [f"{length} tokens", plural(len(row.starts), "segment")]
     parts.append(f"{row.num_padding} padding ({percent(row.num_padding, length)})")
     if row.supervised is not None:
         parts.append(f"{row.num_supervised} supervised ({percent(row.num_supervised, length)})")
     return f"row {row.index}{sample}: " + ", ".join(parts)
-
-
-def _padding_run_start(row: RowView, shown: int) -> int:
-    """Where the run of padding that ends the shown tokens begins (``shown`` when there is none)."""
-    start = shown
-    while start > 0 and row.padding[start - 1]:
-        start -= 1
-    return start
 
 
 def _render_row(
@@ -80,7 +68,9 @@ def _render_row(
 ) -> list[str]:
     shown = len(row.input_ids) if max_tokens is None else min(max_tokens, len(row.input_ids))
     total = shown
-    start = _padding_run_start(row, shown)
+    start = shown  # where the run of padding that ends the shown tokens begins
+    while start > 0 and row.padding[start - 1]:
+        start -= 1
     if collapse is not None and shown - start > collapse:
         shown = start + collapse
     cells = _cells(row, tokenizer, shown)
@@ -157,8 +147,6 @@ def render_batch(
           mask  |+ + .
     """
     if is_tree_batch(batch):
-        from zephon_collate.inspection.tree_render import render_tree  # it draws with this module's helpers
-
         return render_tree(
             batch, tokenizer, color=color, width=width, max_rows=max_rows, max_node_tokens=max_tokens,
             ignore_index=ignore_index,
@@ -167,8 +155,7 @@ def render_batch(
     total = sum(len(row.input_ids) for row in rows)
     padding = sum(row.num_padding for row in rows)
     lengths = sorted({len(row.input_ids) for row in rows})
-    shape = f"{len(rows)} row{'s' if len(rows) != 1 else ''} x {'/'.join(map(str, lengths)) or 0} tokens"
-    summary = [shape]
+    summary = [f"{plural(len(rows), 'row')} x {'/'.join(map(str, lengths)) or 0} tokens"]
     if rows and rows[0].supervised is not None:
         supervised = sum(row.num_supervised for row in rows)
         what = LABELS if rows[0].labels is not None else "tokens"
@@ -180,13 +167,7 @@ def render_batch(
         lines.append("")
     if max_rows is not None and len(rows) > max_rows:
         lines += [f"... {len(rows) - max_rows} more rows", ""]
-    lines.append(_LEGEND)
-    warnings = batch_warnings(rows)
-    if warnings:
-        lines.append(paint(f"warnings ({len(warnings)}):", "yellow", color))
-        lines += [paint(f"  - {warning}", "yellow", color) for warning in warnings]
-    else:
-        lines.append("warnings: none")
+    lines += [_LEGEND, *warning_lines(batch_warnings(rows), color)]
     return "\n".join(lines)
 
 
@@ -235,8 +216,6 @@ def render_batch_png(
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise ImportError("render_batch_png needs matplotlib: pip install matplotlib") from error
     if is_tree_batch(batch):
-        from zephon_collate.inspection.tree_render import render_tree_png
-
         return render_tree_png(
             batch, path, tokenizer, max_rows=max_rows, title=title, dpi=dpi, ignore_index=ignore_index
         )

@@ -19,8 +19,8 @@ from zephon_collate.core.keys import (
     POSITION_IDS,
     POSITIONS,
 )
-from zephon_collate.core.text import shown
 from zephon_collate.functional.segments import segment_starts
+from zephon_collate.inspection.trees import is_tree_batch, tree_warnings
 from zephon_collate.inspection.values import as_rows, percent
 
 __all__ = ["RowView", "batch_rows", "batch_warnings", "is_transformers_batch"]
@@ -125,13 +125,7 @@ def batch_rows(
     fields: dict[str, list[list[Any]]] = {}
     for name in (LABELS, LOSS_MASK, POSITIONS, PADDING_MASK):
         if name in batch and batch[name] is not None:
-            fields[name] = as_rows(batch[name], name)
-            lengths = [len(row) for row in fields[name]]
-            if lengths != [len(row) for row in tokens]:
-                raise ValueError(
-                    f"inspect_batch: field {shown(name)} has rows of lengths {lengths}, but input_ids has "
-                    f"{[len(row) for row in tokens]}"
-                )
+            fields[name] = as_rows(batch[name], name, tokens)
     cu_rows = as_rows(batch[CU_SEQLENS], CU_SEQLENS) if batch.get(CU_SEQLENS) is not None else None
     ids = list(batch.get("ids") or [])
     rows = []
@@ -246,11 +240,8 @@ def batch_warnings(
         batch: no supervised token in any row: the loss is empty (NaN or 0); check the loss mask
         row 0: 3 of 4 tokens (75%) are padding: pack more documents per row, or shorten seq_len
     """
-    if isinstance(batch, Mapping):
-        from zephon_collate.inspection.trees import is_tree_batch, tree_warnings  # it reads rows with ours
-
-        if is_tree_batch(batch):
-            return tree_warnings(batch, ignore_index=ignore_index, padding_fraction=padding_fraction)
+    if isinstance(batch, Mapping) and is_tree_batch(batch):
+        return tree_warnings(batch, ignore_index=ignore_index, padding_fraction=padding_fraction)
     rows = (
         list(batch)
         if isinstance(batch, Sequence) and not isinstance(batch, Mapping)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from zephon_collate.inspection.trees import TreeNode, TreeRow, TreeView, batch_tree, tree_warnings
-from zephon_collate.inspection.values import is_special, paint, percent, plural, token_text
+from zephon_collate.inspection.values import is_special, paint, percent, plural, token_text, warning_lines
 
 __all__ = ["render_tree", "render_tree_png", "spans"]
 
@@ -76,8 +76,7 @@ def _node_tokens(
 
 def _node_meta(view: TreeView, node: TreeNode) -> list[str]:
     """The node's columns after its tokens: sharing, paths, places, positions, what it sees."""
-    line = view.rows[node.row]
-    positions = line.positions
+    positions = view.rows[node.row].positions
     first = None if positions is None else positions[node.start]
     last = None if positions is None else positions[node.end - 1]
     sees = view.node_sees(node.index)
@@ -271,13 +270,7 @@ def render_tree(
     lines += [*_path_lines(view, tokenizer, max_paths), ""]
     if token is not None:
         lines += [*_token_lines(view, token, tokenizer), ""]
-    lines.append(_LEGEND)
-    warnings = tree_warnings(view)
-    if warnings:
-        lines.append(paint(f"warnings ({len(warnings)}):", "yellow", color))
-        lines += [paint(f"  - {warning}", "yellow", color) for warning in warnings]
-    else:
-        lines.append("warnings: none")
+    lines += [_LEGEND, *warning_lines(tree_warnings(view), color)]
     return "\n".join(lines)
 
 

@@ -22,7 +22,6 @@ from zephon_collate.core.keys import (
     SEQUENCE_INDEX,
     SUBTREE_END,
 )
-from zephon_collate.core.text import shown
 from zephon_collate.inspection.values import as_lists, as_rows, percent, plural
 
 __all__ = ["TreeNode", "TreeRow", "TreeToken", "TreeView", "batch_tree", "is_tree_batch", "tree_warnings"]
@@ -172,13 +171,7 @@ def _fields(batch: Mapping[str, Any], tokens: list[list[Any]]) -> dict[str, list
     for name in _PER_TOKEN:
         if batch.get(name) is None:
             continue
-        rows = as_rows(batch[name], name)
-        if [len(row) for row in rows] != [len(row) for row in tokens]:
-            raise ValueError(
-                f"inspect_batch: field {shown(name)} has rows of lengths {[len(row) for row in rows]}, but "
-                f"input_ids has {[len(row) for row in tokens]}"
-            )
-        fields[name] = [[int(value) for value in row] for row in rows]
+        fields[name] = [[int(value) for value in row] for row in as_rows(batch[name], name, tokens)]
     return fields
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from zephon_collate.core.text import shown
 
-__all__ = ["as_lists", "as_rows", "is_special", "paint", "percent", "plural", "token_text"]
+__all__ = ["as_lists", "as_rows", "is_special", "paint", "percent", "plural", "token_text", "warning_lines"]
 
 _MAX_TOKEN_CHARS = 16
 _ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r", " ": "␣"}
@@ -45,16 +45,28 @@ def as_lists(value: Any) -> Any:
     return value.tolist() if hasattr(value, "tolist") else value
 
 
-def as_rows(value: Any, name: str) -> list[list[Any]]:
-    """A field as a list of per-row lists; a flat (1-D) field is one row."""
+def as_rows(value: Any, name: str, like: list[list[Any]] | None = None) -> list[list[Any]]:
+    """A field as a list of per-row lists (a flat field is one row), as long as ``like``'s rows if given."""
     data = as_lists(value)
     if not isinstance(data, list):
         raise TypeError(
             f"inspect_batch: field {shown(name)} must be a tensor, array or list, got {type(value).__name__}"
         )
-    if data and not isinstance(data[0], list):
-        return [data]
-    return data
+    rows = [data] if data and not isinstance(data[0], list) else data
+    if like is not None and [len(row) for row in rows] != [len(row) for row in like]:
+        raise ValueError(
+            f"inspect_batch: field {shown(name)} has rows of lengths {[len(row) for row in rows]}, but "
+            f"input_ids has {[len(row) for row in like]}"
+        )
+    return rows
+
+
+def warning_lines(warnings: list[str], color: bool) -> list[str]:
+    """The warnings that close a rendered batch (``warnings: none`` when there are none)."""
+    if not warnings:
+        return ["warnings: none"]
+    lines = [paint(f"warnings ({len(warnings)}):", "yellow", color)]
+    return lines + [paint(f"  - {warning}", "yellow", color) for warning in warnings]
 
 
 def percent(part: int, whole: int) -> str:

@@ -135,8 +135,7 @@ class Layout:
     TORCH_OUTPUT: ClassVar[str] = "return_tensors='pt'"
     """The option that asks for torch output, for the messages that need it."""
     ORDER: tuple[str | None, ...] = ()
-    """The outputs' order; ``None`` is where the extra fields go; the keys not named follow, in the
-    chain's order."""
+    """The outputs' order (``None``: the extra fields); keys not named follow, in the chain's order."""
     INTERNAL: frozenset[str] = frozenset({PADDING_LENGTH})
     """Keys of the stacked batch that no output carries."""
     SCALARS: frozenset[str] = frozenset({NUM_VALID_TOKENS})
@@ -183,8 +182,7 @@ class Layout:
         return INPUT_IDS
 
     def lay_out(self, batch: Batch) -> list[Stacked]:  # pragma: no cover
-        """The chain's input for a non-empty batch: one :class:`Stacked`, or one per row (ragged list output).
-        Every data error is raised here (or at the door), naming the row, the field and the fix."""
+        """The chain's input for a non-empty batch: one :class:`Stacked`, or one per row (ragged lists)."""
         raise NotImplementedError
 
     def chain(self, keys: Sequence[str]) -> list[Transform]:  # pragma: no cover
@@ -248,13 +246,7 @@ class Layout:
 
     def collate(self, samples: object) -> dict[str, Any]:
         """Read, lay out, run the chain, assemble: the one-step path."""
-        if self.settings.device is not None or self.settings.compile:
-            return self.finish(self.stack(samples))
-        stacked = self.stack(samples)
-        if not stacked:
-            return self.empty()
-        plan = self.plan(tuple(stacked[0].data))
-        return self.assemble(stacked, [plan.run(part.data) for part in stacked], plan)
+        return self.finish(self.stack(samples))
 
     def finish(self, stacked: Sequence[Stacked]) -> dict[str, Any]:
         """Move stacked batches to the device (``non_blocking``), run the chain, assemble."""
@@ -276,8 +268,7 @@ class Layout:
     # -- the one assembly --------------------------------------------------------------------------
 
     def output_names(self, keys: Sequence[str], *, empty: bool = False) -> list[tuple[str, str]]:
-        """``(key, name)`` of each output of the chain's final ``keys``: ordered, renamed, exclusions dropped;
-        ``ValueError`` for a rename of a key not emitted (nonempty batches) or two outputs with one name."""
+        """``(key, name)`` of each output of the final ``keys``: ordered, renamed, exclusions dropped."""
         extras = self.extra_fields
         slot = self.ORDER.index(None) if None in self.ORDER else len(self.ORDER)
         ranks = {key: rank for rank, key in enumerate(self.ORDER) if key is not None}
@@ -322,8 +313,7 @@ class Layout:
     def assemble(
         self, stacked: Sequence[Stacked], results: Sequence[Mapping[str, Any]], plan: Plan
     ) -> dict[str, Any]:
-        """The output dict: each output named, in its container; Python scalars for the counts. Several
-        ``results`` are the rows of a ragged list batch, each run alone: the plan's steps join them."""
+        """The output dict: each output named, in its container; several ``results``: ragged rows, joined."""
         kind = self.kind
         scalar = int if self.settings.python_scalars else torch.as_tensor
         out: dict[str, Any] = {}

@@ -1,5 +1,4 @@
-"""A forest's prefixes shared, and the forest laid out: each tree a document, its nodes depth-first (drawn in
-docs/trees.md). Tokens are shared only where their ids, supervision and values are all equal."""
+"""A forest's prefixes shared (where ids, supervision and values are all equal), and the forest laid out."""
 
 from __future__ import annotations
 
@@ -381,9 +380,7 @@ def lay_out(forest: Forest) -> Laid:
 def split_trees(forest: Forest, width: int) -> tuple[Forest, int | None]:
     """Trees wider than ``width`` tokens split at node boundaries, each part behind a copy of the path above.
 
-    Returns:
-        The forest and ``None``; or, where a path's prefix alone is wider than ``width``, the unchanged
-        forest and that node.
+    Returns ``(forest, None)``, or, where a path's prefix alone is wider, ``(unchanged forest, that node)``.
 
     Example:
         >>> values, offsets = np.array([7, 8, 1, 2, 7, 8, 3, 4, 7, 8, 5]), np.array([0, 4, 8, 11])

@@ -1,13 +1,4 @@
-"""The reference page's layout: records in, ``to_training``'s (and the ``Collator``'s) outputs out.
-
-Two rows of 3 and 5 tokens padded to 8 (``pad_to_multiple_of=4``)::
-
-    input_ids  | a a a P P P P P |      P: pad_token_id
-               | b b b b b P P P |
-    positions  | 0 1 2 0 1 2 3 4 |      the padding is a segment of its own, restarting at 0
-               | 0 1 2 3 4 0 1 2 |
-    padding_length  [5, 3]              counted as each record's trailing padding
-"""
+"""The reference page's layout: records in, ``to_training``'s (and the ``Collator``'s) outputs out."""
 
 from __future__ import annotations
 
@@ -75,6 +66,16 @@ __all__ = ["CollatorOptions", "Native", "check_boundary_count"]
 
 _WRITTEN = (INPUT_IDS, LABELS, POSITIONS, POSITION_IDS, LOSS_MASK, PADDING_LENGTH, PADDING_MASK)
 """Names a float field may not take: fields the collate path reads or writes itself."""
+_CHAIN_OPTIONS = (
+    "return_labels",
+    "return_num_valid_tokens",
+    "return_loss_mask",
+    "return_cu_seqlens",
+    "return_padding_mask",
+    "eos_mask_loss",
+    "position_mode",
+)
+"""The options that build the chain (``chain=`` replaces it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,11 +97,8 @@ class CollatorOptions(TrainingOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         put = object.__setattr__
-        put(
-            self,
-            "boundary_safe_labels",
-            check_bool("boundary_safe_labels", self.boundary_safe_labels, owner="Collator"),
-        )
+        safe = check_bool("boundary_safe_labels", self.boundary_safe_labels, owner="Collator")
+        put(self, "boundary_safe_labels", safe)
         padding = RowPadding.create(self.pad_token_id, self.pad_to_multiple_of)
         if (
             padding is not None
@@ -186,8 +184,8 @@ class Native(Layout):
         """``chain=`` replaces what the chain options would build: those must keep their defaults."""
         if self.settings.chain is None:
             return
-        defaults = _chain_options(TrainingOptions())
-        given = [name for name, value in _chain_options(self.options).items() if value != defaults[name]]
+        defaults = TrainingOptions()
+        given = [name for name in _CHAIN_OPTIONS if getattr(self.options, name) != getattr(defaults, name)]
         if given:
             raise ValueError(
                 f"Collator: chain= replaces the chain that {', '.join(given)} would build; leave "
@@ -463,7 +461,8 @@ class Native(Layout):
                 continue
             check_fits(Ragged(stacked.reshape(-1), _flat_offsets(stacked)), dtype, name, names)
             data[name] = _in_dtype(stacked.numpy(), dtype) if stacked.is_cpu else stacked.to(dtype)
-        data[PADDING_LENGTH] = counts if not _on_device(data) else torch.from_numpy(counts).to(_device(data))
+        device = _device(data)
+        data[PADDING_LENGTH] = counts if device is None else torch.from_numpy(counts).to(device)
         if options.return_cu_seqlens:
             self._check_boundary_positions(data[POSITIONS], lengths, names)
             if self.settings.num_boundaries is not None:
@@ -539,19 +538,6 @@ def _read_field(
     return concat(rows, name, batch.names), ()
 
 
-def _chain_options(options: TrainingOptions) -> dict[str, object]:
-    """The options that build the chain (``chain=`` replaces it), by name."""
-    return {
-        "return_labels": options.return_labels,
-        "return_num_valid_tokens": options.return_num_valid_tokens,
-        "return_loss_mask": options.return_loss_mask,
-        "return_cu_seqlens": options.return_cu_seqlens,
-        "return_padding_mask": options.return_padding_mask,
-        "eos_mask_loss": options.eos_mask_loss,
-        "position_mode": options.position_mode,
-    }
-
-
 def _check_position_count(count: int, dtype: torch.dtype, how: str) -> None:
     """``ValueError`` unless positions ``0 .. count - 1`` fit ``dtype``."""
     if count - 1 > torch.iinfo(dtype).max:
@@ -591,11 +577,7 @@ def _in_dtype(values: Any, dtype: torch.dtype) -> Any:
     return tensor.to(dtype)
 
 
-def _on_device(data: Mapping[str, Any]) -> bool:
-    return any(isinstance(value, torch.Tensor) and not value.is_cpu for value in data.values())
-
-
-def _device(data: Mapping[str, Any]) -> torch.device:
-    return next(
-        value.device for value in data.values() if isinstance(value, torch.Tensor) and not value.is_cpu
-    )
+def _device(data: Mapping[str, Any]) -> torch.device | None:
+    """The device of the first tensor in ``data`` not on the CPU, or ``None``."""
+    found = (value.device for value in data.values() if isinstance(value, torch.Tensor) and not value.is_cpu)
+    return next(found, None)

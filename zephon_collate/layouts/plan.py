@@ -69,13 +69,6 @@ def host_applies(data: Mapping[str, object]) -> bool:
     return True
 
 
-def _stage_input(stage: Chain, data: Mapping[str, Any]) -> dict[str, Any]:
-    """What a compiled stage is fed: the keys it needs, and the optional keys present."""
-    given = {key: data[key] for key in stage.in_keys}
-    given.update((key, data[key]) for key in stage.optional_keys if key in data)
-    return given
-
-
 def _dynamic(transform: Any) -> bool:
     """True for a step whose output size depends on the data."""
     return bool(getattr(transform, "data_dependent_shape", False))
@@ -131,8 +124,7 @@ class Plan:
         )
 
     def compiled(self, device_type: str) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
-        """The chain through ``torch.compile`` (dynamic shapes, full graphs) for ``device_type``; cached.
-        Steps with data-dependent output sizes run eagerly between the compiled graphs."""
+        """The chain through ``torch.compile`` (dynamic shapes, full graphs) for ``device_type``; cached."""
         function = self._compiled.get(device_type)
         if function is None:
             with self._lock:
@@ -175,7 +167,8 @@ class Plan:
                 if stage.reads_every_key:  # it reshapes the whole batch: its output is the batch
                     out = function(dict(out))
                     continue
-                given = _stage_input(stage, out)
+                given = {key: out[key] for key in stage.in_keys}  # the keys it needs, the optional ones given
+                given.update((key, out[key]) for key in stage.optional_keys if key in out)
                 try:
                     out.update(function(given))
                 except Exception:

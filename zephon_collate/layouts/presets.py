@@ -64,8 +64,7 @@ class PreferenceOptions(TreeOptions):
     """The options of :meth:`Collator.for_preference <zephon_collate.Collator.for_preference>`.
 
     Parameters:
-        tokenizer, pad_token_id, pad_to_multiple_of, return_flash_attn_kwargs, return_seq_idx: as
-            :class:`TreeOptions`.
+        tokenizer, pad_token_id, pad_to_multiple_of, return_flash_attn_kwargs, return_seq_idx: as TreeOptions.
         padding_free: one row ``[1, N]`` with ``position_ids`` instead of padded rows.
         shared_prompt: lay each pair out as its prompt once, then both responses.
         return_position_ids: emit ``position_ids`` (default: padding-free or shared prompt).
@@ -96,9 +95,8 @@ class PreferenceOptions(TreeOptions):
     truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "shared_prompt", check_bool("shared_prompt", self.shared_prompt, owner=self.OWNER)
-        )
+        shared = check_bool("shared_prompt", self.shared_prompt, owner=self.OWNER)
+        object.__setattr__(self, "shared_prompt", shared)
         for name in ("max_prompt_length", "max_completion_length", "max_length"):
             value = getattr(self, name)
             if value is not None:
@@ -137,8 +135,7 @@ class RewardOptions(TreeOptions):
     """The options of :meth:`Collator.for_rewards <zephon_collate.Collator.for_rewards>`.
 
     Parameters:
-        tokenizer, pad_token_id, pad_to_multiple_of, return_flash_attn_kwargs, return_seq_idx: as
-            :class:`TreeOptions`.
+        tokenizer, pad_token_id, pad_to_multiple_of, return_flash_attn_kwargs, return_seq_idx: as TreeOptions.
         padding_free: one row ``[1, N]`` with ``position_ids`` instead of padded rows.
         return_position_ids: emit ``position_ids`` (default: padding-free only).
         max_length: refuse a pair with a sequence longer than this (``RewardTrainer`` drops such pairs).
@@ -190,8 +187,7 @@ class RolloutOptions(TreeOptions):
     """The options of :meth:`Collator.for_rollouts <zephon_collate.Collator.for_rollouts>`.
 
     Parameters:
-        tokenizer, pad_token_id, pad_to_multiple_of, return_flash_attn_kwargs, return_seq_idx: as
-            :class:`TreeOptions`.
+        tokenizer, pad_token_id, pad_to_multiple_of, return_flash_attn_kwargs, return_seq_idx: as TreeOptions.
         padding_free: one row ``[1, N]`` with ``position_ids`` instead of padded rows.
         shared_prompt: lay consecutive rollouts of one prompt out as the prompt once, then each completion.
         return_position_ids: emit ``position_ids`` (default: padding-free or shared prompt).
@@ -207,9 +203,8 @@ class RolloutOptions(TreeOptions):
     float_fields: Sequence[str | TensorField] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "shared_prompt", check_bool("shared_prompt", self.shared_prompt, owner=self.OWNER)
-        )
+        shared = check_bool("shared_prompt", self.shared_prompt, owner=self.OWNER)
+        object.__setattr__(self, "shared_prompt", shared)
         if self.supervision is not None and self.supervision not in _ROLLOUT_SUPERVISION:
             raise ValueError(
                 f"{self.OWNER}: supervision must name the field that marks the completion, one of "
@@ -265,9 +260,8 @@ class TrajectoryOptions(TreeOptions):
             )
         if not isinstance(self.group_key, str) or not self.group_key:
             raise TypeError(f"{self.OWNER}: group_key must be a field name, got {shown(self.group_key)}")
-        object.__setattr__(
-            self, "copy_openers", check_bool("copy_openers", self.copy_openers, owner=self.OWNER)
-        )
+        copied = check_bool("copy_openers", self.copy_openers, owner=self.OWNER)
+        object.__setattr__(self, "copy_openers", copied)
         if self.supervision is not None and self.supervision not in _ROLLOUT_SUPERVISION:
             raise ValueError(
                 f"{self.OWNER}: supervision must name the field that marks the trained tokens, one of "

@@ -66,9 +66,9 @@ def dense(
     field: Ragged, width: int, fill: int | float | Spread, *, restart: bool = False, left: bool = False
 ) -> Values:
     """``[B, width, ...]``: each row's values, then ``fill`` (or 0, 1, ... with ``restart``) up to ``width``.
-    A :class:`~zephon_collate.read.columns.Spread` fill numbers the padding by its place in the row (``left``:
-    as placed once :class:`~zephon_collate.transforms.LeftPadding` has moved it to the front). Rows already
-    ``width`` long give a view, no copy (except of read-only columnar values).
+
+    A ``Spread`` fill is numbered by its place in the row (``left``: once ``LeftPadding`` moved it to the
+    front). Rows already ``width`` long give a view (read-only columnar values: a copy).
 
     Example:
         >>> from zephon_collate.read.columns import concat

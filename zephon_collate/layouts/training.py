@@ -69,9 +69,7 @@ _FLAGS = (
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingOptions(Keywords):
-    """The keyword arguments of :meth:`SampleBatch.to_training`, validated and normalised (hashable). The
-    parameters are the reference page's (``docs/to_training.md``); every error the arguments alone decide is
-    raised here, before any payload is read.
+    """The keyword arguments of :meth:`SampleBatch.to_training`, checked (``docs/to_training.md``), hashable.
 
     Warns:
         UserWarning: if ``eos_token_id`` is given with ``eos_mask_loss=False``.
@@ -176,9 +174,7 @@ class TrainingOptions(Keywords):
         like_labels: Sequence[str] = (),
         unshifted: Sequence[str] = (),
     ) -> list[Transform]:
-        """The transforms these options run on a stacked batch holding ``keys``, in order. ``PaddingMask ->
-        BoundaryMask -> TokenShift -> EosMask -> LossMask -> Total -> CuSeqlens -> Positions -> Flatten``,
-        each only when asked for.
+        """The transforms these options run on a stacked batch holding ``keys``, in order, as asked for.
 
         Parameters:
             keys: the keys of the stacked batch.

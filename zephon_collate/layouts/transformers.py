@@ -1,14 +1,6 @@
 """The ``transformers`` layout: Hugging Face examples in, the batch a causal LM takes out (unshifted labels).
 
-Padded (``DataCollatorForSeq2Seq``'s layout) or padding-free (``DataCollatorWithFlattening``'s)::
-
-    examples     [a a a] [b b]
-    input_ids    [a a a b b]
-    position_ids [0 1 2 0 1]
-    labels       [- a a - b]             (each document's first label -100)
-    cu_seq_lens  [0 3 5]
-
-What an example may carry, and the options: ``docs/hugging_face.md``.
+Padded or padding-free; what an example may carry, and the options: ``docs/hugging_face.md``.
 """
 
 from __future__ import annotations
@@ -245,11 +237,8 @@ class TransformersOptions(Keywords):
         put(self, "label_pad_token_id", check_ignore_index(self.label_pad_token_id, owner=owner))
         put(self, "position_ids_start", check_int(owner, "position_ids_start", self.position_ids_start, 0))
         if self.return_position_ids is not None:
-            put(
-                self,
-                "return_position_ids",
-                check_bool("return_position_ids", self.return_position_ids, owner=owner),
-            )
+            flag = check_bool("return_position_ids", self.return_position_ids, owner=owner)
+            put(self, "return_position_ids", flag)
         if self.supervision is not None and self.supervision not in self.SUPERVISING:
             raise ValueError(
                 f"{owner}: {self.SUPERVISION_MEANS} one of {self.SUPERVISING}, got {shown(self.supervision)}"
@@ -383,7 +372,7 @@ class TransformersOptions(Keywords):
 
 
 class Transformers(Layout):
-    """The ``transformers`` layout: HF examples to a causal LM's batch; see the module doc."""
+    """The ``transformers`` layout: HF examples to a causal LM's batch."""
 
     OWNER: str = _OWNER
     ORDER: tuple[str | None, ...] = (
@@ -425,10 +414,7 @@ class Transformers(Layout):
     # -- the chain ---------------------------------------------------------------------------------
 
     def chain(self, keys: Sequence[str]) -> list[Transform]:
-        """The built-in transforms for a stacked batch holding ``keys``. Padded: ``PaddingMask ->
-        AttentionMask -> UnshiftedLabels -> LossMask`` (then ``LeftPadding``). Padding-free: ``BoundaryMask ->
-        UnshiftedLabels -> LossMask -> SeparatorLabels -> CuSeqlens -> CopyKeys -> SegmentIds ->
-        SequenceMap -> PositionOffset``, each as asked for."""
+        """The built-in transforms for a stacked batch holding ``keys``, each as the options ask."""
         options = self.options
         positions = self.positions_key
         steps: list[Transform] = []
@@ -530,11 +516,10 @@ class Transformers(Layout):
         """The read fields to the chain's input: supervision, padding dropped, truncation, rows, media."""
         options = self.options
         per_token: dict[str, Ragged] = {INPUT_IDS: fields[INPUT_IDS], LOSS_MASK: supervision(fields, names)}
-        for name in (TOKEN_TYPE_IDS, MM_TOKEN_TYPE_IDS):
-            if name in fields:
-                per_token[name] = fields[name]
-        for name in self._token_floats:
-            per_token[name] = fields[name]
+        per_token.update(
+            (name, fields[name]) for name in (TOKEN_TYPE_IDS, MM_TOKEN_TYPE_IDS) if name in fields
+        )
+        per_token.update((name, fields[name]) for name in self._token_floats)
         positions = _positions(fields, segments, names)
         if positions is not None:
             per_token[POSITIONS] = positions
@@ -580,12 +565,9 @@ class Transformers(Layout):
             data[spec.name] = in_float(value, spec)
         if media is not None and options.mrope is not None:
             data.update(media.joined(options.mrope.vision_cu_seqlens))
-        if (
-            options.padding_free
-            and self.settings.num_boundaries is not None
-            and options.return_flash_attn_kwargs
-        ):
-            check_boundary_count(data[self.positions_key], True, self.settings.num_boundaries, names)
+        limit = self.settings.num_boundaries
+        if options.padding_free and limit is not None and options.return_flash_attn_kwargs:
+            check_boundary_count(data[self.positions_key], True, limit, names)
         return stacked
 
     def _truncated(self, per_token: dict[str, Ragged], names: Names) -> dict[str, Ragged]:

@@ -74,8 +74,7 @@ from zephon_collate.transforms import (
 __all__ = ["ROLES", "Sharing", "TreeOptions", "Trees"]
 
 ROLES = "sequence_roles:"
-"""The stacked key of each sequence's role, followed by the role names (``sequence_roles:chosen,rejected``):
-the chain's :class:`~zephon_collate.transforms.SequenceRoles` step reads the names from it."""
+"""The stacked key of each sequence's role, then the role names (``sequence_roles:chosen,rejected``)."""
 _MAP = (DOCUMENT_IDS, BRANCH_IDS, LOGITS_INDEX, SEQUENCE_INDEX)
 Sharing = Literal["none", "prompt", "prefix"]
 
@@ -220,7 +219,7 @@ class TreeOptions(Keywords):
 
 
 class Trees(Layout):
-    """The post-training layout: a preset's forest laid out (see the module doc).
+    """The post-training layout: a preset's forest laid out.
 
     Parameters:
         options: a preset's :class:`TreeOptions`: its reader, its outputs.
@@ -247,8 +246,7 @@ class Trees(Layout):
     # -- the chain ---------------------------------------------------------------------------------
 
     def chain(self, keys: Sequence[str]) -> list[Transform]:
-        """``BoundaryMask -> PaddingMask -> AttentionMask -> UnshiftedLabels -> LossMask -> CuSeqlens ->
-        SegmentIds -> SequenceRoles -> LastTokenIndex``, each as the options and the keys ask."""
+        """The built-in transforms for a stacked batch holding ``keys``, each as the options ask."""
         options, rows = self.options, self.rows
         shared = options.sharing != "none"
         steps: list[Transform] = []
@@ -341,11 +339,10 @@ class Trees(Layout):
         if failed is not None:
             reach = int(forest.tokens.lengths[_ancestors(forest, failed)].sum())
             what = f"a path of its tree reaches {reach} tokens by a node's end (trees split between nodes)"
+            fix = "raise max_row_tokens"
         else:
             what = f"its tree holds {int(sizes.max())} tokens"
-        fix = (
-            "raise max_row_tokens" if failed is not None else "pass oversized='split' or raise max_row_tokens"
-        )
+            fix = "pass oversized='split' or raise max_row_tokens"
         raise ValueError(f"{names(source)}: {what}, more than max_row_tokens={width}; {fix}")
 
     def stacked(self, forest: Forest, laid: Laid, names: Names) -> Stacked:

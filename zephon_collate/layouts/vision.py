@@ -236,10 +236,7 @@ def read_media(batch: Batch, names: Names, mrope: MRope) -> Media:
 
 
 def mrope_positions(tokens: Ragged, types: Ragged, media: Media, mrope: MRope, names: Names) -> np.ndarray:
-    """``[N, 3]`` int64: each token's (t, h, w) position, every document from 0 (see the module doc).
-
-    Raises:
-        ValueError: for a type not 0, 1 or 2, or vision runs and grids that disagree, naming the example.
+    """``[N, 3]`` int64: each token's (t, h, w) position, every document from 0 (docs/vision_language.md).
 
     Example:
         >>> from zephon_collate.read.columns import concat
@@ -302,11 +299,7 @@ def mrope_positions(tokens: Ragged, types: Ragged, media: Media, mrope: MRope, n
     h = (within // safe_w) % safe_h
     w = within % safe_w
     text = ~vision[run]
-    out = np.empty((count, 3), dtype=np.int64)
-    out[:, 0] = opened[run] + np.where(text, within, t)
-    out[:, 1] = opened[run] + np.where(text, within, h)
-    out[:, 2] = opened[run] + np.where(text, within, w)
-    return out
+    return opened[run][:, None] + np.where(text[:, None], within[:, None], np.stack([t, h, w], axis=1))
 
 
 def _run_grids(

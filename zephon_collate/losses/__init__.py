@@ -1,8 +1,4 @@
-"""Losses that stay exact under packing, gradient accumulation and data-parallel ranks.
-
-Sequence log-probs and loss aggregation (``sequences``), the DPO family (``preference``), policy
-losses and KL estimators (``policy``), top-k distillation (``distill``).
-"""
+"""Losses that stay exact under packing, gradient accumulation and data-parallel ranks."""
 
 from zephon_collate.losses.distill import distillation_loss
 from zephon_collate.losses.policy import KL_ESTIMATORS, clipped_policy_loss, importance_ratio, kl_penalty

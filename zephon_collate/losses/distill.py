@@ -1,8 +1,4 @@
-"""Knowledge distillation from a teacher's top-k log-probs: TRL GKD's generalised JSD on their support.
-
-``teacher_ids`` and ``teacher_logprobs`` ``[..., L, K]`` (absent entries: id 0, log-prob ``-inf``) and
-``labels`` must be aligned with the logits: ``teacher_*[..., t, :]`` goes with ``logits[..., t, :]``.
-"""
+"""Knowledge distillation from a teacher's top-k log-probs: TRL GKD's generalised JSD on their support."""
 
 from __future__ import annotations
 
@@ -39,13 +35,12 @@ def distillation_loss(
 ) -> torch.Tensor:
     """TRL GKD's generalised Jensen-Shannon divergence between teacher and student on the teacher's top-k.
 
-    Both distributions are restricted to the ids present (log-prob ``> -inf``) and renormalised there;
-    absent entries add exactly 0 to the value and the gradient. Under ``torch.compile`` the value checks
-    (duplicate ids, a trained position without entries) are skipped.
+    Both distributions are renormalised on the ids present (log-prob ``> -inf``); under ``torch.compile``
+    the value checks are skipped (docs/tensor_fields.md).
 
     Parameters:
         student_logits: ``[..., L, V]`` floating logits, aligned with the other arguments.
-        teacher_ids: ``[..., L, K]`` integer token ids in ``[0, V)``, distinct within a position.
+        teacher_ids: ``[..., L, K]`` integer token ids in ``[0, V)``, distinct within a position (absent: 0).
         teacher_logprobs: ``[..., L, K]`` log-probs of ``teacher_ids``, ``-inf`` where absent.
         labels: ``[..., L]`` integer labels (``ignore_index`` where not trained), or a bool mask.
         beta: in ``[0, 1]``, TRL's ``GKDConfig.beta`` (0: forward KL, 1: reverse KL).
@@ -53,9 +48,6 @@ def distillation_loss(
         ignore_index: the label of positions not trained.
         reduction: ``"batchmean"`` (over trained tokens), ``"sum"``, ``"mean"`` (over
             ``n_trained * V``, TRL's) or ``"none"`` (``[..., L]``, 0 where not trained).
-
-    Returns:
-        A scalar, or ``[..., L]`` for ``reduction="none"``.
 
     Example:
         >>> logits = torch.tensor([[1.0, 1.0, 5.0]])  # V = 3, L = 1; id 2 is not in the teacher's top-2

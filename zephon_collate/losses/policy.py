@@ -1,8 +1,4 @@
-"""Policy-gradient losses and KL estimators on token-aligned ``[R, L]`` log-probs, in any layout.
-
-TRL 1.16's GRPO and verl 0.10's definitions; the per-token losses go to
-:func:`~zephon_collate.losses.aggregate_loss`.
-"""
+"""Policy-gradient losses and KL estimators (TRL 1.16's GRPO, verl 0.10) on ``[R, L]`` log-probs."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The DPO family of preference losses (TRL 1.16's ``loss_type`` s), on per-sequence log-probs.
-
-The formula of each loss type is tabled in docs/post_training.md.
-"""
+"""The DPO family of preference losses (TRL 1.16's ``loss_type`` s), tabled in docs/post_training.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Losses that stay exact under packing, gradient accumulation and data-parallel ranks.
+"""Token and sequence log-probs, :func:`unpack` and :func:`aggregate_loss`, exact in every layout.
 
-Token and sequence log-probs, :func:`unpack` and :func:`aggregate_loss` (verl's ``loss_agg_mode`` s,
-TRL's ``loss_type`` s) read the sequences from what the collator wrote: the batch's sequence map, a
-padded batch's rows or a padding-free batch's positions (docs/post_training.md says how).
+They read the sequences from what the collator wrote (docs/post_training.md says how).
 """
 
 from __future__ import annotations
@@ -11,7 +9,7 @@ import math
 import numbers
 import operator
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal, NamedTuple, TypeAlias
+from typing import Any, Literal, NamedTuple, TypeAlias, get_args
 
 import torch
 
@@ -51,16 +49,10 @@ __all__ = [
 Mode: TypeAlias = Literal[
     "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum"
 ]
-MODES: tuple[Mode, ...] = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-    "token-sum",
-)
+MODES: tuple[Mode, ...] = get_args(Mode)
 """verl's ``loss_agg_mode`` values, for :func:`aggregate_loss`."""
 Empty: TypeAlias = Literal["skip", "count"]
-EMPTY: tuple[Empty, ...] = ("skip", "count")
+EMPTY: tuple[Empty, ...] = get_args(Empty)
 """Whether a sequence without a supervised token counts in a ``"seq-mean-*"`` denominator."""
 _Batch: TypeAlias = Mapping[str, Any]
 _FIX = "pass the batch the collator returned"
@@ -127,15 +119,6 @@ def _tensor(
     return value if like is None else value.to(like.device)
 
 
-def _labels(batch: _Batch, like: torch.Tensor) -> torch.Tensor:
-    if LABELS not in batch:
-        raise ValueError(
-            "the batch has no 'labels'; the loss helpers read what is supervised from them (-100 where no "
-            f"loss is taken): {_FIX}, labels included"
-        )
-    return _tensor(batch, LABELS, like)
-
-
 def _count(value: object) -> int:
     """``batch["num_sequences"]``, checked: an int >= 0."""
     try:
@@ -154,12 +137,10 @@ def _count(value: object) -> int:
 def _sequence_map(
     batch: _Batch, *, split: bool = False, ends: bool = False, logits_shape: tuple[int, ...] | None = None
 ) -> _Map:
-    """The batch's sequences, read from what the collator wrote, checked in one device sync at most.
+    """The batch's sequences, checked in one device sync at most.
 
-    Parameters:
-        split: refuse a padding-free row ending in one-token sequences (the caller returns sequences).
-        ends: that refusal alone (a caller counting every sequence).
-        logits_shape: check the logits fit and every token id is inside their vocabulary.
+    ``split`` or ``ends``: refuse a padding-free row ending in one-token sequences (``split`` also reads
+    the map's indices); ``logits_shape``: check the logits fit and the token ids are in their vocabulary.
     """
     if not isinstance(batch, Mapping) or INPUT_IDS not in batch:
         raise TypeError(
@@ -292,7 +273,12 @@ def _sequence_map(
 
 def _supervised(batch: _Batch, view: _Map) -> torch.Tensor:
     """``[E]`` bool: entries whose label is not -100, that a position predicts, in a sequence."""
-    labels = _labels(batch, view.logits_index)
+    if LABELS not in batch:
+        raise ValueError(
+            "the batch has no 'labels'; the loss helpers read what is supervised from them (-100 where no "
+            f"loss is taken): {_FIX}, labels included"
+        )
+    labels = _tensor(batch, LABELS, view.logits_index)
     trained = view.entries((labels != IGNORE_INDEX) & (view.logits_index >= 0), "labels")
     return trained & (view.entry_sequence >= 0)
 
@@ -360,17 +346,13 @@ def _padding_value(value: object, dtype: torch.dtype) -> float | int:
 
 
 def token_logprobs(logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
-    """Per-token log-probs, token-aligned: ``out[r, t] = log p(input_ids[r, t] | its context)``.
+    """Per-token log-probs ``[R, L]``, token-aligned: ``out[r, t] = log p(input_ids[r, t] | its context)``.
 
-    Each token is scored with the logits of the position that predicts it (``logits_index``), in float32
-    or wider; 0 where nothing predicts it. ``labels`` are not read.
+    In float32 or wider, 0 where nothing predicts the token; ``labels`` are not read.
 
     Parameters:
         logits: ``[R, L, V]``, the model's output for ``batch["input_ids"]``, over the whole vocabulary.
         batch: a batch of ``Collator.for_preference`` / ``for_rollouts`` (or ``for_transformers``).
-
-    Returns:
-        ``[R, L]`` float, differentiable with respect to ``logits``.
 
     Example:
         >>> from zephon_collate import Collator
@@ -477,12 +459,7 @@ def along_paths(values: torch.Tensor, batch: _Batch) -> torch.Tensor:
 
 
 def sequence_logprobs(logits: torch.Tensor, batch: _Batch) -> SequenceLogprobs:
-    """Per-sequence log-probs: the sum over each sequence's supervised tokens, and their count.
-
-    DPO's sequence log-prob (``out.sums[batch["chosen_index"]]``), the same in every layout.
-
-    Returns:
-        ``SequenceLogprobs(sums [S] float, counts [S] int64)``, ``S`` the batch's sequences.
+    """Per-sequence log-probs over supervised tokens: ``SequenceLogprobs(sums [S], counts [S] int64)``.
 
     Example:
         >>> from zephon_collate import Collator
@@ -545,9 +522,8 @@ def unpack(
     flat = torch.arange(sequence.numel(), device=device)
     own = sequence >= 0
     slot = torch.where(own, sequence, count)
-    own_length = torch.zeros(count + 1, dtype=torch.int64, device=device).scatter_add(0, slot, own.long())[
-        :count
-    ]
+    zeros = torch.zeros(count + 1, dtype=torch.int64, device=device)
+    own_length = zeros.scatter_add(0, slot, own.long())[:count]
     far = torch.full((count + 1,), sequence.numel(), dtype=torch.int64, device=device)
     own_start = far.scatter_reduce(0, slot, flat, reduce="amin")[:count]
     trunk_start = torch.zeros(count, dtype=torch.int64, device=device)
@@ -609,11 +585,6 @@ def _local_count(supervised: torch.Tensor, view: _Map, mode: Mode, empty: Empty)
     return (per_sequence > 0).sum()
 
 
-def _count_of(batch: _Batch, mode: Mode, empty: Empty) -> torch.Tensor:
-    view = _sequence_map(batch, ends=_counts_sequences(mode, empty))
-    return _local_count(_supervised(batch, view), view, mode, empty)
-
-
 def _check_mode(mode: object) -> Mode:
     if mode not in MODES:
         raise ValueError(f"aggregate_loss: mode must be one of {MODES}, got {shown(mode)}")
@@ -671,7 +642,10 @@ def global_loss_count(
             "global_loss_count: batches must be a batch dict or an iterable of them (the step's "
             f"micro-batches on this rank), got {shown(batches)}"
         )
-    counts = [_count_of(batch, checked, how) for batch in items]
+    counts = []
+    for batch in items:
+        view = _sequence_map(batch, ends=_counts_sequences(checked, how))
+        counts.append(_local_count(_supervised(batch, view), view, checked, how))
     return global_num_valid_tokens(counts, group=group, device=device)
 
 
@@ -687,10 +661,7 @@ def aggregate_loss(
     group: Any = None,
     world_size: int | None = None,
 ) -> torch.Tensor:
-    """The loss to call ``backward`` on: ``per_token_loss`` over supervised tokens, aggregated by ``mode``.
-
-    verl 0.10's ``agg_loss`` formulas; the arguments for each TRL ``loss_type`` and verl setting are
-    tabled in docs/post_training.md ("Loss aggregation: TRL and verl").
+    """The 0-d loss to call ``backward`` on: ``per_token_loss`` over supervised tokens, by ``mode``.
 
     Parameters:
         per_token_loss: ``[R, L]``, aligned with ``input_ids`` (or per entry, :func:`along_paths`).
@@ -703,9 +674,6 @@ def aggregate_loss(
         normalizer: the constant response length of ``"seq-mean-token-sum-norm"`` (required there).
         group: the data-parallel group (``None``: the default group).
         world_size: the ranks gradients are averaged over (default: ``group``'s size, 1 alone).
-
-    Returns:
-        A 0-d tensor.
 
     Example:
         >>> from zephon_collate import Collator

@@ -52,14 +52,7 @@ class BalancedSteps:
         self.rank, self.ranks, self.worker, self.workers = placement
         self.epoch = epoch
         self.schedule = BalanceSchedule(balance, self.ranks)
-        fields = None if options.fields is None else tuple(options.fields)
-        self.reader = Reader(
-            None if options.tokens_field == "auto" else options.tokens_field,
-            fields,
-            strict=fields is None,
-            floats=options.floats,
-            segments=options.emit_positions,
-        )
+        self.reader = Reader.of(options)  # no group_key: a balanced stream refuses it
         self.pieces: dict[int, Piece] = {}
         self.consumed = self.next_key = self.steps = 0
         self.last_cursor: Any = None

@@ -1,8 +1,4 @@
-"""pack_columns: documents given as columns packed into arrays of rows, vectorised.
-
-The rows are those :func:`~zephon_collate.pack_flat` packs from the same documents, placed from the
-lengths alone, every field then moved by one gather.
-"""
+"""pack_columns: documents given as columns packed into arrays of ``pack_flat``'s rows, vectorised."""
 
 from __future__ import annotations
 
@@ -34,8 +30,7 @@ class PackedColumns:
     that :class:`~zephon_collate.Collator` reads as it reads ``pack_flat``'s records.
 
     Attributes:
-        fields: each packed field (and ``"positions"``) as ``[R, seq_len]`` (``[R, seq_len, ...]`` for a
-            value field).
+        fields: each packed field (and ``"positions"``): ``[R, seq_len]``; a value field ``[R, seq_len, ...]``
         padding_length: ``[R]`` each row's trailing padding.
         offsets: row ``r``'s pieces are ``[offsets[r]:offsets[r + 1]]`` of the arrays below.
         documents: each piece's document (its row in the input batch).
@@ -113,14 +108,9 @@ def pack_columns(documents: ColumnarBatch, *args: Any, **given: Any) -> PackedCo
     """Pack documents given as columns into ``[rows, seq_len]`` arrays: ``pack_flat``'s rows, vectorised.
 
     Parameters:
-        documents: a columnar batch (a ``pyarrow.Table`` or ``RecordBatch``, a list of them, a dict of
-            Arrow columns or ``(values, offsets)`` pairs), one document per row.
+        documents: a columnar batch (a ``pyarrow.Table``, a dict of ``(values, offsets)`` pairs, ...).
         seq_len, pad_token_id, emit_positions, tokens_field, strategy, overflow, buffer_size, fields,
-            float_fields: as for :func:`~zephon_collate.pack_flat`.
-        group_key: refused unless ``None`` (columns carry no group per record).
-
-    Returns:
-        A :class:`PackedColumns`.
+        float_fields: as for :func:`~zephon_collate.pack_flat`; ``group_key`` must be ``None``.
 
     Example:
         >>> import numpy as np
@@ -137,11 +127,7 @@ def pack_columns(documents: ColumnarBatch, *args: Any, **given: Any) -> PackedCo
             f"pack_columns: documents must be a columnar batch (a pyarrow.Table, a dict of (values, offsets) "
             f"pairs, ...), got {type(documents).__name__}; pack records with pack_flat"
         )
-    tokens_name = None if options.tokens_field == "auto" else options.tokens_field
-    listed = None if options.fields is None else tuple(options.fields)
-    reader = Reader(
-        tokens_name, listed, strict=listed is None, floats=options.floats, segments=options.emit_positions
-    )
+    reader = Reader.of(options)  # no group_key: refused by check_columnar
     tokens, values = reader.read_columns(columns, 0)
     size = options.seq_len
     lengths = tokens.lengths

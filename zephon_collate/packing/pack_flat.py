@@ -1,8 +1,4 @@
-"""pack_flat: pack tokenized records into flat rows of exactly ``seq_len`` tokens.
-
-:func:`pack_flat` packs a list; ``FlatPacker`` packs a stream with the same rows. Documents are read
-and checked by :mod:`zephon_collate.packing.reader`.
-"""
+"""pack_flat: pack a list of tokenized records into flat rows of exactly ``seq_len`` tokens."""
 
 from __future__ import annotations
 
@@ -57,27 +53,18 @@ def pack_flat(
 ) -> list[SampleRecord]:
     """Pack tokenized records into flat rows of exactly ``seq_len`` tokens (docs/packing.md).
 
-    Each row holds the tokens, the packed per-token fields and, with ``emit_positions``, ``"positions"``
-    restarting at 0 on every segment; the trailing padding is a segment of its own
-    (``meta.padding_length``).
-
     Parameters:
-        records: the records (dict payloads or token arrays; sentinels allowed), a SampleBatch,
-            or a columnar batch of documents.
+        records: records (dict payloads or token arrays; sentinels allowed), a SampleBatch, or columns.
         seq_len: tokens per row, an int >= 1.
         pad_token_id: the padding token, an int >= 0.
         emit_positions: write segment-restarting ``"positions"``.
         tokens_field: the token field, or ``"auto"``: the first of input_ids, tokens, token_ids, ids.
         strategy: ``"greedy"`` (arrival order) or ``"best_fit"`` (best-fit-decreasing per buffer).
-        overflow: for a document longer than ``seq_len``: ``"split"``, ``"truncate"``, or ``"auto"``
-            (split, but raise for one with a prompt).
+        overflow: a document over ``seq_len``: ``"split"``, ``"truncate"`` or ``"auto"`` (docs/packing.md).
         buffer_size: pieces per best-fit round (int >= 1), or ``None`` for all.
         fields: the per-token fields to pack, or ``None`` for those all documents share.
         float_fields: float fields to pack (names, or :class:`~zephon_collate.FloatField` specs).
         group_key: the payload field holding each record's group id, or ``None`` (no groups).
-
-    Returns:
-        The rows, a list of :class:`SampleRecord`.
 
     Example:
         >>> from zephon_collate.types import SampleMeta

@@ -1,12 +1,4 @@
-"""FlatPacker: :func:`~zephon_collate.packing.pack_flat` over an endless stream, resumable.
-
-The packer reads records one at a time, keeps a bounded buffer (the open row
-for ``"greedy"``, ``buffer_size`` pieces for ``"best_fit"``) and yields each
-row as soon as it is closed, so it runs inside an ``IterableDataset`` that
-never ends. :meth:`FlatPacker.state_dict` captures the buffer and counters as
-plain Python/NumPy data; a packer restored from it and fed the rest of the
-stream emits exactly the rows an uninterrupted run would have emitted next.
-"""
+"""FlatPacker: :func:`~zephon_collate.packing.pack_flat` over an endless stream, resumable."""
 
 from __future__ import annotations
 
@@ -46,49 +38,14 @@ STATE_VERSION = 1
 
 
 class FlatPacker:
-    """Pack a stream of tokenized records into flat rows of exactly ``seq_len`` tokens.
+    """Pack a stream of tokenized records into flat rows of exactly ``seq_len`` tokens, resumably.
 
-    Rows, layout, metadata, sentinels and options are those of
-    :func:`~zephon_collate.packing.pack_flat`: ``pack_flat(records, ...)`` equals
-    ``list(FlatPacker(..., buffer_size=n).pack(records))`` when the documents
-    agree on their per-token fields, ``n`` being ``pack_flat``'s ``buffer_size``
-    or, for its default ``None``, at least the number of pieces (a document
-    longer than ``seq_len`` is several).
-    Differences:
-
-    * ``buffer_size`` (default 1024) bounds the best-fit buffer: a round of
-      best-fit-decreasing runs whenever it holds that many pieces, at a flush
-      sentinel and at the end of the input. Greedy holds only the open row.
-    * With ``fields=None`` the packed per-token fields are those of the first
-      document with tokens (``loss_mask`` and each numeric 1-D field with one
-      entry per token, supervision under other names aside: see
-      :func:`~zephon_collate.packing.pack_flat`, whose refusal of it every
-      document meets); a later document lacking one of them, or carrying a
-      ``loss_mask`` when the first had none, raises ``ValueError``. With
-      ``tokens_field="auto"`` the first document fixes the token field name
-      too (``"input_ids"`` if it is an array payload).
-    * With ``group_key``, a group is complete when a record with another key (or a
-      flush sentinel, or the end of the input) arrives: its records are held
-      until then, beside the buffer.
-    * The packer keeps views of the input arrays until their row is emitted;
-      do not write into them in the meantime. Run one :meth:`pack` at a time,
-      and restore a state before calling it.
-    * The stream may hold columnar batches of documents (a ``pyarrow.Table``,
-      a dict of ``(values, offsets)`` pairs, ...: see ``Collator``), as
-      ``dataset.with_format("arrow").iter(batch_size)`` yields them: each is read
-      and checked at once, then packed document by document. Document ``i`` of
-      the stream (counting every record and every row of every batch) is named
-      ``example i`` and has ``SampleMeta((0, 0, i), 0, 0, i)``, as a plain payload
-      at that place would; ``records_consumed`` counts documents.
+    ``pack_flat``'s rows, each yielded as soon as it is closed; how a stream differs: docs/packing.md.
 
     Parameters:
         seq_len, pad_token_id, emit_positions, tokens_field, strategy, overflow, fields, float_fields,
         group_key: as for :func:`~zephon_collate.packing.pack_flat`.
-        buffer_size: pieces per best-fit round, an int >= 1.
-
-    Raises:
-        TypeError, ValueError: for a bad option (at construction) or a bad record (while
-            packing), naming the record's index in the stream, the field and the fix.
+        buffer_size: pieces per best-fit round, an int >= 1 (default 1024).
 
     Example:
         >>> from zephon_collate.types import SampleMeta
@@ -113,16 +70,7 @@ class FlatPacker:
 
     def _reset(self) -> None:
         options = self.options
-        tokens_name = None if options.tokens_field == "auto" else options.tokens_field
-        fields = None if options.fields is None else tuple(options.fields)
-        self._reader = Reader(
-            tokens_name,
-            fields,
-            strict=fields is None,
-            floats=options.floats,
-            segments=options.emit_positions,
-            group_key=options.group_key,
-        )
+        self._reader = Reader.of(options)
         self._engine = Engine(options.seq_len, options.strategy == "best_fit", options.buffer_size or 1)
         self._consumed = 0
         self._emitted = 0
@@ -139,12 +87,7 @@ class FlatPacker:
         return self._emitted
 
     def pack(self, records: Iterable[SampleRecord | ColumnarBatch]) -> Iterator[SampleRecord]:
-        """Yield packed rows from ``records``, as soon as each is closed; the end of ``records`` flushes.
-
-        Rows already closed (from a restored state) come first. Each record
-        is validated when it is read; a list of records is read as one batch
-        (:meth:`~zephon_collate.packing.reader.Reader.read_all`).
-        """
+        """Yield packed rows from ``records`` as each is closed (restored rows first); the end flushes."""
         if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Iterable):
             raise TypeError(
                 f"FlatPacker.pack: records must be an iterable of SampleRecord, got {type(records).__name__}"
@@ -182,8 +125,7 @@ class FlatPacker:
         yield from self._drain()
 
     def _read_all(self, records: Iterable[object]) -> dict[int, Document | None] | None:
-        """The documents of a list of records, by place, read as one batch (:meth:`Reader.read_all`), or
-        ``None``: a stream, columns, or records not read as one batch are read as they come."""
+        """A list of records' documents by place, read as one batch; ``None``: read them as they come."""
         if type(records) not in (list, tuple):
             return None
         given = cast(Sequence[object], records)
@@ -207,8 +149,7 @@ class FlatPacker:
             self._engine.push(group_pieces(group.members, group.where, group.key, self.options))
 
     def _pack_columns(self, columns: Columns) -> Iterator[SampleRecord]:
-        """The documents of a columnar batch, read and checked at once, then pushed one by one (each
-        with the metadata a plain payload gets: ``sample_id=(0, 0, i)``, ``i`` its place in the stream)."""
+        """A columnar batch's documents, read and checked at once, then pushed one by one."""
         self.options.check_columnar("FlatPacker")
         self._close_group()
         first = self._consumed
@@ -235,15 +176,7 @@ class FlatPacker:
             yield build_row(pieces, self.options, self._reader.tokens_name or INPUT_IDS, self._reader.packed)
 
     def state_dict(self) -> dict[str, Any]:
-        """The packer's state as plain, picklable Python/NumPy data (copies, not views).
-
-        Keys: ``version``, ``options``, ``tokens_field`` and ``fields`` (as fixed by
-        the first document, or ``None``), ``records_consumed``, ``rows_emitted``,
-        ``pending`` (pieces of the open row or best-fit buffer), ``ready``
-        (closed rows not yet yielded) and ``group`` (with ``group_key``: the group
-        being read, its key, where it starts and its records, else ``None``).
-        Save it between rows; resume the input at ``records_consumed``.
-        """
+        """The packer's state as plain, picklable data (copies); resume the input at ``records_consumed``."""
         engine = self._engine
         group = self._group
         return {
@@ -261,12 +194,7 @@ class FlatPacker:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict` taken from a packer with the same options.
-
-        Raises:
-            TypeError: if ``state`` is not a mapping.
-            ValueError: if it is not a FlatPacker state of this version, or its options differ.
-        """
+        """Restore a :meth:`state_dict` taken from a packer with the same options."""
         if not isinstance(state, Mapping):
             raise TypeError(f"FlatPacker.load_state_dict: state must be a dict, got {type(state).__name__}")
         keys = (

@@ -1,15 +1,11 @@
-"""Packer input: the packing options (:class:`PackOptions`) and the documents (:class:`Reader`).
-
-Documents are read through the door (:mod:`zephon_collate.read`) and refused with the record, the
-field and the fix.
-"""
+"""Packer input: the packing options (:class:`PackOptions`) and the documents (:class:`Reader`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import MISSING, dataclass
+from dataclasses import KW_ONLY, MISSING, dataclass
 from typing import Any, Literal, NamedTuple, cast
 
 import numpy as np
@@ -267,6 +263,7 @@ def _check_one_segment(positions: Ragged, tokens: Ragged, names: Names, name: st
         )
 
 
+@dataclass(eq=False)
 class Reader:
     """Reads documents through the door (:mod:`zephon_collate.read`): records as one batch, or columns.
 
@@ -279,22 +276,26 @@ class Reader:
         group_key: the field read as each document's group.
     """
 
-    def __init__(
-        self,
-        tokens_name: str | None,
-        fields: tuple[str, ...] | None,
-        *,
-        strict: bool,
-        floats: tuple[TensorField, ...] = (),
-        segments: bool = False,
-        group_key: str | None = None,
-    ) -> None:
-        self.tokens_name = tokens_name
-        self.fields = fields
-        self.strict = strict
-        self.floats = floats
-        self.segments = segments
-        self.group_key = group_key
+    tokens_name: str | None
+    fields: tuple[str, ...] | None
+    _: KW_ONLY
+    strict: bool
+    floats: tuple[TensorField, ...] = ()
+    segments: bool = False
+    group_key: str | None = None
+
+    @classmethod
+    def of(cls, options: PackOptions) -> Reader:
+        """The reader of ``options``: token field and fields fixed by the first document unless given."""
+        fields = None if options.fields is None else tuple(options.fields)
+        return cls(
+            None if options.tokens_field == "auto" else options.tokens_field,
+            fields,
+            strict=fields is None,
+            floats=options.floats,
+            segments=options.emit_positions,
+            group_key=options.group_key,
+        )
 
     @property
     def packed(self) -> tuple[str, ...]:
@@ -487,11 +488,9 @@ class Reader:
                 if batch.one_value_row(name) is not None:
                     raise ValueError(
                         f"{names(int(carried[0]))}: field {shown(name)} holds one value per document, "
-                        "not one "
-                        "per token, so what it supervises cannot be checked; give it one value per "
-                        "token (as a "
-                        "loss_mask: 1 = supervised), or drop it (a per-example label, as for sequence "
-                        "classification, is not a token field)"
+                        "not one per token, so what it supervises cannot be checked; give it one value per "
+                        "token (as a loss_mask: 1 = supervised), or drop it (a per-example label, as for "
+                        "sequence classification, is not a token field)"
                     )
         loss_mask = (
             batch.get(LOSS_MASK, "values")

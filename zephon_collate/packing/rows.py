@@ -1,12 +1,11 @@
-"""Packed rows from documents: cut each document into pieces, place the pieces in rows, build each row.
-
-Pieces hold plain data only, so ``FlatPacker`` can save and restore them.
-"""
+"""Packed rows from documents: cut each document into pieces (plain data, so a state can hold them),
+place the pieces in rows, build each row."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import pairwise
 from typing import NamedTuple
 
 import numpy as np
@@ -65,6 +64,12 @@ class Base(NamedTuple):
     lineage: tuple[int, ...]
     counts: dict[int, int]
 
+    @classmethod
+    def of(cls, meta: SampleMeta) -> Base:
+        """The base of a record with metadata ``meta``."""
+        counts = dict(meta.component_sample_counts)
+        return cls(meta.sample_id, meta.lane_id, meta.chunk_id, meta.chunk_offset, meta.lineage, counts)
+
 
 OPENS_UNIT, OPENS_ROW, CONTINUES = 2, 1, 0
 """How a piece starts (:attr:`Piece.opens`): a placement unit of its own (a document, or a group's first
@@ -94,16 +99,7 @@ def _segment_count(piece: Piece) -> int:
 
 def document_piece(record: SampleRecord, document: Document) -> Piece:
     """A whole document as one piece (its record's metadata as the base)."""
-    meta = record.meta
-    base = Base(
-        meta.sample_id,
-        meta.lane_id,
-        meta.chunk_id,
-        meta.chunk_offset,
-        meta.lineage,
-        dict(meta.component_sample_counts),
-    )
-    return Piece(document.tokens, document.fields, base, 0, True, document.positions)
+    return Piece(document.tokens, document.fields, Base.of(record.meta), 0, True, document.positions)
 
 
 def _cut(piece: Piece, cut: slice, part: int, closes: bool) -> Piece:
@@ -121,10 +117,7 @@ def _cut(piece: Piece, cut: slice, part: int, closes: bool) -> Piece:
 
 
 def _split(piece: Piece, where: str, options: PackOptions) -> list[Piece]:
-    """The pieces of one whole document: itself, or ``seq_len`` slices (split) or its head (truncate).
-
-    ``overflow="auto"`` refuses to cut a document with a prompt or several segments.
-    """
+    """The pieces of one whole document: itself, or ``seq_len`` slices (split) or its head (truncate)."""
     size = options.seq_len
     tokens = piece.tokens
     overflow = options.overflow
@@ -228,11 +221,7 @@ def _water_filled(sizes: list[int], room: int) -> list[int]:
 
 
 def group_pieces(members: list[Piece], where: str, key: object, options: PackOptions) -> list[Piece]:
-    """The pieces of a group (records with one group key, in order): one unit the engine never separates.
-
-    A group longer than ``seq_len`` follows ``overflow``: ``"auto"`` raises, ``"truncate"`` cuts
-    each member to its head (longest first, to equal length), ``"split"`` lays it over consecutive rows.
-    """
+    """The pieces of a group (records with one group key, in order): one unit the engine never separates."""
     side = 0
     placed = []
     for member in members:
@@ -241,9 +230,8 @@ def group_pieces(members: list[Piece], where: str, key: object, options: PackOpt
     size = options.seq_len
     total = sum(member.tokens.size for member in placed)
     if len(placed) == 1 and total > size and options.overflow != "split":
-        placed = _split(
-            placed[0], where, options
-        )  # a lone record: a document's rules (its pieces stay a unit)
+        # a lone record: a document's rules (its pieces stay a unit)
+        placed = _split(placed[0], where, options)
         total = sum(piece.tokens.size for piece in placed)
         if len(placed) > 1:
             return [p._replace(opens=OPENS_UNIT if i == 0 else OPENS_ROW) for i, p in enumerate(placed)]
@@ -380,10 +368,7 @@ def _token_split(counts: Mapping[int, int], size: int) -> dict[int, int]:
 
 
 class Segment(NamedTuple):
-    """One segment of a packed row: the record it came from, its side, where it lies in the row.
-
-    ``side``: its place among its group's segments (in a preference pair, chosen 0, rejected 1).
-    """
+    """One segment of a packed row: the record it came from, its side in its group, where it lies."""
 
     sample_id: tuple[int, int, int]
     side: int
@@ -436,16 +421,10 @@ def build_row(
         payload[name] = values
     segments: list[Segment] = []
     offset = 0
-    for piece, length in zip(pieces, lengths, strict=True):
-        if piece.positions is None:
-            segments.append(Segment(piece.base.sample_id, piece.side, offset, length))
-        else:
-            starts = [*np.flatnonzero(piece.positions == 0).tolist(), length]
-            for k in range(len(starts) - 1):
-                segment = Segment(
-                    piece.base.sample_id, piece.side + k, offset + starts[k], starts[k + 1] - starts[k]
-                )
-                segments.append(segment)
+    for piece, length in zip(pieces, lengths, strict=True):  # a piece's positions start at 0
+        starts = [0] if piece.positions is None else np.flatnonzero(piece.positions == 0).tolist()
+        for k, (start, end) in enumerate(pairwise([*starts, length])):
+            segments.append(Segment(piece.base.sample_id, piece.side + k, offset + start, end - start))
         offset += length
     if options.emit_positions:  # each piece's own positions (0, 1, ... for one segment), then the padding's
         sizes = np.array([*lengths, padding] if padding else lengths, np.int64)

@@ -1,8 +1,4 @@
-"""A stream's records and saved state: reading a source shard from a position, and state as plain data.
-
-``source`` is a sequence of records (a resume seeks) or ``source(shard, num_shards, epoch)`` (a
-resume reads and skips); the record before the resume point must carry the saved cursor key.
-"""
+"""A stream's records and saved state: reading a source shard from a position, and state as plain data."""
 
 from __future__ import annotations
 
@@ -51,11 +47,7 @@ def cursor_key(value: Any) -> Any:
 def shard_records(
     source: Source, shard: int, num_shards: int, epoch: int, start: int, expected: Any
 ) -> Iterator[SampleRecord]:
-    """Shard ``shard``'s records from position ``start`` on, after checking the one before it.
-
-    Raises:
-        ValueError: if the source changed since the state was saved.
-    """
+    """Shard ``shard``'s records from ``start`` on; ``ValueError`` unless the one before is ``expected``."""
     if callable(source):
         records = iter(source(shard, num_shards, epoch))
         for position in range(start):

@@ -1,7 +1,5 @@
-"""The packer's saved state: pieces as plain data, and their strict check on the way back.
-
-A corrupt state raises a ``ValueError`` naming the state key, never a raw NumPy error or a wrong row.
-"""
+"""The packer's saved state: pieces as plain data, checked on the way back (a ``ValueError`` naming the
+corrupt key, never a raw NumPy error or a wrong row)."""
 
 from __future__ import annotations
 
@@ -130,8 +128,7 @@ def _base_from_state(state: object, where: str) -> Base:
         )
     except (TypeError, ValueError) as error:
         raise corrupt(where, f"is not record metadata ({error})") from None
-    counts = dict(meta.component_sample_counts)
-    return Base(meta.sample_id, meta.lane_id, meta.chunk_id, meta.chunk_offset, meta.lineage, counts)
+    return Base.of(meta)
 
 
 def pieces_from_state(

@@ -1,23 +1,6 @@
 """PackedStream: packed rows from a record source, as an IterableDataset that resumes mid-epoch.
 
-:class:`PackedStream` runs a :class:`~zephon_collate.packing.packer.FlatPacker`
-over the records of its shard (one per data-parallel rank and DataLoader
-worker) and is its own iterator, with ``state_dict``/``load_state_dict``. That
-is the protocol of torchdata's ``StatefulDataLoader``, which saves the state of
-every worker's stream with its own position; in one process (``num_workers=0``)
-the stream's own ``state_dict`` works with torch's plain ``DataLoader`` too.
-
-The state holds the packer's state (its open row or best-fit buffer, closed
-rows not yet yielded and ``records_consumed``, where the source resumes) and
-the :meth:`~zephon_collate.types.SampleCursor.as_key` of the last record read,
-which the resumed stream checks against the source. It is made of dicts,
-lists, tuples, ints, strings and tensors only, so
-``torch.save``/``torch.load(weights_only=True)`` keep it.
-
-With ``balance=BalanceOptions(...)`` the stream is balanced across ranks instead
-(:mod:`zephon_collate.packing.balanced`): every rank reads the whole source,
-plans each step as its peers do, and yields one item per step, its own
-micro-batches of packed rows.
+Its state is plain data and tensors, so ``torch.load(weights_only=True)`` reads it (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -56,43 +39,20 @@ class _StreamKeywords(StreamOptions):
 
 
 class PackedStream(IterableDataset[SampleRecord]):
-    """Rows of ``seq_len`` tokens packed from a record source, resumable mid-epoch.
+    """Rows of ``seq_len`` tokens packed from a record source, resumable mid-epoch (docs/distributed.md).
 
-    Sharding: shard ``rank * num_workers + worker_id`` of
-    ``world_size * num_workers`` (rank and world size from ``torch.distributed``
-    when initialised, unless given; workers from ``get_worker_info()``). Each
-    shard is packed on its own, in order, by a fresh :class:`FlatPacker`
-    (``seq_len``, ``pad_token_id`` and ``packer_options`` are its options).
-
-    ``source`` is either
-
-    * a sequence of :class:`SampleRecord` (anything with ``__len__`` and
-      ``__getitem__``, e.g. a map-style dataset): the shard reads indices
-      ``shard, shard + num_shards, ...``; a resume seeks there directly; or
-    * a callable ``source(shard, num_shards, epoch)`` returning an iterable of
-      this shard's records, the same ones in the same order for the same
-      arguments: a resume reads and skips the records already consumed.
-
-    Each ``iter(stream)`` starts the epoch over, except the first one after
-    :meth:`load_state_dict`, which continues from the loaded state.
-    :meth:`state_dict` is the position of the latest iterator: run one at a time.
+    Shard ``rank * num_workers + worker_id`` of ``world_size * num_workers`` is packed by its own
+    :class:`FlatPacker`. Each ``iter(stream)`` starts the epoch over, except the first one after
+    :meth:`load_state_dict`; run one iterator at a time.
 
     Parameters:
-        source: the records, as above.
+        source: a sequence of :class:`SampleRecord` (read ``shard, shard + num_shards, ...``), or a callable
+            ``source(shard, num_shards, epoch)`` giving the same records for the same arguments.
         seq_len, pad_token_id, emit_positions, tokens_field, strategy, overflow, buffer_size, fields,
         float_fields, group_key: the :class:`FlatPacker` options.
-        rank, world_size: this data-parallel rank and the number of ranks
-            (default: torch.distributed's, or 0 and 1).
-        balance: a :class:`~zephon_collate.parallel.balance.BalanceOptions` for the balanced mode:
-            no sharding by rank; each item is one step, this rank's micro-batches (each a list
-            of rows) of a plan every rank computes alike (see
-            :mod:`zephon_collate.packing.balanced`). Fixed rows need ``balance.seq_len == seq_len``;
-            padding-free, documents are cut at ``seq_len`` (at most ``balance.max_tokens``).
-            ``strategy``, ``buffer_size`` and ``group_key`` do not apply (the plan packs the rows).
-
-    Raises:
-        TypeError, ValueError: for bad packer options (at construction), a source of
-            neither kind, a bad ``rank``/``world_size``, or ``balance`` options that do not fit.
+        rank, world_size: this rank and the number of ranks (default: torch.distributed's, or 0 and 1).
+        balance: a :class:`~zephon_collate.parallel.balance.BalanceOptions`: every rank reads the whole
+            source, and each item is one step, this rank's micro-batches (lists of rows).
 
     Example:
         >>> from zephon_collate import SampleMeta
@@ -154,22 +114,12 @@ class PackedStream(IterableDataset[SampleRecord]):
         return state
 
     def set_epoch(self, epoch: int) -> None:
-        """Set the epoch passed to a callable source (as for ``DistributedSampler.set_epoch``).
-
-        A loaded state's epoch takes precedence for the iteration it resumes.
-        """
+        """Set the epoch passed to a callable source; a loaded state's epoch wins for the pass it resumes."""
         self.epoch = int(epoch)
 
     def shard(self) -> tuple[int, int]:
         """``(shard, num_shards)`` of the calling process (and DataLoader worker)."""
-        if self.world_size is not None:
-            rank, world = self.rank, self.world_size
-        elif dist.is_available() and dist.is_initialized():
-            rank, world = dist.get_rank(), dist.get_world_size()
-        else:
-            rank, world = 0, 1
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        rank, world, worker, workers = self.placement()
         return rank * workers + worker, world * workers
 
     def placement(self) -> tuple[int, int, int, int]:
@@ -188,25 +138,12 @@ class PackedStream(IterableDataset[SampleRecord]):
         if get_worker_info() is not None:
             self._in_workers.fill_(1)
         state, self._pending = self._pending, None
-        latest: _Iterator | _BalancedIterator = (
-            _Iterator(self, state) if self.balance is None else _BalancedIterator(self, state)
-        )
-        self._latest = latest
-        return latest
+        self._latest = _Iterator(self, state) if self.balance is None else _BalancedIterator(self, state)
+        return self._latest
 
     def state_dict(self) -> dict[str, Any]:
-        """The position of the latest iterator: ``version``, ``epoch``, ``shard``, ``num_shards``,
-        ``packer`` (the packer's state with arrays as tensors; ``None`` before the first row) and
-        ``last_cursor`` (the ``as_key()`` of the last record read; ``None`` before any).
-
-        Take it between rows. Before any iteration it is a loaded state not yet used, or the start.
-
-        Raises:
-            ValueError: in the main process, once a plain ``DataLoader`` iterates this stream in
-                worker processes: their progress is not visible here (a copy of the stream runs in
-                each), and the start state would silently replay every batch seen.
-                ``torchdata.stateful_dataloader.StatefulDataLoader`` collects each worker's state.
-        """
+        """The position of the latest iterator (take it between rows): ``version``, ``epoch``, ``shard``,
+        ``num_shards``, ``packer`` (``None`` before the first row) and ``last_cursor``."""
         if self._latest is None and get_worker_info() is None and bool(self._in_workers):
             raise ValueError(
                 "PackedStream.state_dict: this stream is iterated in DataLoader worker processes, whose "
@@ -222,13 +159,7 @@ class PackedStream(IterableDataset[SampleRecord]):
         return _state(self.epoch, shard, num_shards, None, None)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state`` (a :meth:`state_dict`) at the next ``iter()``.
-
-        Raises:
-            TypeError: if ``state`` is not a mapping.
-            ValueError: if it is not a PackedStream state of this version; when iterating, if it
-                comes from another shard, its packer options differ, or the source changed.
-        """
+        """Continue from ``state`` (a :meth:`state_dict`) at the next ``iter()``."""
         if not isinstance(state, Mapping):
             raise TypeError(f"PackedStream.load_state_dict: state must be a dict, got {type(state).__name__}")
         keys = ("version", "epoch", "shard", "num_shards", "packer", "last_cursor")
@@ -313,24 +244,32 @@ def _check_balance(balance: Any, seq_len: int, packer_options: Mapping[str, Any]
     BalanceSchedule(balance, 1)  # micro_batches is required: it sets the window's size
 
 
-class _Iterator:
-    """One pass of a :class:`PackedStream` over its shard; starts reading on the first ``next()``."""
+class _Pass:
+    """One pass of a :class:`PackedStream`; starts reading on the first ``next()``."""
 
     def __init__(self, stream: PackedStream, state: dict[str, Any] | None) -> None:
         self.stream = stream
         self.state = state
-        self.rows: Iterator[SampleRecord] | None = None
-        self.packer: FlatPacker | None = None
-        self.last_cursor: Any = None
         self.epoch = stream.epoch if state is None else int(state["epoch"])
+        self.items: Iterator[Any] | None = None
 
-    def __iter__(self) -> _Iterator:
+    def __iter__(self) -> _Pass:
         return self
 
-    def __next__(self) -> SampleRecord:
-        if self.rows is None:
-            self.rows = self._start()
-        return next(self.rows)
+    def __next__(self) -> Any:
+        if self.items is None:
+            self.items = self._start()
+        return next(self.items)
+
+    def _start(self) -> Iterator[Any]:
+        raise NotImplementedError
+
+
+class _Iterator(_Pass):
+    """A pass over this stream's shard: its packed rows."""
+
+    packer: FlatPacker | None = None
+    last_cursor: Any = None
 
     def state_dict(self) -> dict[str, Any]:
         if self.packer is None and self.state is not None:
@@ -377,22 +316,10 @@ class _Iterator:
             yield record  # the packer names a record that is not a SampleRecord
 
 
-class _BalancedIterator:
-    """One pass of a balanced :class:`PackedStream`; starts reading on the first ``next()``."""
+class _BalancedIterator(_Pass):
+    """A pass of a balanced stream: this rank's micro-batches, one step per item."""
 
-    def __init__(self, stream: PackedStream, state: dict[str, Any] | None) -> None:
-        self.stream = stream
-        self.state = state
-        self.epoch = stream.epoch if state is None else int(state["epoch"])
-        self.steps: BalancedSteps | None = None
-
-    def __iter__(self) -> _BalancedIterator:
-        return self
-
-    def __next__(self) -> list[list[SampleRecord]]:
-        if self.steps is None:
-            self.steps = self._start()
-        return next(self.steps)
+    steps: BalancedSteps | None = None
 
     def state_dict(self) -> dict[str, Any]:
         if self.steps is None and self.state is not None:
@@ -416,4 +343,5 @@ class _BalancedIterator:
         resume = state if state is not None and state.get("balance") is not None else None
         balance = self.stream.balance
         assert balance is not None  # this iterator exists for balanced streams only
-        return BalancedSteps(self.stream.source, options, balance, placement, self.epoch, resume)
+        self.steps = BalancedSteps(self.stream.source, options, balance, placement, self.epoch, resume)
+        return self.steps

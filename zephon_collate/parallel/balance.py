@@ -1,14 +1,13 @@
 """Balanced data-parallel steps: which documents each rank gets in each lockstep micro-batch slot.
 
-:func:`plan_balance` plans one window of documents into a :class:`BalancePlan`, the same on every
-rank (docs/distributed.md, "The planner"); how: :mod:`zephon_collate.parallel.placement`.
+How the planner works: docs/distributed.md, "The planner".
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -149,16 +148,11 @@ class BalancePlan:
         rows = None
         if self.rows is not None:
             rows = tuple(tuple(tuple(swap(row) for row in cell) for cell in slot) for slot in self.rows)
-        return BalancePlan(
+        return replace(
+            self,
             cells=tuple(tuple(swap(cell) for cell in slot) for slot in self.cells),
             rows=rows,
             held=swap(self.held),
-            costs=self.costs,
-            tokens=self.tokens,
-            computed=self.computed,
-            largest=self.largest,
-            extra_slots=self.extra_slots,
-            seq_len=self.seq_len,
             dropped=swap(self.dropped),
         )
 
@@ -183,7 +177,8 @@ class BalancePlan:
             for cell in self.cells[slot]
             for doc in cell
         )
-        return BalancePlan(
+        return replace(
+            self,
             cells=tuple(self.cells[slot] for slot in keep),
             rows=None if self.rows is None else tuple(self.rows[slot] for slot in keep),
             held=tuple(sorted((*self.held, *gone))) if hold else self.held,
@@ -192,7 +187,6 @@ class BalancePlan:
             computed=self.computed[keep],
             largest=self.largest[keep],
             extra_slots=max(0, self.extra_slots - (self.num_slots - len(keep))),
-            seq_len=self.seq_len,
             dropped=self.dropped if hold else tuple(sorted((*self.dropped, *gone))),
         )
 
@@ -299,9 +293,6 @@ def plan_balance(
         extra_costs: ``[n]`` cost units added to each document's cost (``options.cost.vision_costs``).
         costs: ``[n]`` each document's cost in place of the model's (``options.cost.tree_costs``).
 
-    Returns:
-        A :class:`BalancePlan`; the same input gives the same plan everywhere.
-
     Example:
         >>> cost = CostModel(linear=1, quadratic=1)
         >>> options = BalanceOptions(cost=cost, rows=2, seq_len=8, micro_batches=1)
@@ -316,20 +307,16 @@ def plan_balance(
         raise TypeError(f"plan_balance: options must be BalanceOptions, got {type(options).__name__}")
     sizes = as_counts(lengths, "lengths", 1)
     count = sizes.size
-    waits = np.zeros(count, np.int64) if waited is None else as_counts(waited, "waited", 0)
-    if waits.size != count:
-        raise ValueError(f"plan_balance: waited has {waits.size} entries for {count} documents")
-    extras = None if extra_costs is None else as_counts(extra_costs, "extra_costs", 0)
-    if extras is not None and extras.size != count:
-        raise ValueError(
-            f"plan_balance: extra_costs has {extras.size} entries for {count} documents (one per document)"
-        )
-    modelled = None if costs is None else as_counts(costs, "costs", 0)
-    if modelled is not None and modelled.size != count:
-        raise ValueError(
-            f"plan_balance: costs has {modelled.size} entries for {count} documents (one per document; "
-            "for trees, options.cost.tree_costs(positions) with one positions array per document)"
-        )
+    waits = _per_document(waited, "waited", count, "")
+    waits = np.zeros(count, np.int64) if waits is None else waits
+    extras = _per_document(extra_costs, "extra_costs", count, " (one per document)")
+    modelled = _per_document(
+        costs,
+        "costs",
+        count,
+        " (one per document; for trees, options.cost.tree_costs(positions) with one positions array per "
+        "document)",
+    )
     units, first = _units(groups, count)
     unit_count = first.size
     costs = options.cost.costs(sizes) if modelled is None else modelled
@@ -370,19 +357,17 @@ def plan_balance(
         unit_cell, slots, extra, rows_of_cells = _place(
             unit_size, unit_cost, must, np.zeros(unit_count, np.bool_), options, ranks, step_slots
         )
-    return _build(
-        sizes,
-        costs,
-        units,
-        unit_cost,
-        unit_cell,
-        slots,
-        ranks,
-        extra,
-        rows_of_cells,
-        options.cost,
-        options.seq_len,
-    )
+    return _build(sizes, costs, units, unit_cost, unit_cell, slots, ranks, extra, rows_of_cells, options)
+
+
+def _per_document(values: npt.ArrayLike | None, name: str, count: int, note: str) -> Ints | None:
+    """``values`` checked as ints >= 0, one per document; ``None`` stays ``None``."""
+    if values is None:
+        return None
+    array = as_counts(values, name, 0)
+    if array.size != count:
+        raise ValueError(f"plan_balance: {name} has {array.size} entries for {count} documents{note}")
+    return array
 
 
 def _units(groups: npt.ArrayLike | None, count: int) -> tuple[Ints, Ints]:
@@ -444,14 +429,9 @@ def _place(
     step_slots: int | None,
 ) -> tuple[Ints, int, int, list[list[list[int]]] | None]:
     """The cell of each unit (``UNPLACED`` if it waits), the slots, the extra slots and the rows."""
-    if options.rows is not None and options.seq_len is not None:
-        return _place_fixed(
-            unit_size, unit_cost, must, held, options, ranks, step_slots, options.rows, options.seq_len
-        )
-    unit_cell, slots, extra = _place_free(
-        unit_size, unit_cost, must, held, options, ranks, step_slots, options.micro_batch_tokens
-    )
-    return unit_cell, slots, extra, None
+    if options.fixed_rows:
+        return _place_fixed(unit_size, unit_cost, must, held, options, ranks, step_slots)
+    return (*_place_free(unit_size, unit_cost, must, held, options, ranks, step_slots), None)
 
 
 def _place_free(
@@ -462,9 +442,9 @@ def _place_free(
     options: BalanceOptions,
     ranks: int,
     step_slots: int | None,
-    budget: int,
 ) -> tuple[Ints, int, int]:
     """Padding-free: the cell of each unit (``UNPLACED`` if held), the slots used and the extra slots."""
+    budget = options.micro_batch_tokens
     candidates = np.flatnonzero(~held)
     if step_slots is not None:
         slots = step_slots
@@ -497,14 +477,9 @@ def _place_fixed(
     options: BalanceOptions,
     ranks: int,
     step_slots: int | None,
-    per_cell: int,
-    seq_len: int,
 ) -> tuple[Ints, int, int, list[list[list[int]]]]:
-    """Fixed rows: the cell of each unit, the slots, the extra slots and each cell's rows (unit lists).
-
-    Rows are packed best-fit-decreasing; the fullest are kept, units that may not wait swapped in,
-    small windows split (:func:`_split_rows`), then whole rows placed.
-    """
+    """Fixed rows: the cell of each unit, the slots, the extra slots and each cell's rows (unit lists)."""
+    per_cell, seq_len = int(options.rows or 0), int(options.seq_len or 0)  # both set in fixed-row mode
     candidates = np.flatnonzero(~held)
     rows = [[int(candidates[i]) for i in row] for row in pack_rows(unit_size[candidates], seq_len)]
     per_slot = ranks * per_cell
@@ -545,10 +520,7 @@ def _split_rows(
     cost_model: CostModel,
     seq_len: int,
 ) -> list[list[int]]:
-    """At least ``cells`` rows where the units allow: while fewer, one unit moves to a row of its own.
-
-    So that no rank of a small window is left without a row.
-    """
+    """At least ``cells`` rows where the units allow (so no rank of a small window lacks a row)."""
     rows = [list(row) for row in rows]
 
     def cost(units: list[int]) -> int:
@@ -604,10 +576,10 @@ def _build(
     ranks: int,
     extra: int,
     layout: list[list[list[int]]] | None,
-    cost_model: CostModel,
-    seq_len: int | None,
+    options: BalanceOptions,
 ) -> BalancePlan:
     """The plan: each cell's documents (and rows), its exact cost, tokens and computed tokens."""
+    cost_model, seq_len = options.cost, options.seq_len
     doc_cell = unit_cell[units]
     cell_count = slots * ranks
     costs_out = np.zeros(cell_count, np.int64)
@@ -666,11 +638,8 @@ def _build(
 def _next_fit_order(
     rows: list[list[int]], members: list[list[int]], sizes: list[int], unit_sizes: list[int]
 ) -> list[int]:
-    """A cell's documents in the order a plain next-fit packs back into these rows.
-
-    Fullest rows first, longest unit and longest document first: next-fit closes rows where the plan does.
-    """
-
+    """A cell's documents in the order a plain next-fit packs back into these rows."""
+    # Fullest rows first, longest unit and document first: next-fit closes rows where the plan does.
     order: list[int] = []
     filled = sorted(rows, key=lambda row: (-sum(unit_sizes[u] for u in row), min(row)))
     for row in filled:

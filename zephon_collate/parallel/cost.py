@@ -1,7 +1,6 @@
-"""The cost of a document: ``linear * length + quadratic * length**2``, in exact integers.
+"""The cost of a document for the balance planner: ``linear * length + quadratic * length**2``, exact.
 
-:class:`CostModel` prices documents, their vision towers and trees for the balance planner
-(docs/distributed.md, "The cost model").
+The formulas: docs/distributed.md, "The cost model".
 """
 
 from __future__ import annotations
@@ -139,12 +138,10 @@ class CostModel:
     def tree_costs(self, positions: Iterable[npt.ArrayLike]) -> npt.NDArray[np.int64]:
         """Each tree's cost from its tokens' positions, as int64: ``costs`` for the planner.
 
-        A tree of ``T`` tokens costs ``linear * T + quadratic * (2 * sum(positions) + T)``, a plain
-        document exactly :meth:`cost`.
+        A tree of ``T`` tokens costs ``linear * T + quadratic * (2 * sum(positions) + T)``.
 
         Parameters:
-            positions: one 1-D array-like of ints per tree (its ``position_ids``; every position from 0
-                to the largest must occur).
+            positions: one 1-D array-like of ints per tree (its ``position_ids``).
 
         Example:
             >>> model = CostModel(linear=1, quadratic=1)
@@ -222,12 +219,8 @@ class CostModel:
     ) -> CostModel:
         """The forward + backward FLOPs of a decoder-only transformer (and its vision tower), per document.
 
-        Megatron-LM's GEMM counts and FlashAttention's attention counts, divided by their greatest common
-        divisor (:attr:`unit`); docs/distributed.md has the formulas.
-
         Parameters:
-            config: a Hugging Face model config, positional (its text dimensions; a ``vision_config`` adds
-                the vision terms; an argument given here wins), or ``None``.
+            config: a Hugging Face model config, positional, or ``None`` (an argument given here wins).
             hidden_size, num_layers, num_heads, ffn_hidden_size: the dimensions (required without ``config``;
                 for a mixture of experts, ``ffn_hidden_size`` is the active experts' width).
             num_kv_heads: key/value heads (default ``num_heads``).
@@ -286,9 +279,7 @@ class CostModel:
 
     @classmethod
     def from_coefficients(cls, linear: float, quadratic: float, *, max_denominator: int = 4096) -> CostModel:
-        """Integer coefficients in the ratio of measured ones (e.g. seconds per token and per squared token).
-
-        The ratio is kept as the closest fraction with a denominator up to ``max_denominator``.
+        """Integer coefficients in the ratio of measured ones (kept as a fraction up to ``max_denominator``).
 
         Example:
             >>> CostModel.from_coefficients(2.5e-7, 1e-10)  # seconds per token, per squared token

@@ -1,8 +1,6 @@
-"""Exact token normalization for data-parallel training with gradient accumulation.
+"""Exact token normalization for data-parallel training with gradient accumulation (docs/distributed.md).
 
-Per step: ``N = global_num_valid_tokens(micro_batches)``, then ``normalize_loss(loss_sum, N).backward()``
-for each micro-batch (docs/distributed.md). Without ``torch.distributed`` nothing is reduced; under
-TP or PP pass the data-parallel group to both.
+Per step: ``N = global_num_valid_tokens(micro_batches)``, then ``normalize_loss(loss_sum, N).backward()``.
 """
 
 from __future__ import annotations
@@ -92,19 +90,11 @@ def global_num_valid_tokens(
         tensor(9)
     """
     items = [counts] if isinstance(counts, (int, torch.Tensor, Mapping)) else list(counts)
-    first = next(
-        (
-            value
-            for value in (item[key] if isinstance(item, Mapping) else item for item in items)
-            if isinstance(value, torch.Tensor)
-        ),
-        None,
-    )
-    if device is not None:
-        target = torch.device(device)
-    else:
-        target = first.device if first is not None else torch.device("cpu")
-    target = collective_device(group, target)
+    values = (item[key] if isinstance(item, Mapping) else item for item in items)
+    first = next((value for value in values if isinstance(value, torch.Tensor)), None)
+    if device is None:
+        device = first.device if first is not None else "cpu"
+    target = collective_device(group, torch.device(device))
     total = torch.zeros((), dtype=torch.int64, device=target)
     for item in items:
         total = total + _as_count(item, key, target).to(target)

@@ -1,8 +1,5 @@
-"""Placing items into (slot, rank) cells: a longest-first seed, then bounded pairwise swaps.
-
-Cells are numbered ``slot * ranks + rank``; only the ranks of one slot need equal cost. Items go by
-cost, in tiers of ``ranks`` dealt to the slots in snake order, each on the cheapest cell with room;
-then swaps out of each slot's costliest cell (docs/distributed.md, "The planner").
+"""Placing items into (slot, rank) cells, numbered ``slot * ranks + rank``: a longest-first seed, then
+bounded pairwise swaps (docs/distributed.md, "The planner").
 """
 
 from __future__ import annotations
@@ -133,10 +130,7 @@ def _refine(
     rounds: int,
     count_cap: int | None,
 ) -> None:
-    """Bounded pairwise swaps (and moves) out of the slot's costliest cell, in place on ``cells``.
-
-    ``sizes`` count against ``budget`` per cell (tokens, or 1 per row with ``count_cap``).
-    """
+    """Bounded pairwise swaps (and moves) out of the slot's costliest cell, in place on ``cells``."""
     first = slot * ranks
     members = np.flatnonzero((cells >= first) & (cells < first + ranks))
     if members.size < 2 or ranks < 2:
@@ -158,18 +152,9 @@ def _refine(
         for other in np.argsort(cost, kind="stable").tolist():
             if cost[other] >= cost[top]:
                 break
+            theirs = np.flatnonzero(where == other)
             swap = _best_swap(
-                mine,
-                np.flatnonzero(where == other),
-                item_cost,
-                item_size,
-                cost,
-                used,
-                count,
-                top,
-                other,
-                budget,
-                count_cap,
+                mine, theirs, item_cost, item_size, cost, used, count, top, other, budget, count_cap
             )
             if swap is not None:
                 break
@@ -228,10 +213,7 @@ def _best_swap(
 def _take_place(
     item: int, cells: Ints, sizes: Ints, must: npt.NDArray[np.bool_], used: Ints, budget: int
 ) -> int:
-    """Put an item that may not wait where a placed item that may wait leaves the least room.
-
-    Returns the displaced item (now ``UNPLACED``), or -1 when none makes room.
-    """
+    """Put an item that may not wait in place of the waitable one leaving the least room; that one, or -1."""
     placed = np.flatnonzero((cells != UNPLACED) & ~must)
     room_after = budget - used[cells[placed]] + sizes[placed] - sizes[item]
     fits = room_after >= 0

@@ -1,21 +1,6 @@
 """BalancedBatchSampler: balanced micro-batches of a map-style dataset, each rank its own index lists.
 
-Every rank builds the same sampler (same ``lengths``, options, seed) and so
-computes the same plans, with no communication: the epoch's order is drawn
-from ``numpy.random.default_rng([seed, epoch])``, cut into windows that fill one
-step each (:class:`~zephon_collate.parallel.schedule.BalanceSchedule`), and each
-window is planned by :func:`~zephon_collate.parallel.balance.plan_balance`. A
-rank iterates its own micro-batches, slot after slot: every rank yields the
-same number of them, and micro-batch ``k`` on every rank belongs to the same
-lockstep slot, balanced in modelled cost.
-
-Pass it to ``DataLoader(dataset, batch_sampler=...)`` or torchdata's
-``StatefulDataLoader``, which saves :meth:`BalancedBatchSampler.state_dict`
-with the loader (the sampler records its position as it hands out each
-micro-batch, and the loader snapshots it with each one, so prefetching workers
-do not matter). A plain ``DataLoader`` with ``num_workers > 0`` draws index
-lists ahead of the training loop, so the sampler's own position is then past
-what was trained: :meth:`BalancedBatchSampler.state_dict` refuses it.
+Every rank builds the same sampler and computes the same plans (docs/distributed.md, "Map-style data").
 """
 
 from __future__ import annotations
@@ -44,8 +29,7 @@ STATE_VERSION = 1
 
 _NEXT_INDEX = getattr(getattr(_dataloader, "_BaseDataLoaderIter", None), "_next_index", None)
 _PREFETCHING = getattr(_dataloader, "_MultiProcessingDataLoaderIter", None)
-"""torch's DataLoader internals: the method that draws an index list, and the iterator class that
-draws them ahead of the training loop (``num_workers > 0``); ``None`` where a torch lacks them."""
+"""torch internals: the method drawing an index list, the iterator drawing ahead (``None`` if absent)."""
 _CALLER_DEPTH = 8
 """Frames searched above the sampler for the DataLoader iterator drawing from it (wrappers included)."""
 
@@ -53,38 +37,18 @@ _CALLER_DEPTH = 8
 class BalancedBatchSampler(Sampler[list[int]]):
     """Index lists of balanced micro-batches for this rank, ``micro_batches`` per step.
 
+    A tail slot with fewer units than ranks is dropped (see :meth:`plans`); ``len()`` is not defined.
+    Resume with torchdata's ``StatefulDataLoader``, or :meth:`state_dict` with ``num_workers=0``.
+
     Parameters:
-        lengths: the token count of each dataset item (a document), ints >= 1.
-        options: the :class:`~zephon_collate.parallel.balance.BalanceOptions`; ``micro_batches``
-            is required (the step's micro-batch slots).
-        num_replicas, rank: the data-parallel world size and this rank (default:
-            torch.distributed's, or 1 and 0).
-        groups: an int key >= 0 per item; items with the same key share a micro-batch
-            (and stay next to each other in the epoch's order).
-        shuffle: draw the epoch's order (of groups, when given) from ``(seed, epoch)``;
-            without it, index order.
+        lengths: the token count of each dataset item, ints >= 1.
+        options: the :class:`~zephon_collate.parallel.balance.BalanceOptions` (``micro_batches`` required).
+        num_replicas, rank: world size and this rank (default: torch.distributed's, or 1 and 0).
+        groups: an int key >= 0 per item; equal keys share a micro-batch.
+        shuffle: draw the epoch's order (of groups, when given) from ``(seed, epoch)``; else index order.
         seed: the order's seed, the same on every rank.
-        extra_costs: cost units (ints >= 0) per item added to its modelled cost, e.g. the
-            vision tower's, ``options.cost.vision_costs(grids)``; token budgets are unchanged
-            (see :func:`~zephon_collate.parallel.balance.plan_balance`).
-        costs: each item's modelled cost (ints >= 0) in place of ``options.cost``'s, e.g. a
-            tree's, ``options.cost.tree_costs(positions)``; ``extra_costs`` still adds.
-
-    The last window of an epoch places everything left, in as few slots as it
-    needs (the same on every rank); a tail slot with fewer units (documents, or
-    groups) than ranks is dropped, since a rank with nothing would leave the others
-    waiting in its collectives: its documents are in the last plan's ``dropped``
-    (:meth:`plans`). ``len()`` is not defined: the number of micro-batches is known
-    only once the epoch is planned.
-
-    Resume: :meth:`state_dict` after each micro-batch with ``num_workers=0``, or
-    torchdata's ``StatefulDataLoader`` (any ``num_workers``), which saves it with
-    the loader. A plain ``DataLoader`` with workers draws micro-batches ahead of
-    the training loop, so there :meth:`state_dict` raises instead of saving a
-    position past what was trained.
-
-    Raises:
-        TypeError, ValueError: for bad lengths, groups, costs, extra costs, options, rank or world size.
+        extra_costs: cost units (ints >= 0) per item added to its cost (``options.cost.vision_costs``).
+        costs: each item's cost (ints >= 0) in place of the model's (``options.cost.tree_costs``).
 
     Example:
         >>> from zephon_collate.parallel.cost import CostModel
@@ -110,22 +74,9 @@ class BalancedBatchSampler(Sampler[list[int]]):
     ) -> None:
         owner = "BalancedBatchSampler"
         self.lengths = as_counts(lengths, "lengths", 1, owner)
-        self.groups = None if groups is None else as_counts(groups, "groups", 0, owner)
-        if self.groups is not None and self.groups.size != self.lengths.size:
-            raise ValueError(
-                f"{owner}: groups has {self.groups.size} entries for {self.lengths.size} lengths"
-            )
-        self.extra_costs = None if extra_costs is None else as_counts(extra_costs, "extra_costs", 0, owner)
-        if self.extra_costs is not None and self.extra_costs.size != self.lengths.size:
-            raise ValueError(
-                f"{owner}: extra_costs has {self.extra_costs.size} entries for {self.lengths.size} lengths "
-                "(one per item)"
-            )
-        self.costs = None if costs is None else as_counts(costs, "costs", 0, owner)
-        if self.costs is not None and self.costs.size != self.lengths.size:
-            raise ValueError(
-                f"{owner}: costs has {self.costs.size} entries for {self.lengths.size} lengths (one per item)"
-            )
+        self.groups = self._per_item(groups, "groups", "")
+        self.extra_costs = self._per_item(extra_costs, "extra_costs", " (one per item)")
+        self.costs = self._per_item(costs, "costs", " (one per item)")
         if not isinstance(options, BalanceOptions):
             raise TypeError(f"{owner}: options must be BalanceOptions, got {type(options).__name__}")
         self.options = options
@@ -145,6 +96,17 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self._pending: dict[str, Any] | None = None
         self._progress = self._start(self.epoch)
         self._drawn_ahead_by: str | None = None  # the prefetching loader iterating, if one is
+
+    def _per_item(self, values: object, name: str, note: str) -> Ints | None:
+        """``values`` checked as ints >= 0, one per item; ``None`` stays ``None``."""
+        if values is None:
+            return None
+        array = as_counts(values, name, 0, "BalancedBatchSampler")
+        if array.size != self.lengths.size:
+            raise ValueError(
+                f"BalancedBatchSampler: {name} has {array.size} entries for {self.lengths.size} lengths{note}"
+            )
+        return array
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch whose order the next ``iter()`` draws (a loaded state's epoch wins once)."""
@@ -184,17 +146,10 @@ class BalancedBatchSampler(Sampler[list[int]]):
             skip = 0
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the iteration stands: the epoch, the window's start in the order, the documents waiting
-        at its start and the micro-batches of it handed out; plus what must match on resume.
-
-        Plain ints, strings and lists: ``torch.load(weights_only=True)`` reads it.
+        """Where the iteration stands, and what must match on resume (plain ints, strings and lists).
 
         Raises:
-            ValueError: while a plain ``torch.utils.data.DataLoader`` with ``num_workers > 0``
-                iterates the sampler: it draws ``prefetch_factor * num_workers`` micro-batches
-                ahead of the training loop, so the position here is past what was trained and a
-                resume would skip those. Use torchdata's ``StatefulDataLoader`` and save its
-                ``state_dict()``, or ``num_workers=0``.
+            ValueError: while a plain ``DataLoader`` with ``num_workers > 0`` iterates the sampler.
         """
         if self._pending is not None:
             return dict(self._pending)
@@ -211,13 +166,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         return dict(self._progress)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state`` at the next ``iter()``.
-
-        Raises:
-            TypeError: if ``state`` is not a mapping.
-            ValueError: if it is not a sampler state of this version, or was saved with other
-                lengths, groups, costs, extra costs, options, world size, seed or shuffle.
-        """
+        """Continue from ``state`` at the next ``iter()`` (``ValueError`` if saved with other settings)."""
         owner = "BalancedBatchSampler.load_state_dict"
         if not isinstance(state, Mapping):
             raise TypeError(f"{owner}: state must be a dict, got {type(state).__name__}")
@@ -299,15 +248,9 @@ class BalancedBatchSampler(Sampler[list[int]]):
 
 
 def _prefetching_loader(frame: FrameType | None) -> str | None:
-    """The class name of the DataLoader iterator that draws index lists ahead of the loop, if one
-    draws from the generator running in ``frame``, else ``None``.
-
-    A generator's caller is whoever resumed it: torch's ``_next_index``, possibly under
-    wrapping samplers. Its ``self`` is the loader's iterator; torch's multi-process one
-    (``num_workers > 0``) draws index lists ahead of what it has yielded, torchdata's
-    ``StatefulDataLoader`` iterators snapshot the sampler with each list (they are not
-    that class), and the single-process one draws one list per batch.
-    """
+    """The class name of a DataLoader iterator drawing ahead from the generator in ``frame``, else None."""
+    # The caller is whoever resumed the generator: torch's ``_next_index`` (maybe under wrapping
+    # samplers). torchdata's iterators snapshot the sampler with each list: not that class.
     caller = frame.f_back if frame is not None else None
     code = getattr(_NEXT_INDEX, "__code__", None)
     for _ in range(_CALLER_DEPTH):

@@ -1,7 +1,6 @@
 """Consecutive balanced steps: windows of documents planned one after another, waiting documents carried.
 
-The schedule's state is the waiting documents, plain ints, so a restored schedule plans exactly the
-windows the saved one would have planned next (docs/distributed.md, "Windows and steps").
+Resume and holding: docs/distributed.md, "Windows and steps".
 """
 
 from __future__ import annotations

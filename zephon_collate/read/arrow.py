@@ -299,8 +299,7 @@ class Columns(Batch):
             return True
         if isinstance(chunk, (np.ndarray, torch.Tensor)):
             return False
-        pa = arrow()
-        return bool(_list_type(pa, chunk.type))
+        return bool(_list_type(arrow(), chunk.type))
 
     def example(self) -> dict[str, Any]:
         """A stand-in for every example's fields: each name to ``()`` (a list column) or ``0`` (a value)."""

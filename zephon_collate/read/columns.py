@@ -80,11 +80,9 @@ class Ragged:
 
     @property
     def host(self) -> np.ndarray:
-        """The values, read on the host (a tensor on a device is copied back)."""
         return as_numpy(self.values)
 
     def row(self, index: int) -> Values:
-        """Row ``index``'s values (a view)."""
         return self.values[int(self.offsets[index]) : int(self.offsets[index + 1])]
 
     @staticmethod
@@ -94,8 +92,7 @@ class Ragged:
 
     def take(self, index: int) -> Ragged:
         """Row ``index`` alone, as a one-row :class:`Ragged` (a view)."""
-        row = self.row(index)
-        return Ragged(row, np.array([0, row.shape[0]], dtype=np.int64))
+        return Ragged.of_row(self.row(index))
 
     def select(self, keep: np.ndarray) -> Ragged:
         """The values where the ``[N]`` boolean ``keep`` is True, each row keeping its own."""
@@ -133,14 +130,8 @@ class Batch:
         metas: tuple[SampleMeta, ...] = (),
         owner: str = "Collator",
     ) -> None:
-        self.rows, self.names, self.fields, self.ids, self.metas, self.owner = (
-            rows,
-            names,
-            fields,
-            ids,
-            metas,
-            owner,
-        )
+        self.rows, self.names, self.fields = rows, names, fields
+        self.ids, self.metas, self.owner = ids, metas, owner
         self._cache: dict[tuple[str, str, bool], Ragged | None] = {}
 
     tokens: str | None = None
@@ -190,7 +181,6 @@ class Batch:
         return self._cache[key]
 
     def require(self, name: str) -> None:
-        """``ValueError`` naming the first row without ``name``."""
         index = self.lacking(name)
         if index is not None:
             some = self._carried(name).any()
@@ -559,11 +549,7 @@ def _tensor_row(value: torch.Tensor, where: str, name: str) -> torch.Tensor:
 
 
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-
-
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 PLAIN_DTYPES: dict[str, frozenset[torch.dtype]] = {
     "ids": frozenset(_INTEGER_DTYPES),
     "values": frozenset((*_INTEGER_DTYPES, torch.bool, *_FLOAT_DTYPES)),

@@ -153,9 +153,8 @@ def _check_examples(batch: Batch, spec: ExampleSpec) -> None:
             continue
         if isinstance(payload, SampleRecord):
             raise TypeError(
-                f"{names(index)}: is a SampleRecord; this collator takes Hugging Face example "
-                "dicts: pass "
-                "the payloads, or collate records (pack_flat's rows) with Collator(...)"
+                f"{names(index)}: is a SampleRecord; this collator takes Hugging Face example dicts: "
+                "pass the payloads, or collate records (pack_flat's rows) with Collator(...)"
             )
         if not hasattr(payload, "keys"):
             raise TypeError(
@@ -189,21 +188,19 @@ def _check_examples(batch: Batch, spec: ExampleSpec) -> None:
     if "decoder_input_ids" in batch:
         index = int(np.flatnonzero(batch.carried("decoder_input_ids"))[0])
         raise ValueError(
-            f"{names(index)}: carries 'decoder_input_ids' (an encoder-decoder target); this "
-            "collator is for "
-            "causal LMs, whose labels align with input_ids: use "
-            "transformers.DataCollatorForSeq2Seq(tokenizer, model=model) for encoder-decoder models"
+            f"{names(index)}: carries 'decoder_input_ids' (an encoder-decoder target); this collator is "
+            "for causal LMs, whose labels align with input_ids: "
+            "use transformers.DataCollatorForSeq2Seq(tokenizer, model=model) for encoder-decoder models"
         )
     supervision = spec.supervision
     if supervision is not None:
         lacking = batch.lacking(supervision)
         if lacking is not None:
             raise ValueError(
-                f"{names(lacking)}: lacks {shown(supervision)}, the field this collator was told carries "
-                f"the supervision ({_fields_of(batch, lacking)}); transformers.Trainer drops "
-                "dataset columns "
-                "its model's forward does not name: pass TrainingArguments(remove_unused_columns=False), "
-                "or build the collator without supervision=..."
+                f"{names(lacking)}: lacks {shown(supervision)}, the field this collator was told carries the "
+                f"supervision ({_fields_of(batch, lacking)}); transformers.Trainer drops dataset columns its "
+                "model's forward does not name: pass TrainingArguments(remove_unused_columns=False), or "
+                "build the collator without supervision=..."
             )
     else:
         # Every supervision name: read here (response_mask by rollouts), or refused where it changes
@@ -230,10 +227,9 @@ def _check_examples(batch: Batch, spec: ExampleSpec) -> None:
             if lacking is not None:
                 carrier = int(np.flatnonzero(batch.carried(name))[0])
                 raise ValueError(
-                    f"{names(lacking)}: lacks {shown(name)}, which {names(carrier)} carries to say which "
-                    "tokens are trained; read "
-                    "as all trained, its prompt would be trained. Give every example "
-                    f"{shown(name)} (0 on the prompt), or drop it from every example ({spec.owner})"
+                    f"{names(lacking)}: lacks {shown(name)}, which {names(carrier)} carries to say "
+                    "which tokens are trained; read as all trained, its prompt would be trained. Give every "
+                    f"example {shown(name)} (0 on the prompt), or drop it from every example ({spec.owner})"
                 )
 
 
@@ -269,9 +265,8 @@ def _misfit(where: str, name: str, shape: tuple[int, ...], length: int) -> Value
         else ""
     )
     return ValueError(
-        f"{where}: field {shown(name)} has shape {shape}, but 'input_ids' has {length} tokens; give "
-        "one value "
-        f"per token{hint}"
+        f"{where}: field {shown(name)} has shape {shape}, but 'input_ids' has {length} tokens; give one "
+        f"value per token{hint}"
     )
 
 

@@ -54,14 +54,11 @@ class TensorField:
 
     Parameters:
         name: the payload field (and output key).
-        align: what value ``t`` belongs to: token ``t`` (``"token"``, the default), the prediction made at
-            ``t`` (``"label"``), the row's last ``len(values)`` tokens (``"response"``); ``"sequence"``: one
-            value per sequence.
+        align: ``"token"`` (the default), ``"label"``, ``"response"`` or ``"sequence"``.
         dtype: a float dtype (float32 by default) or an integer one (uint8, int8, int16, int32, int64).
         broadcast: with ``align="sequence"``, repeat the value over the sequence's tokens.
         shape: each token's value shape: ``()`` (the default), ``(K,)``, ``(layers, k)``; ``None``: by batch.
-        fill: the value of every place given none (padding), one the dtype holds: 0, ``float("-inf")``,
-            ``Spread(experts)``.
+        fill: the value of every place given none (padding): 0, ``float("-inf")``, ``Spread(experts)``.
 
     Example:
         >>> TensorField("teacher_logprobs", align="label", fill=float("-inf"), shape=(4,)).dtype
@@ -85,9 +82,8 @@ class TensorField:
             )
         if self.dtype not in (*FLOAT_DTYPES, *_INT_DTYPES):
             raise ValueError(
-                f"{owner}: dtype must be a torch float dtype (float16, bfloat16, float32, float64) or "
-                "integer "
-                f"dtype (uint8, int8, int16, int32, int64), got {shown(self.dtype)}"
+                f"{owner}: dtype must be a torch float dtype (float16, bfloat16, float32, float64) "
+                f"or integer dtype (uint8, int8, int16, int32, int64), got {shown(self.dtype)}"
             )
         if not isinstance(self.broadcast, bool):
             raise TypeError(f"{owner}: broadcast must be a bool, got {shown(self.broadcast)}")
@@ -146,7 +142,7 @@ class TensorField:
 
     @property
     def per_token(self) -> bool:
-        """True when the output holds one value per token (every alignment but an unbroadcast sequence)."""
+        """True when the output holds one value per token (all but an unbroadcast sequence)."""
         return self.align != "sequence" or self.broadcast
 
     @property
@@ -185,8 +181,7 @@ def _fits(value: int, dtype: torch.dtype) -> bool:
 
 
 FloatFields: TypeAlias = "Sequence[str | TensorField]"
-"""How callers name value fields: names (token-aligned float32) or :class:`TensorField` /
-:class:`FloatField` specs."""
+"""Value fields: names (token-aligned float32) or :class:`TensorField` specs."""
 
 
 def check_float_fields(owner: str, value: object, reserved: Sequence[str] = ()) -> tuple[TensorField, ...]:
@@ -224,13 +219,13 @@ def check_float_fields(owner: str, value: object, reserved: Sequence[str] = ()) 
     return tuple(specs)
 
 
-def _first_bad(field: Ragged, bad: np.ndarray, names: Names, name: str) -> tuple[str, str]:
-    """``(where, index)`` of the first True of ``bad`` (``[N, ...]``): ``record 3 ... at name[t]``."""
+def _first_bad(field: Ragged, bad: np.ndarray, names: Names, name: str) -> tuple[str, str, Any]:
+    """``(where, index, value)`` of the first True of ``bad`` (``[N, ...]``): ``record 3 ...``, ``t``."""
     flat = np.flatnonzero(bad)[0]
     place = np.unravel_index(flat, bad.shape)
     row = row_of(field.offsets, int(place[0]))
     token = ", ".join(str(int(i)) for i in (place[0] - int(field.offsets[row]), *place[1:]))
-    return f"{names(row)}: float field {shown(name)}", token
+    return f"{names(row)}: float field {shown(name)}", token, np.asarray(field.values)[place]
 
 
 def _checked(source: Ragged, spec: TensorField, names: Names) -> Ragged:
@@ -240,10 +235,10 @@ def _checked(source: Ragged, spec: TensorField, names: Names) -> Ragged:
         return Ragged(_checked_ints(source, spec, names), source.offsets)
     allowed = np.isfinite(values) | (values == spec.fill) if spec.fill == -math.inf else np.isfinite(values)
     if values.size and values.dtype.kind == "f" and not allowed.all():
-        where, token = _first_bad(source, ~allowed, names, spec.name)
+        where, token, value = _first_bad(source, ~allowed, names, spec.name)
         raise ValueError(
-            f"{where} holds {values[np.unravel_index(np.flatnonzero(~allowed)[0], values.shape)]} at "
-            f"{name}[{token}]; give finite values (a NaN or an infinity would make the loss NaN)"
+            f"{where} holds {value} at {name}[{token}]; give finite values (a NaN or an infinity would make "
+            "the loss NaN)"
             + ("" if spec.fill == -math.inf else "; for absent log-probs declare fill=float('-inf')")
         )
     with np.errstate(over="ignore"):
@@ -251,12 +246,11 @@ def _checked(source: Ragged, spec: TensorField, names: Names) -> Ragged:
     kept = cast if spec.dtype != torch.bfloat16 else torch.from_numpy(cast).to(torch.bfloat16).float().numpy()
     overflow = ~(np.isfinite(kept) | (kept == values))
     if values.size and overflow.any():
-        where, token = _first_bad(source, overflow, names, spec.name)
+        where, token, value = _first_bad(source, overflow, names, spec.name)
         largest = torch.finfo(spec.dtype).max
         raise ValueError(
-            f"{where} holds {values[np.unravel_index(np.flatnonzero(overflow)[0], values.shape)]} at "
-            f"{name}[{token}], beyond {spec.dtype} (largest {largest:.6g}): it would overflow to an "
-            f"infinity; rescale it, or declare a wider dtype (FloatField({shown(name)}, "
+            f"{where} holds {value} at {name}[{token}], beyond {spec.dtype} (largest {largest:.6g}): it "
+            f"would overflow to an infinity; rescale it, or declare a wider dtype (FloatField({shown(name)}, "
             "dtype=torch.float32 or torch.float64))"
         )
     return Ragged(cast, source.offsets)
@@ -268,18 +262,18 @@ def _checked_ints(source: Ragged, spec: TensorField, names: Names) -> np.ndarray
     if values.dtype.kind == "f":
         whole = np.isfinite(values) & (values == np.round(values))
         if not whole.all():
-            where, token = _first_bad(source, ~whole, names, spec.name)
+            where, token, value = _first_bad(source, ~whole, names, spec.name)
             raise ValueError(
-                f"{where} holds {values[np.unravel_index(np.flatnonzero(~whole)[0], values.shape)]} at "
-                f"{spec.name}[{token}], but it is declared {spec.dtype}; give whole numbers"
+                f"{where} holds {value} at {spec.name}[{token}], but it is declared {spec.dtype}; give whole "
+                "numbers"
             )
     info = torch.iinfo(spec.dtype)
     outside = (values < info.min) | (values > info.max)
     if values.size and outside.any():
-        where, token = _first_bad(source, outside, names, spec.name)
+        where, token, value = _first_bad(source, outside, names, spec.name)
         raise ValueError(
-            f"{where} holds {values[np.unravel_index(np.flatnonzero(outside)[0], values.shape)]} at "
-            f"{spec.name}[{token}], beyond {spec.dtype} ({info.min} to {info.max}); declare a wider dtype"
+            f"{where} holds {value} at {spec.name}[{token}], beyond {spec.dtype} ({info.min} to {info.max}); "
+            "declare a wider dtype"
         )
     return values.astype(spec.host_dtype, copy=False)
 

@@ -1,20 +1,26 @@
 """Forest: post-training data as trees of token spans, what every post-training format is read into.
 
-A *node* is a span of tokens; a *sequence* is a path from a root to a node::
-
-    DPO pair          prompt ─┬─ chosen        sequence 0: prompt + chosen
-                              └─ rejected      sequence 1: prompt + rejected
+A node is a span of tokens, a sequence a path from a root to a node (a DPO pair: the prompt, two children).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from zephon_collate.read.columns import Ragged, gather_spans
 
-__all__ = ["Forest"]
+__all__ = ["Forest", "rows_taker"]
+
+
+def rows_taker(tokens: Ragged, kept: np.ndarray) -> Callable[[Ragged], Ragged]:
+    """A function giving the rows ``kept`` of a field with the offsets of ``tokens``, end to end."""
+    offsets = np.zeros(kept.size + 1, dtype=np.int64)
+    np.cumsum(tokens.lengths[kept], out=offsets[1:])
+    picked = gather_spans(tokens.offsets[kept], tokens.lengths[kept])
+    return lambda field: Ragged(np.asarray(field.values)[picked], offsets)
 
 
 @dataclass
@@ -70,15 +76,9 @@ class Forest:
         source = np.arange(self.sequences) if self.source is None else self.source
         order = np.argsort(source, kind="stable")
         kept = self.ends[order]
-        offsets = np.zeros(kept.size + 1, dtype=np.int64)
-        np.cumsum(self.tokens.lengths[kept], out=offsets[1:])
-        picked = gather_spans(self.tokens.offsets[kept], self.tokens.lengths[kept])
+        take = rows_taker(self.tokens, kept)
         renumbered = np.full(self.nodes, -1, dtype=np.int64)
         renumbered[kept] = np.arange(kept.size, dtype=np.int64)
-
-        def take(field: Ragged) -> Ragged:
-            return Ragged(np.asarray(field.values)[picked], offsets)
-
         ends = np.full(self.sequences, -1, dtype=np.int64)
         ends[self.ends >= 0] = renumbered[self.ends[self.ends >= 0]]
         return Forest(
@@ -120,13 +120,7 @@ class Forest:
         kept = np.arange(count, dtype=np.int64) if order is None else np.asarray(order, np.int64)
         node_of = np.full(count, -1, dtype=np.int64)
         node_of[kept] = np.arange(kept.size, dtype=np.int64)
-        offsets = np.zeros(kept.size + 1, dtype=np.int64)
-        np.cumsum(tokens.lengths[kept], out=offsets[1:])
-        picked = gather_spans(tokens.offsets[kept], tokens.lengths[kept])
-
-        def take(field: Ragged) -> Ragged:
-            return Ragged(np.asarray(field.values)[picked], offsets)
-
+        take = rows_taker(tokens, kept)
         return cls(
             take(tokens),
             take(trained),

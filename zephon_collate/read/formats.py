@@ -46,7 +46,6 @@ from zephon_collate.read.columns import (
     Ragged,
     Spread,
     as_numpy,
-    gather_spans,
     places,
     row_any,
     row_of,
@@ -54,7 +53,7 @@ from zephon_collate.read.columns import (
 )
 from zephon_collate.read.examples import ExampleSpec, read_examples, supervision
 from zephon_collate.read.fields import FloatField, read_floats, to_label_positions, value_rows
-from zephon_collate.read.forest import Forest
+from zephon_collate.read.forest import Forest, rows_taker
 from zephon_collate.read.rules import (
     SUPERVISING_FIELDS,
     check_flat,
@@ -354,11 +353,10 @@ def _cut_sides(
         if full.size:
             index = int(full[0])
             raise ValueError(
-                f"{names(index)}: its prompt of {int(prompts.lengths[index])} tokens fills "
-                f"max_length={limit}, so none of the {side} response would be trained "
-                "(truncation_mode='keep_start'); drop such "
-                "pairs (TRL does when it prepares the dataset), raise max_length, or cut prompts with "
-                "max_prompt_length"
+                f"{names(index)}: its prompt of {int(prompts.lengths[index])} tokens "
+                f"fills max_length={limit}, so none of the {side} response would be "
+                "trained (truncation_mode='keep_start'); drop such pairs (TRL does when it prepares the "
+                "dataset), raise max_length, or cut prompts with max_prompt_length"
             )
         kept = np.minimum(response.lengths, np.maximum(limit - prompts.lengths, 0))
         out.append((prompts, _kept(response, kept, False)))
@@ -480,10 +478,9 @@ def read_reward_pairs(batch: Batch, owner: str, max_length: int | None) -> Fores
         if name in batch:
             index = int(np.flatnonzero(batch.carried(name))[0])
             raise ValueError(
-                f"{names(index)}: carries {shown(name)}, a field of DPO pairs; a reward pair is chosen_ids "
-                "and "
-                "rejected_ids (each the whole sequence, prompt inside) and an optional margin: drop "
-                f"{shown(name)}, or collate DPO pairs with Collator.for_preference"
+                f"{names(index)}: carries {shown(name)}, a field of DPO pairs; a reward pair is "
+                "chosen_ids and rejected_ids (each the whole sequence, prompt inside) and an optional "
+                f"margin: drop {shown(name)}, or collate DPO pairs with Collator.for_preference"
             )
     prompt_given = PROMPT_IDS in batch or PROMPT_INPUT_IDS in batch
     if _OPENRLHF_REJECTED in batch:
@@ -520,10 +517,9 @@ def read_reward_pairs(batch: Batch, owner: str, max_length: int | None) -> Fores
             if over.size:
                 index = int(over[0])
                 raise ValueError(
-                    f"{names(index)}: its {side} sequence has {int(total[index])} tokens, more than "
-                    f"max_length={max_length}; cut, a sequence would be scored at another token: drop such "
-                    "pairs "
-                    "(RewardTrainer does when it prepares the dataset) or raise max_length"
+                    f"{names(index)}: its {side} sequence has {int(total[index])} tokens, more "
+                    f"than max_length={max_length}; cut, a sequence would be scored at another token: drop "
+                    "such pairs (RewardTrainer does when it prepares the dataset) or raise max_length"
                 )
     values = {} if margin is None else {MARGIN: np.tile(margin, 2)}
     return _sequences([(prompts, chosen), (prompts, rejected)], PAIR_ROLES, values)
@@ -546,9 +542,8 @@ def _margins(batch: Batch, name: str) -> np.ndarray:
             kind = "a tensor of shape " + str(tuple(array.shape)) if array is not None else shown(value)
             sized = isinstance(value, (list, tuple, np.ndarray))
             raise (ValueError if array is not None or sized else TypeError)(
-                f"{names(row)}: {shown(name)} is {kind}, but a pair's margin is one real number (how much "
-                "the "
-                "chosen side should outscore the rejected one); give a float"
+                f"{names(row)}: {shown(name)} is {kind}, but a pair's margin is one real number (how "
+                "much the chosen side should outscore the rejected one); give a float"
             )
         if not np.isfinite(float(number)):
             raise ValueError(
@@ -770,13 +765,7 @@ def read_trees(batch: Batch, spec: ExampleSpec) -> Forest:
     rank[np.array(order, dtype=np.int64)] = np.arange(len(order))
     leaves = [row for row in range(len(ids)) if not children[row]]
     sequence_of = np.array(leaves, dtype=np.int64)
-    offsets = np.zeros(len(order) + 1, dtype=np.int64)
-    np.cumsum(chains.tokens.lengths[order], out=offsets[1:])
-    picked = gather_spans(chains.tokens.offsets[order], chains.tokens.lengths[order])
-
-    def take(field: Ragged) -> Ragged:
-        return Ragged(np.asarray(field.values)[picked], offsets)
-
+    take = rows_taker(chains.tokens, np.array(order, dtype=np.int64))
     parent_rank = np.array([rank[parents[row]] if parents[row] >= 0 else -1 for row in order], dtype=np.int64)
     per_sequence = {}
     for field in spec.floats:  # one value per sequence: given on the leaves

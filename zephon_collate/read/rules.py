@@ -85,13 +85,10 @@ __all__ = [
 ]
 
 SUPERVISING_FIELDS = (ATTENTION_MASK, LABELS, ASSISTANT_MASKS, ASSISTANT_MASK, COMPLETION_MASK, RESPONSE_MASK)
-"""Fields that say what is trained under other names than ``loss_mask`` (Hugging Face's, TRL's): a layout
-or packer that does not read one refuses it where it would change what is trained."""
+"""Fields that say what is trained under other names than ``loss_mask`` (Hugging Face's, TRL's)."""
 
 SUPERVISION_NAMES = (*SUPERVISION_MASKS, RESPONSE_MASK, LABELS, ATTENTION_MASK)
-"""Every name a field that says what is trained goes by (:data:`~zephon_collate.core.keys.SUPERVISION_MASKS`
-and :data:`SUPERVISING_FIELDS`): each entry point reads or checks them, and refuses a near miss
-(:func:`misspelled`), which it would otherwise read under no name."""
+"""Every name a field that says what is trained goes by; a near miss of one is refused."""
 
 FIELDS_OF_THEIR_OWN = (
     *TOKEN_FIELD_CANDIDATES,
@@ -132,10 +129,7 @@ FIELDS_OF_THEIR_OWN = (
     MARGIN,
     *MEDIA,
 )
-"""Fields users pass that mean something else than a supervision field, some of them close to one
-(``label``, KTO's flag and sequence classification's; ``action_mask``; the per-side padding masks
-``chosen_attention_mask``, ``KL_attention_mask``): never a near miss (:func:`misspelled`), nor is a
-name closer to one of them than to a supervision field."""
+"""Fields that mean something else than a supervision field (``label``, ``action_mask``)."""
 
 
 def aligned(field: Ragged, tokens: Ragged) -> np.ndarray:
@@ -207,8 +201,7 @@ def unread_supervision(
 
 
 EntryPoint = Literal["collator", "packer", "examples", "pairs"]
-"""Who does not read a supervising field, for :func:`unread_message`: the Collator (``to_training``
-warns), the packer, the Hugging Face layouts (``response_mask``), the pair readers."""
+"""Who does not read a supervising field, for :func:`unread_message`."""
 
 _HF = (
     "or pack Hugging Face examples with trl.pack_dataset and collate them with Collator.for_transformers(...)"
@@ -370,10 +363,6 @@ def _range_of(dtype: np.dtype | torch.dtype) -> tuple[int, int]:
     return int(info.min), int(info.max)
 
 
-def _integer_range(values: Values) -> tuple[int, int]:
-    return _range_of(values.dtype)
-
-
 def check_ids(field: Ragged, name: str, names: Names) -> None:
     """``ValueError`` naming the first payload with a negative id in ``field`` (an embedding would fail).
 
@@ -433,7 +422,7 @@ def check_fits(field: Ragged, dtype: torch.dtype, name: str, names: Names) -> No
         return
     smallest, largest = _range_of(dtype)
     if kind in "iu":
-        low, high = _integer_range(values)
+        low, high = _range_of(values.dtype)
         if smallest <= low and high <= largest:
             return  # every value of the source dtype fits
         if smallest <= values.min() and values.max() <= largest:
@@ -497,8 +486,7 @@ def misspelled(
 ) -> tuple[str, str] | None:
     """``(field, meant)``: the first field (sorted) that is a near miss of a name of ``known``, or ``None``.
 
-    Names compare lower-cased without separators, within 1 edit (names up to 6 characters) or 2; a field
-    named in ``read`` or :data:`FIELDS_OF_THEIR_OWN`, or at least as near to such a name, is never one.
+    A field in ``read`` or :data:`FIELDS_OF_THEIR_OWN`, or as near to one of them, is never one.
 
     Example:
         >>> misspelled(["input_ids", "loss_maks"]), misspelled(["label", "action_mask"])
@@ -606,10 +594,9 @@ def kept_by_mask(mask: Ragged, name: str, names: Names) -> np.ndarray:
     runs = np.bincount(np.repeat(np.arange(mask.rows), mask.lengths), weights=opens, minlength=mask.rows)
     if (runs > 1).any():
         raise ValueError(
-            f"{names(int(np.flatnonzero(runs > 1)[0]))}: {shown(name)} must be 1 on the tokens, with "
-            "0s only on "
-            "padding before or after them; it has 0s between 1s (a hole): give each example's tokens "
-            "without holes"
+            f"{names(int(np.flatnonzero(runs > 1)[0]))}: {shown(name)} must be 1 on the tokens, with 0s only "
+            "on padding before or after them; it has 0s between 1s (a hole): give each example's "
+            "tokens without holes"
         )
     return np.asarray(keep)
 

@@ -1,12 +1,6 @@
-"""Packed padding-free DPO inside TRL's ``DPOTrainer``: change the class, keep everything else::
+"""Packed padding-free DPO inside TRL's ``DPOTrainer``: change the class, keep everything else.
 
-    TRL's batch (the view)               the same sequences, packed
-    chosen 0   p p p c c . .             one row: p p p c c | p c c c | p p p r | p r r .
-    chosen 1   p c c c . . .             position_ids restart at 0 at each sequence;
-    rejected 0 p p p r . . .             the transformer sees 14 tokens, not 28
-    rejected 1 p r r . . . .
-
-TRL's loss and metrics read the packed outputs laid back out as the view (``docs/post_training.md``).
+TRL's loss and metrics read the packed outputs laid back out as the padded batch (docs/post_training.md).
 """
 
 from __future__ import annotations
@@ -30,17 +24,14 @@ _COMPLETION_MASK = "completion_mask"
 class PackedPreference:
     """The ``collate_fn`` of :class:`PackedDPOTrainer`: TRL's preference batch, plus its sequences packed.
 
+    A call returns the view's batch, plus the :func:`~zephon_collate.trainers.view.pack_view` dict
+    under ``"packed"``.
+
     Parameters:
         view: the collator of TRL's right-padded ``[2P, L]`` batch (``DataCollatorForPreference``).
-        rows: ``"one"``: every sequence in one row (varlen attention: FlashAttention); ``"fit"``: best-fit
-            into rows as wide as the longest (attention that masks a dense row: SDPA, eager).
+        rows: ``"one"``: every sequence in one row (FlashAttention); ``"fit"``: best-fit into rows as
+            wide as the longest (SDPA, eager).
         shared_prompt: lay each pair's prompt out once, the responses after it in branches (a 4-D mask).
-
-    Returns (a call):
-        the view's batch, and under ``"packed"`` the :func:`~zephon_collate.trainers.view.pack_view` dict.
-
-    Raises:
-        ValueError: if the view's batch lacks a key, or a row is not right-padded, naming the row.
 
     Example:
         >>> import torch

@@ -1,6 +1,4 @@
-"""Packed reward-model training inside TRL's ``RewardTrainer``, the pairs packed as in
-:mod:`~zephon_collate.trainers.dpo`; each sequence is scored at its last token that is not
-``config.pad_token_id``, as the model's own pooling does."""
+"""Packed reward-model training inside TRL's ``RewardTrainer`` (docs/post_training.md)."""
 
 from __future__ import annotations
 
@@ -37,11 +35,7 @@ def packed_rewards(
     Parameters:
         view: TRL's reward ``DataCollatorForPreference`` or a ``Collator.for_rewards`` collator.
         skip_id: the model's ``pad_token_id``: each sequence is scored at its last token that is not it.
-        rows: ``"one"``: the sequences in one row (varlen attention); ``"fit"``: best fit into rows as wide
-            as the longest (attention that masks a dense row).
-
-    Raises:
-        TypeError: for another collate function.
+        rows: ``"one"``: the sequences in one row; ``"fit"``: best fit into rows as wide as the longest.
 
     Example:
         >>> from trl.trainer.reward_trainer import DataCollatorForPreference
@@ -80,8 +74,7 @@ def packed_rewards(
 
 
 def wrap_score_forward(model: nn.Module) -> None:
-    """Make ``model``'s forward (a decoder under a ``score`` head) run packed when the call carries
-    ``last_token_index``, the head applied there; every other call runs the model's own forward."""
+    """Make ``model``'s forward run packed when the call carries ``last_token_index``, else its own."""
     original = model.forward
     if getattr(original, "_zephon_packed", False):
         return
@@ -115,9 +108,7 @@ def wrap_score_forward(model: nn.Module) -> None:
 class PackedRewardTrainer(RewardTrainer):
     """``trl.RewardTrainer`` on packed rows, taking its arguments unchanged (``docs/post_training.md``).
 
-    Raises:
-        ValueError: for a model without a decoder under a ``score`` head, or one attending across sequences.
-        TypeError: for a ``data_collator`` other than TRL's reward collator or ``Collator.for_rewards``.
+    A model without a decoder under a ``score`` head is refused (``ValueError``) when the trainer is built.
 
     Example:
         >>> from zephon_collate.trainers import PackedRewardTrainer  # doctest: +SKIP

@@ -1,10 +1,5 @@
 """A padded batch's sequences packed (:func:`pack_view`), and a fused forward that runs them packed but
-answers padded (:func:`wrap_forward`)::
-
-    the view (left and right padding)       packed ("fit": rows as wide as the longest)
-    . . p p c c                             p p c c p c
-    . p c c c .                             p c c c . .     (padding: its own sequence)
-    p c . . . .
+answers padded (:func:`wrap_forward`); docs/post_training.md.
 """
 
 from __future__ import annotations
@@ -76,16 +71,14 @@ def pack_view(
     *,
     shared_prompt: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """The sequences of a padded batch, packed: each laid out whole, or (``shared_prompt``) every prefix
-    they share laid out once, as ``Collator.for_trees`` lays trajectories out.
+    """The sequences of a padded batch, packed (as ``Collator.for_trees`` lays trajectories out).
 
     Parameters:
         input_ids, attention_mask: ``[R, T]``; each row's tokens (``attention_mask`` 1) one contiguous span.
         trained: ``[R, T]``, nonzero at the tokens whose prediction is scored.
-        rows: ``"one"``: every document in one row (varlen attention); ``"fit"``: best-fit into rows as
-            wide as the longest (attention that masks a dense row).
+        rows: ``"one"``: every document in one row; ``"fit"``: best-fit into rows as wide as the longest.
         owner: who errors name.
-        shared_prompt: share every common prefix, each branch opened by a copy of its parent's last token.
+        shared_prompt: lay every shared prefix out once, each branch opening with its last token copied.
 
     Returns:
         ``input_ids``, ``position_ids``, ``shift_labels`` ``[rows, width]`` (shared: 4-D ``attention_mask``);
@@ -159,8 +152,7 @@ def present(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def wrap_forward(model: nn.Module) -> None:
-    """Make ``model``'s fused forward run packed when the call carries ``packed=...``; every other call
-    (generation, inputs packing does not lay out) runs TRL's own forward."""
+    """Make ``model``'s fused forward run packed when the call carries ``packed=...``, else TRL's own."""
     fused = model.forward
     if getattr(fused, "_zephon_packed", False):
         return
@@ -199,8 +191,7 @@ def wrap_forward(model: nn.Module) -> None:
 def packed_rows(
     model: nn.Module, *, shared_prompt: bool = False, aux_loss: bool = False
 ) -> Literal["one", "fit"]:
-    """The packed layout for ``model``: ``"one"`` under FlashAttention or an MoE load-balancing loss, else
-    ``"fit"``; ``ValueError`` for ``shared_prompt`` under FlashAttention."""
+    """The packed layout: ``"one"`` under FlashAttention or an MoE load-balancing loss, else ``"fit"``."""
     config: Any = model.config
     try:
         from transformers.utils.generic import is_flash_attention_requested
@@ -220,8 +211,7 @@ def packed_rows(
 
 
 def packed_base(trainer: Any, owner: str, shared_prompt: bool) -> tuple[nn.Module, Literal["one", "fit"]]:
-    """A built TRL trainer's (base) model and its :func:`packed_rows`, the model and its reference model
-    checked by :func:`check_packing` (``ValueError`` also for a shared prompt under an MoE's aux loss)."""
+    """A built TRL trainer's (base) model and its :func:`packed_rows`, it and its reference model checked."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     base: nn.Module = model.get_base_model() if hasattr(model, "get_base_model") else model
     aux_loss = bool(getattr(trainer, "aux_loss_enabled", False))
@@ -243,15 +233,12 @@ def packed_base(trainer: Any, owner: str, shared_prompt: bool) -> tuple[nn.Modul
 
 
 def check_packing(model: nn.Module, owner: str, *, shared_prompt: bool = False, role: str = "") -> None:
-    """Refuse a model that does not train on packed rows as on the padded batch.
+    """Refuse (``ValueError``) a model that does not train on packed rows as on the padded batch.
 
     Parameters:
         model: a causal LM (its logits are compared) or a bare decoder (its last hidden states).
         owner: who errors name; ``role``: what the model is to the owner (``"the reference model "``).
         shared_prompt: check the shared-prompt layout too.
-
-    Raises:
-        ValueError: naming the model's class and the fix, when a probe's outputs change or the model raises.
     """
     name = f"{role}{type(model).__name__}"
     span = _probe_span(model)
@@ -283,9 +270,6 @@ def check_packing(model: nn.Module, owner: str, *, shared_prompt: bool = False, 
 def layer_limits(model: nn.Module, owner: str = "layer_limits", role: str = "") -> dict[str, int]:
     """Each kind of attention layer ``model`` has and how far it sees: 0 (full), a window or a chunk size.
 
-    Raises:
-        ValueError: naming the model, for a layer kind a branch mask cannot express, or an unsized window.
-
     Example:
         >>> from transformers import Qwen2Config, Qwen2ForCausalLM
         >>> config = Qwen2Config(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
@@ -315,9 +299,9 @@ def layer_limits(model: nn.Module, owner: str = "layer_limits", role: str = "") 
 def branch_attention(
     model: nn.Module, packed: Mapping[str, torch.Tensor]
 ) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The ``attention_mask`` ``model`` takes for a shared prompt's packed rows: ``packed``'s branch mask
-    with each layer kind's window or chunk folded in by position; a dict by kind for several kinds
-    (``config.layer_types``); boolean for SDPA, else additive.
+    """The ``attention_mask`` for a shared prompt's packed rows, each layer kind's window folded in.
+
+    A dict by kind for several kinds (``config.layer_types``); boolean for SDPA, else additive.
 
     Example:
         >>> from transformers import MistralConfig, MistralForCausalLM

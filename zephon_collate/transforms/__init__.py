@@ -1,4 +1,4 @@
-"""Composable TensorDict transforms that turn a stacked batch into training tensors."""
+"""Composable TensorDict transforms that turn a stacked batch into training tensors (docs/transforms.md)."""
 
 from zephon_collate.transforms.attention_mask import AttentionMask
 from zephon_collate.transforms.base import Chain, Transform

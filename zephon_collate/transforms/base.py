@@ -19,10 +19,7 @@ __all__ = ["Chain", "Transform", "UndeclaredKeyError", "declared", "declared_key
 
 
 class Transform(TensorDictModuleBase):
-    """Base class: read ``in_keys`` from a TensorDict, return a new one with ``out_keys`` written. A subclass
-    sets ``in_keys`` / ``out_keys`` (``optional_keys``, ``dropped_keys``) in ``__init__`` and writes
-    :meth:`compute` (and optionally :meth:`check` and :meth:`host`); it sees only the keys it declares
-    (``docs/transforms.md``).
+    """Base class: set ``in_keys`` / ``out_keys`` in ``__init__``, write :meth:`compute` (docs/transforms.md).
 
     Example:
         >>> from tensordict import TensorDict
@@ -67,8 +64,7 @@ class Transform(TensorDictModuleBase):
         return batch_size
 
     def join(self, key: str, rows: list[Any]) -> Any:
-        """One output of a batch run row by row (ragged list output), from each row's output as Python
-        values (default: :func:`join_rows`)."""
+        """One output of a batch run row by row, from the rows' Python values (:func:`join_rows`)."""
         return join_rows(rows)
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
@@ -224,10 +220,7 @@ class Chain(Transform):
     def __init__(self, *transforms: TensorDictModuleBase, input_keys: Sequence[str] | None = None) -> None:
         super().__init__()
         for index, transform in enumerate(transforms):
-            compatible = isinstance(transform, nn.Module) and cast(Any, self).is_tdmodule_compatible(
-                transform
-            )
-            if not compatible:
+            if not isinstance(transform, nn.Module) or not cast(Any, self).is_tdmodule_compatible(transform):
                 raise TypeError(
                     f"Chain: item {index} ({shown(transform)}) is not a transform with in_keys and out_keys"
                 )
@@ -349,8 +342,7 @@ class Chain(Transform):
         return batch_size
 
     def join(self, key: str, rows: list[Any]) -> Any:
-        """Output ``key`` of a batch run row by row: joined by the last step that writes it, by items where
-        none does (:func:`join_rows`)."""
+        """Output ``key`` of a batch run row by row, joined by the last step that writes it (or by items)."""
         for step in reversed(self.steps):
             if key in _keys(step, "out_keys"):
                 return step.join(key, rows) if isinstance(step, Transform) else join_rows(rows)

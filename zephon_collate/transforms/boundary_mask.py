@@ -18,8 +18,7 @@ __all__ = ["BoundaryMask"]
 
 
 class BoundaryMask(Transform):
-    """Zero the supervision mask on every token that starts a segment, so no label predicts it. Place it
-    before :class:`TokenShift`, with the mask in the shift's ``label_keys``.
+    """Zero the supervision mask on every token that starts a segment, so no label predicts it.
 
     Parameters:
         positions_key: the ``[B, S]`` segment-restarting positions (default ``"positions"``).
@@ -47,8 +46,9 @@ class BoundaryMask(Transform):
         positions = data[self.positions_key]
         check_rank("BoundaryMask", self.positions_key, positions, "[B, S] positions", 2, 2)
         if self.mask_key in data:
-            mask = data[self.mask_key]
-            check_leading("BoundaryMask", self.mask_key, mask, self.positions_key, positions, 2)
+            check_leading(
+                "BoundaryMask", self.mask_key, data[self.mask_key], self.positions_key, positions, 2
+            )
 
     def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         keep = segment_starts(data[self.positions_key]).logical_not()

@@ -19,9 +19,8 @@ __all__ = ["CuSeqlens"]
 
 
 class CuSeqlens(Transform):
-    """Cumulative segment boundaries (``cu_seqlens``) and longest segments (``max_seqlen``), int32. Per row
-    ``[B, K]`` (padded with the row length) and ``[B]``, or flattened ``[N]`` and ``[]``. Without
-    ``num_boundaries`` the size is read back from the device. Place it before ``Positions("sequence")``.
+    """Boundaries ``cu_seqlens`` and maxima ``max_seqlen``, int32: per row ``[B, K]`` (padded with the row
+    length) and ``[B]``, or flattened ``[N]`` and ``[]``; without ``num_boundaries`` the size is read back.
 
     Parameters:
         positions_key: the ``[B, S]`` segment-restarting positions (default ``"positions"``).
@@ -81,8 +80,7 @@ class CuSeqlens(Transform):
         return torch.Size([]) if self.flatten else batch_size
 
     def join(self, key: str, rows: list[Any]) -> Any:
-        """Rows run alone: flattened, the boundaries continue and the longest is the maximum; per row, each
-        row's boundaries padded with its length to the widest."""
+        """Rows run alone: flattened, boundaries continued; per row, padded with its length to the widest."""
         if key == self.max_key:
             return max(rows) if self.flatten else [row[0] for row in rows]
         if key != self.out_key:

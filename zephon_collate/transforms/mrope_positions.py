@@ -16,7 +16,6 @@ __all__ = ["MRopePositions"]
 
 class MRopePositions(Transform):
     """Join the text positions ``[B, S]`` and the mRoPE planes ``[B, S, 3]`` (consumed) into ``[4, B, S]``.
-    Place it after the steps that read the positions (:class:`BoundaryMask`, :class:`CuSeqlens`, ...).
 
     Parameters:
         positions_key: the text positions, replaced by the joined ``[4, B, S]`` (default ``"position_ids"``).

@@ -17,8 +17,7 @@ __all__ = ["PaddingMask"]
 
 
 class PaddingMask(Transform):
-    """Boolean ``[B, S]`` mask, True on the last ``padding_length[b]`` tokens of row ``b``. Place it before
-    :class:`TokenShift`, with ``"padding_mask"`` in the shift's ``input_keys``.
+    """Boolean ``[B, S]`` mask, True on the last ``padding_length[b]`` tokens of row ``b``.
 
     Parameters:
         padding_length_key: the ``[B]`` pad counts (default ``"padding_length"``).

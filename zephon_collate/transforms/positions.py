@@ -19,7 +19,6 @@ __all__ = ["Positions"]
 
 class Positions(Transform):
     """Model positions: keep the payload's (``"preserve"``), or number each row ``0 .. S-1`` (``"sequence"``).
-    Place it after :class:`TokenShift` and :class:`CuSeqlens`.
 
     Parameters:
         mode: ``"preserve"`` or ``"sequence"`` (else ``ValueError``).

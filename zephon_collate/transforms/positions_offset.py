@@ -15,8 +15,7 @@ __all__ = ["PositionOffset"]
 
 
 class PositionOffset(Transform):
-    """Add ``offset`` to every position (``DataCollatorWithFlattening(position_ids_start=...)``). Place it
-    after the steps that find document starts where a position is 0.
+    """Add ``offset`` to every position (``DataCollatorWithFlattening(position_ids_start=...)``).
 
     Parameters:
         offset: the first position, an int >= 0.

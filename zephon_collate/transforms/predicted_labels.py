@@ -17,8 +17,7 @@ __all__ = ["PredictedLabels"]
 
 class PredictedLabels(Transform):
     """``shift_labels`` ``[B, L]``: at each place, the label of the token its logits predict
-    (``logits_index``), ``ignore_index`` where none, as ``transformers``' loss takes ``shift_labels``. A place
-    must predict one token at most (a tree batch with ``copy_openers=True``).
+    (``logits_index``), ``ignore_index`` where none, as ``transformers``' loss takes them.
 
     Parameters:
         labels_key: the token-aligned labels (default ``"labels"``).

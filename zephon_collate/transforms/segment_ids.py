@@ -24,7 +24,6 @@ __all__ = ["SegmentIds"]
 
 class SegmentIds(Transform):
     """Per-token segment ids, int32: ``cumsum(positions == 0) - 1`` in each row, or numbered across the batch.
-    Place it before ``Positions("sequence")``; its segments are those of :class:`CuSeqlens`.
 
     Parameters:
         positions_key: the ``[B, S]`` segment-restarting positions (default ``"positions"``).

@@ -24,9 +24,8 @@ __all__ = ["SequenceMap"]
 
 
 class SequenceMap(Transform):
-    """``logits_index`` and ``sequence_index`` ``[1, S]`` (-1 on padding) and ``num_sequences`` (0-d) of one
-    padding-free row, from its positions and its examples' lengths (consumed). Place it before
-    :class:`PositionOffset`.
+    """One padding-free row's ``logits_index``, ``sequence_index`` (``[1, S]``, -1 on padding) and
+    ``num_sequences`` (0-d), from its positions and example lengths (consumed).
 
     Parameters:
         positions_key: the ``[1, S]`` segment-restarting positions (default ``"positions"``).
