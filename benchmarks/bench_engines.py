@@ -7,7 +7,9 @@ epoch, tokens per second, with its start-up (worker processes, the Ray cluster's
 apart:
 
 - Grain: ``PackIterDataset -> .batch(batch_fn=collator)`` with 0 and 2 worker processes
-  (``mp_prefetch``) against ``DataLoader(PackedStream, collate_fn=collator)`` with 0 and 2 workers;
+  (``mp_prefetch``; torch tensors handed over by file descriptor or by file name, or NumPy arrays
+  and ``as_torch`` after) against ``DataLoader(PackedStream, collate_fn=collator)`` with 0 and 2
+  workers;
 - Ray Data: ``map_batches(PackBatches) -> iter_torch_batches(collate_fn=ArrowCollateFn)`` with 1
   and 2 packing actors against a ``DataLoader`` over the same rows (``pack_columns`` of each Ray
   batch) with 0 and 2 workers;
@@ -39,6 +41,7 @@ from common import compare, memcpy_seconds, output_bytes
 from zephon_collate import Collator, PackedStream, SampleMeta, SampleRecord, pack_columns
 
 COLLATOR = Collator(return_labels=True)
+NUMPY_COLLATOR = Collator(return_labels=True, dtype=np.int64)  # for Grain's own shared memory
 BATCH = 8
 
 
@@ -85,20 +88,36 @@ def one_torch_thread(worker: int, workers: int) -> None:
     torch.set_num_threads(1)
 
 
+def file_system_worker(worker: int, workers: int) -> None:
+    """A Grain worker's init that shares torch tensors by file name."""
+    torch.set_num_threads(1)
+    torch.multiprocessing.set_sharing_strategy("file_system")
+
+
 def grain_rows(docs: list[SampleRecord], seq_len: int) -> dict[str, Candidate]:
     import grain
     from torch.utils.data import DataLoader
 
-    from zephon_collate.engines.grain import PackIterDataset
+    from zephon_collate.engines.grain import PackIterDataset, as_torch
 
-    def engine(workers: int) -> Callable[[], Iterable[Any]]:
+    def engine(workers: int, hand_over: str = "torch") -> Callable[[], Iterable[Any]]:
         def run() -> Iterable[Any]:
             ds = PackIterDataset(grain.MapDataset.source(docs), seq_len=seq_len, pad_token_id=0)
-            ds = ds.batch(BATCH, batch_fn=COLLATOR)
+            ds = ds.batch(BATCH, batch_fn=NUMPY_COLLATOR if hand_over == "numpy" else COLLATOR)
             if not workers:
-                return ds
+                yield from ds
+                return
             options = grain.MultiprocessingOptions(num_workers=workers)
-            return ds.mp_prefetch(options, worker_init_fn=one_torch_thread)
+            if hand_over == "numpy":
+                yield from ds.mp_prefetch(options, worker_init_fn=one_torch_thread).map(as_torch)
+                return
+            by_name = hand_over == "file_system"
+            init = file_system_worker if by_name else one_torch_thread
+            torch.multiprocessing.set_sharing_strategy("file_system" if by_name else "file_descriptor")
+            try:
+                yield from ds.mp_prefetch(options, worker_init_fn=init)
+            finally:
+                torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
         return run
 
@@ -118,7 +137,9 @@ def grain_rows(docs: list[SampleRecord], seq_len: int) -> dict[str, Candidate]:
         "DataLoader, 0 workers": (loader(0), 0),
         "Grain, 0 workers": (engine(0), 0),
         "DataLoader, 2 workers": (loader(2), 2),
-        "Grain, 2 workers": (engine(2), 2),
+        "Grain, 2 workers, torch tensors (file descriptors)": (engine(2), 2),
+        "Grain, 2 workers, torch tensors (`file_system` sharing)": (engine(2, "file_system"), 2),
+        "Grain, 2 workers, NumPy in the workers, `as_torch` after": (engine(2, "numpy"), 2),
         "(Grain, 2 workers, a batch of zeros per element: its own hand-off)": (hand_off, 2),
     }
 
@@ -177,7 +198,7 @@ def throughput(title: str, candidates: dict[str, Candidate]) -> None:
     names = list(results)
     for index, name in enumerate(names):
         startup, seconds, end, tokens, sums = results[name]
-        base = results[names[min(index - index % 2, 2)]]
+        base = results[names[2 if index >= 2 else index - index % 2]]
         if not name.startswith("("):
             assert sums == base[4], f"{name} gives other batches than its DataLoader"
         overall = sum(base[:3]) / (startup + seconds + end) * tokens / base[3]

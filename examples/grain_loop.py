@@ -10,7 +10,7 @@ The pipeline is torchtitan's, with the package's stages in it::
     grain.MapDataset.source(documents).shuffle(seed)[rank::world]     # a MapDataset, read in order
       -> PackIterDataset(seq_len, pad_token_id)        # rows of seq_len tokens, documents kept apart
       -> .batch(batch_size, batch_fn=Collator(...))    # labels, positions, num_valid_tokens
-      -> ThreadPrefetchIterDataset                      # (or .mp_prefetch(workers))
+      -> ThreadPrefetchIterDataset                      # (or .mp_prefetch(workers).map(as_torch))
 
 Halfway, the loop saves the model and ``{"version": 1, "dp_world_size": 1, "dp_rank_0":
 iterator.get_state()}`` as JSON (what torchtitan saves). It trains on, then a fresh model and a fresh
@@ -24,18 +24,13 @@ import io
 import json
 
 import grain
+import numpy as np
 import torch
-import torch.multiprocessing
 import torch.nn.functional as F
 from balanced_train import IGNORE, Documents, TinyLM  # the same tiny model and documents
 
 from zephon_collate import Collator
-from zephon_collate.engines.grain import PackIterDataset
-
-# Grain's worker processes hand the collated tensors over through torch's shared memory; by file name,
-# not by file descriptor, so an iterator closed mid-epoch drains its queue cleanly. Set at import: the
-# workers (spawned) run it too.
-torch.multiprocessing.set_sharing_strategy("file_system")
+from zephon_collate.engines.grain import PackIterDataset, as_torch
 
 SEQ_LEN, BATCH, SEED = 512, 2, 0
 
@@ -44,10 +39,14 @@ def pipeline(dataset: Documents, workers: int, rank: int = 0, world: int = 1) ->
     """torchtitan's Grain pipeline, with the packer and the collator as its stages."""
     ds = grain.MapDataset.source([dataset[i] for i in range(len(dataset))]).shuffle(seed=SEED)
     ds = PackIterDataset(ds[rank::world], seq_len=SEQ_LEN, pad_token_id=0)
-    ds = ds.batch(BATCH, batch_fn=Collator(return_labels=True, return_num_valid_tokens=True))
-    if workers:  # one torch thread per worker process, as a DataLoader worker sets for itself
-        options = grain.MultiprocessingOptions(num_workers=workers)
-        return ds.mp_prefetch(options, worker_init_fn=lambda worker, count: torch.set_num_threads(1))
+    options = {"return_labels": True, "return_num_valid_tokens": True}
+    if workers:  # NumPy out of the workers (Grain's shared memory carries it), torch tensors after
+        ds = ds.batch(BATCH, batch_fn=Collator(**options, dtype=np.int64))
+        prefetch = grain.MultiprocessingOptions(num_workers=workers)
+        # one torch thread per worker, as a DataLoader worker sets for itself
+        ds = ds.mp_prefetch(prefetch, worker_init_fn=lambda worker, count: torch.set_num_threads(1))
+        return ds.map(as_torch)
+    ds = ds.batch(BATCH, batch_fn=Collator(**options))
     return grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2)
 
 

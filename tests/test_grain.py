@@ -9,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 grain = pytest.importorskip("grain")
 
@@ -26,8 +28,8 @@ from engine_pipelines import (  # noqa: E402  (after the skip)
 )
 from torch.utils.data import DataLoader  # noqa: E402
 
-from zephon_collate import PackedStream, SampleMeta, SampleRecord  # noqa: E402
-from zephon_collate.engines.grain import BalancedIterDataset, PackIterDataset  # noqa: E402
+from zephon_collate import Collator, PackedStream, SampleMeta, SampleRecord  # noqa: E402
+from zephon_collate.engines.grain import BalancedIterDataset, PackIterDataset, as_torch  # noqa: E402
 from zephon_collate.engines.state import from_json, to_json  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
@@ -80,6 +82,21 @@ def test_packer_stage_equals_the_dataloader_key_for_key(name):
 def test_packer_stage_in_two_grain_workers_equals_the_dataloader_with_two():
     # Each worker packs its own slice (documents w, w + 2, ...), as a DataLoader worker packs its shard.
     assert _digests(packed("greedy", 2)) == _digests(_loader_packed("greedy", 2))
+
+
+@pytest.mark.parametrize("name", ["greedy", "best_fit"])
+def test_numpy_from_two_grain_workers_then_as_torch_equals_the_dataloader(name):
+    # The workers collate to NumPy, which Grain's shared memory carries; as_torch gives the tensors the
+    # torch collator gives, dtypes included. Closed mid-epoch, the pipeline shuts down cleanly.
+    ds = PackIterDataset(grain.MapDataset.source(documents()).to_iter_dataset(), **PACKERS[name])
+    ds = ds.batch(3, batch_fn=Collator(return_labels=True, dtype=np.int64))
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2)).map(as_torch)
+    batches = list(ds)
+    assert _digests(batches) == _digests(_loader_packed(name, 2))
+    assert all(isinstance(batch["input_ids"], torch.Tensor) for batch in batches)
+    iterator = iter(ds)
+    assert digest(next(iterator)) == digest(batches[0])
+    iterator.close()
 
 
 def test_groups_are_not_split_across_workers():

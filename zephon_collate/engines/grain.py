@@ -20,6 +20,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grain
+import numpy as np
+import torch
 
 from zephon_collate.core.records import SampleRecord
 from zephon_collate.engines.state import from_json, to_json
@@ -27,7 +29,7 @@ from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.parallel.sampler import BalancedBatchSampler
 from zephon_collate.read.arrow import is_columnar
 
-__all__ = ["BalancedIterDataset", "PackIterDataset"]
+__all__ = ["BalancedIterDataset", "PackIterDataset", "as_torch"]
 
 
 class PackIterDataset(grain.IterDataset):  # type: ignore[misc]  # grain ships no type hints
@@ -212,3 +214,18 @@ class _BalancedIterator(grain.DatasetIterator):  # type: ignore[misc]
         self._drawn = int(state["drawn"])
         self._last = state.get("last_epoch", self._last)
         self._batches = None
+
+
+def as_torch(batch: dict[str, Any]) -> dict[str, Any]:
+    """A batch of NumPy arrays as torch tensors (copied out of Grain's shared memory); other values as is.
+
+    Map it after ``mp_prefetch`` when the workers collate to NumPy (``Collator(dtype=np.int64)``):
+    Grain hands NumPy arrays over through its own shared memory, at a fraction of the cost of torch
+    tensors (docs/engines.md, "Worker processes").
+
+    Example:
+        >>> batch = as_torch({"input_ids": np.array([[1, 2]]), "ids": [(0, 0, 0)]})
+        >>> batch["input_ids"].dtype, batch["ids"]
+        (torch.int64, [(0, 0, 0)])
+    """
+    return {k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
