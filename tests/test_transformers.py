@@ -577,6 +577,33 @@ def test_separator_id_marks_documents_not_padding():
             assert np_out["labels"].tolist() == [[-7, 6, 7, -7, 9, -100, -100, -100]]
 
 
+def test_hugging_face_left_padding_positions_are_read_on_the_kept_tokens() -> None:
+    """Left padding as Hugging Face writes it: ``position_ids = attention_mask.cumsum(-1) - 1``, its padding
+    filled with 1 (``[1, 0, 1, 2]``). The padding's positions are not the example's: read like the same
+    examples unpadded, in every mode; positions that start above 0 on the kept tokens too are refused."""
+    ids = torch.tensor([[0, 0, 5, 6, 7], [4, 5, 6, 7, 8]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    assert position_ids.tolist() == [[1, 1, 0, 1, 2], [0, 1, 2, 3, 4]]
+    padded = [
+        {"input_ids": i, "attention_mask": m, "position_ids": p}
+        for i, m, p in zip(ids.tolist(), mask.tolist(), position_ids.tolist(), strict=True)
+    ]
+    plain = [{"input_ids": [5, 6, 7]}, {"input_ids": [4, 5, 6, 7, 8]}]
+    for options in ({"padding_free": True}, {"padding_free": False, "return_position_ids": True}):
+        collate = Collator.for_transformers(pad_token_id=0, **options)
+        out, expected = collate(padded), collate(plain)
+        assert out.keys() == expected.keys()
+        for key in out:
+            assert torch.equal(torch.as_tensor(out[key]), torch.as_tensor(expected[key])), key
+    flat = Collator.for_transformers(padding_free=True, pad_token_id=0)(padded)
+    assert flat["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
+    assert flat["labels"].tolist() == [[-100, 6, 7, -100, 5, 6, 7, 8]]
+    late = {"input_ids": [0, 5, 6], "attention_mask": [0, 1, 1], "position_ids": [1, 1, 2]}
+    with pytest.raises(ValueError, match=r"example 0: 'position_ids' must start at 0 .* start at 1"):
+        Collator.for_transformers(pad_token_id=0)([late])
+
+
 def test_positions_the_attention_mask_cuts_must_still_start_at_zero_padding_free() -> None:
     """Leading attention_mask 0s dropped: given positions (or seq_lengths) that counted them would start the
     kept tokens at 1 and, padding-free, continue the example before it; refused by name. The sequence map

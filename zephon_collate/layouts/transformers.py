@@ -527,14 +527,8 @@ class Transformers(Layout):
             keep = kept_by_mask(fields[ATTENTION_MASK], ATTENTION_MASK, names)
             if not keep.all():
                 per_token = {name: field.select(keep) for name, field in per_token.items()}
-                found = unstarted(per_token[POSITIONS]) if positions is not None else None
-                if found is not None and options.padding_free:  # it would continue the example before it
-                    raise ValueError(
-                        f"{names(found[0])}: its attention_mask drops its first tokens, and the positions "
-                        f"of the tokens it keeps start at {found[1]} ('position_ids' or 'seq_lengths' count "
-                        "the dropped ones); give positions counted from 0 over the kept tokens "
-                        "(attention_mask.cumsum(-1) - 1), or drop them"
-                    )
+        if positions is not None:
+            _check_started(positions, per_token[POSITIONS], segments is None, options.padding_free, names)
         if options.truncation_mode is not None:
             per_token = self._truncated(per_token, names)
         elif options.max_length is not None and options.padding != "max_length":
@@ -723,13 +717,30 @@ def _positions(fields: dict[str, Ragged], segments: Ragged | None, names: Names)
         return None
     given = fields[POSITION_IDS]
     check_ids(given, POSITION_IDS, names)
-    found = unstarted(given)
+    return given.cast(torch.int64)
+
+
+def _check_started(given: Ragged, kept: Ragged, ids: bool, padding_free: bool, names: Names) -> None:
+    """Positions start at 0 on each example's first token, or on its first token the attention mask
+    keeps: Hugging Face gives left padding any position (``[1, 0, 1, 2]`` for the mask ``[0, 1, 1, 1]``).
+    Padding-free, the kept tokens must start at 0, or the example would continue the one before it."""
+    has = kept.lengths > 0
+    firsts = np.zeros(kept.rows, dtype=np.int64)
+    firsts[has] = kept.host[kept.offsets[:-1][has]]
+    found = unstarted(given, ~has | (firsts != 0)) if ids else None
     if found is not None:
         raise ValueError(
             f"{names(found[0])}: 'position_ids' must start at 0 and restart at 0 at each packed "
             f"document (they start at {found[1]}); give positions counted from 0"
         )
-    return given.cast(torch.int64)
+    found = unstarted(kept) if padding_free else None
+    if found is not None:
+        raise ValueError(
+            f"{names(found[0])}: its attention_mask drops its first tokens, and the positions "
+            f"of the tokens it keeps start at {found[1]} ('position_ids' or 'seq_lengths' count "
+            "the dropped ones); give positions counted from 0 over the kept tokens "
+            "(attention_mask.cumsum(-1) - 1), or drop them"
+        )
 
 
 def _starts(per_token: dict[str, Ragged]) -> np.ndarray:
