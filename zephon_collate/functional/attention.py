@@ -154,9 +154,9 @@ def dense_branch_mask(document_ids: torch.Tensor, branch_ids: torch.Tensor) -> t
         >>> dense_branch_mask(torch.tensor([[0, 0, 0, 0]]), torch.tensor([[0, 1, 2, 2]]))[0, 0].int().tolist()
         [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]
     """
-    branches = as_rows(branch_ids)
+    docs, branches = as_rows(document_ids), as_rows(branch_ids)
     key_branch = branches.unsqueeze(1)
-    return _dense(as_rows(document_ids), (key_branch == 0) | (key_branch == branches.unsqueeze(2)))
+    return _dense(docs, (key_branch == 0) | (key_branch == branches.unsqueeze(2)))
 
 
 def _starts_as_positions(segment_ids: torch.Tensor) -> torch.Tensor:
