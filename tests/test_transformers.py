@@ -599,6 +599,16 @@ def test_hugging_face_left_padding_positions_are_read_on_the_kept_tokens() -> No
     flat = Collator.for_transformers(padding_free=True, pad_token_id=0)(padded)
     assert flat["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
     assert flat["labels"].tolist() == [[-100, 6, 7, -100, 5, 6, 7, 8]]
+    # An example without position_ids beside one with them: its positions count its kept tokens, as alone.
+    mixed = [
+        {"input_ids": [4, 5, 6], "position_ids": [0, 1, 2]},
+        {"input_ids": [0, 8, 9], "attention_mask": [0, 1, 1]},
+    ]
+    for options in ({"padding_free": True}, {"padding_free": False, "return_position_ids": True}):
+        collate = Collator.for_transformers(pad_token_id=0, **options)
+        out, expected = collate(mixed), collate([{"input_ids": [4, 5, 6]}, {"input_ids": [8, 9]}])
+        for key in out:
+            assert torch.equal(torch.as_tensor(out[key]), torch.as_tensor(expected[key])), key
     late = {"input_ids": [0, 5, 6], "attention_mask": [0, 1, 1], "position_ids": [1, 1, 2]}
     with pytest.raises(ValueError, match=r"example 0: 'position_ids' must start at 0 .* start at 1"):
         Collator.for_transformers(pad_token_id=0)([late])

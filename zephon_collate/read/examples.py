@@ -118,7 +118,7 @@ def read_examples(batch: Batch, spec: ExampleSpec) -> Examples:
     for name, kind in _PER_TOKEN:
         source = positions_field(batch) or name if name == POSITION_IDS else name  # the page's name too
         if source in batch:
-            fields[name] = _filled(batch, source, kind, tokens)
+            fields[name] = _filled(batch, source, kind, tokens, fields.get(ATTENTION_MASK))
     segments = None
     if SEQ_LENGTHS in batch:  # each example's document lengths, end to end
         given = batch.get(SEQ_LENGTHS, "ids", partial=True)
@@ -270,8 +270,11 @@ def _misfit(where: str, name: str, shape: tuple[int, ...], length: int) -> Value
     )
 
 
-def _filled(batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Ragged) -> Ragged:
-    """Per-token field ``name`` in every example; one without it reads as all trained (or one document)."""
+def _filled(
+    batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Ragged, mask: Ragged | None = None
+) -> Ragged:
+    """Per-token field ``name`` in every example; one without it reads as all trained, or as one document
+    whose positions count the tokens ``mask`` keeps (as an example given no positions at all)."""
     try:
         field = batch.get(name, kind, partial=True)
     except ValueError:  # rows that differ beyond their length: name the first that does not fit
@@ -297,6 +300,10 @@ def _filled(batch: Batch, name: str, kind: Literal["ids", "values"], tokens: Rag
         return Ragged(values, field.offsets, field.lengths)
     if name == LABELS:
         filled = tokens.host.copy()
+    elif name in (POSITION_IDS, POSITIONS) and mask is not None:  # padding dropped: kept tokens count from 0
+        counts = np.zeros(mask.host.size + 1, dtype=np.int64)
+        np.cumsum(mask.host != 0, out=counts[1:])
+        filled = np.maximum(counts[1:] - np.repeat(counts[mask.offsets[:-1]], mask.lengths) - 1, 0)
     elif name in (POSITION_IDS, POSITIONS):
         filled = places(tokens.offsets)
     elif name == MM_TOKEN_TYPE_IDS:  # an example without media: all text
