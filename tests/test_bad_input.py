@@ -528,13 +528,26 @@ def test_positions_beyond_the_requested_dtype():
 
 
 def test_cu_seqlens_int32_overflow(monkeypatch):
-    """B * S input tokens beyond int32: ValueError (the limit is lowered here; a real batch would need 16 GiB)."""
+    """Flattened, B * S input tokens beyond int32: ValueError; unflattened, a row's S (each row's boundaries
+    are at most its length). The limit is lowered here; a real batch would need 16 GiB."""
     monkeypatch.setattr(prepare_module, "INT32_MAX", 5)
     b = batch(
         {"input_ids": [1, 2, 3], "positions": [0, 1, 2]}, {"input_ids": [1, 2, 3], "positions": [0, 1, 2]}
     )
     raises(
-        ValueError, r"2 x 3 input tokens overflow the int32 cu_seqlens", b.to_training, return_cu_seqlens=True
+        ValueError,
+        r"2 x 3 input tokens overflow the int32 cu_seqlens",
+        b.to_training,
+        return_cu_seqlens=True,
+        flatten=True,
+    )
+    assert b.to_training(return_cu_seqlens=True)["cu_seqlens"].tolist() == [[0, 3], [0, 3]]  # rows of 3
+    wide = batch({"input_ids": [1] * 6, "positions": list(range(6))})
+    raises(
+        ValueError,
+        r"1 x 6 input tokens overflow the int32 cu_seqlens",
+        wide.to_training,
+        return_cu_seqlens=True,
     )
     assert b.to_training(return_cu_seqlens=True, return_labels=True)["cu_seqlens"].tolist() == [
         [0, 2],
@@ -543,7 +556,10 @@ def test_cu_seqlens_int32_overflow(monkeypatch):
     huge = TensorDict(
         positions=torch.zeros(1, 1, dtype=torch.long).expand(2**16, 2**15 + 1), batch_size=[2**16]
     )
-    raises(ValueError, r"CuSeqlens: .* positions overflow the int32 boundaries", CuSeqlens(), huge)
+    raises(
+        ValueError, r"CuSeqlens: .* positions overflow the int32 boundaries", CuSeqlens(flatten=True), huge
+    )
+    CuSeqlens().check(huge)  # unflattened: rows of 2**15 + 1 fit
 
 
 @pytest.mark.parametrize("padding", [-1, 4, 10**9])

@@ -281,14 +281,22 @@ def reference_cost(options, lengths, cell_rows):
     return sum(cost.cost(lengths[doc]) for doc in cell_rows)
 
 
-def next_fit(order, lengths, seq_len):
-    rows, used = [], seq_len
+def next_fit(order, lengths, seq_len, groups=None):
+    """pack_flat(strategy="greedy", group_key=...): each run of one group's documents kept in one row."""
+    units = []
     for doc in order:
-        if used + lengths[doc] > seq_len:
+        if units and groups is not None and groups[units[-1][-1]] == groups[doc]:
+            units[-1].append(doc)
+        else:
+            units.append([doc])
+    rows, used = [], seq_len
+    for unit in units:
+        size = sum(lengths[doc] for doc in unit)
+        if used + size > seq_len:
             rows.append([])
             used = 0
-        rows[-1].append(doc)
-        used += lengths[doc]
+        rows[-1].extend(unit)
+        used += size
     return [tuple(row) for row in rows]
 
 
@@ -320,9 +328,7 @@ def test_plan_properties(case):
                 rows = plan.rows[s][r]
                 assert len(rows) <= options.rows and [doc for row in rows for doc in row] == list(cell)
                 assert all(sum(lengths[doc] for doc in row) <= options.seq_len for row in rows)
-                assert next_fit(cell, lengths, options.seq_len) == list(
-                    rows
-                )  # pack_flat greedy rebuilds them
+                assert next_fit(cell, lengths, options.seq_len, groups) == list(rows)  # pack_flat greedy
                 assert plan.computed[s, r] == len(rows) * options.seq_len
                 assert plan.costs[s, r] == reference_cost(options, lengths, rows)
             else:

@@ -136,16 +136,33 @@ def test_outliers_are_not_held_when_a_rank_would_get_nothing():
         assert sorted(i for rank in batches for batch in rank for i in batch) == list(range(len(lengths)))
 
 
-def test_extra_slots_are_filled_by_documents_that_may_wait():
+def test_documents_that_may_not_wait_take_the_room_a_swap_freed_before_an_extra_slot():
     """Fixed rows, one row of 11, two ranks: documents 0-2 (2, 1, 3 tokens) have waited and two full
-    rows (documents 3 and 4) have not. The full rows were kept, documents 0 and 2 displaced them, and
-    document 1, finding nothing to displace, got an extra slot alone: rank 1 had an empty micro-batch
-    while documents 3 and 4 waited. Now the extra slot is there for everyone: all five are placed, the
-    row (3, 2, 1) split where the larger row costs least (3 x L + L**2, padding included: 106 and 102)."""
+    rows (documents 3 and 4) have not. Document 2 displaces document 3; documents 0 and 1 then fit the
+    room it left (3 + 2 + 1 = 6 of 11), so no extra slot is added (once, document 1 found nothing to
+    displace and got an extra slot alone). Document 3, which has not waited, waits. Costs 3 x L + L**2
+    per document, padding included: 154 for a full row, 18 + 10 + 4 + (15 + 25) = 72 for (2, 0, 1)."""
     options = BalanceOptions(cost=MIXED, rows=1, seq_len=11, micro_batches=1)
     plan = plan_balance([2, 1, 3, 11, 11], options, ranks=2, waited=[1, 1, 1, 0, 0])
-    assert plan.cells == (((3,), (4,)), ((2,), (0, 1))) and plan.held == () and plan.extra_slots == 1
-    assert plan.costs.tolist() == [[154, 154], [106, 102]]
+    assert plan.cells == (((4,), (2, 0, 1)),) and plan.held == (3,) and plan.extra_slots == 0
+    assert plan.costs.tolist() == [[154, 72]]
+
+
+def test_extra_slots_only_where_documents_that_may_not_wait_do_not_fit():
+    """Padding-free, a budget of 16: document 1 (8, waited) displaces document 0 (16), and document 2 (3,
+    waited) fits the room left; and fixed rows the same. Each added a micro-batch to every rank."""
+    for budget in ({"max_tokens": 16}, {"rows": 1, "seq_len": 16}):
+        options = BalanceOptions(cost=MIXED, micro_batches=1, **budget)
+        plan = plan_balance([16, 8, 3], options, ranks=1, waited=[0, 1, 1])
+        assert plan.cells == (((1, 2),),) and plan.held == (0,) and plan.extra_slots == 0, budget
+
+
+def test_a_group_keeps_one_row_in_fixed_rows():
+    """Documents 1 and 2 are one group (6 tokens): next-fit over the cell put document 1 in the room
+    document 0's row left (6 + 4 = 10) and document 2 in a row of its own."""
+    options = BalanceOptions(cost=MIXED, rows=2, seq_len=10, micro_batches=1)
+    plan = plan_balance([6, 4, 2], options, ranks=1, groups=[0, 1, 1])
+    assert plan.rows == ((((0,), (1, 2)),),)
 
 
 # --- properties: every document once, or dropped only as documented --------------------------------

@@ -324,7 +324,7 @@ def test_plan_costs_are_the_given_costs(case):
             expected = sum(trees[doc] + plus[doc] for doc in cell)
             if options.fixed_rows:
                 rows = plan.rows[slot][rank]
-                assert next_fit(cell, lengths, options.seq_len) == list(rows)
+                assert next_fit(cell, lengths, options.seq_len, groups) == list(rows)
                 expected += sum(model.cost(options.seq_len - sum(lengths[d] for d in row)) for row in rows)
             else:
                 assert sum(lengths[doc] for doc in cell) <= options.max_tokens

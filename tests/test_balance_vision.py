@@ -331,7 +331,7 @@ def test_plan_costs_are_the_documents_costs_plus_their_extra_costs(case):
             if options.fixed_rows:
                 rows = plan.rows[slot][rank]
                 assert [doc for row in rows for doc in row] == list(cell)
-                assert next_fit(cell, lengths, options.seq_len) == list(rows)
+                assert next_fit(cell, lengths, options.seq_len, groups) == list(rows)
                 assert len(rows) <= options.rows
                 expected += sum(cost.cost(options.seq_len - sum(lengths[d] for d in row)) for row in rows)
             else:

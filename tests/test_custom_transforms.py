@@ -186,3 +186,33 @@ def test_a_ragged_list_batch_joins_each_output_by_the_step_that_wrote_it():
         [0, 2],
         [0, 1],
     ]  # a Chain's steps join
+
+
+class DoubledTotal(Total):
+    """A built-in step subclassed, ``compute`` overridden and ``host`` not: its ``compute`` must run."""
+
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {key: value * 2 for key, value in super().compute(data).items()}
+
+
+class DoubledBothWays(DoubledTotal):
+    """The same, with a ``host`` of its own below its ``compute``: the host path runs that."""
+
+    def host(self, data: Mapping[str, object]) -> dict[str, object]:
+        import numpy as np
+
+        return {key: np.array(value * 2) for key, value in super().host(data).items()}  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("step", [DoubledTotal, DoubledBothWays])
+def test_a_subclass_overriding_compute_alone_runs_it_on_the_host_path_too(step):
+    # The inherited Total.host ran on the host path (the CPU default): 4 there, 8 in eager.
+    from zephon_collate import use_host_pass
+
+    rows = [packed(0, [3, 2])]
+    collator = Collator(return_labels=True, return_num_valid_tokens=True, transforms=[step()])
+    want = 2 * Collator(return_labels=True, return_num_valid_tokens=True)(rows)["num_valid_tokens"]
+    for host in (True, False):
+        with use_host_pass(host):
+            assert collator(rows)["num_valid_tokens"] == want
+            assert collator.finish(collator.stack(rows))["num_valid_tokens"] == want

@@ -173,6 +173,21 @@ def test_flattened_batch_is_one_row():
     assert render_batch(flat).startswith("batch: 1 row x 14 tokens")
 
 
+def test_a_flattened_rows_last_label_is_no_crossing():
+    # Flattened, each row's end is a segment start whose label is the row's own next token (cut off):
+    # every clean flattened batch was warned of a crossing.
+    from zephon_collate import Collator
+
+    rows = [
+        {"input_ids": [1, 5, 6, 7, 2, 1, 8, 9], "positions": [0, 1, 2, 3, 4, 0, 1, 2]},
+        {"input_ids": [1, 3, 2, 4, 5, 6, 7, 8], "positions": [0, 1, 2, 3, 0, 1, 2, 3]},
+    ]
+    assert batch_warnings(Collator(return_labels=True, flatten=True)(rows)) == []
+    crossing = Collator(return_labels=True, flatten=True, boundary_safe_labels=False)(rows)
+    assert crossing["labels"].tolist()[3:5] == [2, 1]  # a real crossing is still found
+    assert any("cross a segment boundary (first: token 4 -> 5)" in w for w in batch_warnings(crossing))
+
+
 def test_batch_without_labels_shows_the_raw_mask():
     raw = {"input_ids": [[1, 5, 2]], "loss_mask": [[0, 1, 1]]}
     lines = render_batch(raw).splitlines()

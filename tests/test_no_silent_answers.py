@@ -6,7 +6,11 @@ labels beside the sides, the padding-free preference order, float values
 beyond their dtype, float fields named like a preset's keys, Hugging Face's
 ``position_ids`` in the native Collator, padding already in the rows,
 misspelled supervision masks, empty batches blaming another preset,
-``np.memmap`` rows, and ``cu_seq_lens_q`` / ``cu_seq_lens_k`` sharing storage.
+``np.memmap`` rows, ``cu_seq_lens_q`` / ``cu_seq_lens_k`` sharing storage, other stacks' supervision
+(``shift_labels``, ``label_ids``, ``action_mask``), ``token_type_ids`` in int8 or missing, packed rows
+without positions or with TRL's ``seq_lengths``, the Collator's padding after a packed row's, a payload's
+``_padding_length``, trajectories as turns of float ids, the root marker as a node id and margins beyond
+float32.
 """
 
 from __future__ import annotations
@@ -233,8 +237,39 @@ def test_a_misspelled_supervision_mask_is_refused(name, meant):
 
 
 def test_fields_that_only_look_like_masks_are_not_refused():
-    payload = {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "action_mask": [1, 0, 1]}
+    payload = {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "action_mask": [1, 1, 1]}
     assert Collator(return_labels=True)([payload])["labels"].tolist() == [[6, 7]]
+    payload = {"input_ids": [5, 6, 7], "label_ids": [5, 6, 7]}  # the tokens: nothing is lost
+    assert Collator.for_transformers(padding_free=True)([payload])["labels"].tolist() == [[-100, 6, 7]]
+
+
+OTHER_STACKS = [
+    ("shift_labels", [-100, 7, -100], "transformers' pre-shifted targets"),
+    ("label_ids", [-100, 6, 7], "default_data_collator renames"),
+    ("action_mask", [0, 1, 1], "OpenRLHF's mask"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "said"), OTHER_STACKS)
+def test_other_stacks_supervision_is_used_nowhere_so_refused_everywhere(name, value, said):
+    # Each changes what is trained in its own stack; read by no call here, it was dropped without a word.
+    payload = {"input_ids": [5, 6, 7], name: value}
+    pair = {"prompt_input_ids": [5], "chosen_input_ids": [6], "rejected_input_ids": [7], name: value[:1]}
+    calls = {
+        "Collator": lambda: Collator(return_labels=True)([record(payload)]),
+        "padded": lambda: Collator.for_transformers(pad_token_id=0)([payload]),
+        "padding-free": lambda: Collator.for_transformers(padding_free=True)([payload]),
+        "rollouts": lambda: Collator.for_rollouts(padding_free=True)([payload]),
+        "packer": lambda: pack_flat([record(payload)], 4, pad_token_id=0),
+    }
+    for call in calls.values():
+        with pytest.raises(ValueError, match=rf"carries '{name}' \(.*{said}"):
+            call()
+    with pytest.raises(ValueError, match=rf"carries '{name}', .* each side's tokens are trained whole"):
+        Collator.for_preference(padding_free=True)([pair])
+    with pytest.warns(UserWarning, match=rf"carries '{name}'"):
+        out = to_training([record(payload)], return_labels=True)
+    assert out["labels"].tolist() == [[6, 7]]  # the reference page's result
 
 
 # -- raw errors -------------------------------------------------------------------------------------
@@ -297,3 +332,121 @@ def test_return_sequence_map_makes_padding_free_batches_exact_for_the_loss_helpe
         ValueError, match="return_sequence_map=True describes the sequences of a padding-free row"
     ):
         Collator.for_transformers(pad_token_id=0, return_sequence_map=True)
+
+
+# -- token_type_ids, packed rows --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_token_type_ids_are_int64_and_an_example_without_them_is_one_segment(padding_free):
+    # A datasets column stores token_type_ids as int8: transformers' collators give int64 (an Embedding
+    # refuses int8); an example without them was filled with 1s, the second segment.
+    collator = Collator.for_transformers(pad_token_id=0, padding_free=padding_free)
+    rows = [
+        {"input_ids": np.array([5, 6, 7, 8], np.int32), "token_type_ids": np.array([0, 0, 1, 1], np.int8)},
+        {"input_ids": [8, 9]},
+    ]
+    out = collator(rows)
+    assert out["token_type_ids"].dtype == torch.int64
+    want = [[0, 0, 1, 1, 0, 0]] if padding_free else [[0, 0, 1, 1], [0, 0, 0, 0]]
+    assert out["token_type_ids"].tolist() == want
+    transformers = pytest.importorskip("transformers")
+    peer = transformers.DataCollatorForSeq2Seq(_pad_tokenizer(transformers))(rows[:1])
+    assert peer["token_type_ids"].dtype == collator(rows[:1])["token_type_ids"].dtype
+
+
+def _pad_tokenizer(transformers):
+    from tokenizers import Tokenizer, models
+
+    model = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1}, unk_token="<unk>"))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>")
+
+
+def test_a_packed_row_without_positions_is_refused_by_boundary_safe_labels():
+    # Without positions the Collator saw one document, and the label of the first document's last token
+    # was the next document's first token.
+    docs = [record({"input_ids": [1, 5, 6, 2]}), record({"input_ids": [1, 7, 2]}, 1)]
+    rows = pack_flat(docs, 8, pad_token_id=0, emit_positions=False)
+    with pytest.raises(ValueError, match=r"record 0 .*a packed row of 2 documents .*emit_positions=True"):
+        Collator(return_labels=True)(rows)
+    kept = Collator(return_labels=True)(pack_flat(docs, 8, pad_token_id=0))
+    assert kept["labels"].tolist() == [[5, 6, 2, -100, 7, 2, -100]]
+    across = Collator(return_labels=True, boundary_safe_labels=False)(rows)
+    assert across["labels"].tolist() == [[5, 6, 2, 1, 7, 2, -100]]
+    one = pack_flat(docs[:1], 8, pad_token_id=0, emit_positions=False)  # one document: nothing to cross
+    assert Collator(return_labels=True)(one)["labels"].tolist() == [[5, 6, 2] + [-100] * 4]
+
+
+def test_the_collators_padding_continues_a_packed_rows_padding_segment():
+    # A row of 4 with one pad token, padded to 6 by the Collator: its padding was two segments.
+    short = pack_flat([record({"input_ids": [1, 2, 3]})], 4, pad_token_id=0)
+    long = pack_flat([record({"input_ids": [4, 5, 6, 7, 8]}, 1)], 6, pad_token_id=0)
+    collator = Collator(pad_token_id=0, return_labels=True, return_cu_seqlens=True, return_padding_mask=True)
+    assert collator.stack(short + long).td["positions"].tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 0]]
+    out = collator(short + long)
+    assert out["cu_seqlens"].tolist() == [[0, 3, 5], [0, 5, 5]]
+    assert out["padding_mask"].tolist() == [[False, False, False, True, True], [False] * 5]
+
+
+def test_seq_lengths_without_positions_are_refused_where_not_read():
+    # TRL's packed rows: the Collator and the packers took the row for one document.
+    row = {"input_ids": [5, 6, 7, 8, 9, 10], "seq_lengths": [3, 3]}
+    with pytest.raises(ValueError, match=r"record 0 .*carries 'seq_lengths' \(2 documents"):
+        Collator(return_labels=True)([record(row)])
+    with pytest.raises(ValueError, match=r"carries 'seq_lengths' .*record of its own"):
+        pack_flat([record(row)], 8, pad_token_id=0)
+    read = Collator.for_transformers(padding_free=True)([row])  # reads them
+    assert read["labels"].tolist() == [[-100, 6, 7, -100, 9, 10]]
+    marked = {**row, "position_ids": [0, 1, 2, 0, 1, 2]}  # positions find the documents
+    assert Collator(return_labels=True)([marked])["labels"].tolist() == [[6, 7, -100, 9, 10]]
+    one = {"input_ids": [5, 6, 7], "seq_lengths": [3]}
+    assert Collator(return_labels=True)([one])["labels"].tolist() == [[6, 7]]
+
+
+def test_pack_flat_never_packs_a_misspelled_mask_as_data():
+    docs = [record({"input_ids": [1, 2, 3], "loss_masks": [0, 1, 1]})]
+    with pytest.raises(ValueError, match=r"has 'loss_masks', which nothing reads: did you mean 'loss_mask'"):
+        pack_flat(docs, 4, pad_token_id=0)
+    rows = pack_flat(docs, 4, pad_token_id=0, fields=["loss_masks"])  # listed: data, as asked
+    assert rows[0].payload["loss_masks"].tolist() == [0, 1, 1, 0]
+
+
+def test_a_payloads_padding_length_is_read_as_a_columns_is():
+    pa = pytest.importorskip("pyarrow")
+    rows = [
+        {"input_ids": [5, 6, 7, 0], "_padding_length": 1},
+        {"input_ids": [8, 9, 0, 0], "_padding_length": 2},
+    ]
+    collator = Collator(return_labels=True, return_num_valid_tokens=True)
+    want = [[6, 7, -100], [9, -100, -100]]
+    for given in (rows, pa.Table.from_pylist(rows)):
+        out = collator(given)
+        assert out["labels"].tolist() == want and out["num_valid_tokens"] == 3
+    with pytest.raises(ValueError, match=r"'_padding_length'\) is 5 but must be an int from 0"):
+        collator([{"input_ids": [5, 6, 7, 0], "_padding_length": 5}])
+
+
+def test_trajectories_as_turns_check_their_ids_as_flat_rows_do():
+    trees = Collator.for_trees(padding_free=True)
+    mask = [[0, 0], [1, 1]]
+    with pytest.raises(TypeError, match=r"example 0, turn 1: field 'input_ids' has dtype float64"):
+        trees([{"input_ids": [[1, 2], [3.7, 4.2]], "completion_mask": mask}])
+    with pytest.raises(TypeError, match=r"example 0: 'input_ids' given as turns holds NoneType at turn 1"):
+        trees([{"input_ids": [[1, 2], None], "completion_mask": mask}])
+    flat = list(torch.tensor([1, 2, 3]))  # 0-d tensors: one flat row, as the other presets read it
+    assert trees([{"input_ids": flat, "completion_mask": [0, 1, 1]}])["input_ids"].tolist() == [[1, 2, 3]]
+
+
+def test_explicit_trees_refuse_the_root_marker_as_a_node_id():
+    nodes = [
+        {"node_id": -1, "parent_id": -1, "input_ids": [1, 2], "completion_mask": [0, 0]},
+        {"node_id": 1, "parent_id": -1, "input_ids": [3], "completion_mask": [1]},
+    ]
+    with pytest.raises(ValueError, match=r"example 0: node_id is -1, which marks a root's parent_id"):
+        Collator.for_trees(padding_free=True)(nodes)
+
+
+def test_a_reward_margin_beyond_float32_is_refused():
+    pair = {"chosen_ids": [3, 2], "rejected_ids": [4, 2], "margin": 1e39}
+    with pytest.raises(ValueError, match=r"example 0: 'margin' is 1e\+39, beyond float32"):
+        Collator.for_rewards(pad_token_id=0)([pair])

@@ -387,8 +387,12 @@ def test_pack_columns_rows_collate_as_pack_flats_records(case):
         assert packed.fields[name].shape == (len(records), case["seq_len"], *shape)
         [batch] = packed.__getitems__([0])
         assert batch[name][0].shape == (case["seq_len"], *shape)
+    if not case["emit_positions"] and any(len(r.meta.tags["_segments"]) > 1 for r in records):
+        with pytest.raises(ValueError, match="without positions, so its labels would cross"):
+            Collator(return_labels=True)(records)  # boundary-safe labels find documents by positions
     collate = Collator(  # cu_seqlens need the positions (refused without them, records and columns alike)
         return_labels=True,
+        boundary_safe_labels=case["emit_positions"],  # without positions: labels across, as asked
         return_cu_seqlens=case["emit_positions"],
         flatten=case["flatten"],
         float_fields=specs,

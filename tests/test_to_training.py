@@ -780,6 +780,20 @@ def test_argument_errors_before_payloads_are_read():
         bad_payloads.to_training(position_mode="nope")
     with pytest.raises(TypeError, match="exclude_fields"):
         SampleBatch([]).to_training(exclude_fields="ids")
+    for renames in ({"input_ids": "labels"}, {"ids": "texts"}, {"input_ids": "ids"}):  # always emitted
+        with pytest.raises(ValueError, match=r"rename_fields gives .* the same name"):
+            bad_payloads.to_training(return_labels=True, rename_fields=renames)
+
+
+def test_unflattened_cu_seqlens_are_int32_per_row():
+    """Raises: 'if requested boundaries cannot be ... represented as int32': unflattened, each row's
+    boundaries are at most its length, so only a row (not the batch) must fit."""
+    from zephon_collate.transforms import CuSeqlens
+
+    wide = torch.zeros(1, 1, dtype=torch.int64).expand(2, 2**30 + 2)  # no memory behind it
+    CuSeqlens().check({"positions": wide})  # 2 rows of 2**30 + 2: each fits
+    with pytest.raises(ValueError, match="overflow the int32 boundaries"):
+        CuSeqlens(flatten=True).check({"positions": wide})
 
 
 def test_field_in_some_payloads_only_named():

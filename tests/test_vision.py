@@ -292,6 +292,33 @@ def test_a_text_only_batch_gets_a_dummy_image_that_changes_nothing():
         MRope(dummy_image=(120,))  # type: ignore[arg-type]
 
 
+def test_the_dummy_image_is_no_sequence_of_the_sequence_map():
+    # It counted as a third sequence: sequence_logprobs gave 3 entries for 2 examples, and the
+    # seq-mean modes with empty="count" divided by 3.
+    from zephon_collate.losses import aggregate_loss, sequence_logprobs, token_logprobs
+
+    model = model_of("qwen2_5_vl")
+    text = [{"input_ids": [5, 6, 7, 8]}, {"input_ids": [9, 10, 11]}]
+    batches = [
+        Collator.for_transformers(
+            padding_free=True, return_sequence_map=True, mrope=MRope.from_config(model.config, dummy_image=d)
+        )(text)
+        for d in (False, True)
+    ]
+    plain, dummy = batches
+    assert int(dummy["num_sequences"]) == 2
+    assert dummy["sequence_index"].tolist() == [[0, 0, 0, 0, 1, 1, 1, -1]]
+    assert dummy["logits_index"][0, -1] == -1
+    logits = torch.randn(1, 8, 128, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    alone = sequence_logprobs(logits[:, :7], plain)
+    with_dummy = sequence_logprobs(logits, dummy)
+    assert torch.equal(with_dummy.counts, alone.counts) and torch.equal(with_dummy.sums, alone.sums)
+    for mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        want = aggregate_loss(token_logprobs(logits[:, :7], plain), plain, mode=mode, empty="count")
+        got = aggregate_loss(token_logprobs(logits, dummy), dummy, mode=mode, empty="count")
+        assert torch.equal(got, want), mode
+
+
 def test_vision_cu_seqlens_are_the_towers_own():
     from transformers.vision_utils import get_vision_cu_seqlens
 

@@ -39,6 +39,7 @@ __all__ = [
     "check_rename_fields",
     "fits_dtype",
     "keywords",
+    "renamed",
     "resolve_dtype",
     "warn_user",
 ]
@@ -281,6 +282,25 @@ def check_rename_fields(value: object) -> dict[str, str]:
                 f"to_training: rename_fields must map str to str, got {shown(source)}: {shown(target)}"
             )
     return dict(value)
+
+
+def renamed(keys: Iterable[str], renames: Mapping[str, str]) -> dict[str, str]:
+    """``{final name: key}`` of ``keys`` under ``rename_fields``; ``ValueError`` where two names meet.
+
+    Example:
+        >>> renamed(["input_ids", "labels"], {"labels": "y"})
+        {'input_ids': 'input_ids', 'y': 'labels'}
+    """
+    named: dict[str, str] = {}
+    for key in keys:
+        name = renames.get(key, key)
+        if name in named:
+            raise ValueError(
+                f"to_training: rename_fields gives {shown(named[name])} and {shown(key)} the same name "
+                f"{shown(name)}; final names must be unique"
+            )
+        named[name] = key
+    return named
 
 
 @dataclass(frozen=True)

@@ -118,8 +118,8 @@ def sequence_map(
     """A padding-free row's ``logits_index``, ``sequence_index`` and sequence count, as the torch kernel."""
     flat = positions.reshape(-1)
     place = np.arange(flat.size, dtype=np.int64)
-    real = place < flat.size - int(padding_length.sum())
     lengths = example_lengths.reshape(-1).astype(np.int64)
+    real = (place < flat.size - int(padding_length.sum())) & (place < int(lengths.sum()))
     empty = lengths == 0
     ends = np.cumsum(lengths)
     example = np.searchsorted(ends, place, side="right")

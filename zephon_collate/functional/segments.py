@@ -232,8 +232,9 @@ def sequence_map(
     check_tensor("sequence_map", "positions", positions, 2, 2)
     flat = positions.reshape(-1)
     place = torch.arange(flat.numel(), device=flat.device)
-    real = place < flat.numel() - padding_length.to(torch.int64).sum()
     lengths = example_lengths.reshape(-1).to(torch.int64)
+    # Tokens of the examples: not the padding, nor what follows the last example (a dummy image's token).
+    real = (place < flat.numel() - padding_length.to(torch.int64).sum()) & (place < lengths.sum())
     empty = lengths == 0
     ends = lengths.cumsum(0)
     example = torch.searchsorted(ends, place, right=True)  # the example holding each token

@@ -203,7 +203,11 @@ def _row_warnings(row: RowView, padding_fraction: float) -> list[str]:
         if padded:
             found.append(f"{where}: {padded} padding tokens have supervised labels; they train on padding")
         if row.labels is not None:
-            crossing = [t for t in row.starts if t > 0 and row.supervised[t - 1]]
+            # A label that is the next segment's first token (flattened, a row's last label is its own
+            # row's next token, cut off: no crossing).
+            labels, tokens = row.labels, row.input_ids
+            supervised = row.supervised
+            crossing = [t for t in row.starts if t > 0 and supervised[t - 1] and labels[t - 1] == tokens[t]]
             if crossing:
                 t = crossing[0]
                 found.append(

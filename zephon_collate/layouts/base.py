@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from zephon_collate.core.checks import Keywords, check_bool, check_device, check_num_boundaries
+from zephon_collate.core.checks import Keywords, check_bool, check_device, check_num_boundaries, renamed
 from zephon_collate.core.keys import (
     IDS,
     INPUT_IDS,
@@ -293,15 +293,7 @@ class Layout:
                         f"to_training: rename_fields names {shown(source)}, which this call does not emit "
                         f"(it emits {emitted})"
                     )
-        named: dict[str, str] = {}
-        for key in emitted:
-            name = renames.get(key, key)
-            if name in named:
-                raise ValueError(
-                    f"to_training: rename_fields gives {shown(named[name])} and {shown(key)} the same name "
-                    f"{shown(name)}; final names must be unique"
-                )
-            named[name] = key
+        named = renamed(emitted, renames)
         excluded = set(self.excluded)
         return [(key, name) for name, key in named.items() if name not in excluded]
 

@@ -27,6 +27,7 @@ from zephon_collate.core.keys import (
     RESPONSE_MASK,
     TEXTS,
 )
+from zephon_collate.core.records import SEGMENTS_TAG
 from zephon_collate.core.text import shown
 from zephon_collate.functional import host
 from zephon_collate.layouts.base import Layout, Stacked, per_row_outputs
@@ -56,6 +57,7 @@ from zephon_collate.read.rules import (
     near_miss,
     positions_field,
     refuse_media,
+    unread_documents,
     unread_message,
     unread_supervision,
     unstarted,
@@ -253,6 +255,8 @@ class Native(Layout):
             else:
                 per_record[name] = rows
         self._check_supervision(batch, tokens, {*per_token, *per_record})
+        if self.boundary_safe and options.return_labels:
+            _check_documents_found(batch, self._source(batch, POSITIONS))
         self._check_values(per_token, names)
         for spec in self.floats:  # checked by read_floats: finite, in range, one value per token or sequence
             floats = read_floats(value_rows(batch, spec), lengths, spec, names)
@@ -261,6 +265,7 @@ class Native(Layout):
             else:
                 per_record[spec.name] = list(floats)
         needed = options.needs_padding_lengths or self.settings.chain is not None
+        needed |= self.padding is not None and POSITIONS in per_token  # the padding's positions continue
         counts, declared = (
             declared_padding(batch, lengths) if needed else (np.zeros(batch.rows, np.int64), None)
         )
@@ -319,9 +324,13 @@ class Native(Layout):
         loss_mask = None
         if LOSS_MASK in read and LOSS_MASK in batch:
             loss_mask = batch.get(LOSS_MASK, "values")
+        read = {*read, *(spec.name for spec in self.floats)}  # read as data: never supervision
         found = unread_supervision(batch, tokens, read, loss_mask)
         if found is not None:
             self._refuse(unread_message(batch.names(found[0]), found[1], "collator"))
+        problem = unread_documents(batch, read, _DOCUMENTS_FIX)
+        if problem is not None and (self.boundary_safe or not self.strict):
+            self._refuse(problem)
 
     def _refuse(self, problem: str) -> None:
         if self.strict:
@@ -453,7 +462,9 @@ class Native(Layout):
             if name == POSITIONS and self.padding is not None:
                 _check_position_count(width, dtype, "padded to")
             fill = pad_id if name == INPUT_IDS else 0
-            data[name] = dense(cast_values, width, fill, restart=name == POSITIONS)
+            # The Collator's padding continues the row's own (a packed row's): one padding segment.
+            ramp_from = width - counts if name == POSITIONS else None
+            data[name] = dense(cast_values, width, fill, ramp_from=ramp_from)
         for name, rows in per_record.items():
             stacked = stack_rows(rows, name, names)
             if name in floats:
@@ -482,7 +493,7 @@ class Native(Layout):
         labels = self.options.return_labels
         rows, width = positions.shape
         input_width = width - 1 if labels and width else width
-        if rows * input_width > INT32_MAX:
+        if (rows if self.options.flatten else 1) * input_width > INT32_MAX:  # per row, unflattened
             raise ValueError(
                 f"to_training: {rows} x {input_width} input tokens overflow the int32 cu_seqlens; "
                 "use smaller batches"
@@ -581,3 +592,26 @@ def _device(data: Mapping[str, Any]) -> torch.device | None:
     """The device of the first tensor in ``data`` not on the CPU, or ``None``."""
     found = (value.device for value in data.values() if isinstance(value, torch.Tensor) and not value.is_cpu)
     return next(found, None)
+
+
+_DOCUMENTS_FIX = (
+    "give each row's positions, restarting at 0 at each document (position_ids), or collate the rows "
+    "with Collator.for_transformers(padding_free=True), which reads seq_lengths"
+)
+
+
+def _check_documents_found(batch: Batch, positions: str) -> None:
+    """Refuse a packed record (its meta lists several documents) without positions: boundary-safe labels
+    find the documents by their positions, so its labels would cross from one document into the next."""
+    if not batch.metas:
+        return
+    unmarked = ~batch.carried(positions) if positions in batch else np.ones(batch.rows, dtype=bool)
+    for index in np.flatnonzero(unmarked).tolist():
+        documents = len((batch.metas[index].tags or {}).get(SEGMENTS_TAG, ()))
+        if documents > 1:
+            raise ValueError(
+                f"{batch.names(index)}: a packed row of {documents} documents (its meta's "
+                f"{SEGMENTS_TAG!r}) given without positions, so its labels would cross from each document "
+                "into the next; pack with emit_positions=True (the default) or give the row's positions, "
+                "or pass boundary_safe_labels=False to train across the documents"
+            )

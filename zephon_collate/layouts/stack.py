@@ -63,9 +63,15 @@ class RowPadding:
 
 
 def dense(
-    field: Ragged, width: int, fill: int | float | Spread, *, restart: bool = False, left: bool = False
+    field: Ragged,
+    width: int,
+    fill: int | float | Spread,
+    *,
+    ramp_from: np.ndarray | None = None,
+    left: bool = False,
 ) -> Values:
-    """``[B, width, ...]``: each row's values, then ``fill`` (or 0, 1, ... with ``restart``) up to ``width``.
+    """``[B, width, ...]``: each row's values, then ``fill`` up to ``width`` (with ``ramp_from``: place
+    ``j`` of row ``b`` filled with ``j - ramp_from[b]``, positions counting on from the padding's start).
 
     A ``Spread`` fill is numbered by its place in the row (``left``: once ``LeftPadding`` moved it to the
     front). Rows already ``width`` long give a view (read-only columnar values: a copy).
@@ -73,7 +79,7 @@ def dense(
     Example:
         >>> from zephon_collate.read.columns import concat
         >>> field = concat([np.array([5, 6, 7]), np.array([8])], "input_ids", str)
-        >>> dense(field, 4, 0).tolist(), dense(field, 4, 0, restart=True).tolist()
+        >>> dense(field, 4, 0).tolist(), dense(field, 4, 0, ramp_from=np.array([3, 1])).tolist()
         ([[5, 6, 7, 0], [8, 0, 0, 0]], [[5, 6, 7, 0], [8, 0, 1, 2]])
     """
     values, lengths = field.values, field.lengths
@@ -85,8 +91,8 @@ def dense(
         if isinstance(values, np.ndarray) and not values.flags.writeable:
             return values.reshape(rows, width, *trailing).copy()
         return values.reshape(rows, width, *trailing)
-    if restart:  # padding positions count 0, 1, ... after each row's tokens
-        base = np.arange(width, dtype=np.int64)[None] - lengths[:, None]
+    if ramp_from is not None:  # padding positions count on from where each row's padding starts
+        base = np.arange(width, dtype=np.int64)[None] - ramp_from[:, None]
         base = base.reshape(rows, width, *([1] * len(trailing)))
         start: Values = np.broadcast_to(base, (rows, width, *trailing))
     elif isinstance(fill, Spread) and left:  # each padding place numbered where LeftPadding puts it
@@ -101,7 +107,7 @@ def dense(
         start = np.full((rows, width, *trailing), fill)
     if isinstance(values, np.ndarray):
         # In the values' dtype: np.full's array converted (or taken as it is), a broadcast copied.
-        out = np.asarray(start).astype(values.dtype, copy=restart or isinstance(fill, Spread))
+        out = np.asarray(start).astype(values.dtype, copy=ramp_from is not None or isinstance(fill, Spread))
         # The rows' values end to end fill each row's first ``length`` places, in row-major order: one
         # boolean assignment (a scatter costs a repeat, a ramp and a sum of [N] indices more).
         out[np.arange(width) < lengths[:, None]] = values

@@ -18,6 +18,7 @@ from zephon_collate.core.checks import (
     check_ignore_index,
     check_position_mode,
     check_rename_fields,
+    renamed,
     resolve_dtype,
     warn_user,
 )
@@ -154,6 +155,8 @@ class TrainingOptions(Keywords):
                     f"to_training: extra field {shown(name)} collides with the per-record pad counts that "
                     "to_training stacks under that name; rename it in the payloads"
                 )
+        always = list(dict.fromkeys((*generated, *self.extra_fields)))  # emitted whatever the payloads
+        renamed(always, dict(self.rename_fields or {}))
 
     def generated_keys(self) -> tuple[str, ...]:
         """Output fields this call generates, which an extra field may not overwrite.

@@ -482,6 +482,7 @@ class Transformers(Layout):
                 )
             fills = {LABELS: IGNORE_INDEX, ATTENTION_MASK: 1, **{s.name: s.fill for s in self.options.floats}}
             fields, media = with_dummy_image(fields, fills, media, mrope)
+            return [self.layout(fields, segments, per_sequence, batch.names, media, dummy=True)]
         return [self.layout(fields, segments, per_sequence, batch.names, media)]
 
     @functools.cached_property
@@ -512,8 +513,11 @@ class Transformers(Layout):
         per_sequence: dict[str, list[np.ndarray]],
         names: Names,
         media: Media | None = None,
+        *,
+        dummy: bool = False,
     ) -> Stacked:
-        """The read fields to the chain's input: supervision, padding dropped, truncation, rows, media."""
+        """The read fields to the chain's input: supervision, padding dropped, truncation, rows, media
+        (``dummy``: the last example is ``MRope.dummy_image``'s document, no sequence)."""
         options = self.options
         per_token: dict[str, Ragged] = {INPUT_IDS: fields[INPUT_IDS], LOSS_MASK: supervision(fields, names)}
         per_token.update(
@@ -553,7 +557,8 @@ class Transformers(Layout):
         stacked = self.flat(per_token) if options.padding_free else self.padded(per_token, names)
         data = stacked.data
         if options.return_sequence_map:  # the map itself is the chain's (SequenceMap)
-            data[EXAMPLE_LENGTHS] = per_token[INPUT_IDS].lengths.astype(np.int64)[None]
+            lengths = per_token[INPUT_IDS].lengths[: -1 if dummy else None]  # sequences: the examples'
+            data[EXAMPLE_LENGTHS] = lengths.astype(np.int64)[None]
         for spec in options.floats:
             value = np.stack(per_sequence[spec.name]) if not spec.per_token else data[spec.name]
             data[spec.name] = in_float(value, spec)

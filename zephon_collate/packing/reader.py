@@ -500,6 +500,11 @@ class Reader:
         found = rules.unread_supervision(batch, tokens, self._listed, loss_mask)
         if found is not None:
             raise ValueError(rules.unread_message(names(found[0]), found[1], "packer"))
+        problem = rules.unread_documents(
+            batch, self._listed, "give each document as a record of its own", positions=self.segments
+        )
+        if problem is not None:
+            raise ValueError(problem)
 
     def _segments(self, where: str, positions: Ragged, name: str, row: int, length: int) -> np.ndarray | None:
         """Row ``row``'s ``positions`` as its segments; ``None`` for one segment."""
@@ -579,6 +584,8 @@ def candidates(
     for name in batch.order:
         if not isinstance(name, str) or name in excluded or not batch.carried(name)[tokens.lengths > 0].all():
             continue
+        if rules.misspelled([name], rules.SUPERVISION_NAMES, excluded) is not None:
+            continue  # a near miss of a supervision field ('loss_masks'): refused by name, never data
         if not batch.is_list(name):
             continue
         try:

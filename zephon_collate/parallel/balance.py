@@ -553,6 +553,14 @@ def _keep_fullest(
     movable = ~must[units]
     stuck: list[list[int]] = []
     for unit in waiting:
+        room = np.flatnonzero(free >= unit_size[unit])
+        if room.size:  # room a swap freed: the tightest such row
+            row = int(room[np.argmin(free[room])])
+            kept[row].append(unit)
+            free[row] -= unit_size[unit]
+            units, row_of = np.append(units, unit), np.append(row_of, row)
+            movable = np.append(movable, False)
+            continue
         slack = free[row_of] + unit_size[units] - unit_size[unit]
         fits = movable & (slack >= 0)
         if not fits.any():
@@ -607,7 +615,7 @@ def _build(
         for cell, cell_rows in enumerate(layout):
             order = _next_fit_order(cell_rows, members, doc_sizes, member_sizes)
             final_rows = _next_fit(order, doc_sizes, row_len)
-            cells.append(tuple(order))
+            cells.append(tuple(doc for unit in order for doc in unit))
             rows_out.append(tuple(tuple(row) for row in final_rows))
             computed[cell] = len(final_rows) * row_len
             padding = [row_len - sum(doc_sizes[doc] for doc in row) for row in final_rows]
@@ -637,27 +645,28 @@ def _build(
 
 def _next_fit_order(
     rows: list[list[int]], members: list[list[int]], sizes: list[int], unit_sizes: list[int]
-) -> list[int]:
-    """A cell's documents in the order a plain next-fit packs back into these rows."""
+) -> list[list[int]]:
+    """A cell's units (each its documents) in the order a next-fit packs back into these rows."""
     # Fullest rows first, longest unit and document first: next-fit closes rows where the plan does.
-    order: list[int] = []
+    order: list[list[int]] = []
     filled = sorted(rows, key=lambda row: (-sum(unit_sizes[u] for u in row), min(row)))
     for row in filled:
         for unit in sorted(row, key=lambda u: (-unit_sizes[u], u)):
             docs = members[unit]
-            order.extend(docs if len(docs) == 1 else sorted(docs, key=lambda doc: (-sizes[doc], doc)))
+            order.append(docs if len(docs) == 1 else sorted(docs, key=lambda doc: (-sizes[doc], doc)))
     return order
 
 
-def _next_fit(order: list[int], sizes: list[int], seq_len: int) -> list[list[int]]:
-    """Next-fit rows over ``order``, as ``pack_flat(strategy="greedy")`` packs documents."""
+def _next_fit(order: list[list[int]], sizes: list[int], seq_len: int) -> list[list[int]]:
+    """Next-fit rows over the units of ``order``, a group whole in one row, as
+    ``pack_flat(strategy="greedy", group_key=...)`` packs documents."""
     rows: list[list[int]] = []
     used = seq_len
-    for doc in order:
-        size = sizes[doc]
+    for unit in order:
+        size = sum(sizes[doc] for doc in unit)
         if used + size > seq_len:
             rows.append([])
             used = 0
-        rows[-1].append(doc)
+        rows[-1].extend(unit)
         used += size
     return rows

@@ -79,9 +79,17 @@ def place_items(
             best = min(fits, key=cost.__getitem__)
             cells[item], cost[best], used[best] = best, cost[best] + costs_list[item], used[best] + size
     for item in np.flatnonzero((cells == UNPLACED) & must).tolist():
+        size = lengths_list[item]
+        fits = [cell for cell in range(total_cells) if used[cell] + size <= max_tokens]
+        if fits:  # room an earlier item's swap freed
+            best = min(fits, key=cost.__getitem__)
+            cells[item], cost[best], used[best] = best, cost[best] + costs_list[item], used[best] + size
+            continue
         out = _take_place(item, cells, lengths, must, np.array(used, np.int64), max_tokens)
         if out >= 0:
-            used[int(cells[item])] += lengths_list[item] - lengths_list[out]
+            cell = int(cells[item])
+            used[cell] += size - lengths_list[out]
+            cost[cell] += costs_list[item] - costs_list[out]
     for slot in range(slots):
         _refine(cells, lengths, costs, slot, ranks, max_tokens, rounds, count_cap=None)
     return cells

@@ -30,6 +30,7 @@ from zephon_collate.read.arrow import Columns
 from zephon_collate.read.columns import Batch, Names, Ragged, places, row_of, to_row
 from zephon_collate.read.fields import TensorField, read_floats, value_rows
 from zephon_collate.read.rules import (
+    FOREIGN_SUPERVISION,
     SUPERVISING_FIELDS,
     check_flat,
     check_ids,
@@ -99,11 +100,13 @@ def read_examples(batch: Batch, spec: ExampleSpec) -> Examples:
     check_flat(tokens, INPUT_IDS, names)
     check_ids(tokens, INPUT_IDS, names)
     tokens = tokens.cast(torch.int64)
-    if RESPONSE_MASK in batch and not spec.response_mask:  # refused where it would change training
-        others = [name for name in SUPERVISING_FIELDS if name != RESPONSE_MASK]
+    read = {field.name for field in spec.floats} | ({RESPONSE_MASK} if spec.response_mask else set())
+    unread = [name for name in (*FOREIGN_SUPERVISION, RESPONSE_MASK) if name not in read]
+    if any(name in batch for name in unread):  # refused where they would change training
+        others = [name for name in SUPERVISING_FIELDS if name not in unread]
         found = unread_supervision(batch, tokens, others, None)
         if found is not None:
-            raise ValueError(unread_message(names(found[0]), RESPONSE_MASK, "examples"))
+            raise ValueError(unread_message(names(found[0]), found[1], "examples"))
     fields: dict[str, Ragged] = {INPUT_IDS: tokens}
     if spec.vision:  # text-only examples: all text
         fields[MM_TOKEN_TYPE_IDS] = (
@@ -119,6 +122,9 @@ def read_examples(batch: Batch, spec: ExampleSpec) -> Examples:
         source = positions_field(batch) or name if name == POSITION_IDS else name  # the page's name too
         if source in batch:
             fields[name] = _filled(batch, source, kind, tokens, fields.get(ATTENTION_MASK))
+    for name in (TOKEN_TYPE_IDS, MM_TOKEN_TYPE_IDS):  # int64 as transformers' collators give them (a
+        if name in fields:  # datasets column stores them as int8)
+            fields[name] = fields[name].cast(torch.int64)
     segments = None
     if SEQ_LENGTHS in batch:  # each example's document lengths, end to end
         given = batch.get(SEQ_LENGTHS, "ids", partial=True)
@@ -306,7 +312,7 @@ def _filled(
         filled = np.maximum(counts[1:] - np.repeat(counts[mask.offsets[:-1]], mask.lengths) - 1, 0)
     elif name in (POSITION_IDS, POSITIONS):
         filled = places(tokens.offsets)
-    elif name == MM_TOKEN_TYPE_IDS:  # an example without media: all text
+    elif name in (MM_TOKEN_TYPE_IDS, TOKEN_TYPE_IDS):  # an example without them: all text, one segment
         filled = np.zeros(tokens.values.shape[0], dtype=np.int64)
     else:
         filled = np.ones(tokens.values.shape[0], dtype=np.int64)

@@ -35,6 +35,7 @@ from zephon_collate.core.keys import (
     REJECTED_IDS,
     REJECTED_INPUT_IDS,
     RESPONSE_MASK,
+    SHIFT_LABELS,
     SUPERVISION_MASKS,
     TOKEN_TYPE_IDS,
 )
@@ -55,6 +56,7 @@ from zephon_collate.read.examples import ExampleSpec, read_examples, supervision
 from zephon_collate.read.fields import FloatField, read_floats, to_label_positions, value_rows
 from zephon_collate.read.forest import Forest, rows_taker
 from zephon_collate.read.rules import (
+    FOREIGN_SUPERVISION,
     SUPERVISING_FIELDS,
     check_flat,
     check_ids,
@@ -103,7 +105,7 @@ _SIDE_MASKS = (
 )
 _PAIR_SUPERVISION = (*SUPERVISING_FIELDS, LOSS_MASK)
 """Fields that say what of one sequence is trained, which a pair's sides do not read (trained whole)."""
-_NEAR_MISSES = (*_SIDE_MASKS, *_FULL_LABELS, *_PAIR_SUPERVISION)
+_NEAR_MISSES = (*_SIDE_MASKS, *_FULL_LABELS, *(n for n in _PAIR_SUPERVISION if n not in FOREIGN_SUPERVISION))
 _DPO_ONLY = (REF_CHOSEN_LOGPS, REF_REJECTED_LOGPS, *_FULL_LABELS)
 """Fields only DPO pairs carry: reference log-probs (TRL), per-token labels (open-instruct)."""
 _ROLLOUT_SUPERVISION = (*SUPERVISION_MASKS, LABELS, RESPONSE_MASK)
@@ -219,7 +221,8 @@ def _check_pairs(batch: Batch, fields: str) -> None:
             continue
         values = batch.get(name, "values", partial=True)
         assert values is not None
-        untrained = row_any(values.host != 1, values.offsets) if name != LABELS else np.ones(batch.rows, bool)
+        labels = name in (LABELS, SHIFT_LABELS, "label_ids")  # a side's labels would all be lost
+        untrained = np.ones(batch.rows, bool) if labels else row_any(values.host != 1, values.offsets)
         rows = np.flatnonzero(untrained & batch.carried(name))
         if rows.size:
             raise ValueError(unread_message(batch.names(int(rows[0])), name, "pairs"))
@@ -550,6 +553,11 @@ def _margins(batch: Batch, name: str) -> np.ndarray:
                 f"{names(row)}: {shown(name)} is {float(number)}, but a margin must be finite (it shifts the "
                 "loss: NaN or inf would make it NaN or constant); fix or drop the pair"
             )
+        if abs(float(number)) > float(np.finfo(np.float32).max):
+            raise ValueError(
+                f"{names(row)}: {shown(name)} is {float(number)}, beyond float32 (the margins' dtype: it "
+                "would be inf, making the loss constant); give a margin within +-3.4e38"
+            )
         values.append(float(number))
     return np.array(values, dtype=np.float32)
 
@@ -673,7 +681,22 @@ def _turns_joined(batch: Batch, owner: str) -> Batch:
             joined.append(payload)
             continue
         changed = True
-        sizes = [len(turn) for turn in turns]
+        where = batch.names(index)
+        rows = []
+        for place, turn in enumerate(turns):  # each turn a row of ids, checked as a flat row is
+            if not _sized(turn):
+                raise TypeError(
+                    f"{where}: 'input_ids' given as turns holds {type(turn).__name__} at turn {place}; give "
+                    "every turn as a list of token ids, or the trajectory as one flat list"
+                )
+            row = as_numpy(to_row(turn, f"{where}, turn {place}", INPUT_IDS, "ids"))
+            if row.ndim != 1:
+                raise ValueError(
+                    f"{where}, turn {place}: field 'input_ids' must be 1-D (one id per token), got shape "
+                    f"{tuple(row.shape)}"
+                )
+            rows.append(row)
+        sizes = [row.size for row in rows]
         out = dict(payload)
         for name, value in payload.items():
             if not isinstance(value, (list, tuple)) or len(value) != len(sizes) or name == INPUT_IDS:
@@ -694,7 +717,7 @@ def _turns_joined(batch: Batch, owner: str) -> Batch:
                         "them turn by turn (a list per turn), or drop the empty turns"
                     )
                 out[name] = [part for part, size in zip(value, sizes, strict=True) for _ in range(size)]
-        out[INPUT_IDS] = [int(token) for turn in turns for token in np.asarray(turn).tolist()]
+        out[INPUT_IDS] = np.concatenate(rows)
         joined.append(out)
     if not changed:
         return batch
@@ -704,7 +727,10 @@ def _turns_joined(batch: Batch, owner: str) -> Batch:
 
 
 def _sized(value: object) -> bool:
-    return isinstance(value, (list, tuple, np.ndarray, torch.Tensor))
+    """A list, tuple or array of at least one dimension (a 0-d tensor is one value)."""
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        return value.ndim >= 1
+    return isinstance(value, (list, tuple))
 
 
 def read_trees(batch: Batch, spec: ExampleSpec) -> Forest:
@@ -729,6 +755,10 @@ def read_trees(batch: Batch, spec: ExampleSpec) -> Forest:
     ids = [_node_id(value, row, NODE_ID, names) for row, value in enumerate(batch.objects(NODE_ID))]
     row_of_id: dict[int, int] = {}
     for row, node in enumerate(ids):
+        if node == -1:  # the parent of a root: as a node's own id, its children would be roots
+            raise ValueError(
+                f"{names(row)}: {NODE_ID} is -1, which marks a root's {PARENT_ID}; give each node another id"
+            )
         if node in row_of_id:
             raise ValueError(
                 f"{names(row)}: {NODE_ID} {node} is {names(row_of_id[node])}'s too; give each node its own"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -40,6 +40,7 @@ from zephon_collate.core.keys import (
     REJECTED_INPUT_IDS,
     RESPONSE_MASK,
     SEQ_LENGTHS,
+    SHIFT_LABELS,
     SUPERVISION_MASKS,
     TOKEN_FIELD_CANDIDATES,
     TOKEN_TYPE_IDS,
@@ -62,6 +63,7 @@ from zephon_collate.read.columns import (
 
 __all__ = [
     "FIELDS_OF_THEIR_OWN",
+    "FOREIGN_SUPERVISION",
     "SUPERVISING_FIELDS",
     "SUPERVISION_NAMES",
     "EntryPoint",
@@ -79,13 +81,26 @@ __all__ = [
     "refuse_media",
     "response_aligned",
     "row_shape",
+    "unread_documents",
     "unread_message",
     "unread_supervision",
     "unstarted",
 ]
 
-SUPERVISING_FIELDS = (ATTENTION_MASK, LABELS, ASSISTANT_MASKS, ASSISTANT_MASK, COMPLETION_MASK, RESPONSE_MASK)
-"""Fields that say what is trained under other names than ``loss_mask`` (Hugging Face's, TRL's)."""
+FOREIGN_SUPERVISION = (SHIFT_LABELS, "label_ids", "action_mask")
+"""Other stacks' fields that say what is trained, which no call here reads: transformers' pre-shifted
+targets, the name ``default_data_collator`` renames to ``labels``, OpenRLHF's mask of the trained tokens."""
+
+SUPERVISING_FIELDS = (
+    ATTENTION_MASK,
+    LABELS,
+    ASSISTANT_MASKS,
+    ASSISTANT_MASK,
+    COMPLETION_MASK,
+    RESPONSE_MASK,
+    *FOREIGN_SUPERVISION,
+)
+"""Fields that say what is trained under other names than ``loss_mask`` (Hugging Face's, TRL's, ...)."""
 
 SUPERVISION_NAMES = (*SUPERVISION_MASKS, RESPONSE_MASK, LABELS, ATTENTION_MASK)
 """Every name a field that says what is trained goes by; a near miss of one is refused."""
@@ -93,7 +108,7 @@ SUPERVISION_NAMES = (*SUPERVISION_MASKS, RESPONSE_MASK, LABELS, ATTENTION_MASK)
 FIELDS_OF_THEIR_OWN = (
     *TOKEN_FIELD_CANDIDATES,
     LABEL,
-    "label_ids",
+    *FOREIGN_SUPERVISION,
     POSITIONS,
     POSITION_IDS,
     TOKEN_TYPE_IDS,
@@ -102,7 +117,6 @@ FIELDS_OF_THEIR_OWN = (
     PADDING_MASK,
     PADDING_LENGTH,
     PADDING_LENGTH_TAG,
-    "action_mask",
     "loss_weights",
     "response_ids",
     PROMPT_INPUT_IDS,
@@ -129,7 +143,8 @@ FIELDS_OF_THEIR_OWN = (
     MARGIN,
     *MEDIA,
 )
-"""Fields that mean something else than a supervision field (``label``, ``action_mask``)."""
+"""Fields never taken for a near miss of a supervision name: fields of their own (``label``), and other
+stacks' supervision (:data:`FOREIGN_SUPERVISION`, refused on its own terms)."""
 
 
 def aligned(field: Ragged, tokens: Ragged) -> np.ndarray:
@@ -155,8 +170,17 @@ def unstarted(positions: Ragged, counted: np.ndarray | None = None) -> tuple[int
 
 def declared_padding(batch: Batch, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each row's declared trailing padding, and whether it declares one: ``([B] int64, [B] bool)``."""
+    named = "meta.padding_length"
     if batch.metas:
         tags = [meta.tags or {} for meta in batch.metas]
+        if PADDING_LENGTH_TAG in batch:  # a payload's own '_padding_length', as a column gives it
+            named = f"meta.padding_length (or {PADDING_LENGTH_TAG!r})"
+            tags = [
+                {PADDING_LENGTH_TAG: _one_value(payload[PADDING_LENGTH_TAG]), **tag}
+                if isinstance(payload, Mapping) and PADDING_LENGTH_TAG in payload
+                else tag
+                for tag, payload in zip(tags, batch.payloads, strict=True)
+            ]
         declared = np.array([PADDING_LENGTH_TAG in tag for tag in tags], dtype=bool)
         given = [tag.get(PADDING_LENGTH_TAG, 0) for tag in tags]
         valid = [
@@ -174,10 +198,17 @@ def declared_padding(batch: Batch, lengths: np.ndarray) -> tuple[np.ndarray, np.
     if wrong.size:
         index = int(wrong.min())
         raise ValueError(
-            f"{batch.names(index)}: meta.padding_length is {shown(given[index])} but must be an int "
+            f"{batch.names(index)}: {named} is {shown(given[index])} but must be an int "
             f"from 0 to the token row's length {int(lengths[index])}"
         )
     return values, declared
+
+
+def _one_value(value: object) -> object:
+    """A 0-d array or tensor as its Python number (``datasets``' torch format gives one); else ``value``."""
+    if isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim == 0:
+        return value.item()
+    return value
 
 
 def unread_supervision(
@@ -191,6 +222,10 @@ def unread_supervision(
         field = batch.get(name, "values", partial=True)
         assert field is not None
         bad = _changes_training(name, field, tokens, loss_mask) & batch.carried(name)
+        if name == "label_ids" and LABELS in batch:  # a copy of the labels given loses nothing
+            labels = batch.get(LABELS, "values", partial=True)
+            assert labels is not None
+            bad &= _rows_differing(field, labels) | ~batch.carried(LABELS)
         rows = np.flatnonzero(bad)
         if rows.size:
             found.append((int(rows[0]), rank, name))
@@ -212,6 +247,31 @@ _PACKED = (
 )
 
 
+def unread_documents(batch: Batch, read: Iterable[str], fix: str, *, positions: bool = True) -> str | None:
+    """The refusal of the first row without positions whose ``seq_lengths`` (TRL's packed rows) list several
+    documents where they are not read (not in ``read``), with ``fix``; ``None`` if none (``positions``:
+    the caller reads positions). Taken for one document, the row's labels would cross between documents."""
+    if SEQ_LENGTHS not in batch or SEQ_LENGTHS in read:
+        return None
+    lengths = batch.get(SEQ_LENGTHS, "ids", partial=True)
+    assert lengths is not None
+    unmarked = batch.carried(SEQ_LENGTHS)
+    for name in (POSITIONS, POSITION_IDS) if positions else ():  # positions read find the documents
+        if name in batch:
+            unmarked &= ~batch.carried(name)
+    rows = np.repeat(np.arange(batch.rows), lengths.lengths)
+    documents = np.bincount(rows, weights=np.reshape(lengths.host, -1) > 0, minlength=batch.rows)
+    several = np.flatnonzero((documents > 1) & unmarked)
+    if not several.size:
+        return None
+    row = int(several[0])
+    return (
+        f"{batch.names(row)}: carries 'seq_lengths' ({int(documents[row])} documents packed in one "
+        "row, as TRL packs them), which is not read here: the row would be one document, its labels "
+        f"crossing from each document into the next; {fix}"
+    )
+
+
 def unread_message(where: str, name: str, reader: EntryPoint) -> str:
     """The refusal of row ``where``'s supervising field ``name``, unread by ``reader``, with the fix.
 
@@ -219,6 +279,8 @@ def unread_message(where: str, name: str, reader: EntryPoint) -> str:
         >>> print(unread_message("record 0", "completion_mask", "packer"))  # doctest: +ELLIPSIS
         record 0: payload has 'completion_mask' with zeros, but the packer reads supervision as ...
     """
+    if name in FOREIGN_SUPERVISION and reader != "pairs":
+        return _foreign_message(where, name)
     if reader == "pairs":
         return (
             f"{where}: carries {shown(name)}, which this collator does not read: each side's tokens are "
@@ -286,16 +348,44 @@ def unread_message(where: str, name: str, reader: EntryPoint) -> str:
 
 def _changes_training(name: str, field: Ragged, tokens: Ragged, loss_mask: Ragged | None) -> np.ndarray:
     """``[B]`` booleans: would row ``b`` of supervising field ``name`` change what is trained?"""
-    if name == LABELS:
+    if name == SHIFT_LABELS:  # the targets themselves: lost whatever they hold
+        return np.ones(field.rows, dtype=bool)
+    if name in (LABELS, "label_ids"):
         return _rows_differing(field, tokens)
-    if name == RESPONSE_MASK:  # response-aligned: shorter than its row, it leaves the prompt untrained
-        return np.asarray(
-            row_any(_any_entry(field.host != 1), field.offsets) | (field.lengths != tokens.lengths)
-        )
     bad = row_any(_any_entry(field.host != 1), field.offsets)
+    if name in (RESPONSE_MASK, "action_mask"):  # response-aligned: shorter, it leaves the prompt untrained
+        bad = np.asarray(bad | (field.lengths != tokens.lengths))
+        if name == RESPONSE_MASK:
+            return bad
     if name != ATTENTION_MASK and loss_mask is not None:
         bad &= _rows_differing(field, loss_mask)  # a copy of the loss_mask is harmless
     return bad
+
+
+def _foreign_message(where: str, name: str) -> str:
+    """The refusal of another stack's supervising field (:data:`FOREIGN_SUPERVISION`), with the fix."""
+    what, fix = {
+        SHIFT_LABELS: (
+            "transformers' pre-shifted targets), which nothing here reads: labels are made here from the "
+            "tokens and the supervision, so its targets would be lost",
+            "give the unshifted labels as 'labels' (-100 where not trained; Collator.for_transformers reads "
+            "them) or a loss_mask, and drop 'shift_labels'",
+        ),
+        "label_ids": (
+            "the name transformers' default_data_collator renames to 'labels') that differ from its tokens, "
+            "which nothing here reads: every token would be trained",
+            "rename it 'labels' (Collator.for_transformers reads them), or give a loss_mask "
+            "(loss_mask = label_ids != -100) and drop it; a label per example (classification) is no "
+            "token field: drop it",
+        ),
+        "action_mask": (
+            "OpenRLHF's mask of the trained tokens) with zeros or fewer entries than tokens, which nothing "
+            "here reads: the tokens it leaves out would be trained",
+            "give it as a completion_mask or loss_mask (one entry per token, 1 = trained), or, aligned to "
+            "the response, as verl's 'response_mask' to Collator.for_rollouts(...)",
+        ),
+    }[name]
+    return f"{where}: carries {shown(name)} ({what}; {fix}"
 
 
 def _rows_differing(field: Ragged, like: Ragged) -> np.ndarray:

@@ -190,6 +190,17 @@ def returned(step: object, result: Any) -> Any:
 _PLAIN, _EVERY, _MODULE = 0, 1, 2
 
 
+def _has_host(step: object) -> bool:
+    """Does ``step`` run its own ``host`` on the host path? Only where ``host`` is defined by the class that
+    defines ``compute``, or below it: a subclass overriding ``compute`` alone runs its ``compute``."""
+    if not isinstance(step, Transform):
+        return False
+    mro = type(step).__mro__
+    host_at = next(k for k, cls in enumerate(mro) if "host" in vars(cls))
+    compute_at = next(k for k, cls in enumerate(mro) if "compute" in vars(cls))
+    return mro[host_at] is not Transform and host_at <= compute_at
+
+
 def _kind(step: object) -> int:
     """How a chain runs ``step``: a transform's core over a view, the whole batch, or as a module."""
     if isinstance(step, Transform) and type(step).forward is Transform.forward:
@@ -256,7 +267,7 @@ class Chain(Transform):
                 step,
                 _kind(step),
                 None if getattr(step, "reads_every_key", False) else declared_keys(step),
-                isinstance(step, Transform) and type(step).host is not Transform.host,
+                _has_host(step),
                 tuple(key for key in _keys(step, "dropped_keys") if key not in _keys(step, "out_keys")),
                 type(step).__module__.startswith(_OURS),
             )

@@ -60,7 +60,7 @@ class CuSeqlens(Transform):
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         positions = data[self.positions_key]
         check_rank("CuSeqlens", self.positions_key, positions, "[B, S] positions", 2, 2)
-        if positions.numel() > INT32_MAX:
+        if (positions.numel() if self.flatten else positions.shape[-1]) > INT32_MAX:  # per row, unflattened
             raise ValueError(
                 f"CuSeqlens: {tuple(positions.shape)} positions overflow the int32 boundaries; "
                 "use smaller batches"
