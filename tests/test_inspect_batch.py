@@ -444,3 +444,9 @@ def test_cut_rows_still_show_where_documents_meet(tmp_path):
     assert "  ... 30 more tokens; segments start there at tokens 20, 35" in text
     assert "row 0: 40 tokens, 3 segments" in text
     render_batch_png(batch, tmp_path / "cut.png", max_tokens=10)  # the PNG header says the same
+
+
+def test_cu_seqlens_of_the_wrong_depth_are_named():
+    batch = {"input_ids": [[1, 2, 3]], "labels": [[2, 3, -100]], "cu_seqlens": [[[0, 3]]]}
+    with pytest.raises(ValueError, match=r"field 'cu_seqlens' must hold \[B, K\] or \[K\] boundaries"):
+        batch_rows(batch)

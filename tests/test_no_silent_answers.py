@@ -450,3 +450,9 @@ def test_a_reward_margin_beyond_float32_is_refused():
     pair = {"chosen_ids": [3, 2], "rejected_ids": [4, 2], "margin": 1e39}
     with pytest.raises(ValueError, match=r"example 0: 'margin' is 1e\+39, beyond float32"):
         Collator.for_rewards(pad_token_id=0)([pair])
+
+
+def test_an_empty_reward_side_is_named_as_given():
+    pair = {"chosen_input_ids": [], "rejected_input_ids": [4, 2]}
+    with pytest.raises(ValueError, match=r"its chosen side \('chosen_input_ids'\) holds no tokens"):
+        Collator.for_rewards(pad_token_id=0)([pair])

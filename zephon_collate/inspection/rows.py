@@ -127,6 +127,11 @@ def batch_rows(
         if name in batch and batch[name] is not None:
             fields[name] = as_rows(batch[name], name, tokens)
     cu_rows = as_rows(batch[CU_SEQLENS], CU_SEQLENS) if batch.get(CU_SEQLENS) is not None else None
+    if cu_rows is not None and any(isinstance(value, list) for row in cu_rows for value in row):
+        raise ValueError(
+            f"inspect_batch: field 'cu_seqlens' must hold [B, K] or [K] boundaries, got rows of lists "
+            f"({str(cu_rows[0])[:60]}); give the batch as the collator returned it"
+        )
     ids = list(batch.get("ids") or [])
     rows = []
     for index, row in enumerate(tokens):

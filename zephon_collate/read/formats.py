@@ -502,7 +502,12 @@ def read_reward_pairs(batch: Batch, owner: str, max_length: int | None) -> Fores
         chosen = _side(batch, "chosen", CHOSEN_IDS, CHOSEN_INPUT_IDS, CHOSEN_ATTENTION_MASK)
         rejected = _side(batch, "rejected", REJECTED_IDS, REJECTED_INPUT_IDS, REJECTED_ATTENTION_MASK)
         margin = _margins(batch, MARGIN) if MARGIN in batch else None
-    for side, name, tokens in (("chosen", CHOSEN_IDS, chosen), ("rejected", REJECTED_IDS, rejected)):
+    sides = (
+        ("chosen", (CHOSEN_IDS, CHOSEN_INPUT_IDS), chosen),
+        ("rejected", (REJECTED_IDS, REJECTED_INPUT_IDS, _OPENRLHF_REJECTED), rejected),
+    )
+    for side, spellings, tokens in sides:
+        name = next((spelling for spelling in spellings if spelling in batch), spellings[0])  # as given
         empty = np.flatnonzero(tokens.lengths == 0)
         if empty.size:
             raise ValueError(
