@@ -183,6 +183,11 @@ def test_a_flattened_rows_last_label_is_no_crossing():
         {"input_ids": [1, 3, 2, 4, 5, 6, 7, 8], "positions": [0, 1, 2, 3, 0, 1, 2, 3]},
     ]
     assert batch_warnings(Collator(return_labels=True, flatten=True)(rows)) == []
+    same = [  # a record's last token equal to the next record's first: still no crossing
+        {"input_ids": [1, 5, 6, 7], "positions": [0, 1, 2, 3]},
+        {"input_ids": [7, 8, 9, 2], "positions": [0, 1, 2, 3]},
+    ]
+    assert batch_warnings(Collator(return_labels=True, flatten=True)(same)) == []
     crossing = Collator(return_labels=True, flatten=True, boundary_safe_labels=False)(rows)
     assert crossing["labels"].tolist()[3:5] == [2, 1]  # a real crossing is still found
     assert any("cross a segment boundary (first: token 4 -> 5)" in w for w in batch_warnings(crossing))

@@ -21,7 +21,7 @@ from zephon_collate.core.keys import (
 )
 from zephon_collate.functional.segments import segment_starts
 from zephon_collate.inspection.trees import is_tree_batch, tree_warnings
-from zephon_collate.inspection.values import as_rows, percent
+from zephon_collate.inspection.values import as_lists, as_rows, percent
 
 __all__ = ["RowView", "batch_rows", "batch_warnings", "is_transformers_batch"]
 
@@ -171,7 +171,19 @@ def batch_rows(
     return rows
 
 
-def _row_warnings(row: RowView, padding_fraction: float) -> list[str]:
+def _flat_row_ends(batch: Mapping[str, Any]) -> frozenset[int]:
+    """Where a flattened batch's records meet (``[B * S]`` tokens of ``B`` records), else nothing."""
+    tokens, ids = batch.get(INPUT_IDS), batch.get("ids")
+    if tokens is None or not isinstance(ids, (list, tuple)) or len(ids) < 2:
+        return frozenset()
+    flat = as_lists(tokens)
+    if not isinstance(flat, list) or not flat or isinstance(flat[0], list) or len(flat) % len(ids):
+        return frozenset()
+    width = len(flat) // len(ids)
+    return frozenset(range(width, len(flat), width))
+
+
+def _row_warnings(row: RowView, padding_fraction: float, row_ends: frozenset[int] = frozenset()) -> list[str]:
     where = f"row {row.index}"
     found = []
     length = len(row.input_ids)
@@ -208,11 +220,14 @@ def _row_warnings(row: RowView, padding_fraction: float) -> list[str]:
         if padded:
             found.append(f"{where}: {padded} padding tokens have supervised labels; they train on padding")
         if row.labels is not None:
-            # A label that is the next segment's first token (flattened, a row's last label is its own
-            # row's next token, cut off: no crossing).
-            labels, tokens = row.labels, row.input_ids
-            supervised = row.supervised
-            crossing = [t for t in row.starts if t > 0 and supervised[t - 1] and labels[t - 1] == tokens[t]]
+            # A label that is the next segment's first token; where a flattened batch's records meet,
+            # the label is the record's own next token, cut off: no crossing.
+            labels, tokens, supervised = row.labels, row.input_ids, row.supervised
+            crossing = [
+                t
+                for t in row.starts
+                if t > 0 and t not in row_ends and supervised[t - 1] and labels[t - 1] == tokens[t]
+            ]
             if crossing:
                 t = crossing[0]
                 found.append(
@@ -262,8 +277,9 @@ def batch_warnings(
         found.append(
             "batch: no supervised token in any row: the loss is empty (NaN or 0); check the loss mask"
         )
+    row_ends = _flat_row_ends(batch) if isinstance(batch, Mapping) else frozenset()
     for row in rows:
-        for warning in _row_warnings(row, padding_fraction):
+        for warning in _row_warnings(row, padding_fraction, row_ends):
             if none_supervised and "no supervised token" in warning:
                 continue
             found.append(warning)
