@@ -456,3 +456,13 @@ def test_an_empty_reward_side_is_named_as_given():
     pair = {"chosen_input_ids": [], "rejected_input_ids": [4, 2]}
     with pytest.raises(ValueError, match=r"its chosen side \('chosen_input_ids'\) holds no tokens"):
         Collator.for_rewards(pad_token_id=0)([pair])
+
+
+def test_a_stream_of_arrow_batches_is_refused_by_packed_stream():
+    # Its state counts records: resumed after 3 documents, it skipped 3 whole tables (17 rows of 33).
+    pa = pytest.importorskip("pyarrow")
+    from zephon_collate import PackedStream
+
+    tables = [pa.table({"input_ids": [[i + 1] * 3 for i in range(8)]}) for _ in range(2)]
+    with pytest.raises(TypeError, match=r"PackedStream: item 0 of the source is a batch of columns"):
+        next(iter(PackedStream(tables, seq_len=16, pad_token_id=0)))

@@ -23,6 +23,7 @@ from zephon_collate.packing.source import Source, cursor_key, restored, saveable
 from zephon_collate.packing.state import check_count, corrupt, same_value
 from zephon_collate.parallel.balance import BalanceOptions
 from zephon_collate.parallel.schedule import BalanceSchedule
+from zephon_collate.read.arrow import is_columnar
 
 __all__ = ["STATE_VERSION", "PackedStream", "Source"]
 
@@ -310,9 +311,15 @@ class _Iterator(_Pass):
         return packer.pack(self._tracked(records))
 
     def _tracked(self, records: Iterable[SampleRecord]) -> Iterator[SampleRecord]:
-        for record in records:
+        for index, record in enumerate(records):
             if isinstance(record, SampleRecord):
                 self.last_cursor = record.meta.as_cursor_key()
+            elif is_columnar(record):  # the state counts records: resumed, it would skip whole batches
+                raise TypeError(
+                    f"PackedStream: item {index} of the source is a batch of columns (an Arrow table or "
+                    "record batch); the stream's state counts records, so a resumed stream would skip "
+                    "whole batches: give records, or pack columns with FlatPacker"
+                )
             yield record  # the packer names a record that is not a SampleRecord
 
 
