@@ -121,7 +121,7 @@ class BalancedIterDataset(grain.IterDataset):  # type: ignore[misc]
     """This rank's balanced micro-batches, each a list of the parent's documents, planned by a sampler.
 
     The plan is the :class:`~zephon_collate.BalancedBatchSampler`'s: recomputed from its
-    ``(seed, epoch)`` and the micro-batch's place, so the state is a few integers and a
+    ``(seed, epoch)`` and the micro-batch's place, so the state is small plain data and a
     restarted job with the same configuration gets the same micro-batches. Under
     ``mp_prefetch``, worker ``w`` of ``W`` builds micro-batches ``w, w + W, ...``, which
     Grain hands out in order. Collate each with ``.map(collator)``.
