@@ -109,3 +109,25 @@ def test_preference_loss_refusals():
         preference_loss(t, torch.zeros(3), t, t)
     with pytest.raises(ValueError, match="f_divergence_type must be one of"):
         preference_loss(t, t, t, t, f_divergence_type="kl")
+
+
+def test_the_defaults_are_dpo_configs():
+    """The options TRL's DPOConfig names have its defaults (f_alpha_divergence_coef was 1.0, TRL's 0.5:
+    left out, alpha_divergence fell back to reverse KL)."""
+    import dataclasses
+    import inspect
+
+    from trl import DPOConfig
+
+    from zephon_collate.losses.preference import preference_loss
+
+    ours = inspect.signature(preference_loss).parameters
+    theirs = {field.name: field.default for field in dataclasses.fields(DPOConfig)}
+    for name in ("beta", "label_smoothing", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau"):
+        assert ours[name].default == theirs[name], name
+    ratios = (torch.tensor([1.0]), torch.tensor([-1.0]), torch.tensor([0.0]), torch.tensor([0.0]))
+    given = preference_loss(
+        *ratios, beta=1.0, f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.5
+    )
+    assert torch.equal(preference_loss(*ratios, beta=1.0, f_divergence_type="alpha_divergence"), given)
+    assert abs(float(given) - 0.117235) < 1e-6  # TRL's value on these log-probs (1 and -1, beta 1)

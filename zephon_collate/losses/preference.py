@@ -107,7 +107,7 @@ def preference_loss(
     beta: float = 0.1,
     label_smoothing: float = 0.0,
     f_divergence_type: str = "reverse_kl",
-    f_alpha_divergence_coef: float = 1.0,
+    f_alpha_divergence_coef: float = 0.5,
     discopop_tau: float = 0.05,
     chosen_counts: torch.Tensor | None = None,
     rejected_counts: torch.Tensor | None = None,
