@@ -278,3 +278,27 @@ def test_property_partition_matches_reference(rows, cp_size, data):
         index = cp_partition_index(shard["cu_seqlens_padded"], cp_size, rank).tolist()
         assert index == [int(shard["cu_seqlens_padded"][d]) + o for d, o, _ in expected]
     assert sorted(seen) == sorted((d, o) for d, n in enumerate(lengths) for o in range(n))
+
+
+def test_in_a_chain_the_shard_gives_what_shard_gives():
+    # Its declared outputs were assembled whether written or not: without labels no count, and per-row
+    # fields dropped, raised KeyError ('num_valid_tokens', 'adv', 'score').
+    from zephon_collate import Collator, FloatField
+    from zephon_collate.transforms.context_parallel import ContextParallelShard
+
+    rows = [{"input_ids": [5, 6, 7, 8], "positions": [0, 1, 0, 1], "adv": 0.5, "score": 3}]
+    for options in (
+        {},
+        {"return_labels": True, "float_fields": [FloatField("adv", "sequence")]},
+        {"extra_fields": ["score"]},
+    ):
+        chained = Collator(transforms=[ContextParallelShard(2, 0)], **options)
+        want = ContextParallelShard(2, 0).shard(Collator(**options)(rows))
+        for got in (chained(rows), chained.finish(chained.stack(rows))):
+            assert sorted(got) == sorted(want), options
+            for key, value in want.items():
+                assert (
+                    (value == got[key])
+                    if not isinstance(value, torch.Tensor)
+                    else torch.equal(value, torch.as_tensor(got[key]))
+                ), (options, key)

@@ -314,6 +314,8 @@ class Layout:
         if names is None:
             names = self._names[keys] = self.output_names(keys)
         one = results[0] if len(results) == 1 else None  # the common case: no list per output to join
+        if plan.keys_by_data and results:
+            names = [(key, name) for key, name in names if key in (IDS, TEXTS) or key in results[0]]
         for key, name in names:
             if key in (IDS, TEXTS):
                 out[name] = [value for part in stacked for value in part.per_row.get(key, [])]

@@ -111,6 +111,9 @@ class Plan:
         self.keys = keys
         self.chain = Chain(*steps, input_keys=keys)
         self.output_keys = self.chain.output_keys(keys)
+        # A step that replaces the batch (ContextParallelShard) writes what the data holds: its declared keys
+        # are the most it writes, so the outputs are those it wrote.
+        self.keys_by_data = any(getattr(step, "replaces_batch", False) for step in self.chain.steps)
         self._compiled: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {}
         self._lock = threading.Lock()
 

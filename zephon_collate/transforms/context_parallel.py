@@ -145,6 +145,7 @@ class ContextParallelShard(Transform):
         self.reads_every_key = keys is None  # every per-token field is sharded
 
     data_dependent_shape = True  # the shard's length depends on the document lengths
+    replaces_batch = True  # per-row entries dropped, the count only with labels: the outputs follow the data
 
     def extra_repr(self) -> str:
         return f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, " + super().extra_repr()
