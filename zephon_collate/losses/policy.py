@@ -68,7 +68,7 @@ def clipped_policy_loss(
         clip_high: the upper clip range (TRL's ``epsilon_high``; default ``clip``).
         max_ratio: a cap on the unclipped ratio (TRL's ``delta``).
         dual_clip: ``> 1``, bounds a negative advantage's loss by ``-dual_clip * A`` (verl's
-            ``clip_ratio_c``).
+            ``clip_ratio_c``, on at 3.0 in verl; off by default, as TRL's GRPO).
 
     Example:
         >>> ratio = torch.tensor([[1.5, 0.5, 5.0]])
@@ -105,8 +105,9 @@ def kl_penalty(
         logps, ref_logps: ``[R, L]`` log-probs of the policy and the reference.
         estimator: ``k1`` (``logps - ref``), ``abs``, ``k2`` (``(logps - ref)² / 2``), ``k3`` (TRL's,
             verl's ``low_var_kl``), a ``+`` form (:data:`KL_ESTIMATORS`) or verl's names.
-        ratio: the importance ratio to weight by (TRL's ``use_bias_correction_kl``).
-        clamp: verl's bounds on ``k3`` (log ratio to ±20, the estimate to ±10).
+        ratio: the importance ratio to weight by (TRL's ``use_bias_correction_kl``, on by default in TRL).
+        clamp: verl's bounds on ``k3`` (log ratio to ±20, the estimate to ±10; always on in verl, off by
+            default, as TRL's k3).
 
     Example:
         >>> logps, ref = torch.tensor([-1.0]), torch.tensor([-2.0])
