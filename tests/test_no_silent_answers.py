@@ -466,3 +466,21 @@ def test_a_stream_of_arrow_batches_is_refused_by_packed_stream():
     tables = [pa.table({"input_ids": [[i + 1] * 3 for i in range(8)]}) for _ in range(2)]
     with pytest.raises(TypeError, match=r"PackedStream: item 0 of the source is a batch of columns"):
         next(iter(PackedStream(tables, seq_len=16, pad_token_id=0)))
+
+
+def test_what_the_refusals_leave_alone():
+    # A per-example 'label_ids' (a class), one-row tables as a stream's items (one document each), and
+    # TRL's seq_lengths where no output depends on the documents: accepted, as before the refusals.
+    pa = pytest.importorskip("pyarrow")
+    from zephon_collate import PackedStream
+
+    classes = [{"input_ids": [1, 2, 3], "label_ids": 1}, {"input_ids": [4, 5, 6], "label_ids": 0}]
+    assert Collator(return_labels=True)(classes)["labels"].tolist() == [[2, 3], [5, 6]]
+    assert Collator.for_transformers(pad_token_id=0)(classes)["labels"].tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert Collator(return_labels=True)(pa.Table.from_pylist(classes))["labels"].tolist() == [[2, 3], [5, 6]]
+    assert len(pack_flat([record(example) for example in classes], 8, pad_token_id=0)) == 1
+    one_row = [pa.table({"input_ids": [[i + 1] * n]}) for i, n in enumerate([3, 5, 6])]
+    rows = [r.payload["input_ids"].tolist() for r in PackedStream(one_row, seq_len=8, pad_token_id=0)]
+    assert rows == [[1, 1, 1, 2, 2, 2, 2, 2], [3, 3, 3, 3, 3, 3, 0, 0]]
+    packed = {"input_ids": [5, 6, 7, 8], "seq_lengths": [2, 2]}
+    assert Collator(pad_token_id=0)([packed])["input_ids"].tolist() == [[5, 6, 7, 8]]

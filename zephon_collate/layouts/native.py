@@ -46,6 +46,7 @@ from zephon_collate.read.columns import (
 )
 from zephon_collate.read.fields import TensorField, check_float_fields, read_floats, value_rows
 from zephon_collate.read.rules import (
+    FOREIGN_SUPERVISION,
     SUPERVISING_FIELDS,
     SUPERVISION_NAMES,
     check_fits,
@@ -314,8 +315,8 @@ class Native(Layout):
                     batch.names(index), name, meant, f"{hint}, or list it in extra_fields to read it as data"
                 )
             )
-        for name in SUPERVISING_FIELDS:
-            if name in batch and name not in read and not batch.is_list(name):
+        for name in SUPERVISING_FIELDS:  # another stack's, one value per example: a class, not supervision
+            if name in batch and name not in (*read, *FOREIGN_SUPERVISION) and not batch.is_list(name):
                 raise TypeError(
                     f"field {shown(name)} is not a list column (one row of values per example) beside the "
                     "batch's columns, so what it supervises cannot be checked; give it as a list column or a "
@@ -328,7 +329,8 @@ class Native(Layout):
         found = unread_supervision(batch, tokens, read, loss_mask)
         if found is not None:
             self._refuse(unread_message(batch.names(found[0]), found[1], "collator"))
-        problem = unread_documents(batch, read, _DOCUMENTS_FIX)
+        needs_documents = options.return_labels or options.return_cu_seqlens  # the outputs they change
+        problem = unread_documents(batch, read, _DOCUMENTS_FIX) if needs_documents else None
         if problem is not None and (self.boundary_safe or not self.strict):
             self._refuse(problem)
 

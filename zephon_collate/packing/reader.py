@@ -485,7 +485,7 @@ class Reader:
         for name in SUPERVISING_FIELDS:
             if name in batch and name not in self._listed:
                 carried = np.flatnonzero(batch.carried(name))
-                if batch.one_value_row(name) is not None:
+                if batch.one_value_row(name) is not None and name not in rules.FOREIGN_SUPERVISION:
                     raise ValueError(
                         f"{names(int(carried[0]))}: field {shown(name)} holds one value per document, "
                         "not one per token, so what it supervises cannot be checked; give it one value per "

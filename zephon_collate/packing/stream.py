@@ -314,11 +314,11 @@ class _Iterator(_Pass):
         for index, record in enumerate(records):
             if isinstance(record, SampleRecord):
                 self.last_cursor = record.meta.as_cursor_key()
-            elif is_columnar(record):  # the state counts records: resumed, it would skip whole batches
+            elif is_columnar(record) and getattr(record, "num_rows", None) != 1:  # counted as one record
                 raise TypeError(
                     f"PackedStream: item {index} of the source is a batch of columns (an Arrow table or "
-                    "record batch); the stream's state counts records, so a resumed stream would skip "
-                    "whole batches: give records, or pack columns with FlatPacker"
+                    "record batch of several rows); the stream's state counts items, so a resumed stream "
+                    "would skip whole batches: give one document per item, or pack columns with FlatPacker"
                 )
             yield record  # the packer names a record that is not a SampleRecord
 

@@ -219,6 +219,8 @@ def unread_supervision(
     for rank, name in enumerate(SUPERVISING_FIELDS):
         if name not in batch or name in read:
             continue
+        if name in FOREIGN_SUPERVISION and (not batch.is_list(name) or batch.one_value_row(name) is not None):
+            continue  # a value per example ('label_ids': a class), no token's supervision
         field = batch.get(name, "values", partial=True)
         assert field is not None
         bad = _changes_training(name, field, tokens, loss_mask) & batch.carried(name)
