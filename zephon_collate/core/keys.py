@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "ACTION_MASK",
     "ASSISTANT_MASK",
     "ASSISTANT_MASKS",
     "ATTENTION_MASK",
@@ -29,6 +30,7 @@ __all__ = [
     "KL_INDEX",
     "LABEL",
     "LABELS",
+    "LABEL_IDS",
     "LAST_TOKEN_INDEX",
     "LOGITS_INDEX",
     "LOSS_MASK",
@@ -135,6 +137,10 @@ NUM_SEQUENCES = "num_sequences"
 """The number of sequences in a batch (an int, like ``max_length_q``)."""
 SHIFT_LABELS = "shift_labels"
 """``[B, S]``: the label each place's logits are scored against (-100: none), as ``transformers`` takes it."""
+LABEL_IDS = "label_ids"
+"""Another stack's labels: the name transformers' ``default_data_collator`` renames to ``labels``."""
+ACTION_MASK = "action_mask"
+"""Another stack's supervision: OpenRLHF's mask of the trained (response) tokens."""
 EXAMPLE_LENGTHS = "example_lengths"
 """``[1, E]`` int64, internal: each example's token count in a padding-free row (0: an empty example)."""
 SUBTREE_END = "subtree_end"

@@ -20,6 +20,7 @@ from zephon_collate.core.keys import (
     INPUT_IDS,
     KL_COMPLETION_IDS,
     LABEL,
+    LABEL_IDS,
     LABELS,
     LOSS_MASK,
     MARGIN,
@@ -221,7 +222,7 @@ def _check_pairs(batch: Batch, fields: str) -> None:
             continue
         values = batch.get(name, "values", partial=True)
         assert values is not None
-        labels = name in (LABELS, SHIFT_LABELS, "label_ids")  # a side's labels would all be lost
+        labels = name in (LABELS, SHIFT_LABELS, LABEL_IDS)  # a side's labels would all be lost
         untrained = np.ones(batch.rows, bool) if labels else row_any(values.host != 1, values.offsets)
         rows = np.flatnonzero(untrained & batch.carried(name))
         if rows.size:

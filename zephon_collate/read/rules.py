@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from zephon_collate.core.keys import (
+    ACTION_MASK,
     ASSISTANT_MASK,
     ASSISTANT_MASKS,
     ATTENTION_MASK,
@@ -20,6 +21,7 @@ from zephon_collate.core.keys import (
     COMPLETION_MASK,
     KL_COMPLETION_IDS,
     LABEL,
+    LABEL_IDS,
     LABELS,
     MARGIN,
     MEDIA,
@@ -87,7 +89,7 @@ __all__ = [
     "unstarted",
 ]
 
-FOREIGN_SUPERVISION = (SHIFT_LABELS, "label_ids", "action_mask")
+FOREIGN_SUPERVISION = (SHIFT_LABELS, LABEL_IDS, ACTION_MASK)
 """Other stacks' fields that say what is trained, which no call here reads: transformers' pre-shifted
 targets, the name ``default_data_collator`` renames to ``labels``, OpenRLHF's mask of the trained tokens."""
 
@@ -224,7 +226,7 @@ def unread_supervision(
         field = batch.get(name, "values", partial=True)
         assert field is not None
         bad = _changes_training(name, field, tokens, loss_mask) & batch.carried(name)
-        if name == "label_ids" and LABELS in batch:  # a copy of the labels given loses nothing
+        if name == LABEL_IDS and LABELS in batch:  # a copy of the labels given loses nothing
             labels = batch.get(LABELS, "values", partial=True)
             assert labels is not None
             bad &= _rows_differing(field, labels) | ~batch.carried(LABELS)
@@ -352,10 +354,10 @@ def _changes_training(name: str, field: Ragged, tokens: Ragged, loss_mask: Ragge
     """``[B]`` booleans: would row ``b`` of supervising field ``name`` change what is trained?"""
     if name == SHIFT_LABELS:  # the targets themselves: lost whatever they hold
         return np.ones(field.rows, dtype=bool)
-    if name in (LABELS, "label_ids"):
+    if name in (LABELS, LABEL_IDS):
         return _rows_differing(field, tokens)
     bad = row_any(_any_entry(field.host != 1), field.offsets)
-    if name in (RESPONSE_MASK, "action_mask"):  # response-aligned: shorter, it leaves the prompt untrained
+    if name in (RESPONSE_MASK, ACTION_MASK):  # response-aligned: shorter, it leaves the prompt untrained
         bad = np.asarray(bad | (field.lengths != tokens.lengths))
         if name == RESPONSE_MASK:
             return bad
@@ -373,14 +375,13 @@ def _foreign_message(where: str, name: str) -> str:
             "give the unshifted labels as 'labels' (-100 where not trained; Collator.for_transformers reads "
             "them) or a loss_mask, and drop 'shift_labels'",
         ),
-        "label_ids": (
+        LABEL_IDS: (
             "the name transformers' default_data_collator renames to 'labels') that differ from its tokens, "
             "which nothing here reads: every token would be trained",
             "rename it 'labels' (Collator.for_transformers reads them), or give a loss_mask "
-            "(loss_mask = label_ids != -100) and drop it; a label per example (classification) is no "
-            "token field: drop it",
+            "(loss_mask = label_ids != -100) and drop it",
         ),
-        "action_mask": (
+        ACTION_MASK: (
             "OpenRLHF's mask of the trained tokens) with zeros or fewer entries than tokens, which nothing "
             "here reads: the tokens it leaves out would be trained",
             "give it as a completion_mask or loss_mask (one entry per token, 1 = trained), or, aligned to "
