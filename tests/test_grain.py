@@ -174,6 +174,38 @@ def test_a_bad_document_is_named_in_the_main_process_and_from_a_worker():
         assert "Traceback" not in str(raised.value).splitlines()[0]
 
 
+def test_plain_documents_are_named_and_numbered_by_their_index_in_the_source():
+    """A worker reads every n-th document: a dict is still named (and its rows' ids numbered) by its own
+    index in the source, in Grain's workers as in the DataLoader's."""
+    docs = [{"input_ids": [i + 1] * 3} for i in range(10)]
+    for workers in (0, 2):
+        ds = PackIterDataset(grain.MapDataset.source(docs), seq_len=3, pad_token_id=0).batch(
+            1, batch_fn=Collator()
+        )
+        if workers:
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+        batches = list(ds)
+        assert sorted((batch["ids"][0], int(batch["input_ids"][0, 0])) for batch in batches) == [
+            ((0, 0, i), i + 1) for i in range(10)
+        ]
+        loader = DataLoader(PackedStream(docs, seq_len=3, pad_token_id=0), collate_fn=Collator(),
+                            num_workers=workers)  # fmt: skip
+        assert sorted(batch["ids"][0] for batch in loader) == [(0, 0, i) for i in range(10)]
+    docs[7] = {"input_ids": [3, -4, 5]}
+    for workers in (0, 2):
+        ds = PackIterDataset(grain.MapDataset.source(docs), seq_len=8, pad_token_id=0).batch(
+            2, batch_fn=Collator()
+        )
+        with pytest.raises(
+            ValueError, match=r"record 7 \(sample_id \(0, 0, 7\)\): field 'input_ids' token ids"
+        ):
+            list(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers)) if workers else ds)
+        loader = DataLoader(PackedStream(docs, seq_len=8, pad_token_id=0), batch_size=2, collate_fn=Collator(),
+                            num_workers=workers)  # fmt: skip
+        with pytest.raises(ValueError, match=r"record 7 \(sample_id \(0, 0, 7\)\): field 'input_ids'"):
+            list(loader)
+
+
 def test_a_worker_that_dies_stops_the_run_instead_of_skipping():
     def dies(record):
         if record.meta.sample_id[2] == 7:
@@ -218,3 +250,15 @@ def test_a_parent_of_arrow_batches_is_refused():
     tables = [pa.table({"input_ids": [[1, 2, 3], [4, 5]]})]
     with pytest.raises(ValueError, match=r"PackIterDataset: the parent yields a batch of columns"):
         list(PackIterDataset(grain.MapDataset.source(tables), seq_len=4, pad_token_id=0))
+
+
+def test_json_state_keeps_every_array_shape_and_dtype():
+    for value in (
+        np.array(5),
+        np.array(2.5, np.float32),
+        np.arange(6).reshape(2, 3)[:, ::2],
+        np.zeros((0, 3)),
+    ):
+        restored = from_json(json.loads(json.dumps(to_json({"a": value}))))["a"]
+        assert restored.shape == value.shape and restored.dtype == value.dtype
+        assert np.array_equal(restored, value)

@@ -404,3 +404,25 @@ def test_column_batches_are_what_getitems_returns():
     packed = pack_columns(_pairs(TOPK), 4, pad_token_id=0, float_fields=TOPK_SPECS)
     [batch] = packed.__getitems__([1])
     assert type(batch) is ColumnBatch and list(batch) == ["input_ids", "top", "positions", "_padding_length"]
+
+
+def test_rows_packed_without_positions_carry_their_documents():
+    """``emit_positions=False``: the rows carry ``seq_lengths``, so the Collator refuses labels that would
+    cross documents, as it refuses ``pack_flat``'s rows (opt out with ``boundary_safe_labels=False``)."""
+    ids = (np.array([11, 12, 13, 21, 22, 31, 32, 33, 34]), np.array([0, 3, 5, 9]))
+    packed = pack_columns({"input_ids": ids}, 5, pad_token_id=0, emit_positions=False)
+    assert packed.sizes.tolist() == [3, 2, 4]
+    (batch,) = packed.__getitems__([1, 0])
+    values, offsets = batch["seq_lengths"]
+    assert [part.tolist() for part in np.split(values, offsets[1:-1])] == [[4], [3, 2]]
+    assert packed[-1][0]["seq_lengths"][0].tolist() == [4]  # counted from the end, as every field
+    with pytest.raises(ValueError, match=r"2 documents packed in one row.*emit_positions=True"):
+        Collator(return_labels=True)(packed.__getitems__([0, 1]))
+    records = pack_flat([{"input_ids": [11, 12, 13]}, {"input_ids": [21, 22]}], 5, pad_token_id=0,
+                        emit_positions=False)  # fmt: skip
+    with pytest.raises(ValueError, match=r"emit_positions=True"):
+        Collator(return_labels=True)(records)
+    crossing = Collator(return_labels=True, boundary_safe_labels=False)(packed.__getitems__([0, 1]))
+    assert crossing["labels"].tolist() == [[12, 13, 21, 22], [32, 33, 34, -100]]
+    positioned = pack_columns({"input_ids": ids}, 5, pad_token_id=0)
+    assert "seq_lengths" not in positioned.__getitems__([0])[0]

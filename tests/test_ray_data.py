@@ -17,7 +17,7 @@ pa = pytest.importorskip("pyarrow")
 from engine_pipelines import BALANCE, COLLATOR, PADDED, digest  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from zephon_collate import BalancedBatchSampler, pack_columns, pack_flat  # noqa: E402
+from zephon_collate import BalancedBatchSampler, Collator, pack_columns, pack_flat  # noqa: E402
 from zephon_collate.engines.ray import ArrowCollateFn, PackBatches, balanced_micro_batches  # noqa: E402
 
 
@@ -107,6 +107,10 @@ def test_pack_stage_keeps_each_group_row_whole():
             if token:
                 rows_of.setdefault((int(token) - 1) // 10, set()).add(place)
     assert sorted(rows_of) == list(range(30)) and all(len(rows) == 1 for rows in rows_of.values())
+    # each row is its own group, also where consecutive rows hold the same key (two groups of 10 tokens)
+    same = pa.table({"group": [2, 2], "input_ids": [[[1] * 5] * 2, [[2] * 5] * 2]})
+    rows = PackBatches(seq_len=16, pad_token_id=0, group_key="group")(same)
+    assert [sorted(set(row) - {0}) for row in rows.column("input_ids").to_pylist()] == [[1], [2]]
 
 
 def test_streaming_split_gives_every_document_exactly_once_across_ranks():
@@ -196,5 +200,36 @@ def test_a_bad_document_is_named_by_its_id():
 def test_options_are_checked_when_the_stage_is_built():
     with pytest.raises(ValueError, match="strategy"):
         PackBatches(seq_len=8, pad_token_id=0, strategy="first_fit")
+    with pytest.raises(ValueError, match=r"group_key 'grp' is no column of the Ray batch"):
+        PackBatches(seq_len=8, pad_token_id=0, group_key="grp")(pa.table({"g": [0], "input_ids": [[[1]]]}))
     with pytest.raises(ValueError, match="one length per document"):
         balanced_micro_batches(_documents(_table(10)), _sampler(_documents(_table(12)), 0))
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_rows_packed_without_positions_keep_their_documents_apart(grouped):
+    """Without positions the rows carry ``seq_lengths``: labels that would cross documents are refused,
+    as for pack_flat's rows, unless boundary-safe labels are turned off."""
+    if grouped:
+        table, options = pa.table({"g": [0], "input_ids": [[[11, 12, 13], [21, 22]]]}), {"group_key": "g"}
+    else:
+        table, options = pa.table({"input_ids": [[11, 12, 13], [21, 22]]}), {}
+    rows = PackBatches(seq_len=6, pad_token_id=0, emit_positions=False, **options)(table)
+    assert rows.column("seq_lengths").to_pylist() == [[3, 2]]
+    with pytest.raises(
+        ValueError, match=r"example 0: carries 'seq_lengths' \(2 documents packed in one row\)"
+    ):
+        ArrowCollateFn(COLLATOR)(rows)
+    crossing = ArrowCollateFn(Collator(return_labels=True, boundary_safe_labels=False))(rows)
+    assert crossing["labels"].tolist() == [[12, 13, 21, 22, -100]]
+    positioned = PackBatches(seq_len=6, pad_token_id=0, **options)(table)
+    assert "seq_lengths" not in positioned.column_names
+    assert ArrowCollateFn(COLLATOR)(positioned)["labels"].tolist() == [[12, 13, -100, 22, -100]]
+
+
+def test_balanced_micro_batches_are_read_one_at_a_time():
+    """Two planned micro-batches in one Ray batch would be one step over the plan's budget: refused."""
+    table = _documents(_table(40))
+    micro = balanced_micro_batches(table, _sampler(table, 0))
+    with pytest.raises(Exception, match=r"a Ray batch of 2 balanced micro-batches .*\(batch_size=1"):
+        list(micro.iter_torch_batches(batch_size=2, collate_fn=ArrowCollateFn(PADDED)))

@@ -13,7 +13,8 @@ For that the routes must reach the trainer token-aligned: after packing, token `
 must carry the routes of that very token. This test builds a tiny ``Qwen2MoeForCausalLM`` (2 MoE layers,
 8 experts, top-2, a shared expert), runs each example alone and records the experts its router picks,
 collates the examples with their routes as ``TensorField("routes", dtype=torch.int64, shape=(L, k))``
-(padding-free and padded), and runs the batch with the collated routes replayed. It shows:
+(padding-free and padded, and ``pack_flat`` rows through the shifted native ``Collator``), and runs the
+batch with the collated routes replayed. It shows:
 
 - replaying the routes a model picks itself leaves its logits unchanged (the patched router is the
   model's router, with only the choice of experts taken from outside);
@@ -22,6 +23,9 @@ collates the examples with their routes as ``TensorField("routes", dtype=torch.i
 - padded (right padding, ``attention_mask``), with the replay of ``batch["routes"]`` flattened to
   tokens, every real token's logits equal the example's alone (the padding routes to the fill's
   expert, twice; no real token attends to it);
+- ``pack_flat`` rows collated by the native ``Collator`` (shifted: ``input_ids`` are the row but its last
+  token) with routes declared ``align="input"``: every real token's logits equal its example's alone;
+  declared ``"token"`` the routes go with the labels, one token ahead of the inputs, and the logits move;
 - routes that are off by one token, rolled between examples or given for the wrong layer change the
   logits far beyond the tolerance: the comparisons can fail.
 """
@@ -37,12 +41,12 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-from zephon_collate import Collator, TensorField
+from zephon_collate import Collator, TensorField, pack_flat
 
 torch.set_num_threads(1)
 
 LAYERS, EXPERTS, TOP_K, VOCAB = 2, 8, 2, 128
-ROUTES = TensorField("routes", dtype=torch.int64, shape=(LAYERS, TOP_K))
+ROUTES = TensorField("routes", align="input", dtype=torch.int64, shape=(LAYERS, TOP_K))
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 MISALIGNED = 1e-2  # a wrong route moves some logit by more than this (measured: 0.6 and more)
 
@@ -230,7 +234,7 @@ def test_padded_replay_equals_each_example_alone(seed: int, count: int, dtype: t
     rows = make_examples(100 + seed, count)
     runs = [alone(model, ids) for ids in rows]
     routes_alone = [routes for _, routes in runs]
-    spec = TensorField("routes", dtype=torch.int64, shape=(LAYERS, TOP_K), fill=0)
+    spec = TensorField("routes", align="input", dtype=torch.int64, shape=(LAYERS, TOP_K), fill=0)
     batch = Collator.for_transformers(pad_token_id=0, float_fields=[spec])(payloads(rows, routes_alone))
 
     width = max(len(ids) for ids in rows)
@@ -253,3 +257,46 @@ def test_padded_replay_equals_each_example_alone(seed: int, count: int, dtype: t
     change = ((moved.logits - out.logits).abs() * mask[..., None]).max().item()
     print(f"  shifted one token: moved {change:.3g}")
     assert change > MISALIGNED
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("seed", "count"), CASES)
+def test_packed_rows_replay_through_the_shifted_collator(seed: int, count: int, dtype: torch.dtype) -> None:
+    """Routes read by the model at each input token stay beside ``input_ids`` when the tokens are shifted."""
+    model = tiny_moe(dtype, False)
+    rows = make_examples(200 + seed, count)
+    runs = [alone(model, ids) for ids in rows]
+    routes_alone = torch.cat([routes for _, routes in runs])
+    n = sum(len(ids) for ids in rows)
+    packed = pack_flat(
+        payloads(rows, [routes for _, routes in runs]), seq_len=n + 3, pad_token_id=0, float_fields=[ROUTES]
+    )
+    assert len(packed) == 1, "one row: every example and 3 tokens of padding"
+    batch = Collator(return_labels=True, float_fields=[ROUTES])(packed)
+    assert batch["input_ids"].shape == (1, n + 2), "the row but its last token"
+    assert torch.equal(batch["input_ids"][0, :n], torch.cat(rows))
+    assert torch.equal(batch["routes"][0, :n], routes_alone), "each token's own routes, beside it"
+
+    def replayed(routes: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), router_replay(model, routes):
+            out = model(input_ids=batch["input_ids"], position_ids=batch["positions"], use_cache=False)
+        return out.logits[0, :n]
+
+    expected = torch.cat([logits for logits, _ in runs])
+    difference = (replayed(batch["routes"][0]) - expected).abs().max().item()
+    print(f"native shifted {dtype} seed={seed}: max |diff| {difference:.3g}")
+    assert difference <= TOLERANCE[dtype]
+
+    # declared "token", a field goes with the labels: position t holds token t + 1's routes
+    as_token = TensorField("routes", dtype=torch.int64, shape=(LAYERS, TOP_K))
+    token_batch = Collator(return_labels=True, float_fields=[as_token])(
+        pack_flat(
+            payloads(rows, [routes for _, routes in runs]),
+            seq_len=n + 3,
+            pad_token_id=0,
+            float_fields=[as_token],
+        )
+    )
+    assert torch.equal(token_batch["routes"][0, : n - 1], routes_alone[1:])
+    moved = (replayed(token_batch["routes"][0]) - expected).abs().max().item()
+    assert moved > MISALIGNED, f"routes one token ahead moved the logits only {moved:.3g}"

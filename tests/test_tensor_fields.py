@@ -18,6 +18,7 @@ from tensordict import TensorDict
 
 from zephon_collate import Collator, FloatField, SampleMeta, SampleRecord, TensorField, pack_flat
 from zephon_collate.parallel.context_parallel import gather_context_parallel
+from zephon_collate.read.fields import Spread
 from zephon_collate.transforms import ContextParallelShard
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -110,6 +111,7 @@ def batches(draw):
                 # entry j of token t: (j + 1) * token t (token-aligned), (j + 1) * token t + 1 (label-aligned)
                 "tok": [[(j + 1) * token for j in range(k)] for token in tokens],
                 "lab": [[float((j + 1) * token) for j in range(k)] for token in following],
+                "inp": [[(j + 1) * token for j in range(k)] for token in tokens],  # read at token t
             }
         )
     return rows, k
@@ -125,6 +127,7 @@ def test_every_entry_goes_with_its_label_and_the_rest_holds_the_fill(data, layou
     specs = [
         TensorField("tok", dtype=torch.int32, shape=(None,), fill=-1),
         TensorField("lab", align="label", dtype=torch.float64, shape=(k,), fill=NEG),
+        TensorField("inp", align="input", dtype=torch.int64, shape=(k,), fill=-2),
     ]
     if layout.startswith("native"):
         if layout == "native":
@@ -158,6 +161,10 @@ def test_every_entry_goes_with_its_label_and_the_rest_holds_the_fill(data, layou
     with_labels = labels == -100 if layout.startswith("native") else padding
     assert bool((out["tok"][with_labels] == -1).all())
     assert bool((out["lab"][padding] == NEG).all())
+    # input-aligned values go with the inputs in every layout, shifted or not
+    real = ~padding
+    assert torch.equal(out["inp"][real], out["input_ids"][real, None] * weights)
+    assert bool((out["inp"][padding] == -2).all())
 
 
 @pytest.mark.parametrize("strategy", ["greedy", "best_fit"])
@@ -472,3 +479,30 @@ def test_spread_needs_a_fixed_k_and_a_shard_a_count():
         TensorField("r", dtype=torch.int64, shape=(None,), fill=Spread(4))
     with pytest.raises(ValueError, match=r"fill_values\['r'\] = Spread\(count=0\) needs a count >= 1"):
         ContextParallelShard(2, 0, fill_values={"r": Spread(0)})
+
+
+def test_input_aligned_routes_go_with_the_inputs_in_every_collator():
+    """Routes are what the model computed reading each token: beside ``input_ids``, shifted or not."""
+    spec = TensorField("routes", align="input", dtype=torch.int64, shape=(1,), fill=Spread(200))
+    rows = [{"input_ids": [10, 11, 12, 13]}, {"input_ids": [20, 21]}]
+    rows = [{**row, "routes": [[t] for t in row["input_ids"]]} for row in rows]  # a token's routes: itself
+    trained = [{**row, "completion_mask": [0] + [1] * (len(row["input_ids"]) - 1)} for row in rows]
+    records = [SampleRecord(SampleMeta((0, 0, i), 0, 0, i), row) for i, row in enumerate(rows)]
+    # the padding is spread over the experts by its place, as in every other alignment
+    shifted = Collator(return_labels=True, pad_token_id=0, float_fields=[spec])(rows)
+    assert shifted["input_ids"].tolist() == [[10, 11, 12], [20, 21, 0]]
+    assert shifted["routes"][..., 0].tolist() == [[10, 11, 12], [20, 21, 2]]
+    packed = Collator(return_labels=True, float_fields=[spec])(
+        pack_flat(records, seq_len=8, pad_token_id=0, float_fields=[spec])
+    )
+    assert packed["input_ids"].tolist() == [[10, 11, 12, 13, 20, 21, 0]]
+    assert packed["routes"][..., 0].tolist() == [[10, 11, 12, 13, 20, 21, 6]]
+    for out in (
+        Collator(pad_token_id=0, float_fields=[spec])(rows),
+        Collator.for_transformers(pad_token_id=0, float_fields=[spec])(rows),
+        Collator.for_transformers(padding_free=True, float_fields=[spec])(rows),
+        Collator.for_rollouts(padding_free=True, float_fields=[spec])(trained),
+        Collator.for_trees(float_fields=[spec])(trained),
+    ):
+        real = out["input_ids"] != 0
+        assert torch.equal(out["routes"][..., 0][real], out["input_ids"][real])

@@ -233,7 +233,16 @@ def test_boundary_safe_labels_off_keeps_each_first_label_in_the_flat_row() -> No
         ([{"text": "hi"}], ValueError, "example 0: has no 'input_ids'"),
         ([5, 6], TypeError, "example 0: must be a dict"),
         ([{"input_ids": [5]}, [5, 6]], TypeError, "example 1: must be a dict"),
-        ([SampleRecord(SampleMeta((0, 0, 0), 0, 0), {"input_ids": [5]})], TypeError, "is a SampleRecord"),
+        ([SampleRecord(SampleMeta((0, 0, 0), 0, 0), {"input_ids": [5]})], TypeError, "pass the payloads"),
+        (  # a packed row's padding is in its meta only: its payload alone would train it, so not offered
+            [
+                SampleRecord(
+                    SampleMeta((0, 0, 0), 0, 0, tags={"_padding_length": 2}), {"input_ids": [5, 0, 0]}
+                )
+            ],
+            TypeError,
+            r"is a SampleRecord.*Collator\(\.\.\.\), which reads the 2 tokens of padding",
+        ),
         ({"input_ids": [5, 6]}, ValueError, "one example .* not a batch"),
         ({"input_ids": [[5, 6]], "labels": []}, ValueError, "'labels' does not hold one entry per example"),
         ("input_ids", TypeError, "expected a list of example dicts"),

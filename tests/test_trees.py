@@ -149,6 +149,11 @@ def test_explicit_trees_node_by_node():
     inner = [{**node, "adv": 0.0} if node["node_id"] == 11 else node for node in nodes]  # 11 has children
     with pytest.raises(ValueError, match=r"example 2: gives 'adv', one value per sequence, on a node with"):
         Collator.for_trees(float_fields=[FloatField("adv", "sequence")])(inner)
+    # broadcast over each path's tokens (paths apart): given on the leaves too, refused on a node with children
+    broadcast = Collator.for_trees(share="none", float_fields=[FloatField("adv", "sequence", broadcast=True)])
+    assert as_lists(broadcast(nodes))["adv"] == [[1.0] * 5 + [-1.0] * 6 + [2.0]]
+    with pytest.raises(ValueError, match=r"example 2: gives 'adv', one value per sequence, on a node with"):
+        broadcast(inner)
     with pytest.raises(ValueError, match=r"'old' is label-aligned; in a tree a node's last token"):
         Collator.for_trees(float_fields=[FloatField("old", "label")])(
             [{**base, "node_id": 1, "parent_id": -1}]
@@ -228,6 +233,12 @@ def test_rows_of_a_fixed_width_split_or_refuse_a_wide_tree():
         ValueError, match=r"example 0: its tree holds 7 tokens, more than max_row_tokens=6; pass"
     ):
         Collator.for_trees(max_row_tokens=6)(rows)
+    smaller_first = [  # the named tree's own size, not the largest's
+        {"input_ids": [1, 2, 3, 4, 5], "completion_mask": [0, 0, 1, 1, 1]},
+        {"input_ids": [6, 7, 8, 9, 9, 9, 9, 9], "completion_mask": [0, 1, 1, 1, 1, 1, 1, 1]},
+    ]
+    with pytest.raises(ValueError, match=r"example 0: its tree holds 5 tokens, more than max_row_tokens=4"):
+        Collator.for_trees(max_row_tokens=4)(smaller_first)
     with pytest.raises(ValueError, match=r"reaches 4 tokens by a node's end .* max_row_tokens=3; raise"):
         Collator.for_trees(max_row_tokens=3, oversized="split")(rows)
     with pytest.raises(

@@ -191,7 +191,7 @@ def test_response_aligned_refusals():
         collate([{"input_ids": [5, 6, 7], "response_mask": [1, 2], "lp": [0.1]}])
     with pytest.raises(ValueError, match=r"example 1: .*'response_mask'"):
         collate([{**tokens, "lp": [0.1]}, {"input_ids": [5, 6], "lp": [0.1]}])
-    with pytest.raises(ValueError, match=r"align must be 'token', 'label', 'response' or"):
+    with pytest.raises(ValueError, match=r"align must be 'token', 'input', 'label', 'response' or"):
         FloatField("lp", align="responses")  # type: ignore[arg-type]
 
 

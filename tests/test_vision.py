@@ -52,6 +52,34 @@ def test_positions_equal_the_models_get_rope_index_per_document(family, seed):
     assert torch.equal(got, reference_positions(model_of(family), examples))
 
 
+def joined(examples: list[dict]) -> dict:
+    """The examples as one example of several documents, as TRL's packing writes it (``seq_lengths``)."""
+    out: dict = {"seq_lengths": [len(example["input_ids"]) for example in examples]}
+    for key in dict.fromkeys(key for example in examples for key in example):
+        parts = [example[key] for example in examples if key in example]
+        out[key] = (
+            np.concatenate(parts) if isinstance(parts[0], np.ndarray) else [x for part in parts for x in part]
+        )
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_example_of_several_documents_numbers_each_from_zero(family):
+    """Every document keeps its own 3-D positions, also inside one example (positions and logits)."""
+    examples = mix(family, 20 + FAMILIES.index(family), count=3)
+    together = packed_batch(family, [joined(examples)])
+    apart = packed_batch(family, examples)
+    assert torch.equal(together["position_ids"], apart["position_ids"])
+    assert torch.equal(together["position_ids"], reference_positions(model_of(family), examples))
+    if family == "qwen2_5_vl":
+        model = model_of(family, torch.float64)
+        together["pixel_values"] = together["pixel_values"].double()
+        if "pixel_values_videos" in together:
+            together["pixel_values_videos"] = together["pixel_values_videos"].double()
+        want = torch.cat([alone(model, example) for example in examples])
+        assert (run(model, together)[0] - want).abs().max() <= 1e-12
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_logits_equal_each_example_alone_float32(family):
     model = model_of(family)
@@ -150,6 +178,22 @@ def test_the_layout_by_hand():
     assert out["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6]]
     assert out["image_counts"].tolist() == [1, 1, 0]  # each document's images: a row of the grids each
     assert out["pixel_values"][:, 0].tolist() == [4.0] * 16 + [6.0] * 24  # in document order
+
+
+def test_a_rule_of_its_own_keeps_its_numbering_and_each_document_starts_as_the_first():
+    def rule(ids, types, image_grid, video_grid, seconds):
+        n = len(ids)
+        return np.stack([np.arange(n) + 5, np.arange(n), np.arange(n)])  # t counted from 5
+
+    collate = Collator.for_transformers(padding_free=True, mrope=MRope(rule=rule))
+    one = {"input_ids": [5, 6, 7], "mm_token_type_ids": [0, 0, 0]}
+    assert collate([one])["position_ids"][1, 0].tolist() == [5, 6, 7]
+    two = {"input_ids": [5, 6, 7, 8, 9], "mm_token_type_ids": [0] * 5, "seq_lengths": [3, 2]}
+    assert collate([two])["position_ids"][1:, 0].tolist() == [
+        [5, 6, 7, 5, 6],
+        [0, 1, 2, 0, 1],
+        [0, 1, 2, 0, 1],
+    ]
 
 
 def test_a_models_own_rule_through_the_hook():
@@ -337,3 +381,23 @@ def test_vision_cu_seqlens_are_the_towers_own():
     assert "image_cu_seqlens" not in packed_batch("qwen2_5_vl", examples)
     with pytest.raises(TypeError, match="vision_cu_seqlens must be a bool"):
         MRope(vision_cu_seqlens=1)  # type: ignore[arg-type]
+
+
+def test_image_free_rows_of_a_table_hold_empty_lists():
+    """A table's column gives an image-free row ``[]`` pixels and grids: no media, as if left out."""
+    datasets = pytest.importorskip("datasets")
+    rng = np.random.default_rng(3)
+    examples = [sample("qwen2_5_vl", None, rng, images, 0, 2) for images in (0, 2, 0, 1)]
+    rows = [
+        {key: value.tolist() if isinstance(value, np.ndarray) else value for key, value in example.items()}
+        for example in examples
+    ]
+    rows = [{"pixel_values": [], "image_grid_thw": [], **row} for row in rows]
+    want = packed_batch("qwen2_5_vl", examples)
+    dataset = datasets.Dataset.from_list(rows)
+    numpy = list(dataset.with_format("numpy"))  # an image-free row: empty object arrays
+    for given in (rows, dataset.with_format("arrow")[:], numpy):
+        got = packed_batch("qwen2_5_vl", given)
+        assert sorted(got) == sorted(want)
+        for key in want:
+            assert torch.equal(got[key].to(want[key].dtype), want[key]), key

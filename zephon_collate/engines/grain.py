@@ -52,7 +52,9 @@ class PackIterDataset(grain.IterDataset):  # type: ignore[misc]  # grain ships n
     """
 
     def __init__(self, parent: Any, *args: Any, **options: Any) -> None:
-        if isinstance(parent, grain.MapDataset):  # read in order, without Grain's read-ahead threads
+        self._indexed = isinstance(parent, grain.MapDataset)
+        if self._indexed:  # read in order, without Grain's read-ahead threads, each with its index
+            parent = parent.map_with_index(_with_index)  # which worker slices keep: errors and ids name it
             parent = parent.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
         super().__init__(parent)
         self._seq_len = FlatPacker(*args, **options).options.seq_len  # checked now, not in a worker
@@ -75,7 +77,8 @@ class PackIterDataset(grain.IterDataset):  # type: ignore[misc]  # grain ships n
             _set_slice_iter_dataset(parent, sl, sequential_slice)
 
     def __iter__(self) -> _PackIterator:
-        return _PackIterator(self._parent.__iter__(), FlatPacker(*self._args, **self._options))
+        packer = FlatPacker(*self._args, **self._options)
+        return _PackIterator(self._parent.__iter__(), packer, self._indexed)
 
     def __str__(self) -> str:
         return f"PackIterDataset(seq_len={self._seq_len})"
@@ -84,15 +87,33 @@ class PackIterDataset(grain.IterDataset):  # type: ignore[misc]  # grain ships n
 class _PackIterator(grain.DatasetIterator):  # type: ignore[misc]
     """The packer over the parent iterator; its state is the parent's and the packer's."""
 
-    def __init__(self, parent: Any, packer: FlatPacker) -> None:
+    def __init__(self, parent: Any, packer: FlatPacker, indexed: bool) -> None:
         super().__init__(parent)
         self._packer = packer
         self._rows: Iterator[SampleRecord] | None = None
+        self._indexed = indexed
+        self._latest = (-1, -1)  # (the packer's count, the source index) of the latest document read
 
     def __next__(self) -> SampleRecord:
         if self._rows is None:  # the packer pulls documents from the parent as rows need them
-            self._rows = self._packer.pack(_documents(self._parent))
+            documents = self._numbered(self._parent) if self._indexed else self._parent
+            if self._indexed:
+                self._packer._number_by(self._index_of)
+            self._rows = self._packer.pack(_documents(documents))
         return next(self._rows)
+
+    def _numbered(self, elements: Iterator[tuple[int, Any]]) -> Iterator[Any]:
+        count = self._packer.records_consumed
+        for index, document in elements:
+            self._latest = (count, index)
+            count += 1
+            yield document
+
+    def _index_of(self, count: int) -> int:
+        """The source index of the packer's ``count``-th document: the one it has just read."""
+        latest, index = self._latest
+        assert count == latest, "the packer names the document it has just read"
+        return index
 
     def get_state(self) -> dict[str, Any]:
         return {"parent": self._parent.get_state(), "packer": to_json(self._packer.state_dict())}
@@ -101,6 +122,10 @@ class _PackIterator(grain.DatasetIterator):  # type: ignore[misc]
         self._parent.set_state(state["parent"])
         self._packer.load_state_dict(from_json(state["packer"]))
         self._rows = None
+
+
+def _with_index(index: int, document: Any) -> tuple[int, Any]:
+    return index, document
 
 
 def _documents(parent: Iterator[Any]) -> Iterator[Any]:

@@ -24,10 +24,12 @@ import pyarrow.compute as pc
 import ray
 from ray.data.collate_fn import ArrowBatchCollateFn
 
+from zephon_collate.core.keys import POSITIONS, SEQ_LENGTHS
 from zephon_collate.core.records import PADDING_LENGTH_TAG
 from zephon_collate.packing.columns import pack_columns
 from zephon_collate.packing.pack_flat import pack_flat
 from zephon_collate.packing.reader import PackOptions
+from zephon_collate.packing.rows import row_segments
 from zephon_collate.parallel.sampler import BalancedBatchSampler
 
 __all__ = ["ArrowCollateFn", "PackBatches", "balanced_micro_batches"]
@@ -92,6 +94,11 @@ class PackBatches:
         self.id_column = id_column
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        if self.group_key is not None and self.group_key not in batch.column_names:
+            raise ValueError(
+                f"PackBatches: group_key {self.group_key!r} is no column of the Ray batch (its columns: "
+                f"{batch.column_names}); give each group row its key"
+            )
         try:
             return self._packed(batch)
         except (TypeError, ValueError) as error:
@@ -118,14 +125,21 @@ class PackBatches:
         documents = batch if self.id_column is None else batch.drop_columns([self.id_column])
         if self.group_key is None:
             packed = pack_columns(documents, *self.args, **self.options)
-            return _rows_table(packed.fields, packed.padding_length)
+            return _rows_table(
+                packed.fields, packed.padding_length, packed.seq_lengths(np.arange(len(packed)))
+            )
         members = _group_members(documents, self.group_key)
         rows = pack_flat(members, *self.args, group_key=self.group_key, **self.options)
         payloads = [cast(dict[str, np.ndarray], row.payload) for row in rows]
         fields = (
             {name: np.stack([payload[name] for payload in payloads]) for name in payloads[0]} if rows else {}
         )
-        return _rows_table(fields, np.array([row.meta.padding_length for row in rows], dtype=np.int64))
+        sizes = [[segment.length for segment in row_segments(row)] for row in rows]
+        values = np.array([size for row in sizes for size in row], dtype=np.int64)
+        seq_lengths = (values, np.cumsum([0, *map(len, sizes)]))
+        return _rows_table(
+            fields, np.array([row.meta.padding_length for row in rows], dtype=np.int64), seq_lengths
+        )
 
 
 def balanced_micro_batches(documents: pa.Table, sampler: BalancedBatchSampler) -> ray.data.Dataset:
@@ -175,13 +189,20 @@ def _gather(batch: pa.Table, documents: Any) -> pa.Table:
 
 
 def _documents_of(batch: pa.Table) -> pa.Table:
-    """The documents of micro-batch rows: each list column flattened one level (no copy)."""
+    """The documents of a micro-batch row: each list column flattened one level (no copy)."""
+    if len(batch) != 1:  # two planned steps in one batch would break the plan's token budget
+        places = batch.column(_MICRO_BATCH).to_pylist()
+        raise ValueError(
+            f"ArrowCollateFn: a Ray batch of {len(batch)} balanced micro-batches (places {places}); each "
+            "is one step of the plan: read balanced_micro_batches with iter_torch_batches(batch_size=1, ...)"
+        )
     names = [name for name in batch.column_names if name != _MICRO_BATCH]
     return pa.table({name: batch.column(name).combine_chunks().flatten() for name in names})
 
 
 def _group_members(batch: pa.Table, group_key: str) -> list[dict[str, Any]]:
-    """One payload per member of each group row, the row's key under ``group_key``."""
+    """One payload per member of each group row, the row's place under ``group_key``: each row its own
+    group, also where consecutive rows hold the same key."""
     names = [name for name in batch.column_names if name != group_key]
     lengths = [pc.list_value_length(batch.column(name)).to_numpy(zero_copy_only=False) for name in names]
     if any(not np.array_equal(lengths[0], other) for other in lengths[1:]):
@@ -191,17 +212,19 @@ def _group_members(batch: pa.Table, group_key: str) -> list[dict[str, Any]]:
             f"({dict(zip(names, (int(length[bad]) for length in lengths), strict=True))}); with group_key "
             "each row is one group, every list column one list per member"
         )
-    keys = batch.column(group_key).to_pylist()
     columns = {name: batch.column(name).to_pylist() for name in names}
     return [
-        {group_key: key, **{name: columns[name][row][member] for name in names}}
-        for row, key in enumerate(keys)
+        {group_key: row, **{name: columns[name][row][member] for name in names}}
+        for row in range(len(batch))
         for member in range(int(lengths[0][row]) if names else 0)
     ]
 
 
-def _rows_table(fields: Mapping[str, np.ndarray], padding_length: np.ndarray) -> pa.Table:
-    """Packed rows as an Arrow table: each ``[R, S, ...]`` field a list column sharing its values buffer."""
+def _rows_table(
+    fields: Mapping[str, np.ndarray], padding_length: np.ndarray, seq_lengths: tuple[np.ndarray, np.ndarray]
+) -> pa.Table:
+    """Packed rows as an Arrow table: each ``[R, S, ...]`` field a list column sharing its values buffer;
+    rows without positions carry their documents' ``seq_lengths`` ``(values, offsets)``."""
     columns: dict[str, Any] = {}
     for name, values in fields.items():
         rows, width = values.shape[:2]
@@ -214,4 +237,9 @@ def _rows_table(fields: Mapping[str, np.ndarray], padding_length: np.ndarray) ->
         offsets = pa.array(np.arange(rows + 1, dtype=np.int64) * width)
         columns[name] = pa.LargeListArray.from_arrays(offsets, flat)
     columns[PADDING_LENGTH_TAG] = pa.array(padding_length.astype(np.int64, copy=False))
+    if fields and POSITIONS not in fields:  # the documents, where no positions restart at them
+        values, offsets = seq_lengths
+        columns[SEQ_LENGTHS] = pa.LargeListArray.from_arrays(
+            pa.array(offsets.astype(np.int64)), pa.array(values)
+        )
     return pa.table(columns)

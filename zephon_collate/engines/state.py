@@ -31,10 +31,10 @@ def to_json(value: Any) -> Any:
         (dtype('int32'), [0, 1, 2], (0, 1), {7: 2})
     """
     if isinstance(value, np.ndarray):
-        data = np.ascontiguousarray(value)
+        data = np.ascontiguousarray(value)  # a 0-d array comes back 1-d: its shape is the given one's
         return {
             _ARRAY: data.dtype.str,
-            "shape": list(data.shape),
+            "shape": list(value.shape),
             "data": base64.b64encode(data.tobytes()).decode(),
         }
     if isinstance(value, np.generic):

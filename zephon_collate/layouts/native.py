@@ -27,7 +27,7 @@ from zephon_collate.core.keys import (
     RESPONSE_MASK,
     TEXTS,
 )
-from zephon_collate.core.records import SEGMENTS_TAG
+from zephon_collate.core.records import PADDING_LENGTH_TAG, SEGMENTS_TAG
 from zephon_collate.core.text import shown
 from zephon_collate.functional import host
 from zephon_collate.layouts.base import Layout, Stacked, per_row_outputs
@@ -330,7 +330,8 @@ class Native(Layout):
         if found is not None:
             self._refuse(unread_message(batch.names(found[0]), found[1], "collator"))
         needs_documents = options.return_labels or options.return_cu_seqlens  # the outputs they change
-        problem = unread_documents(batch, read, _DOCUMENTS_FIX) if needs_documents else None
+        fix = _PACKED_FIX if PADDING_LENGTH_TAG in batch else _DOCUMENTS_FIX  # pack_columns' rows
+        problem = unread_documents(batch, read, fix) if needs_documents else None
         if problem is not None and (self.boundary_safe or not self.strict):
             self._refuse(problem)
 
@@ -596,6 +597,10 @@ def _device(data: Mapping[str, Any]) -> torch.device | None:
     return next(found, None)
 
 
+_PACKED_FIX = (
+    "pack with emit_positions=True (the default) or give the row's positions, or pass "
+    "boundary_safe_labels=False to train across the documents"
+)
 _DOCUMENTS_FIX = (
     "give each row's positions, restarting at 0 at each document (position_ids), or collate the rows "
     "with Collator.for_transformers(padding_free=True), which reads seq_lengths"
@@ -614,6 +619,5 @@ def _check_documents_found(batch: Batch, positions: str) -> None:
             raise ValueError(
                 f"{batch.names(index)}: a packed row of {documents} documents (its meta's "
                 f"{SEGMENTS_TAG!r}) given without positions, so its labels would cross from each document "
-                "into the next; pack with emit_positions=True (the default) or give the row's positions, "
-                "or pass boundary_safe_labels=False to train across the documents"
+                f"into the next; {_PACKED_FIX}"
             )

@@ -233,7 +233,7 @@ class TrajectoryOptions(TreeOptions):
     Parameters:
         tokenizer, pad_token_id, pad_to_multiple_of: as :class:`TreeOptions`.
         padding_free: the trees end to end in one row ``[1, N]`` (the default), or a padded row each.
-        return_position_ids: emit ``position_ids`` (default: yes).
+        return_position_ids: emit ``position_ids`` (default: padding-free or shared; padded paths apart: no).
         return_flash_attn_kwargs, return_seq_idx: emit the varlen keys (``share="none"`` only).
         share: share prefixes within each group (``"group"``), across the batch (``"batch"``), or not.
         group_key: the example field naming each trajectory's group.

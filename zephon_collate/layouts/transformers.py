@@ -546,6 +546,12 @@ class Transformers(Layout):
             kept = per_token[INPUT_IDS]
             planes = mrope_positions(kept, per_token[MM_TOKEN_TYPE_IDS], media, options.mrope, names)
             if options.padding_free:  # padded, the model computes them from the types and grids
+                # an example packed of several documents: each numbered as its example's first (the rule
+                # shifted to start there)
+                place = np.arange(kept.values.shape[0])
+                first = np.maximum.accumulate(np.where(_starts(per_token), place, 0))
+                example = np.repeat(kept.offsets[:-1], kept.lengths)
+                planes = planes - planes[first] + planes[example]
                 per_token[MROPE_POSITIONS] = Ragged(planes, kept.offsets, kept.lengths)
         starts = None
         for spec in options.floats:

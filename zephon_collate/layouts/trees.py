@@ -325,12 +325,13 @@ class Trees(Layout):
         sizes = np.diff(laid.documents)
         if failed is None and bool((sizes <= width).all()):
             return forest
-        if failed is None:  # the first sequence of the first tree too wide
+        wide = int(np.flatnonzero(sizes > width)[0]) if failed is None else -1  # the first tree too wide
+        if failed is None:  # its first sequence
             starts = laid.path_offsets[:-1]
             nonempty = np.diff(laid.path_offsets) > 0
             tree = np.full(forest.sequences, -1, dtype=np.int64)
             tree[nonempty] = np.searchsorted(laid.documents, laid.path_index[starts[nonempty]], "right") - 1
-            entry = int(np.flatnonzero(tree == int(np.flatnonzero(sizes > width)[0]))[0])
+            entry = int(np.flatnonzero(tree == wide)[0])
         else:  # the first sequence through the node
             entry = next(
                 s for s in range(forest.sequences) if failed in _ancestors(forest, int(forest.ends[s]))
@@ -341,7 +342,7 @@ class Trees(Layout):
             what = f"a path of its tree reaches {reach} tokens by a node's end (trees split between nodes)"
             fix = "raise max_row_tokens"
         else:
-            what = f"its tree holds {int(sizes.max())} tokens"
+            what = f"its tree holds {int(sizes[wide])} tokens"
             fix = "pass oversized='split' or raise max_row_tokens"
         raise ValueError(f"{names(source)}: {what}, more than max_row_tokens={width}; {fix}")
 
@@ -465,7 +466,7 @@ def _per_sequence(forest: Forest, names: Sequence[str]) -> Forest:
     values = dict(forest.values)
     per_sequence = dict(forest.per_sequence)
     first = forest.tokens.offsets[np.maximum(forest.ends, 0)]
-    for name in names:
+    for name in (name for name in names if name in values):  # explicit trees: read on the leaves already
         field = values.pop(name)
         given = np.asarray(field.values)
         taken = (

@@ -198,7 +198,10 @@ def read_media(batch: Batch, names: Names, mrope: MRope) -> Media:
         for index, (grid_value, pixel_value) in enumerate(zip(given_grids, given_pixels, strict=True)):
             grid = _grid(grid_value, index, grid_name, names, mrope.spatial_merge_size)
             patches = int(grid.prod(axis=1).sum()) if grid.size else 0
-            if pixel_value is None:
+            pixel = None if pixel_value is None else _array(pixel_value, index, pixel_name, names)
+            if pixel is not None and pixel.size == 0 and not patches:
+                pixel = None  # an empty list: a table's row without images holds no pixels
+            if pixel is None:
                 if patches:
                     raise ValueError(
                         f"{names(index)}: has {shown(grid_name)} of {grid.shape[0]} grids but no "
@@ -206,7 +209,6 @@ def read_media(batch: Batch, names: Names, mrope: MRope) -> Media:
                     )
                 pixel = np.zeros((0, *(width or (0,))), np.float32)
             else:
-                pixel = _array(pixel_value, index, pixel_name, names)
                 if pixel.ndim < 2 or pixel.shape[0] != patches:
                     raise ValueError(
                         f"{names(index)}: {shown(pixel_name)} has shape {tuple(pixel.shape)}, but its "
@@ -357,6 +359,8 @@ def _array(value: object, index: int, name: str, names: Names) -> np.ndarray:
         array = as_numpy(value) if isinstance(value, torch.Tensor) else np.asarray(value)
     except (TypeError, ValueError):
         raise TypeError(f"{names(index)}: {shown(name)} is not an array of numbers") from None
+    if array.size == 0 and array.dtype.kind == "O":  # a table's empty row (datasets' NumPy format)
+        return array.astype(np.float64)
     if array.dtype.kind not in "iuf":
         raise TypeError(f"{names(index)}: {shown(name)} holds {array.dtype}, not numbers")
     return array

@@ -11,7 +11,7 @@ import numpy as np
 
 from zephon_collate.core.checks import keywords
 from zephon_collate.core.fit import best_fit_rows, greedy_breaks
-from zephon_collate.core.keys import INPUT_IDS, INT32_MAX, INT64_MAX, POSITIONS
+from zephon_collate.core.keys import INPUT_IDS, INT32_MAX, INT64_MAX, POSITIONS, SEQ_LENGTHS
 from zephon_collate.core.records import PADDING_LENGTH_TAG
 from zephon_collate.packing.reader import REQUIRED, PackOptions, Reader
 from zephon_collate.packing.rows import refuse_cut_columns
@@ -36,6 +36,8 @@ class PackedColumns:
         documents: each piece's document (its row in the input batch).
         parts: each piece's place among its document's pieces (from 0).
         closes: whether each piece is its document's last.
+        sizes: each piece's tokens. Rows packed without positions carry them as ``seq_lengths``, so
+            the ``Collator`` finds their documents (and refuses labels that would cross them).
 
     Example:
         >>> import numpy as np
@@ -54,13 +56,14 @@ class PackedColumns:
     documents: np.ndarray
     parts: np.ndarray
     closes: np.ndarray
+    sizes: np.ndarray
 
     def __len__(self) -> int:
         return len(self.padding_length)
 
     def __getitems__(self, indices: Sequence[int]) -> list[ColumnBatch]:
         """Rows ``indices`` as ``[batch]`` (copies), each field's values ``[len(indices) * seq_len, ...]``."""
-        rows = np.asarray(indices, dtype=np.int64).reshape(-1)
+        rows = np.arange(len(self))[np.asarray(indices, dtype=np.int64).reshape(-1)]  # -1: the last
         width = next(iter(self.fields.values())).shape[1] if self.fields else 0
         offsets = np.arange(len(rows) + 1, dtype=np.int64) * width
         batch: dict[str, Any] = {  # [rows * seq_len, ...]: each token's value shape (K, ...) kept
@@ -68,7 +71,21 @@ class PackedColumns:
             for name, values in self.fields.items()
         }
         batch[PADDING_LENGTH_TAG] = self.padding_length[rows]
+        if POSITIONS not in self.fields:  # the documents, where no positions restart at them
+            batch[SEQ_LENGTHS] = self.seq_lengths(rows)
         return [ColumnBatch(batch)]
+
+    def seq_lengths(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``rows``' pieces' sizes as ``(values, offsets)``: TRL's ``seq_lengths`` of each row."""
+        counts = np.diff(self.offsets)[rows]
+        starts = (
+            np.repeat(self.offsets[rows], counts)
+            + np.arange(int(counts.sum()))
+            - np.repeat(np.cumsum(counts) - counts, counts)
+        )
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        return self.sizes[starts], offsets
 
     def __getitem__(self, index: int) -> list[ColumnBatch]:
         """Row ``index`` as a batch of one row: ``[batch]``."""
@@ -176,4 +193,4 @@ def pack_columns(documents: ColumnarBatch, *args: Any, **given: Any) -> PackedCo
         slots -= np.repeat(place.astype(narrow), length)
         out[POSITIONS] = slots.reshape(rows, size)
     last = np.zeros_like(lengths) if options.overflow == "truncate" else -(-lengths // size) - 1
-    return PackedColumns(out, size - used, offsets, pieces, parts, parts == last[pieces])
+    return PackedColumns(out, size - used, offsets, pieces, parts, parts == last[pieces], sizes)

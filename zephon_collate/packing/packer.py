@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
 from zephon_collate.core.checks import keywords
@@ -67,6 +67,7 @@ class FlatPacker:
     def __init__(self, *args: Any, **options: Any) -> None:
         self.options = StreamOptions.create("FlatPacker", *args, **options)
         self._reset()
+        self._places: Callable[[int], int] | None = None  # where input records sit in their source
 
     def _reset(self) -> None:
         options = self.options
@@ -75,6 +76,14 @@ class FlatPacker:
         self._consumed = 0
         self._emitted = 0
         self._group: _Group | None = None
+
+    def _number_by(self, places: Callable[[int], int]) -> None:
+        """Name the input's ``k``-th record (and id a plain payload) as the source's ``places(k)``-th: a
+        stage over a worker's slice of the source (``PackedStream``, ``PackIterDataset``)."""
+        self._places = places
+
+    def _place(self, consumed: int) -> int:
+        return consumed if self._places is None else self._places(consumed)
 
     @property
     def records_consumed(self) -> int:
@@ -100,22 +109,21 @@ class FlatPacker:
                 if columns is not None:
                     yield from self._pack_columns(columns)
                     continue
-            record = as_record(sample, self._consumed, "FlatPacker")
+            at = self._place(self._consumed)  # the record's place in its source
+            record = as_record(sample, at, "FlatPacker")
             if record.meta.is_flush_sentinel:
                 self._close_group()
                 self._engine.flush()
             elif not record.meta.tombstone and (
-                document := self._reader.read(record, self._consumed)
-                if documents is None
-                else documents[place]
+                document := self._reader.read(record, at) if documents is None else documents[place]
             ):
                 if self.options.group_key is None:
-                    self._engine.push(split_document(record, self._consumed, document, self.options))
+                    self._engine.push(split_document(record, at, document, self.options))
                 else:
                     if self._group is not None and not same_value(document.group, self._group.key):
                         self._close_group()
                     if self._group is None:
-                        where = describe_record(self._consumed, record)
+                        where = describe_record(at, record)
                         self._group = _Group(document.group, where, [])
                     self._group.members.append(document_piece(record, document))
             self._consumed += 1
@@ -138,7 +146,7 @@ class FlatPacker:
         ]
         if len(read) < 2:
             return None
-        places = [self._consumed + place for place, _ in read]
+        places = [self._place(self._consumed + place) for place, _ in read]
         found = self._reader.read_all([record for _, record in read], places)
         return None if found is None else {place: doc for (place, _), doc in zip(read, found, strict=True)}
 
@@ -153,13 +161,13 @@ class FlatPacker:
         self.options.check_columnar("FlatPacker")
         self._close_group()
         first = self._consumed
-        tokens, fields = self._reader.read_columns(columns, first)
-        refuse_cut_columns(columns, tokens, self.options, lambda row: example_names(first + row))
+        tokens, fields = self._reader.read_columns(columns, self._place(first))  # a stage's: one row
+        refuse_cut_columns(columns, tokens, self.options, lambda row: example_names(self._place(first + row)))
         starts, ends = tokens.offsets[:-1].tolist(), tokens.offsets[1:].tolist()
         values = tokens.host
         hosts = {name: field.host for name, field in fields.items()}
         for row, (start, end) in enumerate(zip(starts, ends, strict=True)):
-            index = first + row
+            index = self._place(first + row)
             if end > start:
                 record = SampleRecord(SampleMeta((0, 0, index), 0, 0, index), {})
                 piece_fields = {name: field[start:end] for name, field in hosts.items()}

@@ -5,6 +5,7 @@ Its state is plain data and tensors, so ``torch.load(weights_only=True)`` reads 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, cast
@@ -306,6 +307,8 @@ class _Iterator(_Pass):
                 "which would split each group across shards; give a callable source(shard, num_shards, "
                 "epoch) that shards by group, or one shard (num_workers=0, one rank)"
             )
+        if not callable(self.stream.source):  # record k of the shard is the source's shard + k * num_shards
+            packer._number_by(functools.partial(_strided, shard, num_shards))
         self.packer = packer
         records = shard_records(self.stream.source, shard, num_shards, self.epoch, start, self.last_cursor)
         return packer.pack(self._tracked(records))
@@ -352,3 +355,8 @@ class _BalancedIterator(_Pass):
         assert balance is not None  # this iterator exists for balanced streams only
         self.steps = BalancedSteps(self.stream.source, options, balance, placement, self.epoch, resume)
         return self.steps
+
+
+def _strided(first: int, step: int, index: int) -> int:
+    """The ``index``-th of ``first, first + step, ...``."""
+    return first + index * step

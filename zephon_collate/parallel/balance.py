@@ -638,7 +638,7 @@ def _build(
         tokens=tokens.reshape(shape),
         computed=computed.reshape(shape),
         largest=largest,
-        extra_slots=extra,
+        extra_slots=int(extra),
         seq_len=seq_len,
     )
 

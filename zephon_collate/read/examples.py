@@ -158,9 +158,15 @@ def _check_examples(batch: Batch, spec: ExampleSpec) -> None:
         if type(payload) is dict:
             continue
         if isinstance(payload, SampleRecord):
+            padded = payload.meta.padding_length  # padding only its meta records: the payload would train it
             raise TypeError(
                 f"{names(index)}: is a SampleRecord; this collator takes Hugging Face example dicts: "
-                "pass the payloads, or collate records (pack_flat's rows) with Collator(...)"
+                + (
+                    f"collate records (pack_flat's rows) with Collator(...), which reads the {padded} "
+                    "tokens of padding their meta records (their payloads alone would train them)"
+                    if padded
+                    else "pass the payloads, or collate records (pack_flat's rows) with Collator(...)"
+                )
             )
         if not hasattr(payload, "keys"):
             raise TypeError(

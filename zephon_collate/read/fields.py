@@ -41,11 +41,12 @@ __all__ = [
     "value_rows",
 ]
 
-Alignment: TypeAlias = Literal["token", "label", "response", "sequence"]
-"""What a field's values belong to: a token, a prediction, the row's last tokens, a whole sequence."""
+Alignment: TypeAlias = Literal["token", "input", "label", "response", "sequence"]
+"""What a field's values belong to: a token scored, a token read, a prediction, the row's last tokens, a
+whole sequence."""
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-_ALIGNMENTS = ("token", "label", "response", "sequence")
+_ALIGNMENTS = ("token", "input", "label", "response", "sequence")
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ class TensorField:
 
     Parameters:
         name: the payload field (and output key).
-        align: ``"token"`` (the default), ``"label"``, ``"response"`` or ``"sequence"``.
+        align: ``"token"`` (the default), ``"input"`` (beside the input ids in every layout: MoE routes),
+            ``"label"``, ``"response"`` or ``"sequence"``.
         dtype: a float dtype (float32 by default) or an integer one (uint8, int8, int16, int32, int64).
         broadcast: with ``align="sequence"``, repeat the value over the sequence's tokens.
         shape: each token's value shape: ``()`` (the default), ``(K,)``, ``(layers, k)``; ``None``: by batch.
@@ -78,7 +80,8 @@ class TensorField:
             raise TypeError(f"{type(self).__name__}: name must be a non-empty str, got {shown(self.name)}")
         if self.align not in _ALIGNMENTS:
             raise ValueError(
-                f"{owner}: align must be 'token', 'label', 'response' or 'sequence', got {shown(self.align)}"
+                f"{owner}: align must be 'token', 'input', 'label', 'response' or 'sequence', got "
+                f"{shown(self.align)}"
             )
         if self.dtype not in (*FLOAT_DTYPES, *_INT_DTYPES):
             raise ValueError(
@@ -147,8 +150,9 @@ class TensorField:
 
     @property
     def shifted_like_labels(self) -> bool:
-        """True when a shift of the tokens cuts this field like the labels (``[:, 1:]``)."""
-        return self.per_token and self.align != "label"
+        """True when a shift of the tokens cuts this field like the labels (``[:, 1:]``); a ``"label"`` or
+        ``"input"`` field is cut like the inputs (``[:, :-1]``)."""
+        return self.per_token and self.align not in ("label", "input")
 
     @property
     def host_dtype(self) -> np.dtype:

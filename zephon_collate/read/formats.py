@@ -756,7 +756,10 @@ def read_trees(batch: Batch, spec: ExampleSpec) -> Forest:
                 f"{names(lacking)}: lacks {shown(name)}; a tree is given node by node, each with its "
                 f"{NODE_ID} and its {PARENT_ID} (-1 for a root)"
             )
-    per_node = dataclasses.replace(spec, floats=tuple(field for field in spec.floats if field.per_token))
+    # a value per sequence (broadcast or not) is given on the leaves, where the sequences end
+    per_node = dataclasses.replace(
+        spec, floats=tuple(field for field in spec.floats if field.align != "sequence")
+    )
     chains = read_rollouts(batch, per_node)
     ids = [_node_id(value, row, NODE_ID, names) for row, value in enumerate(batch.objects(NODE_ID))]
     row_of_id: dict[int, int] = {}
@@ -805,7 +808,7 @@ def read_trees(batch: Batch, spec: ExampleSpec) -> Forest:
     parent_rank = np.array([rank[parents[row]] if parents[row] >= 0 else -1 for row in order], dtype=np.int64)
     per_sequence = {}
     for field in spec.floats:  # one value per sequence: given on the leaves
-        if field.per_token:
+        if field.align != "sequence":
             continue
         values = batch.objects(field.name) if field.name in batch else [None] * batch.rows
         inner = next((row for row in range(len(ids)) if children[row] and _given(values[row])), None)
@@ -822,7 +825,8 @@ def read_trees(batch: Batch, spec: ExampleSpec) -> Forest:
                     "sequence; give it on every leaf"
                 )
             rows.append(to_row(values[leaf], names(leaf), field.name, "values"))
-        read = read_floats(rows, np.ones(len(rows), np.int64), field, lambda i: names(leaves[i]))
+        one = dataclasses.replace(field, broadcast=False)  # one value each; the layout broadcasts it
+        read = read_floats(rows, np.ones(len(rows), np.int64), one, lambda i: names(leaves[i]))
         per_sequence[field.name] = np.stack(cast(list[np.ndarray], read)) if rows else np.zeros(0)
     return Forest(
         take(chains.tokens),

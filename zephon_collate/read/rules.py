@@ -271,7 +271,7 @@ def unread_documents(batch: Batch, read: Iterable[str], fix: str, *, positions: 
     row = int(several[0])
     return (
         f"{batch.names(row)}: carries 'seq_lengths' ({int(documents[row])} documents packed in one "
-        "row, as TRL packs them), which is not read here: the row would be one document, its labels "
+        "row), which is not read here: the row would be one document, its labels "
         f"crossing from each document into the next; {fix}"
     )
 
