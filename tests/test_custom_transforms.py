@@ -216,3 +216,70 @@ def test_a_subclass_overriding_compute_alone_runs_it_on_the_host_path_too(step):
         with use_host_pass(host):
             assert collator(rows)["num_valid_tokens"] == want
             assert collator.finish(collator.stack(rows))["num_valid_tokens"] == want
+
+
+class _Writes(Transform):
+    """Writes ``key`` from the tokens (a user step under test)."""
+
+    def __init__(self, key: str, value: float | None = None, reads: str = "input_ids") -> None:
+        super().__init__()
+        self.key, self.value = key, value
+        self.in_keys, self.out_keys = [reads], [key]
+
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        given = next(iter(data.values()))
+        if self.value is not None:
+            return {self.key: torch.tensor(self.value)}
+        return {self.key: torch.ones_like(given)}
+
+
+class _HostOnly(Transform):
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_keys, self.out_keys = ["input_ids"], ["ones"]
+
+    def host(self, data):  # type: ignore[no-untyped-def]
+        return {"ones": data["input_ids"] * 0 + 1}
+
+
+def test_what_your_steps_write_is_what_comes_out():
+    """A key the layout keeps to itself is refused (it would reach no output); a float count you write
+    stays a float; a Chain of yours consumes its inputs for the steps after it; compute is required."""
+    examples = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]
+    for key in ("positions", "loss_mask", "padding_mask"):
+        collate = Collator.for_transformers(padding_free=True, transforms=[_Writes(key)])
+        with pytest.raises(ValueError, match=rf"transform _Writes writes '{key}', which this layout keeps"):
+            collate(examples)
+    read_later = [_Writes("positions"), _Writes("twice", reads="positions")]  # read by a later step: fine
+    assert "twice" in Collator.for_transformers(padding_free=True, transforms=read_later)(examples)
+    weighted = Collator(return_labels=True, return_num_valid_tokens=True, pad_token_id=PAD,
+                        transforms=[_Writes("num_valid_tokens", 4.5)])(examples)  # fmt: skip
+    assert weighted["num_valid_tokens"] == 4.5 and isinstance(weighted["num_valid_tokens"], float)
+
+    class Consumes(Transform):
+        dropped_keys = ("positions",)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.in_keys, self.out_keys = ["positions"], ["seen"]
+
+        def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {"seen": data["positions"].sum()}
+
+    class Looks(Transform):
+        def __init__(self) -> None:
+            super().__init__()
+            self.in_keys, self.optional_keys, self.out_keys = ["input_ids"], ["positions"], ["looked"]
+
+        def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {"looked": torch.tensor("positions" in data)}
+
+    positioned = [
+        {"input_ids": [5, 6, 7], "positions": [0, 1, 2]},
+        {"input_ids": [8, 9], "positions": [0, 1]},
+    ]
+    for steps in ([Consumes(), Looks()], [Chain(Consumes()), Looks()]):
+        out = Collator(return_labels=True, pad_token_id=PAD, transforms=steps)(positioned)
+        assert bool(out["looked"]) is False and "positions" not in out, steps
+    with pytest.raises(TypeError, match=r"transforms\[0\] \(_HostOnly\) defines no compute"):
+        Collator(transforms=[_HostOnly()])

@@ -36,6 +36,7 @@ from zephon_collate import (
     token_logprobs,
     unpack,
 )
+from zephon_collate.losses import global_loss_count
 from zephon_collate.packing.rows import row_segments
 from zephon_collate.parallel.balance import plan_balance
 from zephon_collate.parallel.sampler import BalancedBatchSampler
@@ -180,19 +181,22 @@ def test_pad_to_multiple_of_padding_is_refused_whatever_its_label(label_pad):
 
 
 def test_a_labelled_one_token_example_no_longer_hides_the_padding_after_it():
-    """boundary_safe_labels=False labels a one-token example with its token: the padding after it was
-    read as four more sequences. Only a labelled last token says that no padding follows."""
+    """boundary_safe_labels=False labels a one-token example with its token, and label_pad_token_id equal to
+    the pad id labels padding with its own id: no label tells a row's closing one-token sequences from
+    padding, so the sequences are refused without a map, and read exactly with one."""
     examples = [{"input_ids": [5, 6, 7]}, {"input_ids": [8]}]
-    collate = Collator.for_transformers(
-        padding_free=True, pad_token_id=0, boundary_safe_labels=False, pad_to_multiple_of=8
-    )
-    padded = collate(examples)
-    with pytest.raises(ValueError, match=r"ends with 5 one-token sequence\(s\).*" + AMBIGUOUS):
-        unpack(padded["input_ids"], padded)
-    unpadded = Collator.for_transformers(padding_free=True, pad_token_id=0, boundary_safe_labels=False)(
-        examples
-    )
-    assert [row.tolist() for row in unpack(unpadded["input_ids"], unpadded)] == [[5, 6, 7], [8]]
+    for options in ({"boundary_safe_labels": False}, {"label_pad_token_id": 0}):
+        padded = Collator.for_transformers(padding_free=True, pad_token_id=0, pad_to_multiple_of=8, **options)
+        batch = padded(examples)
+        with pytest.raises(ValueError, match=r"ends with \d one-token sequence\(s\).*" + AMBIGUOUS):
+            unpack(batch["input_ids"], batch)
+        with pytest.raises(ValueError, match=AMBIGUOUS):
+            global_loss_count(batch, mode="seq-mean-token-sum", empty="count")
+        mapped = Collator.for_transformers(
+            padding_free=True, pad_token_id=0, pad_to_multiple_of=8, return_sequence_map=True, **options
+        )(examples)
+        assert [row.tolist() for row in unpack(mapped["input_ids"], mapped)] == [[5, 6, 7], [8]]
+        assert global_loss_count(mapped, mode="seq-mean-token-sum", empty="count") == 2
 
 
 # --- balanced streams: no empty step, no empty micro-batch ---------------------------------------------

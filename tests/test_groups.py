@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zephon_collate import FlatPacker, FloatField, PackedStream, SampleBatch, pack_flat
+from zephon_collate import Collator, FlatPacker, FloatField, PackedStream, SampleBatch, pack_flat
 from zephon_collate.packing.rows import row_segments
 from zephon_collate.types import SampleMeta, SampleRecord
 
@@ -75,6 +75,17 @@ def test_a_pair_in_one_record_stays_two_segments():
     assert [segments(r) for r in split] == [[(0, 0, 0, 3), (0, 1, 3, 2)], [(0, 1, 0, 2)]]
     with pytest.raises(ValueError, match="'positions' has 2 entries for 3 tokens"):
         pack_flat([rec(0, [1, 2, 3], positions=[0, 1])], 4, pad_token_id=0)
+
+
+def test_a_records_own_positions_of_one_segment_are_kept_as_given():
+    """Positions with gaps (a document trimmed inside, RoPE offsets) are kept, as the Collator keeps them;
+    a split starts each piece's numbering again, as for every split document."""
+    gapped = rec(0, [5, 6, 7, 8, 9], positions=[0, 1, 5, 6, 7])
+    rows = pack_flat([gapped, rec(1, [3, 3])], 8, pad_token_id=0)
+    assert rows[0].payload["positions"].tolist() == [0, 1, 5, 6, 7, 0, 1, 0]
+    assert Collator()([gapped.payload])["positions"].tolist() == [[0, 1, 5, 6, 7]]
+    split = pack_flat([gapped], 3, pad_token_id=0)  # one segment: split as any document of one
+    assert [r.payload["positions"].tolist() for r in split] == [[0, 1, 2], [0, 1, 0]]
 
 
 def test_a_group_longer_than_a_row_follows_overflow():

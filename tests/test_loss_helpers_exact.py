@@ -260,21 +260,35 @@ def test_a_padding_free_row_read_from_its_first_position():
     """Hand-built rows: a sequence starts at each place whose position equals the row's first one."""
     batch = {
         "input_ids": [[1, 2, 3, 7], [4, 5, 6, 8]],
-        "position_ids": [[3, 4, 5, 3], [2, 3, 2, 3]],
-        "labels": [[-100, 2, 3, 7], [-100, 5, -100, 8]],  # row 0 ends in a labelled one-token sequence
+        "position_ids": [[3, 4, 3, 4], [2, 3, 2, 3]],
+        "labels": [[-100, 2, -100, 7], [-100, 5, -100, 8]],
     }
     out = sequence_logprobs(torch.zeros(2, 4, VOCAB), batch)
-    assert out.counts.tolist() == [2, 0, 1, 1]
-    assert out.sums.tolist() == pytest.approx([2 * LOG_TENTH, 0.0, LOG_TENTH, LOG_TENTH])
+    assert out.counts.tolist() == [1, 1, 1, 1]
+    assert out.sums.tolist() == pytest.approx([LOG_TENTH] * 4)
     assert [t.tolist() for t in unpack(torch.tensor(batch["input_ids"]), batch)] == [
-        [1, 2, 3],
-        [7],
+        [1, 2],
+        [3, 7],
         [4, 5],
         [6, 8],
     ]
     scores = token_logprobs(torch.zeros(2, 4, VOCAB), batch)
     assert scores.reshape(-1).tolist() == pytest.approx(
-        [0.0, LOG_TENTH, LOG_TENTH, 0.0, 0.0, LOG_TENTH, 0.0, LOG_TENTH]  # rows 0 and 1
+        [0.0, LOG_TENTH, 0.0, LOG_TENTH, 0.0, LOG_TENTH, 0.0, LOG_TENTH]  # rows 0 and 1
+    )
+    # A row ending in a one-token sequence, even one labelled with its own id: padding labelled with the
+    # pad id (label_pad_token_id = pad_token_id) looks the same, so the sequences are refused, the tokens not
+    ending = {
+        **batch,
+        "position_ids": [[3, 4, 5, 3], [2, 3, 2, 3]],
+        "labels": [[-100, 2, 3, 7], [-100, 5, -100, 8]],
+    }
+    with pytest.raises(ValueError, match=AMBIGUOUS):
+        sequence_logprobs(torch.zeros(2, 4, VOCAB), ending)
+    with pytest.raises(ValueError, match=AMBIGUOUS):
+        unpack(torch.tensor(ending["input_ids"]), ending)
+    assert token_logprobs(torch.zeros(2, 4, VOCAB), ending).reshape(-1).tolist() == pytest.approx(
+        [0.0, LOG_TENTH, LOG_TENTH, 0.0, 0.0, LOG_TENTH, 0.0, LOG_TENTH]  # 7 opens a sequence: unscored
     )
 
 

@@ -27,6 +27,7 @@ from zephon_collate import (
     FloatField,
     SampleMeta,
     SampleRecord,
+    TensorField,
     pack_flat,
     sequence_logprobs,
     to_training,
@@ -484,3 +485,28 @@ def test_what_the_refusals_leave_alone():
     assert rows == [[1, 1, 1, 2, 2, 2, 2, 2], [3, 3, 3, 3, 3, 3, 0, 0]]
     packed = {"input_ids": [5, 6, 7, 8], "seq_lengths": [2, 2]}
     assert Collator(pad_token_id=0)([packed])["input_ids"].tolist() == [[5, 6, 7, 8]]
+
+
+def test_integers_stay_exact_and_sums_never_wrap():
+    """A list of NumPy uint64 beside ints (NumPy reads it as float64) keeps every integer exactly; a
+    position_ids_start that would pass int64 and seq_lengths whose sum would wrap are refused by name."""
+    big = 2**53 + 1  # float64 would read it as 2**53
+    row = [np.uint64(big), 1, 2]
+    assert Collator()([{"input_ids": row}])["input_ids"].tolist() == [[big, 1, 2]]
+    routes = TensorField("r", dtype=torch.int64)
+    assert Collator(float_fields=[routes])([{"input_ids": [1, 2, 3], "r": row}])["r"].tolist() == [
+        [big, 1, 2]
+    ]
+    packed = pack_flat([{"input_ids": [1, 2, 3], "r": row}], 4, pad_token_id=0, fields=("r",))
+    assert packed[0].payload["r"].tolist() == [big, 1, 2, 0]
+    with pytest.raises(ValueError, match=r"record 0 .*: field 'input_ids' holds values beyond int64"):
+        Collator()([{"input_ids": [np.uint64(2**63 + 5), 1]}])
+    start = Collator.for_transformers(
+        position_ids_start=2**63 - 3, return_position_ids=True, padding_free=True
+    )
+    with pytest.raises(ValueError, match=r"example 0: positions up to .* position_ids_start=\d+ pass int64"):
+        start([{"input_ids": [5, 6, 7, 8, 9]}])
+    for padding_free in (True, False):
+        lengths = {"input_ids": [5, 6, 7, 8, 9], "seq_lengths": np.array([2**63 - 1, 2**63 - 1, 7])}
+        with pytest.raises(ValueError, match=r"example 0: 'seq_lengths' .* add up to the example's 5 tokens"):
+            Collator.for_transformers(padding_free=padding_free, pad_token_id=0)([lengths])

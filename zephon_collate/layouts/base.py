@@ -27,6 +27,7 @@ from zephon_collate.read.columns import Batch
 from zephon_collate.read.fields import TensorField
 from zephon_collate.read.rows import as_record, examples_of, records_of
 from zephon_collate.transforms import Transform
+from zephon_collate.transforms.base import declared_keys
 
 __all__ = ["Layout", "Settings", "Stacked", "convert", "per_row_outputs"]
 
@@ -42,6 +43,16 @@ def _check_transforms(name: str, value: object) -> tuple[Transform, ...]:
                 f"Collator: {name}[{index}] ({shown(transform)}) is not a transform with in_keys and "
                 "out_keys; subclass zephon_collate.Transform"
             )
+        kind = type(transform)
+        if (
+            issubclass(kind, Transform)
+            and kind.forward is Transform.forward
+            and kind.compute is Transform.compute
+        ):
+            raise TypeError(
+                f"Collator: {name}[{index}] ({kind.__name__}) defines no compute: the torch core "
+                "runs on the device and compiled (host is the optional NumPy variant of it); write compute"
+            )
     return tuple(value)
 
 
@@ -53,7 +64,7 @@ class Settings(Keywords):
         device: where ``finish`` runs the chain (``None``: where the data is).
         compile: run the chain through ``torch.compile`` (dynamic shapes, full graphs).
         num_boundaries: give ``cu_seqlens`` this many boundaries (a static shape), padded with the row length.
-        python_scalars: return counts and flattened maxima as Python ints (``False``: 0-d tensors, no sync).
+        python_scalars: counts and flattened maxima as Python numbers (``False``: 0-d tensors, no sync).
         transforms: transforms of yours, run after the built-in chain wherever it runs; each key is an output.
         chain: transforms of yours that replace the built-in chain (its options must keep their defaults).
     """
@@ -233,8 +244,22 @@ class Layout:
         if found is None:
             settings = self.settings
             builtin = self.chain(keys) if settings.chain is None else list(settings.chain)
+            self._check_written(settings.transforms)
             found = self._plans[keys] = Plan([*builtin, *settings.transforms], keys)
         return found
+
+    def _check_written(self, steps: Sequence[Transform]) -> None:
+        """Refuse a step of yours writing a key this layout keeps to itself, which no later step reads:
+        it would reach no output (each key your steps write is one)."""
+        for index, step in enumerate(steps):
+            for key in (key for key in getattr(step, "out_keys", ()) if key in self.INTERNAL):
+                later = steps[index + 1 :]
+                if not any(key in declared_keys(s) or getattr(s, "reads_every_key", False) for s in later):
+                    raise ValueError(
+                        f"Collator: transform {type(step).__name__} writes {key!r}, which this layout keeps "
+                        f"to itself (no output carries it: {sorted(self.INTERNAL)}); write it under a name "
+                        "of your own"
+                    )
 
     def run(self, plan: Plan, data: Mapping[str, Any], device: torch.device | None = None) -> dict[str, Any]:
         """``plan`` over ``data``: compiled for ``device`` with ``compile``, else eager."""
@@ -307,7 +332,7 @@ class Layout:
     ) -> dict[str, Any]:
         """The output dict: each output named, in its container; several ``results``: ragged rows, joined."""
         kind = self.kind
-        scalar = int if self.settings.python_scalars else torch.as_tensor
+        scalar = _python_number if self.settings.python_scalars else torch.as_tensor
         out: dict[str, Any] = {}
         keys = tuple(plan.output_keys)
         names = self._names.get(keys)
@@ -326,3 +351,8 @@ class Layout:
             else:
                 out[name] = convert(one[key], kind)
         return out
+
+
+def _python_number(value: Any) -> Any:
+    """A 0-d count as a Python number: an int, or a float where a step of yours wrote one (never cut)."""
+    return value.item()

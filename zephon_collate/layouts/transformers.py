@@ -27,6 +27,7 @@ from zephon_collate.core.keys import (
     IGNORE_INDEX,
     INPUT_IDS,
     INT32_MAX,
+    INT64_MAX,
     KL_INDEX,
     LABEL,
     LABELS,
@@ -542,6 +543,8 @@ class Transformers(Layout):
         if POSITIONS not in per_token and (options.padding_free or options.positions_out):
             offsets = per_token[INPUT_IDS].offsets
             per_token[POSITIONS] = Ragged(places(offsets), offsets, per_token[INPUT_IDS].lengths)
+        if options.position_ids_start and POSITIONS in per_token:
+            self._check_offset(per_token, names)
         if media is not None and options.mrope is not None:  # checked on what is kept: no run cut
             kept = per_token[INPUT_IDS]
             planes = mrope_positions(kept, per_token[MM_TOKEN_TYPE_IDS], media, options.mrope, names)
@@ -644,6 +647,19 @@ class Transformers(Layout):
                 values[last - 1] = per_token[name].host[ends[rows] - 1]
             cut[name] = Ragged(values, field.offsets)
 
+    def _check_offset(self, per_token: dict[str, Ragged], names: Names) -> None:
+        """Refuse a ``position_ids_start`` that would carry a position past int64 (padding's included)."""
+        options, positions = self.options, per_token[POSITIONS]
+        tokens = per_token[INPUT_IDS].lengths
+        width = int(tokens.sum()) + (options.pad_to_multiple_of or 0) + (options.max_length or 0)
+        highest = max(int(positions.host.max()) if positions.host.size else 0, width)
+        if highest > INT64_MAX - options.position_ids_start:
+            row = row_of(positions.offsets, int(np.argmax(positions.host))) if positions.host.size else 0
+            raise ValueError(
+                f"{names(row)}: positions up to {highest} plus position_ids_start="
+                f"{options.position_ids_start} pass int64's largest value; give a smaller position_ids_start"
+            )
+
     def _check_max_length(self, lengths: np.ndarray, limit: int, names: Names) -> None:
         """Refuse an example longer than ``limit`` (``max_length`` is never ignored)."""
         longer = np.flatnonzero(lengths > limit)
@@ -707,11 +723,12 @@ def _positions(fields: dict[str, Ragged], segments: Ragged | None, names: Names)
     tokens = fields[INPUT_IDS]
     if segments is not None:
         sizes = np.asarray(segments.values).astype(np.int64, copy=False)
-        totals = np.zeros(sizes.size + 1, dtype=np.int64)
-        np.cumsum(sizes, out=totals[1:])
-        negative = np.zeros(sizes.size + 1, dtype=np.int64)
-        np.cumsum(sizes < 0, out=negative[1:])
         starts, ends = segments.offsets[:-1], segments.offsets[1:]
+        limit = np.repeat(tokens.lengths, ends - starts)  # each size within its example: no sum wraps
+        totals = np.zeros(sizes.size + 1, dtype=np.int64)
+        np.cumsum(np.clip(sizes, 0, limit), out=totals[1:])
+        negative = np.zeros(sizes.size + 1, dtype=np.int64)
+        np.cumsum((sizes < 0) | (sizes > limit), out=negative[1:])
         bad = (totals[ends] - totals[starts] != tokens.lengths) | (negative[ends] > negative[starts])
         if bad.any():
             index = int(np.flatnonzero(bad)[0])

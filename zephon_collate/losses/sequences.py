@@ -202,12 +202,10 @@ def _sequence_map(
         index = torch.where(starts, -1, place - 1)
         read["count"] = starts.sum()
         if (split or ends) and ids.numel():
-            # Each row's closing run of one-token sequences: padding can follow a real token only, so
-            # a row whose last token is labelled with its own id (supervised) has none. Any other
-            # label says nothing: padding is labelled label_pad_token_id, whatever the user chose.
+            # Each row's closing run of one-token sequences. No label tells them from padding: padding
+            # is labelled label_pad_token_id, whatever the user chose (its own id too, with the pad id).
             run = starts.flip(1).long().cumprod(1).flip(1).bool()
-            labels = _tensor(batch, LABELS, ids) if LABELS in batch else torch.full_like(ids, IGNORE_INDEX)
-            read["trailing"] = torch.where(labels[:, -1] == ids[:, -1], 0, run.sum(1)).max()
+            read["trailing"] = run.sum(1).max()
     else:
         raise ValueError(
             "the batch has no sequence map ('logits_index', 'sequence_index'), 'attention_mask' or "
@@ -218,7 +216,7 @@ def _sequence_map(
     if values.get("trailing", 0) > 0:
         raise ValueError(
             "a row of the padding-free batch (position_ids, no attention_mask) ends with "
-            f"{values['trailing']} one-token sequence(s), the last not labelled with its own id: that is "
+            f"{values['trailing']} one-token sequence(s): that is "
             "what pad_to_multiple_of padding looks like (whatever label_pad_token_id), and what one-token "
             "examples look like, so the loss helpers cannot tell padding from one-token sequences at the "
             "end of the row; collate with Collator.for_transformers(..., return_sequence_map=True), which "

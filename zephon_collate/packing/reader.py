@@ -522,8 +522,8 @@ class Reader:
                 "segment starts wherever positions are 0), so they must start at 0 and give one per token. "
                 "Drop them for one segment per document, or pass emit_positions=False to pack them as data"
             )
-        if not (values[1:] == 0).any():
-            return None  # one segment: what the packer writes anyway
+        if np.array_equal(values, np.arange(values.size)):
+            return None  # one segment counted 0, 1, ...: what the packer writes anyway
         return np.asarray(values, dtype=np.int64)
 
     def _group(self, batch: Batch, row: int, value: Any, carried: bool) -> Any:

@@ -129,7 +129,7 @@ def _split(piece: Piece, where: str, options: PackOptions) -> list[Piece]:
             values = piece.fields.get(name)
             if values is not None and prompt_entries(name, values).any():
                 raise refuse_cut_prompt(where, tokens.size, size, name)
-        if piece.positions is not None:
+        if piece.positions is not None and _segment_count(piece) > 1:
             raise ValueError(
                 f"{where}: has {tokens.size} tokens, more than seq_len={size}, in {_segment_count(piece)} "
                 "segments (its positions restart at 0); cut, one of them would be trained apart from the "

@@ -475,6 +475,22 @@ def _beyond_int64(where: str, name: str) -> ValueError:
     )
 
 
+def _exact_integers(value: Any, row: np.ndarray, where: str, name: str) -> np.ndarray:
+    """``value`` read as int64 where every entry is an integer, else ``row`` (what NumPy inferred)."""
+    try:
+        items = np.array(value, dtype=object)
+    except ValueError:
+        return row
+    if items.shape != row.shape or not all(
+        isinstance(item, numbers.Integral) and not isinstance(item, (bool, np.bool_)) for item in items.flat
+    ):
+        return row
+    try:
+        return items.astype(np.int64)
+    except OverflowError:
+        raise _beyond_int64(where, name) from None
+
+
 def _numpy_row(value: Any, where: str, name: str) -> np.ndarray:
     """A NumPy array of ``value``; a list or tuple gets the dtype NumPy infers for it (all bools: bool)."""
     if isinstance(value, (list, tuple)) and (not value or type(value[0]) is int):
@@ -496,6 +512,8 @@ def _numpy_row(value: Any, where: str, name: str) -> np.ndarray:
         row = value if value.flags.c_contiguous else np.array(value)
     else:
         row = _sequence_array(value, where, name)
+        if row.dtype.kind == "f":  # NumPy reads np.uint64 beside ints as float64: re-read exact integers
+            row = _exact_integers(value, row, where, name)
     if row.dtype.kind == "O":
         if not isinstance(value, np.ndarray) and all(
             isinstance(item, numbers.Integral) and not isinstance(item, bool) for item in row.flat

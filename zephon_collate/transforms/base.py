@@ -343,6 +343,8 @@ class Chain(Transform):
                 given = _as_tensors(declared(step, data))
                 result = step(TensorDict(given, batch_size=batch_size if batch_size is not None else []))
                 data.update((key, value) for key, value in result.items() if given.get(key) is not value)
+                for key in consumed:  # a nested Chain's consumed inputs leave the batch after it too
+                    data.pop(key, None)
                 batch_size = result.batch_size
         return data, batch_size
 
