@@ -55,10 +55,11 @@ def step(model: TinyLM, optimizer: torch.optim.Optimizer, batch: dict) -> float:
     loss = F.cross_entropy(
         logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE, reduction="sum"
     )
-    (loss / batch["num_valid_tokens"]).backward()
+    count = max(batch["num_valid_tokens"], 1)  # a batch with nothing trained: a loss of 0, not NaN
+    (loss / count).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(loss.detach()) / batch["num_valid_tokens"]
+    return float(loss.detach()) / count
 
 
 def fresh() -> tuple[TinyLM, torch.optim.Optimizer]:

@@ -283,3 +283,26 @@ def test_a_pairs_loss_mask_is_refused_not_ignored(name):
         Collator.for_rewards(pad_token_id=0)([reward])
     ones = {**pair, name: [1, 1]}  # all trained: nothing left out, read as the whole side
     assert Collator.for_preference(padding_free=True)([ones])["input_ids"].tolist() == [[1, 2, 3, 4, 1, 2, 5]]
+
+
+def test_odd_pairs_are_read_as_their_stack_means_or_refused():
+    """A prompt filling max_length is refused with empty responses too (TRL drops such pairs); OpenRLHF's
+    per-side masks c_mask / r_mask drop the padding; two rejected sides (TRL's and OpenRLHF's) are refused."""
+    full = [{"prompt_ids": [1, 2, 3, 4, 5], "chosen_ids": [], "rejected_ids": []}]
+    with pytest.raises(ValueError, match=r"example 0: its prompt of 5 tokens fills max_length=3"):
+        Collator.for_preference(pad_token_id=0, max_length=3)(full)
+    kto = [{"prompt_ids": [1, 2, 3, 4, 5], "completion_ids": [], "label": True}]
+    with pytest.raises(ValueError, match=r"example 0: its prompt of 5 tokens fills max_length=3"):
+        Collator.for_preference(pad_token_id=0, max_length=3)(kto)
+    pair = {"chosen_ids": [1, 2, 3, 4], "reject_ids": [1, 2, 5, 0], "r_mask": [1, 1, 1, 0], "extra": 2}
+    padded = Collator.for_preference(pad_token_id=0)([pair])
+    assert padded["labels"].tolist() == [[-100, -100, 3, 4], [-100, -100, 5, -100]]  # the pad untrained
+    reward = {**pair, "extra": 0.5, "c_mask": [1, 1, 1, 1]}
+    assert Collator.for_rewards(padding_free=True)([reward])["last_token_index"].tolist() == [3, 6]
+    with pytest.raises(ValueError, match=r"carries both 'reject_attention_mask' and 'r_mask'"):
+        Collator.for_preference(pad_token_id=0)([{**pair, "reject_attention_mask": [1, 1, 1, 0]}])
+    both = {**pair, "rejected_ids": [1, 2, 6]}
+    with pytest.raises(ValueError, match=r"'reject_ids' \(OpenRLHF's rejected side\) beside 'rejected_ids'"):
+        Collator.for_preference(pad_token_id=0)([both])
+    with pytest.raises(ValueError, match=r"carries 'reject_ids' .* beside 'rejected_ids'"):
+        Collator.for_rewards(padding_free=True)([{**both, "extra": 0.5}])

@@ -239,6 +239,14 @@ def test_truncation_keeps_an_image_whole_or_refuses():
         padding_free=True, mrope=MRope(), max_length=kept, truncation_mode="keep_end"
     )
     assert whole([with_image])["input_ids"].shape[1] == kept
+    # keep_eos puts the EOS on the last kept token: an image kept up to max_length loses its last placeholder
+    ending = {**with_image, "input_ids": [*with_image["input_ids"][:-1], 2], "labels": None}
+    ending = {key: value for key, value in ending.items() if value is not None}
+    image_end = len(with_image["mm_token_type_ids"]) - last  # right after the last image token
+    eos = Collator.for_transformers(padding_free=True, mrope=MRope(), max_length=image_end,
+                                    truncation_mode="keep_start", keep_eos=True, eos_token_id=2)  # fmt: skip
+    with pytest.raises(ValueError, match=cut.format(image_end, "keep_start", 1) + r" .*\(keep_eos=True puts"):
+        eos([ending])
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ from zephon_collate.read.arrow import columns_of
 from zephon_collate.read.columns import Batch
 from zephon_collate.read.fields import TensorField
 from zephon_collate.read.rows import as_record, examples_of, records_of
-from zephon_collate.transforms import Transform
+from zephon_collate.transforms import Chain, Transform
 from zephon_collate.transforms.base import declared_keys
 
 __all__ = ["Layout", "Settings", "Stacked", "convert", "per_row_outputs"]
@@ -251,6 +251,7 @@ class Layout:
     def _check_written(self, steps: Sequence[Transform]) -> None:
         """Refuse a step of yours writing a key this layout keeps to itself, which no later step reads:
         it would reach no output (each key your steps write is one)."""
+        steps = _flat(steps)  # a Chain of yours: its steps one by one
         for index, step in enumerate(steps):
             for key in (key for key in getattr(step, "out_keys", ()) if key in self.INTERNAL):
                 later = steps[index + 1 :]
@@ -356,3 +357,8 @@ class Layout:
 def _python_number(value: Any) -> Any:
     """A 0-d count as a Python number: an int, or a float where a step of yours wrote one (never cut)."""
     return value.item()
+
+
+def _flat(steps: Sequence[Any]) -> list[Any]:
+    """``steps`` with every ``Chain`` among them (nested too) replaced by its own steps."""
+    return [inner for step in steps for inner in (_flat(step.steps) if isinstance(step, Chain) else [step])]

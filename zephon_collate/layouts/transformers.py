@@ -594,7 +594,14 @@ class Transformers(Layout):
             else place >= np.repeat(lengths - limit, lengths)
         )
         if MM_TOKEN_TYPE_IDS in per_token:  # vision placeholders stand for an image: never cut
-            self._check_no_image_cut(per_token[MM_TOKEN_TYPE_IDS], keep, names)
+            kept = keep.copy()
+            if options.keep_eos:  # the EOS put back takes the last kept token's place
+                ends = tokens.offsets[1:] - 1
+                rows = np.flatnonzero(
+                    (lengths > limit) & (tokens.host[np.maximum(ends, 0)] == options.eos_token_id)
+                )
+                kept[tokens.offsets[rows] + limit - 1] = False
+            self._check_no_image_cut(per_token[MM_TOKEN_TYPE_IDS], kept, names)
         cut = {name: field.select(keep) for name, field in per_token.items()}
         if options.keep_eos:
             self._put_back_eos(per_token, cut)
@@ -625,8 +632,10 @@ class Transformers(Layout):
         options = self.options
         raise ValueError(
             f"{names(row)}: max_length={options.max_length} with truncation_mode={options.truncation_mode!r} "
-            f"would cut {what} ({shown(MM_TOKEN_TYPE_IDS)} != 0) away, and a truncation must never cut an "
-            "image or a video; cut the example's text before its images and videos, or raise max_length"
+            f"would cut {what} ({shown(MM_TOKEN_TYPE_IDS)} != 0) away"
+            f"{' (keep_eos=True puts the EOS on the last kept token)' if options.keep_eos else ''}, and a "
+            "truncation must never cut an image or a video; cut the example's text before its images and "
+            "videos, or raise max_length"
         )
 
     def _put_back_eos(self, per_token: dict[str, Ragged], cut: dict[str, Ragged]) -> None:
@@ -648,11 +657,9 @@ class Transformers(Layout):
             cut[name] = Ragged(values, field.offsets)
 
     def _check_offset(self, per_token: dict[str, Ragged], names: Names) -> None:
-        """Refuse a ``position_ids_start`` that would carry a position past int64 (padding's included)."""
+        """Refuse a ``position_ids_start`` that would carry a position past int64."""
         options, positions = self.options, per_token[POSITIONS]
-        tokens = per_token[INPUT_IDS].lengths
-        width = int(tokens.sum()) + (options.pad_to_multiple_of or 0) + (options.max_length or 0)
-        highest = max(int(positions.host.max()) if positions.host.size else 0, width)
+        highest = int(positions.host.max()) if positions.host.size else 0  # padding's positions are 0
         if highest > INT64_MAX - options.position_ids_start:
             row = row_of(positions.offsets, int(np.argmax(positions.host))) if positions.host.size else 0
             raise ValueError(

@@ -220,7 +220,7 @@ def _sequence_map(
             "what pad_to_multiple_of padding looks like (whatever label_pad_token_id), and what one-token "
             "examples look like, so the loss helpers cannot tell padding from one-token sequences at the "
             "end of the row; collate with Collator.for_transformers(..., return_sequence_map=True), which "
-            "writes where the sequences are, or leave out pad_to_multiple_of"
+            "writes where the sequences are (or, where the row ends in padding, leave out pad_to_multiple_of)"
         )
     if "count" in values:
         count = values["count"]

@@ -477,6 +477,8 @@ def _beyond_int64(where: str, name: str) -> ValueError:
 
 def _exact_integers(value: Any, row: np.ndarray, where: str, name: str) -> np.ndarray:
     """``value`` read as int64 where every entry is an integer, else ``row`` (what NumPy inferred)."""
+    if not bool(np.all(np.isfinite(row) & (row == np.floor(row)))):  # a fraction: floats, as inferred
+        return row
     try:
         items = np.array(value, dtype=object)
     except ValueError:

@@ -103,6 +103,8 @@ _SIDE_MASKS = (
     "completion_attention_mask",
     "KL_attention_mask",
     "reject_attention_mask",
+    "c_mask",  # OpenRLHF's
+    "r_mask",
 )
 _PAIR_SUPERVISION = (*SUPERVISING_FIELDS, LOSS_MASK)
 """Fields that say what of one sequence is trained, which a pair's sides do not read (trained whole)."""
@@ -288,6 +290,12 @@ def _openrlhf(batch: Batch, prompt_given: bool) -> tuple[Ragged, Ragged, Ragged]
     """OpenRLHF's pairs: ``chosen_ids`` and ``reject_ids`` hold the prompt, ``extra`` its length."""
     names = batch.names
     index = int(np.flatnonzero(batch.carried(_OPENRLHF_REJECTED))[0])
+    trl = next((name for name in (REJECTED_IDS, REJECTED_INPUT_IDS) if name in batch), None)
+    if trl is not None:
+        raise ValueError(
+            f"{names(index)}: carries {shown(_OPENRLHF_REJECTED)} (OpenRLHF's rejected side) beside "
+            f"{shown(trl)} (TRL's), two rejected sides; give one format"
+        )
     if prompt_given or "extra" not in batch:
         fix = (
             "beside prompt ids (TRL's format); give one format"
@@ -298,8 +306,10 @@ def _openrlhf(batch: Batch, prompt_given: bool) -> tuple[Ragged, Ragged, Ragged]
             f"{names(index)}: carries {shown(_OPENRLHF_REJECTED)} (OpenRLHF's pairs: chosen_ids and "
             f"reject_ids with the prompt inside, extra = the prompt's length) {fix}"
         )
-    chosen = _side(batch, "chosen", CHOSEN_IDS, CHOSEN_IDS, CHOSEN_ATTENTION_MASK)
-    rejected = _side(batch, "rejected", _OPENRLHF_REJECTED, _OPENRLHF_REJECTED, "reject_attention_mask")
+    chosen = _side(batch, "chosen", CHOSEN_IDS, CHOSEN_IDS, CHOSEN_ATTENTION_MASK, "c_mask")
+    rejected = _side(
+        batch, "rejected", _OPENRLHF_REJECTED, _OPENRLHF_REJECTED, "reject_attention_mask", "r_mask"
+    )
     extra = batch.objects("extra")
     for row, value in enumerate(extra):
         fits = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
@@ -353,7 +363,7 @@ def _cut_sides(
                 )
             )
             continue
-        full = np.flatnonzero((prompts.lengths >= limit) & (response.lengths > 0))
+        full = np.flatnonzero(prompts.lengths >= limit)  # TRL drops these pairs, empty responses too
         if full.size:
             index = int(full[0])
             raise ValueError(
@@ -367,9 +377,17 @@ def _cut_sides(
     return out
 
 
-def _side(batch: Batch, side: str, new: str, old: str, mask_name: str) -> Ragged:
-    """One side's tokens (either spelling; both given must agree), its padding dropped."""
+def _side(batch: Batch, side: str, new: str, old: str, *mask_names: str) -> Ragged:
+    """One side's tokens (either spelling; both given must agree), its padding (any one of ``mask_names``)
+    dropped."""
     names = batch.names
+    masks = [name for name in mask_names if name in batch]
+    if len(masks) > 1:
+        index = int(np.flatnonzero(batch.carried(masks[0]) & batch.carried(masks[1]))[0])
+        raise ValueError(
+            f"{names(index)}: carries both {shown(masks[0])} and {shown(masks[1])}, two masks of the {side} "
+            "side's padding; keep one of them"
+        )
     if new not in batch and old not in batch:
         raise ValueError(
             f"{names(0)}: has no {side} tokens: neither {shown(new)} nor {shown(old)} (its fields: "
@@ -392,7 +410,8 @@ def _side(batch: Batch, side: str, new: str, old: str, mask_name: str) -> Ragged
     tokens = Ragged(tokens.host, tokens.offsets)
     check_ids(tokens, name, names)
     tokens = tokens.cast(torch.int64)
-    if mask_name in batch:
+    if masks:
+        mask_name = masks[0]
         mask = batch.get(mask_name, "values")
         assert mask is not None
         bad = np.flatnonzero((mask.lengths != tokens.lengths) | (mask.values.ndim != 1))
@@ -489,15 +508,18 @@ def read_reward_pairs(batch: Batch, owner: str, max_length: int | None) -> Fores
     prompt_given = PROMPT_IDS in batch or PROMPT_INPUT_IDS in batch
     if _OPENRLHF_REJECTED in batch:
         index = int(np.flatnonzero(batch.carried(_OPENRLHF_REJECTED))[0])
-        other = next((name for name in (PROMPT_IDS, PROMPT_INPUT_IDS, MARGIN) if name in batch), None)
+        trl = (PROMPT_IDS, PROMPT_INPUT_IDS, MARGIN, REJECTED_IDS, REJECTED_INPUT_IDS)
+        other = next((name for name in trl if name in batch), None)
         if prompt_given or other is not None:
             raise ValueError(
                 f"{names(index)}: carries {shown(_OPENRLHF_REJECTED)} (OpenRLHF's reward pairs: chosen_ids "
                 f"and reject_ids, whole sequences, extra = the margin) beside {shown(other)} (TRL's format); "
                 "give one format"
             )
-        chosen = _side(batch, "chosen", CHOSEN_IDS, CHOSEN_IDS, CHOSEN_ATTENTION_MASK)
-        rejected = _side(batch, "rejected", _OPENRLHF_REJECTED, _OPENRLHF_REJECTED, "reject_attention_mask")
+        chosen = _side(batch, "chosen", CHOSEN_IDS, CHOSEN_IDS, CHOSEN_ATTENTION_MASK, "c_mask")
+        rejected = _side(
+            batch, "rejected", _OPENRLHF_REJECTED, _OPENRLHF_REJECTED, "reject_attention_mask", "r_mask"
+        )
         margin = _margins(batch, "extra") if "extra" in batch else None
     else:
         chosen = _side(batch, "chosen", CHOSEN_IDS, CHOSEN_INPUT_IDS, CHOSEN_ATTENTION_MASK)
