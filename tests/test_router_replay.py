@@ -12,7 +12,7 @@ the router still gets its gradient.
 For that the routes must reach the trainer token-aligned: after packing, token ``t`` of the packed row
 must carry the routes of that very token. This test builds a tiny ``Qwen2MoeForCausalLM`` (2 MoE layers,
 8 experts, top-2, a shared expert), runs each example alone and records the experts its router picks,
-collates the examples with their routes as ``TensorField("routes", dtype=torch.int64, shape=(L, k))``
+collates the examples with their routes as ``TensorField("routes", align="input", dtype=torch.int64, shape=(L, k))``
 (padding-free and padded, and ``pack_flat`` rows through the shifted native ``Collator``), and runs the
 batch with the collated routes replayed. It shows:
 

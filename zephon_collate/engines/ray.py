@@ -70,7 +70,8 @@ class PackBatches:
 
     Rows are :func:`~zephon_collate.pack_columns`' (``pack_flat``'s, as arrays), one Arrow row
     each: the tokens, ``positions`` and the packed fields as lists of ``seq_len``, and the
-    trailing padding under ``"_padding_length"``, which the collator reads. A row never holds
+    trailing padding under ``"_padding_length"``, which the collator reads (with
+    ``emit_positions=False``, the documents' ``seq_lengths`` instead of ``positions``). A row never holds
     documents of two batches. With ``group_key``, each input row is one group (a preference
     pair, a prompt's completions): its list columns hold one list per member, and the members
     share a row (``pack_flat``'s groups).

@@ -150,7 +150,7 @@ class Layout:
     INTERNAL: frozenset[str] = frozenset({PADDING_LENGTH})
     """Keys of the stacked batch that no output carries."""
     SCALARS: frozenset[str] = frozenset({NUM_VALID_TOKENS})
-    """0-d outputs returned as Python ints (with ``python_scalars``)."""
+    """0-d outputs returned as Python numbers (with ``python_scalars``)."""
 
     def __init__(self, options: Any, settings: Settings | None = None) -> None:
         self.options = options
