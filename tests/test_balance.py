@@ -497,6 +497,45 @@ def test_stateful_dataloader_resumes_the_sampler(num_workers):
         resumed.load_state_dict(state)
         assert seen + list(resumed) == expected, f"resumed after {stop} micro-batches"
 
+    # A checkpoint at the epoch's end, resumed into the next epoch: torchdata loads the sampler's state
+    # inside iter(), after the loop's set_epoch(1); the next epoch is drawn, not the finished one again.
+    def epoch_one(run):
+        run.batch_sampler.set_epoch(1)
+        return list(run)
+
+    uninterrupted = loader()
+    list(uninterrupted)
+    want = epoch_one(uninterrupted)
+    assert want != expected
+    first = loader()
+    list(first)
+    resumed = loader()
+    resumed.load_state_dict(saved(first.state_dict()))
+    assert epoch_one(resumed) == want
+
+
+def test_a_state_saved_at_the_epochs_end_gives_way_to_the_next_epoch():
+    """Loaded before or after set_epoch(1): epoch 1 whole. Without set_epoch: the finished epoch's rest
+    (nothing), then the epoch over, as an uninterrupted sampler."""
+    finished = sampler(1)
+    assert list(finished)
+    state = saved(finished.state_dict())
+    following = sampler(1)
+    following.set_epoch(1)
+    want = list(following)
+    for load_first in (True, False):
+        resumed = sampler(1)
+        if load_first:
+            resumed.load_state_dict(state)
+            resumed.set_epoch(1)
+        else:
+            resumed.set_epoch(1)
+            resumed.load_state_dict(state)
+        assert list(resumed) == want, load_first
+    same = sampler(1)
+    same.load_state_dict(state)
+    assert list(same) == [] and list(same) == list(sampler(1))
+
 
 def test_plan_is_a_plan():
     plan = next(sampler().plans())

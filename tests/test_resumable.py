@@ -260,3 +260,18 @@ def test_stateful_dataloader_with_distributed_sampler():
     resumed = loader()
     resumed.load_state_dict(saved(first.state_dict()))
     assert seen + summary(resumed) == expected
+
+
+def test_a_source_of_records_and_plain_payloads_resumes_after_either():
+    """The cursor is the last item's: none after a plain payload, so a resume there checks none."""
+    source = [SampleRecord(SampleMeta((0, 0, 100), 0, 0, 0), {"input_ids": [5, 5, 5]})]
+    source += [{"input_ids": [i + 1] * 3} for i in range(1, 8)]
+    full = [row.payload["input_ids"].tolist() for row in PackedStream(source, 4, pad_token_id=0)]
+    for stop in range(len(full) + 1):
+        stream = PackedStream(source, 4, pad_token_id=0)
+        rows = iter(stream)
+        head = [next(rows).payload["input_ids"].tolist() for _ in range(stop)]
+        state = stream.state_dict()
+        resumed = PackedStream(source, 4, pad_token_id=0)
+        resumed.load_state_dict(state)
+        assert head + [row.payload["input_ids"].tolist() for row in resumed] == full, stop

@@ -315,9 +315,9 @@ class _Iterator(_Pass):
 
     def _tracked(self, records: Iterable[SampleRecord]) -> Iterator[SampleRecord]:
         for index, record in enumerate(records):
-            if isinstance(record, SampleRecord):
-                self.last_cursor = record.meta.as_cursor_key()
-            elif is_columnar(record) and getattr(record, "num_rows", None) != 1:  # counted as one record
+            # the cursor of the last record read: none for a plain payload (the resume checks no cursor)
+            self.last_cursor = record.meta.as_cursor_key() if isinstance(record, SampleRecord) else None
+            if is_columnar(record) and getattr(record, "num_rows", None) != 1:  # counted as one record
                 raise TypeError(
                     f"PackedStream: item {index} of the source is a batch of columns (an Arrow table or "
                     "record batch of several rows); the stream's state counts items, so a resumed stream "

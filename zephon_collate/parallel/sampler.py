@@ -94,6 +94,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.seed = check_int(owner, "seed", seed, 0)
         self.epoch = 0
         self._pending: dict[str, Any] | None = None
+        self._finished = False  # whether the pending state was saved at its epoch's end
         self._progress = self._start(self.epoch)
         self._drawn_ahead_by: str | None = None  # the prefetching loader iterating, if one is
 
@@ -109,8 +110,10 @@ class BalancedBatchSampler(Sampler[list[int]]):
         return array
 
     def set_epoch(self, epoch: int) -> None:
-        """Set the epoch whose order the next ``iter()`` draws (a loaded state's epoch wins once)."""
+        """Set the epoch whose order the next ``iter()`` draws (a mid-epoch state loaded wins once)."""
         self.epoch = check_int("BalancedBatchSampler.set_epoch", "epoch", epoch, 0)
+        if self._pending is not None and self._finished and self.epoch > self._pending["epoch"]:
+            self._pending = None  # a state saved at its epoch's end: nothing left of it to win
         if self._pending is None:
             self._progress = self._start(self.epoch)
             self._drawn_ahead_by = None  # the new epoch's start: nothing of it drawn yet
@@ -190,9 +193,23 @@ class BalancedBatchSampler(Sampler[list[int]]):
                 raise ValueError(f"{owner}: state[{key!r}] is {value}, beyond the {limit} items")
             checked[key] = value
         BalanceSchedule(self.options, self.num_replicas).load_state_dict(state["waiting"])  # its checks
-        self._pending = checked
         self._drawn_ahead_by = None
+        self._finished = not self._remaining(checked)  # saved at its epoch's end
+        if self._finished and self.epoch > checked["epoch"]:  # a later epoch set first (torchdata loads
+            self._pending = None  # the state inside iter(), after the loop's set_epoch): it starts
+            self._progress = self._start(self.epoch)
+            return
+        self._pending = checked
         self.epoch = checked["epoch"]
+
+    def _remaining(self, start: Mapping[str, Any]) -> bool:
+        """Whether this rank has micro-batches left from ``start`` (a state saved mid-epoch)."""
+        skip = int(start["slots_done"])
+        for plan, _ in self._windows(dict(start)):
+            if len(plan.for_rank(self.rank)) > skip:
+                return True
+            skip = 0
+        return False
 
     def _start(self, epoch: int) -> dict[str, Any]:
         """The state at the start of ``epoch``."""
