@@ -450,3 +450,16 @@ def test_left_padded_examples_are_read() -> None:
     assert ours["labels"].tolist() == [[5, 6, 7], [-100, 8, 9]]
     right = Collator.for_transformers(pad_token_id=PAD)(examples)
     assert right["input_ids"].tolist() == [[5, 6, 7], [8, 9, 0]]
+
+
+def test_restarting_position_ids_beside_seq_lengths_are_refused_not_merged():
+    """An example's own restarting position_ids, in a batch whose other examples give seq_lengths: its
+    documents were read as one (its labels crossing between them); refused now."""
+    collate = Collator.for_transformers(padding_free=True)
+    lengths = {"input_ids": [1, 10, 11, 2, 1, 20, 2], "seq_lengths": [4, 3]}
+    positions = {"input_ids": [1, 5, 2, 1, 6, 7, 2], "position_ids": [0, 1, 2, 0, 1, 2, 3]}
+    with pytest.raises(ValueError, match=r"example 1: its position_ids restart .* no 'seq_lengths'"):
+        collate([lengths, positions])
+    one = {"input_ids": [1, 5, 2], "position_ids": [0, 1, 2]}  # one document: read as one
+    assert collate([lengths, one])["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]]
+    assert collate([positions])["labels"].tolist() == [[-100, 5, 2, -100, 6, 7, 2]]  # alone: its documents

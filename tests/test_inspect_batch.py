@@ -188,6 +188,8 @@ def test_a_flattened_rows_last_label_is_no_crossing():
         {"input_ids": [7, 8, 9, 2], "positions": [0, 1, 2, 3]},
     ]
     assert batch_warnings(Collator(return_labels=True, flatten=True)(same)) == []
+    shown = render_batch(Collator(return_labels=True, flatten=True)(same), color=False)  # the drawing agrees
+    assert "cross a segment boundary" not in shown
     crossing = Collator(return_labels=True, flatten=True, boundary_safe_labels=False)(rows)
     assert crossing["labels"].tolist()[3:5] == [2, 1]  # a real crossing is still found
     assert any("cross a segment boundary (first: token 4 -> 5)" in w for w in batch_warnings(crossing))

@@ -167,7 +167,9 @@ def render_batch(
         lines.append("")
     if max_rows is not None and len(rows) > max_rows:
         lines += [f"... {len(rows) - max_rows} more rows", ""]
-    lines += [_LEGEND, *warning_lines(batch_warnings(rows), color)]
+    # the batch, not its rows: where flattened records meet is no crossing
+    warnings = batch_warnings(batch, ignore_index=ignore_index, pad_token_id=pad_token_id)
+    lines += [_LEGEND, *warning_lines(warnings, color)]
     return "\n".join(lines)
 
 
@@ -220,7 +222,7 @@ def render_batch_png(
             batch, path, tokenizer, max_rows=max_rows, title=title, dpi=dpi, ignore_index=ignore_index
         )
     rows = batch_rows(batch, ignore_index=ignore_index, pad_token_id=pad_token_id)
-    warnings = batch_warnings(rows)
+    warnings = batch_warnings(batch, ignore_index=ignore_index, pad_token_id=pad_token_id)
     shown_rows = rows[:max_rows]
     layout = []  # per row: (row, shown tokens, lines)
     for row in shown_rows:

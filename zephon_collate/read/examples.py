@@ -141,6 +141,7 @@ def read_examples(batch: Batch, spec: ExampleSpec) -> Examples:
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         segments = Ragged(np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64), offsets)
+        _check_one_source(batch, fields)
     per_sequence: dict[str, list[np.ndarray]] = {}
     for field in spec.floats:
         floats = read_floats(value_rows(batch, field), tokens.lengths, field, names)
@@ -149,6 +150,26 @@ def read_examples(batch: Batch, spec: ExampleSpec) -> Examples:
         else:
             per_sequence[field.name] = floats
     return Examples(fields, segments, per_sequence)
+
+
+def _check_one_source(batch: Batch, fields: dict[str, Ragged]) -> None:
+    """Refuse an example whose ``position_ids`` restart (several documents) beside examples carrying
+    ``seq_lengths``: the batch's documents come from ``seq_lengths``, which would make it one document."""
+    positions, mask = fields.get(POSITION_IDS), fields.get(ATTENTION_MASK)
+    if positions is None:
+        return
+    for index in np.flatnonzero(~batch.carried(SEQ_LENGTHS)).tolist():
+        start, end = int(positions.offsets[index]), int(positions.offsets[index + 1])
+        row = positions.host[start:end]
+        if mask is not None:  # left padding's positions say nothing (Hugging Face gives them any)
+            row = row[mask.host[start:end] != 0]
+        if (row[1:] == 0).any():
+            raise ValueError(
+                f"{batch.names(index)}: its position_ids restart (several documents) but it carries no "
+                "'seq_lengths', beside examples that do; the batch reads its documents from seq_lengths, "
+                "so this one would be one document: give seq_lengths for every example, or position_ids "
+                "for every example"
+            )
 
 
 def _check_examples(batch: Batch, spec: ExampleSpec) -> None:
