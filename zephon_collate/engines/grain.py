@@ -96,8 +96,9 @@ class _PackIterator(grain.DatasetIterator):  # type: ignore[misc]
 
     def __next__(self) -> SampleRecord:
         if self._rows is None:  # the packer pulls documents from the parent as rows need them
-            documents = self._numbered(self._parent) if self._indexed else self._parent
-            if self._indexed:
+            documents = self._parent
+            if self._indexed:  # the packer names each document by its index in the source
+                documents = self._numbered(documents)
                 self._packer._number_by(self._index_of)
             self._rows = self._packer.pack(_documents(documents))
         return next(self._rows)

@@ -126,18 +126,20 @@ class PackBatches:
         documents = batch if self.id_column is None else batch.drop_columns([self.id_column])
         if self.group_key is None:
             packed = pack_columns(documents, *self.args, **self.options)
-            return _rows_table(
-                packed.fields, packed.padding_length, packed.seq_lengths(np.arange(len(packed)))
-            )
+            unplaced = POSITIONS not in packed.fields  # the documents, where no positions restart at them
+            sizes = packed.seq_lengths(np.arange(len(packed))) if unplaced else None
+            return _rows_table(packed.fields, packed.padding_length, sizes)
         members = _group_members(documents, self.group_key)
         rows = pack_flat(members, *self.args, group_key=self.group_key, **self.options)
         payloads = [cast(dict[str, np.ndarray], row.payload) for row in rows]
         fields = (
             {name: np.stack([payload[name] for payload in payloads]) for name in payloads[0]} if rows else {}
         )
-        sizes = [[segment.length for segment in row_segments(row)] for row in rows]
-        values = np.array([size for row in sizes for size in row], dtype=np.int64)
-        seq_lengths = (values, np.cumsum([0, *map(len, sizes)]))
+        seq_lengths = None
+        if fields and POSITIONS not in fields:
+            lengths = [[segment.length for segment in row_segments(row)] for row in rows]
+            values = np.array([length for row in lengths for length in row], dtype=np.int64)
+            seq_lengths = (values, np.cumsum([0, *map(len, lengths)]))
         return _rows_table(
             fields, np.array([row.meta.padding_length for row in rows], dtype=np.int64), seq_lengths
         )
@@ -222,7 +224,9 @@ def _group_members(batch: pa.Table, group_key: str) -> list[dict[str, Any]]:
 
 
 def _rows_table(
-    fields: Mapping[str, np.ndarray], padding_length: np.ndarray, seq_lengths: tuple[np.ndarray, np.ndarray]
+    fields: Mapping[str, np.ndarray],
+    padding_length: np.ndarray,
+    seq_lengths: tuple[np.ndarray, np.ndarray] | None,
 ) -> pa.Table:
     """Packed rows as an Arrow table: each ``[R, S, ...]`` field a list column sharing its values buffer;
     rows without positions carry their documents' ``seq_lengths`` ``(values, offsets)``."""
@@ -238,7 +242,7 @@ def _rows_table(
         offsets = pa.array(np.arange(rows + 1, dtype=np.int64) * width)
         columns[name] = pa.LargeListArray.from_arrays(offsets, flat)
     columns[PADDING_LENGTH_TAG] = pa.array(padding_length.astype(np.int64, copy=False))
-    if fields and POSITIONS not in fields:  # the documents, where no positions restart at them
+    if seq_lengths is not None:
         values, offsets = seq_lengths
         columns[SEQ_LENGTHS] = pa.LargeListArray.from_arrays(
             pa.array(offsets.astype(np.int64)), pa.array(values)
