@@ -588,6 +588,14 @@ def test_padding_length_of_wrong_type(padding):
     ].tolist() == [[False, False, True]]
 
 
+def test_a_padding_length_of_none_declares_no_padding():
+    """meta.padding_length is the tag's value, an int or None: a tag set to None is no padding."""
+    b = SampleBatch([SampleRecord(SampleMeta((0, 0, 0), 0, 0, tags={"_padding_length": None}), [1, 2, 3])])
+    assert b.records[0].meta.padding_length is None
+    assert b.to_training(return_labels=True)["labels"].tolist() == [[2, 3]]
+    assert b.to_training(return_padding_mask=True)["padding_mask"].tolist() == [[False, False, False]]
+
+
 def test_zero_length_rows():
     b = batch({"input_ids": [], "positions": []}, {"input_ids": [], "positions": []})
     out = b.to_training(

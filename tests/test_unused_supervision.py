@@ -110,6 +110,30 @@ def test_to_training_returns_the_pages_result_whatever_else_a_payload_carries():
     assert out["input_ids"].dtype == torch.int32 and out["padding_mask"].tolist() == [False] * 10
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"attention_mask": None},
+        {"labels": None},
+        {"completion_mask": None},
+        {"assistant_masks": "n/a"},
+        {"labels": [[1, 2], [3]]},
+        {"labels": [2**70, 1, 1]},
+        {"label_ids": None},
+        {"seq_lengths": None},
+        {"response_mask": None},
+    ],
+)
+def test_an_unreadable_field_the_call_does_not_use_is_warned_of_not_raised(extra):
+    """A value the supervision check cannot read is not the page's business: to_training gives its result."""
+    b = batch({"input_ids": [1, 2, 3], **extra})
+    with pytest.warns(UserWarning, match=r"record 0 .*the field is not read here"):
+        out = b.to_training(return_labels=True)
+    assert out["input_ids"].tolist() == [[1, 2]] and out["labels"].tolist() == [[2, 3]]
+    with pytest.raises((TypeError, ValueError), match=r"record 0"):  # the Collator's safety refuses it
+        Collator(return_labels=True)([{"input_ids": [1, 2, 3], **extra}])
+
+
 def test_the_collator_and_its_presets_keep_refusing():
     rows = [{**row, "type_ids": [0] * 6} for row in HF_ROWS]
     with pytest.raises(ValueError, match=r"record 0 .*'attention_mask' with zeros"):

@@ -295,8 +295,15 @@ class Native(Layout):
 
     def _check_supervision(self, batch: Batch, tokens: Ragged, read: set[str]) -> None:
         """A supervision field not read: refused by the Collator, warned of by ``to_training``."""
-        if not (self.strict or self.options.return_labels):
-            return
+        if self.strict:
+            self._check_unread(batch, tokens, read)
+        elif self.options.return_labels:
+            try:
+                self._check_unread(batch, tokens, read)
+            except (TypeError, ValueError) as error:  # to_training never raises for a field it does not use
+                warn_user(f"to_training: {error}; the field is not read here, labels come from the tokens")
+
+    def _check_unread(self, batch: Batch, tokens: Ragged, read: set[str]) -> None:
         options = self.options
         given = (*read, *options.extra_fields, *(spec.name for spec in self.floats), options.tokens_field)
         near = misspelled(batch.fields, SUPERVISION_NAMES, (*given, POSITION_IDS))

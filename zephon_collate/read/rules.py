@@ -183,8 +183,9 @@ def declared_padding(batch: Batch, lengths: np.ndarray) -> tuple[np.ndarray, np.
                 else tag
                 for tag, payload in zip(tags, batch.payloads, strict=True)
             ]
-        declared = np.array([PADDING_LENGTH_TAG in tag for tag in tags], dtype=bool)
-        given = [tag.get(PADDING_LENGTH_TAG, 0) for tag in tags]
+        # meta.padding_length is the tag's value or None: None, as an absent tag, declares no padding
+        declared = np.array([tag.get(PADDING_LENGTH_TAG) is not None for tag in tags], dtype=bool)
+        given = [0 if tag.get(PADDING_LENGTH_TAG) is None else tag[PADDING_LENGTH_TAG] for tag in tags]
         valid = [
             (type(count) is int or (isinstance(count, np.integer) and not isinstance(count, np.bool_)))
             and abs(int(count)) < 2**62
