@@ -706,3 +706,21 @@ def test_balanced_example_runs_under_torchrun():
     assert "plans identical on every rank" in result.stdout and "step 3: loss" in result.stdout
     assert "rank 0: resumed data stream matches" in result.stdout
     assert "rank 1: resumed data stream matches" in result.stdout
+
+
+def test_documents_of_zero_cost_are_spread_over_the_ranks():
+    """Costs of 0 are allowed: ties in cost go to the cell of fewer items, so no rank is left empty."""
+    free = CostModel(linear=1, quadratic=0)
+    options = BalanceOptions(cost=free, micro_batches=1, max_tokens=10)
+    assert plan_balance([1, 1, 1, 1], options, ranks=2, costs=[0, 0, 0, 0]).cells == (((0, 2), (1, 3)),)
+    ranks = [
+        list(BalancedBatchSampler([1] * 4, options, num_replicas=2, rank=r, costs=[0] * 4, shuffle=False))
+        for r in range(2)
+    ]
+    assert ranks == [[[0, 2]], [[1, 3]]]  # every document once, none dropped
+    rows = BalanceOptions(cost=free, micro_batches=1, rows=2, seq_len=4)
+    assert plan_balance([4, 4], rows, ranks=2, costs=[0, 0], final=True).cells == (((0,), (1,)),)
+    mixed = BalanceOptions(cost=free, micro_batches=2, max_tokens=10)
+    plan = plan_balance([5, 5, 1, 1], mixed, ranks=2, costs=[9, 9, 0, 0], final=True)
+    assert sorted(i for slot in plan.cells for cell in slot for i in cell) == [0, 1, 2, 3]
+    assert all(cell for slot in plan.cells for cell in slot) and not plan.dropped

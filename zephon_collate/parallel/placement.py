@@ -58,6 +58,7 @@ def place_items(
     total_cells = ranks * slots
     cost = [0] * total_cells
     used = [0] * total_cells
+    count = [0] * total_cells  # ties in cost go to the cell of fewer items: units of cost 0 spread too
     order = _cost_order(costs)
     slot_of = _slots_of_tiers(order.size, ranks, slots)
     lengths_list, costs_list = lengths.tolist(), costs.tolist()
@@ -66,24 +67,29 @@ def place_items(
         size = lengths_list[item]
         best = -1
         for cell in range(slot * ranks, slot * ranks + ranks):
-            if used[cell] + size <= max_tokens and (best < 0 or cost[cell] < cost[best]):
+            if used[cell] + size <= max_tokens and (
+                best < 0 or (cost[cell], count[cell]) < (cost[best], count[best])
+            ):
                 best = cell
         if best < 0:
             left.append(item)
             continue
         cells[item], cost[best], used[best] = best, cost[best] + costs_list[item], used[best] + size
+        count[best] += 1
     for item in left:  # no room in its own slot: the cheapest cell of any slot with room
         size = lengths_list[item]
         fits = [cell for cell in range(total_cells) if used[cell] + size <= max_tokens]
         if fits:
-            best = min(fits, key=cost.__getitem__)
+            best = min(fits, key=lambda cell: (cost[cell], count[cell]))
             cells[item], cost[best], used[best] = best, cost[best] + costs_list[item], used[best] + size
+            count[best] += 1
     for item in np.flatnonzero((cells == UNPLACED) & must).tolist():
         size = lengths_list[item]
         fits = [cell for cell in range(total_cells) if used[cell] + size <= max_tokens]
         if fits:  # room an earlier item's swap freed
-            best = min(fits, key=cost.__getitem__)
+            best = min(fits, key=lambda cell: (cost[cell], count[cell]))
             cells[item], cost[best], used[best] = best, cost[best] + costs_list[item], used[best] + size
+            count[best] += 1
             continue
         out = _take_place(item, cells, lengths, must, np.array(used, np.int64), max_tokens)
         if out >= 0:
@@ -119,7 +125,9 @@ def place_rows(row_costs: Ints, *, ranks: int, slots: int, rows_per_cell: int, r
             share[slot] += 1
         best = -1
         for cell in range(slot * ranks, slot * ranks + ranks):
-            if held[cell] < rows_per_cell and (best < 0 or cost[cell] < cost[best]):
+            if held[cell] < rows_per_cell and (
+                best < 0 or (cost[cell], held[cell]) < (cost[best], held[best])
+            ):
                 best = cell
         cells[item], cost[best], held[best] = best, cost[best] + costs_list[item], held[best] + 1
     ones = np.ones(count, np.int64)
