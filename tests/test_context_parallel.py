@@ -302,3 +302,27 @@ def test_in_a_chain_the_shard_gives_what_shard_gives():
                     if not isinstance(value, torch.Tensor)
                     else torch.equal(value, torch.as_tensor(got[key]))
                 ), (options, key)
+
+
+@pytest.mark.parametrize("cp_size", [2, 3])
+def test_a_transformers_batch_is_sharded_on_its_shifted_labels(cp_size):
+    """for_transformers' labels are the tokens (the model shifts): the docs' recipe shards shift_labels."""
+    import torch.nn.functional as F
+
+    examples = [{"input_ids": list(range(1, 8))}, {"input_ids": list(range(20, 25))}, {"input_ids": [30, 31]}]
+    batch = dict(Collator.for_transformers(padding_free=True)(examples))
+    batch["shift_labels"] = F.pad(batch.pop("labels")[:, 1:], (0, 1), value=-100)
+    assert batch["shift_labels"].tolist() == [[2, 3, 4, 5, 6, 7, -100, 21, 22, 23, 24, -100, 31, -100]]
+    shards = [
+        ContextParallelShard(cp_size, rank, labels_key="shift_labels", positions_key="position_ids").shard(
+            batch
+        )
+        for rank in range(cp_size)
+    ]
+    for shard in shards:  # each place's target is its own document's next token, on every rank
+        for token, target in zip(shard["input_ids"].tolist(), shard["shift_labels"].tolist(), strict=True):
+            assert target == -100 or target == token + 1
+    assert (
+        gather_context_parallel(shards)["shift_labels"].tolist() == batch["shift_labels"].reshape(-1).tolist()
+    )
+    assert sum(int(shard["num_valid_tokens"]) for shard in shards) == 11
