@@ -326,3 +326,17 @@ def test_a_transformers_batch_is_sharded_on_its_shifted_labels(cp_size):
         gather_context_parallel(shards)["shift_labels"].tolist() == batch["shift_labels"].reshape(-1).tolist()
     )
     assert sum(int(shard["num_valid_tokens"]) for shard in shards) == 11
+
+
+def test_a_post_training_batch_is_refused_by_name():
+    """Its labels are read through logits_index, places in the unsharded row: a shard cannot keep them."""
+    rollouts = [
+        {"input_ids": [1, 2, 3, 4], "completion_mask": [0, 1, 1, 1]},
+        {"input_ids": [5, 6], "completion_mask": [0, 1]},
+    ]
+    batch = dict(Collator.for_rollouts(padding_free=True)(rollouts))
+    shard = ContextParallelShard(2, 0, positions_key="position_ids")
+    with pytest.raises(ValueError, match=r"ContextParallelShard: the batch carries 'logits_index'.*shifted"):
+        shard.shard(batch)
+    del batch["logits_index"], batch["labels"]  # what is left shards as before
+    assert shard.shard(batch)["input_ids"].tolist() == [1, 4, 5, 0]

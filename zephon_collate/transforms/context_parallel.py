@@ -14,10 +14,14 @@ from zephon_collate.core.keys import (
     INPUT_IDS,
     INT32_MAX,
     LABELS,
+    LAST_TOKEN_INDEX,
+    LOGITS_INDEX,
     MAX_SEQLEN,
     NUM_VALID_TOKENS,
     PADDING_MASK,
+    PATH_INDEX,
     POSITIONS,
+    SUBTREE_END,
 )
 from zephon_collate.core.text import shown
 from zephon_collate.functional.context_parallel import check_cp, partition
@@ -27,6 +31,9 @@ from zephon_collate.read.columns import Spread
 from zephon_collate.transforms.base import Transform
 
 __all__ = ["ContextParallelShard"]
+
+_ROW_PLACES = (LOGITS_INDEX, SUBTREE_END, LAST_TOKEN_INDEX, PATH_INDEX)
+"""Keys whose values are places in the unsharded row (the post-training layouts'): no shard keeps them."""
 
 
 def _document_lengths(positions: torch.Tensor, boundaries: torch.Tensor | None) -> torch.Tensor:
@@ -174,6 +181,14 @@ class ContextParallelShard(Transform):
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         """Overridden whole: the output holds only the shards and the metadata, with ``batch_size=[]``."""
+        places = [key for key in _ROW_PLACES if key in td and (self.keys is None or key in self.keys)]
+        if places:  # their labels are read through these places, across the chunks another rank holds
+            raise ValueError(
+                f"ContextParallelShard: the batch carries {shown(places[0])}, places in the unsharded row "
+                "that no shard can keep (the labels are read through them); shard labels that give each "
+                "place its own target, shifted before sharding (docs/distributed.md), without "
+                f"{shown(places[0])}"
+            )
         positions = td.get(self.positions_key)
         if positions.dim() not in (1, 2):
             raise ValueError(
