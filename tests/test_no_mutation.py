@@ -26,10 +26,19 @@ from zephon_collate import (
     SampleRecord,
     pack_flat,
     to_training,
+    use_host_pass,
 )
 from zephon_collate.collate.sample_batch import stack_batch
 from zephon_collate.layouts.training import TrainingOptions
-from zephon_collate.transforms import CuSeqlens, EosMask, LossMask, PaddingMask, Positions, TokenShift
+from zephon_collate.transforms import (
+    CuSeqlens,
+    EosMask,
+    LossMask,
+    PaddingMask,
+    Positions,
+    TokenShift,
+    Transform,
+)
 from zephon_collate.types import ContributorRef
 
 EVERYTHING = {**FULL_OPTIONS, "extra_fields": ["weights"]}
@@ -155,6 +164,32 @@ def test_outputs_own_their_memory(kind, options):
             reference[name] = as_lists(value)
         assert_unchanged(before, rows)
         assert as_lists(out) == reference  # each write landed in its own output only
+
+
+class _Copy(Transform):
+    """A step of yours that returns its input: two outputs, one tensor."""
+
+    in_keys, out_keys = ["labels"], ["targets"]
+
+    def compute(self, data):
+        return {"targets": data["labels"]}
+
+
+@pytest.mark.parametrize("host", [True, False])
+@pytest.mark.parametrize("dtype", [torch.long, np.int64])
+def test_outputs_of_a_chain_of_yours_own_their_memory(host, dtype):
+    """TokenShift cuts contiguous views from one row, a step may return its input: each output is copied."""
+    with use_host_pass(host):
+        for collate in (
+            Collator(chain=[TokenShift()], dtype=dtype),
+            Collator(return_labels=True, transforms=[_Copy()], dtype=dtype),
+        ):
+            out = collate([{"input_ids": [3, 4, 5, 6]}])
+            reference = as_lists(out)
+            for name in [name for name in out if name not in ("ids", "texts")]:
+                out[name][0, 0] = -7
+                reference[name][0][0] = -7
+                assert as_lists(out) == reference  # the write landed in that output only
 
 
 def test_transforms_and_chains_change_nothing():

@@ -114,18 +114,38 @@ def per_row_outputs(batch: Batch) -> dict[str, list[Any]]:
     return {IDS: list(batch.ids), TEXTS: texts}
 
 
-def convert(value: Any, kind: _Kind) -> Any:
-    """A chain output in the container ``kind`` asks for, never sharing memory with the batch's inputs."""
+def convert(value: Any, kind: _Kind, taken: list[tuple[str, int, int]] | None = None) -> Any:
+    """A chain output in the container ``kind`` asks for, never sharing memory with the batch's inputs.
+
+    ``taken`` holds the memory of the outputs converted before this one (:func:`_span`): a value that
+    overlaps one of them (the views ``TokenShift`` cuts from one row, a step of yours returning its
+    input) is copied.
+    """
+    if kind == "list":
+        return value.tolist()
     if isinstance(value, np.ndarray):
-        if kind == "list":
-            return value.tolist()
-        array = value if value.flags.c_contiguous else value.copy()  # 0-d stays 0-d
-        return torch.from_numpy(array) if kind == "torch" else array
-    if kind == "torch":
-        return value.contiguous()
-    if kind == "numpy":  # contiguous first: a view of the stacked batch would keep all of it alive
-        return value.detach().cpu().contiguous().numpy()
-    return value.tolist()
+        if not value.flags.c_contiguous:
+            value = value.copy()  # 0-d stays 0-d
+    else:  # contiguous first: a view of the stacked batch would keep all of it alive
+        value = value.detach().cpu().contiguous() if kind == "numpy" else value.contiguous()
+    if taken is not None:
+        span = _span(value)
+        if any(span[0] == device and span[1] < high and low < span[2] for device, low, high in taken):
+            value = value.copy() if isinstance(value, np.ndarray) else value.clone()
+            span = _span(value)
+        taken.append(span)
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value) if kind == "torch" else value
+    return value.numpy() if kind == "numpy" else value
+
+
+def _span(value: np.ndarray | torch.Tensor) -> tuple[str, int, int]:
+    """A contiguous value's memory: its device and its byte range."""
+    if isinstance(value, np.ndarray):
+        low = int(value.__array_interface__["data"][0])
+        return "cpu", low, low + value.nbytes
+    low = value.data_ptr()
+    return str(value.device), low, low + value.numel() * value.element_size()
 
 
 class Layout:
@@ -340,6 +360,7 @@ class Layout:
         if names is None:
             names = self._names[keys] = self.output_names(keys)
         one = results[0] if len(results) == 1 else None  # the common case: no list per output to join
+        taken: list[tuple[str, int, int]] = []  # the outputs' memory so far: none overlaps another
         if plan.keys_by_data and results:
             names = [(key, name) for key, name in names if key in (IDS, TEXTS) or key in results[0]]
         for key, name in names:
@@ -348,9 +369,11 @@ class Layout:
             elif one is None:
                 out[name] = plan.join(key, [convert(result[key], "list") for result in results])
             elif key in self.SCALARS and one[key].ndim == 0:
-                out[name] = scalar(one[key]) if self.settings.python_scalars else convert(one[key], kind)
+                out[name] = (
+                    scalar(one[key]) if self.settings.python_scalars else convert(one[key], kind, taken)
+                )
             else:
-                out[name] = convert(one[key], kind)
+                out[name] = convert(one[key], kind, taken)
         return out
 
 
