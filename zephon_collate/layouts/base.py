@@ -114,38 +114,30 @@ def per_row_outputs(batch: Batch) -> dict[str, list[Any]]:
     return {IDS: list(batch.ids), TEXTS: texts}
 
 
-def convert(value: Any, kind: _Kind, taken: list[tuple[str, int, int]] | None = None) -> Any:
+def convert(value: Any, kind: _Kind, taken: list[tuple[int, int]] | None = None) -> Any:
     """A chain output in the container ``kind`` asks for, never sharing memory with the batch's inputs.
 
-    ``taken`` holds the memory of the outputs converted before this one (:func:`_span`): a value that
-    overlaps one of them (the views ``TokenShift`` cuts from one row, a step of yours returning its
-    input) is copied.
+    ``taken`` holds the byte ranges of the outputs converted before this one: a value that overlaps one
+    of them (the views ``TokenShift`` cuts from one row, a step of yours returning its input) is copied.
     """
     if kind == "list":
         return value.tolist()
     if isinstance(value, np.ndarray):
-        if not value.flags.c_contiguous:
-            value = value.copy()  # 0-d stays 0-d
+        value = value if value.flags.c_contiguous else value.copy()  # 0-d stays 0-d
+        value = torch.from_numpy(value) if kind == "torch" else value
     else:  # contiguous first: a view of the stacked batch would keep all of it alive
         value = value.detach().cpu().contiguous() if kind == "numpy" else value.contiguous()
-    if taken is not None:
-        span = _span(value)
-        if any(span[0] == device and span[1] < high and low < span[2] for device, low, high in taken):
-            value = value.copy() if isinstance(value, np.ndarray) else value.clone()
-            span = _span(value)
-        taken.append(span)
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value) if kind == "torch" else value
-    return value.numpy() if kind == "numpy" else value
-
-
-def _span(value: np.ndarray | torch.Tensor) -> tuple[str, int, int]:
-    """A contiguous value's memory: its device and its byte range."""
-    if isinstance(value, np.ndarray):
-        low = int(value.__array_interface__["data"][0])
-        return "cpu", low, low + value.nbytes
-    low = value.data_ptr()
-    return str(value.device), low, low + value.numel() * value.element_size()
+    size = value.nbytes
+    if taken is not None and size:
+        tensor = isinstance(value, torch.Tensor)
+        low = value.data_ptr() if tensor else value.__array_interface__["data"][0]
+        for start, end in taken:
+            if start < low + size and low < end:
+                value = value.clone() if tensor else value.copy()
+                low = value.data_ptr() if tensor else value.__array_interface__["data"][0]
+                break
+        taken.append((low, low + size))
+    return value.numpy() if isinstance(value, torch.Tensor) and kind == "numpy" else value
 
 
 class Layout:
@@ -360,7 +352,7 @@ class Layout:
         if names is None:
             names = self._names[keys] = self.output_names(keys)
         one = results[0] if len(results) == 1 else None  # the common case: no list per output to join
-        taken: list[tuple[str, int, int]] = []  # the outputs' memory so far: none overlaps another
+        taken: list[tuple[int, int]] = []  # the outputs' bytes so far (device pointers are unique too)
         if plan.keys_by_data and results:
             names = [(key, name) for key, name in names if key in (IDS, TEXTS) or key in results[0]]
         for key, name in names:
