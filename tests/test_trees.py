@@ -114,6 +114,21 @@ def test_trajectories_given_as_turns():
         Collator.for_trees()([bad])
 
 
+def test_turns_keep_verls_response_fields_whole():
+    """A field of the row's last tokens (verl's) is read as for the flat trajectory, also where it holds
+    as many values as there are turns."""
+    collate = Collator.for_trees(float_fields=[FloatField("old", align="response")])
+    verl = {"response_mask": [1, 1], "old": [-0.5, -0.25]}
+    flat = as_lists(collate([{"input_ids": [1, 2, 3, 4, 5], **verl}]))
+    turns = as_lists(collate([{"input_ids": [[1, 2, 3], [4, 5]], **verl}]))
+    assert turns == flat
+    assert flat["labels"] == [[-100, -100, -100, 4, 5]] and flat["old"] == [[0.0, 0.0, 0.0, -0.5, -0.25]]
+    per_turn = as_lists(
+        collate([{"input_ids": [[1, 2, 3], [4, 5]], "completion_mask": [0, 1], "old": [-0.5, -0.25]}])
+    )
+    assert per_turn["labels"] == flat["labels"] and per_turn["old"] == flat["old"]
+
+
 def test_explicit_trees_node_by_node():
     nodes = [
         {"node_id": 10, "parent_id": -1, "input_ids": [1, 2], "completion_mask": [0, 0]},

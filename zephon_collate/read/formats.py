@@ -670,7 +670,11 @@ NODE_ID, PARENT_ID = "node_id", "parent_id"
 
 def read_trajectories(batch: Batch, spec: ExampleSpec, group_key: str) -> Forest:
     """Trajectories (``input_ids`` flat or a list of turns) as whole sequences, grouped by ``group_key``."""
-    batch = _turns_joined(batch, spec.owner)
+    not_per_token = {
+        RESPONSE_MASK,
+        *(field.name for field in spec.floats if field.align in ("response", "sequence")),
+    }
+    batch = _turns_joined(batch, spec.owner, not_per_token)
     forest = read_rollouts(batch, spec)
     if group_key not in batch:
         return forest
@@ -696,8 +700,9 @@ def read_trajectories(batch: Batch, spec: ExampleSpec, group_key: str) -> Forest
     return forest
 
 
-def _turns_joined(batch: Batch, owner: str) -> Batch:
-    """``batch`` with every trajectory given as turns joined, field by field."""
+def _turns_joined(batch: Batch, owner: str, not_per_token: set[str]) -> Batch:
+    """``batch`` with every trajectory given as turns joined, field by field (but ``not_per_token``: the
+    fields of the row's last tokens, verl's, read as for a flat trajectory)."""
     payloads = batch.payloads
     if not payloads:
         return batch
@@ -727,7 +732,11 @@ def _turns_joined(batch: Batch, owner: str) -> Batch:
         sizes = [row.size for row in rows]
         out = dict(payload)
         for name, value in payload.items():
-            if not isinstance(value, (list, tuple)) or len(value) != len(sizes) or name == INPUT_IDS:
+            if (
+                not isinstance(value, (list, tuple))
+                or len(value) != len(sizes)
+                or name in {INPUT_IDS, *not_per_token}
+            ):
                 continue
             if all(_sized(part) for part in value):
                 if [len(part) for part in value] != sizes:
