@@ -409,3 +409,27 @@ def test_image_free_rows_of_a_table_hold_empty_lists():
         assert sorted(got) == sorted(want)
         for key in want:
             assert torch.equal(got[key].to(want[key].dtype), want[key]), key
+
+
+def test_pixels_keep_their_dtype_in_every_input_format():
+    """A column's pixels come out in the column's dtype, as its rows' arrays do; Python floats in float32."""
+    pa = pytest.importorskip("pyarrow")
+    rng = np.random.default_rng(5)
+    examples = [sample("qwen2_5_vl", None, rng, images, 0, 2) for images in (1, 2)]
+    for dtype, arrow_type in ((np.float32, pa.float32()), (np.float64, pa.float64())):
+        rows = [{**example, "pixel_values": example["pixel_values"].astype(dtype)} for example in examples]
+        want = packed_batch("qwen2_5_vl", rows)
+        column = pa.array([row["pixel_values"].tolist() for row in rows], pa.list_(pa.list_(arrow_type)))
+        others = {
+            key: [np.asarray(row[key]).tolist() for row in rows] for key in rows[0] if key != "pixel_values"
+        }
+        table = pa.table({**others, "pixel_values": column})
+        values = np.concatenate([row["pixel_values"] for row in rows])
+        offsets = np.cumsum([0] + [len(row["pixel_values"]) for row in rows])
+        pairs = {**{key: pa.array(value) for key, value in others.items()}, "pixel_values": (values, offsets)}
+        for given in (table, pairs):
+            got = packed_batch("qwen2_5_vl", given)
+            assert got["pixel_values"].dtype == want["pixel_values"].dtype == torch.from_numpy(values).dtype
+            assert torch.equal(got["pixel_values"], want["pixel_values"])
+    as_lists = [{**example, "pixel_values": example["pixel_values"].tolist()} for example in examples]
+    assert packed_batch("qwen2_5_vl", as_lists)["pixel_values"].dtype == torch.float32

@@ -193,12 +193,15 @@ def read_media(batch: Batch, names: Names, mrope: MRope) -> Media:
         grid_name, pixel_name = GRIDS[modality], PIXELS[modality]
         given_grids = batch.objects(grid_name) if grid_name in batch else [None] * rows
         given_pixels = batch.objects(pixel_name) if pixel_name in batch else [None] * rows
+        stored = batch.stored_dtype(pixel_name) if pixel_name in batch else None
         grids[modality], pixels[modality] = [], []
         width: tuple[int, ...] | None = None
         for index, (grid_value, pixel_value) in enumerate(zip(given_grids, given_pixels, strict=True)):
             grid = _grid(grid_value, index, grid_name, names, mrope.spatial_merge_size)
             patches = int(grid.prod(axis=1).sum()) if grid.size else 0
             pixel = None if pixel_value is None else _array(pixel_value, index, pixel_name, names)
+            if pixel is not None and isinstance(pixel_value, (list, tuple)) and pixel.dtype.kind == "f":
+                pixel = pixel.astype(stored or np.float32)  # Python floats: the column's, or torch's default
             if pixel is not None and pixel.size == 0 and not patches:
                 pixel = None  # an empty list: a table's row without images holds no pixels
             if pixel is None:

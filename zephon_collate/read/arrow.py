@@ -301,6 +301,22 @@ class Columns(Batch):
             return False
         return bool(_list_type(arrow(), chunk.type))
 
+    def stored_dtype(self, name: str) -> np.dtype[Any] | None:
+        chunks = self._chunk_list(name)
+        if not chunks:
+            return None
+        chunk = chunks[0]
+        if _is_pair(chunk) or isinstance(chunk, (np.ndarray, torch.Tensor)):
+            values = chunk[0] if _is_pair(chunk) else chunk
+            return as_numpy(values).dtype if isinstance(values, torch.Tensor) else np.asarray(values).dtype
+        pa, kind = arrow(), chunk.type
+        while _list_type(pa, kind) is not None:  # the values inside the lists
+            kind = kind.value_type
+        found = _type(pa, kind)
+        return (
+            None if found is None or found in ("list", "large_list", "fixed_size_list") else np.dtype(found)
+        )
+
     def example(self) -> dict[str, Any]:
         """A stand-in for every example's fields: each name to ``()`` (a list column) or ``0`` (a value)."""
         if self._tables:

@@ -148,6 +148,11 @@ class Batch:
         """Does ``name`` hold a row of values per row (row-wise input: always; columns: a list column)?"""
         return True
 
+    def stored_dtype(self, name: str) -> np.dtype[Any] | None:
+        """The dtype a column stores ``name``'s numbers in, where :meth:`objects` gives them as Python
+        numbers (``None``: row-wise input, whose rows keep their own)."""
+        return None
+
     def one_dtype(self, name: str, kind: Kind) -> bool:
         """Did every row of field ``name`` (read by :meth:`get`) hold one host dtype?"""
         return True
