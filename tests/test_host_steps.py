@@ -117,3 +117,22 @@ def test_each_host_variant_equals_its_torch_compute(name, data):
         assert got.dtype == want.dtype, (name, key, got.dtype, want.dtype)
         assert got.shape == want.shape, (name, key, got.shape, want.shape)
         assert torch.equal(got, want), (name, key)
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_too_few_static_boundaries_are_refused_on_the_host_as_by_the_kernel(flatten):
+    """4 segments need 5 boundaries: with 4 the host dropped the last document; both paths refuse now."""
+    positions = np.array([[0, 1, 0, 1, 2, 3, 4, 0, 0, 1, 2, 3]])
+    fits = CuSeqlens(flatten=flatten, num_boundaries=5)
+    host = fits.host({"positions": positions})
+    want = fits.compute({"positions": torch.from_numpy(positions)})
+    assert np.asarray(host["cu_seqlens"]).reshape(-1).tolist() == [0, 2, 7, 8, 12]
+    assert torch.equal(torch.from_numpy(np.asarray(host["cu_seqlens"])), want["cu_seqlens"])
+    for count in (4, 3, 2):
+        short = CuSeqlens(flatten=flatten, num_boundaries=count)
+        with pytest.raises(
+            ValueError, match=rf"cu_seqlens: .* 4 segments, more than num_boundaries - 1 = {count - 1}"
+        ):
+            short.host({"positions": positions})
+        with pytest.raises(RuntimeError, match=r"cu_seqlens: .* more segments than num_boundaries - 1"):
+            short.compute({"positions": torch.from_numpy(positions)})

@@ -76,6 +76,8 @@ def cu_seqlens_rows(positions: np.ndarray, num_boundaries: int | None) -> tuple[
     row = flat // max(length, 1)
     rank = np.arange(flat.size) - np.searchsorted(row, row)  # index within its row
     width = num_boundaries if num_boundaries is not None else (int(rank.max()) + 2 if flat.size else 1)
+    if flat.size and int(rank.max()) + 2 > width:
+        raise _too_few(f"a row has {int(rank.max()) + 1} segments", width)
     boundaries = np.full((rows, width), length, dtype=np.int32)
     boundaries[row, rank] = flat - row * length
     return boundaries, _longest(boundaries)
@@ -86,10 +88,20 @@ def cu_seqlens_flat(positions: np.ndarray, num_boundaries: int | None) -> tuple[
     starts = segment_starts(positions).reshape(-1).nonzero()[0]
     total = positions.size
     width = starts.size + 1 if num_boundaries is None else num_boundaries
+    if starts.size + 1 > width:
+        raise _too_few(f"the batch has {starts.size} segments", width)
     boundaries = np.empty(width, dtype=np.int32)  # np.full is Python over np.empty and np.copyto
     boundaries[: starts.size] = starts
     boundaries[starts.size :] = total
     return boundaries, _longest(boundaries)
+
+
+def _too_few(found: str, width: int) -> ValueError:
+    """The torch kernel's refusal (a device-side assertion there), with the fix."""
+    return ValueError(
+        f"cu_seqlens: {found}, more than num_boundaries - 1 = {width - 1}; raise num_boundaries to at "
+        "least the segments plus one (the last boundary is the length)"
+    )
 
 
 def last_token_index(
