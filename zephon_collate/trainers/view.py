@@ -241,6 +241,14 @@ def check_packing(model: nn.Module, owner: str, *, shared_prompt: bool = False, 
         shared_prompt: check the shared-prompt layout too.
     """
     name = f"{role}{type(model).__name__}"
+    kinds = getattr(_text_config(model), "layer_types", None) or ()
+    stateful = next((kind for kind in kinds if kind != _FULL and kind not in _SIZED), None)
+    if stateful is not None:  # a leak of a tiny model's weights can hide under the probe's tolerance
+        raise ValueError(
+            f"{owner}: {name} has {stateful} layers (config.layer_types), which carry state from one packed "
+            "sequence into the next (only attention layers restart at position_ids 0), so packing would "
+            "change what is trained; train it with TRL's own trainer"
+        )
     span = _probe_span(model)
     past = min(span, 16)  # tokens past the window: enough of the keys for a wrong window to show
     draw = _token_draw(model)
