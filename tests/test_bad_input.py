@@ -594,6 +594,20 @@ def test_a_padding_length_of_none_declares_no_padding():
     assert b.records[0].meta.padding_length is None
     assert b.to_training(return_labels=True)["labels"].tolist() == [[2, 3]]
     assert b.to_training(return_padding_mask=True)["padding_mask"].tolist() == [[False, False, False]]
+    meta = SampleMeta((0, 0, 0), 0, 0, tags={"_padding_length": None})  # the payload's count is read then
+    given = SampleBatch([SampleRecord(meta, {"input_ids": [1, 2, 0], "_padding_length": 1})])
+    assert given.to_training(return_labels=True)["labels"].tolist() == [[2, -100]]
+
+
+def test_a_bad_field_that_only_some_records_carry_names_its_own_record():
+    """The rows that carry a field are read among themselves: the error names the record, not its place."""
+    rows = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6], "labels": None}]
+    raises(
+        TypeError,
+        r"^record 1 \(sample_id \(0, 0, 1\)\): field 'labels' must be",
+        Collator(return_labels=True),
+        rows,
+    )
 
 
 def test_zero_length_rows():

@@ -338,5 +338,8 @@ def test_a_post_training_batch_is_refused_by_name():
     shard = ContextParallelShard(2, 0, positions_key="position_ids")
     with pytest.raises(ValueError, match=r"ContextParallelShard: the batch carries 'logits_index'.*shifted"):
         shard.shard(batch)
+    keys = ContextParallelShard(2, 0, positions_key="position_ids", keys=["input_ids", "labels"])
+    with pytest.raises(ValueError, match=r"the batch carries 'logits_index'"):  # in a chain too
+        Collator.for_rollouts(padding_free=True, transforms=[keys])(rollouts)
     del batch["logits_index"], batch["labels"]  # what is left shards as before
     assert shard.shard(batch)["input_ids"].tolist() == [1, 4, 5, 0]

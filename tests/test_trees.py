@@ -127,6 +127,12 @@ def test_turns_keep_verls_response_fields_whole():
         collate([{"input_ids": [[1, 2, 3], [4, 5]], "completion_mask": [0, 1], "old": [-0.5, -0.25]}])
     )
     assert per_turn["labels"] == flat["labels"] and per_turn["old"] == flat["old"]
+    by_token = {
+        "input_ids": [[1, 2, 3], [4, 5]],
+        "response_mask": [[0, 0, 0], [1, 1]],
+        "old": [[0, 0, 0], [-0.5, -0.25]],
+    }
+    assert as_lists(collate([by_token])) == flat  # a value per token, turn by turn: joined as before
 
 
 def test_explicit_trees_node_by_node():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -132,6 +133,17 @@ def test_an_unreadable_field_the_call_does_not_use_is_warned_of_not_raised(extra
     assert out["input_ids"].tolist() == [[1, 2]] and out["labels"].tolist() == [[2, 3]]
     with pytest.raises((TypeError, ValueError), match=r"record 0"):  # the Collator's safety refuses it
         Collator(return_labels=True)([{"input_ids": [1, 2, 3], **extra}])
+
+
+def test_an_unreadable_field_does_not_hide_another_fields_warning():
+    """Each field is checked on its own: record 0's mask with zeros is still named."""
+    b = batch({"input_ids": [1, 2, 3], "attention_mask": [1, 1, 0]}, {"input_ids": [4, 5, 6], "labels": None})
+    with pytest.warns(UserWarning) as caught:
+        out = b.to_training(return_labels=True)
+    messages = [str(warning.message) for warning in caught]
+    assert any(re.search(r"record 0 .*'attention_mask' with zeros", message) for message in messages)
+    assert any(re.search(r"record 1 .*'labels' must be .*not read here", message) for message in messages)
+    assert out["labels"].tolist() == [[2, 3], [5, 6]]
 
 
 def test_the_collator_and_its_presets_keep_refusing():

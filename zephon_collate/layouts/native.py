@@ -295,15 +295,10 @@ class Native(Layout):
 
     def _check_supervision(self, batch: Batch, tokens: Ragged, read: set[str]) -> None:
         """A supervision field not read: refused by the Collator, warned of by ``to_training``."""
-        if self.strict:
-            self._check_unread(batch, tokens, read)
-        elif self.options.return_labels:
-            try:
-                self._check_unread(batch, tokens, read)
-            except (TypeError, ValueError) as error:  # to_training never raises for a field it does not use
-                warn_user(f"to_training: {error}; the field is not read here, labels come from the tokens")
-
-    def _check_unread(self, batch: Batch, tokens: Ragged, read: set[str]) -> None:
+        if not (self.strict or self.options.return_labels):
+            return
+        # to_training never raises for a field it does not use: one it cannot read is warned of
+        unreadable: list[str] | None = None if self.strict else []
         options = self.options
         given = (*read, *options.extra_fields, *(spec.name for spec in self.floats), options.tokens_field)
         near = misspelled(batch.fields, SUPERVISION_NAMES, (*given, POSITION_IDS))
@@ -333,14 +328,18 @@ class Native(Layout):
         if LOSS_MASK in read and LOSS_MASK in batch:
             loss_mask = batch.get(LOSS_MASK, "values")
         read = {*read, *(spec.name for spec in self.floats)}  # read as data: never supervision
-        found = unread_supervision(batch, tokens, read, loss_mask)
+        found = unread_supervision(batch, tokens, read, loss_mask, unreadable)
         if found is not None:
             self._refuse(unread_message(batch.names(found[0]), found[1], "collator"))
         needs_documents = options.return_labels or options.return_cu_seqlens  # the outputs they change
         fix = _PACKED_FIX if PADDING_LENGTH_TAG in batch else _DOCUMENTS_FIX  # pack_columns' rows
-        problem = unread_documents(batch, read, fix) if needs_documents else None
+        problem = unread_documents(batch, read, fix, unreadable=unreadable) if needs_documents else None
         if problem is not None and (self.boundary_safe or not self.strict):
             self._refuse(problem)
+        if unreadable:
+            warn_user(
+                f"to_training: {unreadable[0]}; the field is not read here, labels come from the tokens"
+            )
 
     def _refuse(self, problem: str) -> None:
         if self.strict:

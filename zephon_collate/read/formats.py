@@ -701,8 +701,8 @@ def read_trajectories(batch: Batch, spec: ExampleSpec, group_key: str) -> Forest
 
 
 def _turns_joined(batch: Batch, owner: str, not_per_token: set[str]) -> Batch:
-    """``batch`` with every trajectory given as turns joined, field by field (but ``not_per_token``: the
-    fields of the row's last tokens, verl's, read as for a flat trajectory)."""
+    """``batch`` with every trajectory given as turns joined, field by field (``not_per_token``: the fields
+    of the row's last tokens, verl's, never one value per turn)."""
     payloads = batch.payloads
     if not payloads:
         return batch
@@ -732,11 +732,7 @@ def _turns_joined(batch: Batch, owner: str, not_per_token: set[str]) -> Batch:
         sizes = [row.size for row in rows]
         out = dict(payload)
         for name, value in payload.items():
-            if (
-                not isinstance(value, (list, tuple))
-                or len(value) != len(sizes)
-                or name in {INPUT_IDS, *not_per_token}
-            ):
+            if not isinstance(value, (list, tuple)) or len(value) != len(sizes) or name == INPUT_IDS:
                 continue
             if all(_sized(part) for part in value):
                 if [len(part) for part in value] != sizes:
@@ -746,7 +742,9 @@ def _turns_joined(batch: Batch, owner: str, not_per_token: set[str]) -> Batch:
                         "value per turn)"
                     )
                 out[name] = [item for part in value for item in np.asarray(part).tolist()]
-            elif all(isinstance(part, (numbers.Number, np.generic)) for part in value):
+            elif name not in not_per_token and all(
+                isinstance(part, (numbers.Number, np.generic)) for part in value
+            ):
                 if sum(sizes) == len(sizes) and sizes != [1] * len(sizes):  # as many tokens as turns
                     raise ValueError(
                         f"{batch.names(index)}: {shown(name)} holds {len(sizes)} values for turns of {sizes} "

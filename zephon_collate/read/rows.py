@@ -191,9 +191,11 @@ class Rows(Batch):
         )
         return f"payload lacks field {shown(name)} ({holds})"
 
-    def _rows(self, values: list[Any], name: str, kind: Kind) -> list[Row]:
-        """Every value checked (:func:`to_row`); plain tensors pass as they are."""
+    def _rows(self, values: list[Any], name: str, kind: Kind, names: Names | None = None) -> list[Row]:
+        """Every value checked (:func:`to_row`), named by ``names`` (default: the batch's); plain tensors
+        pass as they are."""
         plain = PLAIN_DTYPES[kind]
+        names = names or self.names
         return [
             value
             if type(value) is torch.Tensor
@@ -201,7 +203,7 @@ class Rows(Batch):
             and (value.ndim == 1 or (value.ndim > 1 and kind == "values"))
             and value.layout is torch.strided
             and not value.is_meta
-            else to_row(value, self.names(index), name, kind)
+            else to_row(value, names(index), name, kind)
             for index, value in enumerate(values)
         ]
 
@@ -210,9 +212,10 @@ class Rows(Batch):
         present = [value for value in values if value is not MISSING]
         joined = joined_ints(present)
         if joined is None:
-            rows = self._rows(present, name, kind)
+            names = self._names_of(values)  # of the rows that carry it, by their place among those
+            rows = self._rows(present, name, kind, names)
             self._mixed[name, kind] = len({host_dtype(row) for row in rows}) > 1
-            joined = concat(rows, name, self._names_of(values))
+            joined = concat(rows, name, names)
         if len(present) == len(values):
             return joined
         carried = np.array([value is not MISSING for value in values], dtype=bool)

@@ -177,9 +177,11 @@ def declared_padding(batch: Batch, lengths: np.ndarray) -> tuple[np.ndarray, np.
         tags = [meta.tags or {} for meta in batch.metas]
         if PADDING_LENGTH_TAG in batch:  # a payload's own '_padding_length', as a column gives it
             named = f"meta.padding_length (or {PADDING_LENGTH_TAG!r})"
-            tags = [
-                {PADDING_LENGTH_TAG: _one_value(payload[PADDING_LENGTH_TAG]), **tag}
-                if isinstance(payload, Mapping) and PADDING_LENGTH_TAG in payload
+            tags = [  # the payload's, where the meta declares none (no tag, or None)
+                {**tag, PADDING_LENGTH_TAG: _one_value(payload[PADDING_LENGTH_TAG])}
+                if isinstance(payload, Mapping)
+                and PADDING_LENGTH_TAG in payload
+                and tag.get(PADDING_LENGTH_TAG) is None
                 else tag
                 for tag, payload in zip(tags, batch.payloads, strict=True)
             ]
@@ -215,22 +217,34 @@ def _one_value(value: object) -> object:
 
 
 def unread_supervision(
-    batch: Batch, tokens: Ragged, read: Iterable[str], loss_mask: Ragged | None
+    batch: Batch,
+    tokens: Ragged,
+    read: Iterable[str],
+    loss_mask: Ragged | None,
+    unreadable: list[str] | None = None,
 ) -> tuple[int, str] | None:
-    """``(row, field)``: the first row whose unread supervising field changes what is trained, or ``None``."""
+    """``(row, field)``: the first row whose unread supervising field changes what is trained, or ``None``.
+    ``unreadable``: collects the refusal of a field whose values cannot be read, and the check goes on
+    (``to_training``, whose result does not depend on it); ``None``: that refusal is raised."""
     found = []
     for rank, name in enumerate(SUPERVISING_FIELDS):
         if name not in batch or name in read:
             continue
         if name in FOREIGN_SUPERVISION and (not batch.is_list(name) or batch.one_value_row(name) is not None):
             continue  # a value per example ('label_ids': a class), no token's supervision
-        field = batch.get(name, "values", partial=True)
-        assert field is not None
-        bad = _changes_training(name, field, tokens, loss_mask) & batch.carried(name)
-        if name == LABEL_IDS and LABELS in batch:  # a copy of the labels given loses nothing
-            labels = batch.get(LABELS, "values", partial=True)
-            assert labels is not None
-            bad &= _rows_differing(field, labels) | ~batch.carried(LABELS)
+        try:
+            field = batch.get(name, "values", partial=True)
+            assert field is not None
+            bad = _changes_training(name, field, tokens, loss_mask) & batch.carried(name)
+            if name == LABEL_IDS and LABELS in batch:  # a copy of the labels given loses nothing
+                labels = batch.get(LABELS, "values", partial=True)
+                assert labels is not None
+                bad &= _rows_differing(field, labels) | ~batch.carried(LABELS)
+        except (TypeError, ValueError) as error:
+            if unreadable is None:
+                raise
+            unreadable.append(str(error))
+            continue
         rows = np.flatnonzero(bad)
         if rows.size:
             found.append((int(rows[0]), rank, name))
@@ -252,13 +266,27 @@ _PACKED = (
 )
 
 
-def unread_documents(batch: Batch, read: Iterable[str], fix: str, *, positions: bool = True) -> str | None:
+def unread_documents(
+    batch: Batch,
+    read: Iterable[str],
+    fix: str,
+    *,
+    positions: bool = True,
+    unreadable: list[str] | None = None,
+) -> str | None:
     """The refusal of the first row without positions whose ``seq_lengths`` (TRL's packed rows) list several
     documents where they are not read (not in ``read``), with ``fix``; ``None`` if none (``positions``:
-    the caller reads positions). Taken for one document, the row's labels would cross between documents."""
+    the caller reads positions; ``unreadable``: as :func:`unread_supervision`'s). Taken for one document,
+    the row's labels would cross between documents."""
     if SEQ_LENGTHS not in batch or SEQ_LENGTHS in read:
         return None
-    lengths = batch.get(SEQ_LENGTHS, "ids", partial=True)
+    try:
+        lengths = batch.get(SEQ_LENGTHS, "ids", partial=True)
+    except (TypeError, ValueError) as error:
+        if unreadable is None:
+            raise
+        unreadable.append(str(error))
+        return None
     assert lengths is not None
     unmarked = batch.carried(SEQ_LENGTHS)
     for name in (POSITIONS, POSITION_IDS) if positions else ():  # positions read find the documents

@@ -147,7 +147,7 @@ class ContextParallelShard(Transform):
             if isinstance(value, Spread) and (type(value.count) is not int or value.count < 1):
                 raise ValueError(f"{owner}: fill_values[{shown(key)}] = {value} needs a count >= 1 (experts)")
         self.in_keys = [positions_key, *(k for k in (self.keys or ()) if k != positions_key)]
-        self.optional_keys = (cu_seqlens_key,)  # the segments, when given
+        self.optional_keys = (cu_seqlens_key, *_ROW_PLACES)  # the segments; places it refuses, when given
         self.out_keys = [*(self.keys or ()), positions_key, *written]
         self.reads_every_key = keys is None  # every per-token field is sharded
 
@@ -181,7 +181,7 @@ class ContextParallelShard(Transform):
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         """Overridden whole: the output holds only the shards and the metadata, with ``batch_size=[]``."""
-        places = [key for key in _ROW_PLACES if key in td and (self.keys is None or key in self.keys)]
+        places = [key for key in _ROW_PLACES if key in td]
         if places:  # their labels are read through these places, across the chunks another rank holds
             raise ValueError(
                 f"ContextParallelShard: the batch carries {shown(places[0])}, places in the unsharded row "
