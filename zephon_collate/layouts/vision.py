@@ -201,7 +201,7 @@ def read_media(batch: Batch, names: Names, mrope: MRope) -> Media:
             patches = int(grid.prod(axis=1).sum()) if grid.size else 0
             pixel = None if pixel_value is None else _array(pixel_value, index, pixel_name, names)
             if pixel is not None and isinstance(pixel_value, (list, tuple)) and pixel.dtype.kind == "f":
-                pixel = pixel.astype(stored or np.float32)  # Python floats: the column's, or torch's default
+                pixel = pixel.astype(np.float32 if stored is None else stored)  # the column's, or torch's
             if pixel is not None and pixel.size == 0 and not patches:
                 pixel = None  # an empty list: a table's row without images holds no pixels
             if pixel is None:

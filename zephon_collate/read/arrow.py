@@ -312,10 +312,8 @@ class Columns(Batch):
         pa, kind = arrow(), chunk.type
         while _list_type(pa, kind) is not None:  # the values inside the lists
             kind = kind.value_type
-        found = _type(pa, kind)
-        return (
-            None if found is None or found in ("list", "large_list", "fixed_size_list") else np.dtype(found)
-        )
+        found = _type(pa, kind)  # a number type's name is NumPy's
+        return None if found is None else np.dtype(found)
 
     def example(self) -> dict[str, Any]:
         """A stand-in for every example's fields: each name to ``()`` (a list column) or ``0`` (a value)."""

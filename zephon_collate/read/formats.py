@@ -670,10 +670,7 @@ NODE_ID, PARENT_ID = "node_id", "parent_id"
 
 def read_trajectories(batch: Batch, spec: ExampleSpec, group_key: str) -> Forest:
     """Trajectories (``input_ids`` flat or a list of turns) as whole sequences, grouped by ``group_key``."""
-    not_per_token = {
-        RESPONSE_MASK,
-        *(field.name for field in spec.floats if field.align in ("response", "sequence")),
-    }
+    not_per_token = {RESPONSE_MASK, *(field.name for field in spec.floats if field.align == "response")}
     batch = _turns_joined(batch, spec.owner, not_per_token)
     forest = read_rollouts(batch, spec)
     if group_key not in batch:
