@@ -724,3 +724,43 @@ def test_documents_of_zero_cost_are_spread_over_the_ranks():
     plan = plan_balance([5, 5, 1, 1], mixed, ranks=2, costs=[9, 9, 0, 0], final=True)
     assert sorted(i for slot in plan.cells for cell in slot for i in cell) == [0, 1, 2, 3]
     assert all(cell for slot in plan.cells for cell in slot) and not plan.dropped
+
+
+def test_a_pass_that_hands_out_nothing_keeps_the_state_it_resumed():
+    """Resumed at an epoch's end, the pass is empty, and its state is still that end (it was the start)."""
+    lengths = [8, 1, 6, 2, 5, 3, 4, 4, 7, 1]
+    options = BalanceOptions(cost=CostModel(linear=1, quadratic=1), max_tokens=8, micro_batches=2)
+
+    def make():
+        return BalancedBatchSampler(lengths, options, num_replicas=2, rank=0, seed=0)
+
+    first = make()
+    assert list(first)
+    end = first.state_dict()
+    resumed = make()
+    resumed.load_state_dict(end)
+    assert list(resumed) == []
+    assert resumed.state_dict() == end
+    again = make()
+    again.load_state_dict(resumed.state_dict())
+    assert list(again) == []
+
+
+def test_a_balanced_stream_state_is_refused_under_other_options():
+    """Other balance or packing options plan other steps: the resume is refused, naming what differs."""
+    stream = balanced_stream(STREAM_FREE)
+    steps = iter(stream)
+    next(steps)
+    state = stream.state_dict()
+    more = BalanceOptions(cost=MIXED, micro_batches=3, max_tokens=48)
+    for other, named in ((balanced_stream(more), "balance"), (balanced_stream(STREAM_ROWS), "balance")):
+        with pytest.raises(ValueError, match=rf"saved with other options \({named}: saved"):
+            other.load_state_dict(state)
+    wider = PackedStream(
+        stream_documents(), 21, pad_token_id=0, rank=0, world_size=2, balance=STREAM_FREE, overflow="split"
+    )
+    with pytest.raises(ValueError, match=r"saved with other options \(seq_len: saved 20, here 21\)"):
+        wider.load_state_dict(state)
+    same = balanced_stream(STREAM_FREE)
+    same.load_state_dict(state)
+    assert step_summary(same) == step_summary(steps)

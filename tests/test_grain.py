@@ -262,3 +262,37 @@ def test_json_state_keeps_every_array_shape_and_dtype():
         restored = from_json(json.loads(json.dumps(to_json({"a": value}))))["a"]
         assert restored.shape == value.shape and restored.dtype == value.dtype
         assert np.array_equal(restored, value)
+
+
+def test_an_older_state_restored_into_the_same_iterator_resumes_from_it():
+    """The iterator's own later epoch never wins over the state it is given (epoch 1 was skipped)."""
+    from zephon_collate import BalancedBatchSampler, BalanceOptions, CostModel
+
+    lengths = [8, 1, 6, 2, 5, 3, 4, 4, 7, 1, 3, 2]
+    options = BalanceOptions(cost=CostModel(linear=1, quadratic=1), max_tokens=8, micro_batches=2)
+    sampler = BalancedBatchSampler(lengths, options, num_replicas=1, rank=0, seed=0)
+    dataset = BalancedIterDataset(list(range(len(lengths))), sampler, num_epochs=4)
+    full, epochs, it = [], [], iter(dataset)
+    for batch in it:
+        full.append(batch)
+        epochs.append(it.get_state()["sampler"]["epoch"])
+    end_of_first = epochs.index(1) - 1
+    it = iter(dataset)
+    for _ in range(end_of_first + 1):
+        next(it)
+    saved = json.dumps(it.get_state())
+    for _ in range(epochs.index(2) + 1 - end_of_first):  # on into epoch 2
+        next(it)
+    it.set_state(json.loads(saved))
+    assert list(it) == full[end_of_first + 1 :]
+    finished = BalancedIterDataset(list(range(len(lengths))), sampler, num_epochs=1)
+    one = iter(finished)
+    for _ in range(end_of_first + 1):
+        next(one)
+    done = one.get_state()
+    restored = iter(finished)
+    restored.set_state(done)
+    assert list(restored) == []  # its state after a pass that handed out nothing stands at the end too
+    after = iter(finished)
+    after.set_state(restored.get_state())
+    assert list(after) == []

@@ -236,6 +236,8 @@ class _BalancedIterator(grain.DatasetIterator):  # type: ignore[misc]
         return {"sampler": self._sampler.state_dict(), "drawn": self._drawn, "last_epoch": self._last}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        # The state alone says where to stand: no later epoch this iterator reached may win over it.
+        self._sampler.epoch = 0
         self._sampler.load_state_dict(state["sampler"])
         self._drawn = int(state["drawn"])
         self._last = state.get("last_epoch", self._last)

@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from zephon_collate.core.keys import INPUT_IDS
 from zephon_collate.core.records import SampleRecord
+from zephon_collate.core.text import shown
 from zephon_collate.packing.reader import PackOptions, Reader
 from zephon_collate.packing.rows import Piece, build_row, split_document
 from zephon_collate.packing.source import Source, cursor_key, restored, saveable, shard_records
-from zephon_collate.packing.state import check_count, corrupt, piece_from_state, piece_state
+from zephon_collate.packing.state import check_count, corrupt, piece_from_state, piece_state, same_value
 from zephon_collate.parallel.schedule import BalanceSchedule
 
 if TYPE_CHECKING:  # types only: at run time packing reads the options it is given, parallel is beside it
@@ -23,6 +24,7 @@ __all__ = ["BalancedSteps", "check_balance_state"]
 
 _OWNER = "PackedStream.load_state_dict"
 _STATE_KEYS = (
+    "options",
     "ranks",
     "records_consumed",
     "next_key",
@@ -73,6 +75,7 @@ class BalancedSteps:
         waiting = [piece_state(self.pieces[key]) for key in self.schedule.waiting]
         state: dict[str, Any] = saveable(
             {
+                "options": _options(self.options, self.balance),
                 "ranks": self.ranks,
                 "records_consumed": self.consumed,
                 "next_key": self.next_key,
@@ -86,7 +89,7 @@ class BalancedSteps:
         return state
 
     def _restore(self, state: Mapping[str, Any]) -> None:
-        balance = check_balance_state(state["balance"], self.options, self.ranks)
+        balance = check_balance_state(state["balance"], self.options, self.balance, self.ranks)
         self.consumed, self.next_key = balance["records_consumed"], balance["next_key"]
         self.steps = balance["steps"]
         self.last_cursor = cursor_key(state["last_cursor"])
@@ -162,11 +165,31 @@ class BalancedSteps:
         return step
 
 
-def check_balance_state(state: Any, options: PackOptions, ranks: int | None) -> dict[str, Any]:
+def _options(options: PackOptions, balance: BalanceOptions) -> dict[str, Any]:
+    """What a resume must share with the run that saved: the packing options and the balance ones."""
+    return {**options.plain(), "balance": repr(balance)}
+
+
+def check_balance_state(
+    state: Any, options: PackOptions, balance: BalanceOptions, ranks: int | None
+) -> dict[str, Any]:
     """A saved ``balance`` entry, checked as strictly as a record; pieces read back under ``"pieces"``."""
     if not isinstance(state, Mapping) or any(key not in state for key in _STATE_KEYS):
         raise corrupt("state['balance']", f"must be a dict with the keys {list(_STATE_KEYS)}", _OWNER)
     checked = {key: state[key] for key in _STATE_KEYS}
+    saved, mine = state["options"], _options(options, balance)
+    if not isinstance(saved, Mapping):
+        raise corrupt("state['balance']['options']", "must be a dict", _OWNER)
+    differ = sorted(
+        key for key in mine.keys() | saved.keys() if not same_value(saved.get(key), mine.get(key))
+    )
+    if differ:
+        detail = ", ".join(
+            f"{key}: saved {shown(saved.get(key))}, here {shown(mine.get(key))}" for key in differ
+        )
+        raise ValueError(
+            f"{_OWNER}: the state was saved with other options ({detail}); resume with the same ones"
+        )
     for key in ("ranks", "records_consumed", "next_key", "steps"):
         checked[key] = check_count(state[key], f"state['balance'][{key!r}]", _OWNER)
     if ranks is not None and checked["ranks"] != ranks:

@@ -195,7 +195,7 @@ class PackedStream(IterableDataset[SampleRecord]):
         if state["packer"] is not None:  # its own checks name the packer's keys
             FlatPacker(**self.packer_options).load_state_dict(restored(state["packer"]))
         if balance is not None:
-            check_balance_state(balance, FlatPacker(**self.packer_options).options, None)
+            check_balance_state(balance, FlatPacker(**self.packer_options).options, self.balance, None)
         if state["last_cursor"] is not None:
             try:
                 checked["last_cursor"] = SampleCursor.from_key(cursor_key(state["last_cursor"])).as_key()

@@ -140,6 +140,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         self._drawn_ahead_by = _prefetching_loader(inspect.currentframe())
         start, self._pending = self._pending or self._start(self.epoch), None
+        self._progress = dict(start)  # a pass that hands out nothing still stands where it started
         skip = int(start["slots_done"])
         for plan, window in self._windows(start):
             cells = plan.for_rank(self.rank)
