@@ -874,3 +874,20 @@ def test_token_rows_of_more_than_one_value_per_token_are_refused_in_one_wording(
     ):
         with pytest.raises(ValueError, match=message):
             collate(batch)
+
+
+def test_an_empty_nested_row_from_datasets_numpy_format_reads_as_the_table():
+    """datasets' NumPy format gives an empty list<list<float>> row as an object array: no values."""
+    table = pa.table(
+        {
+            "input_ids": pa.array([[], [1], [2, 3, 4]], pa.list_(pa.int64())),
+            "top": pa.array([[], [[0.5]], [[1.0], [2.0], [3.0]]], pa.list_(pa.list_(pa.float32()))),
+        }
+    )
+    rows = datasets.Dataset(table).with_format("numpy")[0:3]
+    assert rows["top"][0].dtype == object and rows["top"][0].size == 0
+    collate = Collator.for_transformers(pad_token_id=0, float_fields=[TensorField("top", shape=(1,))])
+    want, got = collate(table), collate(rows)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key

@@ -521,6 +521,8 @@ def _numpy_row(value: Any, where: str, name: str) -> np.ndarray:
         row = _sequence_array(value, where, name)
         if row.dtype.kind == "f":  # NumPy reads np.uint64 beside ints as float64: re-read exact integers
             row = _exact_integers(value, row, where, name)
+    if row.dtype.kind == "O" and row.size == 0:  # datasets' NumPy format: an empty nested row, no values
+        row = np.empty(row.shape, np.float64)
     if row.dtype.kind == "O":
         if not isinstance(value, np.ndarray) and all(
             isinstance(item, numbers.Integral) and not isinstance(item, bool) for item in row.flat
