@@ -358,16 +358,17 @@ class Native(Layout):
                 check_zero_one(values, LOSS_MASK, names, "1 for supervised tokens, 0 for the rest")
             elif name not in floats:
                 check_fits(values, dtype, name, names)
-        if options.eos_mask_loss and tokens.values.ndim != 1:
-            raise ValueError(
-                f"to_training: eos_mask_loss needs scalar token rows ([B, S]), got rows of shape "
-                f"{tuple(tokens.values.shape[1:])} per token"
-            )
-        if options.return_padding_mask and options.output.kind != "list" and tokens.values.ndim != 1:
-            raise ValueError(
-                "to_training: return_padding_mask needs 2-D scalar token rows for tensor/array output, "
-                f"got rows of shape {tuple(tokens.values.shape[1:])} per token"
-            )
+        if tokens.values.ndim != 1 and tokens.rows:  # rows of [S, C] tokens
+            option = "eos_mask_loss" if options.eos_mask_loss else None
+            if options.return_padding_mask and options.output.kind != "list":
+                option = option or "return_padding_mask"
+            if option is not None:
+                first = int(np.argmax(tokens.lengths > 0))
+                raise ValueError(
+                    f"{names(first)}: field {shown(INPUT_IDS)} has rows of shape "
+                    f"{tuple(tokens.values.shape[1:])} per token, and {option} needs scalar token rows "
+                    f"([B, S]): give one id per token, or turn {option} off"
+                )
 
     def _check_no_padding_given(self, tokens: Ragged, undeclared: np.ndarray, names: Names) -> None:
         """Refuse a row that ends in ``pad_token_id`` without declaring its padding."""
