@@ -18,6 +18,7 @@ import warnings
 
 import pyarrow as pa
 import pytest
+import torch
 from helpers import batch, record
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -128,6 +129,38 @@ def test_a_misspelled_side_mask_of_a_pair_is_refused(kind, bad, meant):
     _refused(lambda _: Collator.for_preference(padding_free=True)(pairs), bad, meant, "example 1")
     rewards = [{"chosen_ids": [1, 3, 0], "rejected_ids": [1, 4, 5], bad: [1, 1, 0]}]
     _refused(lambda _: Collator.for_rewards(pad_token_id=0)(rewards), bad, meant, "example 0")
+
+
+@pytest.mark.parametrize(
+    "name", ["prompt_mask", "chosen_mask", "chosen_loss_mask", "loss_mask_chosen", "chosen_completion_mask"]
+)
+def test_a_side_mask_under_another_stacks_name_is_refused(name):
+    """A side's mask under a name no format reads (TRL's ``prompt_mask``, ``chosen_loss_mask``): with
+    a 0 it would change what is trained, so it is refused; all 1s change nothing and are accepted."""
+    values = [1, 0] if name.startswith("prompt") else [0, 1]
+    pairs = [dict(PAIR), {**PAIR, name: values}]
+    with pytest.raises(ValueError, match=rf"^example 1: carries '{name}', which this collator does not read"):
+        Collator.for_preference(pad_token_id=0)(pairs)
+    kto = {"prompt_ids": [1, 2], "completion_ids": [3, 4], "label": True, "KL_completion_ids": [4, 5]}
+    with pytest.raises(ValueError, match=rf"^example 0: carries '{name}'"):
+        Collator.for_preference(padding_free=True)([{**kto, name: values}])
+    ones = [dict(PAIR), {**PAIR, name: [1, 1]}]
+    plain = Collator.for_preference(pad_token_id=0)([dict(PAIR), dict(PAIR)])
+    out = Collator.for_preference(pad_token_id=0)(ones)
+    assert out.keys() == plain.keys()
+    assert all(torch.equal(torch.as_tensor(out[k]), torch.as_tensor(plain[k])) for k in out)
+
+
+def test_a_name_with_its_words_reordered_is_a_near_miss():
+    assert misspelled(["mask_loss"], SUPERVISION_NAMES) == ("mask_loss", "loss_mask")
+    assert misspelled(["Mask-Completion"], SUPERVISION_NAMES) == ("Mask-Completion", "completion_mask")
+    pairs = [dict(PAIR), {**PAIR, "attention_mask_chosen": [1, 0]}]
+    _refused(
+        lambda _: Collator.for_preference(pad_token_id=0)(pairs),
+        "attention_mask_chosen",
+        "chosen_attention_mask",
+        "example 1",
+    )
 
 
 def test_a_misspelled_side_mask_of_a_kto_example_is_refused():

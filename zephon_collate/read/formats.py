@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -108,6 +110,8 @@ _SIDE_MASKS = (
 )
 _PAIR_SUPERVISION = (*SUPERVISING_FIELDS, LOSS_MASK)
 """Fields that say what of one sequence is trained, which a pair's sides do not read (trained whole)."""
+_SIDE_WORDS = frozenset({"prompt", "chosen", "rejected", "reject", "completion", "kl"})
+"""The words of a side's name: a mask or labels named with one is a side's, read or refused."""
 _NEAR_MISSES = (*_SIDE_MASKS, *_FULL_LABELS, *(n for n in _PAIR_SUPERVISION if n not in FOREIGN_SUPERVISION))
 _DPO_ONLY = (REF_CHOSEN_LOGPS, REF_REJECTED_LOGPS, *_FULL_LABELS)
 """Fields only DPO pairs carry: reference log-probs (TRL), per-token labels (open-instruct)."""
@@ -219,16 +223,39 @@ def _check_pairs(batch: Batch, fields: str) -> None:
     if near is not None:  # read under no name, a side's padding (or what it leaves out) would be trained
         name, meant = near
         raise ValueError(near_miss(batch.names(int(np.flatnonzero(batch.carried(name))[0])), name, meant))
-    for name in _PAIR_SUPERVISION:
+    for name in (*_PAIR_SUPERVISION, *_side_supervision(batch.fields)):
         if name not in batch:
             continue
         values = batch.get(name, "values", partial=True)
         assert values is not None
-        labels = name in (LABELS, SHIFT_LABELS, LABEL_IDS)  # a side's labels would all be lost
+        labels = name in (LABELS, SHIFT_LABELS, LABEL_IDS) or "labels" in _words(name)  # all would be lost
         untrained = np.ones(batch.rows, bool) if labels else row_any(values.host != 1, values.offsets)
         rows = np.flatnonzero(untrained & batch.carried(name))
         if rows.size:
             raise ValueError(unread_message(batch.names(int(rows[0])), name, "pairs"))
+
+
+def _side_supervision(fields: Iterable[object]) -> list[str]:
+    """The fields named as one side's mask or labels that no format reads (``prompt_mask``, TRL's name
+    for a prompt's padding; ``chosen_loss_mask``; ``attention_mask_chosen``), sorted.
+
+    Example:
+        >>> _side_supervision(["prompt_mask", "chosen_attention_mask", "chosen_ids", "attention_mask_chosen"])
+        ['attention_mask_chosen', 'prompt_mask']
+    """
+    read = {*_SIDE_MASKS, *_FULL_LABELS, *_PAIR_SUPERVISION}
+    return sorted(
+        name
+        for name in fields
+        if isinstance(name, str)
+        and name not in read
+        and _words(name) & _SIDE_WORDS
+        and _words(name) & {"mask", "masks", "labels"}
+    )
+
+
+def _words(name: str) -> set[str]:
+    return set(re.split(r"[^a-z0-9]+", name.lower()))
 
 
 def _labelled(batch: Batch) -> tuple[Ragged, Ragged, Ragged]:

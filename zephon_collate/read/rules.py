@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
@@ -684,6 +685,10 @@ def _meant(name: str, known: tuple[str, ...], others: frozenset[str]) -> str | N
     """The supervision name of ``known`` that ``name`` is a near miss of, or ``None`` (cached)."""
     if name in known or name in others:
         return None
+    words = sorted(re.split(r"[^a-z0-9]+", name.lower()))
+    for candidate in known:  # the same words in another order: "mask_loss", "attention_mask_chosen"
+        if len(words) > 1 and words == sorted(re.split(r"[^a-z0-9]+", candidate.lower())):
+            return candidate
     given = _canonical(name)
     best, meant = 0, None
     for candidate in known:
