@@ -53,7 +53,8 @@ def test_keep_end_cut_inside_a_document_restarts_only_that_document() -> None:
 
 def test_packed_rows_as_payloads_keep_their_documents() -> None:
     """pack_flat's rows handed over as payload dicts: their ``positions`` (the page's name) mark the
-    documents, as ``position_ids`` would; the padding is a document of its own, never trained."""
+    documents, as ``position_ids`` would; the padding (one token here) is a document of its own. A payload
+    dict does not carry the padding its meta counts: longer padding is trained (docs/bad_input.md row 194)."""
     rows = pack_flat([{"input_ids": [1, 5, 2]}, {"input_ids": [1, 6, 6, 2]}], 8, pad_token_id=0)
     collate = Collator.for_transformers(padding_free=True, return_flash_attn_kwargs=True)
     batch = _lists(collate([row.payload for row in rows]))

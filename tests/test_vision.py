@@ -80,6 +80,30 @@ def test_an_example_of_several_documents_numbers_each_from_zero(family):
         assert (run(model, together)[0] - want).abs().max() <= 1e-12
 
 
+def test_a_document_boundary_between_two_images_splits_their_runs():
+    """An example packed of two documents, the first ending with an image and the second opening with
+    one: two runs of placeholders, one per document, numbered as the documents apart."""
+    image, grid = [IMAGE_TOKEN_ID] * 4, [[1, 4, 4]]
+    a = {"input_ids": [5, 5, *image], "mm_token_type_ids": [0, 0, 1, 1, 1, 1], "image_grid_thw": grid}
+    b = {"input_ids": [*image, 6], "mm_token_type_ids": [1, 1, 1, 1, 0], "image_grid_thw": grid}
+    for example in (a, b):
+        example["pixel_values"] = np.zeros((16, 24), np.float32)
+    packed = {
+        "input_ids": a["input_ids"] + b["input_ids"],
+        "mm_token_type_ids": a["mm_token_type_ids"] + b["mm_token_type_ids"],
+        "pixel_values": np.zeros((32, 24), np.float32),
+        "image_grid_thw": grid * 2,
+        "seq_lengths": [6, 5],
+    }
+    collate = Collator.for_transformers(padding_free=True, mrope=MRope())
+    assert collate([packed])["position_ids"].tolist() == collate([a, b])["position_ids"].tolist()
+    assert collate([packed])["position_ids"][1:, 0].tolist() == [
+        [0, 1, 2, 2, 2, 2, 0, 0, 0, 0, 2],
+        [0, 1, 2, 2, 3, 3, 0, 0, 1, 1, 2],
+        [0, 1, 2, 3, 2, 3, 0, 1, 0, 1, 2],
+    ]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_logits_equal_each_example_alone_float32(family):
     model = model_of(family)

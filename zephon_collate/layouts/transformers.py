@@ -547,14 +547,10 @@ class Transformers(Layout):
             self._check_offset(per_token, names)
         if media is not None and options.mrope is not None:  # checked on what is kept: no run cut
             kept = per_token[INPUT_IDS]
-            planes = mrope_positions(kept, per_token[MM_TOKEN_TYPE_IDS], media, options.mrope, names)
+            documents = _starts(per_token)  # an example packed of several: each document from 0
+            types = per_token[MM_TOKEN_TYPE_IDS]
+            planes = mrope_positions(kept, types, media, options.mrope, names, documents)
             if options.padding_free:  # padded, the model computes them from the types and grids
-                # an example packed of several documents: each numbered as its example's first (the rule
-                # shifted to start there)
-                place = np.arange(kept.values.shape[0])
-                first = np.maximum.accumulate(np.where(_starts(per_token), place, 0))
-                example = np.repeat(kept.offsets[:-1], kept.lengths)
-                planes = planes - planes[first] + planes[example]
                 per_token[MROPE_POSITIONS] = Ragged(planes, kept.offsets, kept.lengths)
         starts = None
         for spec in options.floats:

@@ -42,7 +42,7 @@ VideoTime: TypeAlias = Literal["index", "seconds", "frames"]
 """How a video's frames are numbered: Qwen2-VL's ``"index"``, Qwen2.5-VL's ``"seconds"``, Qwen3-VL's
 ``"frames"`` (each frame its own run)."""
 Rule: TypeAlias = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
-"""A model's own rule, one document at a time: ``(input_ids [n], mm_token_type_ids [n], image_grid_thw
+"""A model's own rule, one example at a time: ``(input_ids [n], mm_token_type_ids [n], image_grid_thw
 [images, 3], video_grid_thw [videos, 3], second_per_grid_ts [videos]) -> positions [3, n]``."""
 _FAMILIES: dict[str, VideoTime] = {
     "qwen2_vl": "index",
@@ -60,7 +60,7 @@ class MRope:
         spatial_merge_size: patches merged per side into one token (``vision_config.spatial_merge_size``).
         video_time: ``"index"`` (Qwen2-VL), ``"seconds"`` (Qwen2.5-VL) or ``"frames"`` (Qwen3-VL).
         tokens_per_second: Qwen2.5-VL's ``vision_config.tokens_per_second`` (``"seconds"`` only).
-        rule: another model's rule, run on each document (:data:`Rule`); ``None``: the built-in one.
+        rule: another model's rule, run on each example (:data:`Rule`); ``None``: the built-in one.
         dummy_image: ``(image_token_id, pixel_width)``: a one-token image for batches without media (FSDP).
         vision_cu_seqlens: also emit ``image_cu_seqlens`` / ``video_cu_seqlens`` (each frame a segment).
 
@@ -240,8 +240,18 @@ def read_media(batch: Batch, names: Names, mrope: MRope) -> Media:
     return Media(pixels, grids, seconds)
 
 
-def mrope_positions(tokens: Ragged, types: Ragged, media: Media, mrope: MRope, names: Names) -> np.ndarray:
+def mrope_positions(
+    tokens: Ragged,
+    types: Ragged,
+    media: Media,
+    mrope: MRope,
+    names: Names,
+    documents: np.ndarray | None = None,
+) -> np.ndarray:
     """``[N, 3]`` int64: each token's (t, h, w) position, every document from 0 (docs/vision_language.md).
+
+    ``documents`` (``[N]`` booleans) marks each document's first token (an example packed of several
+    documents); ``None``: each example is one document.
 
     Example:
         >>> from zephon_collate.read.columns import concat
@@ -261,17 +271,22 @@ def mrope_positions(tokens: Ragged, types: Ragged, media: Media, mrope: MRope, n
             f"{names(row)}: {shown(MM_TOKEN_TYPE_IDS)} holds {int(kind[bad[0]])} at "
             f"{MM_TOKEN_TYPE_IDS}[{int(bad[0] - offsets[row])}]; give 0 (text), 1 (image) or 2 (video)"
         )
-    if mrope.rule is not None:
-        return _by_rule(tokens, kind, media, mrope.rule)
     count = kind.size
-    opens = np.ones(count, dtype=bool)  # a run opens at a type change or a document's first token
-    opens[1:] = kind[1:] != kind[:-1]
-    opens[offsets[:-1][offsets[:-1] < count]] = True
+    first = np.zeros(count, dtype=bool) if documents is None else documents.copy()
+    first[offsets[:-1][offsets[:-1] < count]] = True  # each example's first token opens a document
+    if mrope.rule is not None:  # run on each example, each document then starting as the example's first
+        planes = _by_rule(tokens, kind, media, mrope.rule)
+        document = np.maximum.accumulate(np.where(first, np.arange(count), 0))  # its first token
+        shifted: np.ndarray = planes - planes[document] + planes[np.repeat(offsets[:-1], tokens.lengths)]
+        return shifted
+    opens = first.copy()  # a run opens at a type change or a document's first token
+    opens[1:] |= kind[1:] != kind[:-1]
+    document_starts = np.flatnonzero(first)
     starts = np.flatnonzero(opens)
     ends = np.append(starts[1:], count)
     run_kind = kind[starts]
-    run_doc = np.searchsorted(offsets, starts, side="right") - 1
-    grid, interval = _run_grids(run_kind, run_doc, media, mrope, names)
+    run_example = np.searchsorted(offsets, starts, side="right") - 1
+    grid, interval = _run_grids(run_kind, run_example, media, mrope, names)
     merge = mrope.spatial_merge_size
     lh, lw = grid[:, 1] // merge, grid[:, 2] // merge
     vision = run_kind != 0
@@ -279,7 +294,7 @@ def mrope_positions(tokens: Ragged, types: Ragged, media: Media, mrope: MRope, n
     wrong = np.flatnonzero(wanted != ends - starts)
     if wrong.size:
         bad_run = int(wrong[0])
-        row = int(run_doc[bad_run])
+        row = int(run_example[bad_run])
         name = "image" if run_kind[bad_run] == 1 else "video"
         raise ValueError(
             f"{names(row)}: a run of {int(ends[bad_run] - starts[bad_run])} {name} placeholder tokens at "
@@ -290,11 +305,9 @@ def mrope_positions(tokens: Ragged, types: Ragged, media: Media, mrope: MRope, n
         )
     advance = np.where(vision, np.maximum(lh, lw), ends - starts)
     before = np.cumsum(advance) - advance  # where each run starts, counted over the whole batch
-    first_run = np.searchsorted(starts, offsets[:-1])  # each document's first run (a run opens there)
-    base = np.zeros(len(offsets) - 1, dtype=np.int64)
-    has = first_run < starts.size
-    base[has] = before[first_run[has]]
-    opened = before - base[run_doc]  # each run's start, from its document's
+    first_run = np.searchsorted(starts, document_starts)  # each document's first run (a run opens there)
+    run_document = np.searchsorted(document_starts, starts, side="right") - 1
+    opened: np.ndarray = before - before[first_run][run_document]  # each run's start, from its document's
     run = np.repeat(np.arange(starts.size), ends - starts)
     within = np.arange(count) - starts[run]
     plane = lh[run] * lw[run]
@@ -308,12 +321,12 @@ def mrope_positions(tokens: Ragged, types: Ragged, media: Media, mrope: MRope, n
 
 
 def _run_grids(
-    run_kind: np.ndarray, run_doc: np.ndarray, media: Media, mrope: MRope, names: Names
+    run_kind: np.ndarray, run_example: np.ndarray, media: Media, mrope: MRope, names: Names
 ) -> tuple[np.ndarray, np.ndarray]:
     """Each run's grid ``[runs, 3]`` (text runs: ones) and time interval ``[runs]``, counts checked."""
     grid = np.ones((run_kind.size, 3), dtype=np.int64)
     interval = np.ones(run_kind.size, dtype=np.float32)
-    documents = len(media.seconds)
+    examples = len(media.seconds)
     for modality in (1, 2):
         grids = media.grids[modality]
         times = [np.ones(g.shape[0], np.float32) for g in grids]
@@ -330,7 +343,7 @@ def _run_grids(
                 for g, seconds in zip(grids, media.seconds, strict=True)
             ]
         runs = run_kind == modality
-        counts = np.bincount(run_doc[runs], minlength=documents)
+        counts = np.bincount(run_example[runs], minlength=examples)
         for row in np.flatnonzero(counts != np.array([g.shape[0] for g in grids], dtype=np.int64)):
             name = "image" if modality == 1 else "video frame" if mrope.video_time == "frames" else "video"
             raise ValueError(
