@@ -404,6 +404,37 @@ def test_seq_lengths_without_positions_are_refused_where_not_read():
     assert Collator(return_labels=True)([one])["labels"].tolist() == [[6, 7]]
 
 
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("packed_seq_lens", [2, 2]),  # OpenRLHF's
+        ("cu_seqlens", [0, 2, 4]),  # verl's, flash-attn's
+        ("cu_seq_lens_q", [0, 2, 4]),  # transformers' flash kwargs
+        ("seq_idx", [0, 0, 1, 1]),  # a document number per token
+    ],
+)
+def test_other_stacks_marks_of_packed_documents_are_refused(name, value):
+    """Read as one document, 11 -> 12 | 21 -> 22 would train 12 -> 21: every entry point refuses it."""
+    row = {"input_ids": [11, 12, 21, 22], name: value}
+    where = {"Collator": r"record 0 .*", "examples": r"example 0: "}
+    message = rf"carries '{name}' \(2 documents packed in one row\), which is not read here"
+    with pytest.raises(ValueError, match=where["Collator"] + message):
+        Collator(return_labels=True)([record(row)])
+    with pytest.raises(ValueError, match=where["Collator"] + message):
+        pack_flat([record(row)], 8, pad_token_id=0)
+    for collate in (
+        Collator.for_transformers(padding_free=True),
+        Collator.for_transformers(pad_token_id=0),
+        Collator.for_rollouts(padding_free=True),
+    ):
+        with pytest.raises(ValueError, match=where["examples"] + message):
+            collate([row])
+    marked = {**row, "position_ids": [0, 1, 0, 1]}  # positions find the documents: read, not refused
+    assert Collator.for_transformers(padding_free=True)([marked])["labels"].tolist() == [[-100, 12, -100, 22]]
+    one = {"input_ids": [11, 12], name: {"packed_seq_lens": [2], "seq_idx": [0, 0]}.get(name, [0, 2])}
+    assert Collator(return_labels=True)([record(one)])["labels"].tolist() == [[12]]
+
+
 def test_pack_flat_never_packs_a_misspelled_mask_as_data():
     docs = [record({"input_ids": [1, 2, 3], "loss_masks": [0, 1, 1]})]
     with pytest.raises(ValueError, match=r"has 'loss_masks', which nothing reads: did you mean 'loss_mask'"):

@@ -581,6 +581,7 @@ def candidates(
             )
         found.append(LOSS_MASK)
     excluded = {tokens_name, POSITIONS, POSITION_IDS, LOSS_MASK, *SUPERVISING_FIELDS, *skipped}
+    excluded.update(rules.BOUNDARY_FIELDS)  # another stack's document marks: refused (several), never data
     for name in batch.order:
         if not isinstance(name, str) or name in excluded or not batch.carried(name)[tokens.lengths > 0].all():
             continue

@@ -39,6 +39,7 @@ from zephon_collate.read.rules import (
     near_miss,
     positions_field,
     refuse_media,
+    unread_documents,
     unread_message,
     unread_supervision,
 )
@@ -56,6 +57,10 @@ _PER_TOKEN: tuple[tuple[str, Literal["ids", "values"]], ...] = (
 )
 """The per-token fields beside ``input_ids``, in the order they are read, and how."""
 READ = (INPUT_IDS, *(name for name, _ in _PER_TOKEN), SEQ_LENGTHS)
+_DOCUMENTS_FIX = (
+    "give each document as an example of its own, or (Collator.for_transformers(padding_free=True)) the "
+    "documents' lengths as 'seq_lengths', TRL's name, or positions restarting at each as 'position_ids'"
+)
 """The fields :func:`read_examples` reads by name."""
 
 
@@ -107,6 +112,9 @@ def read_examples(batch: Batch, spec: ExampleSpec) -> Examples:
         found = unread_supervision(batch, tokens, others, None)
         if found is not None:
             raise ValueError(unread_message(names(found[0]), found[1], "examples"))
+    problem = unread_documents(batch, READ, _DOCUMENTS_FIX)  # another stack's marks of packed documents
+    if problem is not None:
+        raise ValueError(problem)
     fields: dict[str, Ragged] = {INPUT_IDS: tokens}
     if spec.vision:  # text-only examples: all text
         fields[MM_TOKEN_TYPE_IDS] = (

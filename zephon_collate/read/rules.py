@@ -267,6 +267,17 @@ _PACKED = (
 )
 
 
+BOUNDARY_FIELDS = {
+    SEQ_LENGTHS: "lengths",  # TRL's packed rows
+    "packed_seq_lens": "lengths",  # OpenRLHF's
+    "cu_seqlens": "offsets",  # verl's, flash-attn's
+    "cu_seq_lens_q": "offsets",  # transformers' flash kwargs
+    "cu_seq_lens_k": "offsets",
+    "seq_idx": "ids",  # a document number per token (Mamba's kernels)
+}
+"""Row fields other stacks mark a packed row's documents with, and how they mark them."""
+
+
 def unread_documents(
     batch: Batch,
     read: Iterable[str],
@@ -275,35 +286,51 @@ def unread_documents(
     positions: bool = True,
     unreadable: list[str] | None = None,
 ) -> str | None:
-    """The refusal of the first row without positions whose ``seq_lengths`` (TRL's packed rows) list several
-    documents where they are not read (not in ``read``), with ``fix``; ``None`` if none (``positions``:
-    the caller reads positions; ``unreadable``: as :func:`unread_supervision`'s). Taken for one document,
-    the row's labels would cross between documents."""
-    if SEQ_LENGTHS not in batch or SEQ_LENGTHS in read:
-        return None
-    try:
-        lengths = batch.get(SEQ_LENGTHS, "ids", partial=True)
-    except (TypeError, ValueError) as error:
-        if unreadable is None:
-            raise
-        unreadable.append(str(error))
-        return None
-    assert lengths is not None
-    unmarked = batch.carried(SEQ_LENGTHS)
-    for name in (POSITIONS, POSITION_IDS) if positions else ():  # positions read find the documents
-        if name in batch:
-            unmarked &= ~batch.carried(name)
-    rows = np.repeat(np.arange(batch.rows), lengths.lengths)
-    documents = np.bincount(rows, weights=np.reshape(lengths.host, -1) > 0, minlength=batch.rows)
-    several = np.flatnonzero((documents > 1) & unmarked)
-    if not several.size:
-        return None
-    row = int(several[0])
-    return (
-        f"{batch.names(row)}: carries 'seq_lengths' ({int(documents[row])} documents packed in one "
-        "row), which is not read here: the row would be one document, its labels "
-        f"crossing from each document into the next; {fix}"
-    )
+    """The refusal of the first row without positions whose :data:`BOUNDARY_FIELDS` entry (``seq_lengths``,
+    ``cu_seqlens``, ...) marks several documents where it is not read (not in ``read``), with ``fix``;
+    ``None`` if none (``positions``: the caller reads positions; ``unreadable``: as
+    :func:`unread_supervision`'s). Taken for one document, the row's labels would cross between documents."""
+    read = set(read)
+    for name, kind in BOUNDARY_FIELDS.items():
+        if name not in batch or name in read:
+            continue
+        try:
+            given = batch.get(name, "ids", partial=True)
+        except (TypeError, ValueError) as error:
+            if unreadable is None:
+                raise
+            unreadable.append(str(error))
+            continue
+        assert given is not None
+        unmarked = batch.carried(name)
+        for marked in (POSITIONS, POSITION_IDS) if positions else ():  # positions read find the documents
+            if marked in batch:
+                unmarked &= ~batch.carried(marked)
+        documents = _documents(np.reshape(given.host, -1), given.offsets, kind)
+        several = np.flatnonzero((documents > 1) & unmarked)
+        if several.size:
+            row = int(several[0])
+            return (
+                f"{batch.names(row)}: carries {shown(name)} ({int(documents[row])} documents packed in one "
+                "row), which is not read here: the row would be one document, its labels "
+                f"crossing from each document into the next; {fix}"
+            )
+    return None
+
+
+def _documents(values: np.ndarray, offsets: np.ndarray, kind: str) -> np.ndarray:
+    """The documents each row's boundary field marks: its lengths above 0, its offsets' steps above 0,
+    or its ids' runs."""
+    rows = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))
+    if kind == "lengths":
+        marks = values > 0
+    elif kind == "offsets":  # [0, a, a + b, ...]: a step after each row's first value
+        marks = np.zeros(values.size, dtype=bool)
+        marks[1:] = (np.diff(values) > 0) & (rows[1:] == rows[:-1])
+    else:  # a new document where the id changes, and at each row's first token
+        marks = np.ones(values.size, dtype=bool)
+        marks[1:] = (values[1:] != values[:-1]) | (rows[1:] != rows[:-1])
+    return np.bincount(rows, weights=marks, minlength=offsets.size - 1)
 
 
 def unread_message(where: str, name: str, reader: EntryPoint) -> str:
