@@ -332,3 +332,18 @@ def test_show_trees_from_jsonl_and_token_needs_a_tree(tmp_path, capsys):
     path.write_text(json.dumps({"input_ids": [1, 5, 6, 2]}))
     assert main(["show", str(path), "--no-color", "--token", "3"]) == 2  # packed rows: not a tree
     assert "show: error: --token needs a tree batch" in capsys.readouterr().err
+
+
+def test_a_padded_rows_first_label_is_not_counted_as_trained():
+    """Padded, each row keeps its first label as transformers does, but nothing predicts it: the view
+    counts what the loss helpers count (2 and 1 tokens), as the padding-free layout does."""
+    examples = [
+        {"input_ids": [1, 2, 3], "completion_mask": [1, 1, 1]},
+        {"input_ids": [7, 8], "completion_mask": [1, 1]},
+    ]
+    padded = Collator.for_trees(padding_free=False, pad_token_id=0)(examples)
+    assert padded["labels"].tolist() == [[1, 2, 3], [7, 8, -100]]
+    view = batch_tree(padded)
+    assert [row.trained for row in view.rows] == [[False, True, True], [False, True, False]]
+    assert render_tree(padded).splitlines()[0].count("3 of 6 tokens trained") == 1
+    assert "3 of 5 tokens trained" in render_tree(Collator.for_trees()(examples)).splitlines()[0]

@@ -333,7 +333,7 @@ def batch_tree(batch: Mapping[str, Any], *, ignore_index: int = -100) -> TreeVie
             TreeRow(
                 index,
                 [int(t) for t in row],
-                None if labels is None else [label != ignore_index for label in labels],
+                None if labels is None else _trained(labels, predictor[index], ignore_index),
                 _field_row(fields, (POSITION_IDS, POSITIONS), index),
                 documents,
                 _field_row(fields, (BRANCH_IDS,), index),
@@ -347,6 +347,12 @@ def batch_tree(batch: Mapping[str, Any], *, ignore_index: int = -100) -> TreeVie
         )
     attention = SUBTREE_END if SUBTREE_END in fields else BRANCH_IDS if BRANCH_IDS in fields else LOGITS_INDEX
     return TreeView(rows, nodes, paths, PATH_INDEX if indexed else SEQUENCE_INDEX, attention, count, notes)
+
+
+def _trained(labels: list[int], predictor: list[int], ignore_index: int) -> list[bool]:
+    """A token is trained where its label is kept and some place predicts it (a padded row's first label,
+    kept as transformers keeps it, is never predicted)."""
+    return [label != ignore_index and by >= 0 for label, by in zip(labels, predictor, strict=True)]
 
 
 def _field_row(fields: dict[str, list[list[int]]], names: tuple[str, ...], index: int) -> list[int] | None:
