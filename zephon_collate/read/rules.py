@@ -65,6 +65,7 @@ from zephon_collate.read.columns import (
 )
 
 __all__ = [
+    "BOUNDARY_FIELDS",
     "FIELDS_OF_THEIR_OWN",
     "FOREIGN_SUPERVISION",
     "SUPERVISING_FIELDS",
