@@ -292,14 +292,14 @@ def test_non_scalar_tokens():
     assert out["labels"].tolist() == [[[3, 4], [-100, -100]]]
     raises(
         ValueError,
-        r"record 0 .*'input_ids' has rows of shape \(2,\) per token, and return_padding_mask needs scalar "
+        r"record 0 .*'input_ids' has rows of shape \(2,\) per token, and return_padding_mask needs 2-D scalar "
         r"token rows .*turn return_padding_mask off",
         b.to_training,
         return_padding_mask=True,
     )
     raises(
         ValueError,
-        r"record 0 .*'input_ids' has rows of shape \(2,\) per token, and eos_mask_loss needs scalar token rows",
+        r"record 0 .*'input_ids' has rows of shape \(2,\) per token, and eos_mask_loss needs 2-D scalar token rows",
         b.to_training,
         return_labels=True,
         eos_mask_loss=True,

@@ -366,7 +366,7 @@ class Native(Layout):
                 first = int(np.argmax(tokens.lengths > 0))
                 raise ValueError(
                     f"{names(first)}: field {shown(INPUT_IDS)} has rows of shape "
-                    f"{tuple(tokens.values.shape[1:])} per token, and {option} needs scalar token rows "
+                    f"{tuple(tokens.values.shape[1:])} per token, and {option} needs 2-D scalar token rows "
                     f"([B, S]): give one id per token, or turn {option} off"
                 )
 
