@@ -1726,3 +1726,59 @@ def test_sequence_positions_beyond_the_dtype_are_refused_on_both_passes(host):
             )
     short = to_training([record([1] * 128)], dtype=torch.int8, position_mode="sequence")
     assert short["positions"].tolist() == [list(range(128))]
+
+
+# --- found by fuzzing: raw errors from odd but plausible input -----------------------------------
+
+
+def test_numpy_int_options_are_the_ints_they_hold():
+    """A NumPy int option is checked and kept as a Python int: the same rows as the int."""
+    pairs = [
+        {"prompt_input_ids": [26, 41, 10, 15], "chosen_input_ids": [10], "rejected_input_ids": [1]},
+        {"prompt_input_ids": [49, 38], "chosen_input_ids": [20], "rejected_input_ids": [18]},
+    ]
+    want = Collator.for_preference(padding_free=True, max_row_tokens=9, pad_token_id=0)(pairs)
+    for width in (np.int32(9), np.int64(9)):
+        got = Collator.for_preference(padding_free=True, max_row_tokens=width, pad_token_id=0)(pairs)
+        assert got["input_ids"].tolist() == want["input_ids"].tolist()
+    trajectories = [{"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1]}]
+    raises(
+        ValueError,
+        r"example 0: its tree holds 4 tokens, more than max_row_tokens=3",
+        Collator.for_rollouts(padding_free=True, max_row_tokens=np.int64(3)),
+        trajectories,
+    )
+
+
+def test_odd_inputs_found_by_fuzzing_raise_the_packages_errors():
+    pairs = [
+        {
+            "chosen_input_ids": [1, 2, 3],
+            "rejected_input_ids": [1, 2, 4],
+            "chosen_labels": [-100, 2, 3],
+            "rejected_labels": [-100, 2, 4, 4],  # one label too many
+            "chosen_attention_mask": [1, 1, 1],
+            "rejected_attention_mask": [1, 1, 1],
+        }
+    ]
+    raises(
+        ValueError,
+        r"example 0: 'rejected_labels' has 4 entries and 'rejected_attention_mask' 3",
+        Collator.for_preference(pad_token_id=0),
+        pairs,
+    )
+    docs = [
+        SampleRecord(SampleMeta((0, 0, 0), 0, 0), {"input_ids": [], "loss_mask": []}),
+        SampleRecord(SampleMeta((0, 0, 1), 0, 0), {"input_ids": [5, 6]}),
+    ]
+    raises(ValueError, r"record 1 .*lacks field 'loss_mask'", pack_flat, docs, 4, pad_token_id=0)
+    raises(ValueError, r"padding must be True/'longest'.*got \[\]", Collator.for_transformers, padding=[])
+    stream = {"input_ids": [1]}  # one payload, not a sequence of records
+    raises(
+        TypeError,
+        r"source must be a sequence of SampleRecord .*got dict",
+        PackedStream,
+        stream,
+        4,
+        pad_token_id=0,
+    )

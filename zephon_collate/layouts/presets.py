@@ -100,7 +100,7 @@ class PreferenceOptions(TreeOptions):
         for name in ("max_prompt_length", "max_completion_length", "max_length"):
             value = getattr(self, name)
             if value is not None:
-                check_int(self.OWNER, name, value, 1, INT32_MAX)
+                object.__setattr__(self, name, check_int(self.OWNER, name, value, 1, INT32_MAX))
         if self.truncation_mode not in ("keep_start", "keep_end"):
             raise ValueError(
                 f"{self.OWNER}: truncation_mode must be 'keep_start' or 'keep_end', got "
@@ -163,9 +163,12 @@ class RewardOptions(TreeOptions):
 
     def __post_init__(self) -> None:
         if self.max_length is not None:
-            check_int(self.OWNER, "max_length", self.max_length, 1, INT32_MAX)
+            object.__setattr__(
+                self, "max_length", check_int(self.OWNER, "max_length", self.max_length, 1, INT32_MAX)
+            )
         if self.last_token_skip_id is not None:
-            check_int(self.OWNER, "last_token_skip_id", self.last_token_skip_id, 0)
+            skip = check_int(self.OWNER, "last_token_skip_id", self.last_token_skip_id, 0)
+            object.__setattr__(self, "last_token_skip_id", skip)
         if self.shared_prompt is not False:
             raise ValueError(
                 f"{self.OWNER}: shared_prompt is not offered for reward pairs: a reward model scores each "

@@ -206,9 +206,7 @@ class TransformersOptions(Keywords):
             put(self, name, check_bool(name, getattr(self, name), owner=owner))
         for name in ("return_seq_idx", "return_sequence_map"):
             put(self, name, check_bool(name, getattr(self, name), owner=owner))
-        if self.padding not in _PADDINGS or (
-            isinstance(self.padding, int) and not isinstance(self.padding, bool)
-        ):
+        if not isinstance(self.padding, (str, bool)) or self.padding not in _PADDINGS:  # 1 == True: refused
             raise ValueError(
                 f"{owner}: padding must be True/'longest', 'max_length' or False/'do_not_pad', got "
                 f"{shown(self.padding)}"

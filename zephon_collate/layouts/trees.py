@@ -132,7 +132,8 @@ class TreeOptions(Keywords):
             object.__setattr__(self, name, check_bool(name, getattr(self, name), owner=self.OWNER))
         if self.max_row_tokens is not None:
             if self.max_row_tokens != "longest":
-                check_int(self.OWNER, "max_row_tokens", self.max_row_tokens, 1, INT32_MAX)
+                width = check_int(self.OWNER, "max_row_tokens", self.max_row_tokens, 1, INT32_MAX)
+                object.__setattr__(self, "max_row_tokens", width)  # a NumPy int as the int it is
             if not self.padding_free:
                 raise ValueError(
                     f"{self.OWNER}: max_row_tokens packs the documents into rows of that width; a padded "

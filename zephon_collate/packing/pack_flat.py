@@ -36,7 +36,7 @@ def _shared_fields(
     tokens = Reader(tokens_name, None, strict=True).tokens(batch)
     with_tokens = tokens.lengths > 0
     carried = batch.carried(LOSS_MASK)[with_tokens] if LOSS_MASK in batch else np.zeros(0, bool)
-    if carried.size and not carried.all():
+    if carried.any() and not carried.all():
         rows = np.flatnonzero(with_tokens)
         first_with, first_without = rows[np.flatnonzero(carried)[0]], rows[np.flatnonzero(~carried)[0]]
         raise ValueError(

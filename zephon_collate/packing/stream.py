@@ -87,7 +87,8 @@ class PackedStream(IterableDataset[SampleRecord]):
         if balance is not None:
             _check_balance(balance, seq_len, self.packer_options)
         self.balance = balance
-        if not callable(source) and not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+        sequence = hasattr(source, "__len__") and hasattr(source, "__getitem__")
+        if not callable(source) and (not sequence or hasattr(source, "keys")):  # a dict: one payload
             raise TypeError(
                 "PackedStream: source must be a sequence of SampleRecord or a callable "
                 f"(shard, num_shards, epoch) -> records, got {type(source).__name__}"

@@ -55,7 +55,9 @@ class BalanceOptions:
         if not isinstance(self.cost, CostModel):
             raise TypeError(f"{owner}: cost must be a CostModel, got {type(self.cost).__name__}")
         if self.micro_batches is not None:
-            check_int(owner, "micro_batches", self.micro_batches, 1)
+            object.__setattr__(
+                self, "micro_batches", check_int(owner, "micro_batches", self.micro_batches, 1)
+            )
         if (self.rows is None) != (self.seq_len is None):
             raise ValueError(f"{owner}: give rows and seq_len together (fixed rows), or max_tokens alone")
         if (self.max_tokens is None) == (self.rows is None):
@@ -65,9 +67,9 @@ class BalanceOptions:
             )
         for name in ("max_tokens", "rows", "seq_len"):
             if getattr(self, name) is not None:
-                check_int(owner, name, getattr(self, name), 1)
-        check_int(owner, "hold_back", self.hold_back, 0)
-        check_int(owner, "swap_rounds", self.swap_rounds, 0)
+                object.__setattr__(self, name, check_int(owner, name, getattr(self, name), 1))
+        object.__setattr__(self, "hold_back", check_int(owner, "hold_back", self.hold_back, 0))
+        object.__setattr__(self, "swap_rounds", check_int(owner, "swap_rounds", self.swap_rounds, 0))
 
     @property
     def fixed_rows(self) -> bool:
