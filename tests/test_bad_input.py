@@ -1782,3 +1782,40 @@ def test_odd_inputs_found_by_fuzzing_raise_the_packages_errors():
         4,
         pad_token_id=0,
     )
+
+
+def test_zero_d_and_ragged_containers_raise_the_packages_errors():
+    raises(
+        TypeError,
+        r"'input_ids' must be a list of token rows, got Tensor",
+        Collator.for_transformers(padding_free=True),
+        {"input_ids": torch.tensor(3)},
+    )
+    raises(
+        TypeError,
+        r"'input_ids' must be a list of token rows, got dict",
+        Collator.for_transformers(padding_free=True),
+        {"input_ids": {"a": 1}},
+    )
+    raises(
+        TypeError,
+        r"records must be an iterable of SampleRecord, got ndarray",
+        lambda: list(FlatPacker(4, pad_token_id=0).pack(np.array(3))),
+    )
+    raises(
+        TypeError,
+        r"source must be a sequence of SampleRecord .*got ndarray",
+        PackedStream,
+        np.array(3),
+        4,
+        pad_token_id=0,
+    )
+    turns = [
+        {"input_ids": [[1, 2], [3]], "completion_mask": [0, 1], "extra": [[torch.tensor([1, 2]), 3], [4]]}
+    ]
+    raises(
+        ValueError,
+        r"example 0: 'extra' holds a turn that is not a flat row of values",
+        Collator.for_trees(),
+        turns,
+    )

@@ -97,7 +97,8 @@ class FlatPacker:
 
     def pack(self, records: Iterable[SampleRecord | ColumnarBatch]) -> Iterator[SampleRecord]:
         """Yield packed rows from ``records`` as each is closed (restored rows first); the end flushes."""
-        if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Iterable):
+        zero_d = getattr(records, "ndim", 1) == 0  # a 0-d array or tensor: iterable only by its type
+        if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Iterable) or zero_d:
             raise TypeError(
                 f"FlatPacker.pack: records must be an iterable of SampleRecord, got {type(records).__name__}"
             )

@@ -88,7 +88,8 @@ class PackedStream(IterableDataset[SampleRecord]):
             _check_balance(balance, seq_len, self.packer_options)
         self.balance = balance
         sequence = hasattr(source, "__len__") and hasattr(source, "__getitem__")
-        if not callable(source) and (not sequence or hasattr(source, "keys")):  # a dict: one payload
+        one = hasattr(source, "keys") or getattr(source, "ndim", 1) == 0  # a payload dict, a 0-d array
+        if not callable(source) and (not sequence or one):
             raise TypeError(
                 "PackedStream: source must be a sequence of SampleRecord or a callable "
                 f"(shard, num_shards, epoch) -> records, got {type(source).__name__}"

@@ -777,7 +777,13 @@ def _turns_joined(batch: Batch, owner: str, not_per_token: set[str]) -> Batch:
                         f"values for turns of {sizes} tokens; give one value per token, turn by turn (or one "
                         "value per turn)"
                     )
-                out[name] = [item for part in value for item in np.asarray(part).tolist()]
+                try:
+                    out[name] = [item for part in value for item in np.asarray(part).tolist()]
+                except ValueError:  # a ragged turn: NumPy cannot make it one row of values
+                    raise ValueError(
+                        f"{batch.names(index)}: {shown(name)} holds a turn that is not a flat row of "
+                        "values; give one value per token, turn by turn"
+                    ) from None
             elif name not in not_per_token and all(
                 isinstance(part, (numbers.Number, np.generic)) for part in value
             ):

@@ -329,6 +329,15 @@ def _listed(features: Sequence[Any]) -> list[Any]:
     return examples
 
 
+def _rows_like(value: object) -> bool:
+    """A list-like of rows: sized, not a string, a mapping or a 0-d array or tensor."""
+    return (
+        hasattr(value, "__len__")
+        and not isinstance(value, (str, bytes, Mapping))
+        and getattr(value, "ndim", 1) != 0
+    )
+
+
 def _unbatched(features: Mapping[str, Any], owner: str, key: str, keep: Sequence[str] | None) -> list[Any]:
     """A batched dict of lists as one dict per example (the fields of ``keep``, or all)."""
     if key not in features:
@@ -337,7 +346,7 @@ def _unbatched(features: Mapping[str, Any], owner: str, key: str, keep: Sequence
             "tokenize the examples first"
         )
     ids = features[key]
-    if not hasattr(ids, "__len__") or isinstance(ids, (str, bytes)):
+    if not _rows_like(ids):
         raise TypeError(f"{owner}: {shown(key)} must be a list of token rows, got {type(ids).__name__}")
     if len(ids) and getattr(ids[0], "ndim", 0 if isinstance(ids[0], (int, np.integer)) else 1) == 0:
         raise ValueError(
@@ -347,7 +356,7 @@ def _unbatched(features: Mapping[str, Any], owner: str, key: str, keep: Sequence
     count = len(ids)
     fields = [name for name in features if keep is None or name in keep or name == key]
     for name in fields:
-        if not hasattr(features[name], "__len__") or len(features[name]) != count:
+        if not _rows_like(features[name]) or len(features[name]) != count:
             raise ValueError(
                 f"{owner}: the batched field {shown(name)} does not hold one entry per example "
                 f"({shown(key)} holds {count}); give every field as a list with one row per example"
