@@ -1819,3 +1819,13 @@ def test_zero_d_and_ragged_containers_raise_the_packages_errors():
         Collator.for_trees(),
         turns,
     )
+
+
+def test_a_tensor_as_dtype_is_a_type_error():
+    raises(
+        TypeError,
+        r"dtype must be 'auto', None, a torch dtype or a NumPy dtype, got tensor\(3\)",
+        to_training,
+        [record({"input_ids": [1, 2]})],
+        dtype=torch.tensor(3),
+    )

@@ -329,7 +329,7 @@ def resolve_dtype(dtype: Any) -> OutputKind:
         return OutputKind("torch", dtype)
     try:
         numpy_dtype = np.dtype(dtype)
-    except TypeError:
+    except (TypeError, ValueError):  # NumPy's ValueError: an object with a .dtype (a tensor) is no dtype
         raise TypeError(
             f"to_training: dtype must be 'auto', None, a torch dtype or a NumPy dtype, got {shown(dtype)}"
         ) from None
