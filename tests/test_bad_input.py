@@ -1767,11 +1767,6 @@ def test_odd_inputs_found_by_fuzzing_raise_the_packages_errors():
         Collator.for_preference(pad_token_id=0),
         pairs,
     )
-    docs = [
-        SampleRecord(SampleMeta((0, 0, 0), 0, 0), {"input_ids": [], "loss_mask": []}),
-        SampleRecord(SampleMeta((0, 0, 1), 0, 0), {"input_ids": [5, 6]}),
-    ]
-    raises(ValueError, r"record 1 .*lacks field 'loss_mask'", pack_flat, docs, 4, pad_token_id=0)
     raises(ValueError, r"padding must be True/'longest'.*got \[\]", Collator.for_transformers, padding=[])
     stream = {"input_ids": [1]}  # one payload, not a sequence of records
     raises(
@@ -1829,3 +1824,45 @@ def test_a_tensor_as_dtype_is_a_type_error():
         [record({"input_ids": [1, 2]})],
         dtype=torch.tensor(3),
     )
+
+
+def test_more_odd_inputs_found_by_fuzzing():
+    for zero_d in (torch.tensor(3), np.array(3)):
+        raises(
+            TypeError, r"to_training: expected a SampleBatch or a list of SampleRecord", to_training, zero_d
+        )
+        raises(TypeError, r"SampleBatch.records must be a sequence of SampleRecord", SampleBatch, zero_d)
+        raises(
+            TypeError,
+            r"pack_flat: records must be a list of SampleRecord",
+            pack_flat,
+            zero_d,
+            4,
+            pad_token_id=0,
+        )
+        raises(
+            TypeError,
+            r"fields must be None or a sequence of field names",
+            FlatPacker,
+            4,
+            pad_token_id=0,
+            fields=zero_d,
+        )
+    cube = record({"input_ids": [30, 46], "loss_mask": np.zeros((2, 2, 2), np.int64)})
+    raises(
+        ValueError,
+        r"record 0 .*'loss_mask' has shape \(2, 2\) per token",
+        to_training,
+        [cube],
+        return_labels=True,
+    )
+    # an empty record's loss_mask is skipped with the record: pack_flat agrees with FlatPacker
+    docs = [
+        SampleRecord(SampleMeta((0, 0, 0), 0, 0), {"input_ids": [], "loss_mask": []}),
+        SampleRecord(SampleMeta((0, 0, 1), 0, 0), {"input_ids": [5, 6]}),
+    ]
+    rows = pack_flat(docs, 4, pad_token_id=0)
+    assert [row.payload["input_ids"].tolist() for row in rows] == [[5, 6, 0, 0]]
+    assert [r.payload["input_ids"].tolist() for r in FlatPacker(4, pad_token_id=0).pack(docs)] == [
+        [5, 6, 0, 0]
+    ]

@@ -46,7 +46,12 @@ class SampleBatch:
     chunk_ids: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.records, (str, bytes, Mapping)) or not isinstance(self.records, Iterable):
+        zero_d = getattr(self.records, "ndim", 1) == 0  # a 0-d array or tensor: iterable only by its type
+        if (
+            isinstance(self.records, (str, bytes, Mapping))
+            or not isinstance(self.records, Iterable)
+            or zero_d
+        ):
             raise TypeError(
                 f"SampleBatch.records must be a sequence of SampleRecord, got {shown(self.records)}"
             )

@@ -358,6 +358,13 @@ class Native(Layout):
                 check_zero_one(values, LOSS_MASK, names, "1 for supervised tokens, 0 for the rest")
             elif name not in floats:
                 check_fits(values, dtype, name, names)
+        mask = per_token.get(LOSS_MASK) if options.return_labels else None  # read only for the labels
+        if mask is not None and mask.values.ndim > 1 and mask.values.shape[1:] != tokens.values.shape[1:]:
+            first = int(np.argmax(mask.lengths > 0)) if mask.rows else 0
+            raise ValueError(
+                f"{names(first)}: field {shown(LOSS_MASK)} has shape {tuple(mask.values.shape[1:])} per "
+                f"token, its tokens {tuple(tokens.values.shape[1:])}; give one 0/1 per token"
+            )
         if tokens.values.ndim != 1 and tokens.rows:  # rows of [S, C] tokens
             option = "eos_mask_loss" if options.eos_mask_loss else None
             if options.return_padding_mask and options.output.kind != "list":

@@ -83,7 +83,12 @@ def pack_flat(
         checked.check_columnar("pack_flat")
         size = checked.buffer_size or INT64_MAX  # None: one best-fit round over every piece
         return list(FlatPacker(**{**vars(checked), "buffer_size": size}).pack([records]))
-    if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, (Iterable, SampleBatch)):
+    zero_d = getattr(records, "ndim", 1) == 0  # a 0-d array or tensor: iterable only by its type
+    if (
+        isinstance(records, (str, bytes, Mapping))
+        or not isinstance(records, (Iterable, SampleBatch))
+        or zero_d
+    ):
         raise TypeError(f"pack_flat: records must be a list of SampleRecord, got {type(records).__name__}")
     given = records.records if isinstance(records, SampleBatch) else records
     records = [as_record(record, index, "pack_flat") for index, record in enumerate(given)]

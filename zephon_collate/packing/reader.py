@@ -109,7 +109,8 @@ class PackOptions(Keywords):
                 raise ValueError(f"{owner}: {name} must be {choices}, got {shown(options[name])}")
         fields = options["fields"]
         if fields is not None:
-            if isinstance(fields, (str, bytes)) or not isinstance(fields, Iterable):
+            zero_d = getattr(fields, "ndim", 1) == 0  # a 0-d array or tensor: iterable only by its type
+            if isinstance(fields, (str, bytes)) or not isinstance(fields, Iterable) or zero_d:
                 raise TypeError(
                     f"{owner}: fields must be None or a sequence of field names, got {shown(fields)}"
                 )
@@ -569,7 +570,7 @@ def candidates(
     """
     names = batch.names
     found = []
-    if LOSS_MASK in batch:
+    if LOSS_MASK in batch and batch.carried(LOSS_MASK)[tokens.lengths > 0].any():  # empty records are skipped
         mask = batch.get(LOSS_MASK, "values")
         assert mask is not None
         bad = np.flatnonzero(~_aligned_rows(mask, tokens))

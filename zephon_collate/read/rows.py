@@ -91,7 +91,7 @@ def as_record_tuple(batch: object, owner: str) -> tuple[SampleRecord, ...]:
     records = getattr(batch, "records", None)
     if isinstance(records, tuple) and not isinstance(batch, Sequence):
         batch = records
-    if isinstance(batch, (str, bytes, Mapping)) or not isinstance(batch, Iterable):
+    if isinstance(batch, (str, bytes, Mapping)) or not isinstance(batch, Iterable) or _zero_d(batch):
         raise TypeError(
             f"{owner}: expected a SampleBatch or a list of SampleRecord, got {type(batch).__name__}"
         )
@@ -327,6 +327,11 @@ def _listed(features: Sequence[Any]) -> list[Any]:
     if examples and type(examples[0]) is not dict and all(is_array_payload(row) for row in examples):
         return [{INPUT_IDS: row} for row in examples]
     return examples
+
+
+def _zero_d(value: object) -> bool:
+    """A 0-d array or tensor: iterable by its type, but holding no rows."""
+    return getattr(value, "ndim", 1) == 0
 
 
 def _rows_like(value: object) -> bool:
