@@ -1763,7 +1763,7 @@ def test_odd_inputs_found_by_fuzzing_raise_the_packages_errors():
     ]
     raises(
         ValueError,
-        r"example 0: 'rejected_labels' has 4 entries and 'rejected_attention_mask' 3",
+        r"example 0: field 'rejected_labels' has 4 entries but the token row has 3",
         Collator.for_preference(pad_token_id=0),
         pairs,
     )

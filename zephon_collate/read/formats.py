@@ -65,6 +65,7 @@ from zephon_collate.read.rules import (
     check_ids,
     check_zero_one,
     kept_by_mask,
+    misaligned,
     misspelled,
     near_miss,
     refuse_media,
@@ -235,17 +236,6 @@ def _check_pairs(batch: Batch, fields: str) -> None:
             raise ValueError(unread_message(batch.names(int(rows[0])), name, "pairs"))
 
 
-def _check_per_token(values: Ragged, mask: Ragged, name: str, mask_name: str, names: Names) -> None:
-    """``ValueError`` naming the first example whose ``name`` and ``mask_name`` differ in length."""
-    bad = np.flatnonzero(values.lengths != mask.lengths)
-    if bad.size:
-        index = int(bad[0])
-        raise ValueError(
-            f"{names(index)}: {shown(name)} has {int(values.lengths[index])} entries and {shown(mask_name)} "
-            f"{int(mask.lengths[index])}; give one of each per token"
-        )
-
-
 def _side_supervision(fields: Iterable[object]) -> list[str]:
     """The fields named as one side's mask or labels that no format reads (``prompt_mask``, TRL's name
     for a prompt's padding; ``chosen_loss_mask``; ``attention_mask_chosen``), sorted.
@@ -288,7 +278,10 @@ def _labelled(batch: Batch) -> tuple[Ragged, Ragged, Ragged]:
         if f"{side}_attention_mask" in batch:
             mask = batch.get(f"{side}_attention_mask", "values")
             assert mask is not None
-            _check_per_token(labels, mask, labels_name, f"{side}_attention_mask", names)
+            bad = np.flatnonzero(labels.lengths != mask.lengths)  # the mask: one entry per token
+            if bad.size:
+                row = int(bad[0])
+                raise misaligned(names(row), labels_name, int(labels.lengths[row]), int(mask.lengths[row]))
             labels = labels.select(
                 kept_by_mask(Ragged(mask.host, mask.offsets), f"{side}_attention_mask", names)
             )
