@@ -96,19 +96,21 @@ ENTRIES = {
 }
 
 
-def _refused(call, bad: str, meant: str, where: str) -> None:
+def _refused(call, bad: str, meant: str, where: str) -> str:
     with pytest.raises(ValueError) as info:
         call(bad)
     message = str(info.value)
     assert message.startswith(where), message
     assert f"'{bad}'" in message and NEAR in message and f"'{meant}'" in message, message
+    return message
 
 
 @pytest.mark.parametrize("entry", list(ENTRIES))
 @pytest.mark.parametrize("kind, bad, meant", SLIPS, ids=[f"{k}:{b}" for k, b, _ in SLIPS])
 def test_a_misspelled_supervision_field_is_refused(entry, kind, bad, meant):
     call, where = ENTRIES[entry]
-    _refused(call, bad, meant, where)
+    message = _refused(call, bad, meant, where)
+    assert f"did you mean '{meant}'?" in message  # the right name, as the fix
 
 
 PAIR = {"prompt_input_ids": [1, 2], "chosen_input_ids": [3, 0], "rejected_input_ids": [4, 5]}
@@ -125,7 +127,8 @@ PAIR_SLIPS = [
 @pytest.mark.parametrize("kind, bad, meant", PAIR_SLIPS, ids=[f"{k}:{b}" for k, b, _ in PAIR_SLIPS])
 def test_a_misspelled_side_mask_of_a_pair_is_refused(kind, bad, meant):
     pairs = [dict(PAIR), {**PAIR, bad: [1, 0]}]
-    _refused(lambda _: Collator.for_preference(pad_token_id=0)(pairs), bad, meant, "example 1")
+    message = _refused(lambda _: Collator.for_preference(pad_token_id=0)(pairs), bad, meant, "example 1")
+    assert f"did you mean '{meant}'?" in message  # the right name, as the fix
     _refused(lambda _: Collator.for_preference(padding_free=True)(pairs), bad, meant, "example 1")
     rewards = [{"chosen_ids": [1, 3, 0], "rejected_ids": [1, 4, 5], bad: [1, 1, 0]}]
     _refused(lambda _: Collator.for_rewards(pad_token_id=0)(rewards), bad, meant, "example 0")

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from zephon_collate.core.checks import check_field_names, keywords
+from zephon_collate.core.checks import check_field_names, is_zero_d, keywords
 from zephon_collate.core.keys import PADDING_LENGTH
 from zephon_collate.core.records import SampleRecord
 from zephon_collate.core.text import shown
@@ -46,7 +46,7 @@ class SampleBatch:
     chunk_ids: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        zero_d = getattr(self.records, "ndim", 1) == 0  # a 0-d array or tensor: iterable only by its type
+        zero_d = is_zero_d(self.records)
         if (
             isinstance(self.records, (str, bytes, Mapping))
             or not isinstance(self.records, Iterable)

@@ -38,6 +38,7 @@ __all__ = [
     "check_position_mode",
     "check_rename_fields",
     "fits_dtype",
+    "is_zero_d",
     "keywords",
     "renamed",
     "resolve_dtype",
@@ -343,6 +344,11 @@ def resolve_dtype(dtype: Any) -> OutputKind:
             f"np.dtype({shown(numpy_dtype.newbyteorder('=').name)})"
         )
     return OutputKind("numpy", torch.from_numpy(np.empty(0, numpy_dtype)).dtype, numpy_dtype)
+
+
+def is_zero_d(value: object) -> bool:
+    """A 0-d array or tensor: iterable by its type, but holding no items."""
+    return getattr(value, "ndim", 1) == 0
 
 
 def check_int(owner: str, name: str, value: object, minimum: int, maximum: int = INT64_MAX) -> int:

@@ -8,7 +8,7 @@ from typing import Any, cast
 import numpy as np
 
 from zephon_collate.collate.sample_batch import SampleBatch
-from zephon_collate.core.checks import keywords
+from zephon_collate.core.checks import is_zero_d, keywords
 from zephon_collate.core.keys import INT64_MAX, LOSS_MASK
 from zephon_collate.core.records import SampleRecord
 from zephon_collate.core.text import shown
@@ -83,7 +83,7 @@ def pack_flat(
         checked.check_columnar("pack_flat")
         size = checked.buffer_size or INT64_MAX  # None: one best-fit round over every piece
         return list(FlatPacker(**{**vars(checked), "buffer_size": size}).pack([records]))
-    zero_d = getattr(records, "ndim", 1) == 0  # a 0-d array or tensor: iterable only by its type
+    zero_d = is_zero_d(records)
     if (
         isinstance(records, (str, bytes, Mapping))
         or not isinstance(records, (Iterable, SampleBatch))

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
-from zephon_collate.core.checks import keywords
+from zephon_collate.core.checks import is_zero_d, keywords
 from zephon_collate.core.keys import INPUT_IDS
 from zephon_collate.core.records import SampleMeta, SampleRecord
 from zephon_collate.core.text import shown
@@ -97,7 +97,7 @@ class FlatPacker:
 
     def pack(self, records: Iterable[SampleRecord | ColumnarBatch]) -> Iterator[SampleRecord]:
         """Yield packed rows from ``records`` as each is closed (restored rows first); the end flushes."""
-        zero_d = getattr(records, "ndim", 1) == 0  # a 0-d array or tensor: iterable only by its type
+        zero_d = is_zero_d(records)
         if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Iterable) or zero_d:
             raise TypeError(
                 f"FlatPacker.pack: records must be an iterable of SampleRecord, got {type(records).__name__}"

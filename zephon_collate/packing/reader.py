@@ -11,7 +11,7 @@ from typing import Any, Literal, NamedTuple, cast
 import numpy as np
 import torch
 
-from zephon_collate.core.checks import Keywords, check_int, check_option_names
+from zephon_collate.core.checks import Keywords, check_int, check_option_names, is_zero_d
 from zephon_collate.core.keys import (
     IGNORE_INDEX,
     INPUT_IDS,
@@ -109,7 +109,7 @@ class PackOptions(Keywords):
                 raise ValueError(f"{owner}: {name} must be {choices}, got {shown(options[name])}")
         fields = options["fields"]
         if fields is not None:
-            zero_d = getattr(fields, "ndim", 1) == 0  # a 0-d array or tensor: iterable only by its type
+            zero_d = is_zero_d(fields)
             if isinstance(fields, (str, bytes)) or not isinstance(fields, Iterable) or zero_d:
                 raise TypeError(
                     f"{owner}: fields must be None or a sequence of field names, got {shown(fields)}"

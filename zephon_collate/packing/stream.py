@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
-from zephon_collate.core.checks import keywords
+from zephon_collate.core.checks import is_zero_d, keywords
 from zephon_collate.core.records import SampleCursor, SampleRecord
 from zephon_collate.core.text import shown
 from zephon_collate.packing.balanced import BalancedSteps, check_balance_state
@@ -88,7 +88,7 @@ class PackedStream(IterableDataset[SampleRecord]):
             _check_balance(balance, seq_len, self.packer_options)
         self.balance = balance
         sequence = hasattr(source, "__len__") and hasattr(source, "__getitem__")
-        one = hasattr(source, "keys") or getattr(source, "ndim", 1) == 0  # a payload dict, a 0-d array
+        one = hasattr(source, "keys") or is_zero_d(source)  # a payload dict, a 0-d array
         if not callable(source) and (not sequence or one):
             raise TypeError(
                 "PackedStream: source must be a sequence of SampleRecord or a callable "

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from zephon_collate.core.checks import is_zero_d
 from zephon_collate.core.keys import INPUT_IDS
 from zephon_collate.core.records import FLUSH_TAG, TOMBSTONE_TAG, SampleMeta, SampleRecord
 from zephon_collate.core.text import shown, shown_fields
@@ -91,7 +92,7 @@ def as_record_tuple(batch: object, owner: str) -> tuple[SampleRecord, ...]:
     records = getattr(batch, "records", None)
     if isinstance(records, tuple) and not isinstance(batch, Sequence):
         batch = records
-    if isinstance(batch, (str, bytes, Mapping)) or not isinstance(batch, Iterable) or _zero_d(batch):
+    if isinstance(batch, (str, bytes, Mapping)) or not isinstance(batch, Iterable) or is_zero_d(batch):
         raise TypeError(
             f"{owner}: expected a SampleBatch or a list of SampleRecord, got {type(batch).__name__}"
         )
@@ -329,18 +330,9 @@ def _listed(features: Sequence[Any]) -> list[Any]:
     return examples
 
 
-def _zero_d(value: object) -> bool:
-    """A 0-d array or tensor: iterable by its type, but holding no rows."""
-    return getattr(value, "ndim", 1) == 0
-
-
 def _rows_like(value: object) -> bool:
     """A list-like of rows: sized, not a string, a mapping or a 0-d array or tensor."""
-    return (
-        hasattr(value, "__len__")
-        and not isinstance(value, (str, bytes, Mapping))
-        and getattr(value, "ndim", 1) != 0
-    )
+    return hasattr(value, "__len__") and not isinstance(value, (str, bytes, Mapping)) and not is_zero_d(value)
 
 
 def _unbatched(features: Mapping[str, Any], owner: str, key: str, keep: Sequence[str] | None) -> list[Any]:
