@@ -59,6 +59,16 @@ def test_a_batch_without_groups_is_one_group_and_a_partial_one_is_refused():
         Collator.for_trees()([GROUPS[0], plain[1]])
 
 
+def test_group_ids_are_ints_or_strs_and_never_merge_across_types():
+    """NumPy and tensor ints are the int they hold; a bool or a float is refused, since ``True == 1 == 1.0``
+    would put trajectories of different groups into one tree."""
+    same = [trajectory([1, 2, 3], 1, group=np.int64(7)), trajectory([1, 2, 4], 1, group=torch.tensor(7))]
+    assert Collator.for_trees()(same)["input_ids"].tolist() == [[1, 2, 3, 4]]
+    for bad in (True, 1.0, np.float32(1), torch.tensor(True), [1]):
+        with pytest.raises(TypeError, match=r"example 1: group key 'group' must be an int or a str"):
+            Collator.for_trees()([trajectory([1, 2, 3], 1, group=1), trajectory([1, 2, 4], 1, group=bad)])
+
+
 def test_supervision_and_values_must_agree_to_share():
     """Tokens are shared only where their ids, supervision and per-token values all agree."""
     other = trajectory([1, 2, 3, 9], 3)  # token 3 untrained here, trained in the first

@@ -527,7 +527,7 @@ class Reader:
             return None  # one segment counted 0, 1, ...: what the packer writes anyway
         return np.asarray(values, dtype=np.int64)
 
-    def _group(self, batch: Batch, row: int, value: Any, carried: bool) -> Any:
+    def _group(self, batch: Batch, row: int, value: Any, carried: bool) -> int | str:
         """Row ``row``'s group key: an int or a str."""
         key = cast(str, self.group_key)
         where = batch.names(row)
@@ -537,18 +537,7 @@ class Reader:
                 f"{where}: payload lacks the group key {shown(key)} (its fields: {shown_fields(payload)}); "
                 "give every record its group id (e.g. the index of its prompt)"
             )
-        if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
-            value = int(value)
-        elif isinstance(value, torch.Tensor) and value.ndim == 0 and not value.dtype.is_floating_point:
-            value = int(value) if value.dtype != torch.bool else value
-        elif isinstance(value, np.integer):
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise TypeError(
-                f"{where}: group key {shown(key)} must be an int or a str (records with equal keys in a row "
-                f"form a group), got {shown(value)}"
-            )
-        return value
+        return rules.group_id(value, where, key)
 
 
 def candidates(

@@ -64,6 +64,7 @@ from zephon_collate.read.rules import (
     check_flat,
     check_ids,
     check_zero_one,
+    group_id,
     kept_by_mask,
     misaligned,
     misspelled,
@@ -714,17 +715,10 @@ def read_trajectories(batch: Batch, spec: ExampleSpec, group_key: str) -> Forest
             f"{batch.names(lacking)}: lacks {shown(group_key)}, which {batch.names(carrier)} carries: give "
             f"every trajectory its group (the trajectories whose prefixes are shared), or none (one group)"
         )
-    keys: dict[object, int] = {}
+    keys: dict[int | str, int] = {}
     groups = []
     for row, value in enumerate(batch.objects(group_key)):
-        key = value.item() if isinstance(value, (np.generic, torch.Tensor)) and np.ndim(value) == 0 else value
-        try:
-            groups.append(keys.setdefault(key, len(keys)))
-        except TypeError:
-            raise TypeError(
-                f"{batch.names(row)}: {shown(group_key)} is {shown(value)}; a group is an id (an int or a "
-                "str)"
-            ) from None
+        groups.append(keys.setdefault(group_id(value, batch.names(row), group_key), len(keys)))
     forest.groups = np.array(groups, dtype=np.int64)
     return forest
 

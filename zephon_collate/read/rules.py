@@ -10,6 +10,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from zephon_collate.core.checks import is_zero_d
 from zephon_collate.core.keys import (
     ACTION_MASK,
     ASSISTANT_MASK,
@@ -77,6 +78,7 @@ __all__ = [
     "check_ids",
     "check_zero_one",
     "declared_padding",
+    "group_id",
     "kept_by_mask",
     "misaligned",
     "misspelled",
@@ -630,6 +632,22 @@ def misaligned(where: str, name: str, entries: int | None, length: int) -> Value
         f"{where}: field {shown(name)} has {got} but the token row has {length}; per-token fields must "
         "match the tokens one to one"
     )
+
+
+def group_id(value: object, where: str, key: str) -> int | str:
+    """A group field's value as its id: an int (NumPy and 0-d integer tensors included) or a str.
+
+    Refused otherwise, a bool and a float included: ``True``, ``1`` and ``1.0`` are equal as Python
+    keys, and would merge groups the user kept apart.
+    """
+    if isinstance(value, (np.ndarray, np.generic, torch.Tensor)) and is_zero_d(value):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(
+            f"{where}: group key {shown(key)} must be an int or a str (the id its group shares), got "
+            f"{shown(value)}"
+        )
+    return value
 
 
 def misspelled(
