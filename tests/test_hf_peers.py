@@ -232,6 +232,11 @@ def check_hf_case(peer: str, options: dict, examples: list) -> str:
         ours_collate = Collator.for_transformers(tok, **options)
     elif peer == "flattening":
         theirs_collate = transformers.DataCollatorWithFlattening(**options)
+        if not options["return_position_ids"] and not options["return_flash_attn_kwargs"]:
+            # Documented: nothing in the row would separate its documents; refused, naming the fix.
+            with pytest.raises(ValueError, match="leaves nothing in the row that separates its documents"):
+                Collator.for_transformers(padding_free=True, **options)
+            return "documented"
         ours_collate = Collator.for_transformers(padding_free=True, **options)
         if "token_type_ids" in examples[0]:
             skip = ("token_type_ids",)
@@ -299,6 +304,26 @@ def check_hf_case(peer: str, options: dict, examples: list) -> str:
         return "documented" if ((ids == PAD) & real).any() or skip else "equal"
     assert_same_batch(ours, theirs, skip)
     return "documented" if skip else "equal"
+
+
+def test_documented_differences_from_language_modeling_and_flattening() -> None:
+    """Labels given are applied (``DataCollatorForLanguageModeling`` overwrites them with the tokens); an
+    example's ``position_ids`` counted from 2 are refused (the peers ignore them; here they mark documents)."""
+    examples = [
+        {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
+        {"input_ids": [8, 9, 4], "labels": [-100, 9, 4]},
+    ]
+    theirs = transformers.DataCollatorForLanguageModeling(tokenizer(), mlm=False)(examples)
+    assert theirs["labels"].tolist() == [[5, 6, 7], [8, 9, 4]]
+    ours = Collator.for_transformers(tokenizer())(examples)
+    assert ours["labels"].tolist() == [[-100, 6, 7], [-100, 9, 4]]
+    shifted = [{"input_ids": [5, 6, 7], "position_ids": [2, 3, 4]}]
+    assert transformers.DataCollatorWithFlattening()(shifted)["position_ids"].tolist() == [[0, 1, 2]]
+    for options in ({"pad_token_id": PAD}, {"padding_free": True}):
+        with pytest.raises(
+            ValueError, match=r"example 0: 'position_ids' must start at 0 .* \(they start at 2\)"
+        ):
+            Collator.for_transformers(**options)(shifted)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

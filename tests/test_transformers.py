@@ -230,6 +230,11 @@ def test_boundary_safe_labels_off_keeps_each_first_label_in_the_flat_row() -> No
             ValueError,
             r"field 'input_ids' must be 1-D \(one entry per token\), got shape \(2, 2\)",
         ),
+        (  # the first example is the odd one: both are named, not the well-formed one alone
+            [{"input_ids": [[5], [6], [7]]}, {"input_ids": [8, 9]}],
+            ValueError,
+            r"example 1: field 'input_ids' has shape \(2,\), but example 0 has \(3, 1\)",
+        ),
         ([{"text": "hi"}], ValueError, "example 0: has no 'input_ids'"),
         ([5, 6], TypeError, "example 0: must be a dict"),
         ([{"input_ids": [5]}, [5, 6]], TypeError, "example 1: must be a dict"),

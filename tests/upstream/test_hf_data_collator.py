@@ -196,8 +196,13 @@ class TestDataCollatorWithFlattening(DataCollatorTestMixin, unittest.TestCase):
 
     def test_switches_separator_and_position_start(self):
         features = [{"input_ids": [10, 11, 12]}, {"input_ids": [20, 21, 22, 23]}, {"input_ids": [30, 31]}]
-        off = Collator.for_transformers(padding_free=True, return_position_ids=False)(features)
-        self.assertEqual(sorted(off), ["input_ids", "labels"])
+        with self.assertRaisesRegex(ValueError, "separates its documents"):  # documented: nothing would
+            Collator.for_transformers(padding_free=True, return_position_ids=False)
+        off = Collator.for_transformers(
+            padding_free=True, return_position_ids=False, return_flash_attn_kwargs=True
+        )(features)
+        keys = ["cu_seq_lens_k", "cu_seq_lens_q", "input_ids", "labels", "max_length_k", "max_length_q"]
+        self.assertEqual(sorted(off), keys)
         labels = Collator.for_transformers(padding_free=True, separator_id=-1)(features)["labels"]
         self.assertEqual(labels.tolist(), [[-1, 11, 12, -1, 21, 22, 23, -1, 31]])
         start = Collator.for_transformers(padding_free=True, position_ids_start=2)(features)

@@ -158,7 +158,8 @@ class TransformersOptions(Keywords):
         label_pad_token_id: the label of padding; unsupervised real tokens always get -100.
         return_tensors: ``"pt"`` (torch tensors) or ``"np"`` (NumPy arrays).
         boundary_safe_labels: padding-free, make each example's first label ``separator_id``.
-        return_position_ids: emit ``position_ids`` (default: padding-free only).
+        return_position_ids: emit ``position_ids`` (default: padding-free only; padding-free, ``False``
+            needs ``return_flash_attn_kwargs``, which then marks the documents).
         return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free).
         return_seq_idx: emit ``seq_idx`` (padding-free).
         return_sequence_map: emit ``logits_index``, ``sequence_index`` and ``num_sequences`` (padding-free).
@@ -337,6 +338,13 @@ class TransformersOptions(Keywords):
                 "return_sequence_map=True describes the sequences of a padding-free row; padded rows are one "
                 "sequence each, which the loss helpers read from attention_mask: drop it, or pass "
                 "padding_free=True",
+            ),
+            (
+                self.padding_free and self.return_position_ids is False and not self.return_flash_attn_kwargs,
+                "padding_free=True with return_position_ids=False leaves nothing in the row that separates "
+                "its documents: the model would attend from each into the next; leave return_position_ids "
+                "at its default (TRL's collator returns position_ids padding-free whatever it says), or "
+                "pass return_flash_attn_kwargs=True for a varlen kernel",
             ),
             (
                 not self.padding_free and (self.return_flash_attn_kwargs or self.return_seq_idx),

@@ -317,7 +317,7 @@ def concat(rows: Sequence[Row], name: str, names: Names) -> Ragged:
             )
         if row.shape[1:] != trailing:
             raise ValueError(
-                f"{names(index)}: field {shown(name)} has shape {tuple(row.shape)}, the first payload's "
+                f"{names(index)}: field {shown(name)} has shape {tuple(row.shape)}, but {names(0)} has "
                 f"{tuple(rows[0].shape)}; rows may differ in length only"
             )
     if all(isinstance(row, np.ndarray) or row.is_cpu for row in rows):
