@@ -1731,6 +1731,38 @@ def test_sequence_positions_beyond_the_dtype_are_refused_on_both_passes(host):
 # --- found by fuzzing: raw errors from odd but plausible input -----------------------------------
 
 
+def test_zero_d_arrays_are_the_per_example_values_they_hold():
+    """``datasets``' NumPy rows hand a bool column over as ``array(True)``: a 0-d array (NumPy or torch)
+    is the value it holds in every per-example field, as a NumPy scalar is (a 0-d NumPy array was refused
+    where the tensor passed)."""
+    forms = (lambda v: v, lambda v: np.asarray(v)[()], torch.tensor, np.array)
+
+    def same(collate, rows, key):
+        batches = [as_lists(collate([{**row, key: form(row[key])} for row in rows])) for form in forms]
+        assert all(b == batches[0] for b in batches[1:])
+
+    kto = [
+        {"prompt_ids": [5, 6], "completion_ids": [7, 8], "KL_completion_ids": [9], "label": True},
+        {"prompt_ids": [4], "completion_ids": [9], "KL_completion_ids": [7, 8], "label": False},
+    ]
+    same(Collator.for_preference(padding_free=True), kto, "label")
+    openrlhf = [
+        {"chosen_ids": [1, 2, 3, 4], "reject_ids": [1, 2, 5], "extra": 2},
+        {"chosen_ids": [6, 7], "reject_ids": [6, 8, 9], "extra": 1},
+    ]
+    same(Collator.for_preference(padding_free=True), openrlhf, "extra")
+    nodes = [
+        {"node_id": 0, "parent_id": -1, "input_ids": [1, 2], "completion_mask": [0, 0]},
+        {"node_id": 1, "parent_id": 0, "input_ids": [3], "completion_mask": [1]},
+    ]
+    same(Collator.for_trees(), nodes, "node_id")
+    rewards = [{"chosen_input_ids": [1, 2], "rejected_input_ids": [1, 3], "margin": 0.5}]
+    same(Collator.for_rewards(padding_free=True), rewards, "margin")
+    for bad in (np.array(1), np.array([True])):
+        with pytest.raises(ValueError, match=r"example 0: 'label' is"):
+            Collator.for_preference(padding_free=True)([{**kto[0], "label": bad}])
+
+
 def test_numpy_int_options_are_the_ints_they_hold():
     """A NumPy int option is checked and kept as a Python int: the same rows as the int."""
     pairs = [

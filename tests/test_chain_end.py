@@ -71,10 +71,12 @@ def test_a_transform_of_yours_sees_the_batch_count(mode):
 def test_a_chain_of_yours_ends_with_what_it_computes():
     """A chain of yours is the whole chain: its LossMask counts per row, and a Total sums them."""
     rows = [packed(0), packed(1)]
-    # No boundary masking in this chain: every non-padding label counts (4 of 5 per row).
-    per_row = Collator(chain=[_shift(), LossMask(supervision_key=None)])(rows)
+    # No boundary masking in this chain, said so: every non-padding label counts (4 of 5 per row).
+    per_row = Collator(chain=[_shift(), LossMask(supervision_key=None)], boundary_safe_labels=False)(rows)
     assert per_row["num_valid_tokens"].tolist() == [4, 4]
-    summed = Collator(chain=[_shift(), LossMask(supervision_key=None), Total()])(rows)
+    summed = Collator(chain=[_shift(), LossMask(supervision_key=None), Total()], boundary_safe_labels=False)(
+        rows
+    )
     assert summed["num_valid_tokens"] == 8
 
 

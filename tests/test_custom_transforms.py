@@ -181,7 +181,7 @@ def test_a_ragged_list_batch_joins_each_output_by_the_step_that_wrote_it():
     per_row = Collator(**{**options, "flatten": False})(rows)
     assert per_row["cu_seqlens"] == [[0, 2], [0, 1]] and per_row["max_seqlen"] == [2, 1]
     steps = [TokenShift(input_keys=["positions"]), LossMask(supervision_key=None), Total(), CuSeqlens()]
-    nested = Collator(dtype=None, chain=[Chain(*steps)])(rows)
+    nested = Collator(dtype=None, chain=[Chain(*steps)], boundary_safe_labels=False)(rows)
     assert nested["num_valid_tokens"] == 3 and nested["cu_seqlens"] == [
         [0, 2],
         [0, 1],
@@ -283,3 +283,225 @@ def test_what_your_steps_write_is_what_comes_out():
         assert bool(out["looked"]) is False and "positions" not in out, steps
     with pytest.raises(TypeError, match=r"transforms\[0\] \(_HostOnly\) defines no compute"):
         Collator(transforms=[_HostOnly()])
+
+
+class Sevens(Transform):
+    """Writes 7 at every token under ``key``."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self.key = key
+        self.in_keys, self.out_keys = ["input_ids"], [key]
+
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self.key: torch.full_like(data["input_ids"], 7)}
+
+
+def test_an_output_of_yours_named_ids_or_texts_is_kept_or_refused_never_replaced():
+    """The native Collator makes ``ids`` and ``texts`` row by row: a step of yours writing them is refused
+    (its output was replaced by the sample ids). Elsewhere they are your outputs (they were dropped)."""
+    for key in ("ids", "texts"):
+        with pytest.raises(ValueError, match=rf"Sevens writes '{key}', an output this layout makes itself"):
+            Collator(transforms=[Sevens(key)])([packed(0, [3])])
+        with pytest.raises(ValueError, match=rf"Sevens writes '{key}'"):
+            Collator(chain=[Sevens(key)])([packed(0, [3])])
+        flat = Collator.for_transformers(padding_free=True, transforms=[Sevens(key)])([{"input_ids": [5, 6]}])
+        assert flat[key].tolist() == [[7, 7]]
+        pair = {"prompt_input_ids": [1, 2], "chosen_input_ids": [3], "rejected_input_ids": [4]}
+        assert Collator.for_preference(padding_free=True, transforms=[Sevens(key)])([pair])[key].tolist() == [
+            [7] * 6
+        ]
+
+
+@pytest.mark.parametrize(
+    ("build", "given"),
+    [
+        (lambda chain: Collator(chain=chain, flatten=True), "flatten"),
+        (lambda chain: Collator(chain=chain, ignore_index=-1), "ignore_index"),
+        (lambda chain: Collator(chain=chain, num_boundaries=6), "num_boundaries"),
+        (
+            lambda chain: Collator.for_transformers(padding_free=True, return_seq_idx=True, chain=chain),
+            "return_seq_idx",
+        ),
+        (
+            lambda chain: Collator.for_transformers(pad_token_id=0, padding_side="left", chain=chain),
+            "padding_side",
+        ),
+        (
+            lambda chain: Collator.for_transformers(pad_token_id=0, label_pad_token_id=0, chain=chain),
+            "label_pad_token_id",
+        ),
+        (
+            lambda chain: Collator.for_preference(padding_free=True, return_seq_idx=True, chain=chain),
+            "return_seq_idx",
+        ),
+    ],
+)
+def test_a_chain_of_yours_refuses_the_options_it_would_ignore(build, given):
+    """Each option read by the built-in chain alone did nothing beside chain= (flatten=True left [B, S]
+    outputs, num_boundaries no static shape, padding_side='left' right padding)."""
+    with pytest.raises(ValueError, match=rf"chain= replaces the chain that {given} would build"):
+        build([CuSeqlens()])
+
+
+def test_a_chain_of_yours_keeps_labels_inside_documents_unless_told_not_to():
+    """Where the layout promises labels never cross a document (the Collator, padding-free presets), a
+    chain of yours that makes labels needs a BoundaryMask before it, or boundary_safe_labels=False."""
+    rows = [packed(0, [3, 4])]  # tokens 3 4 5 | 3 4 5 6 | pad pad
+    plain = [TokenShift(input_keys=["positions"]), LossMask(supervision_key=None)]
+    with pytest.raises(ValueError, match=r"your steps make labels \(TokenShift\) that no BoundaryMask keeps"):
+        Collator(chain=plain)(rows)
+    from zephon_collate import pack_flat
+
+    unpositioned = pack_flat(
+        [{"input_ids": [3, 4, 5]}, {"input_ids": [3, 4]}], 8, pad_token_id=0, emit_positions=False
+    )
+    with pytest.raises(ValueError, match=r"a packed row of 2 documents .* given without positions"):
+        Collator(chain=[TokenShift(), LossMask(supervision_key=None)])(unpositioned)
+    with pytest.raises(ValueError, match=r"your steps make labels \(TokenShift\)"):
+        Collator(transforms=plain)(rows)  # appended to a built-in chain that makes no labels: the same
+    crossing = Collator(chain=plain, boundary_safe_labels=False)(rows)
+    assert crossing["labels"].tolist() == [[4, 5, 3, 4, 5, 6, -100, -100]]  # 5 -> 3 crosses, as asked
+    safe = [BoundaryMask(), TokenShift(input_keys=["positions"], label_keys=["loss_mask"]), LossMask()]
+    assert Collator(chain=safe)(rows)["labels"].tolist() == hand(rows)["labels"]
+    from zephon_collate.transforms import UnshiftedLabels
+
+    with pytest.raises(
+        ValueError, match=r"BoundaryMask\('position_ids'\) before UnshiftedLabels .* its mask, or pass"
+    ):
+        Collator.for_transformers(padding_free=True, chain=[UnshiftedLabels()])([{"input_ids": [5, 6]}])
+    padded = Collator.for_transformers(pad_token_id=0, chain=[UnshiftedLabels()])([{"input_ids": [5, 6]}])
+    assert padded["labels"].tolist() == [[5, 6]]  # a padded row is one document
+
+
+def _misordered() -> list[tuple[list[Transform], str]]:
+    from zephon_collate.transforms import EosMask, Flatten, PaddingMask, Positions, SegmentIds
+
+    return [
+        (
+            [TokenShift(input_keys=["positions"]), BoundaryMask()],
+            r"BoundaryMask \(step 1\) must run before TokenShift",
+        ),
+        (
+            [BoundaryMask(), TokenShift(input_keys=["positions", "loss_mask"])],
+            r"cuts 'loss_mask' the other way: .* label_keys",
+        ),
+        (
+            [PaddingMask(), TokenShift(input_keys=["positions"], label_keys=["padding_mask"])],
+            "cuts 'padding_mask' the other way",
+        ),
+        (
+            [TokenShift(input_keys=["positions"]), PaddingMask()],
+            r"PaddingMask \(step 1\) must run before TokenShift",
+        ),
+        (
+            [TokenShift(input_keys=["positions"]), LossMask(supervision_key=None), EosMask(2)],
+            r"EosMask \(step 2\) must run before LossMask",
+        ),
+        (
+            [CuSeqlens(), TokenShift(input_keys=["positions"])],
+            r"TokenShift \(step 1\) must run before CuSeqlens",
+        ),
+        (
+            [SegmentIds(), TokenShift(input_keys=["positions"])],
+            r"TokenShift \(step 1\) must run before SegmentIds",
+        ),
+        ([Positions("sequence"), CuSeqlens()], r"CuSeqlens \(step 1\) must run before Positions"),
+        (
+            [
+                TokenShift(input_keys=["positions"]),
+                Flatten(["input_ids", "labels"]),
+                LossMask(supervision_key=None),
+            ],
+            r"LossMask \(step 2\) reads 'labels', which Flatten \(step 1\) reshaped",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("index", range(9))
+def test_built_in_steps_in_an_order_that_gives_a_wrong_batch_are_refused(index):
+    """Each of these ran (host, eager and compiled alike, or the host path alone) and gave a wrong batch:
+    a label across documents, the EOS marked as padding, cu_seqlens past the row, a count off by one."""
+    steps, match = _misordered()[index]
+    with pytest.raises(ValueError, match=match):
+        Chain(*steps)
+    with pytest.raises(ValueError, match=match):
+        Collator(chain=steps, boundary_safe_labels=False)([packed(0, [3, 4])])
+    with pytest.raises(ValueError, match=match):
+        Chain(Chain(*steps[:1]), *steps[1:])  # nested, as the Collator flattens a chain of yours
+
+
+def test_a_chain_of_yours_in_a_preset_never_shows_the_layouts_own_keys():
+    """The roles a pair's SequenceRoles reads are the layout's own: a chain without it left them as an
+    output (``'sequence_roles:chosen,rejected'``)."""
+    from zephon_collate.transforms import AttentionMask, PaddingMask
+
+    pair = {"prompt_input_ids": [1, 2], "chosen_input_ids": [3], "rejected_input_ids": [4]}
+    out = Collator.for_preference(pad_token_id=0, chain=[PaddingMask(), AttentionMask()])([pair])
+    assert list(out) == [
+        "input_ids",
+        "attention_mask",
+        "document_ids",
+        "branch_ids",
+        "logits_index",
+        "sequence_index",
+    ]
+
+
+def test_an_empty_batch_gives_a_flattened_cu_seqlens_of_yours_its_zero():
+    collate = Collator(chain=[CuSeqlens(flatten=True)])
+    assert collate([]) == {"ids": [], "texts": [], "input_ids": [], "cu_seqlens": [0], "max_seqlen": 0}
+    assert collate([packed(0, [3])])["cu_seqlens"].tolist() == [0, 3, 5]  # the padding: a segment
+
+
+def test_chains_the_order_checks_must_not_refuse():
+    """Valid chains: steps that share no key are in no order (positions written under another name, a
+    copy of a key Flatten left alone), UnshiftedLabels cuts nothing, padding_side="right" (a tokenizer's)
+    builds nothing, the stacked keys of return_flash_attn_kwargs / return_sequence_map feed a chain of
+    yours, and tensordict's own modules have no empty outputs."""
+    from tensordict.nn import TensorDictModule
+
+    from zephon_collate.transforms import CopyKeys, Flatten, Positions, SequenceMap, UnshiftedLabels
+
+    Chain(Positions("sequence", out_key="numbered"), CuSeqlens())
+    Chain(CuSeqlens(flatten=True), Flatten(["input_ids"]), CopyKeys({"cu_seqlens": "cu_seq_lens_q"}))
+    examples = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]
+    labelled = [UnshiftedLabels(), BoundaryMask("position_ids"), LossMask(out_key=None, count_key=None)]
+    out = Collator.for_transformers(padding_free=True, chain=labelled)(examples)
+    assert out["labels"].tolist() == [[-100, 6, 7, -100, 9]]
+    padded = Collator.for_transformers(pad_token_id=0, padding_side="right", chain=[UnshiftedLabels()])
+    assert padded(examples)["labels"].tolist() == [[5, 6, 7], [8, 9, 0]]
+    mapped = Collator.for_transformers(
+        padding_free=True, return_sequence_map=True, chain=[SequenceMap("position_ids")]
+    )
+    assert mapped(examples)["num_sequences"] == 2
+    cu = CuSeqlens("positions", flatten=True, out_key="cu_seq_lens_q", max_key="max_length_q")
+    flash = Collator.for_transformers(
+        padding_free=True, return_position_ids=False, return_flash_attn_kwargs=True, chain=[cu]
+    )
+    assert flash(examples)["cu_seq_lens_q"].tolist() == [0, 3, 5]
+    double = TensorDictModule(lambda x: x * 2, in_keys=["input_ids"], out_keys=["doubled"])
+    assert Collator(transforms=[double])([]) == {"ids": [], "texts": [], "input_ids": [], "doubled": []}
+    copied = Collator(chain=[CuSeqlens(flatten=True), CopyKeys({"cu_seqlens": "cu_k"})])([])
+    assert copied["cu_k"] == [0] and copied["cu_seqlens"] == [0]
+
+
+def test_wrong_orders_are_found_inside_tensordict_sequences_and_in_subclasses():
+    from tensordict.nn import TensorDictSequential
+
+    from zephon_collate.transforms import Flatten, UnshiftedLabels
+
+    class MyLossMask(LossMask):
+        pass
+
+    with pytest.raises(ValueError, match=r"BoundaryMask \(step 1\) must run before TokenShift"):
+        Chain(TensorDictSequential(TokenShift(input_keys=["positions"]), BoundaryMask()))
+    wrapped = TensorDictSequential(TokenShift(input_keys=["positions"]), LossMask(supervision_key=None))
+    with pytest.raises(ValueError, match="that no BoundaryMask keeps"):
+        Collator(chain=[wrapped])([packed(0, [3, 4])])
+    with pytest.raises(ValueError, match=r"MyLossMask \(step 2\) reads 'labels', which Flatten"):
+        Chain(TokenShift(), Flatten(["input_ids", "labels"]), MyLossMask(supervision_key=None))
+    pair = {"prompt_input_ids": [1, 2], "chosen_input_ids": [3], "rejected_input_ids": [4]}
+    no_opt_out = r"before UnshiftedLabels and a LossMask reading its mask$"  # presets have no such option
+    with pytest.raises(ValueError, match=no_opt_out):
+        Collator.for_preference(padding_free=True, chain=[UnshiftedLabels()])([pair])

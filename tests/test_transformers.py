@@ -271,6 +271,12 @@ def test_bad_examples_are_named(examples: object, error: type, match: str) -> No
         ({"pad_token_id": -1}, ValueError, "pad_token_id must be an int >= 0"),
         ({"pad_token_id": 0, "pad_to_multiple_of": 0}, ValueError, "pad_to_multiple_of must be an int >= 1"),
         ({"padding_free": 1}, TypeError, "padding_free must be a bool"),
+        (
+            {"padding_free": True, "separator_id": 2.5},
+            TypeError,
+            "for_transformers: separator_id must be an int",
+        ),
+        ({"pad_token_id": 0, "label_pad_token_id": "x"}, TypeError, "label_pad_token_id must be an int"),
     ],
 )
 def test_bad_arguments(kwargs: dict, error: type, match: str) -> None:
@@ -509,7 +515,7 @@ def test_trainer_dropping_the_supervision_column_is_refused(tmp_path) -> None:
         ({"pad_token_id": 0, "pad_to_multiple_of": 2**40}, "pad_to_multiple_of must be an int"),
         ({"pad_token_id": 0, "max_length": 0}, "max_length must be an int >= 1"),
         ({"pad_token_id": 0, "padding_side": "top"}, "padding_side must be one of"),
-        ({"pad_token_id": 0, "label_pad_token_id": 1.5}, "ignore_index"),
+        ({"pad_token_id": 0, "label_pad_token_id": 1.5}, "label_pad_token_id must be an int"),
     ],
 )
 def test_contradicting_or_bad_options_are_refused_at_construction(kwargs: dict, match: str) -> None:
@@ -564,7 +570,7 @@ def test_a_chain_of_yours_names_the_outputs_it_makes():
 
     examples = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]
     yours = CuSeqlens("position_ids", flatten=True, out_key="cu_seq_lens_q", max_key="max_length_q")
-    flat = Collator.for_transformers(padding_free=True, return_flash_attn_kwargs=True, chain=[yours])
+    flat = Collator.for_transformers(padding_free=True, chain=[yours])
     out = flat(examples)
     assert list(out) == ["input_ids", "position_ids", "cu_seq_lens_q", "max_length_q"]
     assert out["cu_seq_lens_q"].tolist() == [0, 3, 5] and out["max_length_q"] == 3

@@ -182,6 +182,34 @@ def test_inputs_packing_does_not_lay_out_run_trls_own_forward():
     assert torch.allclose(nones.log_probs, stock.log_probs, atol=1e-6)
 
 
+def test_the_packed_forwards_loss_counts_a_shared_token_once_per_row():
+    """Two completions of one prompt that start alike: the tree scores the shared token once, TRL's padded
+    batch once per row; the forward's ``loss`` is TRL's (it was the tree's, 4.201615 for 4.202002)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from zephon_collate.trainers.view import pack_view, wrap_forward
+
+    model = llama(dtype=torch.float64)
+    add_fused_lm_head(model, outputs=("log_probs",))
+    wrap_forward(model)
+    ids = torch.tensor([[5, 6, 7, 9, 10, 11], [5, 6, 7, 9, 10, 12]])
+    trained = torch.tensor([[0, 0, 0, 1, 1, 1]] * 2)
+    view = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": ids.masked_fill(trained == 0, -100),
+    }
+    with torch.no_grad():
+        stock = model(**view, fused_lm_head=True)
+        for shared in (False, True):
+            packed = pack_view(ids, view["attention_mask"], trained, "one", "test", shared_prompt=shared)
+            out = model(**view, fused_lm_head=True, packed=packed)
+            assert torch.equal(out.log_probs, stock.log_probs)
+            assert float(out.loss) == pytest.approx(float(stock.loss), abs=1e-12)
+            counted = model(**view, fused_lm_head=True, packed=packed, num_items_in_batch=torch.tensor(4))
+            assert float(counted.loss) == pytest.approx(float(-stock.log_probs.sum() / 4), abs=1e-12)
+
+
 def test_a_model_that_attends_across_packed_sequences_is_refused():
     """OPT's attention does not restart at position_ids 0: packed, a sequence would see the one before it."""
     from transformers import OPTConfig, OPTForCausalLM

@@ -368,6 +368,31 @@ def test_a_text_only_batch_gets_a_dummy_image_that_changes_nothing():
         MRope(dummy_image=(120,))  # type: ignore[arg-type]
 
 
+def test_separator_id_never_labels_a_placeholder_nor_the_dummy_image():
+    """HF's separator label goes on each document's first token, except an image placeholder (never a
+    label): an example opening with an image, and the dummy image, whose separator trained the last real
+    token to predict it (the loss moved from 5.8531 to 5.7809)."""
+    from zephon_collate import use_host_pass
+
+    text = {"input_ids": [5, 6, 7, 8]}
+    image = {
+        "input_ids": [IMAGE_TOKEN_ID] * 4 + [6],
+        "mm_token_type_ids": [1] * 4 + [0],
+        "image_grid_thw": [[1, 4, 4]],
+        "pixel_values": np.zeros((16, 24), np.float32),
+    }
+    model = model_of("qwen2_5_vl")
+    dummy = MRope.from_config(model.config, dummy_image=True)
+    for host in (True, False):
+        with use_host_pass(host):
+            opened = Collator.for_transformers(padding_free=True, mrope=MRope(), separator_id=3)(
+                [text, image]
+            )
+            assert opened["labels"].tolist() == [[3, 6, 7, 8, -100, -100, -100, -100, 6]]
+            batch = Collator.for_transformers(padding_free=True, mrope=dummy, separator_id=3)([text, text])
+            assert batch["labels"].tolist() == [[3, 6, 7, 8, 3, 6, 7, 8, -100]]
+
+
 def test_the_dummy_image_is_no_sequence_of_the_sequence_map():
     # It counted as a third sequence: sequence_logprobs gave 3 entries for 2 examples, and the
     # seq-mean modes with empty="count" divided by 3.

@@ -95,8 +95,7 @@ class Collator:
             raise ValueError(
                 f"{layout.OWNER}: device and compile need torch output; pass {layout.TORCH_OUTPUT}"
             )
-        if isinstance(layout, Native):
-            layout.check_chain()
+        layout.check_chain()
         self.layout = layout
 
     @classmethod

@@ -42,6 +42,7 @@ __all__ = [
     "keywords",
     "renamed",
     "resolve_dtype",
+    "scalar",
     "warn_user",
 ]
 
@@ -203,14 +204,21 @@ def check_fits_dtype(owner: str, name: str, value: int, dtype: torch.dtype) -> N
         raise ValueError(f"{owner}: {name} {value} does not fit dtype {dtype}; pick a wider dtype")
 
 
-def check_ignore_index(value: object, *, owner: str = "to_training", fits: torch.dtype | None = None) -> int:
-    """``value`` as an int within int64 (and ``fits``, when given); else ``TypeError`` / ``ValueError``."""
+def check_ignore_index(
+    value: object,
+    *,
+    owner: str = "to_training",
+    fits: torch.dtype | None = None,
+    name: str = "ignore_index",
+) -> int:
+    """``value`` (a label value, the option ``name``) as an int within int64 (and ``fits``, when given);
+    else ``TypeError`` / ``ValueError``."""
     if not _is_int(value):
-        raise TypeError(f"{owner}: ignore_index must be an int, got {shown(value)}")
+        raise TypeError(f"{owner}: {name} must be an int, got {shown(value)}")
     if not INT64_MIN <= value <= INT64_MAX:
-        raise ValueError(f"{owner}: ignore_index must fit in int64, got {shown(value)}")
+        raise ValueError(f"{owner}: {name} must fit in int64, got {shown(value)}")
     if fits is not None:
-        check_fits_dtype(owner, "ignore_index", int(value), fits)
+        check_fits_dtype(owner, name, int(value), fits)
     return int(value)
 
 
@@ -349,6 +357,19 @@ def resolve_dtype(dtype: Any) -> OutputKind:
 def is_zero_d(value: object) -> bool:
     """A 0-d array or tensor: iterable by its type, but holding no items."""
     return getattr(value, "ndim", 1) == 0
+
+
+def scalar(value: object) -> object:
+    """A per-example value as the Python scalar it holds where it is a 0-d array or tensor or a NumPy
+    scalar (``datasets``' NumPy rows hand a bool column over as ``array(True)``); else ``value``.
+
+    Example:
+        >>> scalar(np.array(True)), scalar(torch.tensor(3)), scalar([1])
+        (True, 3, [1])
+    """
+    if isinstance(value, (np.ndarray, np.generic, torch.Tensor)) and is_zero_d(value):
+        return value.item()
+    return value
 
 
 def check_int(owner: str, name: str, value: object, minimum: int, maximum: int = INT64_MAX) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -16,6 +16,7 @@ from zephon_collate.core.keys import (
     INPUT_IDS,
     NUM_VALID_TOKENS,
     PADDING_LENGTH,
+    POSITIONS,
     TEXT,
     TEXTS,
 )
@@ -26,8 +27,8 @@ from zephon_collate.read.arrow import columns_of
 from zephon_collate.read.columns import Batch
 from zephon_collate.read.fields import TensorField
 from zephon_collate.read.rows import as_record, examples_of, records_of
-from zephon_collate.transforms import Chain, Transform
-from zephon_collate.transforms.base import declared_keys
+from zephon_collate.transforms import Transform
+from zephon_collate.transforms.base import declared_keys, flat_steps, is_step
 
 __all__ = ["Layout", "Settings", "Stacked", "convert", "per_row_outputs"]
 
@@ -161,6 +162,11 @@ class Layout:
     """The outputs' order (``None``: the extra fields); keys not named follow, in the chain's order."""
     INTERNAL: frozenset[str] = frozenset({PADDING_LENGTH})
     """Keys of the stacked batch that no output carries."""
+    ROW_OUTPUTS: ClassVar[tuple[str, ...]] = ()
+    """Outputs made per row, beside the chain (the records' ``ids`` and ``texts``)."""
+    CHAIN_OPTIONS: ClassVar[Mapping[str, tuple[object, ...]]] = {}
+    """The options only the built-in chain reads, each with the values that build nothing: ``chain=``
+    replaces that chain, so any other value would be ignored."""
     SCALARS: frozenset[str] = frozenset({NUM_VALID_TOKENS})
     """0-d outputs returned as Python numbers (with ``python_scalars``)."""
 
@@ -203,6 +209,56 @@ class Layout:
     def tokens_field(self) -> str:
         """The records' token field (``"auto"``: found at the door)."""
         return INPUT_IDS
+
+    @property
+    def boundary_safe(self) -> bool:
+        """Whether labels must stop at each document's end (the built-in chain's ``BoundaryMask``)."""
+        return False
+
+    def internal(self, key: str) -> bool:
+        """Whether the stacked batch's ``key`` stays inside: no output carries it."""
+        return key in self.INTERNAL
+
+    @property
+    def positions_key(self) -> str:
+        """The stacked batch's positions, where documents start (``BoundaryMask`` reads them)."""
+        return POSITIONS
+
+    def check_chain(self) -> None:
+        """Refuse a ``chain=`` beside the options it would ignore."""
+        if self.settings.chain is None:
+            return
+        given = [name for name, idle in self.CHAIN_OPTIONS.items() if getattr(self.options, name) not in idle]
+        given += ["num_boundaries"] if self.settings.num_boundaries is not None else []
+        if given:
+            raise ValueError(
+                f"{self.OWNER}: chain= replaces the chain that {', '.join(given)} would build; leave "
+                "those at their defaults, or pass transforms=[...] to add yours after the built-in chain"
+            )
+
+    @staticmethod
+    def labels_unbounded(steps: Sequence[Any]) -> str | None:
+        """The step of ``steps`` that makes labels no ``BoundaryMask`` keeps inside documents (none whose
+        mask a ``LossMask`` reads), or ``None``."""
+        steps = flat_steps(steps)
+        maker = next((s for s in steps if is_step(s, "TokenShift") or is_step(s, "UnshiftedLabels")), None)
+        masks = {step.mask_key for step in steps if is_step(step, "BoundaryMask")}
+        if maker is None or any(is_step(s, "LossMask") and s.supervision_key in masks for s in steps):
+            return None
+        return type(maker).__name__
+
+    def _check_boundaries(self, steps: Sequence[Any], keys: Sequence[str]) -> None:
+        """Refuse steps of yours whose labels would cross the documents the batch's positions mark, where
+        this layout promises they never do."""
+        maker = self.labels_unbounded(steps)
+        if self.boundary_safe and maker is not None and self.positions_key in keys:
+            optional = any(option.name == "boundary_safe_labels" for option in fields(self.options))
+            raise ValueError(
+                f"{self.OWNER}: your steps make labels ({maker}) that no BoundaryMask keeps inside their "
+                f"documents: a label would run from each document into the next; add "
+                f"BoundaryMask({self.positions_key!r}) before {maker} and a LossMask reading its mask"
+                + (", or pass boundary_safe_labels=False" if optional else "")
+            )
 
     def lay_out(self, batch: Batch) -> list[Stacked]:  # pragma: no cover
         """The chain's input for a non-empty batch: one :class:`Stacked`, or one per row (ragged lists)."""
@@ -256,22 +312,29 @@ class Layout:
         if found is None:
             settings = self.settings
             builtin = self.chain(keys) if settings.chain is None else list(settings.chain)
-            self._check_written(settings.transforms)
+            self._check_boundaries([*builtin, *settings.transforms], keys)
+            self._check_written([*(settings.chain or ()), *settings.transforms])
             found = self._plans[keys] = Plan([*builtin, *settings.transforms], keys)
         return found
 
     def _check_written(self, steps: Sequence[Transform]) -> None:
         """Refuse a step of yours writing a key this layout keeps to itself, which no later step reads:
         it would reach no output (each key your steps write is one)."""
-        steps = _flat(steps)  # a Chain of yours: its steps one by one
+        steps = flat_steps(steps)  # a Chain of yours: its steps one by one
+        for step in steps:
+            for key in (key for key in getattr(step, "out_keys", ()) if key in self.ROW_OUTPUTS):
+                raise ValueError(
+                    f"{self.OWNER}: transform {type(step).__name__} writes {key!r}, an output this layout "
+                    f"makes itself, row by row ({list(self.ROW_OUTPUTS)}); write it under a name of your own"
+                )
         for index, step in enumerate(steps):
-            for key in (key for key in getattr(step, "out_keys", ()) if key in self.INTERNAL):
+            for key in (key for key in getattr(step, "out_keys", ()) if self.internal(key)):
                 later = steps[index + 1 :]
                 if not any(key in declared_keys(s) or getattr(s, "reads_every_key", False) for s in later):
                     raise ValueError(
-                        f"Collator: transform {type(step).__name__} writes {key!r}, which this layout keeps "
-                        f"to itself (no output carries it: {sorted(self.INTERNAL)}); write it under a name "
-                        "of your own"
+                        f"{self.OWNER}: transform {type(step).__name__} writes {key!r}, which this layout "
+                        f"keeps to itself (no output carries it: {sorted(self.INTERNAL)}); write it under a "
+                        "name of your own"
                     )
 
     def run(self, plan: Plan, data: Mapping[str, Any], device: torch.device | None = None) -> dict[str, Any]:
@@ -310,9 +373,7 @@ class Layout:
         extras = self.extra_fields
         slot = self.ORDER.index(None) if None in self.ORDER else len(self.ORDER)
         ranks = {key: rank for rank, key in enumerate(self.ORDER) if key is not None}
-        found = [key for key in dict.fromkeys((IDS, TEXTS, *keys)) if key not in self.INTERNAL]
-        if self.READS == "examples":
-            found = [key for key in found if key not in (IDS, TEXTS)]
+        found = [key for key in dict.fromkeys((*self.ROW_OUTPUTS, *keys)) if not self.internal(key)]
 
         def rank(item: tuple[int, str]) -> tuple[int, int]:
             index, key = item
@@ -354,9 +415,9 @@ class Layout:
         one = results[0] if len(results) == 1 else None  # the common case: no list per output to join
         taken: list[tuple[int, int]] = []  # the outputs' bytes so far (device pointers are unique too)
         if plan.keys_by_data and results:
-            names = [(key, name) for key, name in names if key in (IDS, TEXTS) or key in results[0]]
+            names = [(key, name) for key, name in names if key in self.ROW_OUTPUTS or key in results[0]]
         for key, name in names:
-            if key in (IDS, TEXTS):
+            if key in self.ROW_OUTPUTS:
                 out[name] = [value for part in stacked for value in part.per_row.get(key, [])]
             elif one is None:
                 out[name] = plan.join(key, [convert(result[key], "list") for result in results])
@@ -372,8 +433,3 @@ class Layout:
 def _python_number(value: Any) -> Any:
     """A 0-d count as a Python number: an int, or a float where a step of yours wrote one (never cut)."""
     return value.item()
-
-
-def _flat(steps: Sequence[Any]) -> list[Any]:
-    """``steps`` with every ``Chain`` among them (nested too) replaced by its own steps."""
-    return [inner for step in steps for inner in (_flat(step.steps) if isinstance(step, Chain) else [step])]

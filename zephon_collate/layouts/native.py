@@ -14,6 +14,7 @@ from zephon_collate.core.checks import check_bool, warn_user
 from zephon_collate.core.keys import (
     CU_SEQLENS,
     IDS,
+    IGNORE_INDEX,
     INPUT_IDS,
     INT32_MAX,
     LABELS,
@@ -69,16 +70,6 @@ __all__ = ["CollatorOptions", "Native", "check_boundary_count"]
 
 _WRITTEN = (INPUT_IDS, LABELS, POSITIONS, POSITION_IDS, LOSS_MASK, PADDING_LENGTH, PADDING_MASK)
 """Names a float field may not take: fields the collate path reads or writes itself."""
-_CHAIN_OPTIONS = (
-    "return_labels",
-    "return_num_valid_tokens",
-    "return_loss_mask",
-    "return_cu_seqlens",
-    "return_padding_mask",
-    "eos_mask_loss",
-    "position_mode",
-)
-"""The options that build the chain (``chain=`` replaces it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +112,18 @@ class Native(Layout):
 
     OWNER: str = "Collator"
     READS: ClassVar[Literal["records", "examples"]] = "records"
+    ROW_OUTPUTS: ClassVar[tuple[str, ...]] = (IDS, TEXTS)
+    CHAIN_OPTIONS: ClassVar[Mapping[str, tuple[object, ...]]] = {
+        "return_labels": (False,),
+        "return_num_valid_tokens": (False,),
+        "return_loss_mask": (False,),
+        "return_cu_seqlens": (False,),
+        "return_padding_mask": (False,),
+        "eos_mask_loss": (False,),
+        "position_mode": ("preserve",),
+        "flatten": (False,),
+        "ignore_index": (IGNORE_INDEX,),
+    }
     ITEM: str = "record"
     TORCH_OUTPUT: ClassVar[str] = "dtype='auto' or a torch dtype"
     ORDER: tuple[str | None, ...] = (
@@ -183,18 +186,6 @@ class Native(Layout):
     def kind(self) -> Literal["torch", "numpy", "list"]:
         return self.options.kind
 
-    def check_chain(self) -> None:
-        """``chain=`` replaces what the chain options would build: those must keep their defaults."""
-        if self.settings.chain is None:
-            return
-        defaults = TrainingOptions()
-        given = [name for name in _CHAIN_OPTIONS if getattr(self.options, name) != getattr(defaults, name)]
-        if given:
-            raise ValueError(
-                f"Collator: chain= replaces the chain that {', '.join(given)} would build; leave "
-                "those at their defaults, or pass transforms=[...] to add yours after the built-in chain"
-            )
-
     # -- the chain -----------------------------------------------------------------------------------
 
     def chain(self, keys: Sequence[str]) -> list[Transform]:
@@ -219,15 +210,14 @@ class Native(Layout):
             *(self.chain(keys) if self.settings.chain is None else self.settings.chain),
             *self.settings.transforms,
         ]
-        final = Chain(*steps).output_keys(keys)
+        chain = Chain(*steps)
+        final = chain.output_keys(keys)
         shown_keys = [
             key
             for key in final
             if key != POSITIONS or options.position_mode == "sequence" or POSITIONS in options.extra_fields
         ]
-        values: dict[str, Any] = {NUM_VALID_TOKENS: 0}
-        if options.return_cu_seqlens and options.flatten:
-            values.update({CU_SEQLENS: [0], MAX_SEQLEN: 0})
+        values = chain.empty_outputs({NUM_VALID_TOKENS: 0})
         return {name: values.get(key, []) for key, name in self.output_names(shown_keys, empty=True)}
 
     # -- the layout ---------------------------------------------------------------------------------
@@ -256,7 +246,8 @@ class Native(Layout):
             else:
                 per_record[name] = rows
         self._check_supervision(batch, tokens, {*per_token, *per_record})
-        if self.boundary_safe and options.return_labels:
+        yours = [*(self.settings.chain or ()), *self.settings.transforms]
+        if self.boundary_safe and (options.return_labels or self.labels_unbounded(yours) is not None):
             _check_documents_found(batch, self._source(batch, POSITIONS))
         self._check_values(per_token, names)
         for spec in self.floats:  # checked by read_floats: finite, in range, one value per token or sequence

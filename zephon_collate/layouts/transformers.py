@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, cast
 
@@ -233,8 +233,12 @@ class TransformersOptions(Keywords):
         if self.eos_token_id is not None:  # a token id: >= 0 (a negative one would match no token)
             put(self, "eos_token_id", check_eos_token_id(self.eos_token_id, owner=owner))
         if self.separator_id is not None:  # a label value: -100 and other negatives allowed
-            put(self, "separator_id", check_ignore_index(self.separator_id, owner=owner))
-        put(self, "label_pad_token_id", check_ignore_index(self.label_pad_token_id, owner=owner))
+            put(self, "separator_id", check_ignore_index(self.separator_id, owner=owner, name="separator_id"))
+        put(
+            self,
+            "label_pad_token_id",
+            check_ignore_index(self.label_pad_token_id, owner=owner, name="label_pad_token_id"),
+        )
         put(self, "position_ids_start", check_int(owner, "position_ids_start", self.position_ids_start, 0))
         if self.return_position_ids is not None:
             flag = check_bool("return_position_ids", self.return_position_ids, owner=owner)
@@ -398,6 +402,13 @@ class Transformers(Layout):
         {PADDING_LENGTH, POSITIONS, LOSS_MASK, PADDING_MASK, EXAMPLE_LENGTHS}
     )
     SCALARS: frozenset[str] = frozenset({MAX_LENGTH_Q, MAX_LENGTH_K, NUM_SEQUENCES, NUM_VALID_TOKENS})
+    CHAIN_OPTIONS: ClassVar[Mapping[str, tuple[object, ...]]] = {
+        "label_pad_token_id": (IGNORE_INDEX,),
+        "padding_side": (None, "right"),
+        "position_ids_start": (0,),
+        "return_seq_idx": (False,),
+        "separator_id": (None,),
+    }  # return_flash_attn_kwargs and return_sequence_map shape the stacked batch too: not listed
     UNIFORM_SUPERVISION: ClassVar[bool] = False
     """Refuse an example without a supervising field that another example carries (rollouts)."""
     READS_RESPONSE_MASK: ClassVar[bool] = False
@@ -420,12 +431,16 @@ class Transformers(Layout):
 
     # -- the chain ---------------------------------------------------------------------------------
 
+    @property
+    def boundary_safe(self) -> bool:
+        return self.options.padding_free and self.options.boundary_safe_labels
+
     def chain(self, keys: Sequence[str]) -> list[Transform]:
         """The built-in transforms for a stacked batch holding ``keys``, each as the options ask."""
         options = self.options
         positions = self.positions_key
         steps: list[Transform] = []
-        if options.padding_free and options.boundary_safe_labels:
+        if self.boundary_safe:
             steps.append(BoundaryMask(positions_key=positions))
         if not options.padding_free:
             steps += [PaddingMask(), AttentionMask()]

@@ -235,6 +235,11 @@ class Trees(Layout):
         self.ORDER, self.INTERNAL = options.ORDER, options.INTERNAL
         self.SCALARS = frozenset({MAX_LENGTH_Q, MAX_LENGTH_K, NUM_SEQUENCES, NUM_VALID_TOKENS})
 
+    CHAIN_OPTIONS: ClassVar[Mapping[str, tuple[object, ...]]] = {"return_seq_idx": (False,)}
+
+    def internal(self, key: str) -> bool:
+        return key in self.INTERNAL or key.startswith(ROLES)  # the roles, read by SequenceRoles alone
+
     @functools.cached_property
     def rows(self) -> TransformersOptions:
         """The row options: padding, positions, the varlen keys."""
@@ -246,12 +251,17 @@ class Trees(Layout):
 
     # -- the chain ---------------------------------------------------------------------------------
 
+    @property
+    def boundary_safe(self) -> bool:
+        rows = self.rows
+        return self.options.LABELLED and rows.padding_free and rows.boundary_safe_labels
+
     def chain(self, keys: Sequence[str]) -> list[Transform]:
         """The built-in transforms for a stacked batch holding ``keys``, each as the options ask."""
         options, rows = self.options, self.rows
         shared = options.sharing != "none"
         steps: list[Transform] = []
-        if options.LABELLED and rows.padding_free and rows.boundary_safe_labels:
+        if self.boundary_safe:
             steps.append(BoundaryMask(positions_key=self.positions_key))
         if not rows.padding_free and not shared:  # shared: a 2-D mask would let branches see each other
             steps += [PaddingMask(), AttentionMask()]

@@ -13,6 +13,7 @@ from typing import Any, Literal, cast
 import numpy as np
 import torch
 
+from zephon_collate.core.checks import scalar
 from zephon_collate.core.keys import (
     CHOSEN_ATTENTION_MASK,
     CHOSEN_IDS,
@@ -185,9 +186,7 @@ def read_kto(batch: Batch, cut: Cut, found: str = COMPLETION_IDS) -> Forest:
         )
     label = batch.objects(LABEL)
     for row, value in enumerate(label):
-        if not isinstance(value, (bool, np.bool_)) and not (
-            isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.ndim == 0
-        ):
+        if not isinstance(scalar(value), bool):
             raise ValueError(
                 f"{names(row)}: 'label' is {shown(value)}, but KTO's label is one bool per example "
                 "(True where the completion is desirable); give True or False (per-token labels belong "
@@ -344,15 +343,18 @@ def _openrlhf(batch: Batch, prompt_given: bool) -> tuple[Ragged, Ragged, Ragged]
         batch, "rejected", _OPENRLHF_REJECTED, _OPENRLHF_REJECTED, "reject_attention_mask", "r_mask"
     )
     extra = batch.objects("extra")
+    lengths: list[int] = []
     for row, value in enumerate(extra):
-        fits = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-        if not fits or not 0 <= int(value) <= min(int(chosen.lengths[row]), int(rejected.lengths[row])):
+        number = scalar(value)
+        shortest = min(int(chosen.lengths[row]), int(rejected.lengths[row]))
+        if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number <= shortest:
             raise ValueError(
                 f"{names(row)}: 'extra' is {shown(value)}, but it must be the prompt's length: an int from 0 "
                 "to the shorter side's length (OpenRLHF's DPO pairs; a reward model's margin is not read "
                 "here)"
             )
-    prompt = np.array([int(value) for value in extra], dtype=np.int64)
+        lengths.append(number)
+    prompt = np.array(lengths, dtype=np.int64)
     prompts, other = _kept(chosen, prompt, False), _kept(rejected, prompt, False)
     if not np.array_equal(prompts.host, other.host):
         same = np.array([np.array_equal(prompts.row(i), other.row(i)) for i in range(prompts.rows)])
@@ -601,8 +603,8 @@ def _margins(batch: Batch, name: str) -> np.ndarray:
     values = []
     for row, value in enumerate(batch.objects(name)):
         array = as_numpy(value) if isinstance(value, torch.Tensor) else None
-        number = array.item() if array is not None and array.ndim == 0 else value
-        if isinstance(number, (bool, np.bool_)) or not isinstance(number, numbers.Real):
+        number = scalar(value)
+        if isinstance(number, bool) or not isinstance(number, numbers.Real):
             kind = "a tensor of shape " + str(tuple(array.shape)) if array is not None else shown(value)
             sized = isinstance(value, (list, tuple, np.ndarray))
             raise (ValueError if array is not None or sized else TypeError)(
@@ -904,8 +906,7 @@ def _given(value: object) -> bool:
 
 def _node_id(value: object, row: int, name: str, names: Names) -> int:
     """A node id: an int (a NumPy or 0-d tensor integer too)."""
-    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point():
-        value = int(value)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    number = scalar(value)
+    if isinstance(number, bool) or not isinstance(number, int):
         raise TypeError(f"{names(row)}: {shown(name)} is {shown(value)}; a node id is an int")
-    return int(value)
+    return number

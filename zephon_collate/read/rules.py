@@ -10,7 +10,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from zephon_collate.core.checks import is_zero_d
+from zephon_collate.core.checks import scalar
 from zephon_collate.core.keys import (
     ACTION_MASK,
     ASSISTANT_MASK,
@@ -640,8 +640,7 @@ def group_id(value: object, where: str, key: str) -> int | str:
     Refused otherwise, a bool and a float included: ``True``, ``1`` and ``1.0`` are equal as Python
     keys, and would merge groups the user kept apart.
     """
-    if isinstance(value, (np.ndarray, np.generic, torch.Tensor)) and is_zero_d(value):
-        value = value.item()
+    value = scalar(value)
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(
             f"{where}: group key {shown(key)} must be an int or a str (the id its group shares), got "

@@ -180,9 +180,11 @@ def wrap_forward(model: nn.Module) -> None:
         )
         shape = (labels.shape[0], labels.shape[1] - 1)
         fields = {name: _laid_out(getattr(out, name), packed, shape) for name in _PER_TOKEN}
-        return FusedCausalLMOutput(
-            loss=out.loss, label_mask=labels[:, 1:] != -100, aux_loss=out.aux_loss, **fields
-        )
+        mask, loss = labels[:, 1:] != -100, out.loss
+        if ATTENTION_MASK in packed:  # a token the branches share is scored once: count it per row, as TRL
+            count = given.get("num_items_in_batch")
+            loss = -fields["log_probs"].sum() / (mask.sum().clamp(min=1) if count is None else count)
+        return FusedCausalLMOutput(loss=loss, label_mask=mask, aux_loss=out.aux_loss, **fields)
 
     forward._zephon_packed = True  # type: ignore[attr-defined]
     model.forward = types.MethodType(forward, model)

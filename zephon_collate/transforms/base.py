@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
-from tensordict.nn import TensorDictModuleBase
+from tensordict.nn import TensorDictModuleBase, TensorDictSequential
 from torch import nn
 
 from zephon_collate.core.checks import check_keys
 from zephon_collate.core.text import shown
 from zephon_collate.transforms._shapes import check_present
 
-__all__ = ["Chain", "Transform", "UndeclaredKeyError", "declared", "declared_keys", "join_rows", "returned"]
+__all__ = [
+    "Chain",
+    "Transform",
+    "UndeclaredKeyError",
+    "declared",
+    "declared_keys",
+    "flat_steps",
+    "is_step",
+    "join_rows",
+    "returned",
+]
 
 
 class Transform(TensorDictModuleBase):
@@ -36,6 +46,13 @@ class Transform(TensorDictModuleBase):
     dropped_keys: tuple[str, ...] = ()
     optional_keys: tuple[str, ...] = ()
     data_dependent_shape: bool = False
+    runs_before: tuple[str, ...] = ()
+    """Built-in steps (class names) this one must precede where they share a key (one writes what the
+    other reads): placed after one, it reads a key already cut or changed, or its output is ignored."""
+    runs_last: bool = False
+    """No built-in step may read what this one wrote (it reshapes it)."""
+    shifted_as: Literal["inputs", "labels"] | None = None
+    """How a later ``TokenShift`` must cut this step's outputs (``None``: no rule)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if args:
@@ -58,6 +75,11 @@ class Transform(TensorDictModuleBase):
     def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:  # pragma: no cover
         """:meth:`compute` in NumPy over host arrays (optional): the same keys, values, dtypes and shapes."""
         raise NotImplementedError
+
+    def empty_outputs(self, earlier: Mapping[str, Any]) -> dict[str, Any]:
+        """The outputs of an empty batch that are not empty lists (the page's ``[0]`` / ``0``), given
+        the earlier steps' (``earlier``)."""
+        return {}
 
     def output_batch_size(self, batch_size: torch.Size) -> torch.Size:
         """The batch size of the output TensorDict (default: the input's)."""
@@ -252,6 +274,7 @@ class Chain(Transform):
                 provided.add(key)
             provided.update(_keys(step, "out_keys"))
             provided.difference_update(_keys(step, "dropped_keys"))
+        _check_order(self.steps)  # after the wiring, whose message is the more precise
         self.in_keys = cast(Any, needed)  # tensordict types keys as NestedKey; these are str
         # Read when present, and written by no earlier step: the chain's own optional inputs.
         self.optional_keys = tuple(dict.fromkeys(key for key in self._optional() if key not in needed))
@@ -285,6 +308,12 @@ class Chain(Transform):
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         check_present("Chain", self.in_keys, data)
+
+    def empty_outputs(self, earlier: Mapping[str, Any]) -> dict[str, Any]:
+        outputs = dict(earlier)
+        for step in self.steps:  # a module of tensordict's has no empty_outputs: its outputs are empty
+            outputs.update(step.empty_outputs(outputs) if isinstance(step, Transform) else {})
+        return outputs
 
     def run(self, data: Mapping[str, Any], *, host: bool = False) -> dict[str, Any]:
         """Every step's core over a copy of ``data``, unchecked (``host``: the NumPy variants where given)."""
@@ -393,3 +422,63 @@ class Chain(Transform):
 
     def __getitem__(self, index: int) -> Any:
         return self.steps[index]
+
+
+def is_step(step: object, name: str) -> bool:
+    """Whether ``step`` is the built-in step ``name`` (a subclass of it too; never a class of yours)."""
+    return any(cls.__name__ == name and cls.__module__.startswith(_OURS) for cls in type(step).__mro__)
+
+
+def flat_steps(steps: Sequence[Any]) -> list[Any]:
+    """``steps`` with every nested ``Chain`` or ``TensorDictSequential`` replaced by its own steps."""
+    found: list[Any] = []
+    for step in steps:
+        if isinstance(step, Chain):
+            found += flat_steps(step.steps)
+        elif isinstance(step, TensorDictSequential):
+            found += flat_steps(list(step.module))
+        else:
+            found.append(step)
+    return found
+
+
+def _check_order(steps: Sequence[Any]) -> None:
+    """Refuse built-in steps in an order that gives a wrong batch (docs/transforms.md, "where each goes"):
+    a step after one its ``runs_before`` names, where they share a key; a built-in step reading what a
+    ``runs_last`` one wrote; a mask ``TokenShift`` would cut the wrong way."""
+    flat = flat_steps(steps)
+    aligned: dict[str, str] = {}  # key -> "inputs" / "labels": how a TokenShift must cut it
+    for index, step in enumerate(flat):
+        reads = {*_keys(step, "in_keys"), *_keys(step, "optional_keys")}
+        writes = set(_keys(step, "out_keys"))
+        for before, earlier in enumerate(flat[:index]):
+            shared = (set(_keys(earlier, "out_keys")) & reads) | (writes & set(_keys(earlier, "in_keys")))
+            misplaced = any(is_step(earlier, name) for name in getattr(step, "runs_before", ()))
+            if misplaced and shared:
+                raise ValueError(
+                    f"Chain: {_name(step)} (step {index}) must run before {_name(earlier)} (step {before}): "
+                    f"they share {shown(sorted(shared)[0])}, which one writes and the other reads; swap them "
+                    "(docs/transforms.md lists where each step goes)"
+                )
+            flattened = set(_keys(earlier, "out_keys")) & reads
+            if getattr(earlier, "runs_last", False) and flattened and _ours(step):
+                raise ValueError(
+                    f"Chain: {_name(step)} (step {index}) reads {shown(sorted(flattened)[0])}, which "
+                    f"{_name(earlier)} (step {before}) reshaped; move {_name(earlier)} after it"
+                )
+        if is_step(step, "TokenShift"):
+            for role, keys in (("labels", step.input_keys), ("inputs", step.label_keys)):
+                wrong = [key for key in keys if aligned.get(key) == role]
+                if wrong:
+                    where = "label_keys" if role == "labels" else "input_keys"
+                    raise ValueError(
+                        f"Chain: {_name(step)} (step {index}) cuts {shown(wrong[0])} the other way: it is "
+                        f"aligned with the {role}; put it in {where}"
+                    )
+        if getattr(step, "shifted_as", None) is not None:
+            aligned.update(dict.fromkeys(writes, step.shifted_as))
+
+
+def _ours(step: object) -> bool:
+    """A built-in step, or a subclass of one (not a transform of yours, whose base lives here)."""
+    return any(cls.__module__.startswith(_OURS) and cls.__module__ != __name__ for cls in type(step).__mro__)

@@ -34,6 +34,9 @@ class BoundaryMask(Transform):
         [[10, 11, -100, 12]]
     """
 
+    runs_before = ("TokenShift",)
+    shifted_as = "labels"
+
     def __init__(self, positions_key: str = POSITIONS, mask_key: str = LOSS_MASK) -> None:
         super().__init__()
         self.positions_key = check_key("BoundaryMask", "positions_key", positions_key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ class CopyKeys(Transform):
             check_key("CopyKeys", "source", s): check_key("CopyKeys", "target", t) for s, t in copies.items()
         }
         self.in_keys, self.out_keys = list(self.copies), list(self.copies.values())
+
+    def empty_outputs(self, earlier: Mapping[str, Any]) -> dict[str, Any]:
+        return {target: earlier[source] for source, target in self.copies.items() if source in earlier}
 
     def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {target: data[source].clone() for source, target in self.copies.items()}

@@ -36,6 +36,8 @@ class CuSeqlens(Transform):
         ([[0, 3, 5], [0, 5, 5]], [3, 5])
     """
 
+    runs_before = ("Positions",)
+
     def __init__(
         self,
         positions_key: str = POSITIONS,
@@ -65,6 +67,9 @@ class CuSeqlens(Transform):
                 f"CuSeqlens: {tuple(positions.shape)} positions overflow the int32 boundaries; "
                 "use smaller batches"
             )
+
+    def empty_outputs(self, earlier: Mapping[str, Any]) -> dict[str, Any]:
+        return {self.out_key: [0], self.max_key: 0} if self.flatten else {}
 
     def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         kernel = cu_seqlens_flat if self.flatten else cu_seqlens_rows

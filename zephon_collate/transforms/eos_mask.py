@@ -33,6 +33,8 @@ class EosMask(Transform):
         [[10, 2, -100, 11, 2]]
     """
 
+    runs_before = ("LossMask",)
+
     def __init__(
         self,
         eos_token_id: int,

@@ -29,6 +29,8 @@ class Flatten(Transform):
         ([1, 2, 3, 4], [7, 8])
     """
 
+    runs_last = True
+
     def __init__(self, keys: Sequence[str], like_key: str = INPUT_IDS) -> None:
         super().__init__()
         self.keys = check_keys("Flatten", "keys", keys)

@@ -41,6 +41,8 @@ class LossMask(Transform):
         ([[-100, 12, 13, -100]], [[0.0, 1.0, 1.0, 0.0]], [2])
     """
 
+    runs_before = ("Total", "PredictedLabels")
+
     def __init__(
         self,
         ignore_index: int = -100,

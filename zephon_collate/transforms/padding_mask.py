@@ -31,6 +31,9 @@ class PaddingMask(Transform):
         [[False, False, False, True]]
     """
 
+    runs_before = ("TokenShift",)
+    shifted_as = "inputs"
+
     def __init__(
         self,
         padding_length_key: str = PADDING_LENGTH,

@@ -41,6 +41,8 @@ class SegmentIds(Transform):
         [0, 0, 0, 1, 1, -1, 2, 2, 2, 2, 3, 3]
     """
 
+    runs_before = ("Positions",)
+
     def __init__(
         self,
         positions_key: str = POSITIONS,

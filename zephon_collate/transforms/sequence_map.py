@@ -41,6 +41,8 @@ class SequenceMap(Transform):
         ([[-1, 0, -1, 2]], [[0, 0, 2, 2]], 3)
     """
 
+    runs_before = ("PositionOffset",)
+
     def __init__(
         self,
         positions_key: str = POSITIONS,

@@ -34,6 +34,8 @@ class TokenShift(Transform):
         ([[1, 10]], [[10, 2]], [[0, 1]])
     """
 
+    runs_before = ("EosMask", "LossMask", "CuSeqlens", "SegmentIds", "Positions", "Total", "PredictedLabels")
+
     def __init__(
         self,
         tokens_key: str = INPUT_IDS,

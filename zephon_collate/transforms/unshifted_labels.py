@@ -30,6 +30,8 @@ class UnshiftedLabels(Transform):
         [[-100, 6, 7, -100]]
     """
 
+    runs_before = ("EosMask", "LossMask", "Total", "PredictedLabels")
+
     def __init__(self, tokens_key: str = INPUT_IDS, labels_key: str = LABELS) -> None:
         super().__init__()
         self.tokens_key = check_key("UnshiftedLabels", "tokens_key", tokens_key)
