@@ -457,3 +457,34 @@ def test_cu_seqlens_of_the_wrong_depth_are_named():
     batch = {"input_ids": [[1, 2, 3]], "labels": [[2, 3, -100]], "cu_seqlens": [[[0, 3]]]}
     with pytest.raises(ValueError, match=r"field 'cu_seqlens' must hold \[B, K\] or \[K\] boundaries"):
         batch_rows(batch)
+
+
+def test_a_label_predicting_padding_and_a_vision_batch_are_read():
+    """A right-padded batch's label on the first padding place trains the last real token to predict the
+    pad: it was missed (one place later was flagged). A padding-free mRoPE batch ([4, 1, N] positions) was
+    refused; its text positions are read."""
+    import numpy as np
+
+    from zephon_collate import Collator
+    from zephon_collate.layouts.vision import MRope
+
+    batch = {
+        "input_ids": [[5, 6, 7, 8, 9], [9, 10, 3, 0, 0]],
+        "attention_mask": [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]],
+        "labels": [[5, 6, 7, 8, 9], [9, 10, 3, -100, -100]],
+    }
+    assert batch_warnings(batch) == []
+    for place in (3, 4):
+        labels = [row[:] for row in batch["labels"]]
+        labels[1][place] = 0
+        assert batch_warnings({**batch, "labels": labels}) == [
+            "row 1: 1 padding tokens have supervised labels; they train on padding"
+        ]
+    image = {
+        "input_ids": [5, 5] + [120] * 4 + [6, 6],
+        "mm_token_type_ids": [0, 0] + [1] * 4 + [0, 0],
+        "pixel_values": np.zeros((16, 16), np.float32),
+        "image_grid_thw": [[1, 4, 4]],
+    }
+    flat = Collator.for_transformers(padding_free=True, mrope=MRope(spatial_merge_size=2))([image, image])
+    assert tuple(flat["position_ids"].shape) == (4, 1, 16) and batch_warnings(flat) == []

@@ -347,3 +347,70 @@ def test_a_padded_rows_first_label_is_not_counted_as_trained():
     assert [row.trained for row in view.rows] == [[False, True, True], [False, True, False]]
     assert render_tree(padded).splitlines()[0].count("3 of 6 tokens trained") == 1
     assert "3 of 5 tokens trained" in render_tree(Collator.for_trees()(examples)).splitlines()[0]
+
+
+def _edited(batch: dict, edit) -> dict:
+    copy = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in batch.items()}
+    edit(copy)
+    return copy
+
+
+def test_a_shared_prompt_batchs_attention_is_checked_against_its_paths():
+    """Attention from document_ids / branch_ids was never checked: a response that sees its sibling, or a
+    pair merged into the one before it, passed."""
+    pairs = [
+        {"prompt_input_ids": [1, 2, 3], "chosen_input_ids": [4, 5], "rejected_input_ids": [6]},
+        {"prompt_input_ids": [7, 8], "chosen_input_ids": [9], "rejected_input_ids": [10, 11, 12]},
+    ]
+    base = dict(Collator.for_preference(padding_free=True, shared_prompt=True)(pairs))
+    assert batch_warnings(base) == []
+    sibling = _edited(base, lambda b: b["branch_ids"][0, 3:5].zero_())  # the chosen tokens: branch 0
+    assert batch_warnings(sibling) == [
+        "row 0: 1 token see tokens off their paths (first: token 5, document 0, sees token 3, document 0, "
+        "which is not its ancestor; check branch_ids)"
+    ]
+    merged = _edited(base, lambda b: b["document_ids"][0, 6:].zero_())
+    assert "6 tokens see tokens off their paths (first: token 6" in batch_warnings(merged)[0]
+
+
+def test_a_subtree_that_is_not_contiguous_is_caught():
+    """r -> a -> c and r -> b laid out r a b c: a's subtree_end covers b, which then sees its sibling a;
+    the range checks passed it."""
+    batch = {
+        "input_ids": torch.tensor([[1, 2, 3, 4]]),
+        "labels": torch.tensor([[-100, 2, 3, 4]]),
+        "position_ids": torch.tensor([[0, 1, 1, 2]]),
+        "logits_index": torch.tensor([[-1, 0, 0, 1]]),
+        "document_ids": torch.tensor([[0, 0, 0, 0]]),
+        "subtree_end": torch.tensor([[4, 4, 3, 4]]),
+        "sequence_index": torch.tensor([[-1, -1, 1, 0]]),
+        "path_index": torch.tensor([0, 1, 3, 0, 2]),
+        "path_offsets": torch.tensor([0, 3, 5]),
+        "num_sequences": 2,
+    }
+    assert tree_warnings(batch) == [
+        "row 0: 1 token see tokens off their paths (first: token 2, document 0, sees token 1, document 0, "
+        "which is not its ancestor; check subtree_end)"
+    ]
+
+
+def test_a_label_kept_on_padding_is_reported_in_tree_and_shared_batches():
+    """Padding has no predictor, so a kept label there was never counted: ``model(labels=...)`` trains it."""
+    trees = [
+        {"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1], "group": 0},
+        {"input_ids": [5, 6], "completion_mask": [0, 1], "group": 1},
+    ]
+    padded = dict(Collator.for_trees(padding_free=False, pad_token_id=0)(trees))
+    assert tree_warnings(padded) == []
+    labelled = _edited(padded, lambda b: b["labels"][1, 2:].fill_(0))
+    assert tree_warnings(labelled) == [
+        "row 1: labels train on 2 padding tokens (in no tree; check the padding's labels)"
+    ]
+    pairs = [
+        {"prompt_input_ids": [1, 2, 3], "chosen_input_ids": [4, 5], "rejected_input_ids": [6]},
+        {"prompt_input_ids": [13], "chosen_input_ids": [14], "rejected_input_ids": [15]},
+    ]
+    shared = dict(Collator.for_preference(pad_token_id=0, shared_prompt=True)(pairs))
+    assert batch_warnings(_edited(shared, lambda b: b["labels"][1, 4].fill_(0))) == [
+        "row 1: labels train on 1 padding token (in no tree; check the padding's labels)"
+    ]

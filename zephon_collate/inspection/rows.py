@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from zephon_collate.core.keys import (
@@ -88,8 +89,9 @@ def is_transformers_batch(batch: Mapping[str, Any]) -> bool:
 def _page_view(batch: Mapping[str, Any], ignore_index: int) -> dict[str, Any]:
     """A Hugging Face batch in the page's names, each row's unshifted labels moved one to the left."""
     view = {key: value for key, value in batch.items() if key not in (LABELS, ATTENTION_MASK)}
-    if POSITION_IDS in batch:
-        view[POSITIONS] = batch[POSITION_IDS]
+    if POSITION_IDS in batch:  # a padding-free mRoPE batch's [4, 1, N]: plane 0 holds the text positions
+        positions = batch[POSITION_IDS]
+        view[POSITIONS] = positions[0] if np.ndim(positions) == 3 else positions
     if batch.get(CU_SEQ_LENS_Q) is not None:
         view[CU_SEQLENS] = batch[CU_SEQ_LENS_Q]
     if batch.get(ATTENTION_MASK) is not None:
@@ -216,7 +218,9 @@ def _row_warnings(row: RowView, padding_fraction: float, row_ends: frozenset[int
                 f"(first: token {t}, {row.positions[t - 1]} -> {row.positions[t]})"
             )
     if row.supervised is not None:
-        padded = sum(s and p for s, p in zip(row.supervised, row.padding, strict=True))
+        # A label on padding, or one predicting padding (the next token is padding), trains on padding.
+        targets = [*row.padding[1:], False]
+        padded = sum(s and (p or q) for s, p, q in zip(row.supervised, row.padding, targets, strict=True))
         if padded:
             found.append(f"{where}: {padded} padding tokens have supervised labels; they train on padding")
         if row.labels is not None:

@@ -333,7 +333,7 @@ def batch_tree(batch: Mapping[str, Any], *, ignore_index: int = -100) -> TreeVie
             TreeRow(
                 index,
                 [int(t) for t in row],
-                None if labels is None else _trained(labels, predictor[index], ignore_index),
+                None if labels is None else _trained(labels, predictor[index], documents, ignore_index),
                 _field_row(fields, (POSITION_IDS, POSITIONS), index),
                 documents,
                 _field_row(fields, (BRANCH_IDS,), index),
@@ -349,10 +349,14 @@ def batch_tree(batch: Mapping[str, Any], *, ignore_index: int = -100) -> TreeVie
     return TreeView(rows, nodes, paths, PATH_INDEX if indexed else SEQUENCE_INDEX, attention, count, notes)
 
 
-def _trained(labels: list[int], predictor: list[int], ignore_index: int) -> list[bool]:
+def _trained(labels: list[int], predictor: list[int], documents: list[int], ignore_index: int) -> list[bool]:
     """A token is trained where its label is kept and some place predicts it (a padded row's first label,
-    kept as transformers keeps it, is never predicted)."""
-    return [label != ignore_index and by >= 0 for label, by in zip(labels, predictor, strict=True)]
+    kept as transformers keeps it, is never predicted), or where padding keeps one (a model's own
+    shifted loss trains it)."""
+    return [
+        label != ignore_index and (by >= 0 or document < 0)
+        for label, by, document in zip(labels, predictor, documents, strict=True)
+    ]
 
 
 def _field_row(fields: dict[str, list[list[int]]], names: tuple[str, ...], index: int) -> list[int] | None:
@@ -406,8 +410,44 @@ def tree_warnings(
     found += _supervision_warnings(view, padding_fraction)
     found += _path_warnings(view)
     for row in view.rows:
-        if view.attention_from == SUBTREE_END and row.subtree_end is not None:
-            found += _attention_warnings(row)
+        specific = (
+            _attention_warnings(row)
+            if view.attention_from == SUBTREE_END and row.subtree_end is not None
+            else []
+        )
+        found += specific or _seen_warnings(row, view.attention_from)
+    return found
+
+
+def _seen_warnings(row: TreeRow, attention: str) -> list[str]:
+    """Tokens whose keys (per ``subtree_end`` or ``document_ids`` / ``branch_ids``) are not exactly their
+    ancestors along ``logits_index`` and themselves: a sibling, another document, a missing ancestor."""
+    if attention == LOGITS_INDEX:  # attention read from the paths themselves: nothing to compare
+        return []
+    extra, missing = [], []
+    for query in range(len(row.input_ids)):
+        if row.padding[query]:
+            continue
+        seen = _keys_seen(row, attention, query, query)
+        own = _keys_seen(row, LOGITS_INDEX, query, query)
+        if (seen & ~own).any():
+            extra.append((query, int(np.flatnonzero(seen & ~own)[0])))
+        if (own & ~seen).any():
+            missing.append((query, int(np.flatnonzero(own & ~seen)[0])))
+    found = []
+    if extra:
+        query, key = extra[0]
+        found.append(
+            f"row {row.index}: {plural(len(extra), 'token')} see tokens off their paths (first: token "
+            f"{query}, {_document_name(row, query)}, sees token {key}, {_document_name(row, key)}, which is "
+            f"not its ancestor; check {attention})"
+        )
+    if missing:
+        query, key = missing[0]
+        found.append(
+            f"row {row.index}: {plural(len(missing), 'token')} miss an ancestor (first: token {query} does "
+            f"not see token {key}; check {attention})"
+        )
     return found
 
 
