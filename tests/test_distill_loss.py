@@ -286,3 +286,39 @@ def test_absent_entries_may_repeat_ids():
     ids = torch.tensor([[[2, 0, 0]]])  # id 0 once present, once absent: not a duplicate
     logps = torch.tensor([[[-0.5, -1.0, NEG]]])
     assert torch.isfinite(distillation_loss(torch.zeros(1, 1, 3), ids, logps, torch.tensor([[1]])))
+
+
+def _xlogy_terms(weights: torch.Tensor, log_weights: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``sum w (log w - other)`` with 0 log 0 = 0: the reference's convention."""
+    return torch.where(
+        weights > 0, weights * (log_weights - other), torch.zeros((), dtype=weights.dtype)
+    ).sum()
+
+
+def test_a_zero_probability_entry_counts_zero_not_nan():
+    """A -inf student logit inside the teacher's top-k (a masked vocabulary entry), and a teacher fill of
+    finfo.min divided by a temperature below 1 (it overflows to -inf): 0 log 0 is 0; it was NaN."""
+    logits = torch.tensor([[[0.0, 1.0, -math.inf, 0.5]]], dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[[0, 1, 2]]])
+    teacher = torch.tensor([[[0.5, 0.3, 0.2]]], dtype=torch.float64).log()
+    q = torch.softmax(torch.tensor([0.0, 1.0, -math.inf], dtype=torch.float64), 0)
+    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    for beta in (1.0, 0.5):
+        got = distillation_loss(logits, ids, teacher, torch.tensor([[1]]), beta=beta)
+        m = beta * p + (1 - beta) * q
+        want = (
+            _xlogy_terms(q, q.log(), p.log())
+            if beta == 1
+            else beta * _xlogy_terms(p, p.log(), m.log()) + (1 - beta) * _xlogy_terms(q, q.log(), m.log())
+        )
+        assert float(got) == pytest.approx(float(want), abs=1e-12)
+        (grad,) = torch.autograd.grad(got, logits)
+        assert torch.isfinite(grad).all()
+    low = torch.tensor([[[math.log(0.6), math.log(0.4), torch.finfo(torch.float32).min]]])
+    student = torch.tensor([[[0.3, 1.0, -0.5, 0.2]]])
+    for beta in (0.0, 0.5):
+        got = distillation_loss(student, ids, low, torch.tensor([[1]]), beta=beta, temperature=0.5)
+        assert torch.isfinite(got)
+    assert float(distillation_loss(student, ids, low, torch.tensor([[1]]), beta=0.0, temperature=0.5)) == (
+        pytest.approx(0.6115678747624899, rel=1e-6)
+    )

@@ -224,3 +224,25 @@ def test_every_mode_equals_verl_and_dr_grpo_equals_trl():
             per_token, batch, mode="seq-mean-token-sum-norm", normalizer=max_completion_length
         )
         assert float(norm) == pytest.approx(float(dr_grpo), rel=1e-12)
+
+
+def test_a_per_token_loss_with_a_trailing_dimension_is_refused():
+    """``[R, L, 1]`` (a value head's, unsqueezed) broadcast against the ``[E]`` mask into ``[E, E]``: the
+    token mean of the docstring's batch came out 30.0 for 3.0."""
+    from zephon_collate import Collator
+    from zephon_collate.losses import aggregate_loss, sequence_means
+
+    batch = Collator.for_rollouts(padding_free=True)(
+        [
+            {"input_ids": [1, 2, 3, 4], "completion_mask": [0, 1, 1, 1]},
+            {"input_ids": [1, 5], "completion_mask": [0, 1]},
+        ]
+    )
+    loss = torch.tensor([[0.0, 1.0, 2.0, 3.0, 0.0, 6.0]])
+    assert float(aggregate_loss(loss, batch)) == 3.0
+    for call in (
+        lambda: aggregate_loss(loss[..., None], batch),
+        lambda: sequence_means(loss[..., None], batch),
+    ):
+        with pytest.raises(ValueError, match=r"has shape \(1, 6, 1\): give one number per token"):
+            call()

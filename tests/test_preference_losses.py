@@ -131,3 +131,27 @@ def test_the_defaults_are_dpo_configs():
     )
     assert torch.equal(preference_loss(*ratios, beta=1.0, f_divergence_type="alpha_divergence"), given)
     assert abs(float(given) - 0.117235) < 1e-6  # TRL's value on these log-probs (1 and -1, beta 1)
+
+
+def test_alpha_divergence_keeps_float64():
+    """float64 log ratios stay float64 (TRL computes in float32 and has no float64 bound): exact to the
+    docs' formula, past float32's clamp too (at -170 it gave 1.1e34 for 1.6e36, and a zero gradient)."""
+    import torch.nn.functional as F
+
+    alpha, beta = 0.5, 0.1
+
+    def score(x: torch.Tensor) -> torch.Tensor:
+        return (torch.exp((alpha - 1) * x) - 1) / (alpha - 1)
+
+    for ratio in (-3.3, -170.0):
+        chosen = torch.tensor([ratio], dtype=torch.float64, requires_grad=True)
+        rejected, zero = torch.tensor([-1.2], dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+        got = preference_loss(
+            chosen, rejected, zero, zero, loss_type="sigmoid", beta=beta,
+            f_divergence_type="alpha_divergence", f_alpha_divergence_coef=alpha,
+        )  # fmt: skip
+        want = -F.logsigmoid(beta * (score(chosen) - score(rejected))).mean()
+        assert got.dtype == torch.float64 and float(got) == pytest.approx(float(want), rel=1e-12)
+        assert float(torch.autograd.grad(got, chosen)[0]) == pytest.approx(
+            float(torch.autograd.grad(want, chosen)[0]), rel=1e-12
+        )

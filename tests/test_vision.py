@@ -418,6 +418,9 @@ def test_the_dummy_image_is_no_sequence_of_the_sequence_map():
         want = aggregate_loss(token_logprobs(logits[:, :7], plain), plain, mode=mode, empty="count")
         got = aggregate_loss(token_logprobs(logits, dummy), dummy, mode=mode, empty="count")
         assert torch.equal(got, want), mode
+    unmapped = Collator.for_transformers(padding_free=True, mrope=MRope.from_config(model.config))(text)
+    with pytest.raises(ValueError, match=r"has shape \(4, 1, 7\).* collate it with return_sequence_map=True"):
+        sequence_logprobs(logits[:, :7], unmapped)
 
 
 def test_vision_cu_seqlens_are_the_towers_own():

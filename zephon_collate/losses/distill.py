@@ -75,12 +75,12 @@ def distillation_loss(
     q = torch.where(present, log_q, float("-inf")).exp()
     p = torch.where(present, log_p, float("-inf")).exp()
     if beta == 0:
-        per_entry = p * (log_p - log_q)
+        per_entry = _weighted(p, log_p, log_q)
     elif beta == 1:
-        per_entry = q * (log_q - log_p)
+        per_entry = _weighted(q, log_q, log_p)
     else:
         log_m = torch.logsumexp(torch.stack([log_q + math.log1p(-beta), log_p + math.log(beta)]), dim=0)
-        per_entry = beta * p * (log_p - log_m) + (1 - beta) * q * (log_q - log_m)
+        per_entry = beta * _weighted(p, log_p, log_m) + (1 - beta) * _weighted(q, log_q, log_m)
     per_token = torch.where(trained & some.squeeze(-1), per_entry.sum(dim=-1), 0.0)
     if reduction == "none":
         return per_token
@@ -88,6 +88,12 @@ def distillation_loss(
         return per_token.sum()
     count = trained.sum() * (vocab if reduction == "mean" else 1)
     return per_token.sum() / count.clamp_min(1)
+
+
+def _weighted(prob: torch.Tensor, log_prob: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``prob * (log_prob - other)``, 0 where ``prob`` is 0 (a -inf logit, a log-prob that overflowed to
+    -inf at a low temperature): 0 log 0 is 0, where the product would be NaN, in value and gradient."""
+    return prob * torch.where(prob > 0, log_prob - other, 0.0)
 
 
 def _check(

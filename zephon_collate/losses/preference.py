@@ -31,10 +31,10 @@ def _scores(ratios: torch.Tensor, divergence: str, alpha: float) -> torch.Tensor
     if divergence == "js_divergence":
         return math.log(2) + F.logsigmoid(ratios)
     if divergence == "alpha_divergence" and abs(alpha - 1.0) >= 1e-6:
-        limit = {torch.float16: 11.0, torch.bfloat16: 80.0}.get(ratios.dtype, 80.0)  # exp stays finite
-        return (torch.exp(((alpha - 1.0) * ratios).float().clamp(max=limit)) - 1.0).to(ratios.dtype) / (
-            alpha - 1.0
-        )
+        # TRL's float32 (exp stays finite in the input's dtype); float64 stays float64, to its own bound.
+        limit = {torch.float16: 11.0, torch.float64: 709.0}.get(ratios.dtype, 80.0)
+        wide = ratios.to(torch.promote_types(ratios.dtype, torch.float32))
+        return (torch.exp(((alpha - 1.0) * wide).clamp(max=limit)) - 1.0).to(ratios.dtype) / (alpha - 1.0)
     return ratios
 
 

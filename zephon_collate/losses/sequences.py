@@ -112,9 +112,11 @@ def _tensor(
             f"the collator writes them); {_FIX}"
         )
     if like is not None and value.shape != like.shape:
+        mrope = value.dim() == 3 and tuple(value.shape[1:]) == tuple(like.shape)  # [4, 1, N] positions
+        fix = "the loss helpers read a padding-free mRoPE batch through its sequence map: collate it with "
         raise ValueError(
-            f"batch[{shown(key)}] has shape {tuple(value.shape)}, but 'input_ids' has "
-            f"{tuple(like.shape)}; {_FIX}"
+            f"batch[{shown(key)}] has shape {tuple(value.shape)}, but 'input_ids' has {tuple(like.shape)}; "
+            + (fix + "return_sequence_map=True" if mrope else _FIX)
         )
     return value if like is None else value.to(like.device)
 
@@ -392,9 +394,15 @@ def _per_sequence(values: torch.Tensor, supervised: torch.Tensor, view: _Map) ->
 def _entry_view(
     values: torch.Tensor, batch: _Batch, name: str, *, ends: bool = False
 ) -> tuple[_Map, torch.Tensor, torch.Tensor]:
-    """The batch's sequence map, ``values`` per entry and the supervised entries."""
+    """The batch's sequence map, ``values`` per entry (one number each) and the supervised entries."""
     view = _sequence_map(batch, ends=ends)
-    return view, view.entries(values, name), _supervised(batch, view)
+    given = view.entries(values, name)
+    if given.dim() != 1:  # [R, L, 1] would broadcast against the [E] mask into [E, E]
+        raise ValueError(
+            f"{name} has shape {tuple(values.shape)}: give one number per token, aligned with input_ids "
+            f"{tuple(view.logits_index.shape)} (squeeze a trailing dimension of 1, e.g. a value head's)"
+        )
+    return view, given, _supervised(batch, view)
 
 
 def sequence_means(values: torch.Tensor, batch: _Batch) -> torch.Tensor:
