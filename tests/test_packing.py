@@ -673,3 +673,21 @@ def test_overflow_auto_reads_the_loss_mask_even_when_it_is_not_packed(fields):
     bad = [SampleRecord(SampleMeta((0, 0, 0), 0, 0, 0), {**chat, "loss_mask": [0, 2, 1, 1, 1, 1]})]
     with pytest.raises(ValueError, match="loss_mask"):
         pack_flat(bad, 4, pad_token_id=0, fields=fields)
+
+
+@pytest.mark.parametrize(
+    ("positions", "overflow", "pieces"),
+    [
+        ([0, 1, 2, 3, 4, 0, 2, 4], "split", [[0, 1, 2, 3, 4], [0, 1, 2]]),
+        ([0, 2, 4, 0, 1, 2, 3, 4], "split", [[0, 1, 2, 0, 1], [0, 1, 2]]),  # its gaps were kept here
+        ([0, 2, 4, 0, 1, 2, 3, 4], "truncate", [[0, 1, 2, 0, 1]]),  # and here
+        ([0, 2, 4, 6, 8, 10, 12], "split", [[0, 1, 2, 3, 4], [0, 1]]),
+    ],
+)
+def test_a_cut_documents_segments_are_numbered_afresh_wherever_the_cut_falls(positions, overflow, pieces):
+    """A document's own positions with gaps, cut: every segment of every piece counts 0, 1, ... (a segment
+    kept its gaps where the piece held two of them, and lost them where it held one)."""
+    document = {"input_ids": list(range(10, 10 + len(positions))), "positions": positions}
+    record = SampleRecord(SampleMeta((0, 0, 0), 0, 0), document)
+    rows = pack_flat([record], 5, pad_token_id=0, overflow=overflow)
+    assert [r.payload["positions"].tolist()[: 5 - r.meta.padding_length] for r in rows] == pieces

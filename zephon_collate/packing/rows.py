@@ -31,7 +31,7 @@ from zephon_collate.packing.reader import (
     prompt_entries,
 )
 from zephon_collate.read.arrow import Columns
-from zephon_collate.read.columns import Names, Ragged, Spread, filled, restarted, row_any
+from zephon_collate.read.columns import Names, Ragged, Spread, filled, row_any
 from zephon_collate.read.rows import describe_record
 from zephon_collate.read.rules import check_zero_one
 
@@ -103,15 +103,18 @@ def document_piece(record: SampleRecord, document: Document) -> Piece:
 
 
 def _cut(piece: Piece, cut: slice, part: int, closes: bool) -> Piece:
-    """``piece`` (a whole document) cut to ``cut``; a segment the cut enters restarts at 0."""
+    """``piece`` (a whole document) cut to ``cut``: each of its segments numbered 0, 1, ... afresh, gaps
+    dropped, wherever the cut falls (a segment the cut enters restarts at 0)."""
     positions = None
     side = piece.side
     if piece.positions is not None:
-        # the continuation of a segment starts a segment of its own
-        positions = restarted(Ragged.of_row(piece.positions[cut]), np.ones(1, dtype=bool)).host
+        given = piece.positions[cut]
+        starts = given == 0
+        starts[:1] = True  # the continuation of a segment starts a segment of its own
+        if int(np.count_nonzero(starts)) > 1:  # one segment: numbered by the packer, as a plain document
+            first = np.flatnonzero(starts)
+            positions = np.arange(given.size, dtype=np.int64) - first[np.cumsum(starts) - 1]
         side += int(np.count_nonzero(piece.positions[: (cut.start or 0) + 1] == 0)) - 1
-        if int(np.count_nonzero(positions == 0)) == 1:
-            positions = None
     fields = {name: values[cut] for name, values in piece.fields.items()}
     return Piece(piece.tokens[cut], fields, piece.base, part, closes, positions, side, piece.opens)
 
