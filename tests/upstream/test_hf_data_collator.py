@@ -578,12 +578,19 @@ class DataCollatorIntegrationTest(DataCollatorTestMixin, unittest.TestCase):
         batch = data_collator(features)
         self.assertEqual(batch["input_ids"].shape, torch.Size([2, 6]))
         self.assertEqual(batch["input_ids"][0].tolist(), list(range(3)) + [tokenizer.pad_token_id] * 3)
+        return batch
+
+    # -- below: each test also checks the last batch its upstream helper collated ------------------------
 
     def test_data_collator_for_seq2seq_with_lists(self):
-        self._test_data_collator_for_seq2seq(to_torch=False)
+        batch = self._test_data_collator_for_seq2seq(to_torch=False)
+        self.assertEqual(
+            batch["labels"].tolist(), [[0, 1, 2, -1, -1, -1], list(range(6))]
+        )  # made from tokens
 
     def test_data_collator_for_seq2seq_with_pt(self):
-        self._test_data_collator_for_seq2seq(to_torch=True)
+        batch = self._test_data_collator_for_seq2seq(to_torch=True)
+        self.assertEqual(batch["labels"].tolist(), [[0, 1, 2, -1, -1, -1], list(range(6))])
 
 
 class DataCollatorImmutabilityTest(DataCollatorTestMixin, unittest.TestCase):
@@ -665,12 +672,15 @@ class DataCollatorImmutabilityTest(DataCollatorTestMixin, unittest.TestCase):
                 label_key="labels",
                 label_datatype=datatype_label,
             )
+        return features_base
 
     def test_seq2seq_collator_immutability(self):
-        self._test_seq2seq_collator_immutability("pt", [(list, list), (torch.tensor, torch.tensor)])
+        base = self._test_seq2seq_collator_immutability("pt", [(list, list), (torch.tensor, torch.tensor)])
+        self.assertEqual(base[1], {"input_ids": list(range(6)), "labels": list(range(6))})  # still as built
 
     def test_numpy_seq2seq_collator_immutability(self):
-        self._test_seq2seq_collator_immutability("np", [(list, list)])
+        base = self._test_seq2seq_collator_immutability("np", [(list, list)])
+        self.assertEqual(base[1], {"input_ids": list(range(6)), "labels": list(range(6))})
 
 
 class NumpyDataCollatorIntegrationTest(DataCollatorTestMixin, unittest.TestCase):
@@ -795,11 +805,13 @@ class NumpyDataCollatorIntegrationTest(DataCollatorTestMixin, unittest.TestCase)
             # Expect error due to padding token missing (DIFFERENCE: when the collator is built)
             data_collator = Collator.for_transformers(tokenizer, return_tensors="np")
             data_collator(pad_features)
+        return batch
 
     def test_data_collator_for_language_modeling(self):
         no_pad_features = [{"input_ids": list(range(10))}, {"input_ids": list(range(10))}]
         pad_features = [{"input_ids": list(range(5))}, {"input_ids": list(range(10))}]
-        self._test_no_pad_and_pad(no_pad_features, pad_features)
+        batch = self._test_no_pad_and_pad(no_pad_features, pad_features)  # padded to a multiple of 8
+        self.assertEqual(batch["labels"][0].tolist(), list(range(5)) + [-100] * 11)
 
         no_pad_features = [list(range(10)), list(range(10))]
         pad_features = [list(range(5)), list(range(10))]
