@@ -24,6 +24,7 @@ from zephon_collate.parallel.schedule import BalanceSchedule
 
 SQUARES = CostModel(linear=0, quadratic=1)
 MIXED = CostModel(linear=3, quadratic=1)
+ONE_SLOT = BalanceOptions(cost=CostModel(linear=1, quadratic=0), max_tokens=8, micro_batches=1)
 
 
 def saved(state):
@@ -234,6 +235,22 @@ def test_groups_stay_in_one_micro_batch():
         (lambda: BalanceOptions(cost=SQUARES, rows=2), ValueError, "rows and seq_len together"),
         (lambda: BalanceOptions(cost="flops", max_tokens=4), TypeError, "cost must be a CostModel, got str"),
         (lambda: BalanceSchedule(BalanceOptions(cost=SQUARES, max_tokens=4), 2), ValueError, "micro_batches"),
+        (  # -1 would read as "no group" and split the group across ranks
+            lambda: BalanceSchedule(ONE_SLOT, 2).plan([0, 1], [2, 2], [-1, -1]),
+            ValueError,
+            r"groups\[0\] is -1, not an int >= 0 \(a document of no group: pass groups=None\)",
+        ),
+        (  # a key indexes the cost arrays: -1 would take the last document's cost
+            lambda: BalanceSchedule(ONE_SLOT, 2, extra_costs=np.array([0, 0, 9])).plan([-1, 0], [1, 1]),
+            ValueError,
+            r"keys\[0\] is -1, not a key of the cost arrays \(0 to 2\)",
+        ),
+        (
+            lambda: BalanceSchedule(ONE_SLOT, 2, costs=np.array([1, 1])).plan([0, 5], [1, 1]),
+            ValueError,
+            r"keys\[1\] is 5, not a key of the cost arrays \(0 to 1\)",
+        ),
+        (lambda: BalanceSchedule(ONE_SLOT, 2).plan([0, 1.5], [1, 1]), TypeError, r"keys\[1\] must be an int"),
     ],
 )
 def test_bad_input_is_named(call, error, match):
@@ -764,3 +781,11 @@ def test_a_balanced_stream_state_is_refused_under_other_options():
     same = balanced_stream(STREAM_FREE)
     same.load_state_dict(state)
     assert step_summary(same) == step_summary(steps)
+
+
+def test_a_schedule_keeps_group_0_together_as_plan_balance_does():
+    # Four documents of group 0 fill one 8-token micro-batch; the others share the other rank's.
+    lengths, groups = [2, 2, 2, 2, 3, 3], [0, 0, 0, 0, 100, 101]
+    plan = BalanceSchedule(ONE_SLOT, ranks=2).plan([10, 11, 12, 13, 14, 15], lengths, groups)
+    assert plan.cells == (((10, 11, 12, 13), (14, 15)),)
+    assert plan_balance(lengths, ONE_SLOT, ranks=2, groups=groups).cells == (((0, 1, 2, 3), (4, 5)),)

@@ -343,3 +343,47 @@ def test_a_post_training_batch_is_refused_by_name():
         Collator.for_rollouts(padding_free=True, transforms=[keys])(rollouts)
     del batch["logits_index"], batch["labels"]  # what is left shards as before
     assert shard.shard(batch)["input_ids"].tolist() == [1, 4, 5, 0]
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
+def test_gathered_model_outputs_drop_the_padding_by_their_boundaries(cp_size):
+    # A model's outputs carry no cp_padding_mask; the real boundaries beside the padded ones say which
+    # tokens were added, exactly as the mask does.
+    out = Collator(flatten=True, **OPTIONS)(records())
+    shards = [ContextParallelShard(cp_size, rank).shard(out) for rank in range(cp_size)]
+    losses = [
+        {
+            "loss": s["input_ids"].double() * 0.5,
+            "cu_seqlens": s["cu_seqlens"],
+            "cu_seqlens_padded": s["cu_seqlens_padded"],
+        }
+        for s in shards
+    ]
+    assert gather_context_parallel(losses)["loss"].tolist() == (out["input_ids"].double() * 0.5).tolist()
+    masked = gather_context_parallel(
+        [{**loss, "cp_padding_mask": s["cp_padding_mask"]} for loss, s in zip(losses, shards, strict=True)]
+    )
+    assert masked["loss"].tolist() == (out["input_ids"].double() * 0.5).tolist()
+
+
+def test_gathering_too_few_shards_or_unknown_padding_is_refused():
+    td = TensorDict(
+        input_ids=torch.tensor([11, 12, 13, 14, 15, 21, 22, 23]),
+        positions=torch.tensor([0, 1, 2, 3, 4, 0, 1, 2]),
+        batch_size=[],
+    )
+    shards = [ContextParallelShard(3, rank)(td) for rank in range(3)]  # 12 padded tokens, 4 a rank
+    with pytest.raises(
+        ValueError,
+        match=r"2 shards of a stream of 12 padded tokens should hold 6 tokens each, but shard 0's fields hold \[4\]: give every CP rank's shard",
+    ):
+        gather_context_parallel(shards[:2])
+    with pytest.raises(ValueError, match=r"shard 1 lacks 'input_ids' of 4 tokens"):
+        gather_context_parallel([shards[0], shards[1].exclude("input_ids"), shards[2]])
+    with pytest.raises(ValueError, match=r"shard 0 lacks 'cu_seqlens_padded'"):
+        gather_context_parallel([{"loss": torch.zeros(3)}])
+    bare = [{"loss": s["input_ids"], "cu_seqlens_padded": s["cu_seqlens_padded"]} for s in shards]
+    with pytest.raises(ValueError, match=r"neither 'cp_padding_mask' nor 'cu_seqlens'.*drop_padding=False"):
+        gather_context_parallel(bare)
+    padded = gather_context_parallel(bare, drop_padding=False)["loss"]
+    assert padded.tolist() == [11, 12, 13, 14, 15, 0, 21, 22, 23, 0, 0, 0]

@@ -58,6 +58,17 @@ def test_global_count_rejects_non_integer_counts(bad):
         global_num_valid_tokens([bad])
 
 
+def test_counts_and_losses_of_the_wrong_kind_are_named():
+    with pytest.raises(
+        ValueError, match=r"micro-batch 1 has no 'num_valid_tokens' .*return_num_valid_tokens=True"
+    ):
+        global_num_valid_tokens([{"num_valid_tokens": 3}, {"labels": 1}])
+    with pytest.raises(TypeError, match=r"counts must be a count .* got NoneType"):
+        global_num_valid_tokens(None)
+    with pytest.raises(TypeError, match=r"loss_sum must be a tensor .* got float"):
+        normalize_loss(3.0, 2)
+
+
 def test_normalize_loss():
     assert float(normalize_loss(torch.tensor(6.0), torch.tensor(4))) == 1.5
     assert float(normalize_loss(torch.tensor(6.0), 4, world_size=4)) == 6.0

@@ -3,13 +3,18 @@ hand-worked; rows of a fixed width (split or refused); the copied openers; every
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import given as given_examples
+from hypothesis import settings
+from hypothesis import strategies as st
 
 from zephon_collate import Collator, FloatField
 from zephon_collate.functional.trees import TreeBlocks, dense_tree_mask, use_tree_attention
-from zephon_collate.losses import unpack
+from zephon_collate.losses import sequence_logprobs, unpack
 
 
 def trajectory(ids: list[int], prompt: int, **fields: object) -> dict:
@@ -276,6 +281,63 @@ def test_rows_of_a_fixed_width_split_or_refuse_a_wide_tree():
         ValueError, match=r"max_row_tokens packs the documents into rows .* \(padding_free=False\)"
     ):
         Collator.for_trees(max_row_tokens=6, padding_free=False, pad_token_id=0)
+
+
+@st.composite
+def _deep_trajectories(draw: st.DrawFn) -> tuple[list[dict], int]:
+    """Trajectories along a random tree of spans (any depth; some end where others go on), and a row width
+    that holds every path but not always every tree."""
+    nodes = draw(st.integers(1, 8))
+    parents = [-1] + [draw(st.integers(max(-1, node - 3), node - 1)) for node in range(1, nodes)]  # deep
+    spans = [draw(st.lists(st.integers(3, 40), min_size=1, max_size=5)) for _ in range(nodes)]
+
+    def path(node: int) -> list[int]:
+        return [] if node < 0 else path(parents[node]) + spans[node]
+
+    leaves = [node for node in range(nodes) if node not in parents]
+    inner = [node for node in range(nodes) if node in parents and draw(st.booleans())]
+    ends = draw(st.permutations(leaves + inner))
+    rows = [trajectory(path(node), draw(st.integers(0, len(path(node)) - 1))) for node in ends]
+    longest = max(len(row["input_ids"]) for row in rows)  # the narrowest row that holds every path
+    return rows, draw(st.integers(longest, max(longest, sum(len(row["input_ids"]) for row in rows))))
+
+
+@settings(max_examples=400, deadline=None)
+@given_examples(_deep_trajectories())
+def test_a_split_deep_tree_keeps_every_path_whole(case: tuple[list[dict], int]) -> None:
+    # Against the trajectories themselves: each sequence's path (its tokens, labels and positions, each
+    # token's predictor and the keys it sees) is the trajectory, however deep the split cuts.
+    rows, width = case
+    out = Collator.for_trees(max_row_tokens=width, oversized="split", pad_token_id=0)(rows)
+    ids, labels, positions = out["input_ids"], out["labels"], out["position_ids"]
+    assert ids.shape[1] == width
+    flat_ids = ids.reshape(-1)
+    offsets, places = out["path_offsets"].tolist(), out["path_index"].tolist()
+    for s, row in enumerate(rows):
+        path = places[offsets[s] : offsets[s + 1]]
+        trained = [mask == 1 for mask in row["completion_mask"]]
+        trained[0] = False  # nothing predicts a path's first token
+        assert flat_ids[path].tolist() == row["input_ids"]
+        assert labels.reshape(-1)[path].tolist() == [
+            t if m else -100 for t, m in zip(row["input_ids"], trained, strict=True)
+        ]
+        assert positions.reshape(-1)[path].tolist() == list(range(len(path)))
+        assert len({place // width for place in path}) == 1  # one row holds the whole path
+        index, ends = out["logits_index"].reshape(-1), out["subtree_end"].reshape(-1)
+        for before, place in itertools.pairwise(path):
+            assert int(index[place]) == before % width  # predicted from the token before it on the path
+            query = place % width
+            assert all(key % width <= query < int(ends[key]) for key in path[: path.index(place) + 1])
+
+    # The path helpers score each sequence as its path alone: logits that depend on (token, position) only.
+    def logits(batch: dict) -> torch.Tensor:
+        table = torch.sin(torch.arange(41 * 64, dtype=torch.float64).reshape(41, 64))
+        return table[batch["input_ids"]] + torch.cos(batch["position_ids"].double())[..., None]
+
+    alone = Collator.for_trees(share="none")(rows)
+    got, expected = sequence_logprobs(logits(out), out), sequence_logprobs(logits(alone), alone)
+    torch.testing.assert_close(got.sums, expected.sums, rtol=0, atol=1e-10)
+    assert got.counts.tolist() == expected.counts.tolist()
 
 
 def test_option_refusals_name_the_fix():

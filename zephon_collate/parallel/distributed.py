@@ -89,7 +89,21 @@ def global_num_valid_tokens(
         >>> global_num_valid_tokens(micro_batches)  # one process: nothing to reduce
         tensor(9)
     """
-    items = [counts] if isinstance(counts, (int, torch.Tensor, Mapping)) else list(counts)
+    if isinstance(counts, (int, torch.Tensor, Mapping)):
+        items = [counts]
+    elif isinstance(counts, Iterable) and not isinstance(counts, (str, bytes)):
+        items = list(counts)
+    else:
+        raise TypeError(
+            "global_num_valid_tokens: counts must be a count (an int, an integer tensor, a batch dict) or "
+            f"a list of them, got {type(counts).__name__}"
+        )
+    for index, item in enumerate(items):
+        if isinstance(item, Mapping) and key not in item:
+            raise ValueError(
+                f"global_num_valid_tokens: micro-batch {index} has no {shown(key)} (its keys: "
+                f"{shown(sorted(map(str, item)))}); collate with return_num_valid_tokens=True, or pass key="
+            )
     values = (item[key] if isinstance(item, Mapping) else item for item in items)
     first = next((value for value in values if isinstance(value, torch.Tensor)), None)
     if device is None:
@@ -124,6 +138,10 @@ def normalize_loss(
         >>> normalize_loss(torch.tensor(6.0), torch.tensor(4))  # one process: 6 / 4
         tensor(1.5000)
     """
+    if not isinstance(loss_sum, torch.Tensor):
+        raise TypeError(
+            f"normalize_loss: loss_sum must be a tensor (the summed loss), got {type(loss_sum).__name__}"
+        )
     if world_size is None:
         world_size = data_parallel_size(group)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:

@@ -94,8 +94,8 @@ class BalanceSchedule:
                 f"BalanceSchedule.plan: keys, lengths and groups differ in length "
                 f"({len(keys)}, {len(lengths)}, {None if groups is None else len(groups)})"
             )
-        new_groups = [_NO_GROUP] * len(keys) if groups is None else [int(g) for g in groups]
-        all_keys = self._keys + [int(key) for key in keys]
+        new_groups = [_NO_GROUP] * len(keys) if groups is None else _ids("groups", groups, None)
+        all_keys = self._keys + _ids("keys", keys, self._costs_size())
         all_lengths = self._lengths + [int(length) for length in lengths]
         all_groups = self._groups + new_groups
         waited = self._waited + [0] * len(keys)
@@ -117,6 +117,11 @@ class BalanceSchedule:
         self._waited = [waited[i] + 1 for i in held]
         self.dropped += len(plan.dropped)
         return plan.with_keys(all_keys)
+
+    def _costs_size(self) -> int | None:
+        """How many keys ``extra_costs`` / ``costs`` cover (``None``: no per-key array, any key)."""
+        sizes = [len(array) for array in (self.extra_costs, self.costs) if array is not None]
+        return min(sizes) if sizes else None
 
     def state_dict(self) -> dict[str, Any]:
         """The waiting documents: ``version`` and the lists ``keys``, ``lengths``, ``groups``, ``waited``."""
@@ -155,6 +160,20 @@ def _unit_keys(keys: list[int], groups: list[int]) -> list[int] | None:
         return None
     # Groups as 2g (even), lone documents as 2k + 1 (odd): the two never collide.
     return [2 * group if group != _NO_GROUP else 2 * key + 1 for key, group in zip(keys, groups, strict=True)]
+
+
+def _ids(name: str, values: Sequence[int], size: int | None) -> list[int]:
+    """``keys`` or ``groups`` of :meth:`BalanceSchedule.plan` as ints: ints >= 0 (a key below ``size``)."""
+    out = []
+    for index, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"BalanceSchedule.plan: {name}[{index}] must be an int, got {shown(value)}")
+        if value < 0 or (size is not None and value >= size):
+            within = "an int >= 0" if size is None else f"a key of the cost arrays (0 to {size - 1})"
+            fix = " (a document of no group: pass groups=None)" if name == "groups" else ""
+            raise ValueError(f"BalanceSchedule.plan: {name}[{index}] is {int(value)}, not {within}{fix}")
+        out.append(int(value))
+    return out
 
 
 def _int_list(values: object, name: str) -> list[int]:
