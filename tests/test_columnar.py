@@ -323,6 +323,35 @@ def test_null_entries_are_refused_naming_the_row():
     )
     with pytest.raises(ValueError, match="example 1: field 'labels' is null"):
         Collator.for_transformers(pad_token_id=0)(labels)
+    for name, column in [  # a null inside a supervising field: named as a null, with the fix
+        ("labels", pa.array([[-100, 2], [-100, None]])),
+        ("completion_mask", pa.array([[0, 1], [0, None]], pa.list_(pa.int8()))),
+        ("assistant_masks", pa.array([[False, True], [False, None]])),
+    ]:
+        rollouts = [] if name == "labels" else [Collator.for_rollouts(padding_free=True)]
+        for collate in (Collator.for_transformers(pad_token_id=0), *rollouts):
+            with pytest.raises(
+                ValueError, match=rf"example 1: field '{name}' holds a null at {name}\[1\]; .*fill"
+            ):
+                collate(pa.table({"input_ids": [[1, 2], [3, 4]], name: column}))
+
+
+def test_datasets_extension_columns_read_as_their_storage():
+    # datasets' Array2D (a per-token top-k) is an Arrow extension type: read as the lists it stores.
+    import datasets
+
+    features = datasets.Features(
+        {"input_ids": datasets.List(datasets.Value("int32")), "top": datasets.Array2D((None, 2), "float32")}
+    )
+    top = [[[-1.0, -2.0], [-3.0, -4.0]], [[-1.5, -2.5], [-3.5, -4.5], [-5.5, -6.5]]]
+    dataset = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, 4, 5]], "top": top}, features=features)
+    collate = Collator.for_transformers(padding_free=True, float_fields=[TensorField("top", shape=(2,))])
+    expected = [[*top[0], *top[1]]]
+    arrow = dataset.with_format("arrow")[0:2]
+    for batch in (arrow, arrow.to_batches(), {name: arrow.column(name) for name in ("input_ids", "top")}):
+        assert collate(batch)["top"].tolist() == expected
+    assert collate(ColumnarDataset(dataset).__getitems__([0, 1]))["top"].tolist() == expected
+    assert collate([dataset[0], dataset[1]])["top"].tolist() == expected
 
 
 def _read_only_lists(rows: list[np.ndarray]) -> Any:

@@ -85,8 +85,29 @@ def arrow() -> ModuleType:
 
 
 def _from_arrow(value: object) -> bool:
-    """True for an object of ``pyarrow``'s own types (known without importing it)."""
-    return type(value).__module__.partition(".")[0] == "pyarrow"
+    """True for an object of ``pyarrow``'s types or their subclasses (``datasets``' extension arrays), known
+    without importing it."""
+    return any(kind.__module__.partition(".")[0] == "pyarrow" for kind in type(value).__mro__[:-1])
+
+
+def _stored(chunk: Any) -> Any:
+    """An Arrow extension array (``datasets``' ``Array2D``) as its storage array; anything else as it is."""
+    return chunk.storage if hasattr(chunk, "storage") and hasattr(chunk.type, "storage_type") else chunk
+
+
+def _storage_table(table: Any) -> Any:
+    """``table`` with each extension-typed column as its storage (a view: nothing is copied)."""
+    for index, field in enumerate(table.schema):
+        if hasattr(field.type, "storage_type"):
+            column = table.column(index)
+            if getattr(column, "num_chunks", None) is None:  # a RecordBatch's column: one array
+                stored = _stored(column)
+            else:
+                stored = arrow().chunked_array(
+                    [_stored(chunk) for chunk in column.chunks], field.type.storage_type
+                )
+            table = table.set_column(index, field.name, stored)
+    return table
 
 
 def _is_pair(value: object) -> bool:
@@ -153,7 +174,7 @@ def columns_of(batch: object, owner: str = "Collator") -> Columns | None:
             )
         if not isinstance(table, (pa.Table, pa.RecordBatch)):
             table = pa.table(table)  # the Arrow C stream interface (polars, DuckDB, ...)
-        read.append(table)
+        read.append(_storage_table(table))
     names = read[0].schema.names
     for index, table in enumerate(read[1:], start=1):
         if table.schema.names != names:
@@ -422,9 +443,12 @@ def _chunks_of(source: Any) -> list[Any] | None:
         return None
     count = getattr(source, "num_chunks", None)  # a ChunkedArray: its chunks, each read as it is
     if count is None:
-        return [source]
+        return [_stored(source)]
     chunk = getattr(source, "chunk", None)
-    return [chunk(index) for index in range(count)] if chunk is not None else list(source.chunks)
+    return [
+        _stored(chunk(index)) if chunk is not None else _stored(source.chunks[index])
+        for index in range(count)
+    ]
 
 
 def _rows_in(chunk: Any, name: str) -> int:

@@ -318,10 +318,13 @@ def _filled(
     whose positions count the tokens ``mask`` keeps (as an example given no positions at all)."""
     try:
         field = batch.get(name, kind, partial=True)
-    except ValueError:  # rows that differ beyond their length: name the first that does not fit
+    except ValueError as error:  # rows that differ beyond their length: name the first that does not fit
         for index, value in enumerate(batch.objects(name)):
             if value is not None:
-                row = to_row(value, batch.names(index), name, kind)
+                try:
+                    row = to_row(value, batch.names(index), name, kind)
+                except (TypeError, ValueError):  # not a row of numbers (a null in it): the reader's own words
+                    raise error from None
                 if row.ndim != 1 or row.shape[0] != tokens.lengths[index]:
                     raise _misfit(
                         batch.names(index), name, tuple(row.shape), int(tokens.lengths[index])
