@@ -65,6 +65,29 @@ def test_boundary_mask_transform_keeps_the_mask_dtype_and_checks_shapes():
         BoundaryMask()(TensorDict(positions=torch.zeros(4), batch_size=[]))
 
 
+def test_rows_of_one_document_lose_only_their_first_token_on_every_backend():
+    # positions_key=None: a padded batch, one document a row (a left-padded for_transformers batch).
+    step = BoundaryMask(positions_key=None)
+    assert step.in_keys == ["loss_mask"]
+    for mask in (
+        torch.tensor([[1, 1, 0], [0, 1, 1]]),
+        torch.tensor([[True, True], [True, False]]),
+        torch.ones(2, 3, 2),
+    ):
+        expected = mask.clone()
+        expected[:, 0] = 0
+        out = step(TensorDict(loss_mask=mask, batch_size=[2]))["loss_mask"]
+        assert out.dtype == mask.dtype and out.tolist() == expected.tolist()
+        host = step.host({"loss_mask": mask.numpy()})["loss_mask"]
+        assert host.tolist() == expected.tolist() and mask[:, 0].any()  # the input kept
+        assert (
+            torch.compile(step.compute, dynamic=True)({"loss_mask": mask})["loss_mask"].tolist()
+            == expected.tolist()
+        )
+    with pytest.raises(ValueError, match=r"BoundaryMask: 'loss_mask' must be \[B, S, \.\.\.\] mask"):
+        step(TensorDict(loss_mask=torch.ones(3), batch_size=[]))
+
+
 def _masked_by_hand(records: list[SampleRecord]) -> list[SampleRecord]:
     """Each record with its loss mask (or ones) zeroed where a segment starts: what the Collator trains."""
     out = []

@@ -226,6 +226,7 @@ def check_hf_case(peer: str, options: dict, examples: list) -> str:
     options = dict(options)
     skip: tuple[str, ...] = ()
     given = examples
+    left = options.get("side") == "left"
     if peer == "seq2seq":
         tok = tokenizer(options.pop("side"))
         theirs_collate = transformers.DataCollatorForSeq2Seq(tok, **options)
@@ -280,6 +281,16 @@ def check_hf_case(peer: str, options: dict, examples: list) -> str:
             return "documented"
     assert our_error is None, our_error
     assert ours is not None
+    firsts = None
+    if left:  # Documented: a left-padded row's first token is not trained (the shift would predict it
+        # from the padding); the peers keep its label
+        real = np.asarray(ours["attention_mask"]) == 1
+        firsts = (np.arange(real.shape[1]) == real.argmax(1)[:, None]) & real
+        assert (np.asarray(ours["labels"])[firsts] == -100).all()
+        if theirs.get("labels") is not None:
+            theirs["labels"] = _as_tensor_like(
+                np.where(firsts, -100, np.asarray(theirs["labels"])), theirs["labels"]
+            )
     if peer == "flattening" and skip:
         flat = np.concatenate([np.asarray(e["token_type_ids"], dtype=np.int64) for e in examples])
         assert np.asarray(ours["token_type_ids"]).tolist() == [flat.tolist()]
@@ -287,6 +298,8 @@ def check_hf_case(peer: str, options: dict, examples: list) -> str:
         # Documented: labels made from the tokens (a causal LM's), where DataCollatorForSeq2Seq gives None.
         mask, ids = np.asarray(theirs["attention_mask"]), np.asarray(theirs["input_ids"])
         expected = np.where(mask == 1, ids, options["label_pad_token_id"])
+        if firsts is not None:
+            expected[firsts] = -100
         assert np.asarray(ours.pop("labels")).tolist() == expected.tolist()
         theirs.pop("labels")
         assert_same_batch(ours, theirs, skip)
@@ -295,15 +308,25 @@ def check_hf_case(peer: str, options: dict, examples: list) -> str:
         # Documented: a real token equal to the pad id is trained; raw rows get an attention_mask too.
         ids, labels = np.asarray(theirs["input_ids"]), np.asarray(theirs["labels"])
         real = np.asarray(ours["attention_mask"]) == 1
-        assert np.asarray(ours["labels"]).tolist() == np.where(real, ids, -100).tolist()
+        trained = real if firsts is None else real & ~firsts
+        assert np.asarray(ours["labels"]).tolist() == np.where(trained, ids, -100).tolist()
         if "attention_mask" not in theirs:
             skip = ("attention_mask",)
         theirs["labels"] = ours["labels"]
         assert_same_batch(ours, theirs, skip)
         assert np.where(real, -100, labels).tolist() == np.full(labels.shape, -100).tolist()
-        return "documented" if ((ids == PAD) & real).any() or skip else "equal"
+        return "documented" if ((ids == PAD) & real).any() or skip or left else "equal"
     assert_same_batch(ours, theirs, skip)
-    return "documented" if skip else "equal"
+    return "documented" if skip or left else "equal"
+
+
+def _as_tensor_like(values: np.ndarray, like: object) -> object:
+    """``values`` as the peer gave its labels: a tensor of their dtype, or a NumPy array."""
+    return (
+        torch.as_tensor(values, dtype=like.dtype)
+        if isinstance(like, torch.Tensor)
+        else values.astype(like.dtype)
+    )
 
 
 def test_documented_differences_from_language_modeling_and_flattening() -> None:
@@ -428,7 +451,9 @@ def test_seq2seq_labels_of_none_count_as_absent() -> None:
     assert ours["labels"].tolist() == [[5, 6, 7], [8, 9, -100]]
 
 
-def test_left_padding_equals_seq2seq_with_a_left_padding_tokenizer_and_keeps_positions_consistent() -> None:
+def test_left_padding_is_seq2seqs_but_the_first_label_and_keeps_positions_consistent() -> None:
+    # Documented difference: left-padded, each row's first token is not trained (the model's shift would
+    # predict it from the padding place before it); right-padded, the shift drops it anyway.
     tok = tokenizer("left")
     examples = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9, 10, 11, 12]}]
     examples[1]["labels"] = [8, 9, 10, 11, 12]
@@ -441,7 +466,15 @@ def test_left_padding_equals_seq2seq_with_a_left_padding_tokenizer_and_keeps_pos
         options = {"pad_to_multiple_of": multiple, "max_length": max_length, "padding": padding}
         theirs = dict(transformers.DataCollatorForSeq2Seq(tok, **options)(examples))
         ours = Collator.for_transformers(tok, **options)(examples)
+        first = ours["attention_mask"].argmax(1)
+        rows = torch.arange(len(examples))
+        assert theirs["labels"][rows, first].tolist() == [-100, 8] and ours["labels"][
+            rows, first
+        ].tolist() == [-100, -100]
+        theirs["labels"][rows, first] = -100
         assert_same_batch(ours, theirs)
+        kept = Collator.for_transformers(tok, boundary_safe_labels=False, **options)(examples)
+        assert kept["labels"][rows, first].tolist() == [-100, 8]  # as the peer, where asked
         positions = Collator.for_transformers(tok, return_position_ids=True, **options)(examples)[
             "position_ids"
         ]
@@ -472,7 +505,7 @@ def test_left_padded_examples_are_read() -> None:
     ours = Collator.for_transformers(tok)(examples)
     assert ours["input_ids"].tolist() == theirs["input_ids"].tolist() == [[5, 6, 7], [0, 8, 9]]
     assert ours["attention_mask"].tolist() == theirs["attention_mask"].tolist()
-    assert ours["labels"].tolist() == [[5, 6, 7], [-100, 8, 9]]
+    assert ours["labels"].tolist() == [[-100, 6, 7], [-100, -100, 9]]  # each row's first token untrained
     right = Collator.for_transformers(pad_token_id=PAD)(examples)
     assert right["input_ids"].tolist() == [[5, 6, 7], [8, 9, 0]]
 
@@ -488,3 +521,39 @@ def test_restarting_position_ids_beside_seq_lengths_are_refused_not_merged():
     one = {"input_ids": [1, 5, 2], "position_ids": [0, 1, 2]}  # one document: read as one
     assert collate([lengths, one])["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]]
     assert collate([positions])["labels"].tolist() == [[-100, 5, 2, -100, 6, 7, 2]]  # alone: its documents
+
+
+def test_a_left_padding_tokenizer_trains_what_trl_trains_in_a_model() -> None:
+    # SFTTrainer(data_collator=Collator.for_transformers(tokenizer)) with a left-padding tokenizer: TRL's
+    # collator pads right whatever the tokenizer says; here the rows pad left, and the model's loss, its
+    # count of trained predictions and its gradients are TRL's all the same.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    examples = [
+        {"input_ids": [5, 6, 7, 8, 9], "completion_mask": [0, 0, 1, 1, 1]},
+        {"input_ids": [10, 11], "completion_mask": [0, 1]},
+        {"input_ids": [12, 13, 14], "completion_mask": [1, 1, 1]},
+    ]
+    theirs = trl_collators.DataCollatorForLanguageModeling(pad_token_id=PAD)(
+        [_as_trl_prepares(example) for example in examples]
+    )
+    ours = Collator.for_transformers(tokenizer("left"), return_position_ids=True)(examples)
+    assert ours["input_ids"][1].tolist() == [0, 0, 0, 10, 11]  # padded on the left
+    count = {
+        name: int((batch["labels"][:, 1:] != -100).sum())
+        for name, batch in (("ours", ours), ("theirs", theirs))
+    }
+    assert count == {"ours": 6, "theirs": 6}  # 7 where 12, after the padding, was trained
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).double()
+    losses, grads = [], []
+    for batch in (ours, theirs):
+        model.zero_grad()
+        loss = model(**{key: value for key, value in batch.items() if key != "completion_mask"}).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=1e-10)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-10)

@@ -536,7 +536,7 @@ def test_options_by_hand() -> None:
         pad_token_id=PAD, max_length=3, truncation_mode="keep_end", padding_side="left"
     )
     assert cut(examples)["input_ids"].tolist() == [[7, 8, 9], [0, 10, 11]]
-    assert cut(examples)["labels"].tolist() == [[7, 8, 9], [-100, 10, 11]]
+    assert cut(examples)["labels"].tolist() == [[-100, 8, 9], [-100, -100, 11]]  # first tokens untrained
     flat = Collator.for_transformers(
         pad_token_id=PAD, padding_free=True, pad_to_multiple_of=4, return_seq_idx=True
     )

@@ -157,7 +157,8 @@ class TransformersOptions(Keywords):
         padding_side: ``"right"`` or ``"left"`` (default: the tokenizer's, else right; padded layout).
         label_pad_token_id: the label of padding; unsupervised real tokens always get -100.
         return_tensors: ``"pt"`` (torch tensors) or ``"np"`` (NumPy arrays).
-        boundary_safe_labels: padding-free, make each example's first label ``separator_id``.
+        boundary_safe_labels: padding-free, make each example's first label ``separator_id``; left-padded,
+            each row's first label -100 (the model's shift would predict it from the padding).
         return_position_ids: emit ``position_ids`` (default: padding-free only; padding-free, ``False``
             needs ``return_flash_attn_kwargs``, which then marks the documents).
         return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free).
@@ -433,15 +434,18 @@ class Transformers(Layout):
 
     @property
     def boundary_safe(self) -> bool:
-        return self.options.padding_free and self.options.boundary_safe_labels
+        # Left-padded, a row's first token sits after padding: the model's shift would train it as a
+        # prediction from a padding place (right-padded, the shift drops it).
+        options = self.options
+        return options.boundary_safe_labels and (options.padding_free or options.padding_side == "left")
 
     def chain(self, keys: Sequence[str]) -> list[Transform]:
         """The built-in transforms for a stacked batch holding ``keys``, each as the options ask."""
         options = self.options
         positions = self.positions_key
         steps: list[Transform] = []
-        if self.boundary_safe:
-            steps.append(BoundaryMask(positions_key=positions))
+        if self.boundary_safe:  # padded (left), each row is one document: its first token starts it
+            steps.append(BoundaryMask(positions_key=positions if options.padding_free else None))
         if not options.padding_free:
             steps += [PaddingMask(), AttentionMask()]
         steps.append(UnshiftedLabels())

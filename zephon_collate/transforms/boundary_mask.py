@@ -21,8 +21,10 @@ class BoundaryMask(Transform):
     """Zero the supervision mask on every token that starts a segment, so no label predicts it.
 
     Parameters:
-        positions_key: the ``[B, S]`` segment-restarting positions (default ``"positions"``).
-        mask_key: the token-aligned supervision mask (default ``"loss_mask"``; created, int64, if absent).
+        positions_key: the ``[B, S]`` segment-restarting positions (default ``"positions"``); ``None``:
+            each row is one document (a padded batch), so only each row's first token starts one.
+        mask_key: the token-aligned supervision mask (default ``"loss_mask"``; created, int64, if absent;
+            required with ``positions_key=None``).
 
     Example:
         >>> from tensordict import TensorDict
@@ -37,15 +39,22 @@ class BoundaryMask(Transform):
     runs_before = ("TokenShift",)
     shifted_as = "labels"
 
-    def __init__(self, positions_key: str = POSITIONS, mask_key: str = LOSS_MASK) -> None:
+    def __init__(self, positions_key: str | None = POSITIONS, mask_key: str = LOSS_MASK) -> None:
         super().__init__()
-        self.positions_key = check_key("BoundaryMask", "positions_key", positions_key)
+        checked = None if positions_key is None else check_key("BoundaryMask", "positions_key", positions_key)
+        self.positions_key = checked
         self.mask_key = check_key("BoundaryMask", "mask_key", mask_key)
-        self.in_keys = [positions_key]
-        self.optional_keys = (mask_key,)  # combined with when given, else created
+        if self.positions_key is None:  # rows of one document: the mask's own first column
+            self.in_keys = [mask_key]
+        else:
+            self.in_keys = [self.positions_key]
+            self.optional_keys = (mask_key,)  # combined with when given, else created
         self.out_keys = [mask_key]
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
+        if self.positions_key is None:
+            check_rank("BoundaryMask", self.mask_key, data[self.mask_key], "[B, S, ...] mask", 2)
+            return
         positions = data[self.positions_key]
         check_rank("BoundaryMask", self.positions_key, positions, "[B, S] positions", 2, 2)
         if self.mask_key in data:
@@ -54,16 +63,24 @@ class BoundaryMask(Transform):
             )
 
     def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        keep = segment_starts(data[self.positions_key]).logical_not()
         mask = data.get(self.mask_key)
+        if self.positions_key is None:
+            given = data[self.mask_key]
+            keep = torch.arange(given.shape[1], device=given.device).expand(given.shape[:2]) > 0
+        else:
+            keep = segment_starts(data[self.positions_key]).logical_not()
         if mask is None:
             return {self.mask_key: keep.long()}
         keep = align_mask(keep, mask)
         return {self.mask_key: mask & keep if mask.dtype == torch.bool else mask * keep}
 
     def host(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        positions = data[self.positions_key]
         mask = data.get(self.mask_key)
+        if self.positions_key is None:
+            out = data[self.mask_key].copy()
+            out[:, :1] = 0  # each row's one document starts there
+            return {self.mask_key: out}
+        positions = data[self.positions_key]
         keep = positions != 0
         if mask is None:
             out = keep.astype(np.int64)
