@@ -409,6 +409,8 @@ def test_token_type_ids_are_padded_and_passed_on() -> None:
             "example 0: carries one label for the whole example",
         ),
         ({"input_ids": [5, 6], "label": 1}, r"example 0: carries one label .*DataCollatorWithPadding"),
+        ({"input_ids": [5, 6], "label": "cat"}, r"example 0: carries one label .*or drop the column"),
+        ({"input_ids": [5, 6], "label": True}, r"example 0: carries one label .*or drop the column"),
         (
             {"input_ids": [5, 6], "label": [5, 6]},
             "example 0: carries 'label' of one value per token.*'labels'",

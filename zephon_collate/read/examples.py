@@ -282,18 +282,17 @@ def _fields_of(batch: Batch, index: int) -> str:
 
 
 def _scalar(value: object) -> bool:
+    """One value for the whole example: a number, a bool, a class name, a 0-d array."""
     if value is None:
         return False
-    if isinstance(value, (int, float, np.generic)) and not isinstance(value, bool):
-        return True
-    return getattr(value, "ndim", None) == 0
+    return isinstance(value, (int, float, str, bytes, np.generic)) or getattr(value, "ndim", None) == 0
 
 
 def _sequence_classification(where: str) -> ValueError:
     return ValueError(
         f"{where}: carries one label for the whole example (sequence classification); this collator makes "
-        "causal-LM labels, one per token: use transformers.DataCollatorWithPadding for a classifier, or give "
-        "per-token 'labels'"
+        "causal-LM labels, one per token: use transformers.DataCollatorWithPadding for a classifier, give "
+        "per-token 'labels', or drop the column if it only describes the example"
     )
 
 
