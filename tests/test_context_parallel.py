@@ -64,6 +64,7 @@ def test_gathered_shards_give_back_the_batch(cp_size, flatten):
     assert sum(int(s["num_valid_tokens"]) for s in shards) == flat["num_valid_tokens"]
     for shard in shards:
         assert shard["ids"] == out["ids"] and shard["texts"] == out["texts"]
+        assert shard["ids"] is not out["ids"] and shard["texts"] is not out["texts"]  # a rank's own lists
         assert torch.equal(shard["cu_seqlens"], flat["cu_seqlens"])  # global, real boundaries
         padded = shard["cu_seqlens_padded"].diff()
         real = shard["cu_seqlens"].diff()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -246,7 +247,9 @@ class ContextParallelShard(Transform):
         """
         tensors = {key: value for key, value in batch.items() if isinstance(value, torch.Tensor)}
         result = self(TensorDict(tensors, batch_size=[]))
-        out = {key: value for key, value in batch.items() if key not in tensors}
+        out = {
+            key: copy.copy(value) for key, value in batch.items() if key not in tensors
+        }  # each rank its own
         out.update(result.items())
         return out
 
