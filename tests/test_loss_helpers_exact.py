@@ -121,6 +121,25 @@ def test_negative_token_ids_and_an_empty_vocabulary_are_refused():
         token_logprobs(torch.zeros(1, 4, 0), Collator.for_transformers(padding_free=True)(EXAMPLES[:1]))
 
 
+def test_a_native_batch_of_shifted_labels_is_refused_not_read_one_token_off():
+    # The native Collator's labels[t] is input_ids[t + 1]; beside an attention_mask (extra_fields) the
+    # helpers read the batch as a padded one and counted each token trained by the next one's label.
+    native = Collator(pad_token_id=0, return_labels=True, extra_fields=["attention_mask"])(
+        [
+            {"input_ids": [1, 2, 3, 4], "attention_mask": [1, 1, 1, 1]},
+            {"input_ids": [5, 6], "attention_mask": [1, 1]},
+        ]
+    )
+    assert native["labels"].tolist() == [[2, 3, 4], [6, -100, -100]]
+    for helper in (sequence_logprobs, token_logprobs):
+        with pytest.raises(
+            ValueError, match=r"neither -100 nor the token at their place: labels shifted already"
+        ):
+            helper(torch.zeros(2, 3, 8), native)
+    aligned = {**native, "labels": torch.tensor([[-100, 2, 3], [-100, 6, -100]])}  # token-aligned: read
+    assert sequence_logprobs(torch.zeros(2, 3, 8), aligned).counts.tolist() == [2, 1]
+
+
 # --- 2. sequences that are all empty ---------------------------------------------------------------------
 
 

@@ -214,6 +214,11 @@ def _sequence_map(
             "'position_ids'; collate it with Collator.for_preference, Collator.for_rollouts or "
             "Collator.for_transformers"
         )
+    if (
+        LABELS in batch and ids.numel()
+    ):  # token-aligned: -100 or the token (shifted labels would be off by one)
+        labels = _tensor(batch, LABELS, ids).long()
+        read["shifted"] = ((labels != IGNORE_INDEX) & (labels != ids) & (index >= 0)).any()
     values = dict(zip(read, torch.stack(list(read.values())).tolist(), strict=True)) if read else {}
     if values.get("trailing", 0) > 0:
         raise ValueError(
@@ -268,6 +273,13 @@ def _sequence_map(
                 f"input_ids hold a negative token id {values['low']}; token ids index the logits' "
                 f"vocabulary (0 to {vocabulary - 1}): {_FIX}"
             )
+    if values.get("shifted"):
+        raise ValueError(
+            "batch['labels'] holds labels that are neither -100 nor the token at their place: labels "
+            "shifted already (the native Collator's, whose labels[t] is input_ids[t + 1]) or another "
+            "sequence's; the loss helpers read token-aligned labels: collate with Collator.for_transformers, "
+            "for_rollouts, for_preference or for_trees"
+        )
     return _Map(ids, index, sequence, count, paths, path_sequence)
 
 
