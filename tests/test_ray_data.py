@@ -113,6 +113,33 @@ def test_pack_stage_keeps_each_group_row_whole():
     assert [sorted(set(row) - {0}) for row in rows.column("input_ids").to_pylist()] == [[1], [2]]
 
 
+def test_a_group_rows_fields_keep_their_dtypes_as_pack_flat_keeps_them():
+    def column(rows: list, kind: object) -> object:
+        return pa.array(rows, type=pa.list_(pa.list_(kind)))
+
+    table = pa.table(
+        {
+            "g": [0, 1],
+            "input_ids": column([[[11, 12, 13], [21, 22]], [[31]]], pa.int32()),
+            "loss_mask": column([[[0, 1, 1], [0, 1]], [[1]]], pa.uint8()),
+            "tag": column([[[7, 7, 7], [9, 9]], [[5]]], pa.int16()),
+        }
+    ).slice(0, 2)
+    members = [
+        {"g": g, **{name: np.asarray(table.column(name)[g].as_py()[m], kind) for name, kind in KINDS}}
+        for g, m in ((0, 0), (0, 1), (1, 0))
+    ]
+    rows = PackBatches(seq_len=8, pad_token_id=0, group_key="g")(table)
+    expected = pack_flat(members, 8, pad_token_id=0, group_key="g")
+    for name, _ in KINDS:
+        assert rows.column(name).type.value_type == pa.from_numpy_dtype(expected[0].payload[name].dtype)
+        assert rows.column(name).to_pylist() == [row.payload[name].tolist() for row in expected]
+    assert [str(rows.column(name).type.value_type) for name in ("loss_mask", "tag")] == ["uint8", "int16"]
+
+
+KINDS = (("input_ids", np.int32), ("loss_mask", np.uint8), ("tag", np.int16))
+
+
 def test_streaming_split_gives_every_document_exactly_once_across_ranks():
     table = _documents(_table())
     splits = _packed(table).streaming_split(2, equal=False)
@@ -202,6 +229,8 @@ def test_options_are_checked_when_the_stage_is_built():
         PackBatches(seq_len=8, pad_token_id=0, strategy="first_fit")
     with pytest.raises(ValueError, match=r"group_key 'grp' is no column of the Ray batch"):
         PackBatches(seq_len=8, pad_token_id=0, group_key="grp")(pa.table({"g": [0], "input_ids": [[[1]]]}))
+    with pytest.raises(ValueError, match=r"id_column 'doc_id' is no column of the Ray batch .*'input_ids'"):
+        PackBatches(seq_len=8, pad_token_id=0, id_column="doc_id")(pa.table({"input_ids": [[1]]}))
     with pytest.raises(ValueError, match="one length per document"):
         balanced_micro_batches(_documents(_table(10)), _sampler(_documents(_table(12)), 0))
 

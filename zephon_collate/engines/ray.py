@@ -95,6 +95,11 @@ class PackBatches:
         self.id_column = id_column
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        if self.id_column is not None and self.id_column not in batch.column_names:
+            raise ValueError(
+                f"PackBatches: id_column {self.id_column!r} is no column of the Ray batch (its columns: "
+                f"{batch.column_names}); give each row its id, or leave id_column out"
+            )
         if self.group_key is not None and self.group_key not in batch.column_names:
             raise ValueError(
                 f"PackBatches: group_key {self.group_key!r} is no column of the Ray batch (its columns: "
@@ -215,12 +220,34 @@ def _group_members(batch: pa.Table, group_key: str) -> list[dict[str, Any]]:
             f"({dict(zip(names, (int(length[bad]) for length in lengths), strict=True))}); with group_key "
             "each row is one group, every list column one list per member"
         )
-    columns = {name: batch.column(name).to_pylist() for name in names}
+    columns = {name: _members(batch.column(name)) for name in names}
     return [
         {group_key: row, **{name: columns[name][row][member] for name in names}}
         for row in range(len(batch))
         for member in range(int(lengths[0][row]) if names else 0)
     ]
+
+
+def _members(column: Any) -> list[Any]:
+    """A ``list<list<T>>`` column as each row's members, each a NumPy array of ``T`` (the dtype kept, as
+    ``pack_flat`` keeps it); with a null anywhere, Python lists (``pack_flat`` names the null)."""
+    inner = pc.list_flatten(column)
+    values = (
+        pc.list_flatten(inner) if pa.types.is_list(inner.type) or pa.types.is_large_list(inner.type) else None
+    )
+    numbers = values is not None and (
+        pa.types.is_integer(values.type)
+        or pa.types.is_floating(values.type)
+        or pa.types.is_boolean(values.type)
+    )
+    if values is None or not numbers or column.null_count or inner.null_count or values.null_count:
+        return list(column.to_pylist())
+    flat = values.to_numpy(zero_copy_only=False)
+    sizes = pc.list_value_length(inner).to_numpy(zero_copy_only=False).astype(np.int64)
+    members = np.split(flat, np.cumsum(sizes)[:-1]) if sizes.size else []
+    counts = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    return [members[int(starts[row]) : int(starts[row + 1])] for row in range(len(counts))]
 
 
 def _rows_table(
