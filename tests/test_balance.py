@@ -783,6 +783,14 @@ def test_a_balanced_stream_state_is_refused_under_other_options():
     assert step_summary(same) == step_summary(steps)
 
 
+def test_a_schedule_takes_keys_as_ints_numpy_ints_or_0_d_tensors():
+    plans = [
+        BalanceSchedule(ONE_SLOT, ranks=2).plan(keys, [2, 3], final=True).cells
+        for keys in ([4, 5], np.array([4, 5], np.uint64), torch.tensor([4, 5]))
+    ]
+    assert plans[0] == plans[1] == plans[2] == (((5,), (4,)),)  # the longer first
+
+
 def test_a_schedule_keeps_group_0_together_as_plan_balance_does():
     # Four documents of group 0 fill one 8-token micro-batch; the others share the other rank's.
     lengths, groups = [2, 2, 2, 2, 3, 3], [0, 0, 0, 0, 100, 101]

@@ -352,6 +352,13 @@ def test_datasets_extension_columns_read_as_their_storage():
         assert collate(batch)["top"].tolist() == expected
     assert collate(ColumnarDataset(dataset).__getitems__([0, 1]))["top"].tolist() == expected
     assert collate([dataset[0], dataset[1]])["top"].tolist() == expected
+    # Arrow's own fixed_shape_tensor stores each [2, 2] value flat: refused, not read as 4 numbers
+    tensors = pa.FixedShapeTensorArray.from_numpy_ndarray(np.arange(8, dtype=np.float32).reshape(2, 2, 2))
+    table = pa.table({"input_ids": [[1, 2, 3, 4], [5, 6, 7, 8]], "m": tensors})
+    with pytest.raises(
+        TypeError, match=r"field 'm' is an Arrow column of type extension<arrow.fixed_shape_tensor"
+    ):
+        Collator.for_transformers(padding_free=True, float_fields=["m"])(table)
 
 
 def _read_only_lists(rows: list[np.ndarray]) -> Any:

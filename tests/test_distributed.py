@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -67,6 +68,11 @@ def test_counts_and_losses_of_the_wrong_kind_are_named():
         global_num_valid_tokens(None)
     with pytest.raises(TypeError, match=r"loss_sum must be a tensor .* got float"):
         normalize_loss(3.0, 2)
+    assert [int(global_num_valid_tokens(c)) for c in (np.int64(5), np.array(5), [np.int32(2), 3])] == [
+        5,
+        5,
+        5,
+    ]
 
 
 def test_normalize_loss():

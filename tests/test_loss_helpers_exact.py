@@ -22,7 +22,7 @@ from zephon_collate import (
     token_logprobs,
     unpack,
 )
-from zephon_collate.losses import MODES
+from zephon_collate.losses import MODES, sequence_means
 
 VOCAB = 10
 LOG_TENTH = math.log(0.1)
@@ -131,13 +131,22 @@ def test_a_native_batch_of_shifted_labels_is_refused_not_read_one_token_off():
         ]
     )
     assert native["labels"].tolist() == [[2, 3, 4], [6, -100, -100]]
-    for helper in (sequence_logprobs, token_logprobs):
+    logits, per_token = torch.zeros(2, 3, 8), torch.ones(2, 3)
+    for read_labels in (
+        lambda: sequence_logprobs(logits, native),
+        lambda: aggregate_loss(per_token, native, mode="token-mean"),
+        lambda: sequence_means(per_token, native),
+        lambda: global_loss_count(native, mode="token-mean"),
+    ):
         with pytest.raises(
             ValueError, match=r"neither -100 nor the token at their place: labels shifted already"
         ):
-            helper(torch.zeros(2, 3, 8), native)
+            read_labels()
+    # What reads no labels takes the batch as it is (the labels may be a loss of your own).
+    assert token_logprobs(logits, native).shape == (2, 3)
+    assert [row.tolist() for row in unpack(native["input_ids"], native)] == [[1, 2, 3], [5, 6]]
     aligned = {**native, "labels": torch.tensor([[-100, 2, 3], [-100, 6, -100]])}  # token-aligned: read
-    assert sequence_logprobs(torch.zeros(2, 3, 8), aligned).counts.tolist() == [2, 1]
+    assert sequence_logprobs(logits, aligned).counts.tolist() == [2, 1]
 
 
 # --- 2. sequences that are all empty ---------------------------------------------------------------------

@@ -113,18 +113,21 @@ def test_pack_stage_keeps_each_group_row_whole():
     assert [sorted(set(row) - {0}) for row in rows.column("input_ids").to_pylist()] == [[1], [2]]
 
 
+KINDS = (("input_ids", np.int32), ("loss_mask", np.uint8), ("tag", np.int16))
+
+
 def test_a_group_rows_fields_keep_their_dtypes_as_pack_flat_keeps_them():
     def column(rows: list, kind: object) -> object:
         return pa.array(rows, type=pa.list_(pa.list_(kind)))
 
-    table = pa.table(
+    table = pa.table(  # a slice: its list columns start inside their buffers
         {
-            "g": [0, 1],
-            "input_ids": column([[[11, 12, 13], [21, 22]], [[31]]], pa.int32()),
-            "loss_mask": column([[[0, 1, 1], [0, 1]], [[1]]], pa.uint8()),
-            "tag": column([[[7, 7, 7], [9, 9]], [[5]]], pa.int16()),
+            "g": [9, 0, 1],
+            "input_ids": column([[[1]], [[11, 12, 13], [21, 22]], [[31]]], pa.int32()),
+            "loss_mask": column([[[1]], [[0, 1, 1], [0, 1]], [[1]]], pa.uint8()),
+            "tag": column([[[1]], [[7, 7, 7], [9, 9]], [[5]]], pa.int16()),
         }
-    ).slice(0, 2)
+    ).slice(1, 2)
     members = [
         {"g": g, **{name: np.asarray(table.column(name)[g].as_py()[m], kind) for name, kind in KINDS}}
         for g, m in ((0, 0), (0, 1), (1, 0))
@@ -135,9 +138,6 @@ def test_a_group_rows_fields_keep_their_dtypes_as_pack_flat_keeps_them():
         assert rows.column(name).type.value_type == pa.from_numpy_dtype(expected[0].payload[name].dtype)
         assert rows.column(name).to_pylist() == [row.payload[name].tolist() for row in expected]
     assert [str(rows.column(name).type.value_type) for name in ("loss_mask", "tag")] == ["uint8", "int16"]
-
-
-KINDS = (("input_ids", np.int32), ("loss_mask", np.uint8), ("tag", np.int16))
 
 
 def test_streaming_split_gives_every_document_exactly_once_across_ranks():

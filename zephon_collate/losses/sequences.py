@@ -137,12 +137,18 @@ def _count(value: object) -> int:
 
 
 def _sequence_map(
-    batch: _Batch, *, split: bool = False, ends: bool = False, logits_shape: tuple[int, ...] | None = None
+    batch: _Batch,
+    *,
+    split: bool = False,
+    ends: bool = False,
+    logits_shape: tuple[int, ...] | None = None,
+    labels: bool = False,
 ) -> _Map:
     """The batch's sequences, checked in one device sync at most.
 
     ``split`` or ``ends``: refuse a padding-free row ending in one-token sequences (``split`` also reads
-    the map's indices); ``logits_shape``: check the logits fit and the token ids are in their vocabulary.
+    the map's indices); ``logits_shape``: check the logits fit and the token ids are in their vocabulary;
+    ``labels``: check the labels are token-aligned (the helper reads what is trained from them).
     """
     if not isinstance(batch, Mapping) or INPUT_IDS not in batch:
         raise TypeError(
@@ -214,11 +220,9 @@ def _sequence_map(
             "'position_ids'; collate it with Collator.for_preference, Collator.for_rollouts or "
             "Collator.for_transformers"
         )
-    if (
-        LABELS in batch and ids.numel()
-    ):  # token-aligned: -100 or the token (shifted labels would be off by one)
-        labels = _tensor(batch, LABELS, ids).long()
-        read["shifted"] = ((labels != IGNORE_INDEX) & (labels != ids) & (index >= 0)).any()
+    if labels and LABELS in batch and ids.numel():  # -100 or the token: shifted labels read one off
+        label_ids = _tensor(batch, LABELS, ids).long()
+        read["shifted"] = ((label_ids != IGNORE_INDEX) & (label_ids != ids) & (index >= 0)).any()
     values = dict(zip(read, torch.stack(list(read.values())).tolist(), strict=True)) if read else {}
     if values.get("trailing", 0) > 0:
         raise ValueError(
@@ -407,7 +411,7 @@ def _entry_view(
     values: torch.Tensor, batch: _Batch, name: str, *, ends: bool = False
 ) -> tuple[_Map, torch.Tensor, torch.Tensor]:
     """The batch's sequence map, ``values`` per entry (one number each) and the supervised entries."""
-    view = _sequence_map(batch, ends=ends)
+    view = _sequence_map(batch, ends=ends, labels=True)
     given = view.entries(values, name)
     if given.dim() != 1:  # [R, L, 1] would broadcast against the [E] mask into [E, E]
         raise ValueError(
@@ -488,7 +492,7 @@ def sequence_logprobs(logits: torch.Tensor, batch: _Batch) -> SequenceLogprobs:
         ([-1.3863, -2.7726], [1, 2])
     """
     logits = _check_logits(logits, "sequence_logprobs")
-    view = _sequence_map(batch, split=True, logits_shape=tuple(logits.shape))
+    view = _sequence_map(batch, split=True, logits_shape=tuple(logits.shape), labels=True)
     scores = view.entries(_token_logprobs(logits, view), "logits")
     supervised = _supervised(batch, view)
     counts = _per_sequence(torch.ones_like(scores, dtype=torch.int64), supervised, view)
@@ -662,7 +666,7 @@ def global_loss_count(
         )
     counts = []
     for batch in items:
-        view = _sequence_map(batch, ends=_counts_sequences(checked, how))
+        view = _sequence_map(batch, ends=_counts_sequences(checked, how), labels=True)
         counts.append(_local_count(_supervised(batch, view), view, checked, how))
     return global_num_valid_tokens(counts, group=group, device=device)
 

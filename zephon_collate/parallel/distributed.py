@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -52,6 +53,8 @@ def collective_device(group: Any, device: torch.device) -> torch.device:
 
 def _as_count(item: Any, key: str, device: torch.device | None) -> torch.Tensor:
     value = item[key] if isinstance(item, Mapping) else item
+    if isinstance(value, (np.integer, np.ndarray)) and value.dtype.kind in "iu" and np.ndim(value) == 0:
+        value = int(value)  # a NumPy integer, or a 0-d array of one
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"global_num_valid_tokens: counts must be integer tensors, got {value.dtype}")
@@ -89,7 +92,9 @@ def global_num_valid_tokens(
         >>> global_num_valid_tokens(micro_batches)  # one process: nothing to reduce
         tensor(9)
     """
-    if isinstance(counts, (int, torch.Tensor, Mapping)):
+    if isinstance(counts, (int, np.integer, torch.Tensor, Mapping)) or (
+        isinstance(counts, np.ndarray) and counts.ndim == 0
+    ):
         items = [counts]
     elif isinstance(counts, Iterable) and not isinstance(counts, (str, bytes)):
         items = list(counts)

@@ -5,11 +5,13 @@ Resume and holding: docs/distributed.md, "Windows and steps".
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from zephon_collate.core.checks import check_int
 from zephon_collate.core.text import shown
@@ -165,9 +167,13 @@ def _unit_keys(keys: list[int], groups: list[int]) -> list[int] | None:
 def _ids(name: str, values: Sequence[int], size: int | None) -> list[int]:
     """``keys`` or ``groups`` of :meth:`BalanceSchedule.plan` as ints: ints >= 0 (a key below ``size``)."""
     out = []
-    for index, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"BalanceSchedule.plan: {name}[{index}] must be an int, got {shown(value)}")
+    for index, item in enumerate(values):
+        try:  # an int, a NumPy int, a 0-d integer tensor; not a bool
+            value = operator.index(item)
+        except TypeError:
+            value = None
+        if value is None or isinstance(item, bool) or getattr(item, "dtype", None) in (torch.bool, np.bool_):
+            raise TypeError(f"BalanceSchedule.plan: {name}[{index}] must be an int, got {shown(item)}")
         if value < 0 or (size is not None and value >= size):
             within = "an int >= 0" if size is None else f"a key of the cost arrays (0 to {size - 1})"
             fix = " (a document of no group: pass groups=None)" if name == "groups" else ""

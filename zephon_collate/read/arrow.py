@@ -90,15 +90,21 @@ def _from_arrow(value: object) -> bool:
     return any(kind.__module__.partition(".")[0] == "pyarrow" for kind in type(value).__mro__[:-1])
 
 
+def _nested_extension(kind: Any) -> bool:
+    """True for ``datasets``' ``Array2D``-like extension types, whose storage keeps each value's nesting
+    (Arrow's own ``fixed_shape_tensor`` stores a tensor flat: it is left as it is, and refused)."""
+    return hasattr(kind, "storage_type") and type(kind).__module__.partition(".")[0] == "datasets"
+
+
 def _stored(chunk: Any) -> Any:
-    """An Arrow extension array (``datasets``' ``Array2D``) as its storage array; anything else as it is."""
-    return chunk.storage if hasattr(chunk, "storage") and hasattr(chunk.type, "storage_type") else chunk
+    """A ``datasets`` extension array (``Array2D``) as its storage array; anything else as it is."""
+    return chunk.storage if hasattr(chunk, "storage") and _nested_extension(chunk.type) else chunk
 
 
 def _storage_table(table: Any) -> Any:
-    """``table`` with each extension-typed column as its storage (a view: nothing is copied)."""
+    """``table`` with each ``datasets`` extension column as its storage (a view: nothing is copied)."""
     for index, field in enumerate(table.schema):
-        if hasattr(field.type, "storage_type"):
+        if _nested_extension(field.type):
             column = table.column(index)
             if getattr(column, "num_chunks", None) is None:  # a RecordBatch's column: one array
                 stored = _stored(column)

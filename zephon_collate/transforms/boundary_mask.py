@@ -22,7 +22,7 @@ class BoundaryMask(Transform):
 
     Parameters:
         positions_key: the ``[B, S]`` segment-restarting positions (default ``"positions"``); ``None``:
-            each row is one document (a padded batch), so only each row's first token starts one.
+            each row is one document padded on the right (before ``LeftPadding``): column 0 starts it.
         mask_key: the token-aligned supervision mask (default ``"loss_mask"``; created, int64, if absent;
             required with ``positions_key=None``).
 
