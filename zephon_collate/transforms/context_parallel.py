@@ -247,9 +247,8 @@ class ContextParallelShard(Transform):
         """
         tensors = {key: value for key, value in batch.items() if isinstance(value, torch.Tensor)}
         result = self(TensorDict(tensors, batch_size=[]))
-        out = {
-            key: copy.copy(value) for key, value in batch.items() if key not in tensors
-        }  # each rank its own
+        # Each rank's own ids and texts lists: one rank's edit must not reach the batch or the others.
+        out = {key: copy.copy(value) for key, value in batch.items() if key not in tensors}
         out.update(result.items())
         return out
 
