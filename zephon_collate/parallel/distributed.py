@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from zephon_collate.core.checks import scalar
 from zephon_collate.core.keys import NUM_VALID_TOKENS
 from zephon_collate.core.text import shown
 
@@ -53,12 +53,11 @@ def collective_device(group: Any, device: torch.device) -> torch.device:
 
 def _as_count(item: Any, key: str, device: torch.device | None) -> torch.Tensor:
     value = item[key] if isinstance(item, Mapping) else item
-    if isinstance(value, (np.integer, np.ndarray)) and value.dtype.kind in "iu" and np.ndim(value) == 0:
-        value = int(value)  # a NumPy integer, or a 0-d array of one
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"global_num_valid_tokens: counts must be integer tensors, got {value.dtype}")
         return value.sum().to(torch.int64)
+    value = scalar(value)  # a NumPy integer, or a 0-d array of one
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
             f"global_num_valid_tokens: a count must be an int, an integer tensor or a batch dict with "
@@ -92,16 +91,15 @@ def global_num_valid_tokens(
         >>> global_num_valid_tokens(micro_batches)  # one process: nothing to reduce
         tensor(9)
     """
-    if isinstance(counts, (int, np.integer, torch.Tensor, Mapping)) or (
-        isinstance(counts, np.ndarray) and counts.ndim == 0
-    ):
-        items = [counts]
-    elif isinstance(counts, Iterable) and not isinstance(counts, (str, bytes)):
-        items = list(counts)
+    given = counts if isinstance(counts, torch.Tensor) else scalar(counts)  # a NumPy int, a 0-d array
+    if isinstance(given, (int, torch.Tensor, Mapping)):
+        items: list[Any] = [given]
+    elif isinstance(given, Iterable) and not isinstance(given, (str, bytes)):
+        items = list(given)
     else:
         raise TypeError(
             "global_num_valid_tokens: counts must be a count (an int, an integer tensor, a batch dict) or "
-            f"a list of them, got {type(counts).__name__}"
+            f"a list of them, got {type(given).__name__}"
         )
     for index, item in enumerate(items):
         if isinstance(item, Mapping) and key not in item:

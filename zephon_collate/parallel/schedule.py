@@ -5,15 +5,13 @@ Resume and holding: docs/distributed.md, "Windows and steps".
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
-from zephon_collate.core.checks import check_int
+from zephon_collate.core.checks import check_int, scalar
 from zephon_collate.core.text import shown
 from zephon_collate.parallel.balance import BalanceOptions, BalancePlan, plan_balance
 
@@ -168,11 +166,8 @@ def _ids(name: str, values: Sequence[int], size: int | None) -> list[int]:
     """``keys`` or ``groups`` of :meth:`BalanceSchedule.plan` as ints: ints >= 0 (a key below ``size``)."""
     out = []
     for index, item in enumerate(values):
-        try:  # an int, a NumPy int, a 0-d integer tensor; not a bool
-            value = operator.index(item)
-        except TypeError:
-            value = None
-        if value is None or isinstance(item, bool) or getattr(item, "dtype", None) in (torch.bool, np.bool_):
+        value = scalar(item)  # a NumPy int or a 0-d tensor as the int it holds
+        if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"BalanceSchedule.plan: {name}[{index}] must be an int, got {shown(item)}")
         if value < 0 or (size is not None and value >= size):
             within = "an int >= 0" if size is None else f"a key of the cost arrays (0 to {size - 1})"
