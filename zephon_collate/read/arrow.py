@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from zephon_collate.core.text import shown, shown_fields
-from zephon_collate.read.columns import Batch, Kind, Names, Ragged, Row, as_numpy, to_row
+from zephon_collate.read.columns import Batch, Kind, Names, Ragged, Row, as_numpy, row_of, to_row
 from zephon_collate.read.rows import example_names
 
 __all__ = [
@@ -271,7 +271,7 @@ class Columns(Batch):
 
     # -- the Batch interface: a column is carried by every row (a null entry is refused when read) --
 
-    def _carried(self, name: str) -> np.ndarray:
+    def carried(self, name: str) -> np.ndarray:
         return np.full(self.rows, name in self.fields, dtype=bool)
 
     def lacking(self, name: str) -> int | None:
@@ -287,7 +287,7 @@ class Columns(Batch):
         found = self.per_record(name, kind)
         return list(found) if isinstance(found, np.ndarray) else found
 
-    def _objects(self, name: str) -> list[Any]:
+    def objects(self, name: str) -> list[Any]:
         return self.pylist(name)
 
     def _chunk_list(self, name: str) -> list[Any] | None:
@@ -334,8 +334,7 @@ class Columns(Batch):
             return None
         chunk = chunks[0]
         if _is_pair(chunk) or isinstance(chunk, (np.ndarray, torch.Tensor)):
-            values = chunk[0] if _is_pair(chunk) else chunk
-            return as_numpy(values).dtype if isinstance(values, torch.Tensor) else np.asarray(values).dtype
+            return as_numpy(chunk[0] if _is_pair(chunk) else chunk).dtype
         pa, kind = arrow(), chunk.type
         while _list_type(pa, kind) is not None:  # the values inside the lists
             kind = kind.value_type
@@ -560,7 +559,7 @@ def _list_type(pa: ModuleType, kind: Any) -> str | None:
     return found if found in ("list", "large_list", "fixed_size_list") else None
 
 
-def _first_null(pa: ModuleType, array: Any) -> int:
+def _first_null(array: Any) -> int:
     return int(np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0])
 
 
@@ -598,7 +597,7 @@ def _arrow_list(
         )
     if array.null_count:
         raise ValueError(
-            f"{names(first + _first_null(pa, array))}: field {shown(name)} is null (a missing row); every "
+            f"{names(first + _first_null(array))}: field {shown(name)} is null (a missing row); every "
             "example needs one: fill it (dataset.map) or drop the example (dataset.filter)"
         )
     rows = len(array)
@@ -616,29 +615,24 @@ def _arrow_list(
         offsets = offsets.astype(np.int64, copy=False)
         offsets = offsets - start if start else offsets
     count = int(offsets[-1])
+
+    def null_at(token: int) -> ValueError:
+        row = row_of(offsets, token)
+        return ValueError(
+            f"{names(first + row)}: field {shown(name)} holds a null at {name}[{token - int(offsets[row])}]; "
+            "give numbers only: fill the nulls (dataset.map) or drop the example (dataset.filter)"
+        )
+
     child = array.values
-    if child.null_count:
-        part = child.slice(start, count)
-        if part.null_count:
-            flat = _first_null(pa, part)
-            row = int(np.searchsorted(offsets, flat, side="right")) - 1
-            raise ValueError(
-                f"{names(first + row)}: field {shown(name)} holds a null at "
-                f"{name}[{flat - int(offsets[row])}]; give numbers only: fill the nulls (dataset.map) or "
-                "drop the example (dataset.filter)"
-            )
+    if child.null_count and child.slice(start, count).null_count:
+        raise null_at(_first_null(child.slice(start, count)))
     shape: list[int] = []
     tokens = count
     while _list_type(pa, child.type):  # one level of a tensor per token: its size, then its values
         child, start, count, size = _inner(pa, child, start, count, name, first, offsets, names)
         shape.append(size)
     if shape and child.null_count and child.slice(start, count).null_count:  # a null number inside
-        token = _first_null(pa, child.slice(start, count)) // int(np.prod(shape))
-        row = int(np.searchsorted(offsets, token, side="right")) - 1
-        raise ValueError(
-            f"{names(first + row)}: field {shown(name)} holds a null at {name}[{token - int(offsets[row])}]; "
-            "give numbers only: fill the nulls (dataset.map) or drop the example (dataset.filter)"
-        )
+        raise null_at(_first_null(child.slice(start, count)) // int(np.prod(shape)))
     values = None
     if value_kind != "bool":
         values = _view(child, 1, np.dtype(value_kind), child.offset + start, count)
@@ -655,8 +649,8 @@ def _inner(
     """One inner list level of a tensor-valued column: values, start, count and the lists' one size."""
     part = child.slice(start, count)
     if part.null_count:
-        flat = _first_null(pa, part)
-        row = int(np.searchsorted(rows, flat, side="right")) - 1
+        flat = _first_null(part)
+        row = row_of(rows, flat)
         token = flat - int(rows[row])
         raise ValueError(
             f"{names(first + row)}: field {shown(name)} holds a null list at {name}[{token}]; give every "
@@ -669,7 +663,7 @@ def _inner(
     sizes = offsets[1:] - offsets[:-1]
     if sizes.size and bool((sizes != sizes[0]).any()):
         flat = int(np.flatnonzero(sizes != sizes[0])[0])
-        row = int(np.searchsorted(rows, flat, side="right")) - 1
+        row = row_of(rows, flat)
         token, given, first_size = flat - int(rows[row]), int(sizes[flat]), int(sizes[0])
         raise ValueError(
             f"{names(first + row)}: field {shown(name)} holds {given} values at {name}[{token}], but "
@@ -699,7 +693,7 @@ def _arrow_values(pa: ModuleType, array: Any, name: str, first: int, names: Name
         )
     if array.null_count:
         raise ValueError(
-            f"{names(first + _first_null(pa, array))}: field {shown(name)} is null (a missing value); every "
+            f"{names(first + _first_null(array))}: field {shown(name)} is null (a missing value); every "
             "example needs one: fill it (dataset.map) or drop the example (dataset.filter)"
         )
     values: np.ndarray = array.to_numpy(zero_copy_only=False)

@@ -164,31 +164,24 @@ class Batch:
     def __contains__(self, name: object) -> bool:
         return name in self.fields
 
-    def carried(self, name: str) -> np.ndarray:
-        """``[B]`` booleans: does row ``b`` carry ``name`` (read nothing)."""
-        return self._carried(name)
-
     def lacking(self, name: str) -> int | None:
         """The first row that does not carry ``name``, or ``None`` (read nothing)."""
-        lacking = np.flatnonzero(~self._carried(name))
+        lacking = np.flatnonzero(~self.carried(name))
         return int(lacking[0]) if lacking.size else None
 
     def get(self, name: str, kind: Kind, *, partial: bool = False) -> Ragged | None:
         """Field ``name`` as a :class:`Ragged` (read once), or ``None`` (``partial``: lacking rows empty)."""
         key = (name, kind, partial)
         if key not in self._cache:
-            if name not in self:
-                self._cache[key] = None
-            else:
-                if not partial:
-                    self.require(name)
-                self._cache[key] = self._read(name, kind)
+            if name in self and not partial:
+                self.require(name)
+            self._cache[key] = self._read(name, kind) if name in self else None
         return self._cache[key]
 
     def require(self, name: str) -> None:
         index = self.lacking(name)
         if index is not None:
-            some = self._carried(name).any()
+            some = self.carried(name).any()
             reason = "some payloads have it and others lack it" if some else "it is required"
             raise ValueError(f"{self.names(index)}: {self._lacks(index, name)}; {reason}")
 
@@ -204,13 +197,10 @@ class Batch:
                 return index
         return None
 
-    def objects(self, name: str) -> list[Any]:
-        """Each row's raw value of ``name`` (``None`` where it has none): texts, group keys."""
-        return self._objects(name)
-
     # -- what a reader implements --------------------------------------------------------------
 
-    def _carried(self, name: str) -> np.ndarray:
+    def carried(self, name: str) -> np.ndarray:
+        """``[B]`` booleans: does row ``b`` carry ``name`` (read nothing)."""
         raise NotImplementedError  # pragma: no cover
 
     def _read(self, name: str, kind: Kind) -> Ragged:
@@ -219,7 +209,8 @@ class Batch:
     def _per_row(self, name: str, kind: Kind) -> list[Row]:
         raise NotImplementedError  # pragma: no cover
 
-    def _objects(self, name: str) -> list[Any]:
+    def objects(self, name: str) -> list[Any]:
+        """Each row's raw value of ``name`` (``None`` where it has none): texts, group keys."""
         raise NotImplementedError  # pragma: no cover
 
     def _lacks(self, index: int, name: str) -> str:
@@ -259,14 +250,12 @@ def tokens_field_of(payloads: Sequence[Any], requested: str, names: Names, *, pa
             return candidate
     first = {i: next((c for c in TOKEN_FIELD_CANDIDATES if c in p), None) for i, p in dicts}
     bare = next((i for i, field in first.items() if field is None), None)
-    if bare is not None and packer:
+    if bare is not None:
         raise ValueError(
             f"{names(bare)}: payload has no tokens field any of {', '.join(TOKEN_FIELD_CANDIDATES)} (its "
             f"fields: {shown_fields(payloads[bare])}); pass the right tokens_field"
-        )
-    if bare is not None:
-        raise ValueError(
-            f"tokens_field='auto' found none of {', '.join(TOKEN_FIELD_CANDIDATES)} in every payload; "
+            if packer
+            else f"tokens_field='auto' found none of {', '.join(TOKEN_FIELD_CANDIDATES)} in every payload; "
             f"{names(bare)} has fields {shown_fields(payloads[bare])}; pass tokens_field='<name>'"
         )
     first_index, field = next(iter(first.items()))
@@ -322,7 +311,7 @@ def concat(rows: Sequence[Row], name: str, names: Names) -> Ragged:
             )
     if all(isinstance(row, np.ndarray) or row.is_cpu for row in rows):
         return Ragged(np.concatenate([as_numpy(row) for row in rows]), offsets)
-    _device_of(rows, name, names)  # raises, naming the row on another device
+    _check_one_device(rows, name, names)
     return Ragged(torch.cat([torch.as_tensor(row) for row in rows]), offsets)
 
 
@@ -444,19 +433,15 @@ def as_tensor(values: Values) -> torch.Tensor:
     return torch.from_numpy(values) if isinstance(values, np.ndarray) else values
 
 
-def _device_of(rows: Sequence[Row], name: str, names: Names) -> torch.device:
-    """The one device of a field's rows (NumPy rows count as the CPU); two devices raise ``ValueError``."""
-    device = torch.device("cpu")
-    for index, row in enumerate(rows):
-        here = row.device if isinstance(row, torch.Tensor) else torch.device("cpu")
-        if index == 0:
-            device = here
-        elif here != device:
+def _check_one_device(rows: Sequence[Row], name: str, names: Names) -> None:
+    """``ValueError`` naming the first row on another device than the first (NumPy rows: the CPU)."""
+    devices = [row.device if isinstance(row, torch.Tensor) else torch.device("cpu") for row in rows]
+    for index, here in enumerate(devices):
+        if here != devices[0]:
             raise ValueError(
                 f"{names(index)}: field {shown(name)} is on {here} while the first payload's is on "
-                f"{device}; put all payload data on one device"
+                f"{devices[0]}; put all payload data on one device"
             )
-    return device
 
 
 def _sequence_array(value: Any, where: str, name: str) -> np.ndarray:
@@ -474,9 +459,14 @@ def _sequence_array(value: Any, where: str, name: str) -> np.ndarray:
         ) from None
 
 
-def _beyond_int64(where: str, name: str) -> ValueError:
+def _beyond_int64(where: str, name: str, dtype: object = None) -> ValueError:
+    """The refusal of integers beyond int64 (``dtype``: the unsigned dtype that holds them)."""
+    if dtype is None:
+        return ValueError(
+            f"{where}: field {shown(name)} holds values beyond int64; give integers from -2**63 to 2**63 - 1"
+        )
     return ValueError(
-        f"{where}: field {shown(name)} holds values beyond int64; give integers from -2**63 to 2**63 - 1"
+        f"{where}: field {shown(name)} holds values beyond int64 (dtype {dtype}); give values up to 2**63 - 1"
     )
 
 
@@ -541,10 +531,7 @@ def _numpy_row(value: Any, where: str, name: str) -> np.ndarray:
         )
     if row.dtype.kind == "u" and row.dtype.itemsize > 1:  # uint16/32/64: torch supports little on them
         if row.dtype.itemsize == 8 and row.size and row.max() > INT64_MAX:
-            raise ValueError(
-                f"{where}: field {shown(name)} holds values beyond int64 (dtype {row.dtype}); "
-                "give values up to 2**63 - 1"
-            )
+            raise _beyond_int64(where, name, row.dtype)
         row = row.astype(np.int64)
     return row
 
@@ -566,10 +553,7 @@ def _tensor_row(value: torch.Tensor, where: str, name: str) -> torch.Tensor:
         if value.dtype == torch.uint64:
             as_signed = value.view(torch.int64)  # values beyond int64 read as negative
             if bool((as_signed < 0).any()):
-                raise ValueError(
-                    f"{where}: field {shown(name)} holds values beyond int64 (dtype {value.dtype}); "
-                    "give values up to 2**63 - 1"
-                )
+                raise _beyond_int64(where, name, value.dtype)
             return as_signed
         return value.to(torch.int64)
     return value

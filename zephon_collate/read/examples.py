@@ -46,22 +46,21 @@ from zephon_collate.read.rules import (
 
 __all__ = ["READ", "ExampleSpec", "Examples", "read_examples", "supervision"]
 
-_MASKS = SUPERVISION_MASKS
-_SUPERVISION = (LABELS, *_MASKS)
+_SUPERVISION = (LABELS, *SUPERVISION_MASKS)
 _PER_TOKEN: tuple[tuple[str, Literal["ids", "values"]], ...] = (
     (ATTENTION_MASK, "values"),
-    *((name, "values") for name in _MASKS),
+    *((name, "values") for name in SUPERVISION_MASKS),
     (LABELS, "ids"),
     (TOKEN_TYPE_IDS, "ids"),
     (POSITION_IDS, "ids"),
 )
 """The per-token fields beside ``input_ids``, in the order they are read, and how."""
 READ = (INPUT_IDS, *(name for name, _ in _PER_TOKEN), SEQ_LENGTHS)
+"""The fields :func:`read_examples` reads by name."""
 _DOCUMENTS_FIX = (
     "give each document as an example of its own, or (Collator.for_transformers(padding_free=True)) the "
     "documents' lengths as 'seq_lengths', TRL's name, or positions restarting at each as 'position_ids'"
 )
-"""The fields :func:`read_examples` reads by name."""
 
 
 @dataclass(frozen=True)
@@ -248,18 +247,12 @@ def _check_examples(batch: Batch, spec: ExampleSpec) -> None:
         # training; the float fields and what this layout reads are fields of their own.
         floats = (field.name for field in spec.floats)
         read = (*READ, LABEL, POSITIONS, MM_TOKEN_TYPE_IDS, *MEDIA, *floats)
-        near = misspelled(batch.fields, (*_MASKS, RESPONSE_MASK, LABELS, ATTENTION_MASK), read)
+        near = misspelled(batch.fields, read=read)  # the supervision names: SUPERVISION_NAMES
         if near is not None:
             name, meant = near
             index = int(np.flatnonzero(batch.carried(name))[0])
-            raise ValueError(
-                near_miss(
-                    names(index),
-                    name,
-                    meant,
-                    " (or name the field that carries the supervision with supervision=...)",
-                )
-            )
+            fix = " (or name the field that carries the supervision with supervision=...)"
+            raise ValueError(near_miss(names(index), name, meant, fix))
     if spec.uniform:
         for name in _SUPERVISION:
             if name not in batch:
@@ -362,7 +355,7 @@ def supervision(fields: dict[str, Ragged], names: Names) -> Ragged:
     """The boolean ``[N]`` supervision: labels not -100, every mask 1, and a text token (not media)."""
     tokens = fields[INPUT_IDS]
     trained: np.ndarray | None = None
-    for name in _MASKS:
+    for name in SUPERVISION_MASKS:
         if name in fields:
             check_zero_one(fields[name], name, names, "1 where the token is trained")
             given = fields[name].host != 0

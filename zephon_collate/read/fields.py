@@ -334,7 +334,7 @@ def value_rows(batch: Batch, spec: TensorField) -> list[Row]:
             return given
         full = [row for row in given if row.ndim and row.shape[0]]  # an empty row takes any width
         widths = {row.shape[1] for row in full if row.ndim == 2}
-        if spec.shape != (None,) or len(widths) < 2 or any(row.ndim != 2 for row in full):
+        if len(widths) < 2 or any(row.ndim != 2 for row in full):
             return given
     rows: list[list[np.ndarray]] = []
     for index, value in enumerate(batch.objects(spec.name)):

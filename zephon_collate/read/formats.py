@@ -867,9 +867,7 @@ def read_trees(batch: Batch, spec: ExampleSpec) -> Forest:
     take = rows_taker(chains.tokens, np.array(order, dtype=np.int64))
     parent_rank = np.array([rank[parents[row]] if parents[row] >= 0 else -1 for row in order], dtype=np.int64)
     per_sequence = {}
-    for field in spec.floats:  # one value per sequence: given on the leaves
-        if field.align != "sequence":
-            continue
+    for field in [f for f in spec.floats if f.align == "sequence"]:  # one value per sequence: on the leaves
         values = batch.objects(field.name) if field.name in batch else [None] * batch.rows
         inner = next((row for row in range(len(ids)) if children[row] and _given(values[row])), None)
         if inner is not None:  # a value nothing would read: refused, never dropped

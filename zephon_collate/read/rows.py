@@ -171,7 +171,7 @@ class Rows(Batch):
             self._found[name] = found
         return found
 
-    def _carried(self, name: str) -> np.ndarray:
+    def carried(self, name: str) -> np.ndarray:
         return np.array([value is not MISSING for value in self._values(name)], dtype=bool)
 
     def lacking(self, name: str) -> int | None:
@@ -219,7 +219,7 @@ class Rows(Batch):
             joined = concat(rows, name, names)
         if len(present) == len(values):
             return joined
-        carried = np.array([value is not MISSING for value in values], dtype=bool)
+        carried = self.carried(name)
         lengths = np.zeros(len(values), dtype=np.int64)  # the rows without the field: empty
         lengths[carried] = joined.lengths
         offsets = np.zeros(len(values) + 1, dtype=np.int64)
@@ -236,7 +236,7 @@ class Rows(Batch):
     def _per_row(self, name: str, kind: Kind) -> list[Row]:
         return self._rows(self._values(name), name, kind)
 
-    def _objects(self, name: str) -> list[Any]:
+    def objects(self, name: str) -> list[Any]:
         return [None if value is MISSING else value for value in self._values(name)]
 
 

@@ -471,29 +471,15 @@ def _any_entry(flags: np.ndarray) -> np.ndarray:
     return flags if flags.ndim == 1 else np.asarray(flags.reshape(len(flags), -1).any(axis=1))
 
 
-def _first_true(mask: np.ndarray | torch.Tensor) -> int | None:
-    """The flat index of the first True of a boolean array or tensor, or ``None``."""
-    if isinstance(mask, torch.Tensor):
-        found = mask.reshape(-1).nonzero()
-        return int(found[0, 0]) if found.numel() else None
-    flat = np.flatnonzero(mask)
-    return int(flat[0]) if flat.size else None
-
-
-def _token(field: Ragged, flat: int, name: str) -> str:
-    """``name[t]`` of the token at flat index ``flat`` (per-token fields of ``[N, ...]`` count whole rows)."""
-    per_token = max(1, int(np.prod(field.values.shape[1:])))
-    token = flat // per_token
-    return f"{name}[{token - int(field.offsets[row_of(field.offsets, token)])}]"
-
-
-def _bad_at(field: Ragged, bad: np.ndarray | torch.Tensor) -> tuple[int, int] | None:
-    """``(row, flat index)`` of the first True in ``bad`` (shaped like ``field.values``), or ``None``."""
-    flat = _first_true(bad)
-    if flat is None:
+def _bad_at(field: Ragged, bad: np.ndarray | torch.Tensor, name: str) -> tuple[int, int, str] | None:
+    """``(row, flat index, "name[t]")`` of the first True of ``bad`` (shaped like the values), or None."""
+    found = bad.reshape(-1).nonzero()[:, 0] if isinstance(bad, torch.Tensor) else np.flatnonzero(bad)
+    if not len(found):
         return None
-    per_token = max(1, int(np.prod(field.values.shape[1:])))
-    return row_of(field.offsets, flat // per_token), flat
+    flat = int(found[0])
+    token = flat // max(1, int(np.prod(field.values.shape[1:])))  # per-token fields of [N, ...]: whole rows
+    row = row_of(field.offsets, token)
+    return row, flat, f"{name}[{token - int(field.offsets[row])}]"
 
 
 def _kind(values: Values) -> str:
@@ -532,14 +518,11 @@ def check_ids(field: Ragged, name: str, names: Names) -> None:
     # One reduction on the common path (on the host the ufunc's: ndarray.min is a Python wrapper).
     if (np.minimum.reduce(values, axis=None) if isinstance(values, np.ndarray) else values.min()) >= 0:
         return
-    found = _bad_at(field, values < 0)
+    found = _bad_at(field, values < 0, name)
     assert found is not None
-    row, flat = found
+    row, flat, token = found
     value = int(values.reshape(-1)[flat])
-    raise ValueError(
-        f"{names(row)}: field {shown(name)} token ids must be >= 0, found {value} at "
-        f"{_token(field, flat, name)}"
-    )
+    raise ValueError(f"{names(row)}: field {shown(name)} token ids must be >= 0, found {value} at {token}")
 
 
 def check_zero_one(field: Ragged, name: str, names: Names, meaning: str) -> None:
@@ -556,14 +539,13 @@ def check_zero_one(field: Ragged, name: str, names: Names, meaning: str) -> None
     ):
         return
     bad = (values != 0) & (values != 1)
-    found = _bad_at(field, bad)
+    found = _bad_at(field, bad, name)
     if found is None:
         return
-    row, flat = found
-    value = values.reshape(-1)[flat].item()
+    row, flat, token = found
     raise ValueError(
         f"{names(row)}: field {shown(name)} must hold only 0 and 1 (or booleans), {meaning}; found "
-        f"{shown(value)} at {_token(field, flat, name)}"
+        f"{shown(values.reshape(-1)[flat].item())} at {token}"
     )
 
 
@@ -593,9 +575,9 @@ def check_fits(field: Ragged, dtype: torch.dtype, name: str, names: Names) -> No
             ),
         ]
     for bad, problem in problems:
-        found = _bad_at(field, bad)
+        found = _bad_at(field, bad, name)
         if found is not None:
-            row, flat = found
+            row, flat, token = found
             floats = (
                 "; float data (log-probs, advantages) keeps a float dtype of its own in "
                 f"Collator(float_fields=[{shown(name)}])"
@@ -604,7 +586,7 @@ def check_fits(field: Ragged, dtype: torch.dtype, name: str, names: Names) -> No
             )
             raise ValueError(
                 f"{names(row)}: field {shown(name)} holds {problem} (e.g. "
-                f"{shown(values.reshape(-1)[flat].item())} at {_token(field, flat, name)}), which {dtype} "
+                f"{shown(values.reshape(-1)[flat].item())} at {token}), which {dtype} "
                 f"cannot represent exactly; fix the data or pick a wider dtype{floats}"
             )
 
@@ -661,8 +643,6 @@ def misspelled(
         (('loss_maks', 'loss_mask'), None)
     """
     names = sorted(name for name in fields if isinstance(name, str))
-    if not names:
-        return None
     chosen, others = tuple(known), _others(frozenset(read))
     for name in names:
         meant = _meant(name, chosen, others)
