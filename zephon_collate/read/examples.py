@@ -275,9 +275,7 @@ def _fields_of(batch: Batch, index: int) -> str:
 
 
 def _scalar(value: object) -> bool:
-    """One value for the whole example: a number, a bool, a class name, a 0-d array."""
-    if value is None:
-        return False
+    """One value for the whole example: a number, a bool, a class name, a 0-d array (not ``None``)."""
     return isinstance(value, (int, float, str, bytes, np.generic)) or getattr(value, "ndim", None) == 0
 
 

@@ -467,10 +467,8 @@ def _reference(batch: Batch, expected: tuple[str, ...], owner: str) -> dict[str,
     for name in expected:
         if name in batch:
             spec = FloatField(name, align="sequence")
-            values = cast(
-                list[np.ndarray], read_floats(batch.per_row(name, "values"), ones, spec, batch.names)
-            )
-            found[name] = np.stack(values).astype(np.float32).reshape(-1)
+            values = read_floats(batch.per_row(name, "values"), ones, spec, batch.names)
+            found[name] = np.stack(cast(list[np.ndarray], values)).astype(np.float32).reshape(-1)
     if found and len(found) < len(expected):
         given = next(iter(found))
         other = next(name for name in expected if name not in found)
