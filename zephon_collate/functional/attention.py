@@ -71,10 +71,7 @@ def document_mask_mod(segment_ids: torch.Tensor) -> Callable[..., torch.Tensor]:
 
 
 def document_block_mask(
-    segment_ids: torch.Tensor,
-    *,
-    block_size: int | tuple[int, int] = 128,
-    compile: bool = False,
+    segment_ids: torch.Tensor, *, block_size: int | tuple[int, int] = 128, compile: bool = False
 ) -> BlockMask:
     """The FlexAttention ``BlockMask`` of :func:`document_mask_mod`: ``(B, 1, S, S)``, or ``(1, 1, N, N)``.
 
