@@ -79,10 +79,8 @@ def align_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 @kernel
 def mask_labels(labels: torch.Tensor, mask: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Return ``labels`` with ``ignore_index`` wherever the ``[B, S]`` ``mask`` is True.
-
-    Raises:
-        ValueError: if the integer dtype of ``labels`` cannot hold ``ignore_index``.
+    """Return ``labels`` with ``ignore_index`` wherever the ``[B, S]`` ``mask`` is True; ``ValueError`` if
+    the integer dtype of ``labels`` cannot hold ``ignore_index``.
 
     Example:
         >>> mask_labels(torch.tensor([[4, 5, 6]]), torch.tensor([[False, True, False]]), -100).tolist()
@@ -164,11 +162,8 @@ def apply_loss_mask(
 
 @kernel
 def sequence_positions(like: torch.Tensor) -> torch.Tensor:
-    """Positions ``[0, 1, ..., S-1]`` in every row of ``like`` (``[B, S, ...]``), in its dtype and device.
-
-    Raises:
-        TypeError: for bool or complex ``like``.
-        ValueError: if its integer dtype cannot hold ``S - 1``.
+    """Positions ``[0, 1, ..., S-1]`` in every row of ``like`` (``[B, S, ...]``), in its dtype and device;
+    ``TypeError`` for bool or complex ``like``, ``ValueError`` if its integer dtype cannot hold ``S - 1``.
 
     Example:
         >>> sequence_positions(torch.zeros(2, 3, dtype=torch.int32)).tolist()

@@ -141,8 +141,8 @@ class _Declared(Mapping[str, Any]):
         if key not in self._keys:
             raise UndeclaredKeyError(
                 f"{_name(self._step)} reads {shown(key)}, which it does not declare (in_keys "
-                f"{_keys(self._step, 'in_keys')}, optional_keys {_keys(self._step, 'optional_keys')}); add it "
-                "to in_keys (or optional_keys): a compiled graph is fed the declared keys only"
+                f"{_keys(self._step, 'in_keys')}, optional_keys {_keys(self._step, 'optional_keys')}); "
+                "add it to in_keys (or optional_keys): a compiled graph is fed the declared keys only"
             )
 
     def __getitem__(self, key: str) -> Any:

@@ -46,11 +46,9 @@ def _document_lengths(positions: torch.Tensor, boundaries: torch.Tensor | None) 
         bounds = torch.cat([segment_starts(positions).reshape(-1).nonzero().squeeze(1), end])
     else:
         cu = boundaries.to(device=device, dtype=torch.int64)
-        rows = positions.shape[0] if positions.dim() == 2 else 1
-        length = positions.shape[-1] if positions.dim() == 2 else total
-        if cu.dim() == 2 and positions.dim() == 2 and cu.shape[0] == rows:
-            limit = length
-            offsets = torch.arange(rows, device=device).unsqueeze(1) * length
+        if cu.dim() == 2 and positions.dim() == 2 and cu.shape[0] == positions.shape[0]:
+            limit = positions.shape[1]
+            offsets = torch.arange(positions.shape[0], device=device).unsqueeze(1) * limit
         elif cu.dim() == 1:
             limit, offsets = total, torch.zeros((), dtype=torch.int64, device=device)
         else:
