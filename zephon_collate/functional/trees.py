@@ -252,9 +252,8 @@ def _transformers_attention(
     tree = kwargs.get("tree")
     if not isinstance(tree, TreeBlocks):
         raise ValueError(
-            f"{TREE_ATTENTION} attention needs the batch's tree: call the model with "
-            "tree=TreeBlocks.from_batch(batch) (and position_ids), or load it with another "
-            "attn_implementation"
+            f"{TREE_ATTENTION} attention needs the batch's tree: call the model with tree=TreeBlocks."
+            "from_batch(batch) (and position_ids), or load it with another attn_implementation"
         )
     window, chunk = _layer_limits(module, kwargs)
     out = tree_attention(
