@@ -86,9 +86,7 @@ def within_limits(
         >>> within_limits(place[:, None], place[None, :], window=2).int().tolist()[3]
         [0, 0, 1, 1]
     """
-    limits = None
-    if window:
-        limits = query - key < window
+    limits = query - key < window if window else None
     if chunk:
         same = torch.div(query, chunk, rounding_mode="floor") == torch.div(key, chunk, rounding_mode="floor")
         limits = same if limits is None else limits & same

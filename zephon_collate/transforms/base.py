@@ -401,8 +401,7 @@ class Chain(Transform):
         keys = dict.fromkeys(input_keys)
         for step in self.steps:
             written = _keys(step, "out_keys")
-            for key in written:
-                keys[key] = None
+            keys.update(dict.fromkeys(written))
             for key in _keys(step, "dropped_keys"):
                 if key not in written:
                     keys.pop(key, None)
