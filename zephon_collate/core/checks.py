@@ -79,10 +79,8 @@ def check_option_names(owner: str, names: Iterable[str], known: Sequence[str]) -
 def keywords(
     options: Callable[P, Any], owner: str, required: Mapping[str, str] | None = None
 ) -> Callable[[Callable[..., R]], Callable[Concatenate[Any, P], R]]:
-    """Give ``function(first, **options)`` the signature of the dataclass ``options``.
-
-    Type checkers and ``inspect`` see the options; a misspelled keyword raises ``TypeError`` naming the
-    closest option, and a missing option named in ``required`` (name to what it is) says what it is.
+    """Give ``function(first, **options)`` the signature of the dataclass ``options``; a misspelled keyword
+    raises ``TypeError`` naming the closest option, a missing one of ``required`` (name: what it is) says it.
 
     Example:
         >>> @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,11 +98,8 @@ def keywords(
     known = [field.name for field in fields]
 
     def decorate(function: Callable[..., R]) -> Callable[Concatenate[Any, P], R]:
-        own = [
-            p
-            for p in inspect.signature(function).parameters.values()
-            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-        ]
+        given = inspect.signature(function)
+        own = [p for p in given.parameters.values() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
         try:
             hints = typing.get_type_hints(options)
         except NameError:  # a name imported for type checkers only: the annotations as written
@@ -123,7 +118,7 @@ def keywords(
         positional = [p for p in derived if p.kind is p.POSITIONAL_OR_KEYWORD]
         signature = inspect.Signature(
             [*own, *positional, *(p for p in derived if p.kind is p.KEYWORD_ONLY)],
-            return_annotation=inspect.signature(function).return_annotation,
+            return_annotation=given.return_annotation,
         )
 
         @functools.wraps(function)
@@ -205,11 +200,7 @@ def check_fits_dtype(owner: str, name: str, value: int, dtype: torch.dtype) -> N
 
 
 def check_ignore_index(
-    value: object,
-    *,
-    owner: str = "to_training",
-    fits: torch.dtype | None = None,
-    name: str = "ignore_index",
+    value: object, *, owner: str = "to_training", fits: torch.dtype | None = None, name: str = "ignore_index"
 ) -> int:
     """``value`` (a label value, the option ``name``) as an int within int64 (and ``fits``, when given);
     else ``TypeError`` / ``ValueError``."""

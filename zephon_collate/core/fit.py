@@ -34,9 +34,8 @@ def best_fit_rows(
     order: Sequence[int] | None = None,
     fresh: Sequence[bool] | None = None,
 ) -> list[list[int]]:
-    """Best-fit-decreasing: the pieces of each row (indices into ``lengths``), rows in the order opened.
-
-    Longest first, each into the open row with the least space left that fits it (ties: the earliest).
+    """Best-fit-decreasing (docs/packing.md): the pieces of each row (indices into ``lengths``), rows in the
+    order opened.
 
     Parameters:
         lengths, seq_len: the pieces' lengths (each from 1 to ``seq_len``) and the row length.

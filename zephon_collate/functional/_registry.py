@@ -7,12 +7,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from zephon_collate.core.checks import check_fits_dtype
-
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-__all__ = ["KERNELS", "as_rows", "check_fill", "check_tensor", "flex_block_mask", "kernel"]
+__all__ = ["KERNELS", "as_rows", "check_tensor", "flex_block_mask", "kernel"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -35,11 +33,6 @@ def check_tensor(kernel: str, name: str, value: object, min_dim: int = 0, max_di
             f"{kernel}: {name} has shape {tuple(value.shape)}; it needs {min_dim} to {max_dim} dims"
         )
     return value
-
-
-def check_fill(kernel: str, name: str, value: int, like: torch.Tensor) -> None:
-    """``ValueError`` if integer ``like`` cannot hold ``value`` (writing it would wrap around)."""
-    check_fits_dtype(kernel, name, value, like.dtype)
 
 
 def as_rows(

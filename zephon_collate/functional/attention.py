@@ -71,10 +71,7 @@ def document_mask_mod(segment_ids: torch.Tensor) -> Callable[..., torch.Tensor]:
 
 
 def document_block_mask(
-    segment_ids: torch.Tensor,
-    *,
-    block_size: int | tuple[int, int] = 128,
-    compile: bool = False,
+    segment_ids: torch.Tensor, *, block_size: int | tuple[int, int] = 128, compile: bool = False
 ) -> BlockMask:
     """The FlexAttention ``BlockMask`` of :func:`document_mask_mod`: ``(B, 1, S, S)``, or ``(1, 1, N, N)``.
 
@@ -207,8 +204,7 @@ def check_consistent(segment_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> Non
             f"cu_seqlens, got shapes {tuple(segment_ids.shape)} and {tuple(cu_seqlens.shape)}"
         )
     derived, _ = cu_seqlens_from_segment_ids(segment_ids)
-    rows_ids = as_rows(segment_ids)
-    end = rows_ids.shape[1] if segment_ids.dim() == 2 else rows_ids.numel()
+    end = segment_ids.shape[-1]  # a row's length, or the flattened batch's
     got_rows, want_rows = as_rows(cu_seqlens).tolist(), as_rows(derived).tolist()
     if len(got_rows) != len(want_rows):
         raise ValueError(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from zephon_collate.core.checks import fits_dtype
-from zephon_collate.functional._registry import check_fill, check_tensor, kernel
+from zephon_collate.core.checks import check_fits_dtype, fits_dtype
+from zephon_collate.functional._registry import check_tensor, kernel
 
 __all__ = [
     "align_mask",
@@ -79,10 +79,8 @@ def align_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 @kernel
 def mask_labels(labels: torch.Tensor, mask: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Return ``labels`` with ``ignore_index`` wherever the ``[B, S]`` ``mask`` is True.
-
-    Raises:
-        ValueError: if the integer dtype of ``labels`` cannot hold ``ignore_index``.
+    """Return ``labels`` with ``ignore_index`` wherever the ``[B, S]`` ``mask`` is True; ``ValueError`` if
+    the integer dtype of ``labels`` cannot hold ``ignore_index``.
 
     Example:
         >>> mask_labels(torch.tensor([[4, 5, 6]]), torch.tensor([[False, True, False]]), -100).tolist()
@@ -90,7 +88,7 @@ def mask_labels(labels: torch.Tensor, mask: torch.Tensor, ignore_index: int) -> 
     """
     check_tensor("mask_labels", "labels", labels)
     check_tensor("mask_labels", "mask", mask, 0, labels.dim())
-    check_fill("mask_labels", "ignore_index", ignore_index, labels)
+    check_fits_dtype("mask_labels", "ignore_index", ignore_index, labels.dtype)
     fill = torch.full((), ignore_index, dtype=labels.dtype, device=labels.device)
     return torch.where(align_mask(mask, labels), fill, labels)
 
@@ -157,18 +155,15 @@ def apply_loss_mask(
     if drop is not None:
         labels = mask_labels(labels, drop, ignore_index)
     else:
-        check_fill("apply_loss_mask", "ignore_index", ignore_index, labels)
+        check_fits_dtype("apply_loss_mask", "ignore_index", ignore_index, labels.dtype)
     valid = labels != ignore_index
     return labels, as_float(valid), valid.flatten(1).sum(dim=1)  # flatten, not reshape: B = 0 works
 
 
 @kernel
 def sequence_positions(like: torch.Tensor) -> torch.Tensor:
-    """Positions ``[0, 1, ..., S-1]`` in every row of ``like`` (``[B, S, ...]``), in its dtype and device.
-
-    Raises:
-        TypeError: for bool or complex ``like``.
-        ValueError: if its integer dtype cannot hold ``S - 1``.
+    """Positions ``[0, 1, ..., S-1]`` in every row of ``like`` (``[B, S, ...]``), in its dtype and device;
+    ``TypeError`` for bool or complex ``like``, ``ValueError`` if its integer dtype cannot hold ``S - 1``.
 
     Example:
         >>> sequence_positions(torch.zeros(2, 3, dtype=torch.int32)).tolist()
@@ -199,7 +194,7 @@ def predicted_labels(
         [[2, 3, 4, -100, 5, -100]]
     """
     check_tensor("predicted_labels", "labels", labels, 2, 2)
-    check_fill("predicted_labels", "ignore_index", ignore_index, labels)
+    check_fits_dtype("predicted_labels", "ignore_index", ignore_index, labels.dtype)
     if logits_index.shape != labels.shape:
         raise ValueError(
             f"predicted_labels: logits_index has shape {tuple(logits_index.shape)}, labels "

@@ -86,9 +86,7 @@ def within_limits(
         >>> within_limits(place[:, None], place[None, :], window=2).int().tolist()[3]
         [0, 0, 1, 1]
     """
-    limits = None
-    if window:
-        limits = query - key < window
+    limits = query - key < window if window else None
     if chunk:
         same = torch.div(query, chunk, rounding_mode="floor") == torch.div(key, chunk, rounding_mode="floor")
         limits = same if limits is None else limits & same
@@ -252,9 +250,8 @@ def _transformers_attention(
     tree = kwargs.get("tree")
     if not isinstance(tree, TreeBlocks):
         raise ValueError(
-            f"{TREE_ATTENTION} attention needs the batch's tree: call the model with "
-            "tree=TreeBlocks.from_batch(batch) (and position_ids), or load it with another "
-            "attn_implementation"
+            f"{TREE_ATTENTION} attention needs the batch's tree: call the model with tree=TreeBlocks."
+            "from_batch(batch) (and position_ids), or load it with another attn_implementation"
         )
     window, chunk = _layer_limits(module, kwargs)
     out = tree_attention(

@@ -32,8 +32,7 @@ class AttentionMask(Transform):
         super().__init__()
         self.padding_key = check_key("AttentionMask", "padding_key", padding_key)
         self.out_key = check_key("AttentionMask", "out_key", out_key)
-        self.in_keys = [padding_key]
-        self.out_keys = [out_key]
+        self.in_keys, self.out_keys = [padding_key], [out_key]
         if padding_key != out_key:
             self.dropped_keys = (padding_key,)
 

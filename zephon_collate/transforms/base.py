@@ -137,26 +137,24 @@ class _Declared(Mapping[str, Any]):
     def __init__(self, step: object, data: Mapping[str, Any], keys: frozenset[str]) -> None:
         self._step, self._data, self._keys = step, data, keys
 
-    def _refuse(self, key: object) -> UndeclaredKeyError:
-        return UndeclaredKeyError(
-            f"{_name(self._step)} reads {shown(key)}, which it does not declare (in_keys "
-            f"{_keys(self._step, 'in_keys')}, optional_keys {_keys(self._step, 'optional_keys')}); add it to "
-            "in_keys (or optional_keys): a compiled graph is fed the declared keys only"
-        )
+    def _allow(self, key: object) -> None:
+        if key not in self._keys:
+            raise UndeclaredKeyError(
+                f"{_name(self._step)} reads {shown(key)}, which it does not declare (in_keys "
+                f"{_keys(self._step, 'in_keys')}, optional_keys {_keys(self._step, 'optional_keys')}); "
+                "add it to in_keys (or optional_keys): a compiled graph is fed the declared keys only"
+            )
 
     def __getitem__(self, key: str) -> Any:
-        if key not in self._keys:
-            raise self._refuse(key)
+        self._allow(key)
         return self._data[key]
 
     def get(self, key: str, default: Any = None) -> Any:
-        if key not in self._keys:
-            raise self._refuse(key)
+        self._allow(key)
         return self._data[key] if key in self._data else default  # noqa: SIM401 (any Mapping, TensorDicts too)
 
     def __contains__(self, key: object) -> bool:
-        if key not in self._keys:
-            raise self._refuse(key)
+        self._allow(key)
         return key in self._data
 
     def __iter__(self) -> Iterator[str]:
@@ -362,18 +360,18 @@ class Chain(Transform):
                 for key in consumed:
                     data.pop(key, None)
                 batch_size = None if batch_size is None else step.output_batch_size(batch_size)
-            elif kind == _EVERY:  # it reshapes the whole batch: its output is all
+            else:
                 arrays = False
-                given = _as_tensors(data) if host else data
-                result = step(TensorDict(given, batch_size=batch_size if batch_size is not None else []))
-                data, batch_size = dict(result.items()), result.batch_size
-            else:  # any other TensorDict module: wrap its declared keys, call, merge what it returns
-                arrays = False
-                given = _as_tensors(declared(step, data))
-                result = step(TensorDict(given, batch_size=batch_size if batch_size is not None else []))
-                data.update((key, value) for key, value in result.items() if given.get(key) is not value)
-                for key in consumed:  # a nested Chain's consumed inputs leave the batch after it too
-                    data.pop(key, None)
+                size = batch_size if batch_size is not None else []
+                if kind == _EVERY:  # it reshapes the whole batch: its output is all
+                    result = step(TensorDict(_as_tensors(data) if host else data, batch_size=size))
+                    data = dict(result.items())
+                else:  # any other TensorDict module: wrap its declared keys, call, merge what it returns
+                    given = _as_tensors(declared(step, data))
+                    result = step(TensorDict(given, batch_size=size))
+                    data.update((key, value) for key, value in result.items() if given.get(key) is not value)
+                    for key in consumed:  # a nested Chain's consumed inputs leave the batch after it too
+                        data.pop(key, None)
                 batch_size = result.batch_size
         return data, batch_size
 
@@ -403,8 +401,7 @@ class Chain(Transform):
         keys = dict.fromkeys(input_keys)
         for step in self.steps:
             written = _keys(step, "out_keys")
-            for key in written:
-                keys[key] = None
+            keys.update(dict.fromkeys(written))
             for key in _keys(step, "dropped_keys"):
                 if key not in written:
                     keys.pop(key, None)

@@ -46,11 +46,9 @@ def _document_lengths(positions: torch.Tensor, boundaries: torch.Tensor | None) 
         bounds = torch.cat([segment_starts(positions).reshape(-1).nonzero().squeeze(1), end])
     else:
         cu = boundaries.to(device=device, dtype=torch.int64)
-        rows = positions.shape[0] if positions.dim() == 2 else 1
-        length = positions.shape[-1] if positions.dim() == 2 else total
-        if cu.dim() == 2 and positions.dim() == 2 and cu.shape[0] == rows:
-            limit = length
-            offsets = torch.arange(rows, device=device).unsqueeze(1) * length
+        if cu.dim() == 2 and positions.dim() == 2 and cu.shape[0] == positions.shape[0]:
+            limit = positions.shape[1]
+            offsets = torch.arange(positions.shape[0], device=device).unsqueeze(1) * limit
         elif cu.dim() == 1:
             limit, offsets = total, torch.zeros((), dtype=torch.int64, device=device)
         else:
@@ -136,14 +134,10 @@ class ContextParallelShard(Transform):
             raise ValueError(f"{owner}: output keys must be distinct from each other and the fields")
         if self.keys is not None and set(self.keys) & set(written):
             raise ValueError(f"{owner}: keys may not list the metadata keys {list(written)}")
-        defaults: dict[str, int | float | bool | Spread] = {
-            tokens_key: pad_token_id,
-            labels_key: self.ignore_index,
-            PADDING_MASK: True,
-        }
         if fill_values is not None and not isinstance(fill_values, Mapping):
             raise TypeError(f"{owner}: fill_values must be a dict of key -> value, got {shown(fill_values)}")
-        self.fill_values = {**defaults, **dict(fill_values or {})}
+        defaults = {tokens_key: pad_token_id, labels_key: self.ignore_index, PADDING_MASK: True}
+        self.fill_values: dict[str, int | float | bool | Spread] = {**defaults, **dict(fill_values or {})}
         for key, value in self.fill_values.items():
             if isinstance(value, Spread) and (type(value.count) is not int or value.count < 1):
                 raise ValueError(f"{owner}: fill_values[{shown(key)}] = {value} needs a count >= 1 (experts)")

@@ -53,11 +53,9 @@ class CuSeqlens(Transform):
         self.positions_key = check_key("CuSeqlens", "positions_key", positions_key)
         self.out_key = check_key("CuSeqlens", "out_key", out_key)
         self.max_key = check_key("CuSeqlens", "max_key", max_key)
-        self.flatten = flatten
-        self.num_boundaries = num_boundaries
+        self.flatten, self.num_boundaries = flatten, num_boundaries
         self.data_dependent_shape = num_boundaries is None  # else the boundary count is read back
-        self.in_keys = [positions_key]
-        self.out_keys = [out_key, max_key]
+        self.in_keys, self.out_keys = [positions_key], [out_key, max_key]
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         positions = data[self.positions_key]

@@ -47,8 +47,7 @@ class EosMask(Transform):
         self.ignore_index = check_ignore_index(ignore_index, owner="EosMask")
         self.inputs_key = check_key("EosMask", "inputs_key", inputs_key)
         self.labels_key = check_key("EosMask", "labels_key", labels_key)
-        self.in_keys = [inputs_key, labels_key]
-        self.out_keys = [labels_key]
+        self.in_keys, self.out_keys = [inputs_key, labels_key], [labels_key]
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         inputs, labels = data[self.inputs_key], data[self.labels_key]

@@ -35,8 +35,7 @@ class LeftPadding(Transform):
         super().__init__()
         self.keys = check_keys("LeftPadding", "keys", keys)
         self.padding_length_key = check_key("LeftPadding", "padding_length_key", padding_length_key)
-        self.in_keys = [*self.keys, padding_length_key]
-        self.out_keys = list(self.keys)
+        self.in_keys, self.out_keys = [*self.keys, padding_length_key], list(self.keys)
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         counts = data[self.padding_length_key]

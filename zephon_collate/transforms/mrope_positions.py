@@ -33,8 +33,7 @@ class MRopePositions(Transform):
         super().__init__()
         self.positions_key = check_key("MRopePositions", "positions_key", positions_key)
         self.planes_key = check_key("MRopePositions", "planes_key", planes_key)
-        self.in_keys = [positions_key, planes_key]
-        self.out_keys = [positions_key]
+        self.in_keys, self.out_keys = [positions_key, planes_key], [positions_key]
         self.dropped_keys = (planes_key,)
 
     def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -35,17 +35,13 @@ class PaddingMask(Transform):
     shifted_as = "inputs"
 
     def __init__(
-        self,
-        padding_length_key: str = PADDING_LENGTH,
-        like_key: str = INPUT_IDS,
-        out_key: str = PADDING_MASK,
+        self, padding_length_key: str = PADDING_LENGTH, like_key: str = INPUT_IDS, out_key: str = PADDING_MASK
     ) -> None:
         super().__init__()
         self.padding_length_key = check_key("PaddingMask", "padding_length_key", padding_length_key)
         self.like_key = check_key("PaddingMask", "like_key", like_key)
         self.out_key = check_key("PaddingMask", "out_key", out_key)
-        self.in_keys = [padding_length_key, like_key]
-        self.out_keys = [out_key]
+        self.in_keys, self.out_keys = [padding_length_key, like_key], [out_key]
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         like, padding = data[self.like_key], data[self.padding_length_key]

@@ -45,8 +45,7 @@ class PredictedLabels(Transform):
         self.logits_index_key = check_key("PredictedLabels", "logits_index_key", logits_index_key)
         self.out_key = check_key("PredictedLabels", "out_key", out_key)
         self.ignore_index = check_ignore_index(ignore_index, owner="PredictedLabels")
-        self.in_keys = [labels_key, logits_index_key]
-        self.out_keys = [out_key]
+        self.in_keys, self.out_keys = [labels_key, logits_index_key], [out_key]
 
     def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         labels, index = data[self.labels_key], data[self.logits_index_key]

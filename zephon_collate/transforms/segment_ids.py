@@ -59,9 +59,7 @@ class SegmentIds(Transform):
         self.positions_key = check_key("SegmentIds", "positions_key", positions_key)
         self.padding_length_key = check_key("SegmentIds", "padding_length_key", padding_length_key)
         self.out_key = check_key("SegmentIds", "out_key", out_key)
-        self.flatten = flatten
-        self.mark_padding = mark_padding
-        self.shifted = shifted
+        self.flatten, self.mark_padding, self.shifted = flatten, mark_padding, shifted
         self.in_keys = [positions_key, padding_length_key] if mark_padding else [positions_key]
         self.out_keys = [out_key]
 

@@ -59,8 +59,7 @@ class SequenceRoles(Transform):
         outputs += [target for targets in self.values.values() for target in targets.values()]
         outputs += [] if self.count_key is None else [self.count_key]
         reads = [self.role_key, *self.values]
-        self.in_keys = list(reads)
-        self.out_keys = list(outputs)
+        self.in_keys, self.out_keys = list(reads), list(outputs)
         self.dropped_keys = tuple(key for key in reads if key not in outputs)
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:

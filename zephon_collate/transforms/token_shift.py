@@ -54,8 +54,7 @@ class TokenShift(Transform):
                 f"TokenShift: keys must be distinct, got tokens_key={shown(tokens_key)}, "
                 f"labels_key={shown(labels_key)}, input_keys={self.input_keys}, label_keys={self.label_keys}"
             )
-        self.in_keys = [tokens_key, *aligned]
-        self.out_keys = [tokens_key, labels_key, *aligned]
+        self.in_keys, self.out_keys = [tokens_key, *aligned], [tokens_key, labels_key, *aligned]
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         tokens = data[self.tokens_key]

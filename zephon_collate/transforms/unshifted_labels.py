@@ -36,8 +36,7 @@ class UnshiftedLabels(Transform):
         super().__init__()
         self.tokens_key = check_key("UnshiftedLabels", "tokens_key", tokens_key)
         self.labels_key = check_key("UnshiftedLabels", "labels_key", labels_key)
-        self.in_keys = [tokens_key]
-        self.out_keys = [labels_key]
+        self.in_keys, self.out_keys = [tokens_key], [labels_key]
 
     def check(self, data: Mapping[str, torch.Tensor]) -> None:
         check_rank("UnshiftedLabels", self.tokens_key, data[self.tokens_key], "[B, S] or [B, S, ...]", 2)
