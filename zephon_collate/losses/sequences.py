@@ -503,9 +503,6 @@ def unpack(
         padded: return ``[S, max_len, ...]`` padded with ``padding_value`` instead of a list.
         padding_value: the padding of ``padded``, a number the tensor's dtype holds.
 
-    Returns:
-        A list of ``S`` tensors ``[len_i, ...]``, or one ``[S, max_len, ...]`` tensor.
-
     Example:
         >>> from zephon_collate import Collator
         >>> pairs = [{"prompt_input_ids": [1, 2], "chosen_input_ids": [3], "rejected_input_ids": [4, 5]}]
