@@ -35,9 +35,6 @@ def distillation_loss(
 ) -> torch.Tensor:
     """TRL GKD's generalised Jensen-Shannon divergence between teacher and student on the teacher's top-k.
 
-    Both distributions are renormalised on the ids present (log-prob ``> -inf``); under ``torch.compile``
-    the value checks are skipped (docs/tensor_fields.md).
-
     Parameters:
         student_logits: ``[..., L, V]`` floating logits, aligned with the other arguments.
         teacher_ids: ``[..., L, K]`` integer token ids in ``[0, V)``, distinct within a position (absent: 0).

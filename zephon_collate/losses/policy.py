@@ -26,8 +26,6 @@ def importance_ratio(
 ) -> torch.Tensor:
     """``pi / pi_old`` per token ``[R, L]``: per token (``"token"``), or GSPO's per sequence (``"sequence"``).
 
-    ``"sequence"`` puts ``exp(mean of the sequence's supervised log ratios)`` on all of its tokens.
-
     Example:
         >>> from zephon_collate import Collator
         >>> batch = Collator.for_rollouts(padding_free=True)([

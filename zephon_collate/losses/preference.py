@@ -67,9 +67,8 @@ def _one(
         mean_margin = s_c / counts[0].clamp(min=1) - s_r / counts[1].clamp(min=1)
         return (mean_margin - 1 / (2 * beta)) ** 2 if kind == "ipo" else -F.logsigmoid(beta * mean_margin)
     if kind == "exo_pair":
-        return torch.sigmoid(margin) * (F.logsigmoid(margin) - math.log1p(-smoothing)) + torch.sigmoid(
-            -margin
-        ) * (F.logsigmoid(-margin) - math.log(smoothing))
+        chosen_term = torch.sigmoid(margin) * (F.logsigmoid(margin) - math.log1p(-smoothing))
+        return chosen_term + torch.sigmoid(-margin) * (F.logsigmoid(-margin) - math.log(smoothing))
     if kind == "nca_pair":
         return -F.logsigmoid(beta * r_c) - 0.5 * F.logsigmoid(-beta * r_c) - 0.5 * F.logsigmoid(-beta * r_r)
     if kind == "robust":

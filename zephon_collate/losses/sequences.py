@@ -364,8 +364,6 @@ def _padding_value(value: object, dtype: torch.dtype) -> float | int:
 def token_logprobs(logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
     """Per-token log-probs ``[R, L]``, token-aligned: ``out[r, t] = log p(input_ids[r, t] | its context)``.
 
-    In float32 or wider, 0 where nothing predicts the token; ``labels`` are not read.
-
     Parameters:
         logits: ``[R, L, V]``, the model's output for ``batch["input_ids"]``, over the whole vocabulary.
         batch: a batch of ``Collator.for_preference`` / ``for_rollouts`` (or ``for_transformers``).
@@ -391,10 +389,7 @@ def _token_logprobs(logits: torch.Tensor, view: _Map) -> torch.Tensor:
     safe = index.clamp(min=0)
     rows = torch.arange(scores.shape[0], device=scores.device)[:, None]
     normaliser = torch.logsumexp(scores, dim=-1).gather(1, safe)
-    picked = scores[rows, safe, ids]
-    return torch.where(
-        index >= 0, picked - normaliser, torch.zeros((), dtype=scores.dtype, device=scores.device)
-    )
+    return (scores[rows, safe, ids] - normaliser).masked_fill(index < 0, 0)
 
 
 def _per_sequence(values: torch.Tensor, supervised: torch.Tensor, view: _Map) -> torch.Tensor:
@@ -453,8 +448,6 @@ def sequence_means(values: torch.Tensor, batch: _Batch) -> torch.Tensor:
 def along_paths(values: torch.Tensor, batch: _Batch) -> torch.Tensor:
     """``values`` per *entry* (every token of every sequence): what the loss helpers take on a tree batch.
 
-    ``values`` is per token (``[R, L, ...]``, gathered) or per sequence (``[S, ...]``, repeated).
-
     Example:
         >>> from zephon_collate import Collator
         >>> batch = Collator.for_trees()([
@@ -509,9 +502,6 @@ def unpack(
         batch: a batch of ``Collator.for_preference`` / ``for_rollouts`` (or ``for_transformers``).
         padded: return ``[S, max_len, ...]`` padded with ``padding_value`` instead of a list.
         padding_value: the padding of ``padded``, a number the tensor's dtype holds.
-
-    Returns:
-        A list of ``S`` tensors ``[len_i, ...]``, or one ``[S, max_len, ...]`` tensor.
 
     Example:
         >>> from zephon_collate import Collator
@@ -631,9 +621,6 @@ def global_loss_count(
     device: str | torch.device | None = None,
 ) -> torch.Tensor:
     """The denominator of ``mode`` over one optimizer step: every micro-batch of every rank.
-
-    A collective: every rank of ``group`` calls it once per step. Pass the result to
-    :func:`aggregate_loss` as ``global_count``.
 
     Parameters:
         batches: this rank's micro-batches of the step (or one batch).

@@ -172,13 +172,7 @@ class BalancePlan:
         keep = [slot for slot in range(self.num_slots) if all(self.cells[slot])]
         if len(keep) == self.num_slots:
             return self
-        gone = sorted(
-            doc
-            for slot in range(self.num_slots)
-            if slot not in keep
-            for cell in self.cells[slot]
-            for doc in cell
-        )
+        gone = sorted(doc for slot in self.cells if not all(slot) for cell in slot for doc in cell)
         return replace(
             self,
             cells=tuple(self.cells[slot] for slot in keep),
@@ -199,8 +193,7 @@ class BalancePlan:
     def lower_bound(self) -> Floats:
         """``[slots]``: ``max(largest unit, total / ranks) / (total / ranks)``, the best any split reaches."""
         mean = self.costs.sum(axis=1) / self.num_ranks
-        safe = np.where(mean > 0, mean, 1.0)
-        return np.where(mean > 0, np.maximum(self.largest, mean) / safe, 1.0)
+        return _ratio(np.maximum(self.largest, mean), mean)
 
     def padding_fraction(self) -> float:
         """Padding tokens over computed tokens (0 padding-free)."""
@@ -248,9 +241,12 @@ class BalancePlan:
 
 def _spread(values: Ints) -> Floats:
     """Per row: max over mean (1.0 where the row is all zeros)."""
-    mean = values.mean(axis=1)
-    safe = np.where(mean > 0, mean, 1.0)
-    return np.where(mean > 0, values.max(axis=1) / safe, 1.0)
+    return _ratio(values.max(axis=1), values.mean(axis=1))
+
+
+def _ratio(top: npt.NDArray[np.generic], mean: Floats) -> Floats:
+    """``top / mean``, 1.0 where ``mean`` is 0."""
+    return np.where(mean > 0, top / np.where(mean > 0, mean, 1.0), 1.0)
 
 
 def as_counts(values: object, name: str, minimum: int, owner: str = "plan_balance") -> Ints:
@@ -268,8 +264,7 @@ def as_counts(values: object, name: str, minimum: int, owner: str = "plan_balanc
             f"{owner}: {name}[{position}] is {int(array[position])}; every entry must be an int from "
             f"{minimum} to 2**63 - 1"
         )
-    exact: Ints = array.astype(np.int64)
-    return exact
+    return array.astype(np.int64)
 
 
 def plan_balance(
@@ -350,16 +345,15 @@ def plan_balance(
     held = np.zeros(unit_count, np.bool_)
     if step_slots is not None and options.hold_back:
         held = _outliers_to_hold(unit_cost, must, ranks, step_slots)
-    unit_cell, slots, extra, rows_of_cells = _place(
-        unit_size, unit_cost, must, held, options, ranks, step_slots
-    )
+    place = _place_fixed if options.fixed_rows else _place_free
+    unit_cell, slots, extra, layout = place(unit_size, unit_cost, must, held, options, ranks, step_slots)
     if held.any() and np.bincount(unit_cell[unit_cell != UNPLACED], minlength=slots * ranks).min() == 0:
         # Holding the outliers left a micro-batch empty (too few units left, or extra slots
         # for units that may not wait): they fill it rather than wait.
-        unit_cell, slots, extra, rows_of_cells = _place(
+        unit_cell, slots, extra, layout = place(
             unit_size, unit_cost, must, np.zeros(unit_count, np.bool_), options, ranks, step_slots
         )
-    return _build(sizes, costs, units, unit_cost, unit_cell, slots, ranks, extra, rows_of_cells, options)
+    return _build(sizes, costs, units, unit_cost, unit_cell, slots, ranks, extra, layout, options)
 
 
 def _per_document(values: npt.ArrayLike | None, name: str, count: int, note: str) -> Ints | None:
@@ -421,21 +415,6 @@ def _outliers_to_hold(
     return held
 
 
-def _place(
-    unit_size: Ints,
-    unit_cost: Ints,
-    must: npt.NDArray[np.bool_],
-    held: npt.NDArray[np.bool_],
-    options: BalanceOptions,
-    ranks: int,
-    step_slots: int | None,
-) -> tuple[Ints, int, int, list[list[list[int]]] | None]:
-    """The cell of each unit (``UNPLACED`` if it waits), the slots, the extra slots and the rows."""
-    if options.fixed_rows:
-        return _place_fixed(unit_size, unit_cost, must, held, options, ranks, step_slots)
-    return (*_place_free(unit_size, unit_cost, must, held, options, ranks, step_slots), None)
-
-
 def _place_free(
     unit_size: Ints,
     unit_cost: Ints,
@@ -444,31 +423,22 @@ def _place_free(
     options: BalanceOptions,
     ranks: int,
     step_slots: int | None,
-) -> tuple[Ints, int, int]:
-    """Padding-free: the cell of each unit (``UNPLACED`` if held), the slots used and the extra slots."""
+) -> tuple[Ints, int, int, None]:
+    """Padding-free: each unit's cell (``UNPLACED`` if held), the slots used, the extra slots, no rows."""
     budget = options.micro_batch_tokens
     candidates = np.flatnonzero(~held)
-    if step_slots is not None:
-        slots = step_slots
-    else:
-        slots = max(1, -(-int(unit_size[candidates].sum()) // (ranks * budget)))
-    start = slots
+    sizes, costs, musts = unit_size[candidates], unit_cost[candidates], must[candidates]
+    start = slots = max(1, -(-int(sizes.sum()) // (ranks * budget))) if step_slots is None else step_slots
     while True:
         cells = place_items(
-            unit_size[candidates],
-            unit_cost[candidates],
-            must[candidates],
-            ranks=ranks,
-            slots=slots,
-            max_tokens=budget,
-            rounds=options.swap_rounds,
+            sizes, costs, musts, ranks=ranks, slots=slots, max_tokens=budget, rounds=options.swap_rounds
         )
-        if not ((cells == UNPLACED) & must[candidates]).any():
+        if not ((cells == UNPLACED) & musts).any():
             break
         slots += 1  # a unit that may not wait did not fit: one more slot for every rank
     unit_cell = np.full(unit_size.size, UNPLACED, np.int64)
     unit_cell[candidates] = cells
-    return unit_cell, slots, slots - start if step_slots is not None else 0
+    return unit_cell, slots, slots - start if step_slots is not None else 0, None
 
 
 def _place_fixed(
@@ -592,9 +562,7 @@ def _build(
     cost_model, seq_len = options.cost, options.seq_len
     doc_cell = unit_cell[units]
     cell_count = slots * ranks
-    costs_out = np.zeros(cell_count, np.int64)
-    tokens = np.zeros(cell_count, np.int64)
-    computed = np.zeros(cell_count, np.int64)
+    costs_out, tokens, computed = (np.zeros(cell_count, np.int64) for _ in range(3))
     placed = doc_cell != UNPLACED
     np.add.at(tokens, doc_cell[placed], sizes[placed])
     np.add.at(costs_out, doc_cell[placed], costs[placed])
@@ -624,11 +592,9 @@ def _build(
             costs_out[cell] += sum(
                 cost_model.linear * pad + cost_model.quadratic * pad * pad for pad in padding
             )
-    largest = np.zeros(slots, np.int64)
-    unit_slot = np.where(unit_cell != UNPLACED, unit_cell // ranks, -1)
-    for slot in range(slots):
-        in_slot = unit_cost[unit_slot == slot]
-        largest[slot] = int(in_slot.max()) if in_slot.size else 0
+    largest = np.zeros(slots, np.int64)  # costs are >= 0: 0 in a slot without units
+    on = unit_cell != UNPLACED
+    np.maximum.at(largest, unit_cell[on] // ranks, unit_cost[on])
     shape = (slots, ranks)
     return BalancePlan(
         cells=tuple(tuple(cells[s * ranks : (s + 1) * ranks]) for s in range(slots)),

@@ -28,10 +28,6 @@ def gather_context_parallel(
 ) -> TensorDict:
     """Reassemble the THD token stream from the shards of every CP rank (in rank order).
 
-    Per-token entries go back in stream order; with ``drop_padding`` the added tokens are removed: those
-    ``added_key`` marks, or without it, those past each document's real length (``cu_seqlens_key``).
-    Works on gathered model outputs too (logits, per-token losses).
-
     Example:
         >>> from zephon_collate.transforms.context_parallel import ContextParallelShard
         >>> td = TensorDict(positions=torch.tensor([0, 1, 2, 0]), batch_size=[])

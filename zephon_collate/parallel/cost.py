@@ -91,8 +91,6 @@ class CostModel:
     def vision_costs(self, grids: Iterable[npt.ArrayLike]) -> npt.NDArray[np.int64]:
         """The vision tower's cost of each document, as int64: ``extra_costs`` for the planner.
 
-        A grid ``(t, h, w)`` costs ``vision_linear * t*h*w + vision_quadratic * t * (h*w)**2``.
-
         Parameters:
             grids: one ``[n_i, 3]`` array-like of ``(t, h, w)`` rows per document (``[]`` without media).
 
@@ -137,8 +135,6 @@ class CostModel:
 
     def tree_costs(self, positions: Iterable[npt.ArrayLike]) -> npt.NDArray[np.int64]:
         """Each tree's cost from its tokens' positions, as int64: ``costs`` for the planner.
-
-        A tree of ``T`` tokens costs ``linear * T + quadratic * (2 * sum(positions) + T)``.
 
         Parameters:
             positions: one 1-D array-like of ints per tree (its ``position_ids``).
@@ -264,7 +260,7 @@ class CostModel:
         per_layer = hidden * (query + 2 * key_value) + query * hidden + hidden * ffn * (3 if gated else 2)
         linear = 6 * (layers * per_layer + hidden * vocab)
         quadratic = layers * query * (7 if causal else 14)
-        vision = getattr(config, "vision_config", None) if config is not None else None
+        vision = getattr(config, "vision_config", None)
         vision_linear, vision_quadratic = (
             (0, 0) if vision is None else _vision_flops(config, vision, train_vision)
         )
@@ -344,12 +340,8 @@ class CostModel:
 
 
 _EXPERT_KEYS = (
-    "num_experts_per_tok",
-    "num_local_experts",
-    "n_routed_experts",
-    "num_experts",
-    "moe_num_experts",
-)
+    "num_experts_per_tok", "num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts"
+)  # fmt: skip
 """Config attributes of a mixture of experts, whose ``intermediate_size`` is not the work per token."""
 
 _VISION_FAMILIES = {"qwen2_vl": False, "qwen2_5_vl": True, "qwen3_vl": False, "qwen3_vl_moe": False}
@@ -378,7 +370,7 @@ def _dimension(
     """A :meth:`CostModel.from_model` argument: as given, else the config's, else ``default``."""
     if given is not None:
         return check_int(owner, name, given, minimum)
-    value = getattr(text, attribute, None) if text is not None else None
+    value = getattr(text, attribute, None)  # None without a config
     if value is not None:
         return check_int(owner, f"{name} (config.{attribute})", value, minimum)
     if default is not None:

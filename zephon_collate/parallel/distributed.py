@@ -75,8 +75,6 @@ def global_num_valid_tokens(
 ) -> torch.Tensor:
     """The valid-token count of one optimizer step: summed over this rank's micro-batches, then over ranks.
 
-    A collective: every rank of ``group`` calls it once per step.
-
     Parameters:
         counts: a count (an int, an integer tensor, summed, or a batch dict holding it), or several.
         group: the data-parallel process group (``None``: the default group).
@@ -128,8 +126,6 @@ def normalize_loss(
     world_size: int | None = None,
 ) -> torch.Tensor:
     """The micro-batch loss to call ``backward`` on: ``loss_sum * world_size / num_valid_tokens``.
-
-    ``world_size`` cancels DDP's and FSDP's gradient averaging; a step without valid tokens gives 0.
 
     Parameters:
         loss_sum: the summed per-token loss of one micro-batch on this rank.

@@ -19,9 +19,6 @@ _END = object()
 class EvenBatches:
     """Iterate ``loader`` so that every rank of ``group`` yields the same number of batches.
 
-    Each step costs one all-reduce of one int; the epoch ends for all ranks when the first runs out, and
-    :attr:`dropped` counts the batches this rank held beyond that.
-
     Parameters:
         loader: any iterable of batches (a ``DataLoader``, a ``StatefulDataLoader``).
         group: the data-parallel process group (``None``: the default group).

@@ -56,45 +56,35 @@ def place_items(
     """
     cells = np.full(lengths.size, UNPLACED, np.int64)
     total_cells = ranks * slots
-    cost = [0] * total_cells
-    used = [0] * total_cells
+    cost, used = [0] * total_cells, [0] * total_cells
     count = [0] * total_cells  # ties in cost go to the cell of fewer items: units of cost 0 spread too
-    order = _cost_order(costs)
-    slot_of = _slots_of_tiers(order.size, ranks, slots)
     lengths_list, costs_list = lengths.tolist(), costs.tolist()
-    left = []
-    for item, slot in zip(order.tolist(), slot_of.tolist(), strict=True):
+
+    def put(item: int, candidates: range) -> bool:
+        """Put ``item`` in the cheapest (then emptiest) cell of ``candidates`` with room; False if none."""
         size = lengths_list[item]
-        best = -1
-        for cell in range(slot * ranks, slot * ranks + ranks):
-            if used[cell] + size <= max_tokens and (
-                best < 0 or (cost[cell], count[cell]) < (cost[best], count[best])
-            ):
-                best = cell
-        if best < 0:
-            left.append(item)
-            continue
+        fits = [cell for cell in candidates if used[cell] + size <= max_tokens]
+        if not fits:
+            return False
+        best = min(fits, key=lambda cell: (cost[cell], count[cell]))
         cells[item], cost[best], used[best] = best, cost[best] + costs_list[item], used[best] + size
         count[best] += 1
+        return True
+
+    order = _cost_order(costs)
+    left = []
+    for item, slot in zip(order.tolist(), _slots_of_tiers(order.size, ranks, slots).tolist(), strict=True):
+        if not put(item, range(slot * ranks, slot * ranks + ranks)):
+            left.append(item)
     for item in left:  # no room in its own slot: the cheapest cell of any slot with room
-        size = lengths_list[item]
-        fits = [cell for cell in range(total_cells) if used[cell] + size <= max_tokens]
-        if fits:
-            best = min(fits, key=lambda cell: (cost[cell], count[cell]))
-            cells[item], cost[best], used[best] = best, cost[best] + costs_list[item], used[best] + size
-            count[best] += 1
+        put(item, range(total_cells))
     for item in np.flatnonzero((cells == UNPLACED) & must).tolist():
-        size = lengths_list[item]
-        fits = [cell for cell in range(total_cells) if used[cell] + size <= max_tokens]
-        if fits:  # room an earlier item's swap freed
-            best = min(fits, key=lambda cell: (cost[cell], count[cell]))
-            cells[item], cost[best], used[best] = best, cost[best] + costs_list[item], used[best] + size
-            count[best] += 1
+        if put(item, range(total_cells)):  # room an earlier item's swap freed
             continue
         out = _take_place(item, cells, lengths, must, np.array(used, np.int64), max_tokens)
         if out >= 0:
             cell = int(cells[item])
-            used[cell] += size - lengths_list[out]
+            used[cell] += lengths_list[item] - lengths_list[out]
             cost[cell] += costs_list[item] - costs_list[out]
     for slot in range(slots):
         _refine(cells, lengths, costs, slot, ranks, max_tokens, rounds, count_cap=None)
@@ -185,12 +175,9 @@ def _refine(
             moved_cost -= int(item_cost[take])
             moved_size -= int(item_size[take])
         else:
-            count[top] -= 1
-            count[other] += 1
-        cost[top] -= moved_cost
-        cost[other] += moved_cost
-        used[top] -= moved_size
-        used[other] += moved_size
+            count[top], count[other] = count[top] - 1, count[other] + 1
+        cost[top], cost[other] = cost[top] - moved_cost, cost[other] + moved_cost
+        used[top], used[other] = used[top] - moved_size, used[other] + moved_size
         if (before - int(cost.max())) * _MIN_GAIN_DENOMINATOR < before:
             break  # the round lowered the slot's maximum by less than 1 / _MIN_GAIN_DENOMINATOR: stop
     cells[members] = where + first

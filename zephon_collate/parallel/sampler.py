@@ -37,9 +37,6 @@ _CALLER_DEPTH = 8
 class BalancedBatchSampler(Sampler[list[int]]):
     """Index lists of balanced micro-batches for this rank, ``micro_batches`` per step.
 
-    A tail slot with fewer units than ranks is dropped (see :meth:`plans`); ``len()`` is not defined.
-    Resume with torchdata's ``StatefulDataLoader``, or :meth:`state_dict` with ``num_workers=0``.
-
     Parameters:
         lengths: the token count of each dataset item, ints >= 1.
         options: the :class:`~zephon_collate.parallel.balance.BalanceOptions` (``micro_batches`` required).
