@@ -206,11 +206,7 @@ def _row_warnings(row: RowView, padding_fraction: float, row_ends: frozenset[int
             "(position_mode='sequence' does this on purpose)"
         )
     if row.positions is not None:
-        jumps = [
-            t
-            for t in range(1, length)
-            if row.positions[t] != 0 and row.positions[t] != row.positions[t - 1] + 1
-        ]
+        jumps = [t for t in range(1, length) if row.positions[t] not in (0, row.positions[t - 1] + 1)]
         if jumps:
             t = jumps[0]
             found.append(
