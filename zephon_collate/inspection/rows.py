@@ -108,10 +108,6 @@ def batch_rows(
 ) -> list[RowView]:
     """The rows of a collated ``batch`` as :class:`RowView` (a Hugging Face batch in its own names).
 
-    Raises:
-        KeyError: if ``batch`` has no ``input_ids``.
-        ValueError: if a per-token field's rows do not match ``input_ids``.
-
     Example:
         >>> hf = {"input_ids": [[5, 6, 7, 8, 9]], "labels": [[-100, 6, 7, -100, 9]],
         ...       "position_ids": [[0, 1, 2, 0, 1]]}

@@ -291,10 +291,6 @@ def _row_nodes(
 def batch_tree(batch: Mapping[str, Any], *, ignore_index: int = -100) -> TreeView:
     """Read a tree batch (``Collator.for_trees``, or a shared-prompt batch) as a :class:`TreeView`.
 
-    Raises:
-        KeyError: if ``batch`` has no ``input_ids``, or neither ``logits_index`` nor ``path_index``.
-        ValueError: if a per-token field's rows do not match ``input_ids``.
-
     Example:
         >>> from zephon_collate import Collator
         >>> view = batch_tree(Collator.for_trees()([
