@@ -63,8 +63,6 @@ def _split(options: type[Keywords], args: tuple[Any, ...], kwargs: dict[str, Any
 class Collator:
     """A ``collate_fn`` that lays out what a DataLoader hands it, as :meth:`SampleBatch.to_training` does.
 
-    ``device`` and ``compile`` need torch output (``ValueError`` otherwise).
-
     Parameters:
         **options: ``to_training``'s keywords, then ``CollatorOptions``' and ``Settings``' fields.
 
@@ -202,8 +200,6 @@ class Collator:
 
     def stack(self, samples: Any) -> StackedBatch:
         """Worker side: read, check and stack the samples into a CPU ``StackedBatch`` (no CUDA call).
-
-        Every data error is raised here, naming the record, the field and the fix.
 
         Example:
             >>> collate = Collator(return_labels=True)

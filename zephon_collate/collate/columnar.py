@@ -18,8 +18,6 @@ __all__ = ["ColumnarDataset"]
 class ColumnarDataset(torch.utils.data.Dataset[Any]):
     """A map-style dataset of columnar batches over a ``datasets.Dataset`` (``docs/columns.md``).
 
-    A dataset with a ``set_transform`` is refused (``dataset.map`` it first).
-
     Parameters:
         dataset: a ``datasets.Dataset`` (its indices mapping honoured) or a ``pyarrow.Table``; never changed.
         columns: the columns to hand over (default: ``set_format(columns=...)``'s, else all).

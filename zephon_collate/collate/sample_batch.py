@@ -46,16 +46,10 @@ class SampleBatch:
     chunk_ids: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        zero_d = is_zero_d(self.records)
-        if (
-            isinstance(self.records, (str, bytes, Mapping))
-            or not isinstance(self.records, Iterable)
-            or zero_d
-        ):
-            raise TypeError(
-                f"SampleBatch.records must be a sequence of SampleRecord, got {shown(self.records)}"
-            )
-        records = tuple(self.records)
+        given = self.records
+        if is_zero_d(given) or isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Iterable):
+            raise TypeError(f"SampleBatch.records must be a sequence of SampleRecord, got {shown(given)}")
+        records = tuple(given)
         for index, record in enumerate(records):
             if not isinstance(record, SampleRecord):
                 raise TypeError(
@@ -136,8 +130,6 @@ def stack_batch(
     pin_memory: bool = False,
 ) -> TensorDict:
     """Stack a batch's payloads into a ``TensorDict`` with ``batch_size=[B]``: the chain's input.
-
-    ``"positions"`` and ``"loss_mask"`` are stacked where every payload has them; ``"padding_length"`` always.
 
     Parameters:
         batch: a :class:`~zephon_collate.SampleBatch` or a sequence of records.

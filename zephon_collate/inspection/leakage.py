@@ -144,11 +144,8 @@ def check_no_leakage(
                 got = packed[row, start:end]
                 close = torch.isclose(got, alone, rtol=rtol, atol=atol).all()
                 diff = (got.double() - alone.double()).abs().nan_to_num(nan=float("inf"))
-                checks.append(
-                    DocumentCheck(
-                        row, document, start, end, float(diff.max()) if diff.numel() else 0.0, bool(close)
-                    )
-                )
+                worst = float(diff.max()) if diff.numel() else 0.0
+                checks.append(DocumentCheck(row, document, start, end, worst, bool(close)))
     report = LeakageReport(tuple(checks), atol, rtol)
     if raise_on_leak and not report.ok:
         raise LeakageError(report)

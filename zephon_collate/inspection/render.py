@@ -38,17 +38,13 @@ def _cells(row: RowView, tokenizer: Any, shown: int) -> list[_Cell]:
         target = row.labels is not None and t > 0 and bool(row.supervised and row.supervised[t - 1])
         style = "dim" if row.padding[t] else "green" if target else None
         texts["in"] = (token_text(tokenizer, row.input_ids[t]), style)
+        supervised = bool(row.supervised and row.supervised[t])
         if row.labels is not None:
-            supervised = bool(row.supervised and row.supervised[t])
             texts["label"] = (token_text(tokenizer, row.labels[t]), "green") if supervised else ("-", "dim")
-        if row.supervised is not None:
-            supervised = row.supervised[t]
-            if row.padding[t]:
-                texts["mask"] = ("!", "red") if supervised else ("_", "dim")
-            else:
-                texts["mask"] = ("+", "green") if supervised else (".", "dim")
-        elif row.padding[t]:
-            texts["mask"] = ("_", "dim")
+        if row.padding[t]:  # marked even without a mask
+            texts["mask"] = ("!", "red") if supervised else ("_", "dim")
+        elif row.supervised is not None:
+            texts["mask"] = ("+", "green") if supervised else (".", "dim")
         cells.append(_Cell(texts, t in starts))
     return cells
 
@@ -76,17 +72,14 @@ def _render_row(
     cells = _cells(row, tokenizer, shown)
     names = [name for name in ("pos", "in", "label", "mask") if any(name in cell.texts for cell in cells)]
     lines = [paint(_header(row), "bold", color)]
-    band: list[_Cell] = []
-    used = 8
-    bands = []
+    bands: list[list[_Cell]] = []
+    used = 0
     for cell in cells:
-        if band and used + 1 + cell.width > width:
-            bands.append(band)
-            band, used = [], 8
-        band.append(cell)
+        if not bands or used + 1 + cell.width > width:
+            bands.append([])
+            used = 8  # the line name's column
+        bands[-1].append(cell)
         used += 1 + cell.width
-    if band:
-        bands.append(band)
     for number, band in enumerate(bands):
         if number:
             lines.append("")
@@ -243,11 +236,8 @@ def render_batch_png(
     y += 1.8
     mono: dict[str, Any] = {"family": "DejaVu Sans Mono", "ha": "center", "va": "center"}
     for row, shown, lines in layout:
-        cut = (
-            f"; {len(row.input_ids) - shown} more tokens{_hidden_starts(row, shown)}"
-            if shown < len(row.input_ids)
-            else ""
-        )
+        more = len(row.input_ids) - shown
+        cut = f"; {more} more tokens{_hidden_starts(row, shown)}" if more else ""
         axes.text(0, y + 0.2, _header(row) + cut, fontsize=8, fontweight="bold", va="top")
         y += header_height
         starts = set(row.starts)
@@ -284,14 +274,11 @@ def render_batch_png(
         for warning in warnings:
             axes.text(0.5, y + 0.3, warning, fontsize=6.5, color="#c62828", va="top")
             y += 1.2
-    handles = [
-        Patch(facecolor=_PNG_COLORS["supervised"], label="label supervised"),
-        Patch(facecolor=_PNG_COLORS["ignored"], label="label ignored"),
-        Patch(facecolor=_PNG_COLORS["special"], label="special token"),
-        Patch(facecolor=_PNG_COLORS["padding"], label="padding"),
-        Patch(facecolor=_PNG_COLORS["bad"], label="supervised padding"),
-        Patch(facecolor=_PNG_COLORS["start"], label="segment start"),
-    ]
+    legend = {
+        "supervised": "label supervised", "ignored": "label ignored", "special": "special token",
+        "padding": "padding", "bad": "supervised padding", "start": "segment start",
+    }  # fmt: skip
+    handles = [Patch(facecolor=_PNG_COLORS[key], label=label) for key, label in legend.items()]
     axes.legend(handles=handles, loc="lower right", ncol=6, fontsize=7, frameon=False)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

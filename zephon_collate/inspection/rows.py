@@ -108,10 +108,6 @@ def batch_rows(
 ) -> list[RowView]:
     """The rows of a collated ``batch`` as :class:`RowView` (a Hugging Face batch in its own names).
 
-    Raises:
-        KeyError: if ``batch`` has no ``input_ids``.
-        ValueError: if a per-token field's rows do not match ``input_ids``.
-
     Example:
         >>> hf = {"input_ids": [[5, 6, 7, 8, 9]], "labels": [[-100, 6, 7, -100, 9]],
         ...       "position_ids": [[0, 1, 2, 0, 1]]}
@@ -206,11 +202,7 @@ def _row_warnings(row: RowView, padding_fraction: float, row_ends: frozenset[int
             "(position_mode='sequence' does this on purpose)"
         )
     if row.positions is not None:
-        jumps = [
-            t
-            for t in range(1, length)
-            if row.positions[t] != 0 and row.positions[t] != row.positions[t - 1] + 1
-        ]
+        jumps = [t for t in range(1, length) if row.positions[t] not in (0, row.positions[t - 1] + 1)]
         if jumps:
             t = jumps[0]
             found.append(

@@ -167,12 +167,11 @@ def is_tree_batch(batch: Mapping[str, Any]) -> bool:
 
 def _fields(batch: Mapping[str, Any], tokens: list[list[Any]]) -> dict[str, list[list[int]]]:
     """The per-token fields present, as int rows of ``input_ids``' shape."""
-    fields = {}
-    for name in _PER_TOKEN:
-        if batch.get(name) is None:
-            continue
-        fields[name] = [[int(value) for value in row] for row in as_rows(batch[name], name, tokens)]
-    return fields
+    return {
+        name: [[int(value) for value in row] for row in as_rows(batch[name], name, tokens)]
+        for name in _PER_TOKEN
+        if batch.get(name) is not None
+    }
 
 
 def _flat(value: Any) -> list[int]:
@@ -292,10 +291,6 @@ def _row_nodes(
 def batch_tree(batch: Mapping[str, Any], *, ignore_index: int = -100) -> TreeView:
     """Read a tree batch (``Collator.for_trees``, or a shared-prompt batch) as a :class:`TreeView`.
 
-    Raises:
-        KeyError: if ``batch`` has no ``input_ids``, or neither ``logits_index`` nor ``path_index``.
-        ValueError: if a per-token field's rows do not match ``input_ids``.
-
     Example:
         >>> from zephon_collate import Collator
         >>> view = batch_tree(Collator.for_trees()([
@@ -410,12 +405,8 @@ def tree_warnings(
     found += _supervision_warnings(view, padding_fraction)
     found += _path_warnings(view)
     for row in view.rows:
-        specific = (
-            _attention_warnings(row)
-            if view.attention_from == SUBTREE_END and row.subtree_end is not None
-            else []
-        )
-        found += specific or _seen_warnings(row, view.attention_from)
+        subtree = view.attention_from == SUBTREE_END and row.subtree_end is not None
+        found += (_attention_warnings(row) if subtree else []) or _seen_warnings(row, view.attention_from)
     return found
 
 
@@ -561,8 +552,7 @@ def _document_ends(row: TreeRow) -> np.ndarray:
     """``[S]``: one past the last token of each token's document (padding: itself)."""
     ends = np.arange(1, len(row.input_ids) + 1)
     for place in range(len(row.input_ids) - 2, -1, -1):
-        same = row.documents[place] >= 0 and row.documents[place + 1] == row.documents[place]
-        if same:
+        if row.documents[place] >= 0 and row.documents[place + 1] == row.documents[place]:
             ends[place] = ends[place + 1]
     return ends
 

@@ -1,7 +1,4 @@
-"""Packed padding-free DPO inside TRL's ``DPOTrainer``: change the class, keep everything else.
-
-TRL's loss and metrics read the packed outputs laid back out as the padded batch (docs/post_training.md).
-"""
+"""Packed padding-free DPO inside TRL's ``DPOTrainer``: change the class, keep everything else."""
 
 from __future__ import annotations
 
@@ -22,10 +19,8 @@ _COMPLETION_MASK = "completion_mask"
 
 
 class PackedPreference:
-    """The ``collate_fn`` of :class:`PackedDPOTrainer`: TRL's preference batch, plus its sequences packed.
-
-    A call returns the view's batch, plus the :func:`~zephon_collate.trainers.view.pack_view` dict
-    under ``"packed"``.
+    """The ``collate_fn`` of :class:`PackedDPOTrainer`: TRL's preference batch, plus its sequences packed
+    (the :func:`~zephon_collate.trainers.view.pack_view` dict, under ``"packed"``).
 
     Parameters:
         view: the collator of TRL's right-padded ``[2P, L]`` batch (``DataCollatorForPreference``).
@@ -82,13 +77,9 @@ class PackedPreference:
                 "DataCollatorForPreference does"
             )
         return pack_view(
-            input_ids,
-            attention_mask,
-            completion_mask,
-            self.rows,
-            "PackedPreference",
+            input_ids, attention_mask, completion_mask, self.rows, "PackedPreference",
             shared_prompt=self.shared_prompt,
-        )
+        )  # fmt: skip
 
 
 class PackedDPOTrainer(DPOTrainer):

@@ -108,8 +108,6 @@ def wrap_score_forward(model: nn.Module) -> None:
 class PackedRewardTrainer(RewardTrainer):
     """``trl.RewardTrainer`` on packed rows, taking its arguments unchanged (``docs/post_training.md``).
 
-    A model without a decoder under a ``score`` head is refused (``ValueError``) when the trainer is built.
-
     Example:
         >>> from zephon_collate.trainers import PackedRewardTrainer  # doctest: +SKIP
         >>> PackedRewardTrainer(model=model, args=RewardConfig(...), train_dataset=pairs)  # doctest: +SKIP

@@ -47,19 +47,16 @@ ROWS = ("one", "fit")
 
 _PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 _PASSED = frozenset({"use_cache", "output_router_logits"})  # model keywords TRL adds that packing keeps
-_COLLATORS: dict[tuple[bool, str], Collator] = {}
 
 
+@functools.cache
 def _collator(shared_prompt: bool, rows: Literal["one", "fit"]) -> Collator:
     """The tree collator of a packed view, one per layout (shared prefixes or not, one row or fit)."""
-    key = (shared_prompt, rows)
-    if key not in _COLLATORS:
-        _COLLATORS[key] = Collator.for_trees(
-            share="batch" if shared_prompt else "none",
-            copy_openers=shared_prompt,
-            max_row_tokens="longest" if rows == "fit" else None,
-        )
-    return _COLLATORS[key]
+    return Collator.for_trees(
+        share="batch" if shared_prompt else "none",
+        copy_openers=shared_prompt,
+        max_row_tokens="longest" if rows == "fit" else None,
+    )
 
 
 def pack_view(
@@ -310,8 +307,6 @@ def branch_attention(
     model: nn.Module, packed: Mapping[str, torch.Tensor]
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """The ``attention_mask`` for a shared prompt's packed rows, each layer kind's window folded in.
-
-    A dict by kind for several kinds (``config.layer_types``); boolean for SDPA, else additive.
 
     Example:
         >>> from transformers import MistralConfig, MistralForCausalLM
