@@ -532,9 +532,9 @@ class Reader:
         key = cast(str, self.group_key)
         where = batch.names(row)
         if not carried:
-            payload = batch.payloads[row]
             raise ValueError(
-                f"{where}: payload lacks the group key {shown(key)} (its fields: {shown_fields(payload)}); "
+                f"{where}: payload lacks the group key {shown(key)} (its fields: "
+                f"{shown_fields(batch.payloads[row])}); "
                 "give every record its group id (e.g. the index of its prompt)"
             )
         return rules.group_id(value, where, key)
