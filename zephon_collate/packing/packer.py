@@ -75,8 +75,7 @@ class FlatPacker:
         options = self.options
         self._reader = Reader.of(options)
         self._engine = Engine(options.seq_len, options.strategy == "best_fit", options.buffer_size or 1)
-        self._consumed = 0
-        self._emitted = 0
+        self._consumed = self._emitted = 0
         self._group: _Group | None = None
 
     def _number_by(self, places: Callable[[int], int]) -> None:
