@@ -103,17 +103,15 @@ def piece_from_state(state: object, where: str, seq_len: int, fields: Sequence[s
         raise corrupt(f"{where}['fields']", f"must hold exactly the packed fields {list(fields)}")
     values = {}
     for name in fields:
+        key = f"{where}['fields'][{shown(name)}]"
         try:
             values[name] = as_array(saved[name], f"{_OWNER}: {where}['fields']", name, ids=False, flat=False)
             if name == LOSS_MASK:
                 check_loss_mask(values[name], f"{_OWNER}: {where}['fields']")
         except (TypeError, ValueError) as error:
-            raise corrupt(f"{where}['fields'][{shown(name)}]", f"is not a packed field ({error})") from None
+            raise corrupt(key, f"is not a packed field ({error})") from None
         if values[name].shape[0] != tokens.size:
-            raise corrupt(
-                f"{where}['fields'][{shown(name)}]",
-                f"has {values[name].shape[0]} entries for {tokens.size} tokens",
-            )
+            raise corrupt(key, f"has {values[name].shape[0]} entries for {tokens.size} tokens")
     index = check_count(state["index"], f"{where}['index']")
     if not isinstance(state["closes"], (bool, np.bool_)):
         raise corrupt(f"{where}['closes']", f"must be a bool, got {shown(state['closes'])}")
