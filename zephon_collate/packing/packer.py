@@ -136,14 +136,12 @@ class FlatPacker:
 
     def _read_all(self, records: Iterable[object]) -> dict[int, Document | None] | None:
         """A list of records' documents by place, read as one batch; ``None``: read them as they come."""
-        if type(records) not in (list, tuple):
-            return None
-        given = cast(Sequence[object], records)
-        if not all(isinstance(sample, SampleRecord) for sample in given):
+        given = cast(Sequence[SampleRecord], records)
+        if type(records) not in (list, tuple) or not all(isinstance(item, SampleRecord) for item in given):
             return None
         read = [
             (place, record)
-            for place, record in enumerate(cast(Sequence[SampleRecord], given))
+            for place, record in enumerate(given)
             if not record.meta.is_flush_sentinel and not record.meta.tombstone
         ]
         if len(read) < 2:
