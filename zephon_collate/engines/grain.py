@@ -1,16 +1,6 @@
 """Grain stages: packing and the balanced plan as ``grain.IterDataset`` stages, checkpointed by Grain.
 
-Needs the ``grain`` extra. A pipeline, torchtitan-style::
-
-    ds = grain.MapDataset.source(documents)
-    ds = PackIterDataset(ds, seq_len=4096, pad_token_id=0)  # rows of 4,096 tokens
-    ds = ds.batch(8, batch_fn=Collator())  # the collator is Grain's batch_fn
-    ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2)
-
-Each stage's ``get_state()`` is JSON (Grain's checkpointers write it as such)
-and ``set_state()`` resumes exactly, mid-epoch, open rows included. Under
-``mp_prefetch`` every worker runs the stage over its own slice of the
-documents, as a ``DataLoader`` worker runs ``PackedStream`` over its shard.
+Needs the ``grain`` extra; pipelines, JSON state and worker processes: docs/engines.md.
 """
 
 from __future__ import annotations
@@ -144,13 +134,8 @@ def _documents(parent: Iterator[Any]) -> Iterator[Any]:
 
 
 class BalancedIterDataset(grain.IterDataset):  # type: ignore[misc]
-    """This rank's balanced micro-batches, each a list of the parent's documents, planned by a sampler.
-
-    The plan is the :class:`~zephon_collate.BalancedBatchSampler`'s: recomputed from its
-    ``(seed, epoch)`` and the micro-batch's place, so the state is small plain data and a
-    restarted job with the same configuration gets the same micro-batches. Under
-    ``mp_prefetch``, worker ``w`` of ``W`` builds micro-batches ``w, w + W, ...``, which
-    Grain hands out in order. Collate each with ``.map(collator)``.
+    """This rank's balanced micro-batches, each a list of the parent's documents, planned by a
+    :class:`~zephon_collate.BalancedBatchSampler` (docs/engines.md); collate each with ``.map(collator)``.
 
     Parameters:
         parent: the documents, with random access (a ``grain.MapDataset`` or a sequence).
@@ -247,9 +232,7 @@ class _BalancedIterator(grain.DatasetIterator):  # type: ignore[misc]
 def as_torch(batch: dict[str, Any]) -> dict[str, Any]:
     """A batch of NumPy arrays as torch tensors (copied out of Grain's shared memory); other values as is.
 
-    Map it after ``mp_prefetch`` when the workers collate to NumPy (``Collator(dtype=np.int64)``):
-    Grain hands NumPy arrays over through its own shared memory, at a fraction of the cost of torch
-    tensors (docs/engines.md, "Worker processes").
+    Map it after ``mp_prefetch`` when the workers collate to NumPy (docs/engines.md, "Worker processes").
 
     Example:
         >>> batch = as_torch({"input_ids": np.array([[1, 2]]), "ids": [(0, 0, 0)]})

@@ -1,16 +1,6 @@
 """Ray Data stages: the collator on Arrow batches, packing as ``map_batches``, a rank's balanced plan.
 
-Needs the ``ray`` extra. A pipeline on packed rows, split across ranks::
-
-    rows = documents.map_batches(PackBatches, fn_constructor_kwargs={"seq_len": 4096, "pad_token_id": 0},
-                                 batch_format="pyarrow", batch_size=4096)
-    split = rows.streaming_split(world_size, equal=True)[rank]
-    for batch in split.iter_torch_batches(batch_size=8, collate_fn=ArrowCollateFn(Collator())):
-        ...
-
-Ray Data saves no iterator position; :func:`balanced_micro_batches` builds a
-rank's micro-batches from a ``BalancedBatchSampler``, whose saved state (a few
-integers) restarts the plan where it stopped.
+Needs the ``ray`` extra; pipelines, ranks and resume: docs/engines.md.
 """
 
 from __future__ import annotations
@@ -38,11 +28,8 @@ _MICRO_BATCH = "_micro_batch"  # a balanced micro-batch's place in the rank's pl
 
 
 class ArrowCollateFn(ArrowBatchCollateFn):
-    """A collator as ``iter_torch_batches``' ``collate_fn``: each Arrow batch read through the columnar door.
-
-    The list columns' values and offsets are read in place (no per-row Python objects); a
-    batch of :func:`balanced_micro_batches` (one row: a micro-batch, its columns one list per
-    document) is read as its documents.
+    """A collator as ``iter_torch_batches``' ``collate_fn``: each Arrow batch read through the columnar door
+    (a :func:`balanced_micro_batches` row as its documents).
 
     Parameters:
         collator: the :class:`~zephon_collate.Collator` (any preset that reads columns).
@@ -66,15 +53,9 @@ class ArrowCollateFn(ArrowBatchCollateFn):
 
 
 class PackBatches:
-    """A ``map_batches`` stage: each Arrow batch of documents packed into rows of ``seq_len`` tokens.
-
-    Rows are :func:`~zephon_collate.pack_columns`' (``pack_flat``'s, as arrays), one Arrow row
-    each: the tokens, ``positions`` and the packed fields as lists of ``seq_len``, and the
-    trailing padding under ``"_padding_length"``, which the collator reads (with
-    ``emit_positions=False``, the documents' ``seq_lengths`` instead of ``positions``). A row never holds
-    documents of two batches. With ``group_key``, each input row is one group (a preference
-    pair, a prompt's completions): its list columns hold one list per member, and the members
-    share a row (``pack_flat``'s groups).
+    """A ``map_batches`` stage: each Arrow batch of documents packed into rows of ``seq_len`` tokens, one
+    Arrow row each (:func:`~zephon_collate.pack_columns`' rows; with ``group_key``, one input row per
+    group: docs/engines.md).
 
     Parameters:
         *args, **options: the packer options (``seq_len``, ``pad_token_id``, ``strategy``,
@@ -151,12 +132,8 @@ class PackBatches:
 
 
 def balanced_micro_batches(documents: pa.Table, sampler: BalancedBatchSampler) -> ray.data.Dataset:
-    """This rank's micro-batches of ``documents``, in order: one Ray row per micro-batch.
-
-    The plan is ``sampler``'s from its current position (a loaded ``state_dict`` resumes
-    there); each row holds the micro-batch's documents, every column a list of their values
-    (gathered by Ray workers). Read them with ``iter_torch_batches(batch_size=1,
-    collate_fn=ArrowCollateFn(collator))``.
+    """This rank's micro-batches of ``documents`` from ``sampler``'s current position, one Ray row each
+    (every column a list of the documents' values); read with ``iter_torch_batches(batch_size=1, ...)``.
 
     Parameters:
         documents: the documents, one Arrow row each, in the sampler's order of lengths.
@@ -235,11 +212,8 @@ def _members(column: Any) -> list[Any]:
     values = (
         pc.list_flatten(inner) if pa.types.is_list(inner.type) or pa.types.is_large_list(inner.type) else None
     )
-    numbers = values is not None and (
-        pa.types.is_integer(values.type)
-        or pa.types.is_floating(values.type)
-        or pa.types.is_boolean(values.type)
-    )
+    kinds = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean)
+    numbers = values is not None and any(kind(values.type) for kind in kinds)
     if values is None or not numbers or column.null_count or inner.null_count or values.null_count:
         return list(column.to_pylist())
     flat = values.to_numpy(zero_copy_only=False)

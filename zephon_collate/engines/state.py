@@ -1,10 +1,5 @@
-"""Engine state as JSON: a packer's saved arrays and tuples in a form any checkpointer writes.
-
-Grain's checkpointers write an iterator's ``get_state()`` as JSON, so a stage's
-state may hold only dicts with string keys, lists, strings, numbers, booleans
-and ``None``. :func:`to_json` tags what JSON cannot hold (an array as its dtype,
-shape and bytes in base64; a tuple; a dict with other keys) and
-:func:`from_json` restores it bit for bit.
+"""Engine state as JSON: a packer's saved arrays and tuples in a form any checkpointer writes (Grain's
+write ``get_state()`` as JSON); :func:`from_json` restores what :func:`to_json` tags, bit for bit.
 """
 
 from __future__ import annotations

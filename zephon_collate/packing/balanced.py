@@ -10,11 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 from zephon_collate.core.keys import INPUT_IDS
 from zephon_collate.core.records import SampleRecord
-from zephon_collate.core.text import shown
 from zephon_collate.packing.reader import PackOptions, Reader
 from zephon_collate.packing.rows import Piece, build_row, split_document
 from zephon_collate.packing.source import Source, cursor_key, restored, saveable, shard_records
-from zephon_collate.packing.state import check_count, corrupt, piece_from_state, piece_state, same_value
+from zephon_collate.packing.state import changed_options, check_count, corrupt, piece_from_state, piece_state
 from zephon_collate.parallel.schedule import BalanceSchedule
 
 if TYPE_CHECKING:  # types only: at run time packing reads the options it is given, parallel is beside it
@@ -180,13 +179,8 @@ def check_balance_state(
     saved, mine = state["options"], _options(options, balance)
     if not isinstance(saved, Mapping):
         raise corrupt("state['balance']['options']", "must be a dict", _OWNER)
-    differ = sorted(
-        key for key in mine.keys() | saved.keys() if not same_value(saved.get(key), mine.get(key))
-    )
-    if differ:
-        detail = ", ".join(
-            f"{key}: saved {shown(saved.get(key))}, here {shown(mine.get(key))}" for key in differ
-        )
+    detail = changed_options(saved, mine)
+    if detail:
         raise ValueError(
             f"{_OWNER}: the state was saved with other options ({detail}); resume with the same ones"
         )

@@ -24,10 +24,8 @@ __all__ = ["PackedColumns", "pack_columns"]
 
 @dataclass(frozen=True)
 class PackedColumns:
-    """Packed rows as arrays, and where each piece of each row came from.
-
-    A map-style dataset of rows: ``packed[i]`` and ``__getitems__(indices)`` return one columnar batch
-    that :class:`~zephon_collate.Collator` reads as it reads ``pack_flat``'s records.
+    """Packed rows as arrays, and where each piece of each row came from; a map-style dataset of columnar
+    batches for the :class:`~zephon_collate.Collator` (docs/columns.md).
 
     Attributes:
         fields: each packed field (and ``"positions"``): ``[R, seq_len]``; a value field ``[R, seq_len, ...]``

@@ -78,10 +78,10 @@ def pack_flat(
         ([0, 1, 2, 3, 0], 1)
     """
     checked = PackOptions.create("pack_flat", *args, **options)
+    size = checked.buffer_size or INT64_MAX  # None: one best-fit round over every piece, however many
     columns = columns_of(records)
     if columns is not None:
         checked.check_columnar("pack_flat")
-        size = checked.buffer_size or INT64_MAX  # None: one best-fit round over every piece
         return list(FlatPacker(**{**vars(checked), "buffer_size": size}).pack([records]))
     zero_d = is_zero_d(records)
     if (
@@ -100,6 +100,5 @@ def pack_flat(
         )
     floats = [spec.name for spec in checked.floats] + ([checked.group_key] if checked.group_key else [])
     shared = _shared_fields(records, tokens_name, floats) if checked.fields is None else checked.fields
-    size = checked.buffer_size or INT64_MAX  # None: one best-fit round over every piece, however many
     settings = {**vars(checked), "tokens_field": tokens_name, "buffer_size": size, "fields": shared}
     return list(FlatPacker(**settings).pack(records))

@@ -22,7 +22,9 @@ from zephon_collate.packing.rows import (
     split_document,
 )
 from zephon_collate.packing.state import (
+    changed_options,
     check_count,
+    check_saved,
     corrupt,
     piece_from_state,
     piece_state,
@@ -73,8 +75,7 @@ class FlatPacker:
         options = self.options
         self._reader = Reader.of(options)
         self._engine = Engine(options.seq_len, options.strategy == "best_fit", options.buffer_size or 1)
-        self._consumed = 0
-        self._emitted = 0
+        self._consumed = self._emitted = 0
         self._group: _Group | None = None
 
     def _number_by(self, places: Callable[[int], int]) -> None:
@@ -135,14 +136,12 @@ class FlatPacker:
 
     def _read_all(self, records: Iterable[object]) -> dict[int, Document | None] | None:
         """A list of records' documents by place, read as one batch; ``None``: read them as they come."""
-        if type(records) not in (list, tuple):
-            return None
-        given = cast(Sequence[object], records)
-        if not all(isinstance(sample, SampleRecord) for sample in given):
+        given = cast(Sequence[SampleRecord], records)
+        if type(records) not in (list, tuple) or not all(isinstance(item, SampleRecord) for item in given):
             return None
         read = [
             (place, record)
-            for place, record in enumerate(cast(Sequence[SampleRecord], given))
+            for place, record in enumerate(given)
             if not record.meta.is_flush_sentinel and not record.meta.tombstone
         ]
         if len(read) < 2:
@@ -204,37 +203,15 @@ class FlatPacker:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict` taken from a packer with the same options."""
-        if not isinstance(state, Mapping):
-            raise TypeError(f"FlatPacker.load_state_dict: state must be a dict, got {type(state).__name__}")
-        keys = (
-            "version",
-            "options",
-            "tokens_field",
-            "fields",
-            "records_consumed",
-            "rows_emitted",
-            "pending",
-            "ready",
-        )
-        missing = [key for key in keys if key not in state]
-        if missing or not same_value(state["version"], STATE_VERSION):
-            raise ValueError(
-                f"FlatPacker.load_state_dict: not a version-{STATE_VERSION} FlatPacker state "
-                f"(missing keys {missing}, version {shown(state.get('version'))})"
-            )
+        keys = ("version", "options", "tokens_field", "fields", "records_consumed", "rows_emitted")
+        check_saved(state, "FlatPacker", (*keys, "pending", "ready"), STATE_VERSION)
         if not isinstance(state["options"], Mapping):
             raise ValueError(
                 "FlatPacker.load_state_dict: the state is corrupt (its options are not a dict); "
                 "restore a state_dict() saved by FlatPacker, unchanged"
             )
-        saved, mine = dict(state["options"]), self.options.plain()
-        differ = sorted(
-            key for key in mine.keys() | saved.keys() if not same_value(saved.get(key), mine.get(key))
-        )
-        if differ:
-            detail = ", ".join(
-                f"{key}: saved {shown(saved.get(key))}, here {shown(mine.get(key))}" for key in differ
-            )
+        detail = changed_options(dict(state["options"]), self.options.plain())
+        if detail:
             raise ValueError(f"FlatPacker.load_state_dict: the state was saved with other options ({detail})")
         tokens_name, fields = state["tokens_field"], state["fields"]
         if tokens_name is not None and not isinstance(tokens_name, str):

@@ -88,7 +88,7 @@ class PackOptions(Keywords):
         given = {**dict(zip(("seq_len",), args, strict=False)), **given}
         check_option_names(owner, given, PACK_OPTION_NAMES)
         if "pad_token_id" not in given:
-            raise TypeError(f"{owner}: pad_token_id is required: the token id of the padding, an int >= 0")
+            raise TypeError(f"{owner}: pad_token_id is required: {REQUIRED['pad_token_id']}")
         defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not MISSING}
         options = {**defaults, **given}
         checked = dict(options)
@@ -532,9 +532,9 @@ class Reader:
         key = cast(str, self.group_key)
         where = batch.names(row)
         if not carried:
-            payload = batch.payloads[row]
             raise ValueError(
-                f"{where}: payload lacks the group key {shown(key)} (its fields: {shown_fields(payload)}); "
+                f"{where}: payload lacks the group key {shown(key)} (its fields: "
+                f"{shown_fields(batch.payloads[row])}); "
                 "give every record its group id (e.g. the index of its prompt)"
             )
         return rules.group_id(value, where, key)

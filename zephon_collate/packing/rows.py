@@ -132,9 +132,9 @@ def _split(piece: Piece, where: str, options: PackOptions) -> list[Piece]:
             values = piece.fields.get(name)
             if values is not None and prompt_entries(name, values).any():
                 raise refuse_cut_prompt(where, tokens.size, size, name)
-        if piece.positions is not None and _segment_count(piece) > 1:
+        if (segments := _segment_count(piece)) > 1:
             raise ValueError(
-                f"{where}: has {tokens.size} tokens, more than seq_len={size}, in {_segment_count(piece)} "
+                f"{where}: has {tokens.size} tokens, more than seq_len={size}, in {segments} "
                 "segments (its positions restart at 0); cut, one of them would be trained apart from the "
                 "others (a chosen side without its rejected one). Drop or shorten such documents, raise "
                 "seq_len, or pass overflow='truncate' or overflow='split'"
@@ -142,8 +142,7 @@ def _split(piece: Piece, where: str, options: PackOptions) -> list[Piece]:
     if tokens.size <= size:
         return [piece]
     count = 1 if overflow == "truncate" else -(-tokens.size // size)
-    cuts = [slice(i * size, (i + 1) * size) for i in range(count)]
-    pieces = [_cut(piece, cut, i, i == count - 1) for i, cut in enumerate(cuts)]
+    pieces = [_cut(piece, slice(i * size, (i + 1) * size), i, i == count - 1) for i in range(count)]
     return [p._replace(opens=OPENS_UNIT) for p in pieces]
 
 
@@ -167,11 +166,8 @@ def split_document(record: SampleRecord, index: int, document: Document, options
 
 def refuse_cut_prompt(where: str, length: int, size: int, name: str = LOSS_MASK) -> ValueError:
     """The ``ValueError`` of ``overflow="auto"`` for a document with a prompt (in ``name``)."""
-    marks = (
-        "0s in its loss_mask"
-        if name == LOSS_MASK
-        else f"{'-100' if name == LABELS else '0s'} in its {shown(name)}"
-    )
+    mark = "-100" if name == LABELS else "0s"
+    marks = "0s in its loss_mask" if name == LOSS_MASK else f"{mark} in its {shown(name)}"
     return ValueError(
         f"{where}: has {length} tokens, more than seq_len={size}, "
         f"and a prompt ({marks}); cut, its response would be trained without its "
@@ -322,12 +318,10 @@ class Engine:
         sizes = [_size(row) for row in rows]
         start = 0
         for end in greedy_breaks(sizes, self.seq_len, self.used):
-            for row in rows[start:end]:
-                self.pending.extend(row)
+            self.pending.extend(piece for row in rows[start:end] for piece in row)
             self.flush()
             start = end
-        for row in rows[start:]:
-            self.pending.extend(row)
+        self.pending.extend(piece for row in rows[start:] for piece in row)
         self.used += sum(sizes[start:])
         if self.used == self.seq_len:
             self.flush()

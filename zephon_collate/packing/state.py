@@ -17,7 +17,9 @@ from zephon_collate.read.columns import Ragged
 from zephon_collate.read.rules import unstarted
 
 __all__ = [
+    "changed_options",
     "check_count",
+    "check_saved",
     "corrupt",
     "piece_from_state",
     "piece_state",
@@ -35,6 +37,18 @@ def corrupt(where: str, problem: str, owner: str = _OWNER) -> ValueError:
     )
 
 
+def check_saved(state: object, owner: str, keys: Sequence[str], version: int) -> None:
+    """``owner.load_state_dict``'s first check: ``state`` a dict with ``keys``, saved by this ``version``."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{owner}.load_state_dict: state must be a dict, got {type(state).__name__}")
+    missing = [key for key in keys if key not in state]
+    if missing or not same_value(state["version"], version):
+        raise ValueError(
+            f"{owner}.load_state_dict: not a version-{version} {owner} state "
+            f"(missing keys {missing}, version {shown(state.get('version'))})"
+        )
+
+
 def same_value(saved: object, expected: object) -> bool:
     """``saved == expected`` for a saved plain value; anything else (an array, a tensor) is not the same."""
     if isinstance(saved, (np.ndarray, np.generic)) or type(saved).__module__.startswith("torch"):
@@ -43,6 +57,12 @@ def same_value(saved: object, expected: object) -> bool:
         return bool(saved == expected)
     except (TypeError, ValueError):
         return False
+
+
+def changed_options(saved: Mapping[Any, Any], mine: Mapping[str, Any]) -> str:
+    """Each option a saved state and this run hold differently: ``key: saved ..., here ...`` ("" if none)."""
+    keys = sorted(key for key in mine.keys() | saved.keys() if not same_value(saved.get(key), mine.get(key)))
+    return ", ".join(f"{key}: saved {shown(saved.get(key))}, here {shown(mine.get(key))}" for key in keys)
 
 
 def piece_state(piece: Piece) -> dict[str, Any]:
@@ -83,17 +103,15 @@ def piece_from_state(state: object, where: str, seq_len: int, fields: Sequence[s
         raise corrupt(f"{where}['fields']", f"must hold exactly the packed fields {list(fields)}")
     values = {}
     for name in fields:
+        key = f"{where}['fields'][{shown(name)}]"
         try:
             values[name] = as_array(saved[name], f"{_OWNER}: {where}['fields']", name, ids=False, flat=False)
             if name == LOSS_MASK:
                 check_loss_mask(values[name], f"{_OWNER}: {where}['fields']")
         except (TypeError, ValueError) as error:
-            raise corrupt(f"{where}['fields'][{shown(name)}]", f"is not a packed field ({error})") from None
+            raise corrupt(key, f"is not a packed field ({error})") from None
         if values[name].shape[0] != tokens.size:
-            raise corrupt(
-                f"{where}['fields'][{shown(name)}]",
-                f"has {values[name].shape[0]} entries for {tokens.size} tokens",
-            )
+            raise corrupt(key, f"has {values[name].shape[0]} entries for {tokens.size} tokens")
     index = check_count(state["index"], f"{where}['index']")
     if not isinstance(state["closes"], (bool, np.bool_)):
         raise corrupt(f"{where}['closes']", f"must be a bool, got {shown(state['closes'])}")

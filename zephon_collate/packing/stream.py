@@ -21,7 +21,7 @@ from zephon_collate.packing.balanced import BalancedSteps, check_balance_state
 from zephon_collate.packing.packer import FlatPacker
 from zephon_collate.packing.reader import REQUIRED, STREAM_BUFFER_SIZE, StreamOptions
 from zephon_collate.packing.source import Source, cursor_key, restored, saveable, shard_records
-from zephon_collate.packing.state import check_count, corrupt, same_value
+from zephon_collate.packing.state import check_count, check_saved, corrupt
 from zephon_collate.parallel.balance import BalanceOptions
 from zephon_collate.parallel.schedule import BalanceSchedule
 from zephon_collate.read.arrow import is_columnar
@@ -43,9 +43,8 @@ class _StreamKeywords(StreamOptions):
 class PackedStream(IterableDataset[SampleRecord]):
     """Rows of ``seq_len`` tokens packed from a record source, resumable mid-epoch (docs/distributed.md).
 
-    Shard ``rank * num_workers + worker_id`` of ``world_size * num_workers`` is packed by its own
-    :class:`FlatPacker`. Each ``iter(stream)`` starts the epoch over, except the first one after
-    :meth:`load_state_dict`; run one iterator at a time.
+    Each ``iter(stream)`` starts the epoch over (the first after :meth:`load_state_dict` resumes); run one
+    iterator at a time.
 
     Parameters:
         source: a sequence of :class:`SampleRecord` (read ``shard, shard + num_shards, ...``), or a callable
@@ -164,15 +163,8 @@ class PackedStream(IterableDataset[SampleRecord]):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (a :meth:`state_dict`) at the next ``iter()``."""
-        if not isinstance(state, Mapping):
-            raise TypeError(f"PackedStream.load_state_dict: state must be a dict, got {type(state).__name__}")
         keys = ("version", "epoch", "shard", "num_shards", "packer", "last_cursor")
-        missing = [key for key in keys if key not in state]
-        if missing or not same_value(state["version"], STATE_VERSION):
-            raise ValueError(
-                f"PackedStream.load_state_dict: not a version-{STATE_VERSION} PackedStream state "
-                f"(missing keys {missing}, version {shown(state.get('version'))})"
-            )
+        check_saved(state, "PackedStream", keys, STATE_VERSION)
         self._pending = self._checked(state)
         self._latest = None
 
@@ -298,21 +290,18 @@ class _Iterator(_Pass):
             if state["packer"] is not None:
                 packer.load_state_dict(restored(state["packer"]))
                 start, self.last_cursor = packer.records_consumed, cursor_key(state["last_cursor"])
-        if (
-            num_shards > 1
-            and not callable(self.stream.source)
-            and self.stream.packer_options.get("group_key")
-        ):
+        source = self.stream.source
+        if num_shards > 1 and not callable(source) and self.stream.packer_options.get("group_key"):
             raise ValueError(
                 f"PackedStream: group_key keeps consecutive records together, and shard {shard} of "
                 f"{num_shards} (rank x DataLoader worker) reads records {shard}, {shard + num_shards}, ..., "
                 "which would split each group across shards; give a callable source(shard, num_shards, "
                 "epoch) that shards by group, or one shard (num_workers=0, one rank)"
             )
-        if not callable(self.stream.source):  # record k of the shard is the source's shard + k * num_shards
+        if not callable(source):  # record k of the shard is the source's shard + k * num_shards
             packer._number_by(functools.partial(_strided, shard, num_shards))
         self.packer = packer
-        records = shard_records(self.stream.source, shard, num_shards, self.epoch, start, self.last_cursor)
+        records = shard_records(source, shard, num_shards, self.epoch, start, self.last_cursor)
         return packer.pack(self._tracked(records))
 
     def _tracked(self, records: Iterable[SampleRecord]) -> Iterator[SampleRecord]:
