@@ -60,15 +60,6 @@ def _keys(forest: Forest, skipped: Collection[str]) -> np.ndarray:
     return np.unique(rows, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
 
 
-def ancestors(forest: Forest, node: int) -> list[int]:
-    """``node`` and the nodes above it (none for -1)."""
-    found = []
-    while node >= 0:
-        found.append(node)
-        node = int(forest.parent[node])
-    return found
-
-
 def _remap(index: np.ndarray, new: np.ndarray) -> np.ndarray:
     """``new[index]`` where ``index >= 0``, -1 elsewhere."""
     out = np.full(index.shape, -1, dtype=np.int64)
@@ -361,8 +352,11 @@ def lay_out(forest: Forest) -> Laid:
     path_parts: list[np.ndarray] = []
     path_lengths = np.zeros(forest.sequences, dtype=np.int64)
     for sequence, end in enumerate(forest.ends.tolist()):
-        chain = reversed(ancestors(forest, end))
-        spans = [np.arange(start[n], start[n] + lengths[n], dtype=np.int64) for n in chain]
+        chain = []
+        while end >= 0:
+            chain.append(end)
+            end = int(parent[end])
+        spans = [np.arange(start[n], start[n] + lengths[n], dtype=np.int64) for n in reversed(chain)]
         path = np.concatenate(spans) if spans else np.zeros(0, dtype=np.int64)
         path_parts.append(path)
         path_lengths[sequence] = path.size

@@ -44,7 +44,6 @@ from zephon_collate.core.text import shown
 from zephon_collate.layouts.base import Layout, Settings, Stacked
 from zephon_collate.layouts.forest import (
     Laid,
-    ancestors,
     as_paths,
     copy_openers,
     lay_out,
@@ -346,11 +345,11 @@ class Trees(Layout):
             entry = int(np.flatnonzero(tree == wide)[0])
         else:  # the first sequence through the node
             entry = next(
-                s for s in range(forest.sequences) if failed in ancestors(forest, int(forest.ends[s]))
+                s for s in range(forest.sequences) if failed in _ancestors(forest, int(forest.ends[s]))
             )
         source = int(forest.source[entry]) if forest.source is not None else entry
         if failed is not None:
-            reach = int(forest.tokens.lengths[ancestors(forest, failed)].sum())
+            reach = int(forest.tokens.lengths[_ancestors(forest, failed)].sum())
             what = f"a path of its tree reaches {reach} tokens by a node's end (trees split between nodes)"
             fix = "raise max_row_tokens"
         else:
@@ -462,6 +461,15 @@ class Trees(Layout):
             data[name] = in_float(values, specs[name]) if name in specs else values
         data[PADDING_LENGTH] = np.subtract(width, tokens.lengths, dtype=np.int64)
         return Stacked(data)
+
+
+def _ancestors(forest: Forest, node: int) -> list[int]:
+    """``node`` and the nodes above it (none for -1)."""
+    found = []
+    while node >= 0:
+        found.append(node)
+        node = int(forest.parent[node])
+    return found
 
 
 def _per_sequence(forest: Forest, names: Sequence[str]) -> Forest:
