@@ -103,8 +103,7 @@ class TrainingOptions(Keywords):
             )
         for name in _FLAGS:
             put(name, check_bool(name, getattr(self, name)))
-        output = resolve_dtype(self.dtype)
-        put("output", output)
+        put("output", resolve_dtype(self.dtype))
         put("extra_fields", tuple(dict.fromkeys(check_field_names("extra_fields", self.extra_fields))))
         put("exclude_fields", check_field_names("exclude_fields", self.exclude_fields))
         put("ignore_index", check_ignore_index(self.ignore_index))
