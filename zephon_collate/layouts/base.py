@@ -280,12 +280,9 @@ class Layout:
         if columns is not None:
             return columns
         if self.READS == "examples":
-            if type(samples) is list:  # the common case, no batched dict: no ABC check, no search
-                key = self.KEY[0]
-            else:
-                key = next(
-                    (k for k in self.KEY if isinstance(samples, Mapping) and k in samples), self.KEY[0]
-                )
+            key = self.KEY[0]  # a list, the common case, is no batched dict: no ABC check, no search
+            if type(samples) is not list and isinstance(samples, Mapping):
+                key = next((k for k in self.KEY if k in samples), key)
             return examples_of(samples, self.OWNER, key=key)
         if isinstance(samples, Mapping):
             pairs = [name for name, value in samples.items() if type(value) is tuple and len(value) == 2]
@@ -406,7 +403,6 @@ class Layout:
     ) -> dict[str, Any]:
         """The output dict: each output named, in its container; several ``results``: ragged rows, joined."""
         kind = self.kind
-        scalar = _python_number if self.settings.python_scalars else torch.as_tensor
         out: dict[str, Any] = {}
         keys = tuple(plan.output_keys)
         names = self._names.get(keys)
@@ -421,15 +417,8 @@ class Layout:
                 out[name] = [value for part in stacked for value in part.per_row.get(key, [])]
             elif one is None:
                 out[name] = plan.join(key, [convert(result[key], "list") for result in results])
-            elif key in self.SCALARS and one[key].ndim == 0:
-                out[name] = (
-                    scalar(one[key]) if self.settings.python_scalars else convert(one[key], kind, taken)
-                )
+            elif key in self.SCALARS and one[key].ndim == 0 and self.settings.python_scalars:
+                out[name] = one[key].item()  # an int, or a float where a step of yours wrote one (never cut)
             else:
                 out[name] = convert(one[key], kind, taken)
         return out
-
-
-def _python_number(value: Any) -> Any:
-    """A 0-d count as a Python number: an int, or a float where a step of yours wrote one (never cut)."""
-    return value.item()

@@ -114,31 +114,16 @@ class Native(Layout):
     READS: ClassVar[Literal["records", "examples"]] = "records"
     ROW_OUTPUTS: ClassVar[tuple[str, ...]] = (IDS, TEXTS)
     CHAIN_OPTIONS: ClassVar[Mapping[str, tuple[object, ...]]] = {
-        "return_labels": (False,),
-        "return_num_valid_tokens": (False,),
-        "return_loss_mask": (False,),
-        "return_cu_seqlens": (False,),
-        "return_padding_mask": (False,),
-        "eos_mask_loss": (False,),
-        "position_mode": ("preserve",),
-        "flatten": (False,),
-        "ignore_index": (IGNORE_INDEX,),
-    }
+        "return_labels": (False,), "return_num_valid_tokens": (False,), "return_loss_mask": (False,),
+        "return_cu_seqlens": (False,), "return_padding_mask": (False,), "eos_mask_loss": (False,),
+        "position_mode": ("preserve",), "flatten": (False,), "ignore_index": (IGNORE_INDEX,),
+    }  # fmt: skip
     ITEM: str = "record"
     TORCH_OUTPUT: ClassVar[str] = "dtype='auto' or a torch dtype"
     ORDER: tuple[str | None, ...] = (
-        IDS,
-        TEXTS,
-        INPUT_IDS,
-        LABELS,
-        POSITIONS,
-        None,
-        NUM_VALID_TOKENS,
-        LOSS_MASK,
-        CU_SEQLENS,
-        MAX_SEQLEN,
+        IDS, TEXTS, INPUT_IDS, LABELS, POSITIONS, None, NUM_VALID_TOKENS, LOSS_MASK, CU_SEQLENS, MAX_SEQLEN,
         PADDING_MASK,
-    )
+    )  # fmt: skip
     SCALARS: frozenset[str] = frozenset({MAX_SEQLEN, NUM_VALID_TOKENS})
 
     options: TrainingOptions
@@ -206,11 +191,8 @@ class Native(Layout):
         keys = [INPUT_IDS, PADDING_LENGTH, *options.extra_fields, *(spec.name for spec in self.floats)]
         if options.return_cu_seqlens and POSITIONS not in keys:
             keys.append(POSITIONS)  # CuSeqlens reads them
-        steps = [
-            *(self.chain(keys) if self.settings.chain is None else self.settings.chain),
-            *self.settings.transforms,
-        ]
-        chain = Chain(*steps)
+        builtin = self.chain(keys) if self.settings.chain is None else self.settings.chain
+        chain = Chain(*builtin, *self.settings.transforms)
         final = chain.output_keys(keys)
         shown_keys = [
             key
@@ -296,12 +278,8 @@ class Native(Layout):
         if near is not None:
             name, meant = near
             index = int(np.flatnonzero(batch.carried(name))[0])
-            hint = (
-                ""
-                if meant == LOSS_MASK
-                else " (for rollouts, Collator.for_rollouts reads it)"
-                if meant == RESPONSE_MASK
-                else " (for Hugging Face examples, Collator.for_transformers reads it)"
+            hint = {LOSS_MASK: "", RESPONSE_MASK: " (for rollouts, Collator.for_rollouts reads it)"}.get(
+                meant, " (for Hugging Face examples, Collator.for_transformers reads it)"
             )
             self._refuse(
                 near_miss(

@@ -15,25 +15,15 @@ from zephon_collate.transforms import Chain, Transform
 
 __all__ = ["CPU_INDUCTOR_OPTIONS", "Plan", "Plans", "host_applies", "use_host_pass"]
 
-# Inductor's vectorised CPU code stores bool results slowly in torch 2.13 (an int64
-# ``== 0`` into a bool tensor takes many times the eager time), so the CPU graphs are
-# compiled to scalar loops; even so, the compiled chain is slower than the eager one on
-# the CPU (benchmarks/bench_collator.py): compiling is for GPUs.
+# Inductor's vectorised CPU code stores bool results slowly in torch 2.13 (an int64 ``== 0`` into a bool
+# tensor takes many times the eager time), so CPU graphs are compiled to scalar loops; even so, a compiled
+# chain is slower than the eager one on the CPU (benchmarks/bench_collator.py): compiling is for GPUs.
 CPU_INDUCTOR_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"cpp.simdlen": 0}
 
-_HOST_DTYPES = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.float32,
-        torch.float64,
-    }
-)
+_HOST_DTYPES = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.float32, torch.float64,
+})  # fmt: skip
 _state = threading.local()
 
 

@@ -120,14 +120,8 @@ class PreferenceOptions(TreeOptions):
         return "prompt" if self.shared_prompt else "none"
 
     def read(self, batch: Batch) -> Forest:
-        cut = Cut(
-            self.OWNER,
-            self.max_prompt_length,
-            self.max_completion_length,
-            self.max_length,
-            self.truncation_mode,
-        )
-        return read_pairs(batch, cut)
+        lengths = (self.max_prompt_length, self.max_completion_length, self.max_length)
+        return read_pairs(batch, Cut(self.OWNER, *lengths, self.truncation_mode))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,9 +157,8 @@ class RewardOptions(TreeOptions):
 
     def __post_init__(self) -> None:
         if self.max_length is not None:
-            object.__setattr__(
-                self, "max_length", check_int(self.OWNER, "max_length", self.max_length, 1, INT32_MAX)
-            )
+            length = check_int(self.OWNER, "max_length", self.max_length, 1, INT32_MAX)
+            object.__setattr__(self, "max_length", length)
         if self.last_token_skip_id is not None:
             skip = check_int(self.OWNER, "last_token_skip_id", self.last_token_skip_id, 0)
             object.__setattr__(self, "last_token_skip_id", skip)

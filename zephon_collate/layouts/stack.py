@@ -44,11 +44,9 @@ class RowPadding:
                 raise ValueError(f"{owner}: pad_to_multiple_of needs pad_token_id, the id to pad with")
             return None
         token = check_int(owner, "pad_token_id", pad_token_id, 0)
-        step = (
-            None
-            if multiple is None
-            else check_int(owner, "pad_to_multiple_of", multiple, 1, MAX_PAD_MULTIPLE)
-        )
+        step: int | None = None
+        if multiple is not None:
+            step = check_int(owner, "pad_to_multiple_of", multiple, 1, MAX_PAD_MULTIPLE)
         fixed = None if length is None else check_int(owner, "max_length", length, 1, INT32_MAX)
         if step is not None and fixed is not None and fixed % step:
             fixed = -(-fixed // step) * step  # as HF rounds max_length up to the multiple

@@ -58,14 +58,9 @@ _EOS_WITHOUT_MASKING = (
     "pass eos_mask_loss=True to mask predictions made from EOS, or drop eos_token_id"
 )
 _FLAGS = (
-    "return_labels",
-    "flatten",
-    "return_num_valid_tokens",
-    "return_loss_mask",
-    "return_cu_seqlens",
-    "return_padding_mask",
-    "eos_mask_loss",
-)
+    "return_labels", "flatten", "return_num_valid_tokens", "return_loss_mask", "return_cu_seqlens",
+    "return_padding_mask", "eos_mask_loss",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,8 +103,7 @@ class TrainingOptions(Keywords):
             )
         for name in _FLAGS:
             put(name, check_bool(name, getattr(self, name)))
-        output = resolve_dtype(self.dtype)
-        put("output", output)
+        put("output", resolve_dtype(self.dtype))
         put("extra_fields", tuple(dict.fromkeys(check_field_names("extra_fields", self.extra_fields))))
         put("exclude_fields", check_field_names("exclude_fields", self.exclude_fields))
         put("ignore_index", check_ignore_index(self.ignore_index))

@@ -1,7 +1,4 @@
-"""The ``transformers`` layout: Hugging Face examples in, the batch a causal LM takes out (unshifted labels).
-
-Padded or padding-free; what an example may carry, and the options: ``docs/hugging_face.md``.
-"""
+"""The ``transformers`` layout: Hugging Face examples to a causal LM's batch (``docs/hugging_face.md``)."""
 
 from __future__ import annotations
 
@@ -101,35 +98,15 @@ __all__ = ["Transformers", "TransformersOptions", "from_tokenizer", "in_float"]
 _OWNER = "Collator.for_transformers"
 _SUPERVISION = (LABELS, *SUPERVISION_MASKS)
 _WRITTEN = (
-    LABELS,
-    CU_SEQ_LENS_Q,
-    CU_SEQ_LENS_K,
-    MAX_LENGTH_Q,
-    MAX_LENGTH_K,
-    SEQ_IDX,
-    DOCUMENT_IDS,
-    BRANCH_IDS,
-    LOGITS_INDEX,
-    SEQUENCE_INDEX,
-    NUM_SEQUENCES,
-    CHOSEN_INDEX,
-    REJECTED_INDEX,
-    REF_CHOSEN_LOGPS,
-    REF_REJECTED_LOGPS,
-    COMPLETION_INDEX,
-    KL_INDEX,
-    LABEL,
-    REF_LOGPS,
-    REF_KL_LOGPS,
-)
+    LABELS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX, DOCUMENT_IDS, BRANCH_IDS,
+    LOGITS_INDEX, SEQUENCE_INDEX, NUM_SEQUENCES, CHOSEN_INDEX, REJECTED_INDEX, REF_CHOSEN_LOGPS,
+    REF_REJECTED_LOGPS, COMPLETION_INDEX, KL_INDEX, LABEL, REF_LOGPS, REF_KL_LOGPS,
+)  # fmt: skip
 """Keys this layout and the post-training presets over it write, which a float field may not take."""
 _PADDINGS: dict[object, str] = {
-    True: "longest",
-    "longest": "longest",
-    "max_length": "max_length",
-    False: "do_not_pad",
-    "do_not_pad": "do_not_pad",
-}
+    True: "longest", "longest": "longest", "max_length": "max_length",
+    False: "do_not_pad", "do_not_pad": "do_not_pad",
+}  # fmt: skip
 
 
 def from_tokenizer(tokenizer: Any, name: str, given: Any) -> Any:
@@ -204,9 +181,8 @@ class TransformersOptions(Keywords):
             put(self, name, from_tokenizer(self.tokenizer, name, getattr(self, name)))
         put(self, "tokenizer", None)  # read once: the options hold plain values only
         put(self, "model", None)
-        for name in ("padding_free", "keep_eos", "boundary_safe_labels", "return_flash_attn_kwargs"):
-            put(self, name, check_bool(name, getattr(self, name), owner=owner))
-        for name in ("return_seq_idx", "return_sequence_map"):
+        flags = ("padding_free", "keep_eos", "boundary_safe_labels", "return_flash_attn_kwargs")
+        for name in (*flags, "return_seq_idx", "return_sequence_map"):
             put(self, name, check_bool(name, getattr(self, name), owner=owner))
         if not isinstance(self.padding, (str, bool)) or self.padding not in _PADDINGS:  # 1 == True: refused
             raise ValueError(
@@ -235,11 +211,8 @@ class TransformersOptions(Keywords):
             put(self, "eos_token_id", check_eos_token_id(self.eos_token_id, owner=owner))
         if self.separator_id is not None:  # a label value: -100 and other negatives allowed
             put(self, "separator_id", check_ignore_index(self.separator_id, owner=owner, name="separator_id"))
-        put(
-            self,
-            "label_pad_token_id",
-            check_ignore_index(self.label_pad_token_id, owner=owner, name="label_pad_token_id"),
-        )
+        label_pad = check_ignore_index(self.label_pad_token_id, owner=owner, name="label_pad_token_id")
+        put(self, "label_pad_token_id", label_pad)
         put(self, "position_ids_start", check_int(owner, "position_ids_start", self.position_ids_start, 0))
         if self.return_position_ids is not None:
             flag = check_bool("return_position_ids", self.return_position_ids, owner=owner)
@@ -248,18 +221,8 @@ class TransformersOptions(Keywords):
             raise ValueError(
                 f"{owner}: {self.SUPERVISION_MEANS} one of {self.SUPERVISING}, got {shown(self.supervision)}"
             )
-        reserved = (
-            *_READ,
-            "label",
-            POSITIONS,
-            PADDING_LENGTH,
-            EXAMPLE_LENGTHS,
-            *_WRITTEN,
-            MM_TOKEN_TYPE_IDS,
-            *MEDIA,
-            *CU_SEQLENS.values(),
-            *COUNTS.values(),
-        )
+        reserved = (*_READ, "label", POSITIONS, PADDING_LENGTH, EXAMPLE_LENGTHS, *_WRITTEN, MM_TOKEN_TYPE_IDS)
+        reserved += (*MEDIA, *CU_SEQLENS.values(), *COUNTS.values())
         put(self, "float_fields", check_float_fields(owner, self.float_fields, reserved))
         if self.mrope is not None and not isinstance(self.mrope, MRope):
             raise TypeError(
@@ -388,28 +351,18 @@ class Transformers(Layout):
 
     OWNER: str = _OWNER
     ORDER: tuple[str | None, ...] = (
-        INPUT_IDS,
-        TOKEN_TYPE_IDS,
-        ATTENTION_MASK,
-        LABELS,
-        POSITION_IDS,
-        CU_SEQ_LENS_Q,
-        CU_SEQ_LENS_K,
-        MAX_LENGTH_Q,
-        MAX_LENGTH_K,
-        SEQ_IDX,
-    )
+        INPUT_IDS, TOKEN_TYPE_IDS, ATTENTION_MASK, LABELS, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K,
+        MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX,
+    )  # fmt: skip
     INTERNAL: frozenset[str] = frozenset(
         {PADDING_LENGTH, POSITIONS, LOSS_MASK, PADDING_MASK, EXAMPLE_LENGTHS}
     )
     SCALARS: frozenset[str] = frozenset({MAX_LENGTH_Q, MAX_LENGTH_K, NUM_SEQUENCES, NUM_VALID_TOKENS})
+    # return_flash_attn_kwargs and return_sequence_map shape the stacked batch too: not listed
     CHAIN_OPTIONS: ClassVar[Mapping[str, tuple[object, ...]]] = {
-        "label_pad_token_id": (IGNORE_INDEX,),
-        "padding_side": (None, "right"),
-        "position_ids_start": (0,),
-        "return_seq_idx": (False,),
-        "separator_id": (None,),
-    }  # return_flash_attn_kwargs and return_sequence_map shape the stacked batch too: not listed
+        "label_pad_token_id": (IGNORE_INDEX,), "padding_side": (None, "right"), "position_ids_start": (0,),
+        "return_seq_idx": (False,), "separator_id": (None,),
+    }  # fmt: skip
     UNIFORM_SUPERVISION: ClassVar[bool] = False
     """Refuse an example without a supervising field that another example carries (rollouts)."""
     READS_RESPONSE_MASK: ClassVar[bool] = False
@@ -460,12 +413,8 @@ class Transformers(Layout):
             )
         if not options.padding_free:
             if options.padding_side == "left":
-                moved = [
-                    k
-                    for k in (INPUT_IDS, positions, TOKEN_TYPE_IDS, MM_TOKEN_TYPE_IDS, *self._token_floats)
-                    if k in keys
-                ]
-                steps.append(LeftPadding([*moved, ATTENTION_MASK, LABELS]))
+                moved = (INPUT_IDS, positions, TOKEN_TYPE_IDS, MM_TOKEN_TYPE_IDS, *self._token_floats)
+                steps.append(LeftPadding([*(k for k in moved if k in keys), ATTENTION_MASK, LABELS]))
             if options.position_ids_start and positions in keys:
                 steps.append(PositionOffset(options.position_ids_start, positions))
             return steps
@@ -617,10 +566,7 @@ class Transformers(Layout):
         if MM_TOKEN_TYPE_IDS in per_token:  # vision placeholders stand for an image: never cut
             kept = keep.copy()
             if options.keep_eos:  # the EOS put back takes the last kept token's place
-                ends = tokens.offsets[1:] - 1
-                rows = np.flatnonzero(
-                    (lengths > limit) & (tokens.host[np.maximum(ends, 0)] == options.eos_token_id)
-                )
+                rows = _ending_in_eos(tokens, limit, options.eos_token_id)[1]
                 kept[tokens.offsets[rows] + limit - 1] = False
             self._check_no_image_cut(per_token[MM_TOKEN_TYPE_IDS], kept, names)
         cut = {name: field.select(keep) for name, field in per_token.items()}
@@ -661,9 +607,8 @@ class Transformers(Layout):
 
     def _put_back_eos(self, per_token: dict[str, Ragged], cut: dict[str, Ragged]) -> None:
         """A cut example that ended in EOS ends in EOS again, with the EOS's own values."""
-        tokens, limit, eos = per_token[INPUT_IDS], self.options.max_length, self.options.eos_token_id
-        ends = tokens.offsets[1:] - 1
-        rows = np.flatnonzero((tokens.lengths > limit) & (tokens.host[np.maximum(ends, 0)] == eos))
+        tokens, limit = per_token[INPUT_IDS], self.options.max_length
+        ends, rows = _ending_in_eos(tokens, limit, self.options.eos_token_id)
         if not rows.size:
             return
         last = cut[INPUT_IDS].offsets[rows + 1] - 1
@@ -797,6 +742,12 @@ def _check_started(given: Ragged, kept: Ragged, ids: bool, padding_free: bool, n
             "the dropped ones); give positions counted from 0 over the kept tokens "
             "(attention_mask.cumsum(-1) - 1), or drop them"
         )
+
+
+def _ending_in_eos(tokens: Ragged, limit: int | None, eos: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Each example's last token, and the examples longer than ``limit`` that end in ``eos``."""
+    ends = tokens.offsets[1:] - 1
+    return ends, np.flatnonzero((tokens.lengths > limit) & (tokens.host[np.maximum(ends, 0)] == eos))
 
 
 def _starts(per_token: dict[str, Ragged]) -> np.ndarray:
