@@ -494,11 +494,21 @@ def test_loss_mask_of_wrong_dtype(mask):
     )
 
 
-def test_float_positions():
+@pytest.mark.parametrize("positions", [[0.0, 1.0], np.array([0.0, 1.0]), torch.tensor([0.0, 1.0])])
+def test_float_positions(positions):
+    """Named as positions, not as token ids (the message of the tokens field)."""
+    expected = r"has dtype .*float.*; it must hold integer positions$"
     raises(
         TypeError,
-        r"record 0 .*'positions' has dtype float64",
-        batch({"input_ids": [1, 2], "positions": [0.0, 1.0]}).to_training,
+        rf"record 0 .*'positions' {expected}",
+        batch({"input_ids": [1, 2], "positions": positions}).to_training,
+    )
+    hf = Collator.for_transformers(pad_token_id=0)
+    raises(
+        TypeError,
+        rf"example 0: field 'position_ids' {expected}",
+        hf,
+        [{"input_ids": [1, 2], "position_ids": positions}],
     )
 
 

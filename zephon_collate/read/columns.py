@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeAlias, cast
 import numpy as np
 import torch
 
-from zephon_collate.core.keys import INT64_MAX, TOKEN_FIELD_CANDIDATES
+from zephon_collate.core.keys import INT64_MAX, POSITION_IDS, POSITIONS, TOKEN_FIELD_CANDIDATES
 from zephon_collate.core.records import SampleMeta
 from zephon_collate.core.text import shown, shown_fields
 
@@ -594,7 +594,8 @@ def to_row(value: Any, where: str, name: str, kind: Kind) -> Row:
     if bad and empty_float:  # torch.tensor([]) and np.array([]) are float: an empty row holds no float
         row = row.astype(np.int64) if isinstance(row, np.ndarray) else row.to(torch.int64)
     elif bad:
-        expected = "integer token ids" if kind == "ids" else "bool, integer or float values"
+        ids = "integer positions" if name in (POSITIONS, POSITION_IDS) else "integer token ids"
+        expected = ids if kind == "ids" else "bool, integer or float values"
         raise TypeError(f"{where}: field {shown(name)} has dtype {dtype}; it must hold {expected}")
     if kind == "ids" and row.ndim == 0:
         raise ValueError(f"{where}: field {shown(name)} must be a sequence, got a scalar")
