@@ -375,7 +375,7 @@ def test_a_chain_of_yours_keeps_labels_inside_documents_unless_told_not_to():
 
 
 def _misordered() -> list[tuple[list[Transform], str]]:
-    from zephon_collate.transforms import EosMask, Flatten, PaddingMask, Positions, SegmentIds
+    from zephon_collate.transforms import EosMask, Flatten, LeftPadding, PaddingMask, Positions, SegmentIds
 
     return [
         (
@@ -407,6 +407,10 @@ def _misordered() -> list[tuple[list[Transform], str]]:
             r"TokenShift \(step 1\) must run before SegmentIds",
         ),
         ([Positions("sequence"), CuSeqlens()], r"CuSeqlens \(step 1\) must run before Positions"),
+        (  # after LeftPadding, column 0 of a padded row is padding, not its first token
+            [BoundaryMask(), LeftPadding(["input_ids", "loss_mask"]), BoundaryMask(None)],
+            r"BoundaryMask \(step 2\) must run before LeftPadding",
+        ),
         (
             [
                 TokenShift(input_keys=["positions"]),
@@ -418,7 +422,7 @@ def _misordered() -> list[tuple[list[Transform], str]]:
     ]
 
 
-@pytest.mark.parametrize("index", range(9))
+@pytest.mark.parametrize("index", range(10))
 def test_built_in_steps_in_an_order_that_gives_a_wrong_batch_are_refused(index):
     """Each of these ran (host, eager and compiled alike, or the host path alone) and gave a wrong batch:
     a label across documents, the EOS marked as padding, cu_seqlens past the row, a count off by one."""

@@ -36,7 +36,7 @@ class BoundaryMask(Transform):
         [[10, 11, -100, 12]]
     """
 
-    runs_before = ("TokenShift",)
+    runs_before: tuple[str, ...] = ("TokenShift",)
     shifted_as = "labels"
 
     def __init__(self, positions_key: str | None = POSITIONS, mask_key: str = LOSS_MASK) -> None:
@@ -46,6 +46,7 @@ class BoundaryMask(Transform):
         self.mask_key = check_key("BoundaryMask", "mask_key", mask_key)
         if self.positions_key is None:  # rows of one document: the mask's own first column
             self.in_keys = [mask_key]
+            self.runs_before = ("TokenShift", "LeftPadding")  # after it, column 0 is padding
         else:
             self.in_keys = [self.positions_key]
             self.optional_keys = (mask_key,)  # combined with when given, else created
