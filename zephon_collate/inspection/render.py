@@ -275,9 +275,13 @@ def render_batch_png(
             axes.text(0.5, y + 0.3, warning, fontsize=6.5, color="#c62828", va="top")
             y += 1.2
     legend = {
-        "supervised": "label supervised", "ignored": "label ignored", "special": "special token",
-        "padding": "padding", "bad": "supervised padding", "start": "segment start",
-    }  # fmt: skip
+        "supervised": "label supervised",
+        "ignored": "label ignored",
+        "special": "special token",
+        "padding": "padding",
+        "bad": "supervised padding",
+        "start": "segment start",
+    }
     handles = [Patch(facecolor=_PNG_COLORS[key], label=label) for key, label in legend.items()]
     axes.legend(handles=handles, loc="lower right", ncol=6, fontsize=7, frameon=False)
     path = Path(path)

@@ -114,16 +114,31 @@ class Native(Layout):
     READS: ClassVar[Literal["records", "examples"]] = "records"
     ROW_OUTPUTS: ClassVar[tuple[str, ...]] = (IDS, TEXTS)
     CHAIN_OPTIONS: ClassVar[Mapping[str, tuple[object, ...]]] = {
-        "return_labels": (False,), "return_num_valid_tokens": (False,), "return_loss_mask": (False,),
-        "return_cu_seqlens": (False,), "return_padding_mask": (False,), "eos_mask_loss": (False,),
-        "position_mode": ("preserve",), "flatten": (False,), "ignore_index": (IGNORE_INDEX,),
-    }  # fmt: skip
+        "return_labels": (False,),
+        "return_num_valid_tokens": (False,),
+        "return_loss_mask": (False,),
+        "return_cu_seqlens": (False,),
+        "return_padding_mask": (False,),
+        "eos_mask_loss": (False,),
+        "position_mode": ("preserve",),
+        "flatten": (False,),
+        "ignore_index": (IGNORE_INDEX,),
+    }
     ITEM: str = "record"
     TORCH_OUTPUT: ClassVar[str] = "dtype='auto' or a torch dtype"
     ORDER: tuple[str | None, ...] = (
-        IDS, TEXTS, INPUT_IDS, LABELS, POSITIONS, None, NUM_VALID_TOKENS, LOSS_MASK, CU_SEQLENS, MAX_SEQLEN,
+        IDS,
+        TEXTS,
+        INPUT_IDS,
+        LABELS,
+        POSITIONS,
+        None,
+        NUM_VALID_TOKENS,
+        LOSS_MASK,
+        CU_SEQLENS,
+        MAX_SEQLEN,
         PADDING_MASK,
-    )  # fmt: skip
+    )
     SCALARS: frozenset[str] = frozenset({MAX_SEQLEN, NUM_VALID_TOKENS})
 
     options: TrainingOptions

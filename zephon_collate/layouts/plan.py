@@ -20,10 +20,19 @@ __all__ = ["CPU_INDUCTOR_OPTIONS", "Plan", "Plans", "host_applies", "use_host_pa
 # chain is slower than the eager one on the CPU (benchmarks/bench_collator.py): compiling is for GPUs.
 CPU_INDUCTOR_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"cpp.simdlen": 0}
 
-_HOST_DTYPES = frozenset({
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.float16, torch.float32, torch.float64,
-})  # fmt: skip
+_HOST_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+    }
+)
 _state = threading.local()
 
 

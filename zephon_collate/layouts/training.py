@@ -58,9 +58,14 @@ _EOS_WITHOUT_MASKING = (
     "pass eos_mask_loss=True to mask predictions made from EOS, or drop eos_token_id"
 )
 _FLAGS = (
-    "return_labels", "flatten", "return_num_valid_tokens", "return_loss_mask", "return_cu_seqlens",
-    "return_padding_mask", "eos_mask_loss",
-)  # fmt: skip
+    "return_labels",
+    "flatten",
+    "return_num_valid_tokens",
+    "return_loss_mask",
+    "return_cu_seqlens",
+    "return_padding_mask",
+    "eos_mask_loss",
+)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -98,15 +98,35 @@ __all__ = ["Transformers", "TransformersOptions", "from_tokenizer", "in_float"]
 _OWNER = "Collator.for_transformers"
 _SUPERVISION = (LABELS, *SUPERVISION_MASKS)
 _WRITTEN = (
-    LABELS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX, DOCUMENT_IDS, BRANCH_IDS,
-    LOGITS_INDEX, SEQUENCE_INDEX, NUM_SEQUENCES, CHOSEN_INDEX, REJECTED_INDEX, REF_CHOSEN_LOGPS,
-    REF_REJECTED_LOGPS, COMPLETION_INDEX, KL_INDEX, LABEL, REF_LOGPS, REF_KL_LOGPS,
-)  # fmt: skip
+    LABELS,
+    CU_SEQ_LENS_Q,
+    CU_SEQ_LENS_K,
+    MAX_LENGTH_Q,
+    MAX_LENGTH_K,
+    SEQ_IDX,
+    DOCUMENT_IDS,
+    BRANCH_IDS,
+    LOGITS_INDEX,
+    SEQUENCE_INDEX,
+    NUM_SEQUENCES,
+    CHOSEN_INDEX,
+    REJECTED_INDEX,
+    REF_CHOSEN_LOGPS,
+    REF_REJECTED_LOGPS,
+    COMPLETION_INDEX,
+    KL_INDEX,
+    LABEL,
+    REF_LOGPS,
+    REF_KL_LOGPS,
+)
 """Keys this layout and the post-training presets over it write, which a float field may not take."""
 _PADDINGS: dict[object, str] = {
-    True: "longest", "longest": "longest", "max_length": "max_length",
-    False: "do_not_pad", "do_not_pad": "do_not_pad",
-}  # fmt: skip
+    True: "longest",
+    "longest": "longest",
+    "max_length": "max_length",
+    False: "do_not_pad",
+    "do_not_pad": "do_not_pad",
+}
 
 
 def from_tokenizer(tokenizer: Any, name: str, given: Any) -> Any:
@@ -351,18 +371,29 @@ class Transformers(Layout):
 
     OWNER: str = _OWNER
     ORDER: tuple[str | None, ...] = (
-        INPUT_IDS, TOKEN_TYPE_IDS, ATTENTION_MASK, LABELS, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K,
-        MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX,
-    )  # fmt: skip
+        INPUT_IDS,
+        TOKEN_TYPE_IDS,
+        ATTENTION_MASK,
+        LABELS,
+        POSITION_IDS,
+        CU_SEQ_LENS_Q,
+        CU_SEQ_LENS_K,
+        MAX_LENGTH_Q,
+        MAX_LENGTH_K,
+        SEQ_IDX,
+    )
     INTERNAL: frozenset[str] = frozenset(
         {PADDING_LENGTH, POSITIONS, LOSS_MASK, PADDING_MASK, EXAMPLE_LENGTHS}
     )
     SCALARS: frozenset[str] = frozenset({MAX_LENGTH_Q, MAX_LENGTH_K, NUM_SEQUENCES, NUM_VALID_TOKENS})
     # return_flash_attn_kwargs and return_sequence_map shape the stacked batch too: not listed
     CHAIN_OPTIONS: ClassVar[Mapping[str, tuple[object, ...]]] = {
-        "label_pad_token_id": (IGNORE_INDEX,), "padding_side": (None, "right"), "position_ids_start": (0,),
-        "return_seq_idx": (False,), "separator_id": (None,),
-    }  # fmt: skip
+        "label_pad_token_id": (IGNORE_INDEX,),
+        "padding_side": (None, "right"),
+        "position_ids_start": (0,),
+        "return_seq_idx": (False,),
+        "separator_id": (None,),
+    }
     UNIFORM_SUPERVISION: ClassVar[bool] = False
     """Refuse an example without a supervising field that another example carries (rollouts)."""
     READS_RESPONSE_MASK: ClassVar[bool] = False

@@ -14,9 +14,22 @@ from zephon_collate.core.text import shown
 from zephon_collate.read.columns import Batch, Names, Ragged, Spread, as_numpy, filled
 
 __all__ = [
-    "COUNTS", "CU_SEQLENS", "GRIDS", "MEDIA", "MM_TOKEN_TYPE_IDS", "MROPE_POSITIONS", "PIXELS", "SECONDS",
-    "MRope", "Media", "Rule", "VideoTime", "mrope_positions", "read_media", "with_dummy_image",
-]  # fmt: skip
+    "COUNTS",
+    "CU_SEQLENS",
+    "GRIDS",
+    "MEDIA",
+    "MM_TOKEN_TYPE_IDS",
+    "MROPE_POSITIONS",
+    "PIXELS",
+    "SECONDS",
+    "MRope",
+    "Media",
+    "Rule",
+    "VideoTime",
+    "mrope_positions",
+    "read_media",
+    "with_dummy_image",
+]
 
 MROPE_POSITIONS = "mrope_positions"
 """The chain's internal ``[B, S, 3]`` planes, joined into ``position_ids`` by ``MRopePositions``."""
@@ -32,8 +45,11 @@ Rule: TypeAlias = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.n
 """A model's own rule, one example at a time: ``(input_ids [n], mm_token_type_ids [n], image_grid_thw
 [images, 3], video_grid_thw [videos, 3], second_per_grid_ts [videos]) -> positions [3, n]``."""
 _FAMILIES: dict[str, VideoTime] = {
-    "qwen2_vl": "index", "qwen2_5_vl": "seconds", "qwen3_vl": "frames", "qwen3_vl_moe": "frames"
-}  # fmt: skip
+    "qwen2_vl": "index",
+    "qwen2_5_vl": "seconds",
+    "qwen3_vl": "frames",
+    "qwen3_vl_moe": "frames",
+}
 
 
 @dataclass(frozen=True)

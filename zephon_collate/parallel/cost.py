@@ -340,8 +340,12 @@ class CostModel:
 
 
 _EXPERT_KEYS = (
-    "num_experts_per_tok", "num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts"
-)  # fmt: skip
+    "num_experts_per_tok",
+    "num_local_experts",
+    "n_routed_experts",
+    "num_experts",
+    "moe_num_experts",
+)
 """Config attributes of a mixture of experts, whose ``intermediate_size`` is not the work per token."""
 
 _VISION_FAMILIES = {"qwen2_vl": False, "qwen2_5_vl": True, "qwen3_vl": False, "qwen3_vl_moe": False}

@@ -77,9 +77,13 @@ class PackedPreference:
                 "DataCollatorForPreference does"
             )
         return pack_view(
-            input_ids, attention_mask, completion_mask, self.rows, "PackedPreference",
+            input_ids,
+            attention_mask,
+            completion_mask,
+            self.rows,
+            "PackedPreference",
             shared_prompt=self.shared_prompt,
-        )  # fmt: skip
+        )
 
 
 class PackedDPOTrainer(DPOTrainer):

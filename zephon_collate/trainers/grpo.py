@@ -59,9 +59,13 @@ class PackedGRPOTrainer(GRPOTrainer):
             labels[:, :-logits_to_keep] = -100
             # Packed on the host (the layout is NumPy's), then moved to the rows' device.
             view = pack_view(
-                ids.cpu(), mask.cpu(), (labels != -100).cpu(), self.packed_rows, "PackedGRPOTrainer",
+                ids.cpu(),
+                mask.cpu(),
+                (labels != -100).cpu(),
+                self.packed_rows,
+                "PackedGRPOTrainer",
                 shared_prompt=self.shared_prompt,
-            )  # fmt: skip
+            )
             packed = {key: value.to(ids.device) for key, value in view.items()}
             extra = {"output_router_logits": True} if compute_aux_loss else {}
             with self.accelerator.autocast():
