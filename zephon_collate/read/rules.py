@@ -643,6 +643,8 @@ def misspelled(
         (('loss_maks', 'loss_mask'), None)
     """
     names = sorted(name for name in fields if isinstance(name, str))
+    if not names:
+        return None
     chosen, others = tuple(known), _others(frozenset(read))
     for name in names:
         meant = _meant(name, chosen, others)
