@@ -3,8 +3,9 @@
 Every candidate gets the same documents (lognormal lengths, median 245 tokens, a prompt of
 about a third) and the same options (rows of ``--seq-len`` tokens, batches of 8 rows,
 ``Collator(return_labels=True)``), and must give the same batches; it is timed end to end over an
-epoch, tokens per second, with its start-up (worker processes, the Ray cluster's actors) shown
-apart:
+epoch (each phase the median of ``--repeats`` epochs), tokens per second, with its start-up (worker
+processes, the Ray cluster's actors), its steady state, its tail (the workers' last batches) and its
+end (shutdown) shown apart:
 
 - Grain: ``PackIterDataset -> .batch(batch_fn=collator)`` with 0 and 2 worker processes
   (``mp_prefetch``; torch tensors handed over by file descriptor or by file name, or NumPy arrays
@@ -18,7 +19,7 @@ apart:
   rows), with the bytes each allocates per byte of output (tracemalloc's peak: the copies) and a plain
   copy of the output's bytes.
 
-Run: python benchmarks/bench_engines.py [--documents 12000] [--seq-len 2048]
+Run: python benchmarks/bench_engines.py [--documents 12000] [--seq-len 2048] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -64,23 +65,30 @@ def records(count: int, seq_len: int) -> list[SampleRecord]:
 Candidate = tuple[Callable[[], Iterable[dict[str, Any]]], int]  # the pipeline, its worker processes
 
 
-def timed(candidate: Candidate) -> tuple[float, float, float, int, list[int]]:
-    """(start-up, batches and end seconds, tokens, a checksum per batch).
+def timed(candidate: Candidate, repeats: int) -> tuple[float, float, float, float, int, list[int]]:
+    """(start-up, steady, tail and end seconds, tokens, a checksum per batch), each phase the median
+    of ``repeats`` epochs.
 
     Start-up ends when every worker has delivered a batch (workers hand batches out in turn, so
-    the last worker to start holds the others back); the end is the time from the last batch to
-    the iterator's stop (worker shutdown).
+    the last worker to start holds the others back); the steady phase runs from there to the last
+    batches, one per worker; the tail is the time to those last batches (Grain stops a worker whose
+    slice ran out, joining its process, before it reads the next one's); the end is the time from
+    the last batch to the iterator's stop (worker shutdown).
     """
     batches, workers = candidate
-    start = time.perf_counter()
-    tokens, sums, ready, last = 0, [], start, start
-    for index, batch in enumerate(batches()):
-        tokens += batch["input_ids"].numel()
-        sums.append(int(batch["input_ids"].sum()))
-        last = time.perf_counter()
-        if index + 1 == max(workers, 1):
-            ready = last
-    return ready - start, last - ready, time.perf_counter() - last, tokens, sums
+    phases, tokens, sums = [], 0, []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tokens, sums, stamps = 0, [], []
+        for batch in batches():
+            tokens += batch["input_ids"].numel()
+            sums.append(int(batch["input_ids"].sum()))
+            stamps.append(time.perf_counter())
+        stop, ready = time.perf_counter(), stamps[max(workers, 1) - 1]
+        steady = stamps[max(len(stamps) - max(workers, 1) - 1, max(workers, 1) - 1)]
+        phases.append((ready - start, steady - ready, stamps[-1] - steady, stop - stamps[-1]))
+    startup, middle, tail, end = (float(np.median(phase)) for phase in zip(*phases, strict=True))
+    return startup, middle, tail, end, tokens, sums
 
 
 def one_torch_thread(worker: int, workers: int) -> None:
@@ -188,24 +196,25 @@ def ray_rows(docs: list[SampleRecord], seq_len: int) -> dict[str, Candidate]:
     }
 
 
-def throughput(title: str, candidates: dict[str, Candidate]) -> None:
+def throughput(title: str, candidates: dict[str, Candidate], repeats: int) -> None:
     print(f"\n### {title}\n")
     print(
-        "| pipeline | start-up s | batches s | end s | tokens/s | vs DataLoader | batches vs DataLoader's |"
+        "| pipeline | start-up s | steady s | tail s | end s | tokens/s | vs DataLoader | steady vs DataLoader's |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    results = {name: timed(run) for name, run in candidates.items()}
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    results = {name: timed(run, repeats) for name, run in candidates.items()}
     names = list(results)
     for index, name in enumerate(names):
-        startup, seconds, end, tokens, sums = results[name]
+        startup, steady, tail, end, tokens, sums = results[name]
         base = results[names[2 if index >= 2 else index - index % 2]]
         if not name.startswith("("):
-            assert sums == base[4], f"{name} gives other batches than its DataLoader"
-        overall = sum(base[:3]) / (startup + seconds + end) * tokens / base[3]
-        steady = base[1] / seconds * tokens / base[3]
-        rate = tokens / (startup + seconds + end)
+            assert sums == base[5], f"{name} gives other batches than its DataLoader"
+        total = startup + steady + tail + end
+        overall = sum(base[:4]) / total * tokens / base[4]
+        rate = f"{base[1] / steady * tokens / base[4]:.2f}x" if steady > 0 else "-"
         print(
-            f"| {name} | {startup:.2f} | {seconds:.2f} | {end:.2f} | {rate:,.0f} | {overall:.2f}x | {steady:.2f}x |"
+            f"| {name} | {startup:.2f} | {steady:.2f} | {tail:.2f} | {end:.2f} | {tokens / total:,.0f} | "
+            f"{overall:.2f}x | {rate} |"
         )
 
 
@@ -255,13 +264,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--documents", type=int, default=12000)
     parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3, help="epochs per pipeline; each phase's median")
     args = parser.parse_args()
     torch.set_num_threads(1)
     docs = records(args.documents, args.seq_len)
     print(
         f"{args.documents} documents, {sum(d.payload['input_ids'].size for d in docs):,} tokens, rows of {args.seq_len}"
     )
-    throughput("Grain", grain_rows(docs, args.seq_len))
+    throughput("Grain", grain_rows(docs, args.seq_len), args.repeats)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -271,7 +281,7 @@ def main() -> None:
     context.execution_options.preserve_order = True
     context.enable_progress_bars = False
     try:
-        throughput("Ray Data", ray_rows(docs, args.seq_len))
+        throughput("Ray Data", ray_rows(docs, args.seq_len), args.repeats)
     finally:
         ray.shutdown()
     collate_costs(args.seq_len)

@@ -296,3 +296,48 @@ def test_an_older_state_restored_into_the_same_iterator_resumes_from_it():
     after = iter(finished)
     after.set_state(restored.get_state())
     assert list(after) == []
+
+
+@pytest.mark.parametrize(
+    "sl, sequential", [(None, False), (slice(1, None, 3), False), (slice(1, None, 3), True)]
+)
+def test_a_sparse_and_sliced_map_dataset_resumes_as_grains_own_reader(sl, sequential):
+    """A sparse (filtered) MapDataset, whole or as a worker's slice: the rows and every state equal those
+    over Grain's own reader (to_iter_dataset, no read-ahead), and each state resumes the rest."""
+    docs = [{"input_ids": [i + 1] * (1 + i % 4)} for i in range(30)]
+
+    def source():
+        return grain.MapDataset.source(docs).filter(lambda doc: doc["input_ids"][0] % 5 != 0)
+
+    def run(parent):
+        stage = PackIterDataset(parent, seq_len=7, pad_token_id=0, strategy="best_fit", buffer_size=3)
+        if sl is not None:
+            stage.set_slice(sl, sequential)
+        iterator = iter(stage)
+        rows, states = [], [iterator.get_state()]
+        for row in iterator:
+            rows.append(row.payload["input_ids"].tolist())
+            states.append(iterator.get_state())
+        return rows, states
+
+    ours = run(source())
+    grains = run(source().to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+    assert ours[0] == grains[0] and len(ours[0]) > 3
+    assert [state["parent"] for state in ours[1]] == [state["parent"] for state in grains[1]]
+    for step, state in enumerate(ours[1]):  # a fresh stage resumed from each state gives the rest
+        stage = PackIterDataset(source(), seq_len=7, pad_token_id=0, strategy="best_fit", buffer_size=3)
+        if sl is not None:
+            stage.set_slice(sl, sequential)
+        resumed = iter(stage)
+        resumed.set_state(json.loads(json.dumps(state)))
+        assert [row.payload["input_ids"].tolist() for row in resumed] == ours[0][step:]
+    with pytest.raises(IndexError, match="Checkpoint `next_index` 99 is out of range"):
+        resumed.set_state({**state, "parent": {"next_index": 99}})
+
+
+def test_as_torch_shares_each_arrays_memory_and_copies_a_read_only_one():
+    writable, frozen = np.arange(6).reshape(2, 3), np.arange(3)
+    frozen.flags.writeable = False
+    batch = as_torch({"input_ids": writable, "labels": frozen, "ids": [(0, 0, 0)]})
+    assert batch["input_ids"].data_ptr() == writable.ctypes.data and batch["ids"] == [(0, 0, 0)]
+    assert batch["labels"].data_ptr() != frozen.ctypes.data and batch["labels"].tolist() == [0, 1, 2]

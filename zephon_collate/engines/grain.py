@@ -230,7 +230,10 @@ class _BalancedIterator(grain.DatasetIterator):  # type: ignore[misc]
 
 
 def as_torch(batch: dict[str, Any]) -> dict[str, Any]:
-    """A batch of NumPy arrays as torch tensors (copied out of Grain's shared memory); other values as is.
+    """A batch of NumPy arrays as torch tensors on the same memory; other values as is.
+
+    A tensor keeps its array, so Grain's shared memory behind it stays mapped while the tensor lives
+    (a read-only array is copied: torch tensors are writable).
 
     Map it after ``mp_prefetch`` when the workers collate to NumPy (docs/engines.md, "Worker processes").
 
@@ -239,4 +242,8 @@ def as_torch(batch: dict[str, Any]) -> dict[str, Any]:
         >>> batch["input_ids"].dtype, batch["ids"]
         (torch.int64, [(0, 0, 0)])
     """
-    return {k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+    return {k: _tensor(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
