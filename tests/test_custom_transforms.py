@@ -509,3 +509,45 @@ def test_wrong_orders_are_found_inside_tensordict_sequences_and_in_subclasses():
     no_opt_out = r"before UnshiftedLabels and a LossMask reading its mask$"  # presets have no such option
     with pytest.raises(ValueError, match=no_opt_out):
         Collator.for_preference(padding_free=True, chain=[UnshiftedLabels()])([pair])
+
+
+class _InPlace(Transform):
+    """Masks the first label by writing its input in place (the bug of a user step under test)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_keys, self.out_keys = ["labels"], ["labels"]
+
+    def compute(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        labels = data["labels"]
+        labels[..., 0] = -100
+        return {"labels": labels}
+
+
+def test_a_step_of_yours_that_writes_its_input_in_place_is_refused():
+    from tensordict import TensorDict
+    from tensordict.nn import TensorDictModule
+
+    from zephon_collate import use_host_pass
+
+    collator = Collator(return_labels=True, transforms=[_InPlace()])
+    for host in (True, False):  # the host path hands it tensors on the earlier steps' arrays
+        with (
+            use_host_pass(host),
+            pytest.raises(ValueError, match=r"_InPlace wrote its input 'labels' in place"),
+        ):
+            collator([packed(0, [3, 2])])
+    given = TensorDict({"labels": torch.tensor([[5, 6, 7]])}, batch_size=[1])
+    adds = TensorDictModule(lambda labels: labels.add_(1), in_keys=["labels"], out_keys=["labels"])
+    for step in (_InPlace(), Chain(_InPlace()), Chain(adds)):
+        with pytest.raises(ValueError, match=r"wrote its input 'labels' in place; a step must not change"):
+            step(given.clone())
+    clean = TensorDictModule(lambda labels: labels + 1, in_keys=["labels"], out_keys=["labels"])
+    assert Chain(clean)(given)["labels"].tolist() == [[6, 7, 8]] and given["labels"].tolist() == [[5, 6, 7]]
+
+
+def test_a_step_of_yours_called_alone_on_a_tensordict_can_iterate_what_it_reads():
+    from tensordict import TensorDict
+
+    given = TensorDict({"labels": torch.tensor([[5, 6, 7]]), "other": torch.zeros(1, 3)}, batch_size=[1])
+    assert _Writes("ones", reads="labels")(given)["ones"].tolist() == [[1, 1, 1]]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal, cast
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal, TypeVar, cast
 
 import numpy as np
 import torch
@@ -92,7 +92,7 @@ class Transform(TensorDictModuleBase):
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         view = declared(self, cast(Mapping[str, torch.Tensor], td))
         self.check(view)
-        updates = returned(self, self.compute(view))
+        updates = returned(self, _pure(self, view, self.compute))
         size = self.output_batch_size(td.batch_size)
         if size == td.batch_size:
             out = cast(Any, td).replace(updates) if updates else td.copy()
@@ -158,7 +158,7 @@ class _Declared(Mapping[str, Any]):
         return key in self._data
 
     def __iter__(self) -> Iterator[str]:
-        return (key for key in self._data if key in self._keys)
+        return (key for key in self._data.keys() if key in self._keys)  # noqa: SIM118 (a TensorDict iterates rows)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
@@ -171,6 +171,28 @@ def _as_tensors(data: Mapping[str, Any]) -> dict[str, Any]:
 
 _OURS = "zephon_collate.transforms."
 """The built-in steps' modules: tested step by step, their returns need no check."""
+
+
+_R = TypeVar("_R")
+
+
+def _pure(step: object, given: Any, call: Callable[[Any], _R]) -> _R:
+    """``call(given)``, refused if it wrote a tensor of ``given`` in place (eager: the tensors' version
+    counters; a compiled graph cannot be watched). The batch's tensors are the caller's inputs."""
+    if torch.compiler.is_compiling() or type(step).__module__.startswith(_OURS):
+        return call(given)
+    watched = [
+        (key, value, value._version) for key, value in given.items() if isinstance(value, torch.Tensor)
+    ]
+    result = call(given)
+    for key, tensor, version in watched:
+        if tensor._version != version:
+            raise ValueError(
+                f"{_name(step)} wrote its input {key!r} in place; a step must not change the batch it "
+                "reads (its tensors are the caller's inputs): compute a new tensor (e.g. "
+                "data[key].clone()) and return it under an out_key"
+            )
+    return result
 
 
 def declared_keys(step: object) -> frozenset[str]:
@@ -354,7 +376,8 @@ class Chain(Transform):
                     result = step.host(view)
                     arrays = arrays and ours  # a host variant of yours may return tensors
                 else:
-                    result = step.compute(declared(step, _as_tensors(view)) if host else view)
+                    given = declared(step, _as_tensors(view)) if host else view
+                    result = _pure(step, given, step.compute)
                     arrays = False
                 data.update(result if ours else returned(step, result))
                 for key in consumed:
@@ -364,11 +387,13 @@ class Chain(Transform):
                 arrays = False
                 size = batch_size if batch_size is not None else []
                 if kind == _EVERY:  # it reshapes the whole batch: its output is all
-                    result = step(TensorDict(_as_tensors(data) if host else data, batch_size=size))
+                    result = _pure(
+                        step, TensorDict(_as_tensors(data) if host else data, batch_size=size), step
+                    )
                     data = dict(result.items())
                 else:  # any other TensorDict module: wrap its declared keys, call, merge what it returns
                     given = _as_tensors(declared(step, data))
-                    result = step(TensorDict(given, batch_size=size))
+                    result = _pure(step, TensorDict(given, batch_size=size), step)
                     data.update((key, value) for key, value in result.items() if given.get(key) is not value)
                     for key in consumed:  # a nested Chain's consumed inputs leave the batch after it too
                         data.pop(key, None)
