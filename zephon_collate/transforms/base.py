@@ -377,7 +377,7 @@ class Chain(Transform):
                     arrays = arrays and ours  # a host variant of yours may return tensors
                 else:
                     given = declared(step, _as_tensors(view)) if host else view
-                    result = _pure(step, given, step.compute)
+                    result = step.compute(given) if ours else _pure(step, given, step.compute)
                     arrays = False
                 data.update(result if ours else returned(step, result))
                 for key in consumed:
