@@ -232,7 +232,9 @@ def test_one_batch_equals_stock(case, rows):
     options = {key: value for key, value in case.items() if key != "margin"}
     data = pairs(8, margin=bool(case.get("margin")))
     packed = trainer(PackedRewardTrainer, data, **options)
-    packed.data_collator.rows = rows
+    view = DataCollatorForPreference(pad_token_id=PAD, pad_to_multiple_of=options.get("pad_to_multiple_of"))
+    packed.data_collator = packed_rewards(view, packed.model.config.pad_token_id, rows)
+    assert (packed.data_collator(data[:4])["input_ids"].shape[0] == 1) == (rows == "one")
     out = one_batch(trainer(RewardTrainer, data, **options), packed)
     (stock_loss, stock_grads, stock_metrics), (loss, grads, metrics) = out["stock"], out["packed"]
     assert abs(float(loss) - float(stock_loss)) <= 1e-6
@@ -329,6 +331,22 @@ def test_trainer_refusals():
     embeds = torch.zeros(1, batch["input_ids"].shape[1], 32, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"packed call.*'inputs_embeds'"):
         run.model(**batch, inputs_embeds=embeds)
+
+
+@pytest.mark.parametrize("field", ["prompt_ids", "prompt_input_ids", "chosen_attention_mask"])
+def test_a_field_trls_collator_does_not_read_is_refused_not_read(field):
+    """RewardTrainer's collator reads chosen_ids, rejected_ids and margin only (each side the whole
+    sequence): kept by ``remove_unused_columns=False``, a prompt or a mask Collator.for_rewards would read
+    is refused by name, where the packed trainer would otherwise score other sequences than stock."""
+    data = [
+        {**pair, field: [9, 10] if "ids" in field else [1] * len(pair["chosen_ids"])} for pair in pairs(4)
+    ]
+    run = trainer(PackedRewardTrainer, data, steps=1, remove_unused_columns=False)
+    with pytest.raises(
+        ValueError, match=rf"PackedRewardTrainer: example 0 carries '{field}'.*remove_unused_col"
+    ):
+        run.train()
+    assert trainer(PackedRewardTrainer, data, steps=1).train().training_loss > 0  # the column dropped
 
 
 # -- refusals -------------------------------------------------------------------------------------

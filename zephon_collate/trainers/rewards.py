@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from torch import nn
@@ -13,7 +13,18 @@ from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from trl.trainer.reward_trainer import DataCollatorForPreference, RewardTrainer
 
 from zephon_collate.collate.collator import Collator
-from zephon_collate.core.keys import ATTENTION_MASK, INPUT_IDS, LAST_TOKEN_INDEX, MARGIN, POSITION_IDS
+from zephon_collate.core.keys import (
+    ATTENTION_MASK,
+    CHOSEN_ATTENTION_MASK,
+    INPUT_IDS,
+    LAST_TOKEN_INDEX,
+    MARGIN,
+    POSITION_IDS,
+    PROMPT_ATTENTION_MASK,
+    PROMPT_IDS,
+    PROMPT_INPUT_IDS,
+    REJECTED_ATTENTION_MASK,
+)
 from zephon_collate.core.text import shown
 from zephon_collate.layouts.presets import RewardOptions
 from zephon_collate.layouts.trees import Trees
@@ -25,12 +36,24 @@ __all__ = ["PackedRewardTrainer", "packed_rewards", "wrap_score_forward"]
 _OWNER = "PackedRewardTrainer"
 _READ = frozenset({INPUT_IDS, ATTENTION_MASK, POSITION_IDS, MARGIN, "use_cache"})
 """What the packed forward reads or may ignore: TRL's ``model(**batch, use_cache=False)``."""
+_UNREAD_BY_TRL = (
+    PROMPT_IDS,
+    PROMPT_INPUT_IDS,
+    PROMPT_ATTENTION_MASK,
+    CHOSEN_ATTENTION_MASK,
+    REJECTED_ATTENTION_MASK,
+)
+"""Fields ``Collator.for_rewards`` reads and TRL's reward collator ignores (it reads the two sides, each
+the whole sequence, and ``margin``): standing in for TRL's, they are refused, not read otherwise."""
 
 
 def packed_rewards(
     view: Callable[..., Mapping[str, Any]], skip_id: int | None, rows: Literal["one", "fit"] = "one"
-) -> Collator:
+) -> Callable[[Sequence[Mapping[str, Any]]], dict[str, Any]]:
     """The padding-free ``Collator.for_rewards`` standing in for ``view``, with ``attention_mask`` ones.
+
+    Standing in for TRL's collator, it refuses the fields that one does not read (``prompt_ids``, the
+    per-side attention masks), which ``Collator.for_rewards`` would.
 
     Parameters:
         view: TRL's reward ``DataCollatorForPreference`` or a ``Collator.for_rewards`` collator.
@@ -58,7 +81,7 @@ def packed_rewards(
         settings = dataclasses.replace(view.settings, transforms=[*masks, *view.settings.transforms])
         return Collator.of(Trees(options, settings))
     if isinstance(view, DataCollatorForPreference):
-        return Collator.for_rewards(
+        collate = Collator.for_rewards(
             padding_free=True,
             pad_token_id=view.pad_token_id,
             pad_to_multiple_of=view.pad_to_multiple_of,
@@ -66,11 +89,27 @@ def packed_rewards(
             max_row_tokens="longest" if rows == "fit" else None,
             transforms=masks,
         )
+        return functools.partial(_read_as_trl, collate)
     raise TypeError(
         f"{_OWNER}: packs the pairs itself, so data_collator must be TRL's reward DataCollatorForPreference "
         f"(the default) or Collator.for_rewards(...), got {type(view).__name__}; drop data_collator, or "
         "train with RewardTrainer"
     )
+
+
+def _read_as_trl(collate: Collator, examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``collate(examples)``, refusing a field TRL's reward collator would not read."""
+    for index, example in enumerate(examples):
+        unread = [name for name in _UNREAD_BY_TRL if isinstance(example, Mapping) and name in example]
+        if unread:
+            raise ValueError(
+                f"{_OWNER}: example {index} carries {shown(unread[0])}, which RewardTrainer's collator does "
+                "not read (chosen_ids and rejected_ids are each the whole sequence, prompt inside) and the "
+                "packed collator would (a prompt before both sides, a mask dropping padding): drop the "
+                "column (remove_unused_columns=True does), or pass data_collator=Collator.for_rewards(...), "
+                "which reads it (docs/post_training.md)"
+            )
+    return collate(examples)
 
 
 def wrap_score_forward(model: nn.Module) -> None:
