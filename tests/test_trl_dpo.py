@@ -298,3 +298,39 @@ def test_shared_prompt_refusals():
     assert one["input_ids"].tolist() == [[5, 6]] and one["shift_labels"].tolist() == [[6, -100]]
     with pytest.raises(TypeError, match=r"shared_prompt must be a bool, got 'yes'"):
         PackedPreference(view, shared_prompt="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["unshared", "shared-prompt"])
+def test_a_lora_adapter_trains_as_stock(shared):
+    """LoRA with no reference model (TRL scores the reference with the adapter disabled): the same logged
+    history, rewards included, and the same weights after three steps."""
+    peft = pytest.importorskip("peft")
+    from datasets import disable_progress_bars
+    from transformers.utils import logging
+
+    disable_progress_bars()
+    logging.set_verbosity_error()
+    runs = []
+    for cls, options in ((DPOTrainer, {}), (PackedDPOTrainer, {"shared_prompt": shared})):
+        args = trl_dpo.DPOConfig(
+            output_dir="/tmp/zephon-dpo", per_device_train_batch_size=4, max_steps=3, learning_rate=1e-2,
+            logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, beta=0.1, bf16=False,
+        )  # fmt: skip
+        lora = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+        )
+        runs.append(
+            cls(model=llama(32), args=args, train_dataset=trl_dpo.pairs(12), processing_class=trl_dpo.tokenizer(),
+                peft_config=lora, **options)
+        )  # fmt: skip
+        runs[-1].train()
+    stock, packed = (run.state.log_history for run in runs)
+    keys = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
+    assert len([entry for entry in stock if "loss" in entry]) == 3
+    for a, b in zip(stock, packed, strict=True):
+        for key in keys:
+            if key in a:
+                assert b[key] == pytest.approx(a[key], abs=1e-6), key
+    trained = [dict(run.model.named_parameters()) for run in runs]
+    assert any("lora_" in name for name in trained[0]) and trained[0].keys() == trained[1].keys()
+    assert max(float((trained[0][k] - trained[1][k]).abs().max()) for k in trained[0]) < 1e-6

@@ -66,7 +66,14 @@ def pairs(count: int, *, margin: bool = False, seed: int = 0, low: int = 2, high
     return out
 
 
-def trainer(cls: type, data: list[dict], steps: int = 3, pad_token_id: int = PAD, **options: Any) -> Any:
+def trainer(
+    cls: type,
+    data: list[dict],
+    steps: int = 3,
+    pad_token_id: int = PAD,
+    peft_config: Any = None,
+    **options: Any,
+) -> Any:
     disable_progress_bars()
     logging.set_verbosity_error()
     args = RewardConfig(
@@ -80,6 +87,7 @@ def trainer(cls: type, data: list[dict], steps: int = 3, pad_token_id: int = PAD
             args=args,
             train_dataset=Dataset.from_list(data),
             processing_class=tokenizer(),
+            peft_config=peft_config,
         )
 
 
@@ -274,6 +282,32 @@ def test_training_steps_equal_stock():
     assert max(float((a - b).abs().max()) for a, b in weights) < 1e-6
 
 
+def test_a_lora_adapter_trains_as_stock():
+    """A LoRA adapter on the classifier (PEFT's sequence-classification wrapper passes ``return_dict``):
+    the same logged history and the same adapter and score weights after three steps. Prompt learning,
+    which feeds ``inputs_embeds`` the packed forward does not lay out, is refused when the trainer is built."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS", init_lora_weights=False
+    )
+    data, runs = pairs(16, margin=True), []
+    for cls in (RewardTrainer, PackedRewardTrainer):
+        runs.append(trainer(cls, data, steps=3, peft_config=lora))
+        runs[-1].train()
+    stock, packed = (run.state.log_history for run in runs)
+    assert len([entry for entry in stock if "loss" in entry]) == 3
+    for a, b in zip(stock, packed, strict=True):
+        for key in ("loss", "grad_norm", "accuracy", "margin", "mean_reward", "num_tokens"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], abs=1e-9), key
+    trained = [dict(run.model.named_parameters()) for run in runs]
+    assert any("lora_" in name for name in trained[0]) and trained[0].keys() == trained[1].keys()
+    assert max(float((trained[0][k] - trained[1][k]).abs().max()) for k in trained[0]) < 1e-9
+    prompt = peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=2)
+    with pytest.raises(ValueError, match=r"PackedRewardTrainer: .*prompt.*inputs_embeds.*RewardTrainer"):
+        trainer(PackedRewardTrainer, data, peft_config=prompt)
+
+
 def test_pad_equal_to_eos_scores_the_token_the_model_pools():
     """pad_token = eos_token (TRL's fallback): the model pools the last token that is not the pad id,
     and so does the packed trainer."""
@@ -331,6 +365,8 @@ def test_trainer_refusals():
     embeds = torch.zeros(1, batch["input_ids"].shape[1], 32, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"packed call.*'inputs_embeds'"):
         run.model(**batch, inputs_embeds=embeds)
+    as_tuple = run.model(**batch, return_dict=False)  # as transformers' models answer it
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], run.model(**batch).logits)
 
 
 @pytest.mark.parametrize("field", ["prompt_ids", "prompt_input_ids", "chosen_attention_mask"])

@@ -34,8 +34,9 @@ from zephon_collate.transforms import AttentionMask, PaddingMask
 __all__ = ["PackedRewardTrainer", "packed_rewards", "wrap_score_forward"]
 
 _OWNER = "PackedRewardTrainer"
-_READ = frozenset({INPUT_IDS, ATTENTION_MASK, POSITION_IDS, MARGIN, "use_cache"})
-"""What the packed forward reads or may ignore: TRL's ``model(**batch, use_cache=False)``."""
+_READ = frozenset({INPUT_IDS, ATTENTION_MASK, POSITION_IDS, MARGIN, "use_cache", "return_dict"})
+"""What the packed forward reads or may ignore: TRL's ``model(**batch, use_cache=False)``, and the
+``return_dict`` PEFT's sequence-classification wrapper adds."""
 _UNREAD_BY_TRL = (
     PROMPT_IDS,
     PROMPT_INPUT_IDS,
@@ -137,8 +138,8 @@ def wrap_score_forward(model: nn.Module) -> None:
         hidden = decoder(
             input_ids=given[INPUT_IDS], position_ids=given[POSITION_IDS], use_cache=False
         ).last_hidden_state
-        logits = head(hidden.flatten(0, 1)[index.to(hidden.device)])
-        return SequenceClassifierOutputWithPast(logits=logits)
+        out = SequenceClassifierOutputWithPast(logits=head(hidden.flatten(0, 1)[index.to(hidden.device)]))
+        return out.to_tuple() if given.get("return_dict") is False else out
 
     forward._zephon_packed = True  # type: ignore[attr-defined]
     model.forward = types.MethodType(forward, model)
@@ -155,6 +156,12 @@ class PackedRewardTrainer(RewardTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         model = self.accelerator.unwrap_model(self.model)
+        if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
+            raise ValueError(
+                f"{_OWNER}: a prompt-learning PEFT adapter ({type(model.active_peft_config).__name__}) feeds "
+                "the model inputs_embeds with virtual tokens, which the packed forward does not lay out; "
+                "use a LoRA-style adapter, or train it with RewardTrainer"
+            )
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         decoder = getattr(base, getattr(base, "base_model_prefix", ""), None)
         if not isinstance(decoder, nn.Module) or not isinstance(getattr(base, "score", None), nn.Module):
