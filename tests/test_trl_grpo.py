@@ -218,3 +218,22 @@ def test_shuffled_groups_still_share_and_score_as_stock(model_path):
     got = packed._get_per_token_logps_and_entropies(packed.model, ids, mask, 6, compute_entropy=True)
     assert torch.allclose(got[0], want[0], atol=1e-6, rtol=0)
     assert torch.allclose(got[1], want[1], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_qwen_vl_model_scores_text_rollouts_packed_as_stock(family, tmp_path):
+    """Multimodal RoPE: packed positions in 4 rows, the text row first (from which the text model masks
+    the packed sequences); Qwen2-VL and Qwen2.5-VL were refused as attending across sequences."""
+    from vlm_models import tiny_model
+
+    model = tiny_model(family, torch.float64)
+    model.config.pad_token_id = 0
+    model.save_pretrained(tmp_path)
+    stock, packed = trainer(GRPOTrainer, str(tmp_path)), trainer(PackedGRPOTrainer, str(tmp_path))
+    batch = rows()
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    want = stock._get_per_token_logps_and_entropies(stock.model, ids, mask, 6, compute_entropy=True)
+    got = packed._get_per_token_logps_and_entropies(packed.model, ids, mask, 6, compute_entropy=True)
+    assert torch.allclose(got[0], want[0], atol=1e-6, rtol=0)
+    assert torch.allclose(got[1], want[1], atol=1e-6, rtol=0)

@@ -170,7 +170,7 @@ def wrap_forward(model: nn.Module) -> None:
                 given.setdefault("output_router_logits", False)
         out = fused(
             input_ids=packed[INPUT_IDS],
-            position_ids=packed[POSITION_IDS],
+            position_ids=_model_positions(self, packed[POSITION_IDS]),
             shift_labels=packed["shift_labels"],
             fused_lm_head=True,
             **given,
@@ -360,7 +360,7 @@ def _probe_agrees(
     device = parameter.device if parameter is not None else torch.device("cpu")
     packed = {key: value.to(device) for key, value in packed.items()}
     extra = {"use_cache": False, **({"output_router_logits": False} if _has_router(model) else {})}
-    given = {POSITION_IDS: packed[POSITION_IDS], **extra}
+    given = {POSITION_IDS: _model_positions(model, packed[POSITION_IDS]), **extra}
     if shared:
         given[ATTENTION_MASK] = branch_attention(model, packed)
     training = model.training
@@ -386,6 +386,24 @@ def _probe_agrees(
     # Other shapes round otherwise: a tolerance of the output's scale, wider in bfloat16 and float16.
     tolerance = max(1e-3, 2 * torch.finfo(together.dtype).eps) * (float(want.abs().max()) + 1.0)
     return bool(torch.allclose(got, want, atol=tolerance, rtol=0))
+
+
+def _model_positions(model: nn.Module, positions: torch.Tensor) -> torch.Tensor:
+    """Packed ``[R, N]`` positions as ``model`` reads them: ``[4, R, N]`` for multimodal RoPE.
+
+    A model whose text config has ``mrope_section`` (Qwen-VL, GLM-4V) builds the packed mask from a text
+    row of 4-row positions, then the temporal, height and width planes, which for text are the text's.
+    Given ``[R, N]``, Qwen2-VL and Qwen2.5-VL make three planes and no text row, so mask nothing.
+
+    Example:
+        >>> _model_positions(nn.Linear(1, 1), torch.tensor([[0, 1, 0]])).tolist()
+        [[0, 1, 0]]
+    """
+    config = _text_config(model)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not (isinstance(rope, Mapping) and "mrope_section" in rope):
+        return positions
+    return positions[None].expand(4, *positions.shape)
 
 
 def _first_line(error: Exception) -> str:
