@@ -233,12 +233,12 @@ def main() -> None:
     padded_tokens = packed_tokens = real_tokens = shared_tokens = shared_real = 0
     for index in range(args.steps):
         examples = [packed.train_dataset[i] for i in range(index * args.pairs, (index + 1) * args.pairs)]
-        batch = packed.data_collator(examples)
+        batch = packed.packing(examples)
         padded_tokens += batch["input_ids"].numel()
         packed_tokens += batch["packed"]["input_ids"].numel()
         real_tokens += int(batch["attention_mask"].sum())
-        shared_tokens += shared.data_collator(examples)["packed"]["input_ids"].numel()
-        one_row = PackedPreference(shared.data_collator.view, rows="one", shared_prompt=True)
+        shared_tokens += shared.packing(examples)["packed"]["input_ids"].numel()
+        one_row = PackedPreference(shared.data_collator, rows="one", shared_prompt=True)
         shared_real += one_row(examples)["packed"]["input_ids"].numel()  # one row: no padding
     examples = [packed.train_dataset[i] for i in range(args.pairs)]
     batches = {name: run.data_collator(examples) for name, run in runs.items()}

@@ -108,11 +108,11 @@ def test_the_transformer_sees_only_real_tokens():
     layout) every real token is there once, and nothing else."""
     run = trainer(PackedDPOTrainer)
     examples = [run.train_dataset[i] for i in range(4)]
-    batch = run.data_collator(examples)
+    batch = run.packing(examples)
     grid, real = batch["packed"]["input_ids"], int(batch["attention_mask"].sum())
     assert grid.shape[1] == int(batch["attention_mask"].sum(dim=1).max())
     assert real <= grid.numel() <= batch["input_ids"].numel()
-    one = PackedPreference(run.data_collator.view, rows="one")(examples)["packed"]
+    one = PackedPreference(run.data_collator, rows="one")(examples)["packed"]
     assert one["input_ids"].shape == (1, real)
     assert sorted(one["input_ids"][0].tolist()) == sorted(
         batch["input_ids"][batch["attention_mask"].bool()].tolist()
@@ -156,7 +156,7 @@ def test_packed_preference_names_missing_keys():
 def test_one_row_layout_equals_stock(loss_type):
     """The FlashAttention layout (every sequence in one row), run here through SDPA's packed mask."""
     packed = trainer(PackedDPOTrainer, loss_type=[loss_type])
-    packed.data_collator.rows = "one"
+    packed.packing.rows = "one"
     out = one_batch(trainer(DPOTrainer, loss_type=[loss_type]), packed)
     assert float(out["packed"][0]) == pytest.approx(float(out["stock"][0]), abs=1e-6)
     for a, b in zip(out["packed"][1], out["stock"][1], strict=True):
@@ -167,7 +167,7 @@ def test_inputs_packing_does_not_lay_out_run_trls_own_forward():
     """Token types (or vision inputs, inputs_embeds) are not laid out by packing: TRL's padded forward runs,
     and gives its own numbers; PEFT's None-valued keywords do not count."""
     run = trainer(PackedDPOTrainer)
-    batch = run.data_collator([run.train_dataset[i] for i in range(2)])
+    batch = run.packing([run.train_dataset[i] for i in range(2)])
     labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
     view = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": labels}
     with torch.no_grad():
@@ -250,7 +250,7 @@ def test_a_shared_prompt_goes_through_the_transformer_once():
     4-D mask keeps a response from its sibling."""
     run = trainer(PackedDPOTrainer, shared_prompt=True)
     examples = [run.train_dataset[i] for i in range(4)]
-    batch = run.data_collator(examples)
+    batch = run.packing(examples)
     packed, mask = batch["packed"], batch["attention_mask"]
     pairs = mask.shape[0] // 2
     prompts = (batch["completion_mask"].cumsum(dim=1) == 0) & mask.bool()
@@ -259,7 +259,7 @@ def test_a_shared_prompt_goes_through_the_transformer_once():
     kept = sum(int(row.diagonal().sum()) for row in packed["attention_mask"][:, 0])
     assert kept == packed["input_ids"].numel()  # every place attends to itself (padding too)
     assert int((packed["shift_labels"] != -100).sum()) == int((batch["completion_mask"][:, 1:] != 0).sum())
-    counted = PackedPreference(run.data_collator.view, rows="one", shared_prompt=True)(examples)["packed"]
+    counted = PackedPreference(run.data_collator, rows="one", shared_prompt=True)(examples)["packed"]
     assert counted["input_ids"].shape == (1, real)
 
 
@@ -367,3 +367,30 @@ def test_a_qwen_vl_model_trains_text_packed_as_stock(family, shared):
     assert any(a is not None for a in grads)
     for key, value in stock_metrics.items():
         assert metrics[key] == pytest.approx(value, abs=1e-6), key
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["unshared", "shared-prompt"])
+def test_dispatched_batches_score_as_stock(shared):
+    """accelerate dispatches an iterable dataset's batches (and any with ``dispatch_batches=True``),
+    slicing every tensor by rows: the trainer packs each batch after that, so its evaluation of an
+    iterable dataset and its dispatched training steps log stock's numbers (a packed view made by the
+    collator lost all but its first rows' worth of scored tokens)."""
+    pairs = trl_dpo.pairs(8)
+    logged = {}
+    for cls, options in ((DPOTrainer, {}), (PackedDPOTrainer, {"shared_prompt": shared})):
+        run = trainer(cls, steps=2, accelerator_config={"dispatch_batches": True}, **options)
+        run.train()
+        train = [entry for entry in run.state.log_history if "loss" in entry]
+        logged[cls] = (
+            train,
+            run.evaluate(eval_dataset=pairs),
+            run.evaluate(eval_dataset=pairs.to_iterable_dataset()),
+        )
+    (stock_train, stock_eval, stock_iterable), (train, eval_, iterable) = logged.values()
+    keys = ("loss", "logps/chosen", "logps/rejected", "rewards/margins")
+    for a, b in zip(stock_train, train, strict=True):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], abs=1e-5), key
+    for key in keys:
+        for want, got in ((stock_eval, eval_), (stock_iterable, iterable), (stock_eval, iterable)):
+            assert got[f"eval_{key}"] == pytest.approx(want[f"eval_{key}"], abs=1e-5), key

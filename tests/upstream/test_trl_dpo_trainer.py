@@ -52,7 +52,8 @@ behaviour, marked ``DIFFERENCE``:
 - ``shared_prompt=True`` with an MoE trained with its load-balancing loss (the ``router_aux_loss_coef`` of Qwen3-MoE
   and GPT-OSS; GLM-4-MoE declares none) is refused when the trainer is built, before any other check: over a shared
   prompt that loss would count the prompt once, not once per sequence;
-- the collate function adds the packed sequences to TRL's batch, under ``"packed"``.
+- ``PackedPreference`` (the collate function the collator tests wrap TRL's in) adds the packed sequences
+  to TRL's batch, under ``"packed"``.
 
 Checked beside stock while porting (not asserted here, as upstream asserts no values): every training and
 evaluation in this file run again with stock ``trl.DPOTrainer`` in float32 (bf16 off, every step logged) logs the
@@ -60,9 +61,8 @@ same history: the first step's log-probs and loss to float32 rounding, the later
 (rounding carried through Adam at ``learning_rate`` 0.1 and 1.0; ``test_train_peft_model`` compared at one seed,
 as its LoRA initialisation draws from the global generator), except ``test_train_model_dtype`` (float16 weights:
 the near-subnormal attention gradients round differently, and Adam's first step turns their signs into 0.1-sized
-updates, so the runs part after step 1) and the ``iterable_*`` cases of ``test_evaluate_with_eval_dataset``: there
-accelerate dispatches the batches and slices the packed index tensors, so the logged eval log-probs are wrong
-(``logps/rejected`` 0.0); upstream asserts only that a loss is logged, so those cases pass.
+updates, so the runs part after step 1). The ``iterable_*`` cases of ``test_evaluate_with_eval_dataset``, whose
+batches accelerate dispatches, log stock's numbers too (``tests/test_trl_dpo.py`` asserts it).
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ _COMPLETION_MASK = "completion_mask"
 
 
 class PackedPreference:
-    """The ``collate_fn`` of :class:`PackedDPOTrainer`: TRL's preference batch, plus its sequences packed
-    (the :func:`~zephon_collate.trainers.view.pack_view` dict, under ``"packed"``).
+    """TRL's preference batch, plus its sequences packed (the :func:`~zephon_collate.trainers.view.pack_view`
+    dict, under ``"packed"``): a ``collate_fn``, and how :class:`PackedDPOTrainer` packs each batch it trains.
 
     Parameters:
         view: the collator of TRL's right-padded ``[2P, L]`` batch (``DataCollatorForPreference``).
@@ -52,7 +52,10 @@ class PackedPreference:
         self.shared_prompt = check_bool("shared_prompt", shared_prompt, owner="PackedPreference")
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        batch = dict(self.view(examples))
+        return self.with_packed(self.view(examples))
+
+    def with_packed(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """``batch`` (TRL's preference batch, on any device) and its sequences packed, on its device."""
         missing = [key for key in (INPUT_IDS, ATTENTION_MASK, _COMPLETION_MASK) if key not in batch]
         if missing:
             raise ValueError(
@@ -60,8 +63,10 @@ class PackedPreference:
                 "give TRL's DataCollatorForPreference, which writes input_ids, attention_mask and "
                 "completion_mask"
             )
-        batch[PACKED] = self.packed(batch[INPUT_IDS], batch[ATTENTION_MASK], batch[_COMPLETION_MASK])
-        return batch
+        device = batch[INPUT_IDS].device  # packed on the host (the layout is NumPy's), then moved
+        host = (batch[key].cpu() for key in (INPUT_IDS, ATTENTION_MASK, _COMPLETION_MASK))
+        packed = {key: value.to(device) for key, value in self.packed(*host).items()}
+        return {**batch, PACKED: packed}
 
     def packed(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor
@@ -102,7 +107,19 @@ class PackedDPOTrainer(DPOTrainer):
         shared_prompt = check_bool("shared_prompt", shared_prompt, owner="PackedDPOTrainer")
         super().__init__(*args, **kwargs)
         base, rows = packed_base(self, "PackedDPOTrainer", shared_prompt)
-        self.data_collator = PackedPreference(self.data_collator, rows=rows, shared_prompt=shared_prompt)
+        self.packing = PackedPreference(self.data_collator, rows=rows, shared_prompt=shared_prompt)
         wrap_forward(base)
         if self.ref_model is not None:
             wrap_forward(self.accelerator.unwrap_model(self.ref_model))
+
+    def compute_loss(
+        self,
+        model: Any,
+        inputs: Mapping[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        """TRL's loss, the batch packed here: after accelerate has dispatched it, which slices every
+        tensor by rows (a packed view's token tables would not survive it)."""
+        packed = self.packing.with_packed(inputs)
+        return super().compute_loss(model, packed, return_outputs, num_items_in_batch)  # type: ignore[no-untyped-call]
