@@ -39,10 +39,11 @@ Added (marked by the ``shared_prompt`` parameter): ``shared_prompt=True`` varian
 ``test_training_multiple_iterations``, ``test_training_peft_config``, ``test_training_beta_non_zero`` and
 ``test_training_sequence_importance_sampling``.
 
-The epochs, batch sizes and completion lengths are upstream's (3 epochs over 17 prompts, 51 steps of one prompt
-and 3 completions), except the tool tests' 3 steps; so are bf16 and gradient checkpointing, which ``GRPOConfig`` turns on by default. No test
-needed a ``DIFFERENCE``: all pass, as they do with stock ``trl.GRPOTrainer``. Checked while porting (not
-here), in float32 with bf16 off, with 2 prompts of different lengths per step (left padding) and completions
+The batch sizes and completion lengths are upstream's (steps of one prompt and 3 completions); the tests that
+share upstream's small options train 6 steps where upstream trains 3 epochs (51 steps; every assertion, that
+the weights moved among them, holds after 6), the tool tests 3. bf16 and gradient checkpointing are
+upstream's (``GRPOConfig`` turns both on by default). No test needed a ``DIFFERENCE``: all pass, as they do
+with stock ``trl.GRPOTrainer``. Checked while porting (not here), in float32 with bf16 off, with 2 prompts of different lengths per step (left padding) and completions
 cut at random by an EOS (right padding), the two trainers' logged histories (4 steps: loss, grad norm, KL,
 entropy, clip ratios, rewards) agree to 7e-6 relative for dapo, grpo with 2 accumulation steps, cispo, sapo,
 luspo, vespo and dr_grpo with ``mask_truncated_completions``, ``beta`` with and without the bias-corrected KL,
@@ -327,6 +328,7 @@ SMALL = {
     "num_generations": 3,  # reduce the number of generations to reduce memory usage
     "max_completion_length": 8,  # reduce the completion length to reduce memory usage
     "report_to": "none",
+    "max_steps": 6,  # here: upstream trains 3 epochs (51 steps); 6 reach every assertion
 }
 """The options nearly every upstream test repeats."""
 
@@ -1157,7 +1159,7 @@ class TestGRPOTrainer:
         # tool result that overflows max_completion_length, and that completion would not regenerate).
         # Port: 3 steps, not 51 (each step trains the same mocked rollout; 51 of these took a minute here).
         training_args = GRPOConfig(
-            output_dir=str(tmp_path), **{**SMALL, "max_completion_length": 512}, max_steps=3
+            output_dir=str(tmp_path), **{**SMALL, "max_completion_length": 512, "max_steps": 3}
         )
         trainer = PackedGRPOTrainer(
             model=hub[QWEN3_MOE],
