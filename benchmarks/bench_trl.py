@@ -190,7 +190,10 @@ def reward(args: argparse.Namespace) -> None:
     batches = {name: run.data_collator(examples) for name, run in runs.items()}
     times = checked_and_timed(runs, lambda name, run: step(run, dict(batches[name])), args.rounds)
     stock_s, packed_s = times["stock"], times["packed"]
-    padded, packed = batches["stock"]["input_ids"].numel(), batches["packed"]["input_ids"].numel()
+    padded, packed = (
+        batches["stock"]["input_ids"].numel(),
+        runs["packed"].packing(examples)["input_ids"].numel(),
+    )
     real = int(batches["stock"]["attention_mask"].sum())
     print(f"\nReward model: {args.pairs} pairs of 250-1,800 token sequences\n")
     print("| | stock RewardTrainer | PackedRewardTrainer | ratio |")

@@ -30,7 +30,8 @@ from trl.trainer.reward_trainer import DataCollatorForPreference
 
 from zephon_collate import Collator, use_host_pass
 from zephon_collate.trainers import PackedRewardTrainer
-from zephon_collate.trainers.rewards import packed_rewards
+from zephon_collate.trainers.rewards import PackedRewards
+from zephon_collate.transforms import AttentionMask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from trl_dpo import tokenizer
@@ -241,8 +242,8 @@ def test_one_batch_equals_stock(case, rows):
     data = pairs(8, margin=bool(case.get("margin")))
     packed = trainer(PackedRewardTrainer, data, **options)
     view = DataCollatorForPreference(pad_token_id=PAD, pad_to_multiple_of=options.get("pad_to_multiple_of"))
-    packed.data_collator = packed_rewards(view, packed.model.config.pad_token_id, rows)
-    assert (packed.data_collator(data[:4])["input_ids"].shape[0] == 1) == (rows == "one")
+    packed.packing = PackedRewards(view, packed.model.config.pad_token_id, rows)
+    assert (packed.packing(data[:4])["input_ids"].shape[0] == 1) == (rows == "one")
     out = one_batch(trainer(RewardTrainer, data, **options), packed)
     (stock_loss, stock_grads, stock_metrics), (loss, grads, metrics) = out["stock"], out["packed"]
     assert abs(float(loss) - float(stock_loss)) <= 1e-6
@@ -328,7 +329,7 @@ def test_pad_equal_to_eos_scores_the_token_the_model_pools():
 def test_the_transformer_sees_only_real_tokens_and_other_calls_run_stock():
     run = trainer(PackedRewardTrainer, pairs(8))
     examples = [run.train_dataset[i] for i in range(4)]
-    batch = run.data_collator(examples)  # SDPA: best-fit rows as wide as the longest sequence
+    batch = run.packing(examples)  # SDPA: best-fit rows as wide as the longest sequence
     padded = DataCollatorForPreference(pad_token_id=PAD)(examples)
     real = int(padded["attention_mask"].sum())
     assert batch["input_ids"].shape[1] == int(padded["attention_mask"].sum(dim=1).max())
@@ -336,7 +337,7 @@ def test_the_transformer_sees_only_real_tokens_and_other_calls_run_stock():
         int(batch["attention_mask"].sum()) == real <= batch["input_ids"].numel() < padded["input_ids"].numel()
     )
     # FlashAttention's layout: one row of every real token (the collator the trainer builds for it)
-    one = packed_rewards(DataCollatorForPreference(pad_token_id=PAD), run.model.config.pad_token_id)(examples)
+    one = PackedRewards(DataCollatorForPreference(pad_token_id=PAD), run.model.config.pad_token_id)(examples)
     assert one["input_ids"].shape == (1, real)
     assert torch.equal(one["attention_mask"], torch.ones_like(one["input_ids"]))
     scored = batch["input_ids"].flatten()[batch["last_token_index"]]
@@ -349,7 +350,7 @@ def test_the_transformer_sees_only_real_tokens_and_other_calls_run_stock():
 
 def test_packed_collator_keeps_a_for_rewards_collators_options():
     view = Collator.for_rewards(pad_token_id=PAD, pad_to_multiple_of=4)
-    batch = packed_rewards(view, skip_id=None)([{"chosen_ids": [5, 6], "rejected_ids": [7]}])
+    batch = PackedRewards(view, skip_id=None)([{"chosen_ids": [5, 6], "rejected_ids": [7]}])
     assert batch["input_ids"].tolist() == [[5, 6, 7, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 0]]
     assert batch["last_token_index"].tolist() == [1, 2]
@@ -359,9 +360,13 @@ def test_trainer_refusals():
     """Another collate function (its batch cannot be packed); a packed call with inputs the packed forward
     does not lay out."""
     with pytest.raises(TypeError, match=r"PackedRewardTrainer: packs the pairs itself.*got function"):
-        packed_rewards(lambda examples: {}, skip_id=None)
+        PackedRewards(lambda examples: {}, skip_id=None)
+    with pytest.raises(ValueError, match=r"padding_free=True\); give the padded collator"):
+        PackedRewards(Collator.for_rewards(pad_token_id=PAD, padding_free=True), skip_id=None)
+    with pytest.raises(ValueError, match=r"runs transforms of yours, on the padded batch"):
+        PackedRewards(Collator.for_rewards(pad_token_id=PAD, transforms=[AttentionMask()]), skip_id=None)
     run = trainer(PackedRewardTrainer, pairs(4))
-    batch = run.data_collator([run.train_dataset[i] for i in range(2)])
+    batch = run.packing([run.train_dataset[i] for i in range(2)])
     embeds = torch.zeros(1, batch["input_ids"].shape[1], 32, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"packed call.*'inputs_embeds'"):
         run.model(**batch, inputs_embeds=embeds)
@@ -370,19 +375,47 @@ def test_trainer_refusals():
 
 
 @pytest.mark.parametrize("field", ["prompt_ids", "prompt_input_ids", "chosen_attention_mask"])
-def test_a_field_trls_collator_does_not_read_is_refused_not_read(field):
+def test_the_trainer_reads_what_trls_collator_reads(field):
     """RewardTrainer's collator reads chosen_ids, rejected_ids and margin only (each side the whole
-    sequence): kept by ``remove_unused_columns=False``, a prompt or a mask Collator.for_rewards would read
-    is refused by name, where the packed trainer would otherwise score other sequences than stock."""
+    sequence); kept by ``remove_unused_columns=False``, a prompt or a mask Collator.for_rewards would read
+    changes nothing: the packed trainer packs the batch TRL's collator made, and trains as stock."""
     data = [
-        {**pair, field: [9, 10] if "ids" in field else [1] * len(pair["chosen_ids"])} for pair in pairs(4)
+        {**pair, field: [9, 10] if "ids" in field else [1] * len(pair["chosen_ids"])} for pair in pairs(8)
     ]
-    run = trainer(PackedRewardTrainer, data, steps=1, remove_unused_columns=False)
-    with pytest.raises(
-        ValueError, match=rf"PackedRewardTrainer: example 0 carries '{field}'.*remove_unused_col"
-    ):
+    runs = [
+        trainer(cls, data, steps=2, remove_unused_columns=False)
+        for cls in (RewardTrainer, PackedRewardTrainer)
+    ]
+    for run in runs:
         run.train()
-    assert trainer(PackedRewardTrainer, data, steps=1).train().training_loss > 0  # the column dropped
+    stock, packed = ([entry["loss"] for entry in run.state.log_history if "loss" in entry] for run in runs)
+    assert len(stock) == 2 and packed == pytest.approx(stock, abs=1e-9)
+
+
+def test_dispatched_batches_score_as_stock():
+    """accelerate dispatches an iterable dataset's batches (and any with ``dispatch_batches=True``),
+    slicing every tensor by rows: the trainer packs each batch after that, so its evaluation of an
+    iterable dataset and its dispatched training steps log stock's numbers (a batch packed by the collator
+    lost all but its first rows' worth of ``last_token_index``)."""
+    data = pairs(8, margin=True)
+    dataset = Dataset.from_list(data)
+    logged = []
+    for cls in (RewardTrainer, PackedRewardTrainer):
+        run = trainer(cls, data, steps=2, accelerator_config={"dispatch_batches": True})
+        run.train()
+        train = [entry for entry in run.state.log_history if "loss" in entry]
+        evaluated = [
+            run.evaluate(eval_dataset=dataset),
+            run.evaluate(eval_dataset=dataset.to_iterable_dataset()),
+        ]
+        logged.append((train, evaluated))
+    (stock_train, stock_eval), (train, evaluated) = logged
+    for a, b in zip(stock_train, train, strict=True):
+        for key in ("loss", "accuracy", "margin", "mean_reward"):
+            assert b[key] == pytest.approx(a[key], abs=1e-9), key
+    for got in evaluated:
+        for key in ("eval_loss", "eval_accuracy", "eval_margin", "eval_mean_reward"):
+            assert got[key] == pytest.approx(stock_eval[0][key], abs=1e-9), key
 
 
 # -- refusals -------------------------------------------------------------------------------------

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+import torch
 from torch import nn
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from trl.trainer.reward_trainer import DataCollatorForPreference, RewardTrainer
@@ -15,102 +15,108 @@ from trl.trainer.reward_trainer import DataCollatorForPreference, RewardTrainer
 from zephon_collate.collate.collator import Collator
 from zephon_collate.core.keys import (
     ATTENTION_MASK,
-    CHOSEN_ATTENTION_MASK,
+    CHOSEN_IDS,
     INPUT_IDS,
     LAST_TOKEN_INDEX,
     MARGIN,
     POSITION_IDS,
-    PROMPT_ATTENTION_MASK,
-    PROMPT_IDS,
-    PROMPT_INPUT_IDS,
-    REJECTED_ATTENTION_MASK,
+    REJECTED_IDS,
 )
 from zephon_collate.core.text import shown
 from zephon_collate.layouts.presets import RewardOptions
-from zephon_collate.layouts.trees import Trees
 from zephon_collate.trainers.view import check_packing, packed_rows, present
 from zephon_collate.transforms import AttentionMask, PaddingMask
 
-__all__ = ["PackedRewardTrainer", "packed_rewards", "wrap_score_forward"]
+__all__ = ["PackedRewardTrainer", "PackedRewards", "wrap_score_forward"]
 
 _OWNER = "PackedRewardTrainer"
 _READ = frozenset({INPUT_IDS, ATTENTION_MASK, POSITION_IDS, MARGIN, "use_cache", "return_dict"})
 """What the packed forward reads or may ignore: TRL's ``model(**batch, use_cache=False)``, and the
 ``return_dict`` PEFT's sequence-classification wrapper adds."""
-_UNREAD_BY_TRL = (
-    PROMPT_IDS,
-    PROMPT_INPUT_IDS,
-    PROMPT_ATTENTION_MASK,
-    CHOSEN_ATTENTION_MASK,
-    REJECTED_ATTENTION_MASK,
-)
-"""Fields ``Collator.for_rewards`` reads and TRL's reward collator ignores (it reads the two sides, each
-the whole sequence, and ``margin``): standing in for TRL's, they are refused, not read otherwise."""
 
 
-def packed_rewards(
-    view: Callable[..., Mapping[str, Any]], skip_id: int | None, rows: Literal["one", "fit"] = "one"
-) -> Callable[[Sequence[Mapping[str, Any]]], dict[str, Any]]:
-    """The padding-free ``Collator.for_rewards`` standing in for ``view``, with ``attention_mask`` ones.
-
-    Standing in for TRL's collator, it refuses the fields that one does not read (``prompt_ids``, the
-    per-side attention masks), which ``Collator.for_rewards`` would.
+class PackedRewards:
+    """A padded reward batch (``[2P, T]``: the chosen sequences, then the rejected) with its sequences
+    packed padding-free, ``attention_mask`` ones, ``last_token_index`` each sequence's scored token.
 
     Parameters:
-        view: TRL's reward ``DataCollatorForPreference`` or a ``Collator.for_rewards`` collator.
+        view: the collator of the padded batch: TRL's reward ``DataCollatorForPreference`` or a padded
+            ``Collator.for_rewards``; its ``pad_to_multiple_of`` rounds the packed rows.
         skip_id: the model's ``pad_token_id``: each sequence is scored at its last token that is not it.
         rows: ``"one"``: the sequences in one row; ``"fit"``: best fit into rows as wide as the longest.
 
     Example:
         >>> from trl.trainer.reward_trainer import DataCollatorForPreference
-        >>> collate = packed_rewards(DataCollatorForPreference(pad_token_id=0), skip_id=0)
-        >>> batch = collate([{"chosen_ids": [5, 6], "rejected_ids": [7]}])
+        >>> packing = PackedRewards(DataCollatorForPreference(pad_token_id=0), skip_id=0)
+        >>> batch = packing([{"chosen_ids": [5, 6], "rejected_ids": [7]}])
         >>> batch["input_ids"].tolist(), batch["position_ids"].tolist(), batch["last_token_index"].tolist()
         ([[5, 6, 7]], [[0, 1, 0]], [1, 2])
     """
-    masks = [PaddingMask(), AttentionMask()]
-    if isinstance(view, Collator) and isinstance(view.layout.options, RewardOptions):
-        options = dataclasses.replace(
-            view.layout.options,
-            padding_free=True,
-            return_position_ids=True,
-            return_flash_attn_kwargs=False,
-            return_seq_idx=False,
-            last_token_skip_id=skip_id,
-            max_row_tokens="longest" if rows == "fit" else None,
-        )
-        settings = dataclasses.replace(view.settings, transforms=[*masks, *view.settings.transforms])
-        return Collator.of(Trees(options, settings))
-    if isinstance(view, DataCollatorForPreference):
-        collate = Collator.for_rewards(
-            padding_free=True,
-            pad_token_id=view.pad_token_id,
-            pad_to_multiple_of=view.pad_to_multiple_of,
-            last_token_skip_id=skip_id,
-            max_row_tokens="longest" if rows == "fit" else None,
-            transforms=masks,
-        )
-        return functools.partial(_read_as_trl, collate)
-    raise TypeError(
-        f"{_OWNER}: packs the pairs itself, so data_collator must be TRL's reward DataCollatorForPreference "
-        f"(the default) or Collator.for_rewards(...), got {type(view).__name__}; drop data_collator, or "
-        "train with RewardTrainer"
-    )
 
-
-def _read_as_trl(collate: Collator, examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """``collate(examples)``, refusing a field TRL's reward collator would not read."""
-    for index, example in enumerate(examples):
-        unread = [name for name in _UNREAD_BY_TRL if isinstance(example, Mapping) and name in example]
-        if unread:
-            raise ValueError(
-                f"{_OWNER}: example {index} carries {shown(unread[0])}, which RewardTrainer's collator does "
-                "not read (chosen_ids and rejected_ids are each the whole sequence, prompt inside) and the "
-                "packed collator would (a prompt before both sides, a mask dropping padding): drop the "
-                "column (remove_unused_columns=True does), or pass data_collator=Collator.for_rewards(...), "
-                "which reads it (docs/post_training.md)"
+    def __init__(
+        self, view: Callable[..., Mapping[str, Any]], skip_id: int | None, rows: Literal["one", "fit"] = "one"
+    ) -> None:
+        if isinstance(view, Collator) and isinstance(view.layout.options, RewardOptions):
+            if view.layout.options.padding_free:
+                raise ValueError(
+                    f"{_OWNER}: data_collator is Collator.for_rewards(padding_free=True); give the padded "
+                    "collator (the trainer packs its batches itself)"
+                )
+            if view.settings.transforms or view.settings.chain is not None:
+                raise ValueError(
+                    f"{_OWNER}: data_collator runs transforms of yours, on the padded batch the trainer "
+                    "packs again, so their outputs would not reach the model; drop them, or train with "
+                    "RewardTrainer"
+                )
+            options = view.layout.options
+            tokenizer, multiple, pad_id = options.tokenizer, options.pad_to_multiple_of, options.pad_token_id
+        elif isinstance(view, DataCollatorForPreference):
+            tokenizer, multiple, pad_id = None, view.pad_to_multiple_of, view.pad_token_id
+        else:
+            raise TypeError(
+                f"{_OWNER}: packs the pairs itself, so data_collator must be TRL's reward "
+                "DataCollatorForPreference (the default) or Collator.for_rewards(...), got "
+                f"{type(view).__name__}; drop data_collator, or train with RewardTrainer"
             )
-    return collate(examples)
+        self.view = view
+        self.packer = Collator.for_rewards(
+            tokenizer,
+            padding_free=True,
+            pad_token_id=pad_id,
+            pad_to_multiple_of=multiple,
+            last_token_skip_id=skip_id,
+            max_row_tokens="longest" if rows == "fit" else None,
+            transforms=[PaddingMask(), AttentionMask()],
+        )
+
+    def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return self.packed(self.view(examples))
+
+    def packed(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """``batch``'s sequences packed, on its device, its ``margin`` kept."""
+        ids, mask = batch[INPUT_IDS], batch[ATTENTION_MASK]
+        host_ids, host_mask = ids.cpu(), mask.cpu().bool()
+        lengths = host_mask.sum(dim=1)
+        first = host_mask.int().argmax(dim=1)
+        columns = torch.arange(host_mask.shape[1])
+        span = (columns >= first[:, None]) & (columns < (first + lengths)[:, None])
+        holes = (host_mask != span).any(dim=1).nonzero()
+        if holes.numel() or host_mask.shape[0] % 2:
+            row = int(holes[0, 0]) if holes.numel() else host_mask.shape[0]
+            raise ValueError(
+                f"{_OWNER}: the padded batch's row {row} is not one span of tokens, or the batch has an odd "
+                f"number of rows ({host_mask.shape[0]}); give TRL's DataCollatorForPreference, which pads "
+                "each sequence on the right, the chosen ones first"
+            )
+        sequences = [host_ids[row][host_mask[row]] for row in range(host_ids.shape[0])]
+        pairs = len(sequences) // 2
+        packed = self.packer(
+            [{CHOSEN_IDS: sequences[i], REJECTED_IDS: sequences[pairs + i]} for i in range(pairs)]
+        )
+        out: dict[str, Any] = {key: value.to(ids.device) for key, value in packed.items()}
+        if MARGIN in batch:
+            out[MARGIN] = batch[MARGIN]
+        return out
 
 
 def wrap_score_forward(model: nn.Module) -> None:
@@ -173,5 +179,17 @@ class PackedRewardTrainer(RewardTrainer):
             )
         check_packing(decoder, _OWNER)
         skip_id = getattr(base.config.get_text_config(), "pad_token_id", None)
-        self.data_collator = packed_rewards(self.data_collator, skip_id, packed_rows(base))
+        self.packing = PackedRewards(self.data_collator, skip_id, packed_rows(base))
         wrap_score_forward(base)
+
+    def compute_loss(
+        self,
+        model: Any,
+        inputs: Mapping[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        """TRL's loss, the batch packed here: after accelerate has dispatched it, which slices every
+        tensor by rows (a packed batch's ``last_token_index`` would not survive it)."""
+        packed = self.packing.packed(inputs)
+        return super().compute_loss(model, packed, return_outputs, num_items_in_batch)  # type: ignore[no-untyped-call]
