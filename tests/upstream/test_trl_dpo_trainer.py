@@ -39,7 +39,7 @@ What was swapped, and nothing else (every assertion is kept):
   upstream asserts on (``eval_steps=3``) still happens, at step 3, and the log entries sit where upstream's do.
 
 The GPU, liger-kernel and bitsandbytes tests keep upstream's markers and skip where those are missing.
-``test_train_gpt_oss`` is skipped: its harmony dataset and GPT-OSS's harmony chat template are hub files, and
+``test_train_gpt_oss`` is left out: its harmony dataset and GPT-OSS's harmony chat template are hub files, and
 GPT-OSS is refused by ``PackedDPOTrainer`` (see below).
 
 Where this package deliberately differs (docs/post_training.md, "DPO"), the case stays and asserts this package's
@@ -776,14 +776,6 @@ class TestDPOTrainer:
         for n, param in previous_trainable_params.items():
             new_param = trainer.model.get_parameter(n)
             assert not torch.equal(param, new_param), f"Parameter {n} has not changed."
-
-    # Special case for harmony
-    @pytest.mark.skip(
-        reason="the harmony dataset and GPT-OSS's chat template are hub files; PackedDPOTrainer refuses GPT-OSS "
-        "(test_train's GptOss case)"
-    )
-    def test_train_gpt_oss(self):
-        pass
 
     @SHARED
     def test_train_model(self, shared_prompt, hub, tmp_path):

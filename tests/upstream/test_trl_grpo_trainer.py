@@ -397,7 +397,8 @@ class TestGRPOTrainer:
         monkeypatch.chdir(tmp_path)
         monkeypatch.setattr("trl.trainer.grpo_trainer.GRPOConfig", GRPOConfig)  # no args: the default
         dataset = load_dataset(ZEN_ID, "standard_prompt_only", split="train")
-        PackedGRPOTrainer(model=hub[QWEN2], reward_funcs=hub[QWEN2_RM], train_dataset=dataset)
+        trainer = PackedGRPOTrainer(model=hub[QWEN2], reward_funcs=hub[QWEN2_RM], train_dataset=dataset)
+        assert trainer.packed_rows == "fit"  # here: SDPA's best-fit rows, the packed forward wrapped
 
     @pytest.mark.parametrize("shared_prompt", [False, True])
     @pytest.mark.parametrize("config_name", ["standard_prompt_only", "conversational_prompt_only"])
@@ -453,6 +454,7 @@ class TestGRPOTrainer:
             eval_dataset=dataset["test"],
         )
         trainer.train()
+        assert any("eval_loss" in entry for entry in trainer.state.log_history)  # here: an evaluation ran
 
     def test_training_with_num_generations_eval(self, hub, tmp_path):
         dataset = load_dataset(ZEN_ID, "standard_prompt_only")
@@ -475,6 +477,7 @@ class TestGRPOTrainer:
             eval_dataset=dataset["test"],
         )
         trainer.train()
+        assert any("eval_loss" in entry for entry in trainer.state.log_history)  # here: an evaluation ran
 
     # Upstream: a regression test for eval_on_start with loss_type="grpo", which reads
     # current_gradient_accumulation_steps before the first training step sets it.
@@ -497,6 +500,7 @@ class TestGRPOTrainer:
             eval_dataset=dataset["test"],
         )
         trainer.train()
+        assert any("eval_loss" in entry for entry in trainer.state.log_history)  # here: an evaluation ran
 
     @pytest.mark.parametrize("shared_prompt", [False, True])
     def test_training_multiple_iterations(self, hub, tmp_path, shared_prompt):
