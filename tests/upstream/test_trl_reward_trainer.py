@@ -596,18 +596,22 @@ class TestRewardTrainer:
 
     def test_train_toolcall_data(self, hub, tmp_path):
         dataset = load_dataset("trl-internal-testing/toolcall", "preference", split="train")
-        self.train_on_toolcalls(hub, tmp_path, dataset)
+        trainer, previous = self.train_on_toolcalls(hub, tmp_path, dataset)
+        assert trainer.state.log_history[-1]["train_loss"] is not None
+        assert_every_param_changed(trainer, previous)
 
     def test_train_toolcall_data_as_json(self, hub, tmp_path):
         # Upstream: Arrow fills the keys a row's `tools` dicts lack with None where the schemas differ; tools
         # given as a list of dicts must train as the JSON string does.
         dataset = load_dataset("trl-internal-testing/toolcall", "preference", split="train")
         dataset = dataset.map(lambda example: {"tools": json.loads(example["tools"])})
-        self.train_on_toolcalls(hub, tmp_path, dataset)
+        trainer, previous = self.train_on_toolcalls(hub, tmp_path, dataset)
+        assert trainer.state.log_history[-1]["train_loss"] is not None
+        assert_every_param_changed(trainer, previous)
 
     @staticmethod
     def train_on_toolcalls(hub, tmp_path, dataset):
-        """The body both tool-call tests share."""
+        """The body both tool-call tests share: the trained trainer and its parameters before."""
         training_args = RewardConfig(
             output_dir=str(tmp_path),
             per_device_train_batch_size=2,  # upstream: tool-call sequences are longer
@@ -617,8 +621,7 @@ class TestRewardTrainer:
         trainer = PackedRewardTrainer(model=hub[QWEN2], args=training_args, train_dataset=dataset)
         previous = params_of(trainer)
         trainer.train()
-        assert trainer.state.log_history[-1]["train_loss"] is not None
-        assert_every_param_changed(trainer, previous)
+        return trainer, previous
 
     def test_train_with_eval(self, hub, tmp_path):
         dataset = load_dataset(ZEN, "standard_implicit_prompt_preference")
