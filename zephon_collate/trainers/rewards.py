@@ -24,12 +24,14 @@ from zephon_collate.core.keys import (
 )
 from zephon_collate.core.text import shown
 from zephon_collate.layouts.presets import RewardOptions
-from zephon_collate.trainers.view import check_packing, packed_rows, present
+from zephon_collate.trainers.view import check_packing, packed_rows, padded_rope, present
 from zephon_collate.transforms import AttentionMask, PaddingMask
 
 __all__ = ["PackedRewardTrainer", "PackedRewards", "wrap_score_forward"]
 
 _OWNER = "PackedRewardTrainer"
+PADDED_WIDTH = "padded_width"
+"""The packed batch's key (popped by the packed forward) of the padded batch's width."""
 _READ = frozenset({INPUT_IDS, ATTENTION_MASK, POSITION_IDS, MARGIN, "use_cache", "return_dict"})
 """What the packed forward reads or may ignore: TRL's ``model(**batch, use_cache=False)``, and the
 ``return_dict`` PEFT's sequence-classification wrapper adds."""
@@ -37,7 +39,8 @@ _READ = frozenset({INPUT_IDS, ATTENTION_MASK, POSITION_IDS, MARGIN, "use_cache",
 
 class PackedRewards:
     """A padded reward batch (``[2P, T]``: the chosen sequences, then the rejected) with its sequences
-    packed padding-free, ``attention_mask`` ones, ``last_token_index`` each sequence's scored token.
+    packed padding-free, ``attention_mask`` ones, ``last_token_index`` each sequence's scored token,
+    ``padded_width`` ``T`` (a length-dependent RoPE picks its frequencies for it, as on the padded batch).
 
     Parameters:
         view: the collator of the padded batch: TRL's reward ``DataCollatorForPreference`` or a padded
@@ -114,6 +117,7 @@ class PackedRewards:
             [{CHOSEN_IDS: sequences[i], REJECTED_IDS: sequences[pairs + i]} for i in range(pairs)]
         )
         out: dict[str, Any] = {key: value.to(ids.device) for key, value in packed.items()}
+        out[PADDED_WIDTH] = ids.shape[1]  # what a length-dependent RoPE reads on the padded batch
         if MARGIN in batch:
             out[MARGIN] = batch[MARGIN]
         return out
@@ -127,7 +131,7 @@ def wrap_score_forward(model: nn.Module) -> None:
 
     @functools.wraps(original.__func__)  # type: ignore[attr-defined]
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        index = kwargs.pop(LAST_TOKEN_INDEX, None)
+        index, width = kwargs.pop(LAST_TOKEN_INDEX, None), kwargs.pop(PADDED_WIDTH, None)
         if index is None:
             return original(*args, **kwargs)
         given = present(kwargs)  # PEFT passes Nones
@@ -141,9 +145,10 @@ def wrap_score_forward(model: nn.Module) -> None:
             )
         decoder: Any = getattr(self, str(self.base_model_prefix))
         head: Any = self.score
-        hidden = decoder(
-            input_ids=given[INPUT_IDS], position_ids=given[POSITION_IDS], use_cache=False
-        ).last_hidden_state
+        with padded_rope(self, width):
+            hidden = decoder(
+                input_ids=given[INPUT_IDS], position_ids=given[POSITION_IDS], use_cache=False
+            ).last_hidden_state
         out = SequenceClassifierOutputWithPast(logits=head(hidden.flatten(0, 1)[index.to(hidden.device)]))
         return out.to_tuple() if given.get("return_dict") is False else out
 

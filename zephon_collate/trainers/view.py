@@ -4,9 +4,10 @@ answers padded (:func:`wrap_forward`); docs/post_training.md.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -35,6 +36,7 @@ __all__ = [
     "pack_view",
     "packed_base",
     "packed_rows",
+    "padded_rope",
     "present",
     "wrap_forward",
 ]
@@ -168,13 +170,14 @@ def wrap_forward(model: nn.Module) -> None:
             given[ATTENTION_MASK] = branch_attention(self, packed)
             if _has_router(self):  # no load-balancing loss from a 4-D mask (the trainer refuses one here)
                 given.setdefault("output_router_logits", False)
-        out = fused(
-            input_ids=packed[INPUT_IDS],
-            position_ids=_model_positions(self, packed[POSITION_IDS]),
-            shift_labels=packed["shift_labels"],
-            fused_lm_head=True,
-            **given,
-        )
+        with padded_rope(self, labels.shape[1]):
+            out = fused(
+                input_ids=packed[INPUT_IDS],
+                position_ids=_model_positions(self, packed[POSITION_IDS]),
+                shift_labels=packed["shift_labels"],
+                fused_lm_head=True,
+                **given,
+            )
         shape = (labels.shape[0], labels.shape[1] - 1)
         fields = {name: _laid_out(getattr(out, name), packed, shape) for name in _PER_TOKEN}
         mask, loss = labels[:, 1:] != -100, out.loss
@@ -185,6 +188,53 @@ def wrap_forward(model: nn.Module) -> None:
 
     forward._zephon_packed = True  # type: ignore[attr-defined]
     model.forward = types.MethodType(forward, model)
+
+
+@contextlib.contextmanager
+def padded_rope(model: nn.Module, width: int | None) -> Iterator[None]:
+    """Run ``model``'s length-dependent RoPE on packed rows as on the padded batch ``width`` tokens wide.
+
+    transformers' ``dynamic`` and ``longrope`` rotary embeddings pick their frequencies from the call's
+    largest position: on the padded batch, its width (``position_ids`` count 0 to ``width - 1``); packed,
+    the longest sequence. Within this context each such module picks them for ``width`` (its cache of a
+    ``dynamic`` RoPE updated as the padded call updates it), then applies them to the packed positions.
+    Other RoPE types and models, and ``width=None``, are left as they are.
+
+    Example:
+        >>> with padded_rope(nn.Linear(1, 1), 24):  # no rotary embedding: nothing to do
+        ...     pass
+    """
+    if width is None:
+        yield
+        return
+    rotaries = [module for module in model.modules() if _length_dependent(module)]
+    saved = [vars(rotary).get("forward") for rotary in rotaries]  # a forward set on the instance, kept
+    last = width - 1
+    for rotary in rotaries:
+        decorated = type(rotary).forward  # transformers' dynamic_rope_update around the module's forward
+
+        def forward(x: Any, position_ids: torch.Tensor, *args: Any, _rotary: nn.Module = rotary,
+                    _decorated: Any = decorated, **kwargs: Any) -> Any:  # fmt: skip
+            widest = position_ids.new_full((*position_ids.shape[:-1], 1), last)
+            _decorated(_rotary, x, widest, *args, **kwargs)  # the frequency update of the padded call
+            return _decorated.__wrapped__(_rotary, x, position_ids, *args, **kwargs)
+
+        rotary.forward = forward
+    try:
+        yield
+    finally:
+        for rotary, own in zip(rotaries, saved, strict=True):
+            del rotary.forward
+            if own is not None:
+                rotary.forward = own
+
+
+def _length_dependent(module: nn.Module) -> bool:
+    """Whether ``module`` is a rotary embedding whose frequencies follow the call's largest position."""
+    kinds = getattr(module, "rope_type", None)
+    kinds = kinds.values() if isinstance(kinds, Mapping) else [kinds]
+    follows = any(isinstance(kind, str) and ("dynamic" in kind or kind == "longrope") for kind in kinds)
+    return follows and hasattr(type(module).forward, "__wrapped__")
 
 
 def packed_rows(
