@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from transformers.modeling_rope_utils import dynamic_rope_update
 from trl.trainer.utils import FusedCausalLMOutput
 
 from zephon_collate.collate.collator import Collator
@@ -231,10 +232,15 @@ def padded_rope(model: nn.Module, width: int | None) -> Iterator[None]:
 
 def _length_dependent(module: nn.Module) -> bool:
     """Whether ``module`` is a rotary embedding whose frequencies follow the call's largest position."""
+    if getattr(type(module).forward, "__code__", None) is not _ROPE_UPDATE:
+        return False
     kinds = getattr(module, "rope_type", None)
     kinds = kinds.values() if isinstance(kinds, Mapping) else [kinds]
-    follows = any(isinstance(kind, str) and ("dynamic" in kind or kind == "longrope") for kind in kinds)
-    return follows and hasattr(type(module).forward, "__wrapped__")
+    return any(isinstance(kind, str) and ("dynamic" in kind or kind == "longrope") for kind in kinds)
+
+
+_ROPE_UPDATE = dynamic_rope_update(lambda self, x, position_ids: None).__code__  # type: ignore[no-untyped-call]
+"""The code of transformers' ``dynamic_rope_update`` wrapper, which a rotary embedding's forward runs."""
 
 
 def packed_rows(
