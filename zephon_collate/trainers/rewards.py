@@ -30,7 +30,7 @@ from zephon_collate.transforms import AttentionMask, PaddingMask
 __all__ = ["PackedRewardTrainer", "PackedRewards", "wrap_score_forward"]
 
 _OWNER = "PackedRewardTrainer"
-PADDED_WIDTH = "padded_width"
+_PADDED_WIDTH = "padded_width"
 """The packed batch's key (popped by the packed forward) of the padded batch's width."""
 _READ = frozenset({INPUT_IDS, ATTENTION_MASK, POSITION_IDS, MARGIN, "use_cache", "return_dict"})
 """What the packed forward reads or may ignore: TRL's ``model(**batch, use_cache=False)``, and the
@@ -117,7 +117,7 @@ class PackedRewards:
             [{CHOSEN_IDS: sequences[i], REJECTED_IDS: sequences[pairs + i]} for i in range(pairs)]
         )
         out: dict[str, Any] = {key: value.to(ids.device) for key, value in packed.items()}
-        out[PADDED_WIDTH] = ids.shape[1]  # what a length-dependent RoPE reads on the padded batch
+        out[_PADDED_WIDTH] = ids.shape[1]  # what a length-dependent RoPE reads on the padded batch
         if MARGIN in batch:
             out[MARGIN] = batch[MARGIN]
         return out
@@ -131,7 +131,7 @@ def wrap_score_forward(model: nn.Module) -> None:
 
     @functools.wraps(original.__func__)  # type: ignore[attr-defined]
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        index, width = kwargs.pop(LAST_TOKEN_INDEX, None), kwargs.pop(PADDED_WIDTH, None)
+        index, width = kwargs.pop(LAST_TOKEN_INDEX, None), kwargs.pop(_PADDED_WIDTH, None)
         if index is None:
             return original(*args, **kwargs)
         given = present(kwargs)  # PEFT passes Nones
