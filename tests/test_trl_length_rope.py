@@ -191,3 +191,48 @@ def test_the_rotary_forward_is_restored_and_others_are_left_alone():
     assert torch.equal(rotary.inv_freq, rotary.original_inv_freq)  # 3 positions alone: the short factors
     with padded_rope(model, None):
         assert "forward" not in vars(rotary)
+
+
+def test_a_phimoe_reward_model_scores_as_stock():
+    """PhiMoE's rotary embedding picks its scale (``short_mscale`` 1.0, ``long_mscale`` 1.2 here) from the
+    call's largest position in its own forward: pairs padded to 32 past its original 16 get the long one,
+    stock and packed. In eval mode (its training router samples): the same rewards, loss and gradients."""
+    from transformers import PhimoeConfig, PhimoeForSequenceClassification
+
+    quiet()
+    rope = {**ROPES["longrope"], "short_mscale": 1.0, "long_mscale": 1.2}
+    settings = config("longrope").to_dict() | {"rope_parameters": rope, "num_labels": 1}
+    settings |= {
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "original_max_position_embeddings": ORIGINAL,
+    }
+    generator = torch.Generator().manual_seed(0)
+
+    def sequence() -> list[int]:
+        length = int(torch.randint(2, 11, (1,), generator=generator))
+        return [*torch.randint(3, 63, (length,), generator=generator).tolist(), 1]
+
+    data = Dataset.from_list([{"chosen_ids": sequence(), "rejected_ids": sequence()} for _ in range(4)])
+    args = RewardConfig(
+        output_dir="/tmp/zephon-reward-rope", per_device_train_batch_size=4, max_steps=1, report_to=[],
+        use_cpu=True, seed=0, bf16=False, pad_to_multiple_of=32,
+    )  # fmt: skip
+    results = []
+    for cls in (RewardTrainer, PackedRewardTrainer):
+        torch.manual_seed(0)
+        phimoe = PhimoeConfig(**{key: value for key, value in settings.items() if key != "model_type"})
+        phimoe._attn_implementation = "sdpa"
+        phimoe._experts_implementation = "eager"  # the grouped matmul takes no float64
+        run = cls(model=sharpened(PhimoeForSequenceClassification(phimoe)), args=args, train_dataset=data,
+                  processing_class=tokenizer())  # fmt: skip
+        batch = next(iter(run.get_train_dataloader()))
+        run.model.eval()
+        loss, out = run.compute_loss(run.model, dict(batch), return_outputs=True)
+        loss.backward()
+        results.append((loss.detach(), out.logits.detach(), [p.grad for p in run.model.parameters()]))
+    (want_loss, want, want_grads), (got_loss, got, grads) = results
+    assert float((got - want).abs().max()) < 1e-12, (got.flatten().tolist(), want.flatten().tolist())
+    assert abs(float(got_loss - want_loss)) < 1e-12
+    for a, b in zip(grads, want_grads, strict=True):
+        assert (a is None and b is None) or float((a - b).abs().max()) < 1e-10

@@ -12,7 +12,6 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from transformers.modeling_rope_utils import dynamic_rope_update
 from trl.trainer.utils import FusedCausalLMOutput
 
 from zephon_collate.collate.collator import Collator
@@ -195,11 +194,12 @@ def wrap_forward(model: nn.Module) -> None:
 def padded_rope(model: nn.Module, width: int | None) -> Iterator[None]:
     """Run ``model``'s length-dependent RoPE on packed rows as on the padded batch ``width`` tokens wide.
 
-    transformers' ``dynamic`` and ``longrope`` rotary embeddings pick their frequencies from the call's
+    transformers' ``dynamic`` and ``longrope`` rotary embeddings (and PhiMoE's scale) follow the call's
     largest position: on the padded batch, its width (``position_ids`` count 0 to ``width - 1``); packed,
-    the longest sequence. Within this context each such module picks them for ``width`` (its cache of a
-    ``dynamic`` RoPE updated as the padded call updates it), then applies them to the packed positions.
-    Other RoPE types and models, and ``width=None``, are left as they are.
+    the longest sequence. Within this context each such module runs as on the padded batch, on positions
+    0 to ``width - 1`` (a ``dynamic`` RoPE's cache updated as that call updates it), and its cos and sin
+    are read at the packed positions. Other modules and multimodal positions, and ``width=None``, are
+    left as they are.
 
     Example:
         >>> with padded_rope(nn.Linear(1, 1), 24):  # no rotary embedding: nothing to do
@@ -210,15 +210,21 @@ def padded_rope(model: nn.Module, width: int | None) -> Iterator[None]:
         return
     rotaries = [module for module in model.modules() if _length_dependent(module)]
     saved = [vars(rotary).get("forward") for rotary in rotaries]  # a forward set on the instance, kept
-    last = width - 1
     for rotary in rotaries:
-        decorated = type(rotary).forward  # transformers' dynamic_rope_update around the module's forward
 
-        def forward(x: Any, position_ids: torch.Tensor, *args: Any, _rotary: nn.Module = rotary,
-                    _decorated: Any = decorated, **kwargs: Any) -> Any:  # fmt: skip
-            widest = position_ids.new_full((*position_ids.shape[:-1], 1), last)
-            _decorated(_rotary, x, widest, *args, **kwargs)  # the frequency update of the padded call
-            return _decorated.__wrapped__(_rotary, x, position_ids, *args, **kwargs)
+        def forward(x: Any, position_ids: torch.Tensor, *args: Any, _own: Any = rotary.forward,
+                    _name: str = type(rotary).__name__, **kwargs: Any) -> Any:  # fmt: skip
+            if position_ids.dim() != 2:  # multimodal planes
+                return _own(x, position_ids, *args, **kwargs)
+            padded = torch.arange(width, device=position_ids.device)[None]  # the padded call's positions
+            tables = _own(x, padded, *args, **kwargs)
+            if any(table.shape[:2] != (1, width) for table in tables):
+                raise ValueError(
+                    f"{_name} returned tables of shapes {[tuple(table.shape) for table in tables]} for "
+                    f"positions [1, {width}], which the packed forward cannot read at the packed positions; "
+                    "train this model with TRL's own trainer"
+                )
+            return tuple(table[0][position_ids] for table in tables)
 
         rotary.forward = forward
     try:
@@ -231,16 +237,11 @@ def padded_rope(model: nn.Module, width: int | None) -> Iterator[None]:
 
 
 def _length_dependent(module: nn.Module) -> bool:
-    """Whether ``module`` is a rotary embedding whose frequencies follow the call's largest position."""
-    if getattr(type(module).forward, "__code__", None) is not _ROPE_UPDATE:
-        return False
+    """Whether ``module`` is a rotary embedding whose tables follow the call's largest position."""
     kinds = getattr(module, "rope_type", None)
     kinds = kinds.values() if isinstance(kinds, Mapping) else [kinds]
-    return any(isinstance(kind, str) and ("dynamic" in kind or kind == "longrope") for kind in kinds)
-
-
-_ROPE_UPDATE = dynamic_rope_update(lambda self, x, position_ids: None).__code__  # type: ignore[no-untyped-call]
-"""The code of transformers' ``dynamic_rope_update`` wrapper, which a rotary embedding's forward runs."""
+    follows = any(isinstance(kind, str) and ("dynamic" in kind or kind == "longrope") for kind in kinds)
+    return follows and isinstance(getattr(module, "inv_freq", None), torch.Tensor)
 
 
 def packed_rows(
