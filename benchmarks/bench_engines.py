@@ -8,8 +8,8 @@ processes, the Ray cluster's actors), its steady state, its tail (the workers' l
 end (shutdown) shown apart:
 
 - Grain: ``PackIterDataset -> .batch(batch_fn=collator)`` with 0 and 2 worker processes
-  (``mp_prefetch``; torch tensors handed over by file descriptor or by file name, or NumPy arrays
-  and ``as_torch`` after) against ``DataLoader(PackedStream, collate_fn=collator)`` with 0 and 2
+  (``mp_prefetch``; torch tensors, which the collator sends as one narrow buffer, inline up to 768 KiB,
+  with torch's default sharing strategy or ``file_system`` set, or NumPy arrays and ``as_torch`` after) against ``DataLoader(PackedStream, collate_fn=collator)`` with 0 and 2
   workers;
 - Ray Data: ``map_batches(PackBatches) -> iter_torch_batches(collate_fn=ArrowCollateFn)`` with 1
   and 2 packing actors against a ``DataLoader`` over the same rows (``pack_columns`` of each Ray
@@ -145,8 +145,8 @@ def grain_rows(docs: list[SampleRecord], seq_len: int) -> dict[str, Candidate]:
         "DataLoader, 0 workers": (loader(0), 0),
         "Grain, 0 workers": (engine(0), 0),
         "DataLoader, 2 workers": (loader(2), 2),
-        "Grain, 2 workers, torch tensors (file descriptors)": (engine(2), 2),
-        "Grain, 2 workers, torch tensors (`file_system` sharing)": (engine(2, "file_system"), 2),
+        "Grain, 2 workers, torch tensors (one narrow buffer each)": (engine(2), 2),
+        "Grain, 2 workers, torch tensors, `file_system` sharing set": (engine(2, "file_system"), 2),
         "Grain, 2 workers, NumPy in the workers, `as_torch` after": (engine(2, "numpy"), 2),
         "(Grain, 2 workers, a batch of zeros per element: its own hand-off)": (hand_off, 2),
     }

@@ -341,3 +341,33 @@ def test_as_torch_shares_each_arrays_memory_and_copies_a_read_only_one():
     batch = as_torch({"input_ids": writable, "labels": frozen, "ids": [(0, 0, 0)]})
     assert batch["input_ids"].data_ptr() == writable.ctypes.data and batch["ids"] == [(0, 0, 0)]
     assert batch["labels"].data_ptr() != frozen.ctypes.data and batch["labels"].tolist() == [0, 1, 2]
+
+
+def test_in_a_grain_worker_the_collator_sends_one_narrow_buffer_and_the_same_batch(monkeypatch):
+    import pickle
+
+    from grain._src.python.dataset.transformations import process_prefetch
+
+    from zephon_collate.collate.transfer import WireOutputs
+
+    rows = list(PackIterDataset(grain.MapDataset.source(documents()), seq_len=16, pad_token_id=0))[:3]
+    plain = COLLATOR(rows)
+    assert type(plain) is dict  # the main process: Grain's worker flag is off
+    monkeypatch.setattr(process_prefetch, "_is_in_worker_process", True)
+    sent = COLLATOR(rows)
+    assert type(sent) is WireOutputs  # as in a DataLoader worker: the tensors pickle as one buffer
+    arrived = pickle.loads(pickle.dumps(sent))
+    assert type(arrived) is dict and list(arrived) == list(plain)
+    assert digest(arrived) == digest(plain)
+    assert all(arrived[k].dtype == v.dtype for k, v in plain.items() if isinstance(v, torch.Tensor))
+
+
+def test_torch_batches_from_two_grain_workers_equal_the_dataloader_and_close_mid_epoch():
+    ds = PackIterDataset(grain.MapDataset.source(documents()), **PACKERS["greedy"])
+    ds = ds.batch(3, batch_fn=COLLATOR).mp_prefetch(grain.MultiprocessingOptions(num_workers=2))
+    batches = list(ds)
+    assert _digests(batches) == _digests(_loader_packed("greedy", 2))
+    assert all(type(batch) is dict for batch in batches)  # WireOutputs arrives as a plain dict
+    iterator = iter(ds)
+    assert digest(next(iterator)) == digest(batches[0])
+    iterator.close()  # nothing in flight refers to a worker's file descriptors

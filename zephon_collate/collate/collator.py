@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -196,7 +197,7 @@ class Collator:
     def __call__(self, samples: Any) -> dict[str, Any]:
         """Collate in one step (:meth:`stack` then :meth:`finish` when a device or compiling is asked)."""
         out = self.layout.collate(samples)
-        return WireOutputs(out) if get_worker_info() is not None else out
+        return WireOutputs(out) if get_worker_info() is not None or _in_grain_worker() else out
 
     def stack(self, samples: Any) -> StackedBatch:
         """Worker side: read, check and stack the samples into a CPU ``StackedBatch`` (no CUDA call).
@@ -242,3 +243,15 @@ class Collator:
         for key, dtype in stacked.dtypes.items():
             data[key] = data[key].to(dtype)
         return self.layout.finish([Stacked(data, stacked.per_record, stacked.metas)])
+
+
+_GRAIN_WORKER = "grain._src.python.dataset.transformations.process_prefetch"
+
+
+def _in_grain_worker() -> bool:
+    """True in a Grain ``mp_prefetch`` worker process: its batches leave through a pipe, as a DataLoader
+    worker's do, so they travel as one narrow buffer too (``WireOutputs``), not a shared-memory block per
+    tensor. Grain is never imported here: a process that has not loaded it is no Grain worker."""
+    module = sys.modules.get(_GRAIN_WORKER)
+    check = getattr(module, "is_in_worker_process", None)
+    return bool(check()) if check is not None else False
