@@ -91,6 +91,11 @@ from test_trl_dpo_trainer import (  # the DPO port's local hub (same directory)
     require_peft,
     save_remote,
 )
+from test_trl_reward_trainer import (  # upstream's parameter checks, as the reward port writes them
+    assert_every_param_changed,
+    assert_only_adapter_changed,
+    params_of,
+)
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -372,29 +377,6 @@ def load_dataset(path: str, name: str, split: str | None = None, streaming: bool
 
 
 # -- what every training test checks ---------------------------------------------------------------
-
-
-def params_of(trainer) -> dict[str, torch.Tensor]:
-    return {n: param.clone() for n, param in trainer.model.named_parameters()}
-
-
-def assert_every_param_changed(trainer, previous, skip=lambda name: False) -> None:
-    """Upstream's loop: every parameter has changed (bar those ``skip`` names)."""
-    for n, param in previous.items():
-        if skip(n):
-            continue
-        new_param = trainer.model.get_parameter(n)
-        assert not torch.equal(param, new_param), f"Parameter {n} has not changed."
-
-
-def assert_only_adapter_changed(trainer, previous, base_param_names) -> None:
-    """Upstream's PEFT loop: base parameters unchanged, the adapter's (not the base layers') changed."""
-    for n, param in previous.items():
-        new_param = trainer.model.get_parameter(n)
-        if n in base_param_names:  # We expect the base model params to be the same
-            torch.testing.assert_close(param, new_param, msg=f"Parameter {n} has changed.")
-        elif "base_layer" not in n:  # We expect the peft params to be different (except for the base layer)
-            assert not torch.equal(param, new_param), f"Parameter {n} has not changed."
 
 
 def train_and_check(trainer) -> None:
