@@ -411,7 +411,9 @@ class TestSFTTrainer:
     def test_init_with_training_arguments(self, hub, tmp_path):
         dataset = load_dataset(ZEN, "standard_language_modeling", split="train")
         args = TrainingArguments(output_dir=str(tmp_path), report_to="none")
-        SFTTrainer(model=hub[QWEN2], args=args, train_dataset=dataset)
+        trainer = SFTTrainer(model=hub[QWEN2], args=args, train_dataset=dataset)
+        # (added) what the build made of plain TrainingArguments: this package's collator
+        assert isinstance(trainer.data_collator, ZephonDataCollatorForLanguageModeling)
 
     @pytest.mark.parametrize(
         "model_id",
@@ -1171,6 +1173,8 @@ class TestSFTTrainer:
             model=hub[QWEN2], args=training_args, train_dataset=dataset["train"], eval_dataset=dataset["test"]
         )
         trainer.train()
+        # (added) the metric reached the evaluation's log, where the best model is chosen from
+        assert any("eval_mean_token_accuracy" in entry for entry in trainer.state.log_history)
 
     def test_train_with_multiple_eval_dataset(self, hub, tmp_path):
         dataset = load_dataset(ZEN, "standard_language_modeling")
