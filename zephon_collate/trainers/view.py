@@ -241,7 +241,7 @@ def _length_dependent(module: nn.Module) -> bool:
     kinds = getattr(module, "rope_type", None)
     kinds = kinds.values() if isinstance(kinds, Mapping) else [kinds]
     follows = any(isinstance(kind, str) and ("dynamic" in kind or kind == "longrope") for kind in kinds)
-    return follows and isinstance(getattr(module, "inv_freq", None), torch.Tensor)
+    return follows and any(name.endswith("inv_freq") for name, _ in module.named_buffers(recurse=False))
 
 
 def packed_rows(
@@ -422,8 +422,8 @@ def _probe_agrees(
         given[ATTENTION_MASK] = branch_attention(model, packed)
     training = model.training
     model.eval()
-    try:
-        with torch.no_grad():
+    try:  # every call at the padded width's RoPE, as the trainers run them (padded_rope)
+        with torch.no_grad(), padded_rope(model, width):
             together = _per_token(model(input_ids=packed[INPUT_IDS], **given)).flatten(0, 1)
             alone = [_per_token(model(input_ids=ids[row : row + 1, : len(sequence)].to(device), **extra))[0]
                      for row, sequence in enumerate(sequences)]  # fmt: skip
