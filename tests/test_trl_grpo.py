@@ -1,6 +1,6 @@
-"""PackedGRPOTrainer against stock trl.GRPOTrainer: the same log-probs and entropies of left-padded prompts and
-right-padded completions, the same loss, gradients and metrics for every loss type and KL option, and the same
-training with generation (tiny Llama from a config; float64 weights, where packing's positions from 0 and TRL's
+"""PackedGRPOTrainer and PackedRLOOTrainer against stock trl.GRPOTrainer and trl.RLOOTrainer: the same log-probs
+and entropies of left-padded prompts and right-padded completions, the same loss, gradients and metrics for every
+loss type and KL option, and the same training with generation (tiny Llama from a config; float64 weights, where packing's positions from 0 and TRL's
 positions shifted by the left padding give the same RoPE scores; TRL's head computes in float32)."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 
 pytest.importorskip("trl")
 
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from zephon_collate.trainers import PackedGRPOTrainer
+from zephon_collate.trainers import PackedGRPOTrainer, PackedRLOOTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from datasets import Dataset
@@ -44,8 +44,11 @@ def reward(completions: list[str], **_: Any) -> list[float]:
     return [len(text) / 10 for text in completions]
 
 
+PAIRS = [(GRPOTrainer, PackedGRPOTrainer), (RLOOTrainer, PackedRLOOTrainer)]  # (stock, packed)
+
+
 def trainer(cls: type, path: str, steps: int = 3, shared_prompt: bool = False, **options: Any) -> Any:
-    args = GRPOConfig(
+    args = (RLOOConfig if issubclass(cls, RLOOTrainer) else GRPOConfig)(
         output_dir="/tmp/zephon-grpo-test", per_device_train_batch_size=4, num_generations=4,
         max_completion_length=6, max_steps=steps, learning_rate=1e-2, logging_steps=1, save_strategy="no",
         report_to=[], use_cpu=True, seed=0, model_init_kwargs={"dtype": torch.float64}, bf16=False, **options,
@@ -84,13 +87,18 @@ def rows(grouped: bool = False) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("pair", PAIRS, ids=["grpo", "rloo"])
 @pytest.mark.parametrize("layout", ["fit", "one", "shared-fit", "shared-one"])
 @pytest.mark.parametrize("batch_size", [None, 3])
-def test_log_probs_and_entropies_equal_stock(model_path, layout, batch_size):
+def test_log_probs_and_entropies_equal_stock(model_path, layout, batch_size, pair, monkeypatch):
+    from zephon_collate.trainers import policy
+
+    views, original = [], policy.pack_view  # the layouts built: the packed trainer's pass really ran packed
+    monkeypatch.setattr(policy, "pack_view", lambda *a, **k: views.append(original(*a, **k)) or views[-1])
     shared = layout.startswith("shared")
     stock, packed = (
-        trainer(GRPOTrainer, model_path),
-        trainer(PackedGRPOTrainer, model_path, shared_prompt=shared),
+        trainer(pair[0], model_path),
+        trainer(pair[1], model_path, shared_prompt=shared),
     )
     packed.packed_rows = layout.removeprefix("shared-")
     batch = rows(grouped=shared)
@@ -103,6 +111,7 @@ def test_log_probs_and_entropies_equal_stock(model_path, layout, batch_size):
         packed.model, ids, mask, 6, batch_size, compute_entropy=True
     )
     assert got[0].shape == want[0].shape == (4, 6)
+    assert len(views) == (2 if batch_size else 1)
     assert torch.allclose(got[0], want[0], atol=1e-6, rtol=0)
     assert torch.allclose(got[1], want[1], atol=1e-6, rtol=0)
 
@@ -153,12 +162,13 @@ def test_loss_gradients_and_metrics_equal_stock(model_path, options, shared):
         assert metrics[key] == pytest.approx(value, abs=1e-6), key
 
 
+@pytest.mark.parametrize("pair", PAIRS, ids=["grpo", "rloo"])
 @pytest.mark.parametrize("shared", [False, True], ids=["unshared", "shared-prompt"])
-def test_training_with_generation_equals_stock(model_path, shared):
+def test_training_with_generation_equals_stock(model_path, shared, pair):
     """Three steps of sampling, rewards and updates: the same logged losses and rewards, the same weights
-    (shared: each prompt's 4 completions after one copy of it)."""
+    (shared: each prompt's 4 completions after one copy of it). RLOO's KL term enters its rewards."""
     runs = []
-    for cls, more in ((GRPOTrainer, {}), (PackedGRPOTrainer, {"shared_prompt": shared})):
+    for cls, more in ((pair[0], {}), (pair[1], {"shared_prompt": shared})):
         runs.append(trainer(cls, model_path, steps=3, beta=0.04, **more))
         runs[-1].train()  # each built, then trained: Trainer seeds the sampling at build
     stock, packed = ([entry for entry in run.state.log_history if "loss" in entry] for run in runs)
@@ -166,8 +176,42 @@ def test_training_with_generation_equals_stock(model_path, shared):
     for want, got in zip(stock, packed, strict=True):
         for key in ("loss", "reward", "kl", "entropy"):
             assert got[key] == pytest.approx(want[key], abs=1e-6), key
+    assert any(entry["kl"] != 0 for entry in stock)  # the reference model ran, packed too
     weights = zip(runs[0].model.parameters(), runs[1].model.parameters(), strict=True)
     assert max(float((a - b).detach().abs().max()) for a, b in weights) < 1e-6
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["unshared", "shared-prompt"])
+@pytest.mark.parametrize("options", [{}, {"epsilon_high": 0.28}], ids=["clip", "clip-higher"])
+def test_rloo_loss_gradients_and_metrics_equal_stock(model_path, options, shared):
+    """RLOO's sequence-level ratio against old log-probs off the current ones, so some ratios clip."""
+    runs = [trainer(RLOOTrainer, model_path, **options)]
+    runs.append(trainer(PackedRLOOTrainer, model_path, shared_prompt=shared, **options))
+    batch = rows(grouped=shared)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        current = runs[0]._get_per_token_logps_and_entropies(runs[0].model, ids, mask, 6)[0].double()
+    sums = (current * batch["completion_mask"]).sum(1)
+    batch.update(
+        advantages=torch.tensor([0.5, -1.0, 1.5, -0.2], dtype=torch.float64),
+        old_logps=sums + torch.tensor([0.3, -0.4, -0.1, 0.5], dtype=torch.float64),
+    )
+    results = []
+    for run in runs:
+        run.model.train()
+        loss = run._compute_loss(run.model, dict(batch))
+        loss.backward()
+        metrics = {key: values[-1] for key, values in run._metrics["train"].items()}
+        results.append((loss.detach(), [p.grad.clone() for p in run.model.parameters()], metrics))
+    (want, want_grads, want_metrics), (got, grads, metrics) = results
+    assert want_metrics["clip_ratio/region_mean"] > 0  # the case clips
+    assert float(got) == pytest.approx(float(want), abs=1e-6)
+    for a, b in zip(grads, want_grads, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), float((a - b).abs().max())
+    assert metrics.keys() == want_metrics.keys()
+    for key, value in want_metrics.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-6), key
 
 
 def test_shared_prompt_lays_each_group_out_once():
@@ -193,8 +237,9 @@ def test_shared_prompt_under_flash_attention_is_refused(model_path):
 
     with pytest.raises(ValueError, match=r"FlashAttention's varlen kernels cannot keep apart"):
         packed_rows(run.model, shared_prompt=True)
-    with pytest.raises(TypeError, match=r"PackedGRPOTrainer: shared_prompt must be a bool"):
-        trainer(PackedGRPOTrainer, model_path, shared_prompt=1)
+    for cls in (PackedGRPOTrainer, PackedRLOOTrainer):
+        with pytest.raises(TypeError, match=rf"{cls.__name__}: shared_prompt must be a bool"):
+            trainer(cls, model_path, shared_prompt=1)
 
 
 def test_shuffled_groups_still_share_and_score_as_stock(model_path):

@@ -1,7 +1,13 @@
 """TRL's trainers with their forward passes on packed rows (needs the ``trl`` extra)."""
 
 from zephon_collate.trainers.dpo import PackedDPOTrainer, PackedPreference
-from zephon_collate.trainers.grpo import PackedGRPOTrainer
+from zephon_collate.trainers.policy import PackedGRPOTrainer, PackedRLOOTrainer
 from zephon_collate.trainers.rewards import PackedRewardTrainer
 
-__all__ = ["PackedDPOTrainer", "PackedGRPOTrainer", "PackedPreference", "PackedRewardTrainer"]
+__all__ = [
+    "PackedDPOTrainer",
+    "PackedGRPOTrainer",
+    "PackedPreference",
+    "PackedRLOOTrainer",
+    "PackedRewardTrainer",
+]
