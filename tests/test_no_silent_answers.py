@@ -240,6 +240,9 @@ def test_a_misspelled_supervision_mask_is_refused(name, meant):
 def test_fields_that_only_look_like_masks_are_not_refused():
     payload = {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "action_mask": [1, 1, 1]}
     assert Collator(return_labels=True)([payload])["labels"].tolist() == [[6, 7]]
+    rollout = {"input_ids": [5, 6, 7], "completion_mask": [0, 1, 1], "tool_mask": [1, 1], "prompt_mask": [1]}
+    out = Collator.for_rollouts(padding_free=True)([rollout])  # all 1s: no tool output, no padding
+    assert out["labels"].tolist() == [[-100, 6, 7]]
     payload = {"input_ids": [5, 6, 7], "label_ids": [5, 6, 7]}  # the tokens: nothing is lost
     assert Collator.for_transformers(padding_free=True)([payload])["labels"].tolist() == [[-100, 6, 7]]
 
@@ -248,6 +251,9 @@ OTHER_STACKS = [
     ("shift_labels", [-100, 7, -100], "transformers' pre-shifted targets"),
     ("label_ids", [-100, 6, 7], "default_data_collator renames"),
     ("action_mask", [0, 1, 1], "OpenRLHF's mask"),
+    ("tool_mask", [0, 1, 1], "TRL's mask of a completion's tool output"),
+    ("env_mask", [0, 1, 1], "TRL's mask of a completion's tool output"),
+    ("prompt_mask", [0, 1, 1], "TRL's mask of a prompt's padding"),
 ]
 
 
@@ -271,6 +277,33 @@ def test_other_stacks_supervision_is_used_nowhere_so_refused_everywhere(name, va
     with pytest.warns(UserWarning, match=rf"carries '{name}'"):
         out = to_training([record(payload)], return_labels=True)
     assert out["labels"].tolist() == [[6, 7]]  # the reference page's result
+
+
+@pytest.mark.parametrize("name", ["images", "image", "multi_modal_inputs"])
+def test_media_no_processor_has_read_are_refused_everywhere(name):
+    # TRL's and datasets' raw images, verl's dict of a processor's outputs: collated as text, the images were
+    # dropped and their placeholder tokens trained as text.
+    from zephon_collate.layouts.vision import MRope
+
+    payload = {"input_ids": [5, 6, 7], "completion_mask": [0, 1, 1], name: [[0.5]]}
+    qwen = MRope()
+    pair = {"prompt_ids": [5], "chosen_ids": [6], "rejected_ids": [7]}
+    calls = {
+        "Collator": lambda: Collator(return_labels=True)([record({"input_ids": [5, 6, 7], name: [[0.5]]})]),
+        "padded": lambda: Collator.for_transformers(pad_token_id=0)([payload]),
+        "mrope": lambda: Collator.for_transformers(padding_free=True, mrope=qwen)([payload]),
+        "rollouts": lambda: Collator.for_rollouts(padding_free=True)([payload]),
+        "trees": lambda: Collator.for_trees()([payload]),
+        "pairs": lambda: Collator.for_preference(padding_free=True)([{**pair, name: [[0.5]]}]),
+        "rewards": lambda: Collator.for_rewards(padding_free=True)([{**pair, name: [[0.5]]}]),
+        "packer": lambda: pack_flat([record({"input_ids": [5, 6, 7], name: [[0.5]]})], 4, pad_token_id=0),
+    }
+    for which, call in calls.items():
+        with pytest.raises(ValueError, match=rf"(example|record) 0.*carries '{name}', a vision-language"):
+            call()
+        if which == "mrope":
+            with pytest.raises(ValueError, match=r"not the media \(run the model's processor on them first"):
+                call()
 
 
 # -- raw errors -------------------------------------------------------------------------------------

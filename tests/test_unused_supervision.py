@@ -29,9 +29,12 @@ def test_hf_rows_are_refused_not_trained_on_padding_and_prompts():
     """The reproduction: these rows gave num_valid_tokens 10 where 4 was right; now an error names the fix."""
     with pytest.raises(
         ValueError,
-        match=r"record 0 .*'attention_mask' with zeros.*Collator.for_transformers.*Collator\(pad_token_id",
+        match=r"record 0 .*'attention_mask' that is not all 1s.*Collator.for_transformers.*Collator\(pad_token_id",
     ):
         Collator(**OPTIONS)(HF_ROWS)
+    numbered = {"input_ids": [5, 6, 7, 8], "attention_mask": [1, 1, 2, 2]}  # OpenRLHF's packed numbering
+    with pytest.raises(ValueError, match=r"record 0 .*not all 1s \(padding's zeros, or the sequence numbers"):
+        Collator(**OPTIONS)([numbered])
     no_mask = [{k: v for k, v in row.items() if k != "attention_mask"} for row in HF_ROWS]
     with pytest.raises(
         ValueError,
@@ -102,7 +105,7 @@ def test_to_training_returns_the_pages_result_whatever_else_a_payload_carries():
     assert "attention_mask" not in out and "labels" not in out
     options = {"return_labels": True, "flatten": True, "dtype": torch.int32, "return_padding_mask": True}
     with pytest.warns(
-        UserWarning, match=r"record 0 .*'attention_mask' with zeros.*for_transformers"
+        UserWarning, match=r"record 0 .*'attention_mask' that is not all 1s.*for_transformers"
     ) as caught:
         out = batch(*rows).to_training(**options)
     assert len(caught) == 1  # once per call, for the first record
@@ -141,16 +144,16 @@ def test_an_unreadable_field_does_not_hide_another_fields_warning():
     with pytest.warns(UserWarning) as caught:
         out = b.to_training(return_labels=True)
     messages = [str(warning.message) for warning in caught]
-    assert any(re.search(r"record 0 .*'attention_mask' with zeros", message) for message in messages)
+    assert any(re.search(r"record 0 .*'attention_mask' that is not all 1s", message) for message in messages)
     assert any(re.search(r"record 1 .*'labels' must be .*not read here", message) for message in messages)
     assert out["labels"].tolist() == [[2, 3], [5, 6]]
 
 
 def test_the_collator_and_its_presets_keep_refusing():
     rows = [{**row, "type_ids": [0] * 6} for row in HF_ROWS]
-    with pytest.raises(ValueError, match=r"record 0 .*'attention_mask' with zeros"):
+    with pytest.raises(ValueError, match=r"record 0 .*'attention_mask' that is not all 1s"):
         Collator(extra_fields=["type_ids"])(rows)
-    with pytest.raises(ValueError, match=r"record 0 .*'attention_mask' with zeros"):
+    with pytest.raises(ValueError, match=r"record 0 .*'attention_mask' that is not all 1s"):
         Collator(extra_fields=["type_ids"]).stack(rows)
 
 

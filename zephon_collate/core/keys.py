@@ -52,6 +52,8 @@ __all__ = [
     "PROMPT_ATTENTION_MASK",
     "PROMPT_IDS",
     "PROMPT_INPUT_IDS",
+    "PROMPT_MASK",
+    "RAW_MEDIA",
     "REF_CHOSEN_LOGPS",
     "REF_KL_LOGPS",
     "REF_LOGPS",
@@ -72,6 +74,7 @@ __all__ = [
     "TEXTS",
     "TOKEN_FIELD_CANDIDATES",
     "TOKEN_TYPE_IDS",
+    "TOOL_MASKS",
 ]
 
 INPUT_IDS = "input_ids"
@@ -141,6 +144,10 @@ LABEL_IDS = "label_ids"
 """Another stack's labels: the name transformers' ``default_data_collator`` renames to ``labels``."""
 ACTION_MASK = "action_mask"
 """Another stack's supervision: OpenRLHF's mask of the trained (response) tokens."""
+TOOL_MASKS = ("tool_mask", "env_mask")
+"""Another stack's supervision: TRL's masks of a completion's tool (environment) output, 0 on its tokens."""
+PROMPT_MASK = "prompt_mask"
+"""Another stack's padding: TRL's mask of a prompt's padding (0), beside its ``prompt_ids``."""
 EXAMPLE_LENGTHS = "example_lengths"
 """``[1, E]`` int64, internal: each example's token count in a padding-free row (0: an empty example)."""
 SUBTREE_END = "subtree_end"
@@ -155,6 +162,8 @@ MM_TOKEN_TYPE_IDS = "mm_token_type_ids"
 """A vision-language example's token types: 0 text, 1 image placeholder, 2 video placeholder."""
 MEDIA = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 """A vision-language example's media fields (Qwen-VL processors' names), fields of its document."""
+RAW_MEDIA = ("images", "image", "multi_modal_inputs")
+"""Media no processor has read yet (TRL's and datasets' names), or verl's dict of a processor's outputs."""
 
 TOKEN_FIELD_CANDIDATES = (INPUT_IDS, "tokens", "token_ids", "ids")
 """The payload fields ``tokens_field="auto"`` tries, in order."""

@@ -19,6 +19,7 @@ from zephon_collate.core.keys import (
     MM_TOKEN_TYPE_IDS,
     POSITION_IDS,
     POSITIONS,
+    RAW_MEDIA,
     RESPONSE_MASK,
     SEQ_LENGTHS,
     SUPERVISION_MASKS,
@@ -115,7 +116,9 @@ def read_examples(batch: Batch, spec: ExampleSpec) -> Examples:
     if problem is not None:
         raise ValueError(problem)
     fields: dict[str, Ragged] = {INPUT_IDS: tokens}
-    if spec.vision:  # text-only examples: all text
+    if spec.vision:  # text-only examples: all text; media a processor has not read are not
+        fix = "mrope= reads a processor's outputs (pixel_values, image_grid_thw), not the media"
+        refuse_media(batch, spec.owner, fix, RAW_MEDIA)
         fields[MM_TOKEN_TYPE_IDS] = (
             _filled(batch, MM_TOKEN_TYPE_IDS, "ids", tokens)
             if MM_TOKEN_TYPE_IDS in batch

@@ -237,12 +237,12 @@ def _check_pairs(batch: Batch, fields: str) -> None:
 
 
 def _side_supervision(fields: Iterable[object]) -> list[str]:
-    """The fields named as one side's mask or labels that no format reads (``prompt_mask``, TRL's name
-    for a prompt's padding; ``chosen_loss_mask``; ``attention_mask_chosen``), sorted.
+    """The fields named as one side's mask or labels that no format reads (``chosen_loss_mask``,
+    ``attention_mask_chosen``; TRL's ``prompt_mask`` is another stack's supervision), sorted.
 
     Example:
-        >>> _side_supervision(["prompt_mask", "chosen_attention_mask", "chosen_ids", "attention_mask_chosen"])
-        ['attention_mask_chosen', 'prompt_mask']
+        >>> _side_supervision(["chosen_loss_mask", "chosen_ids", "attention_mask_chosen"])
+        ['attention_mask_chosen', 'chosen_loss_mask']
     """
     read = {*_SIDE_MASKS, *_FULL_LABELS, *_PAIR_SUPERVISION}
     return sorted(

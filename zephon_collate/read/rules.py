@@ -35,6 +35,8 @@ from zephon_collate.core.keys import (
     PROMPT_ATTENTION_MASK,
     PROMPT_IDS,
     PROMPT_INPUT_IDS,
+    PROMPT_MASK,
+    RAW_MEDIA,
     REF_CHOSEN_LOGPS,
     REF_KL_LOGPS,
     REF_LOGPS,
@@ -48,6 +50,7 @@ from zephon_collate.core.keys import (
     SUPERVISION_MASKS,
     TOKEN_FIELD_CANDIDATES,
     TOKEN_TYPE_IDS,
+    TOOL_MASKS,
 )
 from zephon_collate.core.records import PADDING_LENGTH_TAG
 from zephon_collate.core.text import shown
@@ -93,9 +96,10 @@ __all__ = [
     "unstarted",
 ]
 
-FOREIGN_SUPERVISION = (SHIFT_LABELS, LABEL_IDS, ACTION_MASK)
+FOREIGN_SUPERVISION = (SHIFT_LABELS, LABEL_IDS, ACTION_MASK, *TOOL_MASKS, PROMPT_MASK)
 """Other stacks' fields that say what is trained, which no call here reads: transformers' pre-shifted
-targets, the name ``default_data_collator`` renames to ``labels``, OpenRLHF's mask of the trained tokens."""
+targets, the name ``default_data_collator`` renames to ``labels``, OpenRLHF's mask of the trained tokens,
+TRL's masks of tool output and of a prompt's padding."""
 
 SUPERVISING_FIELDS = (
     ATTENTION_MASK,
@@ -380,8 +384,9 @@ def unread_message(where: str, name: str, reader: EntryPoint) -> str:
         )
     if name == ATTENTION_MASK:
         return (
-            f"{where}: payload has an 'attention_mask' with zeros, which is not applied here: those tokens "
-            "would be trained on as real ones. For Hugging Face examples use Collator.for_transformers(...); "
+            f"{where}: payload has an 'attention_mask' that is not all 1s (padding's zeros, or the sequence "
+            "numbers of packed rows), which is not applied here: its tokens would be trained on as one "
+            "sequence of real ones. For Hugging Face examples use Collator.for_transformers(...); "
             "else give padding as meta.padding_length (pack_flat writes it) or pad with "
             "Collator(pad_token_id=...) and drop the mask"
         )
@@ -446,6 +451,22 @@ def _foreign_message(where: str, name: str) -> str:
             "here reads: the tokens it leaves out would be trained",
             "give it as a completion_mask or loss_mask (one entry per token, 1 = trained), or, aligned to "
             "the response, as verl's 'response_mask' to Collator.for_rollouts(...)",
+        ),
+        PROMPT_MASK: (
+            "TRL's mask of a prompt's padding) with zeros, which nothing here reads: the padding would be "
+            "read as tokens",
+            "drop the padded tokens and the mask, or give the row's padding as its 'attention_mask' "
+            "(prompt_mask followed by the completion's mask), which Collator.for_transformers(...) and "
+            "Collator.for_rollouts(...) read",
+        ),
+        **dict.fromkeys(
+            TOOL_MASKS,
+            (
+                "TRL's mask of a completion's tool output) with zeros, which nothing here reads: the tool's "
+                "tokens would be trained",
+                "multiply it into the supervision (completion_mask = completion_mask * tool_mask, aligned as "
+                "the completion_mask is; or the loss_mask) and drop it",
+            ),
         ),
     }[name]
     return f"{where}: carries {shown(name)} ({what}; {fix}"
@@ -820,12 +841,20 @@ _VISION_LANGUAGE = (
 )
 
 
-def refuse_media(batch: Batch, owner: str, fix: str = _VISION_LANGUAGE) -> None:
-    """``ValueError`` naming the first example with vision-language fields, which ``owner`` does not read."""
-    carried = next((name for name in (*MEDIA, MM_TOKEN_TYPE_IDS) if name in batch), None)
+def refuse_media(
+    batch: Batch,
+    owner: str,
+    fix: str = _VISION_LANGUAGE,
+    names: Sequence[str] = (*RAW_MEDIA, *MEDIA, MM_TOKEN_TYPE_IDS),
+) -> None:
+    """``ValueError`` naming the first example with vision-language fields (``names``), which ``owner`` does
+    not read."""
+    carried = next((name for name in names if name in batch), None)
     if carried is not None:
         index = int(np.flatnonzero(batch.carried(carried))[0])
+        first = " (run the model's processor on them first)" if carried in RAW_MEDIA else ""
         raise ValueError(
             f"{batch.names(index)}: carries {shown(carried)}, a vision-language example's, which {owner} "
             f"does not read: collated as text its images would be dropped and its positions wrong; {fix}"
+            f"{first}"
         )
