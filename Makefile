@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test,dev,demo]"
+	# verl, for the loss tests against it: apart and without its pins (transformers < 5.11, tensordict <= 0.10)
+	$(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(VENV)/verl "verl==0.9.1"
 	touch $(STAMP)
 
 demo: $(STAMP)

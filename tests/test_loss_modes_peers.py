@@ -10,7 +10,7 @@ over 2 ranks x 2 micro-batches, go
   or ``advantages`` for cispo and vespo, whose loss multiplies by the log-probs, -1 here), its step loss the
   mean over ranks (DDP's) of the sum over micro-batches;
 - to verl 0.10's ``agg_loss`` (``verl/trainer/ppo/core_algos.py`` lines 1140-1206 at
-  verl-project/verl@1dda039b, transcribed below: verl cannot be installed here), with the global batch
+  verl-project/verl@1dda039b, transcribed below; the released 0.9.1 itself runs in ``test_verl_real.py``), with the global batch
   info verl's trainer passes (``batch_num_tokens`` all-reduced, ``global_batch_size`` the mini-batch's
   rows, ``dp_size``);
 - and packed by ``Collator.for_rollouts`` in four layouts, to ``aggregate_loss`` with the call the docs

@@ -12,7 +12,7 @@ from zephon_collate.losses.sequences import sequence_means
 
 __all__ = ["KL_ESTIMATORS", "clipped_policy_loss", "importance_ratio", "kl_penalty"]
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k2+", "k3+")
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k2+", "k3+", "abs+")
 """verl's ``kl_penalty`` estimators (``+``: the estimator's value with ``k2``'s gradient)."""
 _ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "kl+": "k1+", "mse+": "k2+", "low_var_kl+": "k3+"}
 
