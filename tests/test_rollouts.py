@@ -105,7 +105,11 @@ def test_padding_masks_and_the_worker_transfer():
             {},
             "one rollout per example",
         ),
-        ([{"input_ids": [1, 2], "completion_mask": [0, 1], "token_type_ids": [0, 0]}], {}, "token_type_ids"),
+        (
+            [{"input_ids": [1, 2], "completion_mask": [0, 1], "token_type_ids": [0, 0]}],
+            {},
+            "example 0 carries .token_type_ids",
+        ),
         (
             [{"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1], "position_ids": [0, 1, 0]}],
             {},

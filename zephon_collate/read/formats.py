@@ -632,8 +632,9 @@ def read_rollouts(batch: Batch, spec: ExampleSpec) -> Forest:
     fields, names = read.fields, batch.names
     tokens = fields[INPUT_IDS]
     if TOKEN_TYPE_IDS in fields:
+        where = names(int(np.flatnonzero(batch.carried(TOKEN_TYPE_IDS))[0]))
         raise ValueError(
-            f"{spec.owner}: the examples carry 'token_type_ids'; a rollout is one sequence (prompt and "
+            f"{spec.owner}: {where} carries 'token_type_ids'; a rollout is one sequence (prompt and "
             "completion) for a causal LM: drop the field"
         )
     if read.segments is not None:
