@@ -279,6 +279,15 @@ def test_other_stacks_supervision_is_used_nowhere_so_refused_everywhere(name, va
     assert out["labels"].tolist() == [[6, 7]]  # the reference page's result
 
 
+def test_open_instructs_numbered_attention_masks_get_the_fix_that_applies():
+    # Renaming it 'attention_mask', the near miss's fix alone, would only meet the next refusal.
+    rollout = {"input_ids": [1, 2, 3, 4], "attention_masks": [1, 1, 2, 2], "completion_mask": [0, 1, 0, 1]}
+    with pytest.raises(
+        ValueError, match=r"did you mean 'attention_mask'.*\(open-instruct\), give one example"
+    ):
+        Collator.for_rollouts(padding_free=True)([rollout])
+
+
 @pytest.mark.parametrize("name", ["images", "image", "multi_modal_inputs"])
 def test_media_no_processor_has_read_are_refused_everywhere(name):
     # TRL's and datasets' raw images, verl's dict of a processor's outputs: collated as text, the images were

@@ -687,6 +687,8 @@ def near_miss(where: str, name: str, meant: str, fix: str = "") -> str:
         if meant.endswith(ATTENTION_MASK)
         else "every token would be trained"
     )
+    if name == "attention_masks":  # open-instruct's packed rows number their sequences in it
+        fix += "; if it numbers the sequences packed in its row (open-instruct), give one example each"
     return (
         f"{where}: has {shown(name)}, which nothing reads: did you mean {shown(meant)}? Read under no "
         f"name, {lost}; rename it {shown(meant)}{fix}"
