@@ -208,12 +208,10 @@ def tiny_models() -> dict[str, tuple[type, type, dict, str]]:
     }
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Each hub id the tests name -> a local directory standing in for it."""
-    root = tmp_path_factory.mktemp("hub")
+def save_hub(root, models: dict[str, tuple[type, type, dict, str]]) -> dict[str, str]:
+    """Each of ``models`` (as :func:`tiny_models` gives them) saved under ``root``: hub id -> its directory."""
     paths: dict[str, str] = {}
-    for model_id, (model_class, config_class, options, family) in tiny_models().items():
+    for model_id, (model_class, config_class, options, family) in models.items():
         tokenizer = byte_tokenizer(family)
         ids = {"eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}
         if tokenizer.pad_token_id is not None:
@@ -225,6 +223,12 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         tokenizer.save_pretrained(path)
         paths[model_id] = str(path)
     return paths
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Each hub id the tests name -> a local directory standing in for it."""
+    return save_hub(tmp_path_factory.mktemp("hub"), tiny_models())
 
 
 # -- the local datasets -----------------------------------------------------------------------------
