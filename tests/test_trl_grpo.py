@@ -127,25 +127,17 @@ CASES = [{"loss_type": kind} for kind in ("grpo", "bnpo", "dr_grpo", "dapo", "ci
 ]
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["unshared", "shared-prompt"])
-@pytest.mark.parametrize("options", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-def test_loss_gradients_and_metrics_equal_stock(model_path, options, shared):
-    """Old-policy and reference log-probs off the current ones, so the ratios clip and the KL term counts."""
-    runs = [trainer(GRPOTrainer, model_path, **options)]
-    runs.append(trainer(PackedGRPOTrainer, model_path, shared_prompt=shared, **options))
-    batch = rows(grouped=shared)
-    generator = torch.Generator().manual_seed(2)
-    noise = torch.randn(2, 4, 6, generator=generator, dtype=torch.float64)
+def current_logps(run: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The rows' completion log-probs under ``run``'s model, float64, as the old policy's starting point."""
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     with torch.no_grad():
-        current = runs[0]._get_per_token_logps_and_entropies(runs[0].model, ids, mask, 6)[0].double()
-    batch.update(
-        advantages=torch.tensor([0.5, -1.0, 1.5, -0.2], dtype=torch.float64),
-        old_per_token_logps=current + 0.3 * noise[0],
-        ref_per_token_logps=current + 0.1 * noise[1],
-        num_items_in_batch=batch["completion_mask"].sum(),
-    )
+        return run._get_per_token_logps_and_entropies(run.model, ids, mask, 6)[0].double()
+
+
+def assert_step_equal(runs: list[Any], batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Stock's and packed's ``_compute_loss`` on ``batch``: the same loss, gradients and metrics (stock's
+    returned)."""
     results = []
     for run in runs:
         run.model.train()
@@ -160,6 +152,26 @@ def test_loss_gradients_and_metrics_equal_stock(model_path, options, shared):
     assert metrics.keys() == want_metrics.keys()
     for key, value in want_metrics.items():
         assert metrics[key] == pytest.approx(value, abs=1e-6), key
+    return want_metrics
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["unshared", "shared-prompt"])
+@pytest.mark.parametrize("options", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_loss_gradients_and_metrics_equal_stock(model_path, options, shared):
+    """Old-policy and reference log-probs off the current ones, so the ratios clip and the KL term counts."""
+    runs = [trainer(GRPOTrainer, model_path, **options)]
+    runs.append(trainer(PackedGRPOTrainer, model_path, shared_prompt=shared, **options))
+    batch = rows(grouped=shared)
+    generator = torch.Generator().manual_seed(2)
+    noise = torch.randn(2, 4, 6, generator=generator, dtype=torch.float64)
+    current = current_logps(runs[0], batch)
+    batch.update(
+        advantages=torch.tensor([0.5, -1.0, 1.5, -0.2], dtype=torch.float64),
+        old_per_token_logps=current + 0.3 * noise[0],
+        ref_per_token_logps=current + 0.1 * noise[1],
+        num_items_in_batch=batch["completion_mask"].sum(),
+    )
+    assert_step_equal(runs, batch)
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=["grpo", "rloo"])
@@ -188,30 +200,13 @@ def test_rloo_loss_gradients_and_metrics_equal_stock(model_path, options, shared
     runs = [trainer(RLOOTrainer, model_path, **options)]
     runs.append(trainer(PackedRLOOTrainer, model_path, shared_prompt=shared, **options))
     batch = rows(grouped=shared)
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    with torch.no_grad():
-        current = runs[0]._get_per_token_logps_and_entropies(runs[0].model, ids, mask, 6)[0].double()
+    current = current_logps(runs[0], batch)
     sums = (current * batch["completion_mask"]).sum(1)
     batch.update(
         advantages=torch.tensor([0.5, -1.0, 1.5, -0.2], dtype=torch.float64),
         old_logps=sums + torch.tensor([0.3, -0.4, -0.1, 0.5], dtype=torch.float64),
     )
-    results = []
-    for run in runs:
-        run.model.train()
-        loss = run._compute_loss(run.model, dict(batch))
-        loss.backward()
-        metrics = {key: values[-1] for key, values in run._metrics["train"].items()}
-        results.append((loss.detach(), [p.grad.clone() for p in run.model.parameters()], metrics))
-    (want, want_grads, want_metrics), (got, grads, metrics) = results
-    assert want_metrics["clip_ratio/region_mean"] > 0  # the case clips
-    assert float(got) == pytest.approx(float(want), abs=1e-6)
-    for a, b in zip(grads, want_grads, strict=True):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), float((a - b).abs().max())
-    assert metrics.keys() == want_metrics.keys()
-    for key, value in want_metrics.items():
-        assert metrics[key] == pytest.approx(value, abs=1e-6), key
+    assert assert_step_equal(runs, batch)["clip_ratio/region_mean"] > 0  # the case clips
 
 
 def test_shared_prompt_lays_each_group_out_once():
