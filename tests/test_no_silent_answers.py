@@ -243,6 +243,10 @@ def test_fields_that_only_look_like_masks_are_not_refused():
     rollout = {"input_ids": [5, 6, 7], "completion_mask": [0, 1, 1], "tool_mask": [1, 1], "prompt_mask": [1]}
     out = Collator.for_rollouts(padding_free=True)([rollout])  # all 1s: no tool output, no padding
     assert out["labels"].tolist() == [[-100, 6, 7]]
+    trl_rows = {"input_ids": [0, 5, 6, 7], "attention_mask": [0, 1, 1, 1], "prompt_mask": [0, 1]}
+    trl_rows["completion_mask"] = [0, 0, 1, 1]  # TRL's rows: the prompt's padding in the attention_mask too
+    out = Collator.for_rollouts(padding_free=True)([trl_rows])
+    assert out["input_ids"].tolist() == [[5, 6, 7]] and out["labels"].tolist() == [[-100, 6, 7]]
     payload = {"input_ids": [5, 6, 7], "label_ids": [5, 6, 7]}  # the tokens: nothing is lost
     assert Collator.for_transformers(padding_free=True)([payload])["labels"].tolist() == [[-100, 6, 7]]
 

@@ -238,6 +238,8 @@ def unread_supervision(
     for rank, name in enumerate(SUPERVISING_FIELDS):
         if name not in batch or name in read:
             continue
+        if name == PROMPT_MASK and ATTENTION_MASK in read and ATTENTION_MASK in batch:
+            continue  # the row's attention_mask, read, says where its padding is
         if name in FOREIGN_SUPERVISION and (not batch.is_list(name) or batch.one_value_row(name) is not None):
             continue  # a value per example ('label_ids': a class), no token's supervision
         try:
